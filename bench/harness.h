@@ -1,0 +1,83 @@
+// Benchmark harness: cold-L2 input rotation, CUDA-graph replay timing,
+// medians, and the JSON report of DESIGN.md section 4. Each benchmark is a
+// function registered with DSA_BENCH; `dsa-bench` runs them and writes one
+// JSON file per benchmark under the output directory.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "dsa_decode/status.h"
+
+namespace dsa::bench {
+
+// What every benchmark gets: the device facts and where to write.
+struct Context {
+  cudaStream_t stream = nullptr;
+  std::string gpu_name;
+  int sm_count = 0;
+  size_t l2_bytes = 0;
+  double copy_GBps = 0;  // measured device copy rate, bytes read + written per second / 1e9
+  std::string commit;    // DSA_COMMIT or "unknown"
+  std::string date;      // YYYY-MM-DD (UTC)
+  bool quick = false;    // --quick: fewer replays (smoke runs)
+};
+
+// One result row; params are written as a JSON object in the given order.
+struct Row {
+  std::string name;
+  std::vector<std::pair<std::string, double>> params;
+  double us = 0;
+  std::string baseline;  // empty: no baseline fields written
+  double baseline_us = 0;
+  double floor_us = 0;  // 0: no floor fields written
+  double tflops = 0;    // 0: not written
+  std::string note;     // free text (e.g. the tactic), written when not empty
+};
+
+class Report {
+ public:
+  explicit Report(std::string bench) : bench_(std::move(bench)) {}
+  void add(Row row) { rows_.push_back(std::move(row)); }
+  const std::string& bench() const { return bench_; }
+  const std::vector<Row>& rows() const { return rows_; }
+  // Writes <dir>/<bench>_<date>_<commit>.json; speedup and bw_fraction are derived.
+  Status write_json(const Context& ctx, const std::string& dir) const;
+  // A fixed-width table on stdout.
+  void print(const Context& ctx) const;
+
+ private:
+  std::string bench_;
+  std::vector<Row> rows_;
+};
+
+// How many copies of a `bytes`-sized input set make the rotation at least
+// twice the L2 size (so every launch reads its inputs from device memory).
+int cold_copies(const Context& ctx, size_t bytes);
+
+// Median microseconds of one launch. `enqueue(stream, i)` issues launch
+// number i (use i % copies to pick the input copy) on `stream` and returns its
+// status. The launches are captured `per_graph` at a time into one CUDA graph
+// that is replayed (after a warm-up) `replays` times; each replay's time over
+// per_graph is a sample. Errors from capture or launch come back as Status.
+using Enqueue = std::function<Status(cudaStream_t stream, int i)>;
+Status time_graph(const Context& ctx, const Enqueue& enqueue, double* median_us, int per_graph = 20,
+                  int replays = 50);
+
+// Device-to-device copy rate over `bytes` (read + written), median of several copies.
+Status measure_copy_GBps(cudaStream_t stream, size_t bytes, double* GBps);
+
+// Bytes over the measured copy rate, in microseconds.
+inline double floor_us(const Context& ctx, double bytes) { return bytes / (ctx.copy_GBps * 1e3); }
+
+using BenchFn = Status (*)(Context& ctx, Report& report);
+struct Registrar {
+  Registrar(const char* name, BenchFn fn);
+};
+#define DSA_BENCH(name, fn) static ::dsa::bench::Registrar dsa_bench_registrar_##fn(name, fn)
+
+}  // namespace dsa::bench

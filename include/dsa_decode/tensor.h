@@ -1,0 +1,70 @@
+// A framework-free tensor view: a pointer with dtype, shape, strides (in
+// elements) and device. It owns nothing. Every kernel entry point takes views
+// and checks them with the helpers below, whose errors name the argument, what
+// it was and what was expected.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "dsa_decode/status.h"
+
+namespace dsa {
+
+enum class DType : uint8_t { kBF16, kF16, kF32, kFP8E4M3, kI32, kI64, kU8 };
+
+size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);
+
+enum class DeviceKind : uint8_t { kCPU, kCUDA };
+
+struct Device {
+  DeviceKind kind = DeviceKind::kCUDA;
+  int index = 0;
+};
+
+inline constexpr int kMaxDims = 4;
+
+struct TensorView {
+  void* data = nullptr;
+  DType dtype = DType::kU8;
+  int ndim = 0;
+  int64_t shape[kMaxDims] = {};
+  int64_t strides[kMaxDims] = {};  // in elements
+  Device device;
+
+  int64_t size(int dim) const { return shape[dim]; }
+  int64_t stride(int dim) const { return strides[dim]; }
+  int64_t numel() const;
+  bool is_contiguous() const;
+  // Elements from the first to one past the last addressable element.
+  int64_t span_elements() const;
+  // e.g. "bf16[4, 64, 256] strides [16384, 256, 1] on cuda:0"
+  std::string describe() const;
+  template <class T>
+  T* ptr() const {
+    return static_cast<T*>(data);
+  }
+};
+
+// A contiguous (row-major) view.
+TensorView make_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                       Device device = Device{});
+TensorView make_strided(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                        std::initializer_list<int64_t> strides, Device device = Device{});
+
+// Argument checks. `name` is the caller-facing argument name.
+Status check_present(const TensorView& t, const char* name);
+Status check_dtype(const TensorView& t, const char* name, DType expected);
+// `expected` entries of -1 match any size.
+Status check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected);
+Status check_stride(const TensorView& t, const char* name, int dim, int64_t expected);
+// data pointer aligned to `bytes`
+Status check_aligned(const TensorView& t, const char* name, size_t bytes);
+Status check_on_cuda(const TensorView& t, const char* name);
+
+std::string shape_string(std::initializer_list<int64_t> shape);
+
+}  // namespace dsa

@@ -1,0 +1,148 @@
+#include "dsa_decode/tensor.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace dsa {
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return 2;
+    case DType::kF16: return 2;
+    case DType::kF32: return 4;
+    case DType::kFP8E4M3: return 1;
+    case DType::kI32: return 4;
+    case DType::kI64: return 8;
+    case DType::kU8: return 1;
+  }
+  return 0;
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+    case DType::kF32: return "f32";
+    case DType::kFP8E4M3: return "fp8_e4m3";
+    case DType::kI32: return "i32";
+    case DType::kI64: return "i64";
+    case DType::kU8: return "u8";
+  }
+  return "unknown";
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t expected = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != expected) return false;
+    expected *= shape[d];
+  }
+  return true;
+}
+
+int64_t TensorView::span_elements() const {
+  if (numel() == 0) return 0;
+  int64_t span = 1;
+  for (int d = 0; d < ndim; ++d) span += (shape[d] - 1) * strides[d];
+  return span;
+}
+
+static std::string join(const int64_t* values, int n) {
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(values[i]);
+  }
+  return s + "]";
+}
+
+std::string shape_string(std::initializer_list<int64_t> shape) {
+  std::string s = "[";
+  int i = 0;
+  for (int64_t v : shape) {
+    if (i++) s += ", ";
+    s += v < 0 ? std::string("*") : std::to_string(v);
+  }
+  return s + "]";
+}
+
+std::string TensorView::describe() const {
+  if (data == nullptr) return "no tensor (null data)";
+  std::string s = std::string(dtype_name(dtype)) + join(shape, ndim) + " strides " + join(strides, ndim);
+  s += device.kind == DeviceKind::kCUDA ? " on cuda:" + std::to_string(device.index) : " on cpu";
+  return s;
+}
+
+TensorView make_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.device = device;
+  t.ndim = static_cast<int>(std::min<size_t>(shape.size(), kMaxDims));
+  std::copy_n(shape.begin(), t.ndim, t.shape);
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    t.strides[d] = stride;
+    stride *= t.shape[d];
+  }
+  return t;
+}
+
+TensorView make_strided(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                        std::initializer_list<int64_t> strides, Device device) {
+  TensorView t = make_tensor(data, dtype, shape, device);
+  std::copy_n(strides.begin(), std::min<size_t>(strides.size(), t.ndim), t.strides);
+  return t;
+}
+
+Status check_present(const TensorView& t, const char* name) {
+  if (t.data == nullptr) return invalid_argument(name, "a tensor", "a null pointer");
+  return Status();
+}
+
+Status check_dtype(const TensorView& t, const char* name, DType expected) {
+  DSA_RETURN_IF_ERROR(check_present(t, name));
+  if (t.dtype != expected) return invalid_argument(name, std::string("dtype ") + dtype_name(expected), t.describe());
+  return Status();
+}
+
+Status check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected) {
+  DSA_RETURN_IF_ERROR(check_present(t, name));
+  bool match = t.ndim == static_cast<int>(expected.size());
+  int d = 0;
+  for (int64_t e : expected) {
+    if (!match) break;
+    match = e < 0 || t.shape[d] == e;
+    ++d;
+  }
+  if (!match) return invalid_argument(name, "shape " + shape_string(expected), t.describe());
+  return Status();
+}
+
+Status check_stride(const TensorView& t, const char* name, int dim, int64_t expected) {
+  if (t.strides[dim] != expected) {
+    return invalid_argument(name, "stride " + std::to_string(expected) + " in dim " + std::to_string(dim),
+                            t.describe());
+  }
+  return Status();
+}
+
+Status check_aligned(const TensorView& t, const char* name, size_t bytes) {
+  if (reinterpret_cast<uintptr_t>(t.data) % bytes != 0) {
+    return invalid_argument(name, "data aligned to " + std::to_string(bytes) + " bytes", t.describe());
+  }
+  return Status();
+}
+
+Status check_on_cuda(const TensorView& t, const char* name) {
+  if (t.device.kind != DeviceKind::kCUDA) return invalid_argument(name, "a CUDA tensor", t.describe());
+  return Status();
+}
+
+}  // namespace dsa

@@ -1,0 +1,104 @@
+// The tensor view, argument checks, status and presets.
+#include <gtest/gtest.h>
+
+#include "dsa_decode/presets.h"
+#include "dsa_decode/tensor.h"
+
+namespace dsa {
+namespace {
+
+TEST(TensorView, ContiguousStridesAndSpan) {
+  int storage = 0;
+  TensorView t = make_tensor(&storage, DType::kBF16, {4, 64, 256});
+  EXPECT_EQ(t.ndim, 3);
+  EXPECT_EQ(t.stride(0), 64 * 256);
+  EXPECT_EQ(t.stride(1), 256);
+  EXPECT_EQ(t.stride(2), 1);
+  EXPECT_EQ(t.numel(), 4 * 64 * 256);
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(t.span_elements(), t.numel());
+
+  TensorView padded = make_strided(&storage, DType::kBF16, {4, 64, 256}, {64 * 256 + 8, 256, 1});
+  EXPECT_FALSE(padded.is_contiguous());
+  EXPECT_EQ(padded.span_elements(), 3 * (64 * 256 + 8) + 64 * 256);
+}
+
+TEST(TensorView, ChecksNameTheArgumentAndTheExpectation) {
+  int storage = 0;
+  TensorView t = make_tensor(&storage, DType::kF32, {2, 3});
+  Status s = check_dtype(t, "weight", DType::kBF16);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'weight'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("bf16"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("f32[2, 3]"), std::string::npos) << s.message();
+
+  s = check_shape(t, "x", {2, -1, 4});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("shape [2, *, 4]"), std::string::npos) << s.message();
+  EXPECT_TRUE(check_shape(t, "x", {2, -1}).ok());
+
+  s = check_stride(t, "x", 1, 2);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(check_stride(t, "x", 1, 1).ok());
+
+  TensorView empty;
+  s = check_dtype(empty, "scale", DType::kF32);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("null"), std::string::npos) << s.message();
+
+  TensorView misaligned = make_tensor(reinterpret_cast<char*>(&storage) + 2, DType::kBF16, {1});
+  EXPECT_FALSE(check_aligned(misaligned, "x", 16).ok());
+
+  TensorView host = make_tensor(&storage, DType::kF32, {1}, Device{DeviceKind::kCPU, 0});
+  EXPECT_FALSE(check_on_cuda(host, "x").ok());
+  EXPECT_TRUE(check_on_cuda(t, "x").ok());
+}
+
+TEST(Status, ToStringCarriesCodeAndMessage) {
+  Status s = invalid_argument("m", "1..16", "17");
+  EXPECT_EQ(s.to_string(), "invalid argument: argument 'm': expected 1..16, got 17");
+  EXPECT_TRUE(Status().ok());
+}
+
+TEST(Presets, Glm5NextShapes) {
+  ModelPreset p;
+  ASSERT_TRUE(find_preset("glm5next", &p).ok());
+  EXPECT_EQ(p.hidden, 4096);
+  EXPECT_EQ(p.heads, 64);
+  EXPECT_EQ(p.q_lora, 1536);
+  EXPECT_EQ(p.kv_lora, 512);
+  EXPECT_EQ(p.qk_nope, 256);
+  EXPECT_EQ(p.qk_rope, 0);
+  EXPECT_EQ(p.v_head, 256);
+  EXPECT_EQ(p.topk_row_width, 2176);
+  EXPECT_EQ(p.pool_size, 4);
+  EXPECT_FLOAT_EQ(p.softmax_scale, 0.0625f);
+  EXPECT_EQ(p.cache_width(), 512);
+
+  ModelPreset tp8;
+  ASSERT_TRUE(per_rank(p, 8, &tp8).ok());
+  EXPECT_EQ(tp8.heads, 8);
+  EXPECT_EQ(tp8.tp, 8);
+  EXPECT_EQ(tp8.index_heads, 32);  // the indexer is replicated, not split
+
+  Status s = per_rank(p, 3, &tp8);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("'tp'"), std::string::npos) << s.message();
+}
+
+TEST(Presets, RopePresetsAndUnknownName) {
+  ModelPreset p;
+  ASSERT_TRUE(find_preset("dsv32", &p).ok());
+  EXPECT_EQ(p.heads, 128);
+  EXPECT_EQ(p.q_head_dim(), 192);
+  EXPECT_EQ(p.cache_width(), 576);
+  ASSERT_TRUE(find_preset("glm5", &p).ok());
+  EXPECT_EQ(p.hidden, 6144);
+  Status s = find_preset("llama", &p);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("glm5next, glm5, dsv32"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace dsa

@@ -1,0 +1,82 @@
+// Helpers shared by every test: GPU detection (GPU tests skip with a message
+// when there is none), device buffers, reproducible random inputs.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dsa_decode/cuda_check.h"
+#include "dsa_decode/status.h"
+
+namespace dsa::testing {
+
+// True when a CUDA device of compute capability 9.0 (the sm_90a build's target) is usable.
+bool gpu_available();
+// Why GPU tests are skipped, e.g. "no CUDA device (cudaGetDeviceCount: ...)".
+const std::string& gpu_skip_reason();
+// DSA_TEST_QUICK=1 (set by scripts/gpu-check under compute-sanitizer) trims sweeps.
+bool quick_mode();
+// A fresh seed per test run unless DSA_TEST_SEED is set; printed on failure.
+uint64_t test_seed();
+
+#define DSA_REQUIRE_GPU()                                                    \
+  do {                                                                       \
+    if (!::dsa::testing::gpu_available()) {                                  \
+      GTEST_SKIP() << "GPU test skipped: " << ::dsa::testing::gpu_skip_reason(); \
+    }                                                                        \
+  } while (0)
+
+#define DSA_ASSERT_OK(expr)                              \
+  do {                                                   \
+    ::dsa::Status s_ = (expr);                           \
+    ASSERT_TRUE(s_.ok()) << #expr << ": " << s_.to_string(); \
+  } while (0)
+
+#define DSA_ASSERT_CUDA(expr) DSA_ASSERT_OK(::dsa::cuda_status((expr), #expr))
+
+// Device memory owned by a test; copies in and out synchronously.
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t count) : count_(count) {
+    if (count && cudaMalloc(&ptr_, count * sizeof(T)) != cudaSuccess) ptr_ = nullptr;
+  }
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), count_(o.count_) { o.ptr_ = nullptr; o.count_ = 0; }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(count_, o.count_);
+    return *this;
+  }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+
+  T* get() const { return ptr_; }
+  size_t size() const { return count_; }
+  void upload(const std::vector<T>& host) {
+    cudaMemcpy(ptr_, host.data(), std::min(host.size(), count_) * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    cudaMemcpy(host.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return host;
+  }
+  // Fills every byte with `byte` (poisoning outputs before a run).
+  void fill_bytes(uint8_t byte) { cudaMemset(ptr_, byte, count_ * sizeof(T)); }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t count_ = 0;
+};
+
+// BF16 bit patterns of normal(0, stddev) samples.
+std::vector<uint16_t> random_bf16(size_t count, float stddev, std::mt19937_64& rng);
+
+}  // namespace dsa::testing
