@@ -1,0 +1,42 @@
+// Kernel launches with programmatic dependent launch (PDL) and the two
+// griddepcontrol instructions every kernel of the chain uses.
+//
+// A PDL kernel may start while its predecessor in the stream still runs: it
+// loads what does not depend on the predecessor (weights), then waits. It
+// releases its dependents once its own wait has passed: a dependent still
+// waits for this kernel's completion before reading its outputs, so the
+// release only lets the dependent's prologue overlap this kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "dsa_decode/cuda_check.h"
+
+namespace dsa {
+
+// Blocks until the predecessor grid has completed and its writes are visible.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Lets the next kernel in the stream start its prologue.
+__device__ __forceinline__ void pdl_release_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// cudaLaunchKernelEx with the programmatic-stream-serialization attribute.
+template <class... KernelArgs, class... Args>
+Status launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                  cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  DSA_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  return Status();
+}
+
+}  // namespace dsa
