@@ -1,0 +1,78 @@
+// head_gemv: the per-head products of the MLA absorb (q x W_UK, FP8 out, with
+// the latent's KV-cache write fused in) and value-up (latent x W_UV, BF16 out),
+// for decode steps of 1..16 tokens.
+//
+//   out[t, h, :] = x[t, h, :] @ weight[h]        for t < m, h < H
+//
+//   x       [m, H, I]  BF16, dims 1-2 contiguous, token stride a multiple of 8
+//   weight  [H, I, J]  BF16, J contiguous, head and row strides multiples of 8
+//   out     [m, H, J]  BF16, or FP8 e4m3 statically quantized by `scale`
+//
+// Work split (tactic {tile, rows_per_thread}): CTA (h, c) owns the `tile`
+// columns c*tile.. of head h. Thread (g, k) of the CTA holds rows
+// g*rows_per_thread.. of columns 8k..8k+7 of that tile in registers, loaded
+// before griddepcontrol.wait, so the weight stream of this kernel overlaps its
+// predecessor.
+//
+// Summation order (fixed; the CPU reference reproduces it bit for bit):
+//   1. per thread: acc = fma(x[r], w[r][j], acc) over its rows in order, from 0;
+//   2. per warp: butterfly over the lanes of one column group (xor offsets
+//      tile/8, 2*tile/8, .. 16), i.e. a pairwise tree of the row groups;
+//   3. per CTA: total = 0 + warp 0 + warp 1 + ... in warp order.
+// Rounding: BF16 out = RNE(total). FP8 out = e4m3_satfinite(clamp(RNE_bf16(total)
+// * (1 / scale), +-448)) with 1/scale a rounded division: the stock static quant.
+//
+// Fused KV-cache write (concat_and_cache_mla, FP8 cache): m more CTAs; CTA t
+// stores kv[t, :] / k_scale (rounded division, saturating e4m3) at cache slot
+// slot_mapping[t] = block * block_size + offset. Negative slots and tokens
+// t >= len(slot_mapping) (CUDA-graph padding) are skipped; a slot past the
+// cache's capacity is skipped too and counted in `error_count` when given.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "dsa_decode/status.h"
+#include "dsa_decode/tensor.h"
+
+namespace dsa {
+
+inline constexpr int kHeadGemvMaxTokens = 16;
+
+struct HeadGemvTactic {
+  int tile = 64;            // columns per CTA: 16, 32, 64 or 128
+  int rows_per_thread = 8;  // 8 or 16
+};
+
+// The KV-cache write fused into the absorb launch.
+struct KvCacheWrite {
+  TensorView kv;            // [m, L] BF16, row stride a multiple of 8, 16-byte aligned
+  TensorView cache;         // [blocks, block_size, L] FP8 e4m3; L contiguous; entry and block strides multiples of 8
+  TensorView slot_mapping;  // [n] int64; n may be < m or > m
+  TensorView k_scale;       // [1] f32
+  unsigned int* error_count = nullptr;  // optional device counter of out-of-capacity slots
+};
+
+struct HeadGemvArgs {
+  TensorView x;       // [m, H, I] BF16
+  TensorView weight;  // [H, I, J] BF16
+  TensorView out;     // [m, H, J] BF16 or FP8 e4m3, contiguous
+  TensorView scale;   // [1] f32: required when out is FP8, absent otherwise
+  const KvCacheWrite* cache = nullptr;  // optional
+};
+
+// The table's tactic for these shapes and token count (src/head_gemv/tactics.cpp;
+// docs/head_gemv.md has the measurements behind each entry). The summation
+// order depends on the tactic only, so where the table gives one tactic for
+// every m of a shape, a token's bits do not depend on the batch around it.
+HeadGemvTactic head_gemv_tactic(int heads, int rows, int cols, int m);
+// Whether `tactic` can run rows x cols at m tokens (divisibility, threads per
+// CTA within the register budget, shared memory).
+Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic);
+// Checks every argument; launches nothing.
+Status check_head_gemv(const HeadGemvArgs& args);
+
+// Launches on `stream` with PDL; `tactic` null = the table's. Neither
+// allocates nor synchronizes (CUDA-graph capturable).
+Status head_gemv(const HeadGemvArgs& args, cudaStream_t stream, const HeadGemvTactic* tactic = nullptr);
+
+}  // namespace dsa

@@ -1,0 +1,470 @@
+// head_gemv: argument checks (CPU), the CPU reference against float64 (CPU),
+// and the kernel bitwise against the reference, cuBLAS, guard bands, graph
+// capture and batch invariance (GPU).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+
+#include "dsa_decode/head_gemv.h"
+#include "dsa_decode/numerics.h"
+#include "dsa_decode/stock.h"
+#include "head_gemv/head_gemv_reference.h"
+#include "support.h"
+
+namespace dsa {
+namespace {
+
+using testing::DeviceBuffer;
+
+// ---------------------------------------------------------------- CPU tests
+
+struct FakeArgs {
+  alignas(16) uint16_t storage[64];
+  alignas(16) uint8_t cache_storage[64];
+  TensorView x = make_tensor(storage, DType::kBF16, {2, 4, 256});
+  TensorView weight = make_tensor(storage, DType::kBF16, {4, 256, 512});
+  TensorView out = make_tensor(storage, DType::kFP8E4M3, {2, 4, 512});
+  TensorView scale = make_tensor(storage, DType::kF32, {1});
+  KvCacheWrite cache{make_tensor(storage, DType::kBF16, {2, 512}),
+                     make_tensor(cache_storage, DType::kFP8E4M3, {8, 128, 512}),
+                     make_tensor(storage, DType::kI64, {2}), make_tensor(storage, DType::kF32, {1})};
+  HeadGemvArgs args() {
+    HeadGemvArgs a{x, weight, out, scale, &cache};
+    return a;
+  }
+};
+
+void expect_rejected(const HeadGemvArgs& a, const std::string& argument, const std::string& words) {
+  Status s = check_head_gemv(a);
+  ASSERT_FALSE(s.ok()) << "expected an error naming '" << argument << "'";
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'" + argument + "'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
+}
+
+TEST(HeadGemvChecks, AcceptsTheGlm5NextAbsorb) {
+  FakeArgs f;
+  EXPECT_TRUE(check_head_gemv(f.args()).ok()) << check_head_gemv(f.args()).to_string();
+}
+
+TEST(HeadGemvChecks, NamesEachBadArgument) {
+  {
+    FakeArgs f;
+    f.x.dtype = DType::kF32;
+    expect_rejected(f.args(), "x", "bf16");
+  }
+  {
+    FakeArgs f;
+    f.x.shape[0] = 17;
+    f.out.shape[0] = 17;
+    expect_rejected(f.args(), "x", "1..16 tokens");
+  }
+  {
+    FakeArgs f;
+    f.x.strides[0] = 4 * 256 + 4;  // not a multiple of 8
+    expect_rejected(f.args(), "x", "token stride");
+  }
+  {
+    FakeArgs f;
+    f.x.data = reinterpret_cast<char*>(f.storage) + 2;
+    expect_rejected(f.args(), "x", "aligned to 16");
+  }
+  {
+    FakeArgs f;
+    f.weight.shape[0] = 3;
+    expect_rejected(f.args(), "weight", "shape [4, 256, *]");
+  }
+  {
+    FakeArgs f;
+    f.weight.strides[2] = 2;
+    expect_rejected(f.args(), "weight", "stride 1 in dim 2");
+  }
+  {
+    FakeArgs f;
+    f.out.shape[2] = 256;
+    expect_rejected(f.args(), "out", "shape [2, 4, 512]");
+  }
+  {
+    FakeArgs f;
+    f.out.dtype = DType::kF32;
+    expect_rejected(f.args(), "out", "bf16 or fp8_e4m3");
+  }
+  {
+    FakeArgs f;
+    f.scale = TensorView{};
+    expect_rejected(f.args(), "scale", "null");
+  }
+  {
+    FakeArgs f;
+    f.out.dtype = DType::kBF16;  // a scale with a BF16 out is a caller mistake
+    expect_rejected(f.args(), "scale", "no scale");
+  }
+  {
+    FakeArgs f;
+    f.cache.kv.shape[0] = 3;
+    expect_rejected(f.args(), "cache.kv", "shape [2, *]");
+  }
+  {
+    FakeArgs f;
+    f.cache.cache.dtype = DType::kBF16;
+    expect_rejected(f.args(), "cache.cache", "fp8_e4m3");
+  }
+  {
+    FakeArgs f;
+    f.cache.cache.strides[1] = 500;  // entries overlap
+    expect_rejected(f.args(), "cache.cache", "multiples of 8");
+  }
+  {
+    FakeArgs f;
+    f.cache.slot_mapping.dtype = DType::kI32;
+    expect_rejected(f.args(), "cache.slot_mapping", "i64");
+  }
+  {
+    FakeArgs f;
+    f.cache.k_scale.shape[0] = 2;
+    expect_rejected(f.args(), "cache.k_scale", "shape [1]");
+  }
+}
+
+TEST(HeadGemvChecks, TacticTableGivesValidTacticsAndBadOnesAreNamed) {
+  for (int heads : {1, 8, 16, 64, 128}) {
+    for (auto [rows, cols] : {std::pair{256, 512}, {512, 256}, {192, 512}, {128, 512}, {512, 128}}) {
+      for (int m = 1; m <= kHeadGemvMaxTokens; ++m) {
+        const HeadGemvTactic tactic = head_gemv_tactic(heads, rows, cols, m);
+        EXPECT_TRUE(check_head_gemv_tactic(rows, cols, m, tactic).ok())
+            << check_head_gemv_tactic(rows, cols, m, tactic).to_string() << " H " << heads << " I " << rows << " J " << cols << " m " << m;
+      }
+    }
+  }
+  Status s = check_head_gemv_tactic(256, 512, 1, HeadGemvTactic{24, 8});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("'tactic'"), std::string::npos) << s.message();
+  EXPECT_FALSE(check_head_gemv_tactic(256, 512, 16, HeadGemvTactic{64, 16}).ok());  // registers
+  EXPECT_FALSE(check_head_gemv_tactic(512, 256, 1, HeadGemvTactic{128, 8}).ok());   // 1024+ threads
+  EXPECT_FALSE(check_head_gemv_tactic(200, 512, 1, HeadGemvTactic{64, 16}).ok());   // rows % 16
+}
+
+// The reference's fixed order is still a sum: it must agree with float64.
+TEST(HeadGemvReference, AgreesWithFloat64) {
+  std::mt19937_64 rng(testing::test_seed());
+  const int m = 3, heads = 2, rows = 256, cols = 64;
+  std::vector<uint16_t> x = testing::random_bf16(m * heads * rows, 1.0f, rng);
+  std::vector<uint16_t> w = testing::random_bf16(heads * rows * cols, 0.05f, rng);
+  reference::HeadGemvHost a{x.data(), heads * rows, w.data(), rows * cols, cols, m, heads, rows, cols};
+  for (HeadGemvTactic tactic : {HeadGemvTactic{64, 8}, HeadGemvTactic{16, 16}, HeadGemvTactic{32, 8}}) {
+    const std::vector<float> sums = reference::head_gemv_sums(a, tactic);
+    for (int t = 0; t < m; ++t) {
+      for (int h = 0; h < heads; ++h) {
+        for (int j = 0; j < cols; ++j) {
+          double exact = 0, magnitude = 0;
+          for (int r = 0; r < rows; ++r) {
+            const double p = double(num::bf16_to_float(x[(t * heads + h) * rows + r])) *
+                             num::bf16_to_float(w[(h * rows + r) * cols + j]);
+            exact += p;
+            magnitude += std::fabs(p);
+          }
+          EXPECT_NEAR(sums[(t * heads + h) * cols + j], exact, 1e-6 * magnitude + 1e-30);
+        }
+      }
+    }
+  }
+}
+
+TEST(HeadGemvReference, CacheWriteSkipsPaddingAndCountsOutOfRange) {
+  const int width = 16, blocks = 2, block_size = 4;
+  std::vector<uint16_t> kv(3 * width);
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = num::float_to_bf16(0.25f * static_cast<float>(i));
+  std::vector<uint8_t> cache(blocks * block_size * width, 0xA5);
+  const int64_t slots[3] = {5, -1, 8};  // 8 = capacity: out of range
+  const int bad = reference::cache_write(kv.data(), width, 3, width, slots, 3, 0.5f, cache.data(), blocks,
+                                         block_size, block_size * width, width);
+  EXPECT_EQ(bad, 1);
+  for (int i = 0; i < width; ++i) EXPECT_EQ(cache[5 * width + i], num::float_to_e4m3(0.5f * i));
+  EXPECT_EQ(std::count(cache.begin(), cache.end(), 0xA5), static_cast<long>(cache.size() - width));
+}
+
+// ---------------------------------------------------------------- GPU tests
+
+// Max distance in BF16 units in the last place (same sign-magnitude ordering).
+int bf16_ulp_distance(uint16_t a, uint16_t b) {
+  auto ordered = [](uint16_t v) { return (v & 0x8000) ? -static_cast<int>(v & 0x7FFF) : static_cast<int>(v); };
+  return std::abs(ordered(a) - ordered(b));
+}
+
+struct Case {
+  int heads, rows, cols, m;
+  bool fp8;
+  bool cache;
+  int x_pad = 0;       // extra elements per token row of x
+  int weight_pad = 0;  // extra elements per weight row
+  std::optional<HeadGemvTactic> tactic;
+};
+
+std::string describe(const Case& c) {
+  std::string s = "H " + std::to_string(c.heads) + " I " + std::to_string(c.rows) + " J " + std::to_string(c.cols) +
+                  " m " + std::to_string(c.m) + (c.fp8 ? " fp8" : " bf16") + (c.cache ? " +cache" : "");
+  if (c.tactic) s += " tactic " + std::to_string(c.tactic->tile) + "/" + std::to_string(c.tactic->rows_per_thread);
+  return s;
+}
+
+constexpr size_t kGuard = 256;  // poisoned bytes on each side of every output
+constexpr uint8_t kPoison = 0xFF;
+
+// Runs one case on the GPU and checks it bitwise against the reference.
+void run_case(const Case& c, std::mt19937_64& rng) {
+  SCOPED_TRACE(describe(c));
+  const HeadGemvTactic tactic = c.tactic ? *c.tactic : head_gemv_tactic(c.heads, c.rows, c.cols, c.m);
+  const int64_t x_stride = int64_t(c.heads) * c.rows + c.x_pad;
+  const int64_t w_row_stride = c.cols + c.weight_pad;
+  const int64_t w_head_stride = c.rows * w_row_stride;
+  std::vector<uint16_t> x = testing::random_bf16(c.m * x_stride, 1.0f, rng);
+  std::vector<uint16_t> w = testing::random_bf16(c.heads * w_head_stride, 0.05f, rng);
+  DeviceBuffer<uint16_t> x_dev(x), w_dev(w);
+
+  const size_t out_bytes = size_t(c.m) * c.heads * c.cols * (c.fp8 ? 1 : 2);
+  DeviceBuffer<uint8_t> out_dev(out_bytes + 2 * kGuard);
+  out_dev.fill_bytes(kPoison);
+  const float scale = 0.0125f;  // puts the sums' tails past 448: saturation is exercised
+  DeviceBuffer<float> scale_dev(std::vector<float>{scale});
+
+  // Cache: 3 blocks of 16 entries, entry and block strides padded.
+  const int width = 512, block_size = 16, blocks = 3;
+  const int64_t entry_stride = width + 16, block_stride = block_size * entry_stride + 64;
+  const size_t cache_bytes = blocks * block_stride;
+  std::vector<uint16_t> kv = testing::random_bf16(c.m * width, 1.0f, rng);
+  std::vector<uint8_t> cache(cache_bytes + 2 * kGuard, 0xA5);
+  // Distinct slots; every third token is padding (-1), one slot is past the capacity,
+  // and the slot mapping is one shorter than m (graph padding) when m > 2.
+  std::vector<int64_t> slots(c.m);
+  std::vector<int64_t> pool(blocks * block_size);
+  for (size_t i = 0; i < pool.size(); ++i) pool[i] = int64_t(i);
+  std::shuffle(pool.begin(), pool.end(), rng);
+  for (int t = 0; t < c.m; ++t) slots[t] = t % 3 == 2 ? -1 : pool[t];
+  if (c.m >= 2) slots[1] = int64_t(blocks) * block_size + 7;
+  const int n_slots = c.m > 2 ? c.m - 1 : c.m;
+  DeviceBuffer<uint16_t> kv_dev(kv);
+  DeviceBuffer<uint8_t> cache_dev(cache);
+  DeviceBuffer<int64_t> slots_dev(std::vector<int64_t>(slots.begin(), slots.begin() + n_slots));
+  const float k_scale = 0.02f;
+  DeviceBuffer<float> k_scale_dev(std::vector<float>{k_scale});
+  DeviceBuffer<unsigned int> errors_dev(std::vector<unsigned int>{0});
+
+  HeadGemvArgs args;
+  args.x = make_strided(x_dev.get(), DType::kBF16, {c.m, c.heads, c.rows}, {x_stride, c.rows, 1});
+  args.weight = make_strided(w_dev.get(), DType::kBF16, {c.heads, c.rows, c.cols}, {w_head_stride, w_row_stride, 1});
+  args.out = make_tensor(out_dev.get() + kGuard, c.fp8 ? DType::kFP8E4M3 : DType::kBF16, {c.m, c.heads, c.cols});
+  if (c.fp8) args.scale = make_tensor(scale_dev.get(), DType::kF32, {1});
+  KvCacheWrite write{make_tensor(kv_dev.get(), DType::kBF16, {c.m, width}),
+                     make_strided(cache_dev.get() + kGuard, DType::kFP8E4M3, {blocks, block_size, width},
+                                  {block_stride, entry_stride, 1}),
+                     make_tensor(slots_dev.get(), DType::kI64, {n_slots}), make_tensor(k_scale_dev.get(), DType::kF32, {1}),
+                     errors_dev.get()};
+  if (c.cache) args.cache = &write;
+
+  Status s = head_gemv(args, nullptr, c.tactic ? &*c.tactic : nullptr);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (!s.ok()) return;
+
+  reference::HeadGemvHost host{x.data(), x_stride, w.data(), w_head_stride, w_row_stride, c.m, c.heads, c.rows, c.cols};
+  std::vector<uint8_t> expected;
+  if (c.fp8) {
+    expected = reference::head_gemv_fp8(host, tactic, scale);
+  } else {
+    std::vector<uint16_t> bf16 = reference::head_gemv_bf16(host, tactic);
+    expected.resize(bf16.size() * 2);
+    std::memcpy(expected.data(), bf16.data(), expected.size());
+  }
+  const std::vector<uint8_t> got = out_dev.download();
+  const uint8_t* out = got.data() + kGuard;
+  size_t mismatches = 0, first = 0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    if (out[i] != expected[i] && mismatches++ == 0) first = i;
+  }
+  EXPECT_EQ(mismatches, 0u) << "first mismatch at byte " << first << ": got " << int(out[first])
+                            << ", expected " << int(expected[first]);
+  for (size_t i = 0; i < kGuard; ++i) {
+    ASSERT_EQ(got[i], kPoison) << "write before the output at guard byte " << i;
+    ASSERT_EQ(got[got.size() - 1 - i], kPoison) << "write past the output";
+  }
+
+  const std::vector<uint8_t> cache_got = cache_dev.download();
+  const unsigned int errors = errors_dev.download()[0];
+  if (c.cache) {
+    const int bad = reference::cache_write(kv.data(), width, c.m, width, slots.data(), n_slots, k_scale,
+                                           cache.data() + kGuard, blocks, block_size, block_stride, entry_stride);
+    EXPECT_EQ(errors, static_cast<unsigned>(bad));
+  } else {
+    EXPECT_EQ(errors, 0u);
+  }
+  EXPECT_TRUE(cache_got == cache) << "cache bytes (incl. padding and guards) differ from the reference";
+}
+
+TEST(HeadGemvGpu, BitwiseEqualToReferenceOverShapesHeadsAndTokens) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  const std::vector<std::pair<int, int>> shapes = {{256, 512}, {512, 256}, {192, 512}, {128, 512}, {512, 128}};
+  const int head_counts[] = {1, 8, 16, 64, 128};
+  int case_index = 0;
+  for (auto [rows, cols] : shapes) {
+    for (int m = 1; m <= kHeadGemvMaxTokens; ++m) {
+      if (testing::quick_mode() && m % 5 != 1) continue;
+      // Every head count meets every shape and both dtypes over the sweep.
+      const int heads = head_counts[(m + case_index) % 5];
+      const bool fp8 = (m + case_index) % 2 == 0;
+      Case c{heads, rows, cols, m, fp8, /*cache=*/fp8 && cols == 512};
+      c.x_pad = (m % 3 == 0) ? 8 : 0;
+      c.weight_pad = (m % 4 == 0) ? 16 : 0;
+      if (testing::quick_mode()) c.heads = std::min(c.heads, 8);
+      run_case(c, rng);
+      ++case_index;
+    }
+  }
+}
+
+TEST(HeadGemvGpu, EveryTacticAndTokenCapacityMatchesReference) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 1);
+  for (int tile : {16, 32, 64, 128}) {
+    for (int rows_per_thread : {8, 16}) {
+      for (int m : {1, 2, 3, 4, 7, 8, 9, 16}) {
+        for (auto [rows, cols] : {std::pair{256, 512}, {512, 256}}) {
+          const HeadGemvTactic tactic{tile, rows_per_thread};
+          if (!check_head_gemv_tactic(rows, cols, m, tactic).ok()) continue;
+          if (testing::quick_mode() && m != 3) continue;
+          run_case(Case{8, rows, cols, m, m % 2 == 1, m % 2 == 1, 0, 0, tactic}, rng);
+        }
+      }
+    }
+  }
+}
+
+TEST(HeadGemvGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
+  DSA_REQUIRE_GPU();
+  // One tactic for every m: a token's bits must not depend on the batch.
+  const HeadGemvTactic tactic{32, 8};
+  const int heads = 8, rows = 256, cols = 512;
+  std::mt19937_64 rng(testing::test_seed() + 2);
+  const std::vector<uint16_t> x = testing::random_bf16(16 * heads * rows, 1.0f, rng);
+  const std::vector<uint16_t> w = testing::random_bf16(heads * rows * cols, 0.05f, rng);
+  DeviceBuffer<uint16_t> x_dev(x), w_dev(w);
+  DeviceBuffer<uint16_t> out_dev(16 * heads * cols);
+  auto run = [&](int first_token, int m) {
+    HeadGemvArgs a;
+    a.x = make_tensor(x_dev.get() + first_token * heads * rows, DType::kBF16, {m, heads, rows});
+    a.weight = make_tensor(w_dev.get(), DType::kBF16, {heads, rows, cols});
+    a.out = make_tensor(out_dev.get(), DType::kBF16, {m, heads, cols});
+    out_dev.fill_bytes(kPoison);
+    EXPECT_TRUE(head_gemv(a, nullptr, &tactic).ok());
+    std::vector<uint16_t> out = out_dev.download();
+    out.resize(size_t(m) * heads * cols);
+    return out;
+  };
+  const std::vector<uint16_t> batch = run(0, 16);
+  EXPECT_EQ(run(0, 16), batch);
+  for (int t : {0, 5, 15}) {
+    const std::vector<uint16_t> alone = run(t, 1);
+    EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batch.begin() + size_t(t) * heads * cols))
+        << "token " << t << " alone differs from the same token in a batch of 16";
+  }
+}
+
+TEST(HeadGemvGpu, CapturedGraphReplaysTheSameResult) {
+  DSA_REQUIRE_GPU();
+  const int heads = 16, rows = 256, cols = 512, m = 4;
+  std::mt19937_64 rng(testing::test_seed() + 3);
+  DeviceBuffer<uint16_t> x_dev(testing::random_bf16(m * heads * rows, 1.0f, rng));
+  DeviceBuffer<uint16_t> w_dev(testing::random_bf16(heads * rows * cols, 0.05f, rng));
+  DeviceBuffer<uint8_t> out_dev(m * heads * cols);
+  DeviceBuffer<float> scale_dev(std::vector<float>{0.02f});
+  HeadGemvArgs a;
+  a.x = make_tensor(x_dev.get(), DType::kBF16, {m, heads, rows});
+  a.weight = make_tensor(w_dev.get(), DType::kBF16, {heads, rows, cols});
+  a.out = make_tensor(out_dev.get(), DType::kFP8E4M3, {m, heads, cols});
+  a.scale = make_tensor(scale_dev.get(), DType::kF32, {1});
+  cudaStream_t stream;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DSA_ASSERT_OK(head_gemv(a, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<uint8_t> direct = out_dev.download();
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  Status captured = head_gemv(a, stream);
+  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  DSA_ASSERT_OK(captured);
+  DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  out_dev.fill_bytes(kPoison);
+  for (int i = 0; i < 3; ++i) DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  EXPECT_EQ(out_dev.download(), direct);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Fused vs the stock sequence (cuBLAS bmm, then the stock quant): the sums
+// differ only in order, so the BF16 results differ by a rounding at most
+// except where cancellation makes the result tiny.
+TEST(HeadGemvGpu, AgreesWithCublasAndTheStockQuant) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 4);
+  cublasHandle_t handle;
+  ASSERT_EQ(cublasCreate(&handle), CUBLAS_STATUS_SUCCESS);
+  for (auto [rows, cols] : {std::pair{256, 512}, {512, 256}}) {
+    for (int heads : {8, 64}) {
+      for (int m : {1, 4, 16}) {
+        if (testing::quick_mode() && (heads != 8 || m != 4)) continue;
+        SCOPED_TRACE("I " + std::to_string(rows) + " J " + std::to_string(cols) + " H " + std::to_string(heads) +
+                     " m " + std::to_string(m));
+        const size_t n_out = size_t(m) * heads * cols;
+        DeviceBuffer<uint16_t> x_dev(testing::random_bf16(size_t(m) * heads * rows, 1.0f, rng));
+        DeviceBuffer<uint16_t> w_dev(testing::random_bf16(size_t(heads) * rows * cols, 0.05f, rng));
+        DeviceBuffer<uint16_t> ours(n_out), theirs(n_out);
+        DeviceBuffer<uint8_t> ours_fp8(n_out), theirs_fp8(n_out);
+        DeviceBuffer<float> scale_dev(std::vector<float>{0.0125f});
+        HeadGemvArgs a;
+        a.x = make_tensor(x_dev.get(), DType::kBF16, {m, heads, rows});
+        a.weight = make_tensor(w_dev.get(), DType::kBF16, {heads, rows, cols});
+        a.out = make_tensor(ours.get(), DType::kBF16, {m, heads, cols});
+        DSA_ASSERT_OK(head_gemv(a, nullptr));
+        HeadGemvArgs a8 = a;
+        a8.out = make_tensor(ours_fp8.get(), DType::kFP8E4M3, {m, heads, cols});
+        a8.scale = make_tensor(scale_dev.get(), DType::kF32, {1});
+        DSA_ASSERT_OK(head_gemv(a8, nullptr));
+        const TensorView theirs_view = make_tensor(theirs.get(), DType::kBF16, {m, heads, cols});
+        DSA_ASSERT_OK(cublas_head_bmm(handle, a.x, a.weight, theirs_view));
+        DSA_ASSERT_OK(stock_static_fp8_quant(theirs_view, make_tensor(theirs_fp8.get(), DType::kFP8E4M3, {m, heads, cols}),
+                                             a8.scale, nullptr));
+        DSA_ASSERT_CUDA(cudaDeviceSynchronize());
+        const std::vector<uint16_t> o = ours.download(), r = theirs.download();
+        int max_ulp = 0;
+        size_t over_one = 0;
+        for (size_t i = 0; i < n_out; ++i) {
+          const int d = bf16_ulp_distance(o[i], r[i]);
+          max_ulp = std::max(max_ulp, d);
+          over_one += d > 1;
+        }
+        const std::vector<uint8_t> o8 = ours_fp8.download(), r8 = theirs_fp8.download();
+        int max_fp8_steps = 0;
+        for (size_t i = 0; i < n_out; ++i) {
+          max_fp8_steps = std::max(max_fp8_steps, bf16_ulp_distance(o8[i] << 8 & 0x7F00 | (o8[i] & 0x80) << 8,
+                                                                    r8[i] << 8 & 0x7F00 | (r8[i] & 0x80) << 8) >> 8);
+        }
+        std::printf("[head_gemv vs cuBLAS] I %d J %d H %d m %d: max %d BF16 ulp, %zu of %zu over 1 ulp; FP8 max %d code steps\n",
+                    rows, cols, heads, m, max_ulp, over_one, n_out, max_fp8_steps);
+        EXPECT_LE(over_one, n_out / 1000) << "more than 0.1% of values differ by over 1 BF16 ulp";
+        EXPECT_LE(max_ulp, 64) << "a difference beyond what summation order explains";
+        EXPECT_LE(max_fp8_steps, 1);
+      }
+    }
+  }
+  cublasDestroy(handle);
+}
+
+}  // namespace
+}  // namespace dsa
