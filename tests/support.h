@@ -68,8 +68,12 @@ class DeviceBuffer {
     cudaMemcpy(host.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost);
     return host;
   }
-  // Fills every byte with `byte` (poisoning outputs before a run).
-  void fill_bytes(uint8_t byte) { cudaMemset(ptr_, byte, count_ * sizeof(T)); }
+  // Fills every byte with `byte` (poisoning outputs before a run); synchronous,
+  // so work on any stream that follows sees the poison.
+  void fill_bytes(uint8_t byte) {
+    cudaMemset(ptr_, byte, count_ * sizeof(T));
+    cudaDeviceSynchronize();
+  }
 
  private:
   T* ptr_ = nullptr;

@@ -194,6 +194,12 @@ int bf16_ulp_distance(uint16_t a, uint16_t b) {
   return std::abs(ordered(a) - ordered(b));
 }
 
+// Distance in E4M3 code steps (codes are sign-magnitude: +0 and -0 are 0 apart).
+int fp8_code_distance(uint8_t a, uint8_t b) {
+  auto ordered = [](uint8_t v) { return (v & 0x80) ? -static_cast<int>(v & 0x7F) : static_cast<int>(v); };
+  return std::abs(ordered(a) - ordered(b));
+}
+
 struct Case {
   int heads, rows, cols, m;
   bool fp8;
@@ -452,8 +458,7 @@ TEST(HeadGemvGpu, AgreesWithCublasAndTheStockQuant) {
         const std::vector<uint8_t> o8 = ours_fp8.download(), r8 = theirs_fp8.download();
         int max_fp8_steps = 0;
         for (size_t i = 0; i < n_out; ++i) {
-          max_fp8_steps = std::max(max_fp8_steps, bf16_ulp_distance(o8[i] << 8 & 0x7F00 | (o8[i] & 0x80) << 8,
-                                                                    r8[i] << 8 & 0x7F00 | (r8[i] & 0x80) << 8) >> 8);
+          max_fp8_steps = std::max(max_fp8_steps, fp8_code_distance(o8[i], r8[i]));
         }
         std::printf("[head_gemv vs cuBLAS] I %d J %d H %d m %d: max %d BF16 ulp, %zu of %zu over 1 ulp; FP8 max %d code steps\n",
                     rows, cols, heads, m, max_ulp, over_one, n_out, max_fp8_steps);
