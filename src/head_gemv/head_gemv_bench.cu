@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cublas_bmm.h"
+#include "dsa_decode/cuda_check.h"
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/stock.h"
 #include "harness.h"
