@@ -6,11 +6,14 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "dsa_decode/cuda_check.h"  // DSA_CUDA_RETURN / DSA_CUBLAS_RETURN, which every benchmark uses
 #include "dsa_decode/status.h"
 
 namespace dsa::bench {
@@ -49,6 +52,9 @@ class Report {
   Status write_json(const Context& ctx, const std::string& dir) const;
   // A fixed-width table on stdout.
   void print(const Context& ctx) const;
+  // The file write_json writes: <dir>/<bench>_<date>_<commit>.json, with any
+  // character outside [A-Za-z0-9._-] in bench or commit replaced by '_'.
+  std::string json_path(const Context& ctx, const std::string& dir) const;
 
  private:
   std::string bench_;
@@ -64,12 +70,53 @@ int cold_copies(const Context& ctx, size_t bytes);
 // status. The launches are captured `per_graph` at a time into one CUDA graph
 // that is replayed (after a warm-up) `replays` times; each replay's time over
 // per_graph is a sample. Errors from capture or launch come back as Status.
+// Details callers rely on:
+// - `stream` is ctx.stream (created by dsa-bench, never the legacy default
+//   stream); a cuBLAS handle must be bound to it with an explicit workspace
+//   (bench/cublas_bmm.h: CublasHandle) so that capture allocates nothing.
+// - The per_graph launches run once eagerly before capture (module loading,
+//   cuBLAS heuristics, clear launch errors); capture is thread-local.
+// - Pass per_graph >= the number of input copies, so that each replay walks
+//   the whole rotation and no copy is reused from L2.
+// - PDL launches (src/core/launch.cuh) capture as programmatic graph edges.
+// - ctx.quick caps replays at 5.
 using Enqueue = std::function<Status(cudaStream_t stream, int i)>;
 Status time_graph(const Context& ctx, const Enqueue& enqueue, double* median_us, int per_graph = 20,
                   int replays = 50);
 
 // Device-to-device copy rate over `bytes` (read + written), median of several copies.
 Status measure_copy_GBps(cudaStream_t stream, size_t bytes, double* GBps);
+// The copy size dsa-bench measures Context::copy_GBps with (1 GiB copied, 2 GiB moved).
+inline constexpr size_t kCopyProbeBytes = size_t{1} << 30;
+
+// Device memory a benchmark owns: allocated at setup, freed on scope exit.
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  DeviceMemory(DeviceMemory&& other) noexcept;
+  DeviceMemory& operator=(DeviceMemory&& other) noexcept;
+  ~DeviceMemory();
+
+  // Frees what was held, then cudaMalloc(bytes).
+  Status allocate(size_t bytes);
+  void* get() const { return data_; }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Fills `count` BF16 values with uniform random values in [-scale, scale),
+// a hash of (seed, index): benchmarks never run on zeros (METHOD.md: zeros
+// can run faster than real data and hide unwritten outputs).
+Status fill_random_bf16(void* data, size_t count, uint64_t seed, float scale, cudaStream_t stream);
 
 // Bytes over the measured copy rate, in microseconds.
 inline double floor_us(const Context& ctx, double bytes) { return bytes / (ctx.copy_GBps * 1e3); }
@@ -79,5 +126,13 @@ struct Registrar {
   Registrar(const char* name, BenchFn fn);
 };
 #define DSA_BENCH(name, fn) static ::dsa::bench::Registrar dsa_bench_registrar_##fn(name, fn)
+
+struct RegisteredBench {
+  std::string name;
+  BenchFn fn;
+};
+// Every benchmark registered with DSA_BENCH, sorted by name (duplicates kept,
+// so that dsa-bench can report them).
+std::vector<RegisteredBench> registered_benches();
 
 }  // namespace dsa::bench

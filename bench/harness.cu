@@ -1,0 +1,408 @@
+#include "harness.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "dsa_decode/cuda_check.h"
+#include "dsa_decode/numerics.h"
+
+namespace dsa::bench {
+
+namespace {
+
+constexpr int kMaxColdCopies = 64;   // beyond this the input set is tiny and the rotation only costs memory
+constexpr int kWarmupReplays = 3;    // first replay uploads the graph; the next ones settle clocks
+constexpr int kQuickReplays = 5;
+constexpr int kCopyWarmups = 2;
+constexpr int kCopySamples = 9;
+
+// Owners of CUDA objects, so that every early error return releases them.
+struct GraphOwner {
+  cudaGraph_t graph = nullptr;
+  ~GraphOwner() {
+    if (graph != nullptr) cudaGraphDestroy(graph);
+  }
+};
+
+struct GraphExecOwner {
+  cudaGraphExec_t exec = nullptr;
+  ~GraphExecOwner() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+  }
+};
+
+struct EventSequence {
+  std::vector<cudaEvent_t> events;
+  ~EventSequence() {
+    for (cudaEvent_t event : events) cudaEventDestroy(event);
+  }
+  Status create(int count) {
+    for (int i = 0; i < count; ++i) {
+      cudaEvent_t event = nullptr;
+      DSA_CUDA_RETURN(cudaEventCreate(&event));
+      events.push_back(event);
+    }
+    return Status();
+  }
+  // Milliseconds between consecutive events, once all have completed.
+  Status intervals_ms(std::vector<float>* out) const {
+    out->clear();
+    for (size_t i = 0; i + 1 < events.size(); ++i) {
+      float ms = 0;
+      DSA_CUDA_RETURN(cudaEventElapsedTime(&ms, events[i], events[i + 1]));
+      out->push_back(ms);
+    }
+    return Status();
+  }
+};
+
+double median(std::vector<float> samples) {
+  std::sort(samples.begin(), samples.end());
+  const size_t n = samples.size();
+  if (n % 2 == 1) return samples[n / 2];
+  return 0.5 * (static_cast<double>(samples[n / 2 - 1]) + samples[n / 2]);
+}
+
+// splitmix64's output function: a well-mixed 64-bit hash of the index.
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_random_bf16_kernel(uint16_t* data, size_t count, uint64_t seed, float scale) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const uint64_t bits = mix64(seed + (i + 1) * 0x9E3779B97F4A7C15ull);
+    const float unit = static_cast<float>(bits >> 40) * 0x1p-24f;  // [0, 1)
+    data[i] = num::float_to_bf16((2.0f * unit - 1.0f) * scale);
+  }
+}
+
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char escaped[8];
+          std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
+          out += escaped;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// Integers as integers (params such as H, m, bytes); others to 6 significant
+// digits, well past the run-to-run spread; JSON has no NaN or infinity.
+std::string json_number(double value) {
+  if (!std::isfinite(value)) return "null";
+  char text[32];
+  if (value == std::floor(value) && std::fabs(value) < 1e15) {
+    std::snprintf(text, sizeof(text), "%.0f", value);
+  } else {
+    std::snprintf(text, sizeof(text), "%.6g", value);
+  }
+  return text;
+}
+
+std::string file_name_part(const std::string& text) {
+  std::string out = text.empty() ? "unknown" : text;
+  for (char& c : out) {
+    const bool allowed = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                         c == '_' || c == '-';
+    if (!allowed) c = '_';
+  }
+  return out;
+}
+
+std::string params_text(const Row& row) {
+  std::string text;
+  for (const auto& [key, value] : row.params) {
+    if (!text.empty()) text += ' ';
+    text += key + '=' + json_number(value);
+  }
+  return text;
+}
+
+std::string fixed(double value, const char* format) {
+  char text[32];
+  std::snprintf(text, sizeof(text), format, value);
+  return text;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- memory
+
+DeviceMemory::DeviceMemory(DeviceMemory&& other) noexcept : data_(other.data_), bytes_(other.bytes_) {
+  other.data_ = nullptr;
+  other.bytes_ = 0;
+}
+
+DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
+  std::swap(data_, other.data_);
+  std::swap(bytes_, other.bytes_);
+  return *this;
+}
+
+DeviceMemory::~DeviceMemory() {
+  if (data_ != nullptr) cudaFree(data_);
+}
+
+Status DeviceMemory::allocate(size_t bytes) {
+  void* held = std::exchange(data_, nullptr);
+  bytes_ = 0;
+  if (held != nullptr) DSA_CUDA_RETURN(cudaFree(held));
+  DSA_CUDA_RETURN(cudaMalloc(&data_, bytes));
+  bytes_ = bytes;
+  return Status();
+}
+
+Status fill_random_bf16(void* data, size_t count, uint64_t seed, float scale, cudaStream_t stream) {
+  if (count == 0) return Status();
+  if (data == nullptr) return invalid_argument("data", "a device pointer", "null");
+  constexpr int kThreads = 256;
+  const size_t blocks = std::min<size_t>((count + kThreads - 1) / kThreads, 4096);
+  fill_random_bf16_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(static_cast<uint16_t*>(data),
+                                                                                  count, seed, scale);
+  DSA_CUDA_RETURN(cudaGetLastError());
+  return Status();
+}
+
+// ---------------------------------------------------------------- timing
+
+int cold_copies(const Context& ctx, size_t bytes) {
+  if (bytes == 0) return 1;
+  const size_t copies = (2 * ctx.l2_bytes + bytes - 1) / bytes;
+  return static_cast<int>(std::clamp<size_t>(copies, 1, kMaxColdCopies));
+}
+
+Status time_graph(const Context& ctx, const Enqueue& enqueue, double* median_us, int per_graph, int replays) {
+  if (median_us == nullptr) return invalid_argument("median_us", "a result pointer", "null");
+  if (!enqueue) return invalid_argument("enqueue", "a function", "empty");
+  if (per_graph < 1) return invalid_argument("per_graph", ">= 1", std::to_string(per_graph));
+  if (replays < 1) return invalid_argument("replays", ">= 1", std::to_string(replays));
+  if (ctx.stream == nullptr) {
+    return invalid_argument("ctx.stream", "a created stream (the legacy default stream cannot be captured)", "null");
+  }
+  if (ctx.quick) replays = std::min(replays, kQuickReplays);
+  const cudaStream_t stream = ctx.stream;
+  // An error left by earlier code would otherwise be blamed on this capture.
+  DSA_CUDA_RETURN(cudaGetLastError());
+  auto enqueue_all = [&]() -> Status {
+    for (int i = 0; i < per_graph; ++i) DSA_RETURN_IF_ERROR(enqueue(stream, i));
+    return Status();
+  };
+
+  // One eager pass outside capture: loads modules, lets cuBLAS settle its
+  // heuristics, and reports a bad launch with its own error, not as a
+  // spoiled capture.
+  DSA_RETURN_IF_ERROR(enqueue_all());
+  DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+  DSA_CUDA_RETURN(cudaGetLastError());
+
+  // Thread-local mode: a benchmark that allocates or synchronizes inside
+  // enqueue fails loudly instead of being timed wrong; cuBLAS with an explicit
+  // workspace (cublas_bmm.h) does neither.
+  GraphOwner graph;
+  DSA_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status enqueued = enqueue_all();
+  // End the capture even after a failed enqueue, so the stream stays usable.
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph.graph);
+  DSA_RETURN_IF_ERROR(enqueued);
+  DSA_RETURN_IF_ERROR(cuda_status(ended, "cudaStreamEndCapture"));
+  DSA_CUDA_RETURN(cudaGetLastError());
+
+  GraphExecOwner exec;
+  DSA_CUDA_RETURN(cudaGraphInstantiate(&exec.exec, graph.graph, 0));
+  for (int i = 0; i < kWarmupReplays; ++i) DSA_CUDA_RETURN(cudaGraphLaunch(exec.exec, stream));
+
+  // Replays back to back, an event between each two: the device never idles
+  // between samples, and one synchronization ends the run.
+  EventSequence events;
+  DSA_RETURN_IF_ERROR(events.create(replays + 1));
+  DSA_CUDA_RETURN(cudaEventRecord(events.events[0], stream));
+  for (int r = 0; r < replays; ++r) {
+    DSA_CUDA_RETURN(cudaGraphLaunch(exec.exec, stream));
+    DSA_CUDA_RETURN(cudaEventRecord(events.events[r + 1], stream));
+  }
+  DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+  DSA_CUDA_RETURN(cudaGetLastError());
+
+  std::vector<float> replay_ms;
+  DSA_RETURN_IF_ERROR(events.intervals_ms(&replay_ms));
+  *median_us = median(replay_ms) * 1e3 / per_graph;
+  return Status();
+}
+
+Status measure_copy_GBps(cudaStream_t stream, size_t bytes, double* GBps) {
+  if (GBps == nullptr) return invalid_argument("GBps", "a result pointer", "null");
+  if (bytes == 0) return invalid_argument("bytes", ">= 1", "0");
+  DeviceMemory source;
+  DeviceMemory destination;
+  DSA_RETURN_IF_ERROR(source.allocate(bytes));
+  DSA_RETURN_IF_ERROR(destination.allocate(bytes));
+  // Defined contents, so that memory checkers see no read of uninitialized memory.
+  DSA_CUDA_RETURN(cudaMemsetAsync(source.get(), 0x5A, bytes, stream));
+  for (int i = 0; i < kCopyWarmups; ++i) {
+    DSA_CUDA_RETURN(cudaMemcpyAsync(destination.get(), source.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+  EventSequence events;
+  DSA_RETURN_IF_ERROR(events.create(kCopySamples + 1));
+  DSA_CUDA_RETURN(cudaEventRecord(events.events[0], stream));
+  for (int i = 0; i < kCopySamples; ++i) {
+    DSA_CUDA_RETURN(cudaMemcpyAsync(destination.get(), source.get(), bytes, cudaMemcpyDeviceToDevice, stream));
+    DSA_CUDA_RETURN(cudaEventRecord(events.events[i + 1], stream));
+  }
+  DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+  std::vector<float> copy_ms;
+  DSA_RETURN_IF_ERROR(events.intervals_ms(&copy_ms));
+  // Every byte is read once and written once.
+  *GBps = 2.0 * static_cast<double>(bytes) / (median(copy_ms) * 1e-3) / 1e9;
+  return Status();
+}
+
+// ---------------------------------------------------------------- report
+
+std::string Report::json_path(const Context& ctx, const std::string& dir) const {
+  const std::string file = file_name_part(bench_) + "_" + file_name_part(ctx.date) + "_" +
+                           file_name_part(ctx.commit) + ".json";
+  return (std::filesystem::path(dir) / file).string();
+}
+
+Status Report::write_json(const Context& ctx, const std::string& dir) const {
+  std::error_code error;
+  std::filesystem::create_directories(dir, error);
+  if (error) return invalid_argument("dir", "a directory that can be created", dir + " (" + error.message() + ")");
+
+  std::ostringstream json;
+  json << "{\"bench\": " << json_string(bench_) << ", \"gpu\": " << json_string(ctx.gpu_name)
+       << ", \"commit\": " << json_string(ctx.commit) << ",\n \"date\": " << json_string(ctx.date)
+       << ", \"copy_GBps\": " << json_number(ctx.copy_GBps) << ",\n \"rows\": [";
+  for (size_t r = 0; r < rows_.size(); ++r) {
+    const Row& row = rows_[r];
+    json << (r == 0 ? "\n  " : ",\n  ") << "{\"name\": " << json_string(row.name) << ", \"params\": {";
+    for (size_t p = 0; p < row.params.size(); ++p) {
+      json << (p == 0 ? "" : ", ") << json_string(row.params[p].first) << ": " << json_number(row.params[p].second);
+    }
+    json << "}, \"us\": " << json_number(row.us);
+    if (!row.baseline.empty()) {
+      json << ", \"baseline\": " << json_string(row.baseline) << ", \"baseline_us\": " << json_number(row.baseline_us)
+           << ", \"speedup\": " << json_number(row.us > 0 ? row.baseline_us / row.us : NAN);
+    }
+    if (row.floor_us > 0) {
+      json << ", \"floor_us\": " << json_number(row.floor_us)
+           << ", \"bw_fraction\": " << json_number(row.us > 0 ? row.floor_us / row.us : NAN);
+    }
+    if (row.tflops > 0) json << ", \"tflops\": " << json_number(row.tflops);
+    if (!row.note.empty()) json << ", \"note\": " << json_string(row.note);
+    json << "}";
+  }
+  json << "\n ]}\n";
+
+  const std::string path = json_path(ctx, dir);
+  std::ofstream file(path, std::ios::trunc);
+  file << json.str();
+  file.close();
+  if (!file) return invalid_argument("dir", "a writable directory", "failed to write " + path);
+  return Status();
+}
+
+void Report::print(const Context& ctx) const {
+  struct Column {
+    const char* title;
+    bool left_aligned;
+    std::function<std::string(const Row&)> cell;  // empty: not set for this row
+  };
+  const std::vector<Column> columns = {
+      {"name", true, [](const Row& r) { return r.name; }},
+      {"params", true, [](const Row& r) { return params_text(r); }},
+      {"us", false, [](const Row& r) { return fixed(r.us, "%.2f"); }},
+      {"floor_us", false, [](const Row& r) { return r.floor_us > 0 ? fixed(r.floor_us, "%.2f") : ""; }},
+      {"bw_fraction", false,
+       [](const Row& r) { return r.floor_us > 0 && r.us > 0 ? fixed(100 * r.floor_us / r.us, "%.0f%%") : ""; }},
+      {"baseline_us", false, [](const Row& r) { return r.baseline.empty() ? "" : fixed(r.baseline_us, "%.2f"); }},
+      {"speedup", false,
+       [](const Row& r) { return !r.baseline.empty() && r.us > 0 ? fixed(r.baseline_us / r.us, "%.2fx") : ""; }},
+      {"TFLOP/s", false, [](const Row& r) { return r.tflops > 0 ? fixed(r.tflops, "%.1f") : ""; }},
+      {"baseline", true, [](const Row& r) { return r.baseline; }},
+      {"note", true, [](const Row& r) { return r.note; }},
+  };
+
+  // Only the columns some row sets, each as wide as its widest cell.
+  std::vector<const Column*> shown;
+  std::vector<std::vector<std::string>> cells;
+  std::vector<size_t> widths;
+  for (const Column& column : columns) {
+    std::vector<std::string> column_cells;
+    bool any_set = false;
+    size_t width = std::string(column.title).size();
+    for (const Row& row : rows_) {
+      column_cells.push_back(column.cell(row));
+      any_set = any_set || !column_cells.back().empty();
+      width = std::max(width, column_cells.back().size());
+    }
+    if (!any_set) continue;
+    shown.push_back(&column);
+    cells.push_back(std::move(column_cells));
+    widths.push_back(width);
+  }
+
+  std::printf("== %s on %s (commit %s, %s, copy %.0f GB/s)\n", bench_.c_str(), ctx.gpu_name.c_str(),
+              ctx.commit.c_str(), ctx.date.c_str(), ctx.copy_GBps);
+  auto print_line = [&](auto cell_of) {
+    std::string line;
+    for (size_t c = 0; c < shown.size(); ++c) {
+      std::string text = cell_of(c);
+      if (text.empty()) text = "-";
+      const std::string pad(widths[c] - std::min(widths[c], text.size()), ' ');
+      line += shown[c]->left_aligned ? text + pad : pad + text;
+      if (c + 1 < shown.size()) line += "  ";
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    std::printf("%s\n", line.c_str());
+  };
+  if (rows_.empty()) {
+    std::printf("(no rows)\n");
+    std::fflush(stdout);
+    return;
+  }
+  print_line([&](size_t c) { return std::string(shown[c]->title); });
+  for (size_t r = 0; r < rows_.size(); ++r) print_line([&](size_t c) { return cells[c][r]; });
+  std::fflush(stdout);
+}
+
+// ---------------------------------------------------------------- registry
+
+namespace {
+// A function-local static: registrars in other translation units run during
+// static initialization, in an order C++ leaves unspecified.
+std::vector<RegisteredBench>& registry() {
+  static std::vector<RegisteredBench> benches;
+  return benches;
+}
+}  // namespace
+
+Registrar::Registrar(const char* name, BenchFn fn) { registry().push_back({name, fn}); }
+
+std::vector<RegisteredBench> registered_benches() {
+  std::vector<RegisteredBench> benches = registry();
+  std::stable_sort(benches.begin(), benches.end(),
+                   [](const RegisteredBench& a, const RegisteredBench& b) { return a.name < b.name; });
+  return benches;
+}
+
+}  // namespace dsa::bench
