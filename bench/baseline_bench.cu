@@ -11,6 +11,7 @@
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/presets.h"
+#include "dsa_decode/stock.h"
 #include "harness.h"
 
 namespace dsa::bench {
@@ -46,11 +47,12 @@ struct ProductBuffers {
   const uint16_t* x_copy(int c) const { return x.as<uint16_t>() + c * x_elements; }
   uint16_t* out_copy(int c) const { return out.as<uint16_t>() + c * out_elements; }
 
-  Status enqueue(cublasHandle_t handle, int m, int copy, cudaStream_t stream) const {
+  Status enqueue(cublasHandle_t handle, int m, int copy) const {
     const int64_t I = product.rows_I;
     const int64_t J = product.cols_J;
-    return cublas_head_bmm(handle, x_copy(copy), heads * I, weight_copy(copy), I * J, J, out_copy(copy), m, heads,
-                           product.rows_I, product.cols_J, stream);
+    return cublas_head_bmm(handle, make_tensor(const_cast<uint16_t*>(x_copy(copy)), DType::kBF16, {m, heads, I}),
+                           make_tensor(const_cast<uint16_t*>(weight_copy(copy)), DType::kBF16, {heads, I, J}),
+                           make_tensor(out_copy(copy), DType::kBF16, {m, heads, J}));
   }
 };
 
@@ -91,7 +93,7 @@ Status check_against_cpu(const ProductBuffers& buffers, cublasHandle_t handle, c
   const int I = buffers.product.rows_I;
   const int J = buffers.product.cols_J;
   DSA_CUDA_RETURN(cudaMemsetAsync(buffers.out_copy(0), 0xFF, buffers.out_elements * kBF16Bytes, stream));  // NaN
-  DSA_RETURN_IF_ERROR(buffers.enqueue(handle, m, 0, stream));
+  DSA_RETURN_IF_ERROR(buffers.enqueue(handle, m, 0));
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
   std::vector<uint16_t> x;
   std::vector<uint16_t> w;
@@ -142,7 +144,7 @@ Status time_product(Context& ctx, Report& report, const ProductBuffers& buffers,
   const int J = buffers.product.cols_J;
   for (int m : kTokenCounts) {
     const Enqueue enqueue = [&](cudaStream_t stream, int i) {
-      return buffers.enqueue(handle, m, i % buffers.copies, stream);
+      return buffers.enqueue(handle, m, i % buffers.copies);
     };
     double us = 0;
     DSA_RETURN_IF_ERROR(time_graph(ctx, enqueue, &us, std::max(kMinPerGraph, buffers.copies)));

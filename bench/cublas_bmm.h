@@ -1,7 +1,6 @@
-// The stock path's per-head batched product, exactly as vLLM runs it through
-// torch.bmm(x.transpose(0, 1), W, out=out.transpose(0, 1)): one
-// cublasGemmStridedBatchedEx over the heads, BF16 in and out, FP32 compute.
-// Benchmarks of the fused kernels time it as their baseline.
+// A cuBLAS handle for benchmarks and the program: bound to one stream with its
+// workspace allocated up front, so products through it (dsa::cublas_head_bmm,
+// include/dsa_decode/stock.h) can be captured in a CUDA graph.
 #pragma once
 
 #include <cublas_v2.h>
@@ -35,15 +34,5 @@ class CublasHandle {
   cublasHandle_t handle_ = nullptr;
   DeviceMemory workspace_;
 };
-
-// out[t, h, j] = sum_i x[t, h, i] * w[h, i, j] for t < m, h < heads, as BF16.
-//   x:   BF16, token t head h row i at t * x_token_stride + h * rows_I + i
-//   w:   BF16, head h row i column j at h * w_head_stride + i * w_row_stride + j
-//   out: BF16 [m, heads, cols_J], contiguous
-// `handle` must already be bound to `stream` (CublasHandle::create); the
-// call allocates nothing and synchronizes nothing, so it can be captured.
-Status cublas_head_bmm(cublasHandle_t handle, const void* x, int64_t x_token_stride, const void* w,
-                       int64_t w_head_stride, int64_t w_row_stride, void* out, int m, int heads, int rows_I,
-                       int cols_J, cudaStream_t stream);
 
 }  // namespace dsa::bench
