@@ -1,1 +1,77 @@
-int main() { return 0; }
+// dsa-decode: the project's main job. Builds a synthetic DSA layer at a model
+// preset, runs one decode step of its attention half through the fused and
+// the stock path on the GPU, checks them against each other and the CPU
+// reference, and times every kernel and both chains. Without a usable GPU
+// (or with --cpu) it runs the CPU reference chain at the preset.
+//
+// Today's chain stops short of the indexer and the attention (issues 4, 5):
+// a synthetic latent stands in for the attention's output. The stage (issue 6)
+// slots them in between the absorb and the value-up.
+#include <cstdio>
+#include <string>
+
+#include "cpu_path.h"
+#include "dsa_decode/presets.h"
+#include "gpu_path.h"
+#include "options.h"
+#include "synthetic_layer.h"
+
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitUsage = 2;
+
+// The preset's shapes on one rank; false with a message for an unknown
+// preset, a RoPE preset, or a TP degree that does not divide its heads.
+bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape, std::string* error) {
+  dsa::ModelPreset preset{};
+  if (!dsa::find_preset(options.preset, &preset).ok()) {
+    *error = "--preset: got '" + options.preset + "', expected one of " + dsa::preset_names();
+    return false;
+  }
+  if (preset.qk_rope != 0) {
+    *error = "--preset: '" + options.preset + "' uses RoPE (" + std::to_string(preset.qk_rope) +
+             " rope dims per head), which dsa-decode does not support yet; NoPE presets: glm5next";
+    return false;
+  }
+  dsa::ModelPreset rank{};
+  if (!dsa::per_rank(preset, options.tp, &rank).ok()) {
+    *error = "--tp: got '" + std::to_string(options.tp) + "', expected a divisor of " + preset.name + "'s " +
+             std::to_string(preset.heads) + " heads";
+    return false;
+  }
+  *shape = dsa::cli::make_step_shape(rank, options.tokens, options.context);
+  return true;
+}
+
+int usage_error(const std::string& message) {
+  std::fprintf(stderr, "dsa-decode: %s\n", message.c_str());
+  std::fprintf(stderr, "(dsa-decode --help lists the options)\n");
+  return kExitUsage;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  dsa::cli::Options options;
+  std::string error;
+  if (!dsa::cli::parse_options(argc, argv, &options, &error)) return usage_error(error);
+  if (options.help) {
+    dsa::cli::print_usage(stdout);
+    return kExitOk;
+  }
+  dsa::cli::StepShape shape{};
+  if (!resolve_shape(options, &shape, &error)) return usage_error(error);
+
+  if (options.force_cpu) {
+    std::printf("--cpu: running the CPU reference at %s\n", shape.describe().c_str());
+  } else if (const std::string reason = dsa::cli::unusable_gpu_reason(); !reason.empty()) {
+    std::printf("no CUDA GPU (%s): running the CPU reference at %s\n", reason.c_str(), shape.describe().c_str());
+  } else {
+    return dsa::cli::run_gpu_path(shape, options);
+  }
+  if (!options.json_path.empty()) {
+    std::printf("(--json: the CPU path times no GPU kernels; no JSON written)\n");
+  }
+  return dsa::cli::run_cpu_path(shape, options.seed);
+}

@@ -1,0 +1,127 @@
+#include "cpu_path.h"
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "compare.h"
+#include "dsa_decode/numerics.h"
+#include "reference_chain.h"
+
+namespace dsa::cli {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+// Runs `work` and returns its wall time in milliseconds.
+template <class Work>
+double timed_ms(Work&& work) {
+  const Clock::time_point start = Clock::now();
+  work();
+  return ms_since(start);
+}
+
+constexpr int kShownValues = 4;
+
+std::string first_bf16(const std::vector<uint16_t>& values) {
+  std::string text;
+  for (size_t i = 0; i < values.size() && i < kShownValues; ++i) {
+    char number[24];
+    std::snprintf(number, sizeof(number), "%s%.4g", i ? " " : "", num::bf16_to_float(values[i]));
+    text += number;
+  }
+  return text;
+}
+
+std::string first_fp8(const uint8_t* codes, size_t count, float scale) {
+  std::string text;
+  for (size_t i = 0; i < count && i < kShownValues; ++i) {
+    char number[24];
+    std::snprintf(number, sizeof(number), "%s%.4g", i ? " " : "", num::e4m3_to_float(codes[i]) * scale);
+    text += number;
+  }
+  return text;
+}
+
+// ms < 0: the output comes from the previous row's kernel (no time of its own).
+void print_row(const char* kernel, const std::string& output, double ms, uint64_t fingerprint,
+               const std::string& values) {
+  char time[24] = "";
+  if (ms >= 0) std::snprintf(time, sizeof(time), "%.2f", ms);
+  std::printf("%-12s %-30s %9s  %016llx  %s\n", kernel, output.c_str(), time,
+              static_cast<unsigned long long>(fingerprint), values.c_str());
+}
+
+std::string shape_text(std::initializer_list<int64_t> dims) {
+  std::string text = "[";
+  for (int64_t d : dims) text += (text.size() > 1 ? ", " : "") + std::to_string(d);
+  return text + "]";
+}
+
+}  // namespace
+
+int run_cpu_path(const StepShape& s, uint64_t seed) {
+  HostWeights weights;
+  HostStepInputs inputs;
+  // Only the blocks the new tokens land in: the context sizes the cache, the
+  // reference touches just these.
+  const int64_t first_block = s.context / kCacheBlockSize;
+  HostCache cache;
+  const double make_ms = timed_ms([&] {
+    weights = make_weights(s, seed);
+    inputs = make_step_inputs(s, seed);
+    cache = make_cache(s, weights, seed, first_block, s.cache_blocks() - first_block);
+  });
+  const double weight_mb = 2e-6 * double(weights.q_b_proj.size() + weights.w_uk_t.size() + weights.w_uv.size());
+  std::printf("synthetic layer (seed %llu): %.1f MB of BF16 weights (q_b_proj [%lld, %d], W_UK_T [%d, %d, %d], "
+              "W_UV [%d, %d, %d]), q_scale = k_scale = %.6g, eps %g; made in %.0f ms\n",
+              static_cast<unsigned long long>(seed), weight_mb, static_cast<long long>(s.q_width()), s.Q, s.H, s.P,
+              s.L, s.H, s.L, s.V, weights.q_scale, weights.eps, make_ms);
+  std::printf("latent: a synthetic stand-in for the attention output (the sparse MLA attention, issue 4, and the "
+              "indexer, issue 5, are not built yet)\n");
+  std::printf("KV cache [%lld blocks, %d, %d] FP8 e4m3, new tokens at slots %lld..%lld; the CPU holds blocks "
+              "%lld..%lld only\n\n",
+              static_cast<long long>(s.cache_blocks()), kCacheBlockSize, s.L, static_cast<long long>(s.context),
+              static_cast<long long>(s.context + s.m - 1), static_cast<long long>(cache.first_block),
+              static_cast<long long>(cache.first_block + cache.blocks - 1));
+
+  NormOutputs normed;
+  std::vector<uint16_t> q, out;
+  std::vector<uint8_t> q_fp8;
+  int skipped_slots = 0;
+  const HeadGemvTactic absorb = absorb_tactic(s), value_up = value_up_tactic(s);
+  const double norm_ms = timed_ms([&] { normed = reference_norm(s, weights, inputs.qkv); });
+  const double q_b_ms = timed_ms([&] { q = reference_q_b_proj(s, weights, normed.q_c); });
+  const double absorb_ms = timed_ms([&] { q_fp8 = reference_absorb(s, weights, q, absorb); });
+  const double cache_ms =
+      timed_ms([&] { skipped_slots = reference_cache_write(s, weights, normed.kv_c, inputs.slot_mapping, &cache); });
+  const double value_up_ms = timed_ms([&] { out = reference_value_up(s, weights, inputs.latent, value_up); });
+
+  std::printf("%-12s %-30s %9s  %-16s  %s\n", "kernel", "output", "CPU ms", "fingerprint", "first values (token 0)");
+  print_row("norm", "q_c " + shape_text({s.m, s.Q}) + " BF16", norm_ms, fingerprint(normed.q_c),
+            first_bf16(normed.q_c));
+  print_row("", "kv_c " + shape_text({s.m, s.L}) + " BF16", -1, fingerprint(normed.kv_c), first_bf16(normed.kv_c));
+  print_row("q_b_proj", "q " + shape_text({s.m, s.H, s.P}) + " BF16", q_b_ms, fingerprint(q), first_bf16(q));
+  print_row("absorb", "q_fp8 " + shape_text({s.m, s.H, s.L}) + " e4m3", absorb_ms, fingerprint(q_fp8),
+            first_fp8(q_fp8.data(), q_fp8.size(), weights.q_scale) + " (dequantized)");
+  const size_t first_entry = size_t(s.context - cache.first_slot()) * s.L;
+  const std::vector<uint8_t> written(cache.bytes.begin() + first_entry, cache.bytes.begin() + first_entry + size_t(s.m) * s.L);
+  print_row("cache write", std::to_string(s.m) + " entries of " + std::to_string(s.L) + " e4m3", cache_ms,
+            fingerprint(written), first_fp8(written.data(), written.size(), weights.k_scale) + " (dequantized)");
+  print_row("value_up", "out " + shape_text({s.m, s.H, s.V}) + " BF16", value_up_ms, fingerprint(out),
+            first_bf16(out));
+  std::printf("\nhead_gemv tactics (tile/rows per thread): absorb %d/%d, value_up %d/%d; q_fp8 saturated at +-448: "
+              "%zu of %zu; slots outside the cache: %d\n",
+              absorb.tile, absorb.rows_per_thread, value_up.tile, value_up.rows_per_thread,
+              count_saturated_fp8(q_fp8), q_fp8.size(), skipped_slots);
+  std::printf("CPU reference chain: %.0f ms\n", norm_ms + q_b_ms + absorb_ms + cache_ms + value_up_ms);
+  return 0;
+}
+
+}  // namespace dsa::cli

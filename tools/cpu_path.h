@@ -1,0 +1,15 @@
+// The CPU path of dsa-decode: the reference chain at the preset, for machines
+// without the GPU (or with --cpu). It shows what the GPU path computes and
+// checks against; it times nothing of the GPU's.
+#pragma once
+
+#include <cstdint>
+
+#include "synthetic_layer.h"
+
+namespace dsa::cli {
+
+// Runs and prints the chain; returns the process exit code.
+int run_cpu_path(const StepShape& shape, uint64_t seed);
+
+}  // namespace dsa::cli

@@ -1,0 +1,84 @@
+// The synthetic layer and one decode step's buffers on the GPU, and every
+// launch of the two chains:
+//   fused: norm -> q_b_proj -> head_gemv absorb (FP8 out + cache write) -> head_gemv value-up
+//   stock: norm -> q_b_proj -> concat_and_cache_mla -> cuBLAS bmm -> static FP8 quant -> cuBLAS bmm
+// norm and q_b_proj are shared (same buffers, same launches). The two paths
+// write their own outputs and their own copy of the KV cache, so they can be
+// compared after both ran.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "dsa_decode/head_gemv.h"
+#include "dsa_decode/status.h"
+#include "dsa_decode/tensor.h"
+#include "harness.h"
+#include "synthetic_layer.h"
+
+namespace dsa::cli {
+
+// Identical copies of one weight, so that timed launches can rotate through
+// more bytes than the L2 holds (each launch then reads its weights from memory,
+// as in a model where the other layers run between two calls of this one).
+class ReplicatedBuffer {
+ public:
+  Status upload(const void* host, size_t bytes, int copies, cudaStream_t stream);
+  void* copy(int i) const;
+
+ private:
+  bench::DeviceMemory memory_;
+  size_t stride_ = 0;  // bytes between copies, 256-byte aligned
+  int copies_ = 1;
+};
+
+// What the checks read back after a run.
+struct StepOutputs {
+  std::vector<uint16_t> q_c, kv_c, q;  // shared: [m, Q], [m, L], [m, H*P]
+  std::vector<uint8_t> q_fp8_fused, q_fp8_stock;  // [m, H, L]
+  std::vector<uint16_t> out_fused, out_stock;     // [m, H, V]
+  std::vector<uint8_t> cache_fused, cache_stock;  // whole caches
+  unsigned int skipped_slots_fused = 0, skipped_slots_stock = 0;  // the cache writes' error counters
+};
+
+class DeviceStep {
+ public:
+  // Uploads everything on `stream` and waits for it. `cache` is the whole
+  // cache (first block 0); `handle` is bound to `stream` (bench::CublasHandle).
+  Status init(const StepShape& shape, const HostWeights& weights, const HostStepInputs& inputs, const HostCache& cache,
+              int weight_copies, cublasHandle_t handle, cudaStream_t stream);
+
+  // The launches, on `stream` (the handle's), reading weight copy `copy % weight_copies`.
+  Status norm(cudaStream_t stream, int copy) const;
+  Status q_b_proj(cudaStream_t stream, int copy) const;
+  Status fused_absorb(cudaStream_t stream, int copy) const;  // FP8 q + cache write, one launch
+  Status fused_value_up(cudaStream_t stream, int copy) const;
+  Status stock_cache_write(cudaStream_t stream, int copy) const;
+  Status stock_absorb_bmm(cudaStream_t stream, int copy) const;
+  Status stock_fp8_quant(cudaStream_t stream, int copy) const;
+  Status stock_value_up_bmm(cudaStream_t stream, int copy) const;
+
+  // Waits for `stream`, then copies every output back.
+  Status download(cudaStream_t stream, StepOutputs* out) const;
+
+ private:
+  TensorView q_view() const;                // [m, H, P] BF16
+  TensorView cache_view(void* data) const;  // [blocks, 256, L] FP8
+  KvCacheWrite cache_write(void* cache, unsigned int* error_count) const;
+  Status check_cublas_stream(cudaStream_t stream) const;
+
+  StepShape s_{};
+  cublasHandle_t handle_ = nullptr;
+  float eps_ = 0;
+  ReplicatedBuffer q_norm_gamma_, kv_norm_gamma_, q_b_proj_, w_uk_t_, w_uv_;
+  bench::DeviceMemory scales_;  // [q_scale, k_scale] f32
+  bench::DeviceMemory qkv_, q_c_, kv_c_, q_, latent_, slots_;
+  bench::DeviceMemory q_fp8_fused_, out_fused_, cache_fused_;
+  bench::DeviceMemory q_bf16_stock_, q_fp8_stock_, out_stock_, cache_stock_;
+  bench::DeviceMemory error_counts_;  // [fused, stock]
+};
+
+}  // namespace dsa::cli

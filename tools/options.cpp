@@ -1,0 +1,134 @@
+#include "options.h"
+
+#include <charconv>
+#include <limits>
+#include <system_error>
+
+#include "dsa_decode/presets.h"
+
+namespace dsa::cli {
+
+void print_usage(FILE* to) {
+  std::fprintf(to,
+               "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
+               "                  [--json FILE] [--cpu] [--help]\n"
+               "Runs one decode step of a DSA layer's attention half on a synthetic layer, through the\n"
+               "fused path and the stock path, checks they agree with each other and with the CPU\n"
+               "reference, and times each kernel and each chain (CUDA-graph replay, cold L2).\n"
+               "Without an sm_90 GPU (or with --cpu) it runs the CPU reference chain instead.\n"
+               "  --preset NAME  model preset: %s (default glm5next; the RoPE presets\n"
+               "                 glm5 and dsv32 are not supported yet)\n"
+               "  --tp N         tensor-parallel degree: the layer of one rank has heads / N heads (default 1)\n"
+               "  --tokens M     decode tokens in the step, 1..%d (default 4)\n"
+               "  --context N    tokens already in the KV cache, 0..%lld; the new tokens go to slots\n"
+               "                 N..N+M-1 (default 32768)\n"
+               "  --steps N      graph replays per timing, 1..%d (default 200)\n"
+               "  --seed N       seed of the synthetic weights and inputs (default 1)\n"
+               "  --json FILE    write the timings and checks as JSON (GPU path)\n"
+               "  --cpu          run the CPU reference even when a GPU is present\n"
+               "  --help         this text\n"
+               "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
+               "Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS call failed, 2 bad command line.\n",
+               preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps);
+}
+
+namespace {
+
+std::string range_text(long long low, long long high) {
+  return "an integer from " + std::to_string(low) + " to " + std::to_string(high);
+}
+
+// What each option that takes a value expects, for the error messages.
+std::string expected_value(const std::string& option) {
+  if (option == "--preset") return "one of " + preset_names();
+  if (option == "--tp") return range_text(1, kMaxTp);
+  if (option == "--tokens") return range_text(1, kMaxDecodeTokens);
+  if (option == "--context") return range_text(0, kMaxContext);
+  if (option == "--steps") return range_text(1, kMaxSteps);
+  if (option == "--seed") return "an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
+  if (option == "--json") return "a file name";
+  return "";  // a flag
+}
+
+bool takes_value(const std::string& option) { return !expected_value(option).empty(); }
+
+std::string bad_value(const std::string& option, const std::string& given) {
+  return option + ": got '" + given + "', expected " + expected_value(option);
+}
+
+// The whole of `text` as an integer in [low, high]; nothing else accepted.
+template <class Int>
+bool parse_integer(const std::string& option, const std::string& text, Int low, Int high, Int* value,
+                   std::string* error) {
+  Int parsed{};
+  const char* end = text.data() + text.size();
+  const auto [stop, code] = std::from_chars(text.data(), end, parsed);
+  if (text.empty() || code != std::errc() || stop != end || parsed < low || parsed > high) {
+    *error = bad_value(option, text);
+    return false;
+  }
+  *value = parsed;
+  return true;
+}
+
+// Stores `value` into the option's field; false with a message when it is not
+// a valid value of that option.
+bool apply_value(const std::string& option, const std::string& value, Options* o, std::string* error) {
+  if (option == "--tp") return parse_integer(option, value, 1, kMaxTp, &o->tp, error);
+  if (option == "--tokens") return parse_integer(option, value, 1, kMaxDecodeTokens, &o->tokens, error);
+  if (option == "--context") return parse_integer<int64_t>(option, value, 0, kMaxContext, &o->context, error);
+  if (option == "--steps") return parse_integer(option, value, 1, kMaxSteps, &o->steps, error);
+  if (option == "--seed") {
+    return parse_integer<uint64_t>(option, value, 0, std::numeric_limits<uint64_t>::max(), &o->seed, error);
+  }
+  if (value.empty()) {  // --preset (resolved against the preset table by the caller), --json
+    *error = bad_value(option, value);
+    return false;
+  }
+  (option == "--preset" ? o->preset : o->json_path) = value;
+  return true;
+}
+
+}  // namespace
+
+bool parse_options(int argc, char** argv, Options* options, std::string* error) {
+  for (int i = 1; i < argc; ++i) {
+    std::string option = argv[i];
+    std::string value;
+    bool has_value = false;
+    if (const size_t equals = option.find('='); option.rfind("--", 0) == 0 && equals != std::string::npos) {
+      value = option.substr(equals + 1);
+      option = option.substr(0, equals);
+      has_value = true;
+    }
+    if (takes_value(option)) {
+      if (!has_value) {
+        if (i + 1 >= argc) {
+          *error = option + ": missing value, expected " + expected_value(option);
+          return false;
+        }
+        value = argv[++i];
+      }
+      if (!apply_value(option, value, options, error)) return false;
+    } else if (option == "--cpu" || option == "--help" || option == "-h") {
+      if (has_value) {
+        *error = option + ": takes no value, got '" + value + "'";
+        return false;
+      }
+      if (option == "--cpu") {
+        options->force_cpu = true;
+      } else {
+        options->help = true;
+      }
+    } else if (option.rfind("-", 0) == 0) {
+      *error = "unknown option '" + option + "'";
+      return false;
+    } else {
+      *error = "unexpected argument '" + option + "' (every option is --name VALUE)";
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace dsa::cli

@@ -1,0 +1,78 @@
+#include "reference_chain.h"
+
+#include <cmath>
+
+#include "dsa_decode/numerics.h"
+#include "head_gemv/head_gemv_reference.h"
+#include "norm/norm_reference.h"
+
+namespace dsa::cli {
+
+HeadGemvTactic absorb_tactic(const StepShape& s) { return head_gemv_tactic(s.H, s.P, s.L, s.m); }
+HeadGemvTactic value_up_tactic(const StepShape& s) { return head_gemv_tactic(s.H, s.L, s.V, s.m); }
+
+NormOutputs reference_norm(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& qkv) {
+  NormOutputs out;
+  out.q_c.resize(size_t(s.m) * s.Q);
+  out.kv_c.resize(size_t(s.m) * s.L);
+  reference::qkv_rmsnorm(qkv.data(), s.qkv_width(), w.q_norm_gamma.data(), w.kv_norm_gamma.data(), s.m, s.Q, s.L,
+                         w.eps, out.q_c.data(), out.kv_c.data());
+  return out;
+}
+
+std::vector<uint16_t> reference_q_b_proj(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q_c) {
+  // q_c transposed to [Q][kMaxDecodeTokens], zero-padded: the tokens' sums are
+  // independent, so the innermost loop runs over them and vectorizes, while
+  // each token's sum still goes through k in order.
+  std::vector<float> x(size_t(s.Q) * kMaxDecodeTokens, 0.0f);
+  for (int t = 0; t < s.m; ++t) {
+    for (int k = 0; k < s.Q; ++k) x[size_t(k) * kMaxDecodeTokens + t] = num::bf16_to_float(q_c[size_t(t) * s.Q + k]);
+  }
+  const int64_t n_out = s.q_width();
+  std::vector<uint16_t> q(size_t(s.m) * n_out);
+  for (int64_t n = 0; n < n_out; ++n) {
+    const uint16_t* weight_row = &w.q_b_proj[size_t(n) * s.Q];
+    float acc[kMaxDecodeTokens] = {};
+    for (int k = 0; k < s.Q; ++k) {
+      const float weight = num::bf16_to_float(weight_row[k]);
+      const float* xk = &x[size_t(k) * kMaxDecodeTokens];
+      // A rounded product and a rounded sum: the build keeps them apart (-ffp-contract=off).
+      for (int t = 0; t < kMaxDecodeTokens; ++t) acc[t] += xk[t] * weight;
+    }
+    for (int t = 0; t < s.m; ++t) q[size_t(t) * n_out + n] = num::float_to_bf16(acc[t]);
+  }
+  return q;
+}
+
+namespace {
+// head_gemv's host arguments for x [m, H, I] and weight [H, I, J], both dense.
+reference::HeadGemvHost dense_head_gemv(const std::vector<uint16_t>& x, const std::vector<uint16_t>& weight, int m,
+                                        int heads, int rows, int cols) {
+  return reference::HeadGemvHost{x.data(), int64_t{heads} * rows, weight.data(), int64_t{rows} * cols, cols,
+                                 m,        heads,                 rows,          cols};
+}
+}  // namespace
+
+std::vector<uint8_t> reference_absorb(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
+                                      HeadGemvTactic tactic) {
+  return reference::head_gemv_fp8(dense_head_gemv(q, w.w_uk_t, s.m, s.H, s.P, s.L), tactic, w.q_scale);
+}
+
+std::vector<uint16_t> reference_value_up(const StepShape& s, const HostWeights& w,
+                                         const std::vector<uint16_t>& latent, HeadGemvTactic tactic) {
+  return reference::head_gemv_bf16(dense_head_gemv(latent, w.w_uv, s.m, s.H, s.L, s.V), tactic);
+}
+
+int reference_cache_write(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& kv_c,
+                          const std::vector<int64_t>& slots, HostCache* cache) {
+  const std::vector<int64_t> local = cache->window_slots(slots);
+  // A slot before the window turns negative here and would pass for padding:
+  // count it with the ones past the window's end.
+  int before_window = 0;
+  for (size_t t = 0; t < slots.size(); ++t) before_window += slots[t] >= 0 && local[t] < 0 ? 1 : 0;
+  return before_window + reference::cache_write(kv_c.data(), s.L, s.m, s.L, local.data(), static_cast<int>(local.size()),
+                                                w.k_scale, cache->bytes.data(), cache->blocks, kCacheBlockSize,
+                                                int64_t{kCacheBlockSize} * s.L, s.L);
+}
+
+}  // namespace dsa::cli

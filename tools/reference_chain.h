@@ -1,0 +1,47 @@
+// The decode step's chain on the CPU, kernel by kernel, in the kernels' own
+// summation orders where they have a fixed one (src/*/..._reference.h):
+// norm -> q_b_proj -> absorb (FP8) + cache write -> value-up. The CPU path runs
+// it whole; the GPU path runs each piece on the GPU's own inputs to check the
+// kernel that made the same output.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dsa_decode/head_gemv.h"
+#include "synthetic_layer.h"
+
+namespace dsa::cli {
+
+struct NormOutputs {
+  std::vector<uint16_t> q_c;   // [m, Q] BF16
+  std::vector<uint16_t> kv_c;  // [m, L] BF16
+};
+
+// The head_gemv tactics the table gives for this step, used by the GPU
+// launches and the references alike (the summation order depends on them).
+HeadGemvTactic absorb_tactic(const StepShape& s);
+HeadGemvTactic value_up_tactic(const StepShape& s);
+
+// Both RMSNorms of qkv [m, Q + L].
+NormOutputs reference_norm(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& qkv);
+
+// q [m, H*P] = q_c [m, Q] x q_b_proj^T, FP32 products and sums in k order,
+// rounded to BF16. cuBLAS sums in another order, so this agrees with the
+// GPU's GEMM to BF16 rounding, not bitwise.
+std::vector<uint16_t> reference_q_b_proj(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q_c);
+
+// q_fp8 [m, H, L] = static FP8 quant of q [m, H, P] x W_UK_T, head_gemv's order.
+std::vector<uint8_t> reference_absorb(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
+                                      HeadGemvTactic tactic);
+
+// out [m, H, V] BF16 = latent [m, H, L] x W_UV, head_gemv's order.
+std::vector<uint16_t> reference_value_up(const StepShape& s, const HostWeights& w,
+                                         const std::vector<uint16_t>& latent, HeadGemvTactic tactic);
+
+// concat_and_cache_mla of kv_c [m, L] into `cache` at the (whole-cache) slots;
+// returns how many slots fell outside the cache's window (skipped).
+int reference_cache_write(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& kv_c,
+                          const std::vector<int64_t>& slots, HostCache* cache);
+
+}  // namespace dsa::cli

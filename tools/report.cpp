@@ -1,0 +1,131 @@
+#include "report.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+namespace dsa::cli {
+
+namespace {
+
+const char* verdict_text(Check::Verdict verdict) {
+  switch (verdict) {
+    case Check::Verdict::kPass: return "PASS";
+    case Check::Verdict::kFail: return "FAIL";
+    case Check::Verdict::kInfo: return "info";
+  }
+  return "?";
+}
+
+double floor_us(const RunReport& r, double bytes) { return bytes / (r.copy_GBps * 1e3); }
+double percent_of_floor(const RunReport& r, const Timing& t) { return 100 * floor_us(r, t.bytes) / t.us; }
+double GBps(const Timing& t) { return t.bytes / (t.us * 1e3); }
+
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char escaped[8];
+      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
+      out += escaped;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+// Integers as integers, others to 6 significant digits; JSON has no NaN.
+std::string json_number(double value) {
+  if (!std::isfinite(value)) return "null";
+  char text[32];
+  if (value == std::floor(value) && std::fabs(value) < 1e15) {
+    std::snprintf(text, sizeof(text), "%.0f", value);
+  } else {
+    std::snprintf(text, sizeof(text), "%.6g", value);
+  }
+  return text;
+}
+
+std::string json_row(const RunReport& r, const Timing& t) {
+  const StepShape& s = r.shape;
+  std::ostringstream row;
+  row << "{\"name\": " << json_string(t.name) << ", \"params\": {\"H\": " << s.H << ", \"m\": " << s.m
+      << ", \"context\": " << s.context << "}, \"path\": " << json_string(t.path) << ", \"us\": " << json_number(t.us);
+  if (t.baseline >= 0) {
+    const Timing& stock = r.timings[t.baseline];
+    row << ", \"baseline\": " << json_string(stock.label) << ", \"baseline_us\": " << json_number(stock.us)
+        << ", \"speedup\": " << json_number(stock.us / t.us);
+  }
+  row << ", \"floor_us\": " << json_number(floor_us(r, t.bytes))
+      << ", \"bw_fraction\": " << json_number(floor_us(r, t.bytes) / t.us) << ", \"GBps\": " << json_number(GBps(t))
+      << "}";
+  return row.str();
+}
+
+}  // namespace
+
+void print_check(const Check& check) {
+  std::printf("%s  %s: %s\n", verdict_text(check.verdict), check.name.c_str(), check.detail.c_str());
+  std::fflush(stdout);
+}
+
+void print_timings(const RunReport& r) {
+  std::printf("\ntimings: CUDA-graph replay, median of %d replays; weights rotated through %d copies (cold L2); "
+              "floor = bytes / measured copy rate %.0f GB/s\n",
+              r.steps, r.weight_copies, r.copy_GBps);
+  std::printf("%-46s %-6s %9s %9s %8s\n", "kernel, alone", "path", "us", "GB/s", "% floor");
+  double fused_sum = 0, stock_sum = 0;
+  for (const Timing& t : r.timings) {
+    if (!t.single_kernel) continue;
+    std::printf("%-46s %-6s %9.2f %9.0f %7.0f%%\n", t.label.c_str(), t.path.c_str(), t.us, GBps(t),
+                percent_of_floor(r, t));
+    if (t.path != "stock") fused_sum += t.us;
+    if (t.path != "fused") stock_sum += t.us;
+  }
+  std::printf("\n%-46s %9s %8s %9s %8s %8s\n", "fused vs stock", "fused us", "% floor", "stock us", "% floor",
+              "speedup");
+  for (const Timing& t : r.timings) {
+    if (t.baseline < 0) continue;
+    const Timing& stock = r.timings[t.baseline];
+    std::printf("%-46s %9.2f %7.0f%% %9.2f %7.0f%% %7.2fx\n", t.label.c_str(), t.us, percent_of_floor(r, t), stock.us,
+                percent_of_floor(r, stock), stock.us / t.us);
+  }
+  std::printf("kernels alone, summed: fused path %.2f us, stock path %.2f us (a chain runs them back to back, "
+              "with PDL on the fused kernels)\n",
+              fused_sum, stock_sum);
+  std::fflush(stdout);
+}
+
+Status write_json(const RunReport& r, const std::string& path) {
+  std::ostringstream json;
+  const StepShape& s = r.shape;
+  json << "{\"bench\": \"dsa-decode\", \"gpu\": " << json_string(r.gpu) << ", \"commit\": " << json_string(r.commit)
+       << ",\n \"date\": " << json_string(r.date) << ", \"copy_GBps\": " << json_number(r.copy_GBps)
+       << ",\n \"preset\": " << json_string(s.preset) << ", \"tp\": " << s.tp << ", \"params\": {\"H\": " << s.H
+       << ", \"m\": " << s.m << ", \"context\": " << s.context << "}, \"steps\": " << r.steps
+       << ", \"weight_copies\": " << r.weight_copies
+       << ",\n \"note\": \"latent is a synthetic stand-in for the attention output; no indexer or attention yet "
+          "(issues 4, 5)\",\n \"checks\": [";
+  for (size_t i = 0; i < r.checks.size(); ++i) {
+    const Check& c = r.checks[i];
+    json << (i ? ",\n  " : "\n  ") << "{\"name\": " << json_string(c.name)
+         << ", \"result\": " << json_string(verdict_text(c.verdict)) << ", \"detail\": " << json_string(c.detail)
+         << "}";
+  }
+  json << "\n ],\n \"rows\": [";
+  for (size_t i = 0; i < r.timings.size(); ++i) json << (i ? ",\n  " : "\n  ") << json_row(r, r.timings[i]);
+  json << "\n ]}\n";
+
+  std::ofstream file(path, std::ios::trunc);
+  file << json.str();
+  file.close();
+  if (!file) return invalid_argument("--json", "a writable file", "'" + path + "' (could not be written)");
+  return Status();
+}
+
+}  // namespace dsa::cli

@@ -1,0 +1,45 @@
+// What the GPU path found: its checks, its timings, printed as tables and
+// written as JSON in the benchmarks' style (DESIGN.md section 4).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dsa_decode/status.h"
+#include "synthetic_layer.h"
+
+namespace dsa::cli {
+
+struct Check {
+  enum class Verdict { kPass, kFail, kInfo };  // kInfo: reported, not judged
+  std::string name;
+  Verdict verdict;
+  std::string detail;
+};
+
+// One timed CUDA graph: a kernel alone, or a chain of kernels.
+struct Timing {
+  std::string name;   // JSON row name, e.g. "absorb"
+  std::string label;  // table text, e.g. "absorb + cache write (head_gemv)"
+  std::string path;   // "shared", "fused" or "stock"
+  bool single_kernel = true;
+  double us = 0;      // median per run of the graph's launches
+  double bytes = 0;   // what its kernels must move at the least: the memory floor's bytes
+  int baseline = -1;  // index of the stock timing a fused one replaces, -1: none
+};
+
+struct RunReport {
+  std::string gpu, commit, date;
+  double copy_GBps = 0;
+  StepShape shape{};
+  int steps = 0;
+  int weight_copies = 0;
+  std::vector<Check> checks;
+  std::vector<Timing> timings;
+};
+
+void print_check(const Check& check);
+void print_timings(const RunReport& report);
+Status write_json(const RunReport& report, const std::string& path);
+
+}  // namespace dsa::cli

@@ -1,0 +1,123 @@
+#include "synthetic_layer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "dsa_decode/numerics.h"
+
+namespace dsa::cli {
+
+namespace {
+
+// Static FP8 scales are amax / 448, as a calibration sets them. The
+// activations here have unit variance by construction (RMS-normed q_c and
+// kv_c, weights of std 1/sqrt(fan-in)), so an amax of 6 sigma uses most of the
+// e4m3 range and leaves the largest of ~10^5 samples (about 4.5 sigma) unsaturated.
+constexpr float kCalibratedAmax = 6.0f;
+// RMSNorm epsilon of the order model configs use (1e-5 .. 1e-6); next to
+// unit-variance rows it hardly moves the result.
+constexpr float kNormEps = 1e-5f;
+
+enum class Tensor : uint64_t { kQNormGamma = 1, kKvNormGamma, kQBProj, kWUkT, kWUv, kQkv, kLatent, kCachedLatent };
+
+// splitmix64's output function: a well-mixed 64-bit hash.
+uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The random bits of element `index` of one tensor of the layer drawn from `seed`.
+class ElementHash {
+ public:
+  ElementHash(uint64_t seed, Tensor tensor) : key_(mix64(seed ^ mix64(static_cast<uint64_t>(tensor)))) {}
+  uint64_t operator()(uint64_t index) const { return mix64(key_ + (index + 1) * 0x9E3779B97F4A7C15ull); }
+
+ private:
+  uint64_t key_;
+};
+
+// Uniform in [-1, 1).
+float signed_uniform(uint64_t bits) { return static_cast<float>(bits >> 40) * 0x1p-23f - 1.0f; }
+
+// Standard normal by Box-Muller from two 24-bit parts of the hash.
+float standard_normal(uint64_t bits) {
+  const float u1 = (static_cast<float>(bits >> 40) + 0.5f) * 0x1p-24f;  // (0, 1): the log stays finite
+  const float u2 = static_cast<float>(bits & 0xFFFFFFu) * 0x1p-24f;
+  return std::sqrt(-2.0f * std::log(u1)) * std::cos(6.28318530718f * u2);
+}
+
+std::vector<uint16_t> normal_bf16(size_t count, float mean, float stddev, const ElementHash& hash) {
+  std::vector<uint16_t> values(count);
+  for (size_t i = 0; i < count; ++i) values[i] = num::float_to_bf16(mean + stddev * standard_normal(hash(i)));
+  return values;
+}
+
+float inverse_sqrt(int fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); }
+
+}  // namespace
+
+std::string StepShape::describe() const {
+  return preset + " TP" + std::to_string(tp) + " (H=" + std::to_string(H) + ", Q=" + std::to_string(Q) +
+         ", L=" + std::to_string(L) + ", P=" + std::to_string(P) + ", V=" + std::to_string(V) +
+         "), m=" + std::to_string(m) + ", context " + std::to_string(context);
+}
+
+StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context) {
+  return StepShape{per_rank.name, per_rank.tp,      per_rank.heads, per_rank.q_lora, per_rank.kv_lora,
+                   per_rank.qk_nope, per_rank.v_head, m,              context};
+}
+
+std::vector<int64_t> HostCache::window_slots(const std::vector<int64_t>& slots) const {
+  std::vector<int64_t> local(slots.size());
+  for (size_t t = 0; t < slots.size(); ++t) local[t] = slots[t] - first_slot();
+  return local;
+}
+
+HostWeights make_weights(const StepShape& s, uint64_t seed) {
+  HostWeights w;
+  // Norm gammas near 1, as trained RMSNorm weights mostly are.
+  w.q_norm_gamma = normal_bf16(s.Q, 1.0f, 0.05f, ElementHash(seed, Tensor::kQNormGamma));
+  w.kv_norm_gamma = normal_bf16(s.L, 1.0f, 0.05f, ElementHash(seed, Tensor::kKvNormGamma));
+  // std 1/sqrt(fan-in): each product keeps its input's unit scale.
+  w.q_b_proj = normal_bf16(size_t(s.q_width()) * s.Q, 0.0f, inverse_sqrt(s.Q), ElementHash(seed, Tensor::kQBProj));
+  w.w_uk_t = normal_bf16(size_t(s.H) * s.P * s.L, 0.0f, inverse_sqrt(s.P), ElementHash(seed, Tensor::kWUkT));
+  w.w_uv = normal_bf16(size_t(s.H) * s.L * s.V, 0.0f, inverse_sqrt(s.L), ElementHash(seed, Tensor::kWUv));
+  w.q_scale = kCalibratedAmax / num::kFp8E4M3Max;
+  w.k_scale = kCalibratedAmax / num::kFp8E4M3Max;
+  w.eps = kNormEps;
+  return w;
+}
+
+HostStepInputs make_step_inputs(const StepShape& s, uint64_t seed) {
+  HostStepInputs in;
+  // Not unit scale: the norm has something to normalize.
+  in.qkv = normal_bf16(size_t(s.m) * s.qkv_width(), 0.0f, 3.0f, ElementHash(seed, Tensor::kQkv));
+  in.latent = normal_bf16(size_t(s.m) * s.H * s.L, 0.0f, 1.0f, ElementHash(seed, Tensor::kLatent));
+  in.slot_mapping.resize(s.m);
+  for (int t = 0; t < s.m; ++t) in.slot_mapping[t] = s.context + t;
+  return in;
+}
+
+HostCache make_cache(const StepShape& s, const HostWeights& weights, uint64_t seed, int64_t first_block,
+                     int64_t blocks) {
+  HostCache cache;
+  cache.first_block = first_block;
+  cache.blocks = blocks;
+  cache.width = s.L;
+  cache.bytes.assign(size_t(blocks) * kCacheBlockSize * s.L, 0);
+  // Earlier tokens' latents (uniform in [-2, 2): cheap for long contexts),
+  // stored as the cache write stores them.
+  const ElementHash hash(seed, Tensor::kCachedLatent);
+  const int64_t cached_end = std::min<int64_t>(s.context, (first_block + blocks) * kCacheBlockSize);
+  for (int64_t slot = cache.first_slot(); slot < cached_end; ++slot) {
+    uint8_t* entry = &cache.bytes[size_t(slot - cache.first_slot()) * s.L];
+    for (int i = 0; i < s.L; ++i) {
+      const uint16_t latent = num::float_to_bf16(2.0f * signed_uniform(hash(uint64_t(slot) * s.L + i)));
+      entry[i] = num::cache_fp8(latent, weights.k_scale);
+    }
+  }
+  return cache;
+}
+
+}  // namespace dsa::cli
