@@ -19,6 +19,7 @@ struct HeadGemvParams {
   void* out;           // [m, H, J] BF16 or FP8, contiguous
   const float* scale;  // [1]; null: BF16 out
   int m, heads, rows, cols;
+  int tile, rows_per_thread;  // the tactic
 
   // Fused cache write; cache == null: none.
   const uint16_t* kv;  // [m, L] BF16
@@ -35,13 +36,42 @@ struct HeadGemvParams {
   unsigned int* error_count;
 };
 
-// Streamed once per call: skip L1, keep the read-only path.
-__device__ __forceinline__ uint4 load_streamed(const uint16_t* address) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(address));
-  return v;
+// Shared-memory address of a generic pointer, for the async-copy and mbarrier instructions.
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+__device__ __forceinline__ void barrier_init(uint64_t* barrier, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
+}
+
+// Arrives once and announces `bytes` of async copies that complete the phase.
+__device__ __forceinline__ void barrier_expect_bytes(uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t phase) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred ready;\n mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, ready;\n}"
+        : "=r"(done)
+        : "r"(shared_address(barrier)), "r"(phase)
+        : "memory");
+  } while (!done);
+}
+
+// Bulk copy engine: `bytes` (a multiple of 16) from global to shared memory,
+// completing on `barrier`.
+__device__ __forceinline__ void bulk_copy_to_shared(void* destination, const void* source, uint32_t bytes,
+                                                    uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          shared_address(destination)),
+      "l"(source), "r"(bytes), "r"(shared_address(barrier))
+      : "memory");
 }
 
 __device__ __forceinline__ float low_bf16(uint32_t pair) { return __uint_as_float(pair << 16); }
@@ -82,78 +112,143 @@ __device__ void write_cache_row(const HeadGemvParams& p, int t) {
   }
 }
 
-// Registers a thread needs: its FP32 weights, its accumulators, and room for
-// addresses and the x values. The launch bound caps threads per CTA so that
-// this fits without spills; tactics that would need more threads are refused.
-constexpr int max_threads_for(int max_tokens, int rows_per_thread) {
-  const int registers = 8 * rows_per_thread + 8 * max_tokens + 40;
-  const int threads = 65536 / (registers > 255 ? 255 : registers) / 32 * 32;
+// Registers a thread needs: its accumulators, one weight row piece, x values,
+// addresses. The launch bound caps threads per CTA so that this fits.
+constexpr int max_threads_for(int max_tokens) {
+  const int registers = 8 * max_tokens + 64;
+  const int threads = 65536 / registers / 32 * 32;
   return threads > 1024 ? 1024 : threads;
 }
-constexpr bool fits_registers(int max_tokens, int rows_per_thread) {
-  return 8 * rows_per_thread + 8 * max_tokens + 40 <= 255;
+
+constexpr int kRowsPerChunk = 8;  // rows of each thread that one mbarrier covers
+
+// Dynamic shared memory of a CTA, in this order (each part 16-byte aligned):
+//   slab     [rows][tile] BF16 weights; after the products, reused as the
+//            warps' partial sums [warps][m][tile] FP32
+//   x        [rows][max_tokens] FP32, the head's x transposed
+//   barriers [rows_per_thread / 8] mbarriers, one per chunk of 8 rows per thread
+struct SharedLayout {
+  size_t slab_bytes, x_offset, barrier_offset, total;
+};
+
+__host__ __device__ inline size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+__host__ __device__ inline SharedLayout shared_layout(int rows, int tile, int rows_per_thread, int m, int max_tokens) {
+  const int threads = tile / 8 * (rows / rows_per_thread);
+  const size_t weights = size_t(rows) * tile * 2;
+  const size_t partials = size_t(threads / 32) * m * tile * 4;
+  SharedLayout layout;
+  layout.slab_bytes = align16(weights > partials ? weights : partials);
+  layout.x_offset = layout.slab_bytes;
+  layout.barrier_offset = layout.x_offset + align16(size_t(rows) * max_tokens * 4);
+  layout.total = layout.barrier_offset + size_t(rows_per_thread / kRowsPerChunk) * 8;
+  return layout;
 }
 
-// kMaxTokens: register capacity (1, 2, 4, 8, 16 >= m); kTile, kRowsPerThread: the tactic.
-template <int kMaxTokens, int kTile, int kRowsPerThread>
-__global__ void __launch_bounds__(max_threads_for(kMaxTokens, kRowsPerThread))
-    head_gemv_kernel(const HeadGemvParams p) {
-  constexpr int kColThreads = kTile / 8;  // threads sharing one row group
-  extern __shared__ float4 shared_partial[];
-  float* partial = reinterpret_cast<float*>(shared_partial);  // [warps][m][kTile]
-
-  const int tiles = p.cols / kTile;
+// kMaxTokens: register capacity (1, 2, 4, 8, 16 >= m). The tactic (tile,
+// rows per thread) is a run-time parameter: it sets the CTA shape and the
+// summation order, not the registers.
+template <int kMaxTokens>
+__global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(const HeadGemvParams p) {
+  extern __shared__ __align__(16) unsigned char shared[];
+  const int tile = p.tile, rows_per_thread = p.rows_per_thread;
+  const int tiles = p.cols / tile;
   if (static_cast<int>(blockIdx.x) >= p.heads * tiles) {
     write_cache_row(p, blockIdx.x - p.heads * tiles);
     return;
   }
+  const SharedLayout layout = shared_layout(p.rows, tile, rows_per_thread, p.m, kMaxTokens);
+  uint16_t* slab = reinterpret_cast<uint16_t*>(shared);                  // [rows][tile] BF16
+  float* partial = reinterpret_cast<float*>(shared);                     // [warps][m][tile], after the products
+  float* x_rows = reinterpret_cast<float*>(shared + layout.x_offset);    // [rows][kMaxTokens]
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(shared + layout.barrier_offset);  // [chunks]
+
+  const int col_threads = tile / 8;  // threads sharing one row group
+  const int chunks = rows_per_thread / kRowsPerChunk;
+  const int row_groups = p.rows / rows_per_thread;
   const int head = blockIdx.x / tiles;
-  const int tile = blockIdx.x % tiles;
+  const int tile_index = blockIdx.x % tiles;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int first_row = threadIdx.x / kColThreads * kRowsPerThread;
-  const int first_col = tile * kTile + threadIdx.x % kColThreads * 8;
+  const int first_row = threadIdx.x / col_threads * rows_per_thread;
+  const int col_in_tile = threadIdx.x % col_threads * 8;
 
-  uint4 packed_weights[kRowsPerThread];  // [rows_per_thread] x 8 BF16
-  const uint16_t* weight = p.weight + head * p.weight_head_stride + first_row * p.weight_row_stride + first_col;
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) packed_weights[r] = load_streamed(weight + r * p.weight_row_stride);
-
-  pdl_wait();
-  pdl_release_dependents();
-
-  // Unpacked once: at m = 16 the FMAs alone take about as long as the weight
-  // stream, so no conversion may sit in the inner loop.
-  float weights[kRowsPerThread][8];  // [row][column]
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) weights[r][k] = bf16_element(packed_weights[r], k);
+  // The weight slab streams in before the PDL wait: it does not depend on the
+  // predecessor. Chunk c holds rows g*rows_per_thread + 8c .. + 7 of every row
+  // group g, so the products of chunk 0 start while later chunks still arrive.
+  if (threadIdx.x == 0) {
+    for (int c = 0; c < chunks; ++c) barrier_init(&barriers[c], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  float acc[kMaxTokens][8];  // [token][column]
-  const uint16_t* x = p.x + head * p.rows + first_row;
-#pragma unroll
-  for (int t = 0; t < kMaxTokens; ++t) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[t][k] = 0.0f;
-    if (t < p.m) {
-      uint4 x_words[kRowsPerThread / 8];
-#pragma unroll
-      for (int q = 0; q < kRowsPerThread / 8; ++q) {
-        x_words[q] = *reinterpret_cast<const uint4*>(x + t * p.x_token_stride + q * 8);
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsPerThread; ++r) {
-        const float a = bf16_element(x_words[r / 8], r % 8);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[t][k] = fmaf(a, weights[r][k], acc[t][k]);
+  __syncthreads();
+  if (warp == 0) {
+    const uint32_t row_bytes = tile * 2;
+    if (lane == 0) {
+      for (int c = 0; c < chunks; ++c) barrier_expect_bytes(&barriers[c], row_groups * kRowsPerChunk * row_bytes);
+    }
+    __syncwarp();
+    const uint16_t* weight = p.weight + head * p.weight_head_stride + tile_index * tile;
+    for (int c = 0; c < chunks; ++c) {
+      for (int i = lane; i < row_groups * kRowsPerChunk; i += 32) {
+        const int row = i / kRowsPerChunk * rows_per_thread + c * kRowsPerChunk + i % kRowsPerChunk;
+        bulk_copy_to_shared(slab + row * tile, weight + row * p.weight_row_stride, row_bytes, &barriers[c]);
       }
     }
   }
 
-  // Row groups of one warp: lanes c, c + kColThreads, ... hold column group c.
+  pdl_wait();
+  pdl_release_dependents();
+
+  // x of this head, transposed so that one row's values for every token are
+  // adjacent; neighbouring threads take neighbouring tokens, so their stores
+  // fall in different banks.
+  const int row_vectors = p.rows / 8;
+  for (int e = threadIdx.x; e < p.m * row_vectors; e += blockDim.x) {
+    const int t = e % p.m, q = e / p.m;
+    const uint4 v = *reinterpret_cast<const uint4*>(p.x + t * p.x_token_stride + head * p.rows + q * 8);
 #pragma unroll
-  for (int offset = kColThreads; offset < 32; offset *= 2) {
+    for (int k = 0; k < 8; ++k) x_rows[(q * 8 + k) * kMaxTokens + t] = bf16_element(v, k);
+  }
+  __syncthreads();
+
+  float acc[kMaxTokens][8];  // [token][column]
+#pragma unroll
+  for (int t = 0; t < kMaxTokens; ++t) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[t][k] = 0.0f;
+  }
+  for (int c = 0; c < chunks; ++c) {
+    barrier_wait(&barriers[c], 0);
+#pragma unroll
+    for (int i = 0; i < kRowsPerChunk; ++i) {
+      const int row = first_row + c * kRowsPerChunk + i;
+      const uint4 packed = *reinterpret_cast<const uint4*>(slab + row * tile + col_in_tile);
+      float w[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) w[k] = bf16_element(packed, k);
+      float a[kMaxTokens];
+      if constexpr (kMaxTokens >= 4) {
+#pragma unroll
+        for (int q = 0; q < kMaxTokens / 4; ++q) {
+          const float4 v = reinterpret_cast<const float4*>(x_rows + row * kMaxTokens)[q];
+          a[4 * q] = v.x, a[4 * q + 1] = v.y, a[4 * q + 2] = v.z, a[4 * q + 3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int t = 0; t < kMaxTokens; ++t) a[t] = x_rows[row * kMaxTokens + t];
+      }
+#pragma unroll
+      for (int t = 0; t < kMaxTokens; ++t) {
+        if (t < p.m) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[t][k] = fmaf(a[t], w[k], acc[t][k]);
+        }
+      }
+    }
+  }
+
+  // Row groups of one warp: lanes c, c + col_threads, ... hold column group c.
+  for (int offset = col_threads; offset < 32; offset *= 2) {
 #pragma unroll
     for (int t = 0; t < kMaxTokens; ++t) {
       if (t < p.m) {
@@ -162,11 +257,12 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens, kRowsPerThread))
       }
     }
   }
-  if (lane < kColThreads) {
+  __syncthreads();  // every thread is done with the slab: it becomes the partials
+  if (lane < col_threads) {
 #pragma unroll
     for (int t = 0; t < kMaxTokens; ++t) {
       if (t < p.m) {
-        float4* dst = reinterpret_cast<float4*>(partial + (warp * p.m + t) * kTile + lane * 8);
+        float4* dst = reinterpret_cast<float4*>(partial + (warp * p.m + t) * tile + lane * 8);
         dst[0] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
         dst[1] = make_float4(acc[t][4], acc[t][5], acc[t][6], acc[t][7]);
       }
@@ -177,12 +273,12 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens, kRowsPerThread))
   const int warps = blockDim.x / 32;
   const bool fp8_out = p.scale != nullptr;
   const float inverse_scale = fp8_out ? num::div_rn(1.0f, *p.scale) : 1.0f;
-  for (int e = threadIdx.x; e < p.m * kTile; e += blockDim.x) {
-    const int t = e / kTile;
-    const int c = e % kTile;
+  for (int e = threadIdx.x; e < p.m * tile; e += blockDim.x) {
+    const int t = e / tile;
+    const int c = e % tile;
     float total = 0.0f;
-    for (int w = 0; w < warps; ++w) total += partial[(w * p.m + t) * kTile + c];
-    const int64_t index = (static_cast<int64_t>(t) * p.heads + head) * p.cols + tile * kTile + c;
+    for (int w = 0; w < warps; ++w) total += partial[(w * p.m + t) * tile + c];
+    const int64_t index = (static_cast<int64_t>(t) * p.heads + head) * p.cols + tile_index * tile + c;
     if (fp8_out) {
       static_cast<uint8_t*>(p.out)[index] = num::quant_fp8_static(num::round_bf16(total), inverse_scale);
     } else {
@@ -195,31 +291,13 @@ using KernelFn = void (*)(HeadGemvParams);
 
 int token_capacity(int m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : m <= 8 ? 8 : 16; }
 
-template <int kTile, int kRowsPerThread>
-KernelFn kernel_for_tokens(int m) {
+KernelFn kernel_for(int m) {
   switch (token_capacity(m)) {
-    case 1: return head_gemv_kernel<1, kTile, kRowsPerThread>;
-    case 2: return head_gemv_kernel<2, kTile, kRowsPerThread>;
-    case 4: return head_gemv_kernel<4, kTile, kRowsPerThread>;
-    case 8: return head_gemv_kernel<8, kTile, kRowsPerThread>;
-    default:
-      if constexpr (fits_registers(16, kRowsPerThread)) return head_gemv_kernel<16, kTile, kRowsPerThread>;
-      return nullptr;
-  }
-}
-
-// The instantiated tactics; check_head_gemv_tactic accepts only these.
-KernelFn kernel_for(HeadGemvTactic tactic, int m) {
-  switch (tactic.tile * 100 + tactic.rows_per_thread) {
-    case 1608: return kernel_for_tokens<16, 8>(m);
-    case 1616: return kernel_for_tokens<16, 16>(m);
-    case 3208: return kernel_for_tokens<32, 8>(m);
-    case 3216: return kernel_for_tokens<32, 16>(m);
-    case 6408: return kernel_for_tokens<64, 8>(m);
-    case 6416: return kernel_for_tokens<64, 16>(m);
-    case 12808: return kernel_for_tokens<128, 8>(m);
-    case 12816: return kernel_for_tokens<128, 16>(m);
-    default: return nullptr;
+    case 1: return head_gemv_kernel<1>;
+    case 2: return head_gemv_kernel<2>;
+    case 4: return head_gemv_kernel<4>;
+    case 8: return head_gemv_kernel<8>;
+    default: return head_gemv_kernel<16>;
   }
 }
 
@@ -228,18 +306,41 @@ constexpr size_t kMaxSharedBytes = 227 * 1024;
 int threads_for(int rows, HeadGemvTactic tactic) { return tactic.tile / 8 * (rows / tactic.rows_per_thread); }
 
 size_t shared_bytes_for(int rows, int m, HeadGemvTactic tactic) {
-  return static_cast<size_t>(threads_for(rows, tactic) / 32) * m * tactic.tile * sizeof(float);
+  return shared_layout(rows, tactic.tile, tactic.rows_per_thread, m, token_capacity(m)).total;
 }
 
 std::string tactic_string(HeadGemvTactic tactic) {
   return "{tile " + std::to_string(tactic.tile) + ", rows_per_thread " + std::to_string(tactic.rows_per_thread) + "}";
 }
 
+bool is_power_of_two(int v) { return v > 0 && (v & (v - 1)) == 0; }
+
+// Raises every instantiation's dynamic shared-memory limit to the whole 227 KiB,
+// once per process and device 0..7 (it is a per-device function attribute),
+// so that no later launch, inside a graph capture or not, changes attributes.
+Status allow_full_shared_memory() {
+  static std::once_flag once[8];
+  static Status result[8];
+  int device = 0;
+  DSA_CUDA_RETURN(cudaGetDevice(&device));
+  if (device < 0 || device >= 8) return unsupported("head_gemv supports devices 0..7");
+  std::call_once(once[device], [&] {
+    for (int m : {1, 2, 4, 8, 16}) {
+      Status s = cuda_status(cudaFuncSetAttribute(kernel_for(m), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(kMaxSharedBytes)),
+                             "cudaFuncSetAttribute(head_gemv, max dynamic shared memory)");
+      if (!s.ok()) result[device] = s;
+    }
+  });
+  return result[device];
+}
+
 }  // namespace
 
 Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic) {
-  if (kernel_for(tactic, 1) == nullptr) {
-    return invalid_argument("tactic", "tile in {16, 32, 64, 128} and rows_per_thread in {8, 16}",
+  if (!is_power_of_two(tactic.tile) || tactic.tile < 16 || tactic.tile > 256 ||
+      !is_power_of_two(tactic.rows_per_thread) || tactic.rows_per_thread < 8 || tactic.rows_per_thread > 64) {
+    return invalid_argument("tactic", "tile in {16, 32, 64, 128, 256} and rows_per_thread in {8, 16, 32, 64}",
                             tactic_string(tactic));
   }
   const std::string shape = "rows " + std::to_string(rows) + ", cols " + std::to_string(cols);
@@ -248,17 +349,17 @@ Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic) 
                             tactic_string(tactic) + " for " + shape);
   }
   const int threads = threads_for(rows, tactic);
-  const int max_threads = max_threads_for(token_capacity(m), tactic.rows_per_thread);
-  if (kernel_for(tactic, m) == nullptr || threads % 32 != 0 || threads > max_threads) {
+  const int max_threads = max_threads_for(token_capacity(std::max(m, 1)));
+  if (threads % 32 != 0 || threads > max_threads) {
     return invalid_argument("tactic",
                             "(tile / 8) * (rows / rows_per_thread) threads, a multiple of 32 and at most " +
-                                std::to_string(max_threads) + " at m = " + std::to_string(m) +
-                                " (registers; rows_per_thread 16 needs m <= 8)",
+                                std::to_string(max_threads) + " at m = " + std::to_string(m) + " (registers)",
                             std::to_string(threads) + " threads with " + tactic_string(tactic) + " for " + shape);
   }
   if (shared_bytes_for(rows, m, tactic) > kMaxSharedBytes) {
-    return invalid_argument("tactic", "warps * m * tile * 4 bytes of shared memory at most 227 KiB",
-                            std::to_string(shared_bytes_for(rows, m, tactic)) + " bytes with " + tactic_string(tactic));
+    return invalid_argument("tactic", "at most 227 KiB of shared memory (weight slab rows * tile * 2 bytes)",
+                            std::to_string(shared_bytes_for(rows, m, tactic)) + " bytes with " + tactic_string(tactic) +
+                                " for " + shape);
   }
   return Status();
 }
@@ -381,15 +482,10 @@ Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTacti
     cache_ctas = m;
   }
 
-  const KernelFn kernel = kernel_for(tactic, m);
-  if (shared_bytes > 48 * 1024) {
-    // Raising the opt-in limit is not stream-ordered; doing it for the full
-    // budget once per kernel keeps graph capture free of attribute changes.
-    static std::mutex mutex;
-    std::lock_guard<std::mutex> lock(mutex);
-    DSA_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kMaxSharedBytes)));
-  }
+  p.tile = tactic.tile;
+  p.rows_per_thread = tactic.rows_per_thread;
+  const KernelFn kernel = kernel_for(m);
+  DSA_RETURN_IF_ERROR(allow_full_shared_memory());
   const dim3 grid(heads * (cols / tactic.tile) + cache_ctas);
   const dim3 block(threads_for(rows, tactic));
   return launch_pdl(kernel, grid, block, shared_bytes, stream, p);

@@ -125,8 +125,8 @@ Status run(Context& ctx, Report& report) {
         row.note = "tactic " + std::to_string(table.tile) + "/" + std::to_string(table.rows_per_thread);
         report.add(row);
         // The sweep behind the tactic table.
-        for (int tile : {16, 32, 64, 128}) {
-          for (int rows_per_thread : {8, 16}) {
+        for (int tile : {16, 32, 64, 128, 256}) {
+          for (int rows_per_thread : {8, 16, 32, 64}) {
             const HeadGemvTactic tactic{tile, rows_per_thread};
             if (!check_head_gemv_tactic(p.rows, p.cols, m, tactic).ok()) continue;
             double us = 0;

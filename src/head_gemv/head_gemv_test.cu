@@ -134,6 +134,9 @@ TEST(HeadGemvChecks, TacticTableGivesValidTacticsAndBadOnesAreNamed) {
     for (auto [rows, cols] : {std::pair{256, 512}, {512, 256}, {192, 512}, {128, 512}, {512, 128}}) {
       for (int m = 1; m <= kHeadGemvMaxTokens; ++m) {
         const HeadGemvTactic tactic = head_gemv_tactic(heads, rows, cols, m);
+        const HeadGemvTactic single_token = head_gemv_tactic(heads, rows, cols, 1);
+        EXPECT_TRUE(tactic.tile == single_token.tile && tactic.rows_per_thread == single_token.rows_per_thread)
+            << "the table's tactic changes with m, so a token's bits would depend on its batch";
         EXPECT_TRUE(check_head_gemv_tactic(rows, cols, m, tactic).ok())
             << check_head_gemv_tactic(rows, cols, m, tactic).to_string() << " H " << heads << " I " << rows << " J " << cols << " m " << m;
       }
@@ -142,9 +145,11 @@ TEST(HeadGemvChecks, TacticTableGivesValidTacticsAndBadOnesAreNamed) {
   Status s = check_head_gemv_tactic(256, 512, 1, HeadGemvTactic{24, 8});
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("'tactic'"), std::string::npos) << s.message();
-  EXPECT_FALSE(check_head_gemv_tactic(256, 512, 16, HeadGemvTactic{64, 16}).ok());  // registers
-  EXPECT_FALSE(check_head_gemv_tactic(512, 256, 1, HeadGemvTactic{128, 8}).ok());   // 1024+ threads
+  EXPECT_FALSE(check_head_gemv_tactic(256, 512, 16, HeadGemvTactic{128, 8}).ok());  // 512 threads: registers
+  EXPECT_TRUE(check_head_gemv_tactic(256, 512, 8, HeadGemvTactic{128, 8}).ok());
+  EXPECT_FALSE(check_head_gemv_tactic(512, 256, 1, HeadGemvTactic{256, 32}).ok());  // 256 KiB weight slab
   EXPECT_FALSE(check_head_gemv_tactic(200, 512, 1, HeadGemvTactic{64, 16}).ok());   // rows % 16
+  EXPECT_FALSE(check_head_gemv_tactic(256, 512, 1, HeadGemvTactic{64, 128}).ok());  // rows_per_thread
 }
 
 // The reference's fixed order is still a sum: it must agree with float64.
@@ -334,8 +339,8 @@ TEST(HeadGemvGpu, BitwiseEqualToReferenceOverShapesHeadsAndTokens) {
 TEST(HeadGemvGpu, EveryTacticAndTokenCapacityMatchesReference) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 1);
-  for (int tile : {16, 32, 64, 128}) {
-    for (int rows_per_thread : {8, 16}) {
+  for (int tile : {16, 32, 64, 128, 256}) {
+    for (int rows_per_thread : {8, 16, 32, 64}) {
       for (int m : {1, 2, 3, 4, 7, 8, 9, 16}) {
         for (auto [rows, cols] : {std::pair{256, 512}, {512, 256}}) {
           const HeadGemvTactic tactic{tile, rows_per_thread};
@@ -351,7 +356,7 @@ TEST(HeadGemvGpu, EveryTacticAndTokenCapacityMatchesReference) {
 TEST(HeadGemvGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
   DSA_REQUIRE_GPU();
   // One tactic for every m: a token's bits must not depend on the batch.
-  const HeadGemvTactic tactic{32, 8};
+  const HeadGemvTactic tactic{64, 16};
   const int heads = 8, rows = 256, cols = 512;
   std::mt19937_64 rng(testing::test_seed() + 2);
   const std::vector<uint16_t> x = testing::random_bf16(16 * heads * rows, 1.0f, rng);

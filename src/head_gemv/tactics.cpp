@@ -12,15 +12,14 @@ struct TacticEntry {
   HeadGemvTactic tactic;
 };
 
-// Not yet measured: first guesses from the work split (enough CTAs for 132 SMs
-// at H = 8, 32 KB of weights in flight per 256-thread CTA at H = 64).
+// Not yet measured: first guesses from the work split (about 128 CTAs for
+// 132 SMs, one 64-128 KB weight slab in flight per CTA). One tactic for every
+// m of a shape: the summation order, and so a token's bits, do not depend on m.
 constexpr TacticEntry kTable[] = {
-    {8, 256, 512, 16, {16, 8}},
-    {8, 512, 256, 8, {16, 16}},
-    {8, 512, 256, 16, {16, 8}},
-    {0, 256, 512, 16, {64, 8}},
-    {0, 512, 256, 8, {32, 16}},
-    {0, 512, 256, 16, {32, 8}},
+    {8, 256, 512, 16, {32, 16}},
+    {8, 512, 256, 16, {16, 32}},
+    {0, 256, 512, 16, {256, 32}},
+    {0, 512, 256, 16, {128, 32}},
 };
 }  // namespace
 
@@ -31,8 +30,8 @@ HeadGemvTactic head_gemv_tactic(int heads, int rows, int cols, int m) {
     }
   }
   // Default: the widest tile whose CTA shape is valid.
-  for (int tile : {64, 32, 16, 128}) {
-    for (int rows_per_thread : {8, 16}) {
+  for (int tile : {64, 32, 16, 128, 256}) {
+    for (int rows_per_thread : {16, 32, 8, 64}) {
       const HeadGemvTactic tactic{tile, rows_per_thread};
       if (check_head_gemv_tactic(rows, cols, m, tactic).ok()) return tactic;
     }
