@@ -41,37 +41,27 @@ __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
-__device__ __forceinline__ void barrier_init(uint64_t* barrier, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
-}
-
-// Arrives once and announces `bytes` of async copies that complete the phase.
-__device__ __forceinline__ void barrier_expect_bytes(uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+// 16 bytes from global to shared memory on the async-copy path (LDGSTS),
+// bypassing L1: weights are read once.
+__device__ __forceinline__ void async_copy_16(void* destination, const void* source) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(destination)), "l"(source)
                : "memory");
 }
 
-__device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t phase) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred ready;\n mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, ready;\n}"
-        : "=r"(done)
-        : "r"(shared_address(barrier)), "r"(phase)
-        : "memory");
-  } while (!done);
-}
+__device__ __forceinline__ void async_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-// Bulk copy engine: `bytes` (a multiple of 16) from global to shared memory,
-// completing on `barrier`.
-__device__ __forceinline__ void bulk_copy_to_shared(void* destination, const void* source, uint32_t bytes,
-                                                    uint64_t* barrier) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          shared_address(destination)),
-      "l"(source), "r"(bytes), "r"(shared_address(barrier))
-      : "memory");
+// Waits until at most `pending` of this thread's committed groups are in flight.
+__device__ __forceinline__ void async_copy_wait(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
 }
 
 __device__ __forceinline__ float low_bf16(uint32_t pair) { return __uint_as_float(pair << 16); }
@@ -120,15 +110,14 @@ constexpr int max_threads_for(int max_tokens) {
   return threads > 1024 ? 1024 : threads;
 }
 
-constexpr int kRowsPerChunk = 8;  // rows of each thread that one mbarrier covers
+constexpr int kRowsPerChunk = 8;  // rows of each thread in one async-copy group
 
 // Dynamic shared memory of a CTA, in this order (each part 16-byte aligned):
 //   slab     [rows][tile] BF16 weights; after the products, reused as the
 //            warps' partial sums [warps][m][tile] FP32
 //   x        [rows][max_tokens] FP32, the head's x transposed
-//   barriers [rows_per_thread / 8] mbarriers, one per chunk of 8 rows per thread
 struct SharedLayout {
-  size_t slab_bytes, x_offset, barrier_offset, total;
+  size_t slab_bytes, x_offset, total;
 };
 
 __host__ __device__ inline size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
@@ -140,8 +129,7 @@ __host__ __device__ inline SharedLayout shared_layout(int rows, int tile, int ro
   SharedLayout layout;
   layout.slab_bytes = align16(weights > partials ? weights : partials);
   layout.x_offset = layout.slab_bytes;
-  layout.barrier_offset = layout.x_offset + align16(size_t(rows) * max_tokens * 4);
-  layout.total = layout.barrier_offset + size_t(rows_per_thread / kRowsPerChunk) * 8;
+  layout.total = layout.x_offset + align16(size_t(rows) * max_tokens * 4);
   return layout;
 }
 
@@ -161,11 +149,9 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(
   uint16_t* slab = reinterpret_cast<uint16_t*>(shared);                  // [rows][tile] BF16
   float* partial = reinterpret_cast<float*>(shared);                     // [warps][m][tile], after the products
   float* x_rows = reinterpret_cast<float*>(shared + layout.x_offset);    // [rows][kMaxTokens]
-  uint64_t* barriers = reinterpret_cast<uint64_t*>(shared + layout.barrier_offset);  // [chunks]
 
   const int col_threads = tile / 8;  // threads sharing one row group
   const int chunks = rows_per_thread / kRowsPerChunk;
-  const int row_groups = p.rows / rows_per_thread;
   const int head = blockIdx.x / tiles;
   const int tile_index = blockIdx.x % tiles;
   const int lane = threadIdx.x % 32;
@@ -173,26 +159,22 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(
   const int first_row = threadIdx.x / col_threads * rows_per_thread;
   const int col_in_tile = threadIdx.x % col_threads * 8;
 
-  // The weight slab streams in before the PDL wait: it does not depend on the
-  // predecessor. Chunk c holds rows g*rows_per_thread + 8c .. + 7 of every row
-  // group g, so the products of chunk 0 start while later chunks still arrive.
-  if (threadIdx.x == 0) {
-    for (int c = 0; c < chunks; ++c) barrier_init(&barriers[c], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  if (warp == 0) {
-    const uint32_t row_bytes = tile * 2;
-    if (lane == 0) {
-      for (int c = 0; c < chunks; ++c) barrier_expect_bytes(&barriers[c], row_groups * kRowsPerChunk * row_bytes);
-    }
-    __syncwarp();
-    const uint16_t* weight = p.weight + head * p.weight_head_stride + tile_index * tile;
+  // Each thread streams its own rows x 8 columns of the weight slab into
+  // shared memory before the PDL wait (the weights do not depend on the
+  // predecessor), one async-copy group per 8 rows, so its products start as
+  // soon as its first group lands. A thread reads back only what it copied:
+  // no barrier is needed for the weights.
+  {
+    const uint16_t* source = p.weight + head * p.weight_head_stride + int64_t(first_row) * p.weight_row_stride +
+                             tile_index * tile + col_in_tile;
+    uint16_t* destination = slab + first_row * tile + col_in_tile;
     for (int c = 0; c < chunks; ++c) {
-      for (int i = lane; i < row_groups * kRowsPerChunk; i += 32) {
-        const int row = i / kRowsPerChunk * rows_per_thread + c * kRowsPerChunk + i % kRowsPerChunk;
-        bulk_copy_to_shared(slab + row * tile, weight + row * p.weight_row_stride, row_bytes, &barriers[c]);
+#pragma unroll
+      for (int i = 0; i < kRowsPerChunk; ++i) {
+        const int r = c * kRowsPerChunk + i;
+        async_copy_16(destination + r * tile, source + r * p.weight_row_stride);
       }
+      async_copy_commit();
     }
   }
 
@@ -218,7 +200,7 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(
     for (int k = 0; k < 8; ++k) acc[t][k] = 0.0f;
   }
   for (int c = 0; c < chunks; ++c) {
-    barrier_wait(&barriers[c], 0);
+    async_copy_wait(chunks - 1 - c);
 #pragma unroll
     for (int i = 0; i < kRowsPerChunk; ++i) {
       const int row = first_row + c * kRowsPerChunk + i;
