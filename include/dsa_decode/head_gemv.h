@@ -9,11 +9,12 @@
 //   out     [m, H, J]  BF16, or FP8 e4m3 statically quantized by `scale`
 //
 // Work split (tactic {tile, rows_per_thread}): CTA (h, c) owns the `tile`
-// columns c*tile.. of head h. Its weight slab [I, tile] streams into shared
-// memory through the bulk copy engine, issued before griddepcontrol.wait so
-// that it overlaps the predecessor kernel, in chunks of 8 rows per thread, each
-// on its own mbarrier, so the products start while later chunks arrive.
-// Thread (g, k) owns rows g*rows_per_thread.. of columns 8k..8k+7 of the tile.
+// columns c*tile.. of head h. Thread (g, k) of a token group owns rows
+// g*rows_per_thread.. of columns 8k..8k+7 of the tile; it copies them into a
+// shared-memory weight slab (async copies, 8 rows per group) before
+// griddepcontrol.wait, so the weight stream overlaps the predecessor kernel.
+// The m tokens are split into token groups of up to 8 (the accumulators one
+// thread holds); the groups run side by side in the CTA on the same slab.
 //
 // Summation order (fixed; the CPU reference reproduces it bit for bit):
 //   1. per thread: acc = fma(x[r], w[r][j], acc) over its rows in order, from 0;

@@ -102,42 +102,49 @@ __device__ void write_cache_row(const HeadGemvParams& p, int t) {
   }
 }
 
-// Registers a thread needs: its accumulators, one weight row piece, x values,
-// addresses. The launch bound caps threads per CTA so that this fits.
-constexpr int max_threads_for(int max_tokens) {
-  const int registers = 8 * max_tokens + 64;
-  const int threads = 65536 / registers / 32 * 32;
-  return threads > 1024 ? 1024 : threads;
-}
-
 constexpr int kRowsPerChunk = 8;  // rows of each thread in one async-copy group
+
+// Tokens per thread (1, 2, 4 or 8): the accumulators a thread keeps in
+// registers. A step of m tokens runs ceil(m / tokens_per_thread) token groups
+// of the base CTA shape side by side in one CTA; they share the weight slab.
+int tokens_per_thread_for(int m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8; }
+int token_groups_for(int m) { return (m + tokens_per_thread_for(m) - 1) / tokens_per_thread_for(m); }
+
+// Threads per CTA that the registers allow (accumulators + ~64 others).
+constexpr int max_threads_for(int tokens_per_thread) {
+  return tokens_per_thread >= 8 ? 512 : tokens_per_thread == 4 ? 768 : 1024;
+}
 
 // Dynamic shared memory of a CTA, in this order (each part 16-byte aligned):
 //   slab     [rows][tile] BF16 weights; after the products, reused as the
-//            warps' partial sums [warps][m][tile] FP32
-//   x        [rows][max_tokens] FP32, the head's x transposed
+//            partial sums [warps of a group][m][tile] FP32
+//   x        [rows][groups * tokens_per_thread] FP32, the head's x transposed,
+//            zero past m
 struct SharedLayout {
   size_t slab_bytes, x_offset, total;
 };
 
 __host__ __device__ inline size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
-__host__ __device__ inline SharedLayout shared_layout(int rows, int tile, int rows_per_thread, int m, int max_tokens) {
-  const int threads = tile / 8 * (rows / rows_per_thread);
+__host__ __device__ inline SharedLayout shared_layout(int rows, int tile, int rows_per_thread, int m,
+                                                      int padded_tokens) {
+  const int group_threads = tile / 8 * (rows / rows_per_thread);
   const size_t weights = size_t(rows) * tile * 2;
-  const size_t partials = size_t(threads / 32) * m * tile * 4;
+  const size_t partials = size_t(group_threads / 32) * m * tile * 4;
   SharedLayout layout;
   layout.slab_bytes = align16(weights > partials ? weights : partials);
   layout.x_offset = layout.slab_bytes;
-  layout.total = layout.x_offset + align16(size_t(rows) * max_tokens * 4);
+  layout.total = layout.x_offset + align16(size_t(rows) * padded_tokens * 4);
   return layout;
 }
 
-// kMaxTokens: register capacity (1, 2, 4, 8, 16 >= m). The tactic (tile,
-// rows per thread) is a run-time parameter: it sets the CTA shape and the
-// summation order, not the registers.
-template <int kMaxTokens>
-__global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(const HeadGemvParams p) {
+// kTokensPerThread: tokens of one token group. The tactic (tile, rows per
+// thread) is a run-time parameter: it sets the CTA shape and the summation
+// order, not the registers. Thread i of the CTA is thread i % group_threads of
+// token group i / group_threads; every group sums in the same order, so a
+// token's bits do not depend on which group, or which m, it runs in.
+template <int kTokensPerThread>
+__global__ void __launch_bounds__(max_threads_for(kTokensPerThread)) head_gemv_kernel(const HeadGemvParams p) {
   extern __shared__ __align__(16) unsigned char shared[];
   const int tile = p.tile, rows_per_thread = p.rows_per_thread;
   const int tiles = p.cols / tile;
@@ -145,26 +152,30 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(
     write_cache_row(p, blockIdx.x - p.heads * tiles);
     return;
   }
-  const SharedLayout layout = shared_layout(p.rows, tile, rows_per_thread, p.m, kMaxTokens);
-  uint16_t* slab = reinterpret_cast<uint16_t*>(shared);                  // [rows][tile] BF16
-  float* partial = reinterpret_cast<float*>(shared);                     // [warps][m][tile], after the products
-  float* x_rows = reinterpret_cast<float*>(shared + layout.x_offset);    // [rows][kMaxTokens]
-
   const int col_threads = tile / 8;  // threads sharing one row group
+  const int group_threads = col_threads * (p.rows / rows_per_thread);
+  const int padded_tokens = blockDim.x / group_threads * kTokensPerThread;
+  const SharedLayout layout = shared_layout(p.rows, tile, rows_per_thread, p.m, padded_tokens);
+  uint16_t* slab = reinterpret_cast<uint16_t*>(shared);                // [rows][tile] BF16
+  float* partial = reinterpret_cast<float*>(shared);                   // [group warps][m][tile], after the products
+  float* x_rows = reinterpret_cast<float*>(shared + layout.x_offset);  // [rows][padded_tokens]
+
   const int chunks = rows_per_thread / kRowsPerChunk;
   const int head = blockIdx.x / tiles;
   const int tile_index = blockIdx.x % tiles;
   const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  const int first_row = threadIdx.x / col_threads * rows_per_thread;
-  const int col_in_tile = threadIdx.x % col_threads * 8;
+  const int group = threadIdx.x / group_threads;
+  const int group_thread = threadIdx.x % group_threads;
+  const int group_warp = group_thread / 32;
+  const int first_row = group_thread / col_threads * rows_per_thread;
+  const int col_in_tile = group_thread % col_threads * 8;
+  const int first_token = group * kTokensPerThread;
 
-  // Each thread streams its own rows x 8 columns of the weight slab into
-  // shared memory before the PDL wait (the weights do not depend on the
-  // predecessor), one async-copy group per 8 rows, so its products start as
-  // soon as its first group lands. A thread reads back only what it copied:
-  // no barrier is needed for the weights.
-  {
+  // Token group 0 streams the weight slab into shared memory before the PDL
+  // wait (the weights do not depend on the predecessor): each of its threads
+  // copies its own rows x 8 columns, one async-copy group per 8 rows, so the
+  // products of the first rows start while later rows still arrive.
+  if (group == 0) {
     const uint16_t* source = p.weight + head * p.weight_head_stride + int64_t(first_row) * p.weight_row_stride +
                              tile_index * tile + col_in_tile;
     uint16_t* destination = slab + first_row * tile + col_in_tile;
@@ -183,24 +194,25 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(
 
   // x of this head, transposed so that one row's values for every token are
   // adjacent; neighbouring threads take neighbouring tokens, so their stores
-  // fall in different banks.
+  // fall in different banks. Tokens m.. of the last group read zeros.
   const int row_vectors = p.rows / 8;
-  for (int e = threadIdx.x; e < p.m * row_vectors; e += blockDim.x) {
-    const int t = e % p.m, q = e / p.m;
-    const uint4 v = *reinterpret_cast<const uint4*>(p.x + t * p.x_token_stride + head * p.rows + q * 8);
+  for (int e = threadIdx.x; e < padded_tokens * row_vectors; e += blockDim.x) {
+    const int t = e % padded_tokens, q = e / padded_tokens;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (t < p.m) v = *reinterpret_cast<const uint4*>(p.x + t * p.x_token_stride + head * p.rows + q * 8);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) x_rows[(q * 8 + k) * kMaxTokens + t] = bf16_element(v, k);
+    for (int k = 0; k < 8; ++k) x_rows[(q * 8 + k) * padded_tokens + t] = bf16_element(v, k);
   }
-  __syncthreads();
 
-  float acc[kMaxTokens][8];  // [token][column]
+  float acc[kTokensPerThread][8];  // [token of the group][column]
 #pragma unroll
-  for (int t = 0; t < kMaxTokens; ++t) {
+  for (int t = 0; t < kTokensPerThread; ++t) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[t][k] = 0.0f;
   }
   for (int c = 0; c < chunks; ++c) {
-    async_copy_wait(chunks - 1 - c);
+    if (group == 0) async_copy_wait(chunks - 1 - c);
+    __syncthreads();  // chunk c of the slab (and, the first time, x) is visible to every group
 #pragma unroll
     for (int i = 0; i < kRowsPerChunk; ++i) {
       const int row = first_row + c * kRowsPerChunk + i;
@@ -208,23 +220,22 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(
       float w[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) w[k] = bf16_element(packed, k);
-      float a[kMaxTokens];
-      if constexpr (kMaxTokens >= 4) {
+      const float* x_row = x_rows + row * padded_tokens + first_token;
+      float a[kTokensPerThread];
+      if constexpr (kTokensPerThread >= 4) {
 #pragma unroll
-        for (int q = 0; q < kMaxTokens / 4; ++q) {
-          const float4 v = reinterpret_cast<const float4*>(x_rows + row * kMaxTokens)[q];
+        for (int q = 0; q < kTokensPerThread / 4; ++q) {
+          const float4 v = reinterpret_cast<const float4*>(x_row)[q];
           a[4 * q] = v.x, a[4 * q + 1] = v.y, a[4 * q + 2] = v.z, a[4 * q + 3] = v.w;
         }
       } else {
 #pragma unroll
-        for (int t = 0; t < kMaxTokens; ++t) a[t] = x_rows[row * kMaxTokens + t];
+        for (int t = 0; t < kTokensPerThread; ++t) a[t] = x_row[t];
       }
 #pragma unroll
-      for (int t = 0; t < kMaxTokens; ++t) {
-        if (t < p.m) {
+      for (int t = 0; t < kTokensPerThread; ++t) {
 #pragma unroll
-          for (int k = 0; k < 8; ++k) acc[t][k] = fmaf(a[t], w[k], acc[t][k]);
-        }
+        for (int k = 0; k < 8; ++k) acc[t][k] = fmaf(a[t], w[k], acc[t][k]);
       }
     }
   }
@@ -232,34 +243,33 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(
   // Row groups of one warp: lanes c, c + col_threads, ... hold column group c.
   for (int offset = col_threads; offset < 32; offset *= 2) {
 #pragma unroll
-    for (int t = 0; t < kMaxTokens; ++t) {
-      if (t < p.m) {
+    for (int t = 0; t < kTokensPerThread; ++t) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) acc[t][k] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][k], offset);
-      }
+      for (int k = 0; k < 8; ++k) acc[t][k] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][k], offset);
     }
   }
   __syncthreads();  // every thread is done with the slab: it becomes the partials
   if (lane < col_threads) {
 #pragma unroll
-    for (int t = 0; t < kMaxTokens; ++t) {
+    for (int j = 0; j < kTokensPerThread; ++j) {
+      const int t = first_token + j;
       if (t < p.m) {
-        float4* dst = reinterpret_cast<float4*>(partial + (warp * p.m + t) * tile + lane * 8);
-        dst[0] = make_float4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]);
-        dst[1] = make_float4(acc[t][4], acc[t][5], acc[t][6], acc[t][7]);
+        float4* dst = reinterpret_cast<float4*>(partial + (group_warp * p.m + t) * tile + lane * 8);
+        dst[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+        dst[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
       }
     }
   }
   __syncthreads();
 
-  const int warps = blockDim.x / 32;
+  const int group_warps = group_threads / 32;
   const bool fp8_out = p.scale != nullptr;
   const float inverse_scale = fp8_out ? num::div_rn(1.0f, *p.scale) : 1.0f;
   for (int e = threadIdx.x; e < p.m * tile; e += blockDim.x) {
     const int t = e / tile;
     const int c = e % tile;
     float total = 0.0f;
-    for (int w = 0; w < warps; ++w) total += partial[(w * p.m + t) * tile + c];
+    for (int w = 0; w < group_warps; ++w) total += partial[(w * p.m + t) * tile + c];
     const int64_t index = (static_cast<int64_t>(t) * p.heads + head) * p.cols + tile_index * tile + c;
     if (fp8_out) {
       static_cast<uint8_t*>(p.out)[index] = num::quant_fp8_static(num::round_bf16(total), inverse_scale);
@@ -271,24 +281,23 @@ __global__ void __launch_bounds__(max_threads_for(kMaxTokens)) head_gemv_kernel(
 
 using KernelFn = void (*)(HeadGemvParams);
 
-int token_capacity(int m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : m <= 8 ? 8 : 16; }
-
 KernelFn kernel_for(int m) {
-  switch (token_capacity(m)) {
+  switch (tokens_per_thread_for(m)) {
     case 1: return head_gemv_kernel<1>;
     case 2: return head_gemv_kernel<2>;
     case 4: return head_gemv_kernel<4>;
-    case 8: return head_gemv_kernel<8>;
-    default: return head_gemv_kernel<16>;
+    default: return head_gemv_kernel<8>;
   }
 }
 
 constexpr size_t kMaxSharedBytes = 227 * 1024;
 
-int threads_for(int rows, HeadGemvTactic tactic) { return tactic.tile / 8 * (rows / tactic.rows_per_thread); }
+// Threads of one token group; a CTA runs token_groups_for(m) of them.
+int group_threads_for(int rows, HeadGemvTactic tactic) { return tactic.tile / 8 * (rows / tactic.rows_per_thread); }
 
 size_t shared_bytes_for(int rows, int m, HeadGemvTactic tactic) {
-  return shared_layout(rows, tactic.tile, tactic.rows_per_thread, m, token_capacity(m)).total;
+  return shared_layout(rows, tactic.tile, tactic.rows_per_thread, m, token_groups_for(m) * tokens_per_thread_for(m))
+      .total;
 }
 
 std::string tactic_string(HeadGemvTactic tactic) {
@@ -307,7 +316,7 @@ Status allow_full_shared_memory() {
   DSA_CUDA_RETURN(cudaGetDevice(&device));
   if (device < 0 || device >= 8) return unsupported("head_gemv supports devices 0..7");
   std::call_once(once[device], [&] {
-    for (int m : {1, 2, 4, 8, 16}) {
+    for (int m : {1, 2, 4, 8}) {
       Status s = cuda_status(cudaFuncSetAttribute(kernel_for(m), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                   static_cast<int>(kMaxSharedBytes)),
                              "cudaFuncSetAttribute(head_gemv, max dynamic shared memory)");
@@ -330,13 +339,18 @@ Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic) 
     return invalid_argument("tactic", "tile dividing cols and rows_per_thread dividing rows",
                             tactic_string(tactic) + " for " + shape);
   }
-  const int threads = threads_for(rows, tactic);
-  const int max_threads = max_threads_for(token_capacity(std::max(m, 1)));
-  if (threads % 32 != 0 || threads > max_threads) {
+  m = std::max(m, 1);
+  const int group_threads = group_threads_for(rows, tactic);
+  const int threads = group_threads * token_groups_for(m);
+  const int max_threads = max_threads_for(tokens_per_thread_for(m));
+  if (group_threads % 32 != 0 || threads > max_threads) {
     return invalid_argument("tactic",
-                            "(tile / 8) * (rows / rows_per_thread) threads, a multiple of 32 and at most " +
-                                std::to_string(max_threads) + " at m = " + std::to_string(m) + " (registers)",
-                            std::to_string(threads) + " threads with " + tactic_string(tactic) + " for " + shape);
+                            "(tile / 8) * (rows / rows_per_thread) threads per token group, a multiple of 32, and at "
+                            "most " + std::to_string(max_threads) + " threads for the " +
+                                std::to_string(token_groups_for(m)) + " token groups of m = " + std::to_string(m) +
+                                " (registers)",
+                            std::to_string(group_threads) + " threads per group with " + tactic_string(tactic) +
+                                " for " + shape);
   }
   if (shared_bytes_for(rows, m, tactic) > kMaxSharedBytes) {
     return invalid_argument("tactic", "at most 227 KiB of shared memory (weight slab rows * tile * 2 bytes)",
@@ -469,7 +483,7 @@ Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTacti
   const KernelFn kernel = kernel_for(m);
   DSA_RETURN_IF_ERROR(allow_full_shared_memory());
   const dim3 grid(heads * (cols / tactic.tile) + cache_ctas);
-  const dim3 block(threads_for(rows, tactic));
+  const dim3 block(group_threads_for(rows, tactic) * token_groups_for(m));
   return launch_pdl(kernel, grid, block, shared_bytes, stream, p);
 }
 

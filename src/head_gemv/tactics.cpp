@@ -12,14 +12,15 @@ struct TacticEntry {
   HeadGemvTactic tactic;
 };
 
-// Not yet measured: first guesses from the work split (about 128 CTAs for
-// 132 SMs, one 64-128 KB weight slab in flight per CTA). One tactic for every
-// m of a shape: the summation order, and so a token's bits, do not depend on m.
+// Not yet measured for this kernel version: picked from the previous
+// version's sweep (bench/results/head_gemv_2026-11-30_4dcc71a.json). One tactic
+// for every m of a shape: the summation order, and so a token's bits, do not
+// depend on m.
 constexpr TacticEntry kTable[] = {
-    {8, 256, 512, 16, {32, 16}},
-    {8, 512, 256, 16, {16, 32}},
-    {0, 256, 512, 16, {256, 32}},
-    {0, 512, 256, 16, {128, 32}},
+    {8, 256, 512, 16, {64, 16}},
+    {8, 512, 256, 16, {32, 8}},
+    {0, 256, 512, 16, {128, 16}},
+    {0, 512, 256, 16, {64, 16}},
 };
 }  // namespace
 
