@@ -12,12 +12,18 @@ struct TacticEntry {
   HeadGemvTactic tactic;
 };
 
-// Not yet measured for this kernel version: picked from the previous
-// version's sweep (bench/results/head_gemv_2026-11-30_4dcc71a.json). One tactic
-// for every m of a shape: the summation order, and so a token's bits, do not
-// depend on m.
+// Measured on an H200 (bench/results/head_gemv_2026-11-30_adce8bb.json, cold
+// L2, graph replay). Each shape takes the tactic with the best times over
+// m = 1..8 among those valid for every m (one tactic for every m: the summation
+// order, and so a token's bits, do not depend on m). Times in us for
+// m = 1, 2, 4, 8, 16:
+//   H = 8,  absorb   (256 x 512): {64, 8}    2.12 2.42 2.71 4.07 5.98
+//   H = 8,  value-up (512 x 256): {32, 8}    2.15 2.25 2.81 4.10 6.42
+//   H = 64, absorb   (256 x 512): {128, 16}  5.54 5.73 7.02 10.78 18.94
+//   H = 64, value-up (512 x 256): {64, 16}   5.64 5.51 6.95 10.81 19.62
+// ({128, 32} is faster at m = 16, 15.7 us, and slower below; see docs/head_gemv.md.)
 constexpr TacticEntry kTable[] = {
-    {8, 256, 512, 16, {64, 16}},
+    {8, 256, 512, 16, {64, 8}},
     {8, 512, 256, 16, {32, 8}},
     {0, 256, 512, 16, {128, 16}},
     {0, 512, 256, 16, {64, 16}},
