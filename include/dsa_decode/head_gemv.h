@@ -11,7 +11,7 @@
 // Work split (tactic {tile, rows_per_thread}): CTA (h, c) owns the `tile`
 // columns c*tile.. of head h. Thread (g, k) of a token group owns rows
 // g*rows_per_thread.. of columns 8k..8k+7 of the tile; it copies them into a
-// shared-memory weight slab (async copies, 4 rows per group) before
+// shared-memory weight slab (async copies, 8 rows per group) before
 // griddepcontrol.wait, so the weight stream overlaps the predecessor kernel.
 // The m tokens are split into token groups of up to 8 (the accumulators one
 // thread holds); the groups run side by side in the CTA on the same slab.

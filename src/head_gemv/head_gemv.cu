@@ -60,7 +60,7 @@ __device__ __forceinline__ void async_copy_wait(int pending) {
     case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
     case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
     case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;  // waits for more than asked: still correct
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
   }
 }
 
@@ -102,9 +102,7 @@ __device__ void write_cache_row(const HeadGemvParams& p, int t) {
   }
 }
 
-// Rows of each thread in one async-copy group: small groups let the products
-// trail the weight stream closely instead of starting after most of it.
-constexpr int kRowsPerChunk = 4;
+constexpr int kRowsPerChunk = 8;  // rows of each thread in one async-copy group
 
 // Tokens per thread (1, 2, 4 or 8): the accumulators a thread keeps in
 // registers. A step of m tokens runs ceil(m / tokens_per_thread) token groups
@@ -175,7 +173,7 @@ __global__ void __launch_bounds__(max_threads_for(kTokensPerThread)) head_gemv_k
 
   // Token group 0 streams the weight slab into shared memory before the PDL
   // wait (the weights do not depend on the predecessor): each of its threads
-  // copies its own rows x 8 columns, one async-copy group per 4 rows, so the
+  // copies its own rows x 8 columns, one async-copy group per 8 rows, so the
   // products of the first rows start while later rows still arrive.
   if (group == 0) {
     const uint16_t* source = p.weight + head * p.weight_head_stride + int64_t(first_row) * p.weight_row_stride +
@@ -212,12 +210,9 @@ __global__ void __launch_bounds__(max_threads_for(kTokensPerThread)) head_gemv_k
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc[t][k] = 0.0f;
   }
-  // With one token group a thread reads only the rows it copied itself, so
-  // after the first barrier (for x) its own wait is enough.
-  const bool shared_slab = blockDim.x > group_threads;
   for (int c = 0; c < chunks; ++c) {
     if (group == 0) async_copy_wait(chunks - 1 - c);
-    if (c == 0 || shared_slab) __syncthreads();  // chunk c (and x) visible to every group
+    __syncthreads();  // chunk c of the slab (and, the first time, x) is visible to every group
 #pragma unroll
     for (int i = 0; i < kRowsPerChunk; ++i) {
       const int row = first_row + c * kRowsPerChunk + i;
