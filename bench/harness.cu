@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <ctime>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -84,6 +86,34 @@ __global__ void fill_random_bf16_kernel(uint16_t* data, size_t count, uint64_t s
   }
 }
 
+
+std::string file_name_part(const std::string& text) {
+  std::string out = text.empty() ? "unknown" : text;
+  for (char& c : out) {
+    const bool allowed = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
+                         c == '_' || c == '-';
+    if (!allowed) c = '_';
+  }
+  return out;
+}
+
+std::string params_text(const Row& row) {
+  std::string text;
+  for (const auto& [key, value] : row.params) {
+    if (!text.empty()) text += ' ';
+    text += key + '=' + json_number(value);
+  }
+  return text;
+}
+
+std::string fixed(double value, const char* format) {
+  char text[32];
+  std::snprintf(text, sizeof(text), format, value);
+  return text;
+}
+
+}  // namespace
+
 std::string json_string(const std::string& text) {
   std::string out = "\"";
   for (char c : text) {
@@ -118,32 +148,29 @@ std::string json_number(double value) {
   return text;
 }
 
-std::string file_name_part(const std::string& text) {
-  std::string out = text.empty() ? "unknown" : text;
-  for (char& c : out) {
-    const bool allowed = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-                         c == '_' || c == '-';
-    if (!allowed) c = '_';
-  }
-  return out;
-}
-
-std::string params_text(const Row& row) {
-  std::string text;
-  for (const auto& [key, value] : row.params) {
-    if (!text.empty()) text += ' ';
-    text += key + '=' + json_number(value);
-  }
+std::string utc_date() {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char text[16];
+  std::strftime(text, sizeof(text), "%Y-%m-%d", &utc);
   return text;
 }
 
-std::string fixed(double value, const char* format) {
-  char text[32];
-  std::snprintf(text, sizeof(text), format, value);
-  return text;
+Status open_context(cudaStream_t stream, bool quick, Context* ctx) {
+  DSA_CUDA_RETURN(cudaSetDevice(0));
+  cudaDeviceProp prop{};
+  DSA_CUDA_RETURN(cudaGetDeviceProperties(&prop, 0));
+  ctx->stream = stream;
+  ctx->gpu_name = prop.name;
+  ctx->sm_count = prop.multiProcessorCount;
+  ctx->l2_bytes = static_cast<size_t>(prop.l2CacheSize);
+  const char* commit = std::getenv("DSA_COMMIT");
+  ctx->commit = commit != nullptr && commit[0] != '\0' ? commit : "unknown";
+  ctx->date = utc_date();
+  ctx->quick = quick;
+  return measure_copy_GBps(stream, kCopyProbeBytes, &ctx->copy_GBps);
 }
-
-}  // namespace
 
 // ---------------------------------------------------------------- memory
 

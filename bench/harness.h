@@ -61,6 +61,17 @@ class Report {
   std::vector<Row> rows_;
 };
 
+// Fills `ctx` for device 0 on `stream` (a non-default stream: graph capture
+// cannot use the legacy one): GPU facts, DSA_COMMIT (or "unknown"), today's UTC
+// date, and the copy rate, measured once here.
+Status open_context(cudaStream_t stream, bool quick, Context* ctx);
+
+// JSON helpers shared by the reports: a quoted, escaped string; a number
+// (integers as integers, others to 6 significant digits, null when not finite).
+std::string json_string(const std::string& text);
+std::string json_number(double value);
+std::string utc_date();  // YYYY-MM-DD
+
 // How many copies of a `bytes`-sized input set make the rotation at least
 // twice the L2 size (so every launch reads its inputs from device memory).
 int cold_copies(const Context& ctx, size_t bytes);

@@ -152,29 +152,11 @@ std::string unusable_device_reason() {
   return "";
 }
 
-std::string utc_date() {
-  const std::time_t now = std::time(nullptr);
-  std::tm utc{};
-  gmtime_r(&now, &utc);
-  char text[16];
-  std::strftime(text, sizeof(text), "%Y-%m-%d", &utc);
-  return text;
-}
-
-dsa::Status make_context(bool quick, dsa::bench::Context* ctx) {
-  DSA_CUDA_RETURN(cudaSetDevice(0));
-  cudaDeviceProp prop{};
-  DSA_CUDA_RETURN(cudaGetDeviceProperties(&prop, 0));
-  ctx->gpu_name = prop.name;
-  ctx->sm_count = prop.multiProcessorCount;
-  ctx->l2_bytes = static_cast<size_t>(prop.l2CacheSize);
-  const char* commit = std::getenv("DSA_COMMIT");
-  ctx->commit = commit != nullptr && commit[0] != '\0' ? commit : "unknown";
-  ctx->date = utc_date();
-  ctx->quick = quick;
-  // A stream of its own: graph capture cannot use the legacy default stream.
-  DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&ctx->stream, cudaStreamNonBlocking));
-  return dsa::bench::measure_copy_GBps(ctx->stream, dsa::bench::kCopyProbeBytes, &ctx->copy_GBps);
+// A stream of its own (graph capture cannot use the legacy default stream), then the context.
+dsa::Status open_main_context(bool quick, dsa::bench::Context* ctx) {
+  cudaStream_t stream = nullptr;
+  DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return dsa::bench::open_context(stream, quick, ctx);
 }
 
 // The bench, then a synchronization, so that its asynchronous faults are
@@ -235,7 +217,7 @@ int main(int argc, char** argv) {
   }
 
   dsa::bench::Context ctx;
-  if (const dsa::Status status = make_context(options.quick, &ctx); !status.ok()) {
+  if (const dsa::Status status = open_main_context(options.quick, &ctx); !status.ok()) {
     std::fprintf(stderr, "dsa-bench: device setup failed: %s\n", status.to_string().c_str());
     return kExitBenchFailed;
   }

@@ -292,34 +292,11 @@ Status time_all(const bench::Context& ctx, const DeviceStep& step, const std::ve
 
 // ---------------------------------------------------------------- setup
 
-std::string utc_date() {
-  const std::time_t now = std::time(nullptr);
-  std::tm utc{};
-  gmtime_r(&now, &utc);
-  char text[16];
-  std::strftime(text, sizeof(text), "%Y-%m-%d", &utc);
-  return text;
-}
-
-Status make_context(cudaStream_t stream, bench::Context* ctx) {
-  DSA_CUDA_RETURN(cudaSetDevice(0));
-  cudaDeviceProp prop{};
-  DSA_CUDA_RETURN(cudaGetDeviceProperties(&prop, 0));
-  ctx->stream = stream;
-  ctx->gpu_name = prop.name;
-  ctx->sm_count = prop.multiProcessorCount;
-  ctx->l2_bytes = static_cast<size_t>(prop.l2CacheSize);
-  const char* commit = std::getenv("DSA_COMMIT");
-  ctx->commit = commit != nullptr && commit[0] != '\0' ? commit : "unknown";
-  ctx->date = utc_date();
-  return bench::measure_copy_GBps(stream, bench::kCopyProbeBytes, &ctx->copy_GBps);
-}
-
 Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   OwnedStream stream;
   DSA_RETURN_IF_ERROR(stream.create());
   bench::Context ctx;
-  DSA_RETURN_IF_ERROR(make_context(stream.get(), &ctx));
+  DSA_RETURN_IF_ERROR(bench::open_context(stream.get(), /*quick=*/false, &ctx));
   std::printf("dsa-decode on %s (%d SMs, L2 %.0f MB, copy %.0f GB/s), commit %s: %s\n", ctx.gpu_name.c_str(),
               ctx.sm_count, ctx.l2_bytes / 1e6, ctx.copy_GBps, ctx.commit.c_str(), s.describe().c_str());
   std::printf("latent: a synthetic stand-in for the attention output (the sparse MLA attention, issue 4, and the "

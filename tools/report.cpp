@@ -5,9 +5,14 @@
 #include <fstream>
 #include <sstream>
 
+#include "harness.h"
+
 namespace dsa::cli {
 
 namespace {
+
+using bench::json_number;
+using bench::json_string;
 
 const char* verdict_text(Check::Verdict verdict) {
   switch (verdict) {
@@ -21,35 +26,6 @@ const char* verdict_text(Check::Verdict verdict) {
 double floor_us(const RunReport& r, double bytes) { return bytes / (r.copy_GBps * 1e3); }
 double percent_of_floor(const RunReport& r, const Timing& t) { return 100 * floor_us(r, t.bytes) / t.us; }
 double GBps(const Timing& t) { return t.bytes / (t.us * 1e3); }
-
-std::string json_string(const std::string& text) {
-  std::string out = "\"";
-  for (char c : text) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char escaped[8];
-      std::snprintf(escaped, sizeof(escaped), "\\u%04x", c);
-      out += escaped;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
-// Integers as integers, others to 6 significant digits; JSON has no NaN.
-std::string json_number(double value) {
-  if (!std::isfinite(value)) return "null";
-  char text[32];
-  if (value == std::floor(value) && std::fabs(value) < 1e15) {
-    std::snprintf(text, sizeof(text), "%.0f", value);
-  } else {
-    std::snprintf(text, sizeof(text), "%.6g", value);
-  }
-  return text;
-}
 
 std::string json_row(const RunReport& r, const Timing& t) {
   const StepShape& s = r.shape;
