@@ -1,0 +1,113 @@
+// Sparse MLA decode attention (DSA, NoPE, FP8): each decode token attends to
+// the K cache entries its indexer selected. The latent row of a cache entry is
+// both key and value (MLA with the absorbed W_UK; no RoPE part).
+//
+//   q        [m, H, 512]                 FP8 e4m3, times q_scale
+//   kv_cache [blocks, block_size, 512]   FP8 e4m3, times k_scale
+//   indices  [m, K]                      int32 global slots, slot = block * block_size + offset
+//
+//   for token t, head h, over the valid entries j of indices[t, :]:
+//     s_j = softmax_scale * sum_d (q_scale * q[t, h, d]) * (k_scale * kv[slot_j, d])
+//     latent[t, h, :] = sum_j exp(s_j) * (k_scale * kv[slot_j, :]) / sum_j exp(s_j)   BF16 (RNE)
+//     lse[t, h]       = ln(sum_j exp(s_j))                                              f32
+//
+// Untrusted indices (DESIGN.md section 2): an entry is valid when
+// 0 <= slot < capacity (= blocks * block_size). A negative entry is "none" (the
+// -1 padding of a top-k row); an entry >= capacity is skipped the same way and
+// counted in `error_count` when one is given (each entry of indices once, not
+// once per head). No kernel reads outside the buffers it was given, whatever
+// the indices hold. A slot listed twice counts twice (as the stock kernels do).
+//
+// Special values:
+// - A row with no valid entry: latent[t, h, :] = 0 (+0.0 bits) and lse[t, h] = -inf.
+// - NaN (e4m3 codes 0x7F / 0xFF) in q[t, h, :] or in any dimension of a valid
+//   selected cache entry of token t makes every value of latent[t, h, :] NaN
+//   (BF16 0x7FFF) and lse[t, h] NaN: the score of that entry is NaN and the
+//   softmax maximum propagates it. NaN in entries that are not selected, or
+//   in other tokens' rows, has no effect. e4m3 has no infinities.
+// - Scales are read on the device and cannot be checked: q_scale and k_scale
+//   must be finite and > 0, and scores must stay finite (they do whenever
+//   softmax_scale * q_scale * k_scale * 448^2 * 512 < 3.4e38).
+//
+// Buffers: inputs and outputs must not overlap. Nothing is allocated or
+// synchronized on the run path (CUDA-graph capturable); every launch uses
+// programmatic dependent launch and waits (griddepcontrol.wait) before reading
+// q, the cache, the indices or the scales, all of which its predecessors write.
+//
+// Split-K counters (the contract of the tensor-core kernel to come, issue 4;
+// docs/sparse_mla.md): when m * H is small the fast kernel splits the K
+// entries of a (token, head group) over several CTAs and the last CTA to
+// finish combines the partial results, counted in a caller-owned int32 buffer
+// of sparse_mla_split_counter_count(m, H, K) counters. The caller zeroes it
+// once at allocation; every launch that completes returns each counter it
+// used to zero, so no per-call memset is needed. One buffer serves any number
+// of launches in stream order (every layer of a step), but not two launches
+// that may run concurrently. After a launch that failed mid-way (a CUDA
+// error), zero it again. The count is non-decreasing in m: allocate it once
+// for the largest m. sparse_mla_simple does not split: it requires the
+// buffer too (one contract for both kernels, so switching kernel changes no
+// caller) but never reads or writes it, so it stays zero.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dsa_decode/status.h"
+#include "dsa_decode/tensor.h"
+
+namespace dsa {
+
+inline constexpr int kSparseMlaLatent = 512;    // L: kv_lora_rank of every supported preset
+inline constexpr int kSparseMlaMaxHeads = 128;  // dsv32 at TP1
+// Eight times the widest served top-k row (glm5next: 2176 = 2048 pooled + tail +
+// -1 padding). The bound keeps index arithmetic in int32 and gives the fast
+// kernel's split plan a finite range; raising it later breaks no caller.
+inline constexpr int kSparseMlaMaxTopK = 16384;
+// Tokens run on the grid's y dimension (at most 65535); decode steps are far smaller.
+inline constexpr int kSparseMlaMaxTokens = 65535;
+
+struct SparseMlaArgs {
+  // [m, H, 512] FP8 e4m3; dim 2 contiguous, head and token strides multiples
+  // of 16 (16-byte rows, for vector and TMA loads), data 16-byte aligned.
+  TensorView q;
+  TensorView q_scale;  // [1] f32
+  // [blocks, block_size, 512] FP8 e4m3; dim 2 contiguous; entry stride >= 512
+  // and block stride >= block_size * entry stride, both multiples of 16 (the
+  // block stride may be padded); data 16-byte aligned.
+  TensorView kv_cache;
+  TensorView k_scale;  // [1] f32
+  // [m, K] int32 global slots; dim 1 contiguous, token stride >= K.
+  TensorView indices;
+  float softmax_scale = 0.0f;  // finite, > 0 (glm5next: 256^-0.5)
+  // [m, H, 512] BF16 out; dims 1-2 contiguous, token stride a multiple of 8
+  // and >= H * 512, data 16-byte aligned (head_gemv's x layout: it feeds W_UV).
+  TensorView latent;
+  TensorView lse;  // [m, H] f32 out, contiguous
+  // [n] int32, n >= sparse_mla_split_counter_count(m, H, K), contiguous, all
+  // zero before the first launch (see the split-K contract above).
+  TensorView split_counters;
+  unsigned int* error_count = nullptr;  // optional device counter of entries >= capacity
+};
+
+// Counters the split-K combine needs for m tokens, H heads, K entries per row:
+// one per (token, head), an upper bound for any grouping of heads and any K.
+// Non-decreasing in m. Callers must use this function, not the formula: the
+// fast kernel may need fewer (it returns a value >= what any kernel uses).
+int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
+
+// Checks every argument (dtypes, shapes, strides, alignment, ranges:
+// 1 <= m <= kSparseMlaMaxTokens, 1 <= H <= kSparseMlaMaxHeads,
+// 1 <= K <= kSparseMlaMaxTopK, softmax_scale finite and > 0); launches nothing.
+// Errors name the argument, what was expected and what was given.
+Status check_sparse_mla(const SparseMlaArgs& args);
+
+// The simple GPU kernel: FP32 on CUDA cores, one CTA per (token, head), a
+// fixed summation order (deterministic, batch invariant). It is the GPU
+// reference and the benchmark baseline of the tensor-core kernel to come, not
+// the fast path. It sums in FP32, so its distance to the float64 CPU
+// reference is mostly the BF16 rounding of the output.
+// Launches on `stream` with PDL; neither allocates nor synchronizes.
+Status sparse_mla_simple(const SparseMlaArgs& args, cudaStream_t stream);
+
+}  // namespace dsa

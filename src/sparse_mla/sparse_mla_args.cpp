@@ -1,0 +1,108 @@
+// The argument checks and the split-counter size of the sparse MLA contract
+// (include/dsa_decode/sparse_mla.h), shared by every sparse MLA kernel.
+#include <cmath>
+#include <string>
+
+#include "dsa_decode/sparse_mla.h"
+
+namespace dsa {
+
+int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t /*top_k*/) { return m * heads; }
+
+namespace {
+
+Status check_scale(const TensorView& scale, const char* name) {
+  DSA_RETURN_IF_ERROR(check_dtype(scale, name, DType::kF32));
+  DSA_RETURN_IF_ERROR(check_shape(scale, name, {1}));
+  return check_on_cuda(scale, name);
+}
+
+std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".." + std::to_string(high); }
+
+}  // namespace
+
+Status check_sparse_mla(const SparseMlaArgs& a) {
+  constexpr int64_t L = kSparseMlaLatent;
+
+  DSA_RETURN_IF_ERROR(check_dtype(a.q, "q", DType::kFP8E4M3));
+  DSA_RETURN_IF_ERROR(check_shape(a.q, "q", {-1, -1, L}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(a.q, "q"));
+  const int64_t m = a.q.size(0), heads = a.q.size(1);
+  if (m < 1 || m > kSparseMlaMaxTokens) {
+    return invalid_argument("q", range(1, kSparseMlaMaxTokens) + " tokens in dim 0", a.q.describe());
+  }
+  if (heads < 1 || heads > kSparseMlaMaxHeads) {
+    return invalid_argument("q", range(1, kSparseMlaMaxHeads) + " heads in dim 1", a.q.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_stride(a.q, "q", 2, 1));
+  if (a.q.stride(1) % 16 != 0 || a.q.stride(1) < L || a.q.stride(0) % 16 != 0 ||
+      a.q.stride(0) < heads * a.q.stride(1)) {
+    return invalid_argument("q", "head and token strides that are multiples of 16 and do not overlap",
+                            a.q.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(a.q, "q", 16));
+  DSA_RETURN_IF_ERROR(check_scale(a.q_scale, "q_scale"));
+
+  DSA_RETURN_IF_ERROR(check_dtype(a.kv_cache, "kv_cache", DType::kFP8E4M3));
+  DSA_RETURN_IF_ERROR(check_shape(a.kv_cache, "kv_cache", {-1, -1, L}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(a.kv_cache, "kv_cache"));
+  const TensorView& c = a.kv_cache;
+  if (c.size(0) < 1 || c.size(1) < 1) {
+    return invalid_argument("kv_cache", "at least one block of at least one entry", c.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_stride(c, "kv_cache", 2, 1));
+  if (c.stride(1) % 16 != 0 || c.stride(1) < L || c.stride(0) % 16 != 0 || c.stride(0) < c.size(1) * c.stride(1)) {
+    return invalid_argument("kv_cache", "entry and block strides that are multiples of 16 and do not overlap",
+                            c.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(c, "kv_cache", 16));
+  DSA_RETURN_IF_ERROR(check_scale(a.k_scale, "k_scale"));
+
+  DSA_RETURN_IF_ERROR(check_dtype(a.indices, "indices", DType::kI32));
+  DSA_RETURN_IF_ERROR(check_shape(a.indices, "indices", {m, -1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(a.indices, "indices"));
+  const int64_t top_k = a.indices.size(1);
+  if (top_k < 1 || top_k > kSparseMlaMaxTopK) {
+    return invalid_argument("indices", range(1, kSparseMlaMaxTopK) + " entries per token in dim 1",
+                            a.indices.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_stride(a.indices, "indices", 1, 1));
+  if (m > 1 && a.indices.stride(0) < top_k) {
+    return invalid_argument("indices", "a token stride of at least K (rows do not overlap)", a.indices.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(a.indices, "indices", 4));
+
+  if (!std::isfinite(a.softmax_scale) || !(a.softmax_scale > 0.0f)) {
+    return invalid_argument("softmax_scale", "a finite value > 0", std::to_string(a.softmax_scale));
+  }
+
+  DSA_RETURN_IF_ERROR(check_dtype(a.latent, "latent", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(a.latent, "latent", {m, heads, L}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(a.latent, "latent"));
+  DSA_RETURN_IF_ERROR(check_stride(a.latent, "latent", 2, 1));
+  DSA_RETURN_IF_ERROR(check_stride(a.latent, "latent", 1, L));
+  if (a.latent.stride(0) % 8 != 0 || a.latent.stride(0) < heads * L) {
+    return invalid_argument("latent", "a token stride that is a multiple of 8 and at least H*512",
+                            a.latent.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(a.latent, "latent", 16));
+
+  DSA_RETURN_IF_ERROR(check_dtype(a.lse, "lse", DType::kF32));
+  DSA_RETURN_IF_ERROR(check_shape(a.lse, "lse", {m, heads}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(a.lse, "lse"));
+  if (!a.lse.is_contiguous()) return invalid_argument("lse", "a contiguous tensor", a.lse.describe());
+
+  DSA_RETURN_IF_ERROR(check_dtype(a.split_counters, "split_counters", DType::kI32));
+  DSA_RETURN_IF_ERROR(check_shape(a.split_counters, "split_counters", {-1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(a.split_counters, "split_counters"));
+  const int64_t counters = sparse_mla_split_counter_count(m, heads, top_k);
+  if (a.split_counters.size(0) < counters || a.split_counters.stride(0) != 1) {
+    return invalid_argument("split_counters",
+                            "a contiguous vector of at least sparse_mla_split_counter_count(m, H, K) = " +
+                                std::to_string(counters) + " counters",
+                            a.split_counters.describe());
+  }
+  return Status();
+}
+
+}  // namespace dsa

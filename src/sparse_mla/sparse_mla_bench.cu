@@ -1,0 +1,158 @@
+// Sparse MLA decode attention at the issue's latency shapes (H in {8, 64},
+// m in {1, 2, 4, 8, 16}, K = 2048), H200, graph replay. Rows
+// "sparse_mla_simple": the simple FP32 kernel, the baseline the tensor-core
+// kernel will be measured against in the same run.
+//
+// Cold KV rows: the cache holds `rotations` disjoint regions of m * K slots and
+// launch i reads region i % rotations through its own index rows (a random
+// permutation of the region, so every token's K rows are distinct: the floor's
+// worst case). The regions together are at least twice the L2, so every launch
+// reads its KV rows from device memory, as in a model where the other layers'
+// caches pass through L2 between two calls of one layer. q and the indices stay
+// in L2: in the decode chain they are written by the launches just before
+// (absorb, indexer).
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "dsa_decode/cuda_check.h"
+#include "dsa_decode/sparse_mla.h"
+#include "harness.h"
+
+namespace dsa::bench {
+namespace {
+
+constexpr int kLatent = kSparseMlaLatent;
+constexpr int kTopK = 2048;
+constexpr int kBlockSize = 256;  // served glm5next cache blocks
+constexpr int kMinCacheSlots = 65536;
+constexpr float kSoftmaxScale = 0.0625f;  // glm5next: 256^-0.5
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Random e4m3 codes from a hash of (seed, index), never NaN (0x7F / 0xFF
+// become +-448): benchmarks never run on zeros, and NaN would turn every output
+// into NaN.
+__global__ void fill_random_e4m3_kernel(uint8_t* data, size_t count, uint64_t seed) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const uint8_t code = static_cast<uint8_t>(mix64(seed + (i + 1) * 0x9E3779B97F4A7C15ull));
+    data[i] = (code & 0x7F) == 0x7F ? code - 1 : code;
+  }
+}
+
+Status fill_random_e4m3(void* data, size_t count, uint64_t seed, cudaStream_t stream) {
+  fill_random_e4m3_kernel<<<4096, 256, 0, stream>>>(static_cast<uint8_t*>(data), count, seed);
+  DSA_CUDA_RETURN(cudaGetLastError());
+  return Status();
+}
+
+struct Problem {
+  int heads, m;
+};
+
+// Bytes one launch must move at least: q, the index rows, K distinct cache rows
+// per token (the worst case: no two tokens of the step share a selected row),
+// the latent and the lse.
+double floor_bytes(const Problem& p) {
+  const double rows = double(p.m) * kTopK;
+  return double(p.m) * p.heads * kLatent  // q, FP8
+         + rows * 4                       // indices
+         + rows * kLatent                 // KV rows, FP8
+         + double(p.m) * p.heads * kLatent * 2 + double(p.m) * p.heads * 4;  // latent BF16, lse
+}
+
+// Q.K^T and P.V over the K selected rows, as the issue counts them.
+double flops(const Problem& p) { return 2.0 * p.m * p.heads * kTopK * (kLatent + kLatent); }
+
+struct Buffers {
+  DeviceMemory q, cache, indices, scales, latent, lse, counters;
+  int rotations = 1;
+  int64_t blocks = 0;
+  size_t indices_per_rotation = 0;
+};
+
+Status make_buffers(const Context& ctx, const Problem& p, Buffers* b) {
+  const size_t rows = size_t(p.m) * kTopK;
+  // Not cold_copies: its cap of 64 is for inputs copied whole; here only the
+  // small index rows are per rotation, and m = 1 needs ~120 regions of 1 MB.
+  b->rotations = std::max(1, static_cast<int>((2 * ctx.l2_bytes + rows * kLatent - 1) / (rows * kLatent)));
+  const size_t slots = std::max<size_t>(kMinCacheSlots, rows * b->rotations);
+  b->blocks = static_cast<int64_t>((slots + kBlockSize - 1) / kBlockSize);
+  const size_t cache_bytes = size_t(b->blocks) * kBlockSize * kLatent;
+  DSA_RETURN_IF_ERROR(b->cache.allocate(cache_bytes));
+  DSA_RETURN_IF_ERROR(fill_random_e4m3(b->cache.get(), cache_bytes, 1, ctx.stream));
+  const size_t q_bytes = size_t(p.m) * p.heads * kLatent;
+  DSA_RETURN_IF_ERROR(b->q.allocate(q_bytes));
+  DSA_RETURN_IF_ERROR(fill_random_e4m3(b->q.get(), q_bytes, 2, ctx.stream));
+
+  // Region r = slots [r * rows, (r + 1) * rows), permuted: token t of rotation r
+  // reads slots perm_r[t * K .. (t + 1) * K).
+  b->indices_per_rotation = rows;
+  std::vector<int32_t> indices(rows * b->rotations);
+  std::mt19937_64 rng(3);
+  for (int r = 0; r < b->rotations; ++r) {
+    int32_t* region = indices.data() + size_t(r) * rows;
+    std::iota(region, region + rows, static_cast<int32_t>(size_t(r) * rows));
+    std::shuffle(region, region + rows, rng);
+  }
+  DSA_RETURN_IF_ERROR(b->indices.allocate(indices.size() * sizeof(int32_t)));
+  DSA_CUDA_RETURN(cudaMemcpy(b->indices.get(), indices.data(), indices.size() * sizeof(int32_t),
+                             cudaMemcpyHostToDevice));
+  const float scales[2] = {0.02f, 0.02f};  // q_scale, k_scale
+  DSA_RETURN_IF_ERROR(b->scales.allocate(sizeof(scales)));
+  DSA_CUDA_RETURN(cudaMemcpy(b->scales.get(), scales, sizeof(scales), cudaMemcpyHostToDevice));
+  DSA_RETURN_IF_ERROR(b->latent.allocate(size_t(p.m) * p.heads * kLatent * 2));
+  DSA_RETURN_IF_ERROR(b->lse.allocate(size_t(p.m) * p.heads * 4));
+  const int64_t counters = sparse_mla_split_counter_count(p.m, p.heads, kTopK);
+  DSA_RETURN_IF_ERROR(b->counters.allocate(size_t(counters) * 4));
+  DSA_CUDA_RETURN(cudaMemsetAsync(b->counters.get(), 0, size_t(counters) * 4, ctx.stream));
+  DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
+  return Status();
+}
+
+// The views of rotation i.
+SparseMlaArgs views(const Problem& p, const Buffers& b, int i) {
+  SparseMlaArgs a;
+  a.q = make_tensor(b.q.get(), DType::kFP8E4M3, {p.m, p.heads, kLatent});
+  a.q_scale = make_tensor(b.scales.as<float>(), DType::kF32, {1});
+  a.kv_cache = make_tensor(b.cache.get(), DType::kFP8E4M3, {b.blocks, kBlockSize, kLatent});
+  a.k_scale = make_tensor(b.scales.as<float>() + 1, DType::kF32, {1});
+  a.indices = make_tensor(b.indices.as<int32_t>() + b.indices_per_rotation * (i % b.rotations), DType::kI32,
+                          {p.m, kTopK});
+  a.softmax_scale = kSoftmaxScale;
+  a.latent = make_tensor(b.latent.get(), DType::kBF16, {p.m, p.heads, kLatent});
+  a.lse = make_tensor(b.lse.get(), DType::kF32, {p.m, p.heads});
+  a.split_counters = make_tensor(b.counters.get(), DType::kI32, {sparse_mla_split_counter_count(p.m, p.heads, kTopK)});
+  return a;
+}
+
+Status run(Context& ctx, Report& report) {
+  for (int heads : {8, 64}) {
+    for (int m : {1, 2, 4, 8, 16}) {
+      const Problem p{heads, m};
+      Buffers b;
+      DSA_RETURN_IF_ERROR(make_buffers(ctx, p, &b));
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_graph(
+          ctx, [&](cudaStream_t stream, int i) { return sparse_mla_simple(views(p, b, i), stream); }, &us,
+          std::max(20, b.rotations)));
+      Row row{"sparse_mla_simple", {{"H", heads}, {"m", m}, {"K", kTopK}}, us, "", 0, floor_us(ctx, floor_bytes(p))};
+      row.tflops = flops(p) / (us * 1e-6) / 1e12;
+      row.note = std::to_string(b.rotations) + " KV regions of " + std::to_string(m * kTopK) + " rows";
+      report.add(row);
+    }
+  }
+  return Status();
+}
+
+}  // namespace
+DSA_BENCH("sparse_mla", run);
+}  // namespace dsa::bench

@@ -1,0 +1,598 @@
+// Sparse MLA decode attention: argument checks and the float64 reference's
+// edge cases (CPU), and the simple kernel against the reference, guard bands,
+// determinism, batch invariance and graph capture (SparseMlaGpu).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dsa_decode/numerics.h"
+#include "dsa_decode/sparse_mla.h"
+#include "sparse_mla/sparse_mla_reference.h"
+#include "support.h"
+
+namespace dsa {
+namespace {
+
+using testing::DeviceBuffer;
+
+constexpr int L = kSparseMlaLatent;
+constexpr uint8_t kCodeOne = 0x38;  // e4m3 1.0
+constexpr uint8_t kCodeNaN = 0x7F;
+const float kInf = std::numeric_limits<float>::infinity();
+
+// ---------------------------------------------------------------------------
+// Argument checks (no GPU needed: the views' pointers are never dereferenced).
+
+void* fake_device_pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+
+// Valid views of glm5next at TP1 (H = 64, K = 2176), m = 4; each test breaks one thing.
+struct FakeArgs {
+  int64_t m = 4, heads = 64, top_k = 2176;
+  SparseMlaArgs args;
+  FakeArgs() {
+    args.q = make_tensor(fake_device_pointer(0x10000), DType::kFP8E4M3, {m, heads, L});
+    args.q_scale = make_tensor(fake_device_pointer(0x20000), DType::kF32, {1});
+    args.kv_cache = make_tensor(fake_device_pointer(0x30000), DType::kFP8E4M3, {100, 256, L});
+    args.k_scale = make_tensor(fake_device_pointer(0x40000), DType::kF32, {1});
+    args.indices = make_tensor(fake_device_pointer(0x50000), DType::kI32, {m, top_k});
+    args.softmax_scale = 0.0625f;
+    args.latent = make_tensor(fake_device_pointer(0x60000), DType::kBF16, {m, heads, L});
+    args.lse = make_tensor(fake_device_pointer(0x70000), DType::kF32, {m, heads});
+    args.split_counters = make_tensor(fake_device_pointer(0x80000), DType::kI32,
+                                      {sparse_mla_split_counter_count(m, heads, top_k)});
+  }
+};
+
+// The status is an invalid-argument error naming `argument` and holding `words`.
+void expect_rejected(const SparseMlaArgs& a, const std::string& argument, const std::string& words) {
+  const Status s = check_sparse_mla(a);
+  ASSERT_FALSE(s.ok()) << "expected an error naming '" << argument << "'";
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'" + argument + "'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
+}
+
+TEST(SparseMlaChecks, AcceptsGlm5NextShapesAndTheLimits) {
+  FakeArgs f;
+  EXPECT_TRUE(check_sparse_mla(f.args).ok()) << check_sparse_mla(f.args).to_string();
+  // Limits: one token, one head, one entry; 128 heads; the widest K; a padded cache block.
+  FakeArgs small;
+  small.args.q = make_tensor(fake_device_pointer(0x10000), DType::kFP8E4M3, {1, 1, L});
+  small.args.indices = make_tensor(fake_device_pointer(0x50000), DType::kI32, {1, 1});
+  small.args.latent = make_tensor(fake_device_pointer(0x60000), DType::kBF16, {1, 1, L});
+  small.args.lse = make_tensor(fake_device_pointer(0x70000), DType::kF32, {1, 1});
+  EXPECT_TRUE(check_sparse_mla(small.args).ok()) << check_sparse_mla(small.args).to_string();
+  FakeArgs wide;
+  wide.args.q.shape[1] = kSparseMlaMaxHeads;
+  wide.args.q.strides[0] = kSparseMlaMaxHeads * L;
+  wide.args.latent = make_tensor(fake_device_pointer(0x60000), DType::kBF16, {4, kSparseMlaMaxHeads, L});
+  wide.args.lse = make_tensor(fake_device_pointer(0x70000), DType::kF32, {4, kSparseMlaMaxHeads});
+  wide.args.indices = make_tensor(fake_device_pointer(0x50000), DType::kI32, {4, kSparseMlaMaxTopK});
+  wide.args.split_counters.shape[0] = sparse_mla_split_counter_count(4, kSparseMlaMaxHeads, kSparseMlaMaxTopK);
+  wide.args.kv_cache = make_strided(fake_device_pointer(0x30000), DType::kFP8E4M3, {100, 256, L},
+                                    {256 * 528 + 64, 528, 1});
+  EXPECT_TRUE(check_sparse_mla(wide.args).ok()) << check_sparse_mla(wide.args).to_string();
+}
+
+TEST(SparseMlaChecks, NamesEachBadArgument) {
+  auto rejected = [](auto&& breaks, const std::string& argument, const std::string& words) {
+    FakeArgs f;
+    breaks(f.args);
+    expect_rejected(f.args, argument, words);
+  };
+  rejected([](SparseMlaArgs& a) { a.q.dtype = DType::kBF16; }, "q", "fp8_e4m3");
+  rejected([](SparseMlaArgs& a) { a.q.shape[2] = 576; }, "q", "shape [*, *, 512]");
+  rejected([](SparseMlaArgs& a) { a.q.shape[1] = 129; }, "q", "1..128 heads");
+  rejected([](SparseMlaArgs& a) { a.q.shape[1] = 0; }, "q", "1..128 heads");
+  rejected([](SparseMlaArgs& a) { a.q.shape[0] = 0; }, "q", "1..65535 tokens");
+  rejected([](SparseMlaArgs& a) { a.q.strides[1] = 520; }, "q", "multiples of 16");
+  rejected([](SparseMlaArgs& a) { a.q.strides[2] = 2; }, "q", "stride 1 in dim 2");
+  rejected([](SparseMlaArgs& a) { a.q.data = fake_device_pointer(0x10008); }, "q", "aligned to 16");
+  rejected([](SparseMlaArgs& a) { a.q.device.kind = DeviceKind::kCPU; }, "q", "a CUDA tensor");
+  rejected([](SparseMlaArgs& a) { a.q_scale = TensorView{}; }, "q_scale", "null");
+  rejected([](SparseMlaArgs& a) { a.q_scale.shape[0] = 2; }, "q_scale", "shape [1]");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.dtype = DType::kU8; }, "kv_cache", "fp8_e4m3");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.shape[2] = 576; }, "kv_cache", "shape [*, *, 512]");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.strides[1] = 520; }, "kv_cache", "multiples of 16");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.strides[0] = 255 * 512; }, "kv_cache", "do not overlap");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.shape[1] = 0; }, "kv_cache", "at least one block");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.data = fake_device_pointer(0x30008); }, "kv_cache", "aligned to 16");
+  rejected([](SparseMlaArgs& a) { a.k_scale.dtype = DType::kBF16; }, "k_scale", "f32");
+  rejected([](SparseMlaArgs& a) { a.indices.dtype = DType::kI64; }, "indices", "i32");
+  rejected([](SparseMlaArgs& a) { a.indices.shape[0] = 3; }, "indices", "shape [4, *]");
+  rejected([](SparseMlaArgs& a) { a.indices.shape[1] = kSparseMlaMaxTopK + 1; }, "indices", "1..16384 entries");
+  rejected([](SparseMlaArgs& a) { a.indices.strides[1] = 2; }, "indices", "stride 1 in dim 1");
+  rejected([](SparseMlaArgs& a) { a.indices.strides[0] = 2000; }, "indices", "token stride of at least K");
+  rejected([](SparseMlaArgs& a) { a.softmax_scale = 0.0f; }, "softmax_scale", "finite value > 0");
+  rejected([](SparseMlaArgs& a) { a.softmax_scale = -1.0f; }, "softmax_scale", "finite value > 0");
+  rejected([](SparseMlaArgs& a) { a.softmax_scale = kInf; }, "softmax_scale", "finite value > 0");
+  rejected([](SparseMlaArgs& a) { a.softmax_scale = std::nanf(""); }, "softmax_scale", "finite value > 0");
+  rejected([](SparseMlaArgs& a) { a.latent.dtype = DType::kF32; }, "latent", "bf16");
+  rejected([](SparseMlaArgs& a) { a.latent.shape[1] = 8; }, "latent", "shape [4, 64, 512]");
+  rejected([](SparseMlaArgs& a) { a.latent.strides[1] = 520; }, "latent", "stride 512 in dim 1");
+  rejected([](SparseMlaArgs& a) { a.latent.strides[0] = 64 * 512 + 4; }, "latent", "multiple of 8");
+  rejected([](SparseMlaArgs& a) { a.latent.data = fake_device_pointer(0x60008); }, "latent", "aligned to 16");
+  rejected([](SparseMlaArgs& a) { a.lse.shape[1] = 63; }, "lse", "shape [4, 64]");
+  rejected([](SparseMlaArgs& a) { a.lse.strides[0] = 65; }, "lse", "contiguous");
+  rejected([](SparseMlaArgs& a) { a.split_counters = TensorView{}; }, "split_counters", "null");
+  rejected([](SparseMlaArgs& a) { a.split_counters.dtype = DType::kU8; }, "split_counters", "i32");
+  rejected([](SparseMlaArgs& a) { a.split_counters.shape[0] -= 1; }, "split_counters", "at least");
+}
+
+TEST(SparseMlaChecks, SplitCounterCountGrowsWithTokens) {
+  for (int heads : {1, 8, 64, 128}) {
+    for (int top_k : {1, 100, 2048, 2176, kSparseMlaMaxTopK}) {
+      int64_t previous = 0;
+      for (int m = 1; m <= 512; ++m) {
+        const int64_t count = sparse_mla_split_counter_count(m, heads, top_k);
+        EXPECT_GE(count, previous) << "H " << heads << " K " << top_k << " m " << m;
+        EXPECT_GE(count, 1);
+        previous = count;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Problems: host inputs in the kernel's layouts.
+
+struct Problem {
+  int m = 1, heads = 1, top_k = 1;
+  int64_t blocks = 1, block_size = 1, entry_stride = L, block_stride = L;
+  int64_t q_head_stride = L, q_token_stride = L, indices_token_stride = 1, latent_token_stride = L;
+  float q_scale = 1, k_scale = 1, softmax_scale = 1;
+  std::vector<uint8_t> q;        // [m, H, 512] e4m3 codes with the strides above
+  std::vector<uint8_t> cache;    // [blocks, block_size, 512] e4m3 codes
+  std::vector<int32_t> indices;  // [m, K]
+
+  int64_t capacity() const { return blocks * block_size; }
+  uint8_t* entry(int64_t slot) { return &cache[slot / block_size * block_stride + slot % block_size * entry_stride]; }
+  uint8_t* q_row(int t, int h) { return &q[t * q_token_stride + h * q_head_stride]; }
+  int32_t& index(int t, int j) { return indices[t * indices_token_stride + j]; }
+  reference::SparseMlaHost host() const {
+    return {q.data(),       q_token_stride, q_head_stride,        cache.data(), blocks,  block_size, block_stride,
+            entry_stride,   indices.data(), indices_token_stride, m,            heads,   top_k,      q_scale,
+            k_scale,        softmax_scale};
+  }
+};
+
+// Contiguous buffers of the given sizes, zero codes, every index -1.
+Problem make_problem(int m, int heads, int top_k, int64_t blocks, int64_t block_size) {
+  Problem p;
+  p.m = m, p.heads = heads, p.top_k = top_k, p.blocks = blocks, p.block_size = block_size;
+  p.block_stride = block_size * L;
+  p.q_token_stride = int64_t(heads) * L;
+  p.indices_token_stride = top_k;
+  p.latent_token_stride = int64_t(heads) * L;
+  p.q.assign(size_t(m) * heads * L, 0);
+  p.cache.assign(size_t(blocks) * p.block_stride, 0);
+  p.indices.assign(size_t(m) * top_k, -1);
+  return p;
+}
+
+// e4m3 codes of normal(0, sigma) samples, saturated to +-448 (never NaN).
+void fill_codes(uint8_t* codes, size_t count, float sigma, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, sigma);
+  for (size_t i = 0; i < count; ++i) codes[i] = num::float_to_e4m3(normal(rng));
+}
+
+// ---------------------------------------------------------------------------
+// The reference's edge cases, by hand.
+
+float bf16(uint16_t bits) { return num::bf16_to_float(bits); }
+
+// Keys e0 at slot 5 and e1 at slot 2 (code 1.0 in one dim each) and q = 1.0
+// in dim 0: the scores of slots 5 and 2 are softmax_scale * q_scale * k_scale
+// * (1, 0) = (ln 3, 0). `entries` is the token's index row.
+Problem hand_problem(const std::vector<int32_t>& entries) {
+  Problem p = make_problem(1, 1, static_cast<int>(entries.size()), 2, 4);
+  p.q_scale = 0.5f, p.k_scale = 2.0f, p.softmax_scale = static_cast<float>(std::log(3.0));
+  p.q[0] = kCodeOne;
+  p.entry(5)[0] = kCodeOne;
+  p.entry(2)[1] = kCodeOne;
+  p.indices = entries;
+  return p;
+}
+
+// Weights 3/4 and 1/4: output k_scale * (3/4, 1/4, 0, ...), lse ln 4.
+TEST(SparseMlaReference, HandComputedTwoEntries) {
+  const reference::SparseMlaResult r = reference::sparse_mla(hand_problem({5, 2}).host());
+  EXPECT_EQ(bf16(r.latent[0]), 1.5f);  // 2 * 3/4
+  EXPECT_EQ(bf16(r.latent[1]), 0.5f);  // 2 * 1/4
+  for (int d = 2; d < L; ++d) ASSERT_EQ(r.latent[d], 0) << "dim " << d;
+  EXPECT_NEAR(r.lse[0], std::log(4.0), 1e-6);
+  EXPECT_EQ(r.out_of_range, 0);
+}
+
+// Entries (5, 5, 2): weights 3, 3, 1 -> output 2 * (6/7, 1/7), lse ln 7.
+TEST(SparseMlaReference, DuplicatesCountEachTime) {
+  const reference::SparseMlaResult r = reference::sparse_mla(hand_problem({5, 5, 2}).host());
+  EXPECT_EQ(r.latent[0], num::float_to_bf16(12.0f / 7.0f));
+  EXPECT_EQ(r.latent[1], num::float_to_bf16(2.0f / 7.0f));
+  EXPECT_NEAR(r.lse[0], std::log(7.0), 1e-6);
+}
+
+TEST(SparseMlaReference, RowWithoutValidEntriesGivesZerosAndMinusInfinity) {
+  Problem p = make_problem(2, 3, 5, 2, 4);
+  std::mt19937_64 rng(testing::test_seed());
+  fill_codes(p.q.data(), p.q.size(), 64.0f, rng);
+  fill_codes(p.cache.data(), p.cache.size(), 64.0f, rng);
+  // Token 0: every entry -1; token 1: negative or past the capacity (8).
+  const int32_t token1[5] = {-7, 8, 1000, std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()};
+  for (int j = 0; j < 5; ++j) p.index(1, j) = token1[j];
+  const reference::SparseMlaResult r = reference::sparse_mla(p.host());
+  for (uint16_t v : r.latent) ASSERT_EQ(v, 0);
+  for (float v : r.lse) EXPECT_EQ(v, -kInf);
+  EXPECT_EQ(r.out_of_range, 3);  // once per entry, not per head
+}
+
+// Capacity 8: entries 8, 9 and 2^30 are skipped (and counted), -1 is none,
+// so the result is that of (5, 2) alone.
+TEST(SparseMlaReference, OutOfRangeEntriesAreSkippedAndCounted) {
+  const reference::SparseMlaResult r = reference::sparse_mla(hand_problem({8, 5, -1, 9, 2, 1 << 30}).host());
+  const reference::SparseMlaResult clean = reference::sparse_mla(hand_problem({5, 2}).host());
+  EXPECT_TRUE(r.latent == clean.latent);
+  EXPECT_EQ(r.lse[0], clean.lse[0]);
+  EXPECT_EQ(r.out_of_range, 3);
+}
+
+TEST(SparseMlaReference, NanMakesItsRowNanAndNothingElse) {
+  Problem p = make_problem(3, 2, 4, 4, 4);
+  std::mt19937_64 rng(testing::test_seed() + 1);
+  fill_codes(p.q.data(), p.q.size(), 32.0f, rng);
+  fill_codes(p.cache.data(), p.cache.size(), 32.0f, rng);
+  for (int t = 0; t < 3; ++t) {
+    for (int j = 0; j < 4; ++j) p.index(t, j) = 4 * t + j;
+  }
+  p.q_row(0, 1)[100] = kCodeNaN;    // token 0, head 1
+  p.entry(6)[511] = kCodeNaN;       // selected by token 1 only
+  p.entry(15)[0] = kCodeNaN | 0x80;  // not selected by anyone
+  const reference::SparseMlaResult r = reference::sparse_mla(p.host());
+  auto row_is_nan = [&](int t, int h) {
+    for (int d = 0; d < L; ++d) {
+      if (!std::isnan(bf16(r.latent[(t * 2 + h) * L + d]))) return false;
+    }
+    return std::isnan(r.lse[t * 2 + h]);
+  };
+  auto row_is_finite = [&](int t, int h) {
+    for (int d = 0; d < L; ++d) {
+      if (!std::isfinite(bf16(r.latent[(t * 2 + h) * L + d]))) return false;
+    }
+    return std::isfinite(r.lse[t * 2 + h]);
+  };
+  EXPECT_TRUE(row_is_finite(0, 0));
+  EXPECT_TRUE(row_is_nan(0, 1));
+  EXPECT_TRUE(row_is_nan(1, 0));
+  EXPECT_TRUE(row_is_nan(1, 1));
+  EXPECT_TRUE(row_is_finite(2, 0));
+  EXPECT_TRUE(row_is_finite(2, 1));
+}
+
+// The reference's exact-dot shortcut against the formula as written in the
+// contract (dequantized values, double throughout).
+TEST(SparseMlaReference, AgreesWithTheContractFormula) {
+  std::mt19937_64 rng(testing::test_seed() + 2);
+  Problem p = make_problem(2, 3, 40, 8, 16);
+  p.q_scale = 0.03f, p.k_scale = 0.07f, p.softmax_scale = 0.0625f;
+  fill_codes(p.q.data(), p.q.size(), 40.0f, rng);
+  fill_codes(p.cache.data(), p.cache.size(), 40.0f, rng);
+  std::uniform_int_distribution<int32_t> slot(-2, int32_t(p.capacity()) + 2);
+  for (int32_t& index : p.indices) index = slot(rng);
+  const reference::SparseMlaResult r = reference::sparse_mla(p.host());
+  for (int t = 0; t < p.m; ++t) {
+    for (int h = 0; h < p.heads; ++h) {
+      std::vector<double> scores;
+      std::vector<const uint8_t*> rows;
+      for (int j = 0; j < p.top_k; ++j) {
+        const int32_t s = p.index(t, j);
+        if (s < 0 || s >= p.capacity()) continue;
+        rows.push_back(p.entry(s));
+        double dot = 0;
+        for (int d = 0; d < L; ++d) {
+          dot += double(p.q_scale) * num::e4m3_to_float(p.q_row(t, h)[d]) * double(p.k_scale) *
+                 num::e4m3_to_float(rows.back()[d]);
+        }
+        scores.push_back(p.softmax_scale * dot);
+      }
+      double sum = 0;
+      for (double s : scores) sum += std::exp(s);
+      EXPECT_NEAR(r.lse[t * p.heads + h], std::log(sum), 1e-5);
+      for (int d = 0; d < L; ++d) {
+        double value = 0;
+        for (size_t j = 0; j < rows.size(); ++j) {
+          value += std::exp(scores[j]) / sum * double(p.k_scale) * num::e4m3_to_float(rows[j][d]);
+        }
+        const float got = bf16(r.latent[(t * p.heads + h) * L + d]);
+        ASSERT_NEAR(got, value, std::fabs(value) * (1.0 / 128) + 1e-30) << "t " << t << " h " << h << " d " << d;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// GPU: the simple kernel against the reference.
+
+constexpr int64_t kGuard = 64;  // poisoned elements on each side of each output (keeps 16-byte alignment)
+constexpr uint8_t kPoison = 0xFF;
+
+struct GpuResult {
+  std::vector<uint16_t> latent;  // [m, H, 512] contiguous
+  std::vector<float> lse;        // [m, H]
+  unsigned int out_of_range = 0;
+};
+
+// Runs the simple kernel on `p` with poisoned outputs and guard bands; checks
+// the guards, the latent's token padding and the split counters (all still zero).
+GpuResult run_gpu(const Problem& p) {
+  GpuResult result;
+  DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
+  DeviceBuffer<int32_t> indices_dev(p.indices);
+  DeviceBuffer<float> q_scale_dev(std::vector<float>{p.q_scale}), k_scale_dev(std::vector<float>{p.k_scale});
+  const int64_t latent_elems = (p.m - 1) * p.latent_token_stride + int64_t(p.heads) * L;
+  DeviceBuffer<uint16_t> latent_dev(latent_elems + 2 * kGuard);
+  DeviceBuffer<float> lse_dev(int64_t(p.m) * p.heads + 2 * kGuard);
+  latent_dev.fill_bytes(kPoison);
+  lse_dev.fill_bytes(kPoison);
+  const int64_t counters = sparse_mla_split_counter_count(p.m, p.heads, p.top_k);
+  DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(counters, 0));
+  DeviceBuffer<unsigned int> errors_dev(std::vector<unsigned int>{0});
+
+  SparseMlaArgs a;
+  a.q = make_strided(q_dev.get(), DType::kFP8E4M3, {p.m, p.heads, L}, {p.q_token_stride, p.q_head_stride, 1});
+  a.q_scale = make_tensor(q_scale_dev.get(), DType::kF32, {1});
+  a.kv_cache = make_strided(cache_dev.get(), DType::kFP8E4M3, {p.blocks, p.block_size, L},
+                            {p.block_stride, p.entry_stride, 1});
+  a.k_scale = make_tensor(k_scale_dev.get(), DType::kF32, {1});
+  a.indices = make_strided(indices_dev.get(), DType::kI32, {p.m, p.top_k}, {p.indices_token_stride, 1});
+  a.softmax_scale = p.softmax_scale;
+  a.latent = make_strided(latent_dev.get() + kGuard, DType::kBF16, {p.m, p.heads, L}, {p.latent_token_stride, L, 1});
+  a.lse = make_tensor(lse_dev.get() + kGuard, DType::kF32, {p.m, p.heads});
+  a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {counters});
+  a.error_count = errors_dev.get();
+  const Status s = sparse_mla_simple(a, nullptr);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (!s.ok()) return result;
+
+  const std::vector<uint16_t> latent = latent_dev.download();
+  const std::vector<float> lse_all = lse_dev.download();
+  auto poisoned = [](const void* data, size_t bytes) {
+    const uint8_t* b = static_cast<const uint8_t*>(data);
+    return std::all_of(b, b + bytes, [](uint8_t v) { return v == kPoison; });
+  };
+  EXPECT_TRUE(poisoned(latent.data(), kGuard * 2)) << "write before latent";
+  EXPECT_TRUE(poisoned(latent.data() + kGuard + latent_elems, kGuard * 2)) << "write past latent";
+  EXPECT_TRUE(poisoned(lse_all.data(), kGuard * 4)) << "write before lse";
+  EXPECT_TRUE(poisoned(lse_all.data() + kGuard + p.m * p.heads, kGuard * 4)) << "write past lse";
+  for (int t = 0; t < p.m; ++t) {
+    const uint16_t* row = latent.data() + kGuard + t * p.latent_token_stride;
+    result.latent.insert(result.latent.end(), row, row + p.heads * L);
+    if (t + 1 < p.m) {
+      const int64_t padding = p.latent_token_stride - int64_t(p.heads) * L;
+      EXPECT_TRUE(poisoned(row + p.heads * L, padding * 2)) << "write into latent's token padding after token " << t;
+    }
+  }
+  result.lse.assign(lse_all.begin() + kGuard, lse_all.begin() + kGuard + p.m * p.heads);
+  result.out_of_range = errors_dev.download()[0];
+  const std::vector<int32_t> counters_after = counters_dev.download();
+  EXPECT_TRUE(std::all_of(counters_after.begin(), counters_after.end(), [](int32_t c) { return c == 0; }))
+      << "split counters not zero after the launch";
+  return result;
+}
+
+// GPU output against the reference: rows with no valid entry are exactly zero
+// with lse -inf, NaN rows are NaN throughout, the rest within the tolerances.
+// Returns the relative Frobenius error of the finite rows.
+double expect_close_to_reference(const Problem& p, const GpuResult& got, const reference::SparseMlaResult& want) {
+  constexpr double kMaxRelativeFrobenius = 1e-2, kMaxLseError = 1e-3;
+  EXPECT_EQ(got.out_of_range, static_cast<unsigned>(want.out_of_range)) << "error counter";
+  if (got.latent.size() != want.latent.size() || got.lse.size() != want.lse.size()) {
+    ADD_FAILURE() << "no GPU result";
+    return 0;
+  }
+  double error_squares = 0, reference_squares = 0;
+  int bad_rows = 0;
+  for (int row = 0; row < p.m * p.heads; ++row) {
+    const uint16_t* g = &got.latent[size_t(row) * L];
+    const uint16_t* w = &want.latent[size_t(row) * L];
+    const float want_lse = want.lse[row], got_lse = got.lse[row];
+    bool ok = true;
+    if (std::isnan(want_lse)) {
+      ok = std::isnan(got_lse) && std::all_of(g, g + L, [](uint16_t v) { return std::isnan(bf16(v)); });
+    } else if (want_lse == -kInf) {
+      ok = got_lse == -kInf && std::all_of(g, g + L, [](uint16_t v) { return v == 0; });
+    } else {
+      ok = std::fabs(got_lse - want_lse) <= kMaxLseError;
+      for (int d = 0; d < L; ++d) {
+        const double difference = double(bf16(g[d])) - bf16(w[d]);
+        error_squares += difference * difference;  // NaN or inf from the GPU makes the total fail
+        reference_squares += double(bf16(w[d])) * bf16(w[d]);
+      }
+    }
+    if (!ok && bad_rows++ < 5) {
+      ADD_FAILURE() << "token " << row / p.heads << " head " << row % p.heads << ": lse " << got_lse
+                    << ", reference " << want_lse << ", latent[0] " << bf16(g[0]) << ", reference " << bf16(w[0]);
+    }
+  }
+  const double relative = reference_squares > 0 ? std::sqrt(error_squares / reference_squares) : std::sqrt(error_squares);
+  EXPECT_LE(relative, kMaxRelativeFrobenius) << "relative Frobenius error of the latent";
+  return relative;
+}
+
+struct Case {
+  int heads, m, top_k;
+  int padding = 0;  // trailing -1 entries of each index row (glm5next rows: 2048 + 3 tail + 125 padding)
+};
+
+std::string describe(const Case& c) {
+  return "H " + std::to_string(c.heads) + " m " + std::to_string(c.m) + " K " + std::to_string(c.top_k) +
+         (c.padding ? " (" + std::to_string(c.padding) + " padding)" : "");
+}
+
+// Random inputs at realistic scales: q_scale and k_scale in [0.01, 0.1]; the
+// codes are normal samples spread over the e4m3 range (sigma about 8..270:
+// subnormals to a few hundred) with sigma set so that the scores have a
+// standard deviation of `score_spread` (flat to peaked softmax). Cache of 4096 slots; `padded`
+// pads every stride (cache blocks, q heads and tokens, index rows, latent tokens).
+Problem random_problem(const Case& c, bool padded, float score_spread, std::mt19937_64& rng) {
+  const int64_t block_size = padded ? 64 : 256;
+  Problem p = make_problem(c.m, c.heads, c.top_k, 4096 / block_size, block_size);
+  if (padded) {
+    p.entry_stride = L + 16;
+    p.block_stride = block_size * p.entry_stride + 64;
+    p.q_head_stride = L + 32;
+    p.q_token_stride = c.heads * p.q_head_stride + 16;
+    p.indices_token_stride = c.top_k + 3;
+    p.latent_token_stride = int64_t(c.heads) * L + 8;
+    p.q.assign(size_t(c.m) * p.q_token_stride, 0);
+    p.cache.assign(size_t(p.blocks) * p.block_stride, 0);
+    p.indices.assign(size_t(c.m) * p.indices_token_stride, -1);
+  }
+  std::uniform_real_distribution<float> scale(0.01f, 0.1f);
+  p.q_scale = scale(rng), p.k_scale = scale(rng), p.softmax_scale = 0.0625f;  // glm5next: 256^-0.5
+  // score std = softmax_scale * q_scale * k_scale * sigma^2 * sqrt(512) with one sigma for q and k
+  const double sigma = std::sqrt(score_spread / (p.softmax_scale * p.q_scale * p.k_scale * std::sqrt(double(L))));
+  const float code_sigma = static_cast<float>(std::min(450.0, sigma));
+  fill_codes(p.q.data(), p.q.size(), code_sigma, rng);
+  fill_codes(p.cache.data(), p.cache.size(), code_sigma, rng);
+  std::uniform_int_distribution<int32_t> slot(0, int32_t(p.capacity()) - 1);
+  for (int t = 0; t < c.m; ++t) {
+    for (int j = 0; j < c.top_k - c.padding; ++j) p.index(t, j) = slot(rng);
+  }
+  return p;
+}
+
+TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  // Every H meets every K and every m meets every K, with the big products
+  // (m * H * K) kept small enough for the float64 reference on one core.
+  const std::vector<Case> full = {
+      {128, 1, 2176, 125}, {128, 2, 2048}, {128, 7, 100}, {128, 16, 1},
+      {64, 1, 2048},       {64, 2, 2176, 125}, {64, 7, 1},   {64, 16, 100},
+      {16, 1, 1},          {16, 2, 100},   {16, 7, 2048},  {16, 16, 2176, 125},
+      {8, 1, 100},         {8, 2, 1},      {8, 7, 2176, 125}, {8, 16, 2048}, {8, 64, 100}, {8, 256, 100},
+      {1, 1, 2048},        {1, 2, 2176, 125}, {1, 7, 100}, {1, 16, 1},   {1, 64, 2176, 125}, {1, 256, 2048},
+  };
+  const std::vector<Case> quick = {{4, 2, 100}, {8, 1, 2176, 125}};
+  const float spreads[] = {1.0f, 3.0f, 10.0f};
+  double worst = 0;
+  int index = 0;
+  for (const Case& c : testing::quick_mode() ? quick : full) {
+    const bool padded = index % 2 == 1;
+    const float spread = spreads[index % 3];
+    SCOPED_TRACE(describe(c) + (padded ? " padded strides" : "") + " score spread " + std::to_string(spread));
+    const Problem p = random_problem(c, padded, spread, rng);
+    worst = std::max(worst, expect_close_to_reference(p, run_gpu(p), reference::sparse_mla(p.host())));
+    ++index;
+  }
+  std::printf("[sparse_mla_simple vs float64] worst relative Frobenius error %.3g over %d cases\n", worst, index);
+}
+
+TEST(SparseMlaGpu, EdgeCasesMatchTheReference) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 10);
+  const int heads = 8, top_k = 64;
+  Problem p = random_problem(Case{heads, 6, top_k}, /*padded=*/true, 3.0f, rng);
+  const int32_t capacity = static_cast<int32_t>(p.capacity());
+  const int32_t nan_slot = 77;
+  p.entry(nan_slot)[300] = kCodeNaN;
+  // Random entries avoid the NaN slot except where a row selects it on purpose.
+  std::uniform_int_distribution<int32_t> slot(nan_slot + 1, capacity - 1);
+  for (int t = 0; t < p.m; ++t) {
+    for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
+  }
+  for (int j = 0; j < top_k; ++j) p.index(0, j) = -1 - j;                                     // all negative
+  for (int j = 0; j < top_k; ++j) p.index(1, j) = p.index(1, j % 3);                          // three slots, repeated
+  for (int j = 0; j < top_k; j += 3) p.index(2, j) = capacity + j * 1000;                     // a third out of range
+  p.index(2, 1) = std::numeric_limits<int32_t>::max();
+  for (int j = 0; j < top_k; ++j) p.index(3, j) = j % 2 ? capacity : -1;                      // none valid
+  p.index(4, 17) = nan_slot;                                                                  // a NaN in a selected row
+  p.q_row(5, 3)[0] = kCodeNaN | 0x80;                                                         // a NaN in one head's q
+  const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+  ASSERT_GT(want.out_of_range, top_k / 2);
+  expect_close_to_reference(p, run_gpu(p), want);
+}
+
+TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 20);
+  const Case c = testing::quick_mode() ? Case{4, 4, 300} : Case{8, 16, 2176, 125};
+  const Problem batch = random_problem(c, /*padded=*/false, 3.0f, rng);
+  const GpuResult first = run_gpu(batch);
+  const GpuResult again = run_gpu(batch);
+  EXPECT_TRUE(first.latent == again.latent) << "latent bits differ between two runs";
+  EXPECT_EQ(std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * 4), 0) << "lse bits differ";
+  ASSERT_EQ(first.latent.size(), size_t(c.m) * c.heads * L);
+  for (int t : {0, c.m / 2, c.m - 1}) {
+    Problem alone = make_problem(1, c.heads, c.top_k, batch.blocks, batch.block_size);
+    alone.q_scale = batch.q_scale, alone.k_scale = batch.k_scale, alone.softmax_scale = batch.softmax_scale;
+    alone.cache = batch.cache;
+    std::copy_n(batch.q.begin() + t * batch.q_token_stride, c.heads * L, alone.q.begin());
+    std::copy_n(batch.indices.begin() + t * batch.indices_token_stride, c.top_k, alone.indices.begin());
+    const GpuResult single = run_gpu(alone);
+    ASSERT_EQ(single.latent.size(), size_t(c.heads) * L);
+    EXPECT_TRUE(std::equal(single.latent.begin(), single.latent.end(), first.latent.begin() + size_t(t) * c.heads * L))
+        << "token " << t << " alone differs from the same token in a batch of " << c.m;
+    EXPECT_EQ(std::memcmp(single.lse.data(), first.lse.data() + t * c.heads, c.heads * 4), 0) << "lse of token " << t;
+  }
+}
+
+TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 30);
+  const Problem p = random_problem(Case{8, 4, 2048}, /*padded=*/false, 3.0f, rng);
+  DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
+  DeviceBuffer<int32_t> indices_dev(p.indices);
+  DeviceBuffer<float> scales_dev(std::vector<float>{p.q_scale, p.k_scale});
+  DeviceBuffer<uint16_t> latent_dev(size_t(p.m) * p.heads * L);
+  DeviceBuffer<float> lse_dev(size_t(p.m) * p.heads);
+  DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(sparse_mla_split_counter_count(p.m, p.heads, p.top_k), 0));
+  SparseMlaArgs a;
+  a.q = make_tensor(q_dev.get(), DType::kFP8E4M3, {p.m, p.heads, L});
+  a.q_scale = make_tensor(scales_dev.get(), DType::kF32, {1});
+  a.kv_cache = make_tensor(cache_dev.get(), DType::kFP8E4M3, {p.blocks, p.block_size, L});
+  a.k_scale = make_tensor(scales_dev.get() + 1, DType::kF32, {1});
+  a.indices = make_tensor(indices_dev.get(), DType::kI32, {p.m, p.top_k});
+  a.softmax_scale = p.softmax_scale;
+  a.latent = make_tensor(latent_dev.get(), DType::kBF16, {p.m, p.heads, L});
+  a.lse = make_tensor(lse_dev.get(), DType::kF32, {p.m, p.heads});
+  a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {int64_t(counters_dev.size())});
+
+  cudaStream_t stream;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DSA_ASSERT_OK(sparse_mla_simple(a, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<uint16_t> direct_latent = latent_dev.download();
+  const std::vector<float> direct_lse = lse_dev.download();
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = sparse_mla_simple(a, stream);
+  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  DSA_ASSERT_OK(captured);
+  DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  latent_dev.fill_bytes(kPoison);
+  lse_dev.fill_bytes(kPoison);
+  for (int i = 0; i < 3; ++i) DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(latent_dev.download() == direct_latent);
+  const std::vector<float> replay_lse = lse_dev.download();
+  EXPECT_EQ(std::memcmp(replay_lse.data(), direct_lse.data(), direct_lse.size() * 4), 0);
+  const std::vector<int32_t> counters = counters_dev.download();
+  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int32_t v) { return v == 0; }));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace dsa
