@@ -8,16 +8,13 @@
 //   weight  [H, I, J]  BF16, J contiguous, head and row strides multiples of 8
 //   out     [m, H, J]  BF16, or FP8 e4m3 statically quantized by `scale`
 //
-// Work split (tactic {tile, rows_per_thread}): work item (h, c) is the `tile`
-// columns c*tile.. of head h; a persistent grid (one wave of CTAs) walks the
-// items. Thread (g, k) of a token group owns rows g*rows_per_thread.. of
-// columns 8k..8k+7 of the item's tile; it copies them into a shared-memory
-// weight slab with async copies. The first item's copies are issued before
-// griddepcontrol.wait (the weight stream overlaps the predecessor kernel
-// under PDL), and each later item's weights and x stream in while the
-// previous item computes (double buffering). The m tokens are split into
-// token groups of up to 8 (the accumulators one thread holds); the groups run
-// side by side in the CTA on the same slab.
+// Work split (tactic {tile, rows_per_thread}): CTA (h, c) owns the `tile`
+// columns c*tile.. of head h. Thread (g, k) of a token group owns rows
+// g*rows_per_thread.. of columns 8k..8k+7 of the tile; it copies them into a
+// shared-memory weight slab (async copies, 8 rows per group) before
+// griddepcontrol.wait, so the weight stream overlaps the predecessor kernel.
+// The m tokens are split into token groups of up to 8 (the accumulators one
+// thread holds); the groups run side by side in the CTA on the same slab.
 //
 // Summation order (fixed; the CPU reference reproduces it bit for bit):
 //   1. per thread: acc = fma(x[r], w[r][j], acc) over its rows in order, from 0;

@@ -1,9 +1,7 @@
 // head_gemv kernel, its launcher and its argument checks. The contract and the
 // summation order are documented in include/dsa_decode/head_gemv.h.
-#include <algorithm>
 #include <cstdint>
 #include <mutex>
-#include <vector>
 
 #include "core/launch.cuh"
 #include "dsa_decode/head_gemv.h"
@@ -22,7 +20,6 @@ struct HeadGemvParams {
   const float* scale;  // [1]; null: BF16 out
   int m, heads, rows, cols;
   int tile, rows_per_thread;  // the tactic
-  int gemv_ctas;              // persistent CTAs over the (head, tile) work items
 
   // Fused cache write; cache == null: none.
   const uint16_t* kv;  // [m, L] BF16
@@ -53,10 +50,18 @@ __device__ __forceinline__ void async_copy_16(void* destination, const void* sou
 
 __device__ __forceinline__ void async_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-// Waits until at most kPending of this thread's commit groups are in flight.
-template <int kPending>
-__device__ __forceinline__ void async_copy_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+// Waits until at most `pending` of this thread's committed groups are in flight.
+__device__ __forceinline__ void async_copy_wait(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
 }
 
 __device__ __forceinline__ float low_bf16(uint32_t pair) { return __uint_as_float(pair << 16); }
@@ -97,32 +102,26 @@ __device__ void write_cache_row(const HeadGemvParams& p, int t) {
   }
 }
 
+constexpr int kRowsPerChunk = 8;  // rows of each thread in one async-copy group
+
 // Tokens per thread (1, 2, 4 or 8): the accumulators a thread keeps in
 // registers. A step of m tokens runs ceil(m / tokens_per_thread) token groups
 // of the base CTA shape side by side in one CTA; they share the weight slab.
 int tokens_per_thread_for(int m) { return m <= 1 ? 1 : m <= 2 ? 2 : m <= 4 ? 4 : 8; }
 int token_groups_for(int m) { return (m + tokens_per_thread_for(m) - 1) / tokens_per_thread_for(m); }
 
-// Threads per CTA that the registers allow (accumulators, the next item's x,
-// ~50 others; checked with -Xptxas -v: no spills).
+// Threads per CTA that the registers allow (accumulators + ~64 others).
 constexpr int max_threads_for(int tokens_per_thread) {
-  return tokens_per_thread >= 8 ? 384 : tokens_per_thread == 4 ? 512 : tokens_per_thread == 2 ? 768 : 1024;
+  return tokens_per_thread >= 8 ? 512 : tokens_per_thread == 4 ? 768 : 1024;
 }
 
-// x values one thread carries from global memory to the next item's x buffer
-// while the current item computes; any more are loaded when stored.
-constexpr int kMaxXVectorsPerThread = 2;
-
-// Dynamic shared memory of a CTA (each part 16-byte aligned), double buffered
-// so that the next work item's weights and x arrive while this one computes:
-//   slab[2]  [rows][tile] BF16 weights; after the products, reused as the
+// Dynamic shared memory of a CTA, in this order (each part 16-byte aligned):
+//   slab     [rows][tile] BF16 weights; after the products, reused as the
 //            partial sums [warps of a group][m][tile] FP32
-//   x[2]     [rows][groups * tokens_per_thread] FP32, the head's x transposed,
+//   x        [rows][groups * tokens_per_thread] FP32, the head's x transposed,
 //            zero past m
 struct SharedLayout {
-  size_t slab_bytes, x_bytes, total;
-  __host__ __device__ size_t slab_offset(int buffer) const { return buffer * slab_bytes; }
-  __host__ __device__ size_t x_offset(int buffer) const { return 2 * slab_bytes + buffer * x_bytes; }
+  size_t slab_bytes, x_offset, total;
 };
 
 __host__ __device__ inline size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
@@ -134,8 +133,8 @@ __host__ __device__ inline SharedLayout shared_layout(int rows, int tile, int ro
   const size_t partials = size_t(group_threads / 32) * m * tile * 4;
   SharedLayout layout;
   layout.slab_bytes = align16(weights > partials ? weights : partials);
-  layout.x_bytes = align16(size_t(rows) * padded_tokens * 4);
-  layout.total = 2 * (layout.slab_bytes + layout.x_bytes);
+  layout.x_offset = layout.slab_bytes;
+  layout.total = layout.x_offset + align16(size_t(rows) * padded_tokens * 4);
   return layout;
 }
 
@@ -143,118 +142,80 @@ __host__ __device__ inline SharedLayout shared_layout(int rows, int tile, int ro
 // thread) is a run-time parameter: it sets the CTA shape and the summation
 // order, not the registers. Thread i of the CTA is thread i % group_threads of
 // token group i / group_threads; every group sums in the same order, so a
-// token's bits do not depend on which group, which CTA, or which m it runs in.
-//
-// Persistent: CTA b works on items b, b + gemv_ctas, ... (item = head * tiles
-// + tile index), and streams item n + 1's weights and x while item n computes.
+// token's bits do not depend on which group, or which m, it runs in.
 template <int kTokensPerThread>
 __global__ void __launch_bounds__(max_threads_for(kTokensPerThread)) head_gemv_kernel(const HeadGemvParams p) {
   extern __shared__ __align__(16) unsigned char shared[];
-  if (static_cast<int>(blockIdx.x) >= p.gemv_ctas) {
-    write_cache_row(p, blockIdx.x - p.gemv_ctas);
-    return;
-  }
   const int tile = p.tile, rows_per_thread = p.rows_per_thread;
   const int tiles = p.cols / tile;
-  const int items = p.heads * tiles;
+  if (static_cast<int>(blockIdx.x) >= p.heads * tiles) {
+    write_cache_row(p, blockIdx.x - p.heads * tiles);
+    return;
+  }
   const int col_threads = tile / 8;  // threads sharing one row group
   const int group_threads = col_threads * (p.rows / rows_per_thread);
   const int padded_tokens = blockDim.x / group_threads * kTokensPerThread;
   const SharedLayout layout = shared_layout(p.rows, tile, rows_per_thread, p.m, padded_tokens);
+  uint16_t* slab = reinterpret_cast<uint16_t*>(shared);                // [rows][tile] BF16
+  float* partial = reinterpret_cast<float*>(shared);                   // [group warps][m][tile], after the products
+  float* x_rows = reinterpret_cast<float*>(shared + layout.x_offset);  // [rows][padded_tokens]
 
+  const int chunks = rows_per_thread / kRowsPerChunk;
+  const int head = blockIdx.x / tiles;
+  const int tile_index = blockIdx.x % tiles;
   const int lane = threadIdx.x % 32;
   const int group = threadIdx.x / group_threads;
   const int group_thread = threadIdx.x % group_threads;
   const int group_warp = group_thread / 32;
-  const int group_warps = group_threads / 32;
   const int first_row = group_thread / col_threads * rows_per_thread;
   const int col_in_tile = group_thread % col_threads * 8;
   const int first_token = group * kTokensPerThread;
-  const int row_vectors = p.rows / 8;
-  const int x_vectors = padded_tokens * row_vectors;  // 16-byte x loads per item
 
-  // Token group 0 copies item's weight slab into `buffer`: each thread its own
-  // rows x 8 columns (async copies, one commit group per item and thread).
-  auto copy_weights = [&](int item, int buffer) {
-    if (group == 0) {
-      const uint16_t* source = p.weight + (item / tiles) * p.weight_head_stride +
-                               int64_t(first_row) * p.weight_row_stride + (item % tiles) * tile + col_in_tile;
-      uint16_t* destination =
-          reinterpret_cast<uint16_t*>(shared + layout.slab_offset(buffer)) + first_row * tile + col_in_tile;
-      for (int r = 0; r < rows_per_thread; ++r) {
+  // Token group 0 streams the weight slab into shared memory before the PDL
+  // wait (the weights do not depend on the predecessor): each of its threads
+  // copies its own rows x 8 columns, one async-copy group per 8 rows, so the
+  // products of the first rows start while later rows still arrive.
+  if (group == 0) {
+    const uint16_t* source = p.weight + head * p.weight_head_stride + int64_t(first_row) * p.weight_row_stride +
+                             tile_index * tile + col_in_tile;
+    uint16_t* destination = slab + first_row * tile + col_in_tile;
+    for (int c = 0; c < chunks; ++c) {
+#pragma unroll
+      for (int i = 0; i < kRowsPerChunk; ++i) {
+        const int r = c * kRowsPerChunk + i;
         async_copy_16(destination + r * tile, source + r * p.weight_row_stride);
       }
+      async_copy_commit();
     }
-    async_copy_commit();
-  };
-  // x of item's head, 16 bytes at a time: vector e is token e % padded_tokens,
-  // rows 8 (e / padded_tokens).., zero past m.
-  auto x_vector = [&](int item, int e) {
-    const int t = e % padded_tokens, q = e / padded_tokens;
-    if (t >= p.m) return make_uint4(0, 0, 0, 0);
-    return *reinterpret_cast<const uint4*>(p.x + t * p.x_token_stride + (item / tiles) * p.rows + q * 8);
-  };
-  // The first kMaxXVectorsPerThread vectors of each thread, carried in
-  // registers while the previous item computes.
-  auto load_x = [&](int item, uint4 (&v)[kMaxXVectorsPerThread]) {
-#pragma unroll
-    for (int j = 0; j < kMaxXVectorsPerThread; ++j) {
-      const int e = threadIdx.x + j * blockDim.x;
-      v[j] = e < x_vectors ? x_vector(item, e) : make_uint4(0, 0, 0, 0);
-    }
-  };
-  // Stored transposed, so that one row's values for every token are adjacent;
-  // neighbouring threads hold neighbouring tokens, so the stores spread over
-  // banks. Vectors past the carried ones (large m x rows) are loaded here.
-  auto store_x = [&](int item, const uint4 (&v)[kMaxXVectorsPerThread], int buffer) {
-    float* x_rows = reinterpret_cast<float*>(shared + layout.x_offset(buffer));
-    for (int e = threadIdx.x, j = 0; e < x_vectors; e += blockDim.x, ++j) {
-      const uint4 vector = j < kMaxXVectorsPerThread ? v[j < kMaxXVectorsPerThread ? j : 0] : x_vector(item, e);
-      const int t = e % padded_tokens, q = e / padded_tokens;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) x_rows[(q * 8 + k) * padded_tokens + t] = bf16_element(vector, k);
-    }
-  };
-
-  // The first item's weights do not depend on the predecessor kernel: they
-  // stream in before the PDL wait. x does, so it is read after.
-  int item = blockIdx.x;
-  if (item < items) copy_weights(item, 0);
-  pdl_wait();
-  pdl_release_dependents();
-  uint4 x_next[kMaxXVectorsPerThread];
-  if (item < items) {
-    load_x(item, x_next);
-    store_x(item, x_next, 0);
   }
 
-  const bool fp8_out = p.scale != nullptr;
-  const float inverse_scale = fp8_out ? num::div_rn(1.0f, *p.scale) : 1.0f;
-  for (int n = 0; item < items; ++n, item += p.gemv_ctas) {
-    const int buffer = n & 1;
-    const int next = item + p.gemv_ctas;
-    if (next < items) {
-      copy_weights(next, buffer ^ 1);
-      load_x(next, x_next);  // lands in registers while this item computes
-    }
-    if (next < items) {
-      async_copy_wait<1>();  // the next item's copies may still be in flight
-    } else {
-      async_copy_wait<0>();
-    }
-    __syncthreads();  // this item's slab and x are visible to every token group
+  pdl_wait();
+  pdl_release_dependents();
 
-    const uint16_t* slab = reinterpret_cast<const uint16_t*>(shared + layout.slab_offset(buffer));  // [rows][tile]
-    const float* x_rows = reinterpret_cast<const float*>(shared + layout.x_offset(buffer));  // [rows][padded_tokens]
-    float acc[kTokensPerThread][8];  // [token of the group][column]
+  // x of this head, transposed so that one row's values for every token are
+  // adjacent; neighbouring threads take neighbouring tokens, so their stores
+  // fall in different banks. Tokens m.. of the last group read zeros.
+  const int row_vectors = p.rows / 8;
+  for (int e = threadIdx.x; e < padded_tokens * row_vectors; e += blockDim.x) {
+    const int t = e % padded_tokens, q = e / padded_tokens;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (t < p.m) v = *reinterpret_cast<const uint4*>(p.x + t * p.x_token_stride + head * p.rows + q * 8);
 #pragma unroll
-    for (int t = 0; t < kTokensPerThread; ++t) {
+    for (int k = 0; k < 8; ++k) x_rows[(q * 8 + k) * padded_tokens + t] = bf16_element(v, k);
+  }
+
+  float acc[kTokensPerThread][8];  // [token of the group][column]
 #pragma unroll
-      for (int k = 0; k < 8; ++k) acc[t][k] = 0.0f;
-    }
-#pragma unroll 4
-    for (int r = 0; r < rows_per_thread; ++r) {
-      const int row = first_row + r;
+  for (int t = 0; t < kTokensPerThread; ++t) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[t][k] = 0.0f;
+  }
+  for (int c = 0; c < chunks; ++c) {
+    if (group == 0) async_copy_wait(chunks - 1 - c);
+    __syncthreads();  // chunk c of the slab (and, the first time, x) is visible to every group
+#pragma unroll
+    for (int i = 0; i < kRowsPerChunk; ++i) {
+      const int row = first_row + c * kRowsPerChunk + i;
       const uint4 packed = *reinterpret_cast<const uint4*>(slab + row * tile + col_in_tile);
       float w[8];
 #pragma unroll
@@ -277,45 +238,44 @@ __global__ void __launch_bounds__(max_threads_for(kTokensPerThread)) head_gemv_k
         for (int k = 0; k < 8; ++k) acc[t][k] = fmaf(a[t], w[k], acc[t][k]);
       }
     }
+  }
 
-    // Row groups of one warp: lanes c, c + col_threads, ... hold column group c.
-    for (int offset = col_threads; offset < 32; offset *= 2) {
+  // Row groups of one warp: lanes c, c + col_threads, ... hold column group c.
+  for (int offset = col_threads; offset < 32; offset *= 2) {
 #pragma unroll
-      for (int t = 0; t < kTokensPerThread; ++t) {
+    for (int t = 0; t < kTokensPerThread; ++t) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) acc[t][k] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][k], offset);
+      for (int k = 0; k < 8; ++k) acc[t][k] += __shfl_xor_sync(0xFFFFFFFFu, acc[t][k], offset);
+    }
+  }
+  __syncthreads();  // every thread is done with the slab: it becomes the partials
+  if (lane < col_threads) {
+#pragma unroll
+    for (int j = 0; j < kTokensPerThread; ++j) {
+      const int t = first_token + j;
+      if (t < p.m) {
+        float4* dst = reinterpret_cast<float4*>(partial + (group_warp * p.m + t) * tile + lane * 8);
+        dst[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+        dst[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
       }
     }
-    __syncthreads();  // every thread is done with this slab and x buffer
-    float* partial = reinterpret_cast<float*>(shared + layout.slab_offset(buffer));  // [group warps][m][tile]
-    if (lane < col_threads) {
-#pragma unroll
-      for (int j = 0; j < kTokensPerThread; ++j) {
-        const int t = first_token + j;
-        if (t < p.m) {
-          float4* dst = reinterpret_cast<float4*>(partial + (group_warp * p.m + t) * tile + lane * 8);
-          dst[0] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
-          dst[1] = make_float4(acc[j][4], acc[j][5], acc[j][6], acc[j][7]);
-        }
-      }
-    }
-    if (next < items) store_x(next, x_next, buffer ^ 1);
-    __syncthreads();
+  }
+  __syncthreads();
 
-    const int head = item / tiles, first_col = item % tiles * tile;
-    for (int e = threadIdx.x; e < p.m * tile; e += blockDim.x) {
-      const int t = e / tile;
-      const int c = e % tile;
-      float total = 0.0f;
-      for (int w = 0; w < group_warps; ++w) total += partial[(w * p.m + t) * tile + c];
-      const int64_t index = (static_cast<int64_t>(t) * p.heads + head) * p.cols + first_col + c;
-      if (fp8_out) {
-        static_cast<uint8_t*>(p.out)[index] = num::quant_fp8_static(num::round_bf16(total), inverse_scale);
-      } else {
-        static_cast<uint16_t*>(p.out)[index] = num::float_to_bf16(total);
-      }
+  const int group_warps = group_threads / 32;
+  const bool fp8_out = p.scale != nullptr;
+  const float inverse_scale = fp8_out ? num::div_rn(1.0f, *p.scale) : 1.0f;
+  for (int e = threadIdx.x; e < p.m * tile; e += blockDim.x) {
+    const int t = e / tile;
+    const int c = e % tile;
+    float total = 0.0f;
+    for (int w = 0; w < group_warps; ++w) total += partial[(w * p.m + t) * tile + c];
+    const int64_t index = (static_cast<int64_t>(t) * p.heads + head) * p.cols + tile_index * tile + c;
+    if (fp8_out) {
+      static_cast<uint8_t*>(p.out)[index] = num::quant_fp8_static(num::round_bf16(total), inverse_scale);
+    } else {
+      static_cast<uint16_t*>(p.out)[index] = num::float_to_bf16(total);
     }
-    __syncthreads();  // the partials are read: this buffer may receive item n + 2
   }
 }
 
@@ -345,36 +305,6 @@ std::string tactic_string(HeadGemvTactic tactic) {
 }
 
 bool is_power_of_two(int v) { return v > 0 && (v & (v - 1)) == 0; }
-
-// Persistent CTAs for a launch: as many as fit on the device at once (one
-// wave), at most one per work item. Cached per (kernel, threads, shared bytes,
-// device): the occupancy query is host work that need not repeat per step.
-Status persistent_ctas(KernelFn kernel, int threads, size_t shared_bytes, int items, int* ctas) {
-  struct Entry {
-    KernelFn kernel;
-    int threads;
-    size_t shared_bytes;
-    int device, resident;
-  };
-  static std::mutex mutex;
-  static std::vector<Entry> cache;
-  int device = 0;
-  DSA_CUDA_RETURN(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  for (const Entry& e : cache) {
-    if (e.kernel == kernel && e.threads == threads && e.shared_bytes == shared_bytes && e.device == device) {
-      *ctas = std::min(items, e.resident);
-      return Status();
-    }
-  }
-  int per_sm = 0, sms = 0;
-  DSA_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared_bytes));
-  DSA_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  if (per_sm < 1) return unsupported("head_gemv: a CTA of this tactic does not fit on an SM");
-  cache.push_back(Entry{kernel, threads, shared_bytes, device, per_sm * sms});
-  *ctas = std::min(items, per_sm * sms);
-  return Status();
-}
 
 // Raises every instantiation's dynamic shared-memory limit to the whole 227 KiB,
 // once per process and device 0..7 (it is a per-device function attribute),
@@ -423,8 +353,7 @@ Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic) 
                                 " for " + shape);
   }
   if (shared_bytes_for(rows, m, tactic) > kMaxSharedBytes) {
-    return invalid_argument("tactic",
-                            "at most 227 KiB of shared memory (two weight slabs of rows * tile * 2 bytes, two x buffers)",
+    return invalid_argument("tactic", "at most 227 KiB of shared memory (weight slab rows * tile * 2 bytes)",
                             std::to_string(shared_bytes_for(rows, m, tactic)) + " bytes with " + tactic_string(tactic) +
                                 " for " + shape);
   }
@@ -553,10 +482,8 @@ Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTacti
   p.rows_per_thread = tactic.rows_per_thread;
   const KernelFn kernel = kernel_for(m);
   DSA_RETURN_IF_ERROR(allow_full_shared_memory());
-  const int threads = group_threads_for(rows, tactic) * token_groups_for(m);
-  DSA_RETURN_IF_ERROR(persistent_ctas(kernel, threads, shared_bytes, heads * (cols / tactic.tile), &p.gemv_ctas));
-  const dim3 grid(p.gemv_ctas + cache_ctas);
-  const dim3 block(threads);
+  const dim3 grid(heads * (cols / tactic.tile) + cache_ctas);
+  const dim3 block(group_threads_for(rows, tactic) * token_groups_for(m));
   return launch_pdl(kernel, grid, block, shared_bytes, stream, p);
 }
 

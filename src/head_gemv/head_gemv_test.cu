@@ -146,7 +146,7 @@ TEST(HeadGemvChecks, TacticTableGivesValidTacticsAndBadOnesAreNamed) {
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("'tactic'"), std::string::npos) << s.message();
   EXPECT_FALSE(check_head_gemv_tactic(256, 512, 16, HeadGemvTactic{128, 8}).ok());  // 2 groups x 512 threads
-  EXPECT_TRUE(check_head_gemv_tactic(256, 512, 4, HeadGemvTactic{128, 8}).ok());   // one group of 512
+  EXPECT_TRUE(check_head_gemv_tactic(256, 512, 8, HeadGemvTactic{128, 8}).ok());
   EXPECT_FALSE(check_head_gemv_tactic(512, 256, 1, HeadGemvTactic{256, 32}).ok());  // 256 KiB weight slab
   EXPECT_FALSE(check_head_gemv_tactic(200, 512, 1, HeadGemvTactic{64, 16}).ok());   // rows % 16
   EXPECT_FALSE(check_head_gemv_tactic(256, 512, 1, HeadGemvTactic{64, 128}).ok());  // rows_per_thread

@@ -12,15 +12,21 @@ struct TacticEntry {
   HeadGemvTactic tactic;
 };
 
-// Not yet measured for the persistent kernel (v6): tactics with 128 threads per
-// token group, the most that m = 16 (two groups of 8 tokens, 384 threads at
-// most) allows; one tactic for every m of a shape, so the summation order, and
-// so a token's bits, do not depend on m.
+// Measured on an H200 (bench/results/head_gemv_2026-11-30_adce8bb.json, cold
+// L2, graph replay). Each shape takes the tactic with the best times over
+// m = 1..8 among those valid for every m (one tactic for every m: the summation
+// order, and so a token's bits, do not depend on m). Times in us for
+// m = 1, 2, 4, 8, 16:
+//   H = 8,  absorb   (256 x 512): {64, 8}    2.12 2.42 2.71 4.07 5.98
+//   H = 8,  value-up (512 x 256): {32, 8}    2.15 2.25 2.81 4.10 6.42
+//   H = 64, absorb   (256 x 512): {128, 16}  5.54 5.73 7.02 10.78 18.94
+//   H = 64, value-up (512 x 256): {64, 16}   5.64 5.51 6.95 10.81 19.62
+// ({128, 32} is faster at m = 16, 15.7 us, and slower below; see docs/head_gemv.md.)
 constexpr TacticEntry kTable[] = {
-    {8, 256, 512, 16, {64, 16}},
-    {8, 512, 256, 16, {32, 16}},
-    {0, 256, 512, 16, {128, 32}},
-    {0, 512, 256, 16, {64, 32}},
+    {8, 256, 512, 16, {64, 8}},
+    {8, 512, 256, 16, {32, 8}},
+    {0, 256, 512, 16, {128, 16}},
+    {0, 512, 256, 16, {64, 16}},
 };
 }  // namespace
 
@@ -30,19 +36,12 @@ HeadGemvTactic head_gemv_tactic(int heads, int rows, int cols, int m) {
       return e.tactic;
     }
   }
-  // Default: the first candidate valid for every m, so that the order does not
-  // depend on m; failing that, the first valid for this m.
-  constexpr HeadGemvTactic kCandidates[] = {{64, 16}, {128, 32}, {32, 8}, {64, 32}, {32, 16},
-                                            {16, 8},  {64, 8},   {16, 16}, {128, 16}, {256, 64}};
-  for (const HeadGemvTactic& tactic : kCandidates) {
-    bool every_m = true;
-    for (int tokens = 1; tokens <= kHeadGemvMaxTokens && every_m; ++tokens) {
-      every_m = check_head_gemv_tactic(rows, cols, tokens, tactic).ok();
+  // Default: the widest tile whose CTA shape is valid.
+  for (int tile : {64, 32, 16, 128, 256}) {
+    for (int rows_per_thread : {16, 32, 8, 64}) {
+      const HeadGemvTactic tactic{tile, rows_per_thread};
+      if (check_head_gemv_tactic(rows, cols, m, tactic).ok()) return tactic;
     }
-    if (every_m) return tactic;
-  }
-  for (const HeadGemvTactic& tactic : kCandidates) {
-    if (check_head_gemv_tactic(rows, cols, m, tactic).ok()) return tactic;
   }
   return HeadGemvTactic{};  // no valid tactic: head_gemv reports the shape as unsupported
 }
