@@ -1,0 +1,220 @@
+// The glm5next DSA indexer, decode path (issue 5): pooled FP8 keys, logits,
+// top-512 pools, expansion to token positions and remap to KV-cache slots.
+//
+// STATE: contract, plan, argument checks and the bit-exact CPU reference
+// (src/indexer/indexer_reference.h). The GPU kernels are not written yet;
+// this header declares only what exists. docs/indexer.md has the plan.
+//
+// Per DSA layer and decode step, m tokens (1..16), 32 index heads of 128,
+// pools of 4 tokens. The projections (cuBLASLt, run by the stage) give:
+//
+//   index_q       [m, 32, 128] BF16   wq_b(q_c)
+//   index_k       [m, 128]     BF16   wk(x), before its LayerNorm
+//   head_weights  [m, 32]      FP32   x @ weights_proj^T
+//   gate          [m, 128]     BF16   x @ compress_gate^T
+//
+// Layer parameters: k_norm_weight [128] FP32, k_norm_bias [128] FP32 (a BF16
+// checkpoint's values convert to FP32 exactly), ape [4, 128] FP32 (row j pairs
+// with the pool's token 4p + j).
+//
+// Per-request state, paged with the main KV cache's block table:
+//
+//   block_table [requests, width] int32: block_table[r, i] = block holding the
+//               request's tokens [i * block_size, (i + 1) * block_size).
+//   ring        [requests, 2, RING, 128] BF16: [r, 0, s] the LayerNormed k and
+//               [r, 1, s] the gate of the request's token at position pos with
+//               s = pos % RING. RING = 4 without draft tokens, 8 with drafts.
+//   k_cache     [blocks, block_size / 4 * 132] bytes: the indexer page of each
+//               block holds its P = block_size / 4 pools; in a page, P x 128
+//               e4m3 codes (pool entry e at byte 128 e) then P FP32 scales (at
+//               byte 128 P + 4 e). Pool p of request r lives in page
+//               block_table[r, p / P], entry p % P (pool slot = block * P + e).
+//               block_size is a multiple of 128, so P is a multiple of 32.
+//
+// Step inputs: positions [m] int64 (vLLM's layout), token_requests [m] int32
+// (the row of block_table and ring of each token; negative = a padding token:
+// nothing is written and its rows are all -1). L = pos + 1 is the token's
+// context. Tokens of one request appear in increasing, consecutive positions,
+// at most RING - 3 of them per step (see "ring" below).
+//
+// The steps, in this order (every rounding named; "fma" is one fused
+// multiply-add; the fixed orders are in src/indexer/indexer_math.h):
+//
+//  prepare (one token after another in token order; per token):
+//   1. k = LayerNorm(index_k) over 128, eps 1e-6, FP32, stored BF16. Order:
+//      as a warp holding elements 4l..4l+3 in lane l: lane sums
+//      ((x0 + x1) + x2) + x3, then a butterfly over lanes (xor 16, 8, 4, 2, 1);
+//      mean = sum * 2^-7; d = x - mean; lane sums of squares
+//      fma(d3, d3, fma(d2, d2, fma(d1, d1, d0 * d0))), the same butterfly;
+//      var = sum * 2^-7; rstd = 1 / sqrt(var + 1e-6) (both correctly
+//      rounded); y = BF16(fma(d * rstd, weight, bias)).
+//   2. q, per head: Hadamard-128 of the BF16 row in FP32 (butterfly stages
+//      h = 1, 2, ..., 64, pairs (i, i + h) with i & h == 0 become a + b and
+//      a - b), times the FP32 constant 128^-0.5, rounded to BF16. Then the
+//      power-of-two scale s = 2^ceil(log2(max(absmax, 1e-4) / 448)), exact
+//      (from the exponent and mantissa bits, no log2f), and the codes
+//      e4m3(clamp(x * (1 / s), +-448)) (multiplying by the exact 1 / s is the
+//      correctly rounded x / s). Head weight: w' = (w * s) * 2^-6: the
+//      issue's 128^-0.5 * 32^-0.5 is exactly 2^-6, so the fold is exact unless
+//      it over- or underflows.
+//   3. When pos % 4 == 3, the pool p = pos / 4 is compressed from tokens
+//      4p..4p+3 (the first three read from the ring before this token is
+//      stashed, the last this token's own k and gate): per dim i, FP32,
+//      s_j = gate_j + ape[j]; m = max_j s_j; e_j = exp(s_j - m) with the
+//      library's own exp (indexer_math.h: basic operations only, so host and
+//      device give the same bits; error < 2 ulp); sum = ((e0 + e1) + e2) + e3;
+//      w_j = e_j / sum (rounded division); pooled = fma(w3, k3, fma(w2, k2,
+//      fma(w1, k1, w0 * k0))), rounded to BF16; then Hadamard, BF16 and FP8
+//      with one scale per pool exactly as step 2; written to k_cache.
+//   4. The token's k and gate are stashed in ring slot pos % RING.
+//  select (after prepare; per token, L = pos + 1, n = floor(L / 4)):
+//   5. L <= 2048: row = 0, 1, ..., L - 1, then -1 (no logits).
+//   6. L > 2048: logit[p] = kscale[p] * sum_h w'[h] * ReLU(q_fp8[h] . k_fp8[p])
+//      for pools p < n, FP32 (the reference: each head's dot exactly, rounded
+//      to FP32 once; acc = fma(w'[h], relu, acc) for h = 0..31 from +0; times
+//      kscale). The tensor cores' FP8 accumulation is not specified bit for
+//      bit, so GPU logits match the reference within a tolerance, not bitwise.
+//   7. The 512 pools of largest logit; ties go to the lower pool index; NaN
+//      counts as -inf and -0 equals +0. Columns [0, 2048): the chosen pools in
+//      increasing pool index, pool p as tokens 4p, 4p+1, 4p+2, 4p+3. Then the
+//      tail tokens 4n..L-1 (0 to 3 of them) from column 2048, then -1 to 2176.
+//   8. Remap: slot = block_table[r, pos / block_size] * block_size +
+//      pos % block_size; -1 stays -1.
+//
+// Ring: the tokens a step writes for one request, plus the three before the
+// first of them that its pools may read, must fit the ring without wrapping:
+// hence at most RING - 3 tokens per request per step (1 for RING 4, 5 for
+// RING 8). Under that rule reading every pool's tokens before any stash gives
+// the same result as the token-by-token order above.
+//
+// Untrusted device values (DESIGN.md section 2): a token whose request is
+// >= requests, whose position is negative, >= the plan's max_context or past
+// the block table's width writes nothing and gets rows of -1; a block table
+// entry outside [0, blocks) makes the writes to that page skipped, the logits
+// of its pools -inf and its positions remap to -1. Each such case increments the
+// optional error counter at least once (the exact count is unspecified: test
+// it for zero). No kernel reads or writes outside the buffers it was given.
+//
+// Nothing on the run path allocates or synchronizes (CUDA-graph capturable):
+// the caller sizes the workspace with indexer_workspace_layout().
+#pragma once
+
+#include <cstdint>
+
+#include "dsa_decode/status.h"
+#include "dsa_decode/tensor.h"
+
+namespace dsa {
+
+inline constexpr int kIndexerHeads = 32;
+inline constexpr int kIndexerDim = 128;
+inline constexpr int kIndexerPoolSize = 4;
+inline constexpr int kIndexerTopPools = 512;
+inline constexpr int kIndexerPooledColumns = kIndexerTopPools * kIndexerPoolSize;  // 2048
+inline constexpr int kIndexerRowWidth = 2176;  // 2048 pooled + up to 3 tail tokens + -1 padding
+inline constexpr int kIndexerPoolBytes = kIndexerDim + 4;  // 128 e4m3 codes + one FP32 scale
+inline constexpr int kIndexerBlockMultiple = kIndexerPoolSize * 32;  // pages of a multiple of 32 pools
+inline constexpr int kIndexerMaxTokens = 16;
+// Positions stay in int32 in the rows; the baseline's logits workspace is
+// 4 * max_context bytes per token (16 MiB per token at the bound).
+inline constexpr int64_t kIndexerMaxContext = int64_t(1) << 22;
+inline constexpr float kIndexerNormEps = 1e-6f;
+
+// Shapes fixed once per layer configuration; the workspace is sized from them.
+struct IndexerPlan {
+  int max_tokens = kIndexerMaxTokens;  // largest m of a step, 1..16
+  int64_t max_context = 131072;        // largest L = pos + 1, 1..kIndexerMaxContext
+  int ring = 4;                        // RING: 4, or 8 with draft tokens
+  int block_size = 256;                // tokens per KV block: a positive multiple of 128
+};
+
+// Byte offsets into the caller's workspace (each 256-byte aligned) and its size.
+// The workspace carries the prepare step's outputs to the select step.
+struct IndexerWorkspaceLayout {
+  int64_t q_fp8 = 0;         // [max_tokens, 32, 128] e4m3 codes
+  int64_t head_weights = 0;  // [max_tokens, 32] FP32: folded weights w'
+  int64_t logits = 0;        // [max_tokens, ceil(max_context / 4)] FP32 (the baseline's; see docs/indexer.md)
+  int64_t top_pools = 0;     // [max_tokens, 512] int32 pool indices
+  int64_t bytes = 0;         // total
+};
+
+Status check_indexer_plan(const IndexerPlan& plan);
+// For a plan that passes check_indexer_plan.
+IndexerWorkspaceLayout indexer_workspace_layout(const IndexerPlan& plan);
+
+// The paged indexer state shared by every step.
+struct IndexerState {
+  TensorView block_table;  // [requests, width] int32, dim 1 contiguous
+  // [requests, 2, RING, 128] BF16, dims 1-3 contiguous, request stride a
+  // multiple of 8, data 16-byte aligned.
+  TensorView ring;
+  // [blocks, block_size / 4 * 132] u8, dim 1 contiguous, page stride a
+  // multiple of 16 (may be padded), data 16-byte aligned.
+  TensorView k_cache;
+};
+
+// Steps 1-4: LayerNorm, q quant and weight fold, pool compression, ring.
+struct IndexerPrepareArgs {
+  IndexerPlan plan;
+  // [m, 32, 128] BF16, dims 1-2 contiguous, token stride a multiple of 8, 16-byte aligned.
+  TensorView index_q;
+  TensorView index_k;        // [m, 128] BF16, dim 1 contiguous, token stride a multiple of 8, 16-byte aligned
+  TensorView head_weights;   // [m, 32] FP32, dim 1 contiguous, token stride a multiple of 4, 16-byte aligned
+  TensorView gate;           // [m, 128] BF16, as index_k
+  TensorView k_norm_weight;  // [128] FP32, contiguous
+  TensorView k_norm_bias;    // [128] FP32, contiguous
+  TensorView ape;            // [4, 128] FP32, contiguous
+  TensorView positions;      // [m] int64, contiguous
+  TensorView token_requests; // [m] int32, contiguous
+  IndexerState state;        // ring and k_cache are written
+  TensorView workspace;      // [>= indexer_workspace_layout(plan).bytes] u8, 256-byte aligned; q_fp8, head_weights written
+  unsigned int* error_count = nullptr;  // optional device counter of untrusted values out of range
+};
+
+// Steps 5-8: logits, top-512, expansion, remap.
+struct IndexerSelectArgs {
+  IndexerPlan plan;
+  TensorView positions;       // [m] int64, contiguous
+  TensorView token_requests;  // [m] int32, contiguous
+  IndexerState state;         // read only
+  TensorView workspace;       // as prepare wrote it
+  // [m, 2176] int32 out, request-local token positions; dim 1 contiguous,
+  // token stride >= 2176. Optional: absent (null data) = not written.
+  TensorView topk_positions;
+  TensorView slots;  // [m, 2176] int32 out, global KV slots; as topk_positions, required
+  unsigned int* error_count = nullptr;
+};
+
+// Step 9, prefill: the tokens at positions 0..n-1 of one request (LayerNorm,
+// every complete pool compressed into k_cache, the last min(n, RING) tokens
+// stashed in the ring), so that decode continues at position n. Gives the
+// same k_cache and ring bytes as prepare run token by token.
+struct IndexerPrefillArgs {
+  IndexerPlan plan;
+  TensorView index_k;        // [n, 128] BF16, as in prepare; n >= 1
+  TensorView gate;           // [n, 128] BF16
+  TensorView k_norm_weight;  // [128] FP32
+  TensorView k_norm_bias;    // [128] FP32
+  TensorView ape;            // [4, 128] FP32
+  int request = 0;           // row of block_table and ring
+  IndexerState state;        // ring and k_cache are written
+  unsigned int* error_count = nullptr;
+};
+
+// Argument checks (dtypes, shapes, strides, alignment, the plan, host-side
+// ranges); launch nothing. Errors name the argument, what was expected and
+// what was given. Device-side values (positions, block table) cannot be
+// checked here: see "Untrusted device values" above.
+Status check_indexer_prepare(const IndexerPrepareArgs& args);
+Status check_indexer_select(const IndexerSelectArgs& args);
+Status check_indexer_prefill(const IndexerPrefillArgs& args);
+
+// Host copies of a step's token-to-request map, checked against the
+// contract's rules for trusted callers (the CPU reference, the main job):
+// real tokens (request >= 0) have request < requests, 0 <= position <
+// min(max_context, width * block_size), and per request increasing
+// consecutive positions, at most RING - 3 of them. Errors name the token.
+Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positions, const int32_t* token_requests,
+                           int64_t requests, int64_t block_table_width);
+
+}  // namespace dsa

@@ -1,0 +1,267 @@
+// The indexer's plan, workspace layout and argument checks
+// (include/dsa_decode/indexer.h), shared by every indexer kernel.
+#include <algorithm>
+#include <string>
+
+#include "dsa_decode/indexer.h"
+
+namespace dsa {
+
+namespace {
+
+std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".." + std::to_string(high); }
+
+int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// A contiguous FP32 parameter of the given shape on the device.
+Status check_parameter(const TensorView& t, const char* name, std::initializer_list<int64_t> shape) {
+  DSA_RETURN_IF_ERROR(check_dtype(t, name, DType::kF32));
+  DSA_RETURN_IF_ERROR(check_shape(t, name, shape));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  if (!t.is_contiguous()) return invalid_argument(name, "a contiguous tensor", t.describe());
+  return Status();
+}
+
+// [m, width] rows of `dtype`, dim 1 contiguous, token stride a multiple of
+// `stride_multiple` and >= width, data 16-byte aligned.
+Status check_rows(const TensorView& t, const char* name, DType dtype, int64_t m, int64_t width,
+                  int64_t stride_multiple) {
+  DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
+  DSA_RETURN_IF_ERROR(check_shape(t, name, {m, width}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  DSA_RETURN_IF_ERROR(check_stride(t, name, 1, 1));
+  if (t.stride(0) % stride_multiple != 0 || t.stride(0) < width) {
+    return invalid_argument(name, "a token stride that is a multiple of " + std::to_string(stride_multiple) +
+                                      " and at least " + std::to_string(width),
+                            t.describe());
+  }
+  return check_aligned(t, name, 16);
+}
+
+// A contiguous [m] vector of `dtype` on the device.
+Status check_token_vector(const TensorView& t, const char* name, DType dtype, int64_t m) {
+  DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
+  DSA_RETURN_IF_ERROR(check_shape(t, name, {m}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  return check_stride(t, name, 0, 1);
+}
+
+// The token count of a step: dim 0 of `t`, within the plan.
+Status check_token_count(const TensorView& t, const char* name, const IndexerPlan& plan) {
+  if (t.ndim < 1 || t.size(0) < 1 || t.size(0) > plan.max_tokens) {
+    return invalid_argument(name, "1.." + std::to_string(plan.max_tokens) + " tokens (the plan's max_tokens) in dim 0",
+                            t.describe());
+  }
+  return Status();
+}
+
+Status check_state(const IndexerState& s, const IndexerPlan& plan) {
+  DSA_RETURN_IF_ERROR(check_dtype(s.block_table, "block_table", DType::kI32));
+  DSA_RETURN_IF_ERROR(check_shape(s.block_table, "block_table", {-1, -1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(s.block_table, "block_table"));
+  const int64_t requests = s.block_table.size(0);
+  if (requests < 1 || s.block_table.size(1) < 1) {
+    return invalid_argument("block_table", "at least one request of at least one block", s.block_table.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_stride(s.block_table, "block_table", 1, 1));
+  if (requests > 1 && s.block_table.stride(0) < s.block_table.size(1)) {
+    return invalid_argument("block_table", "a request stride of at least its width", s.block_table.describe());
+  }
+
+  const int64_t ring = plan.ring, dim = kIndexerDim;
+  DSA_RETURN_IF_ERROR(check_dtype(s.ring, "ring", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(s.ring, "ring", {requests, 2, ring, dim}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(s.ring, "ring"));
+  DSA_RETURN_IF_ERROR(check_stride(s.ring, "ring", 3, 1));
+  DSA_RETURN_IF_ERROR(check_stride(s.ring, "ring", 2, dim));
+  DSA_RETURN_IF_ERROR(check_stride(s.ring, "ring", 1, ring * dim));
+  if (s.ring.stride(0) % 8 != 0 || s.ring.stride(0) < 2 * ring * dim) {
+    return invalid_argument("ring", "a request stride that is a multiple of 8 and at least 2*RING*128",
+                            s.ring.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(s.ring, "ring", 16));
+
+  const int64_t page_bytes = int64_t(plan.block_size) / kIndexerPoolSize * kIndexerPoolBytes;
+  DSA_RETURN_IF_ERROR(check_dtype(s.k_cache, "k_cache", DType::kU8));
+  DSA_RETURN_IF_ERROR(check_shape(s.k_cache, "k_cache", {-1, page_bytes}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(s.k_cache, "k_cache"));
+  const int64_t max_blocks = (int64_t(1) << 31) / plan.block_size;  // slots are int32
+  if (s.k_cache.size(0) < 1 || s.k_cache.size(0) > max_blocks) {
+    return invalid_argument("k_cache", range(1, max_blocks) + " blocks (int32 slots)", s.k_cache.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_stride(s.k_cache, "k_cache", 1, 1));
+  if (s.k_cache.stride(0) % 16 != 0 || s.k_cache.stride(0) < page_bytes) {
+    return invalid_argument("k_cache", "a page stride that is a multiple of 16 and at least block_size/4*132 = " +
+                                           std::to_string(page_bytes),
+                            s.k_cache.describe());
+  }
+  return check_aligned(s.k_cache, "k_cache", 16);
+}
+
+Status check_workspace(const TensorView& t, const IndexerPlan& plan) {
+  DSA_RETURN_IF_ERROR(check_dtype(t, "workspace", DType::kU8));
+  DSA_RETURN_IF_ERROR(check_shape(t, "workspace", {-1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, "workspace"));
+  const int64_t bytes = indexer_workspace_layout(plan).bytes;
+  if (t.size(0) < bytes || t.stride(0) != 1) {
+    return invalid_argument("workspace",
+                            "a contiguous buffer of at least indexer_workspace_layout(plan).bytes = " +
+                                std::to_string(bytes) + " bytes",
+                            t.describe());
+  }
+  return check_aligned(t, "workspace", 256);
+}
+
+Status check_norm_parameters(const TensorView& weight, const TensorView& bias, const TensorView& ape) {
+  DSA_RETURN_IF_ERROR(check_parameter(weight, "k_norm_weight", {kIndexerDim}));
+  DSA_RETURN_IF_ERROR(check_parameter(bias, "k_norm_bias", {kIndexerDim}));
+  return check_parameter(ape, "ape", {kIndexerPoolSize, kIndexerDim});
+}
+
+}  // namespace
+
+Status check_indexer_plan(const IndexerPlan& plan) {
+  if (plan.max_tokens < 1 || plan.max_tokens > kIndexerMaxTokens) {
+    return invalid_argument("plan.max_tokens", range(1, kIndexerMaxTokens), std::to_string(plan.max_tokens));
+  }
+  if (plan.max_context < 1 || plan.max_context > kIndexerMaxContext) {
+    return invalid_argument("plan.max_context", range(1, kIndexerMaxContext), std::to_string(plan.max_context));
+  }
+  if (plan.ring != 4 && plan.ring != 8) {
+    return invalid_argument("plan.ring", "4 (no draft tokens) or 8 (up to 5 tokens per request)",
+                            std::to_string(plan.ring));
+  }
+  if (plan.block_size < kIndexerBlockMultiple || plan.block_size % kIndexerBlockMultiple != 0) {
+    return invalid_argument("plan.block_size", "a positive multiple of 128 tokens (pages of 32 pools of 4)",
+                            std::to_string(plan.block_size));
+  }
+  return Status();
+}
+
+IndexerWorkspaceLayout indexer_workspace_layout(const IndexerPlan& plan) {
+  constexpr int64_t kAlign = 256;
+  const int64_t m = plan.max_tokens;
+  const int64_t pools = (plan.max_context + kIndexerPoolSize - 1) / kIndexerPoolSize;
+  IndexerWorkspaceLayout layout;
+  int64_t offset = 0;
+  const auto take = [&](int64_t bytes) {
+    const int64_t at = offset;
+    offset = round_up(offset + bytes, kAlign);
+    return at;
+  };
+  layout.q_fp8 = take(m * kIndexerHeads * kIndexerDim);
+  layout.head_weights = take(m * kIndexerHeads * 4);
+  layout.logits = take(m * pools * 4);
+  layout.top_pools = take(m * kIndexerTopPools * 4);
+  layout.bytes = offset;
+  return layout;
+}
+
+Status check_indexer_prepare(const IndexerPrepareArgs& a) {
+  DSA_RETURN_IF_ERROR(check_indexer_plan(a.plan));
+  DSA_RETURN_IF_ERROR(check_dtype(a.index_q, "index_q", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_token_count(a.index_q, "index_q", a.plan));
+  const int64_t m = a.index_q.size(0);
+  DSA_RETURN_IF_ERROR(check_shape(a.index_q, "index_q", {m, kIndexerHeads, kIndexerDim}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(a.index_q, "index_q"));
+  DSA_RETURN_IF_ERROR(check_stride(a.index_q, "index_q", 2, 1));
+  DSA_RETURN_IF_ERROR(check_stride(a.index_q, "index_q", 1, kIndexerDim));
+  if (a.index_q.stride(0) % 8 != 0 || a.index_q.stride(0) < kIndexerHeads * kIndexerDim) {
+    return invalid_argument("index_q", "a token stride that is a multiple of 8 and at least 32*128",
+                            a.index_q.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(a.index_q, "index_q", 16));
+  DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, m, kIndexerDim, 8));
+  DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, kIndexerHeads, 4));
+  DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));
+  DSA_RETURN_IF_ERROR(check_norm_parameters(a.k_norm_weight, a.k_norm_bias, a.ape));
+  DSA_RETURN_IF_ERROR(check_token_vector(a.positions, "positions", DType::kI64, m));
+  DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
+  DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
+  return check_workspace(a.workspace, a.plan);
+}
+
+Status check_indexer_select(const IndexerSelectArgs& a) {
+  DSA_RETURN_IF_ERROR(check_indexer_plan(a.plan));
+  DSA_RETURN_IF_ERROR(check_dtype(a.positions, "positions", DType::kI64));
+  DSA_RETURN_IF_ERROR(check_token_count(a.positions, "positions", a.plan));
+  const int64_t m = a.positions.size(0);
+  DSA_RETURN_IF_ERROR(check_token_vector(a.positions, "positions", DType::kI64, m));
+  DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
+  DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
+  DSA_RETURN_IF_ERROR(check_workspace(a.workspace, a.plan));
+  if (a.topk_positions.data != nullptr) {
+    DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
+  }
+  return check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4);
+}
+
+Status check_indexer_prefill(const IndexerPrefillArgs& a) {
+  DSA_RETURN_IF_ERROR(check_indexer_plan(a.plan));
+  DSA_RETURN_IF_ERROR(check_dtype(a.index_k, "index_k", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(a.index_k, "index_k", {-1, kIndexerDim}));
+  const int64_t n = a.index_k.size(0);
+  if (n < 1 || n > a.plan.max_context) {
+    return invalid_argument("index_k", "1.." + std::to_string(a.plan.max_context) +
+                                           " tokens (the plan's max_context) in dim 0",
+                            a.index_k.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, n, kIndexerDim, 8));
+  DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, n, kIndexerDim, 8));
+  DSA_RETURN_IF_ERROR(check_norm_parameters(a.k_norm_weight, a.k_norm_bias, a.ape));
+  DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
+  const int64_t requests = a.state.block_table.size(0);
+  if (a.request < 0 || a.request >= requests) {
+    return invalid_argument("request", range(0, requests - 1) + " (a row of block_table)", std::to_string(a.request));
+  }
+  const int64_t table_tokens = a.state.block_table.size(1) * a.plan.block_size;
+  if (n > table_tokens) {
+    return invalid_argument("index_k", "at most block_table width * block_size = " + std::to_string(table_tokens) +
+                                           " tokens",
+                            a.index_k.describe());
+  }
+  return Status();
+}
+
+Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positions, const int32_t* token_requests,
+                           int64_t requests, int64_t block_table_width) {
+  DSA_RETURN_IF_ERROR(check_indexer_plan(plan));
+  if (m < 1 || m > plan.max_tokens) return invalid_argument("m", range(1, plan.max_tokens), std::to_string(m));
+  const int64_t position_limit = std::min(plan.max_context, block_table_width * plan.block_size);
+  for (int t = 0; t < m; ++t) {
+    const std::string token = "token_requests[" + std::to_string(t) + "]";
+    const int32_t request = token_requests[t];
+    if (request < 0) continue;  // padding
+    if (request >= requests) {
+      return invalid_argument(token, "a request in " + range(0, requests - 1) + " or negative (padding)",
+                              std::to_string(request));
+    }
+    const int64_t position = positions[t];
+    if (position < 0 || position >= position_limit) {
+      return invalid_argument("positions[" + std::to_string(t) + "]",
+                              range(0, position_limit - 1) + " (within max_context and the block table)",
+                              std::to_string(position));
+    }
+    // The request's earlier tokens in this step: the last must be position - 1.
+    int earlier = 0;
+    int64_t previous = -1;
+    for (int u = 0; u < t; ++u) {
+      if (token_requests[u] != request) continue;
+      ++earlier;
+      previous = positions[u];
+    }
+    if (earlier > 0 && previous != position - 1) {
+      return invalid_argument("positions[" + std::to_string(t) + "]",
+                              "position " + std::to_string(previous + 1) + " (one after the request's previous token)",
+                              std::to_string(position));
+    }
+    if (earlier + 1 > plan.ring - 3) {
+      return invalid_argument(token, "at most RING - 3 = " + std::to_string(plan.ring - 3) +
+                                         " tokens of one request per step",
+                              std::to_string(earlier + 1) + " tokens of request " + std::to_string(request));
+    }
+  }
+  return Status();
+}
+
+}  // namespace dsa

@@ -1,0 +1,257 @@
+#include "indexer/indexer_reference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "dsa_decode/numerics.h"
+#include "indexer/indexer_math.h"
+
+namespace dsa::reference {
+
+namespace {
+
+constexpr int kDim = kIndexerDim;
+constexpr int kHeads = kIndexerHeads;
+
+int64_t pools_per_page(const IndexerPlan& plan) { return plan.block_size / kIndexerPoolSize; }
+
+// The page (block) holding `pool` of `request`, or -1 when the block table
+// entry is outside [0, blocks) or the pool is past the table's width.
+int64_t pool_block(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request, int64_t pool) {
+  const int64_t page = pool / pools_per_page(plan);
+  if (page >= state.block_table_width) return -1;
+  const int64_t block = state.block_table[request * state.block_table_width + page];
+  return block >= 0 && block < state.blocks ? block : -1;
+}
+
+uint16_t* ring_row(const IndexerPlan& plan, IndexerStateHost& state, int64_t request, int which, int64_t position) {
+  return state.ring + ((request * 2 + which) * plan.ring + position % plan.ring) * kDim;
+}
+
+// Step 3's compression of one pool from its 4 tokens' LayerNormed k and gate
+// rows, written to the pool's page entry; false when the page is untrusted.
+bool compress_and_write(const IndexerPlan& plan, IndexerStateHost& state, const IndexerParamsHost& params,
+                        int64_t request, int64_t pool, const uint16_t* const* k_rows,
+                        const uint16_t* const* gate_rows) {
+  const int64_t block = pool_block(plan, state, request, pool);
+  if (block < 0) return false;
+  uint16_t pooled[kDim];
+  indexer_math::pool_softmax128(k_rows, gate_rows, params.ape, pooled);
+  const int64_t entry = pool % pools_per_page(plan);
+  uint8_t* page = state.k_cache + block * state.page_stride;
+  const float scale = indexer_math::hadamard_quantize(pooled, page + entry * kDim);
+  std::memcpy(page + pools_per_page(plan) * kDim + entry * 4, &scale, 4);
+  return true;
+}
+
+// e4m3 code -> value, exact.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int c = 0; c < 256; ++c) value[c] = num::e4m3_to_float(static_cast<uint8_t>(c));
+  }
+};
+const Fp8Table& fp8_table() {
+  static const Fp8Table table;
+  return table;
+}
+
+// A dot product of two rows of decoded e4m3 codes, exact: every product is a
+// multiple of 2^-18 below 2^18, so every partial sum of 128 of them is a
+// multiple of 2^-18 below 2^25, exact in double's 53 bits in any order (the
+// four accumulators only make it faster).
+double exact_dot(const float* a, const float* b) {
+  double partial[4] = {0, 0, 0, 0};
+  for (int d = 0; d < kDim; d += 4) {
+    for (int i = 0; i < 4; ++i) partial[i] += double(a[d + i]) * double(b[d + i]);
+  }
+  return (partial[0] + partial[1]) + (partial[2] + partial[3]);
+}
+
+// The selection's order: NaN ranks as -inf; -0 and +0 compare equal.
+float rank_value(float logit) { return std::isnan(logit) ? -std::numeric_limits<float>::infinity() : logit; }
+
+}  // namespace
+
+PoolEntry read_pool(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request, int64_t pool) {
+  const int64_t block = pool_block(plan, state, request, pool);
+  if (block < 0) return PoolEntry{nullptr, 0.0f};
+  const int64_t entry = pool % pools_per_page(plan);
+  const uint8_t* page = state.k_cache + block * state.page_stride;
+  PoolEntry result{page + entry * kDim, 0.0f};
+  std::memcpy(&result.scale, page + pools_per_page(plan) * kDim + entry * 4, 4);
+  return result;
+}
+
+Status indexer_prepare(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerParamsHost& params,
+                       IndexerStateHost& state, IndexerQueryHost* query, int64_t* errors) {
+  DSA_RETURN_IF_ERROR(check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests,
+                                          state.block_table_width));
+  query->q_fp8.assign(size_t(step.m) * kHeads * kDim, 0);
+  query->head_weights.assign(size_t(step.m) * kHeads, 0.0f);
+  *errors = 0;
+  for (int t = 0; t < step.m; ++t) {
+    // Step 2 for every token, padding too: it reads nothing but the token's own rows.
+    for (int h = 0; h < kHeads; ++h) {
+      const size_t row = size_t(t) * kHeads + h;
+      const float scale = indexer_math::hadamard_quantize(step.index_q + row * kDim, &query->q_fp8[row * kDim]);
+      query->head_weights[row] = indexer_math::fold_head_weight(step.head_weights[row], scale);
+    }
+    const int64_t request = step.token_requests[t];
+    if (request < 0) continue;
+    const int64_t position = step.positions[t];
+    uint16_t k[kDim];
+    indexer_math::layernorm128(step.index_k + size_t(t) * kDim, params.k_norm_weight, params.k_norm_bias, k);
+    const uint16_t* gate = step.gate + size_t(t) * kDim;
+    if (position % kIndexerPoolSize == kIndexerPoolSize - 1) {
+      const uint16_t* k_rows[kIndexerPoolSize];
+      const uint16_t* gate_rows[kIndexerPoolSize];
+      for (int j = 0; j < kIndexerPoolSize - 1; ++j) {  // the ring, before this token is stashed
+        const int64_t earlier = position - (kIndexerPoolSize - 1) + j;
+        k_rows[j] = ring_row(plan, state, request, 0, earlier);
+        gate_rows[j] = ring_row(plan, state, request, 1, earlier);
+      }
+      k_rows[kIndexerPoolSize - 1] = k;
+      gate_rows[kIndexerPoolSize - 1] = gate;
+      if (!compress_and_write(plan, state, params, request, position / kIndexerPoolSize, k_rows, gate_rows)) ++*errors;
+    }
+    std::memcpy(ring_row(plan, state, request, 0, position), k, sizeof(k));
+    std::memcpy(ring_row(plan, state, request, 1, position), gate, kDim * sizeof(uint16_t));
+  }
+  return Status();
+}
+
+Status indexer_prefill(const IndexerPlan& plan, const uint16_t* index_k, const uint16_t* gate, int64_t n,
+                       int64_t request, const IndexerParamsHost& params, IndexerStateHost& state, int64_t* errors) {
+  DSA_RETURN_IF_ERROR(check_indexer_plan(plan));
+  const int64_t limit = std::min(plan.max_context, state.block_table_width * plan.block_size);
+  if (n < 1 || n > limit) {
+    return invalid_argument("n", "1.." + std::to_string(limit) + " (within max_context and the block table)",
+                            std::to_string(n));
+  }
+  if (request < 0 || request >= state.requests) {
+    return invalid_argument("request", "0.." + std::to_string(state.requests - 1), std::to_string(request));
+  }
+  std::vector<uint16_t> k(size_t(n) * kDim);  // [n, 128] LayerNormed
+  for (int64_t i = 0; i < n; ++i) {
+    indexer_math::layernorm128(index_k + i * kDim, params.k_norm_weight, params.k_norm_bias, &k[i * kDim]);
+  }
+  *errors = 0;
+  for (int64_t pool = 0; pool < n / kIndexerPoolSize; ++pool) {
+    const uint16_t* k_rows[kIndexerPoolSize];
+    const uint16_t* gate_rows[kIndexerPoolSize];
+    for (int j = 0; j < kIndexerPoolSize; ++j) {
+      k_rows[j] = &k[(pool * kIndexerPoolSize + j) * kDim];
+      gate_rows[j] = gate + (pool * kIndexerPoolSize + j) * kDim;
+    }
+    if (!compress_and_write(plan, state, params, request, pool, k_rows, gate_rows)) ++*errors;
+  }
+  for (int64_t position = std::max<int64_t>(0, n - plan.ring); position < n; ++position) {
+    std::memcpy(ring_row(plan, state, request, 0, position), &k[position * kDim], kDim * sizeof(uint16_t));
+    std::memcpy(ring_row(plan, state, request, 1, position), gate + position * kDim, kDim * sizeof(uint16_t));
+  }
+  return Status();
+}
+
+std::vector<float> indexer_logits(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
+                                  int64_t n_pools, const uint8_t* q_fp8, const float* head_weights) {
+  const Fp8Table& table = fp8_table();
+  std::vector<float> q(kHeads * kDim);  // [32, 128] decoded
+  for (int i = 0; i < kHeads * kDim; ++i) q[i] = table.value[q_fp8[i]];
+  std::vector<float> logits(n_pools);
+  float k[kDim];
+  for (int64_t pool = 0; pool < n_pools; ++pool) {
+    const PoolEntry entry = read_pool(plan, state, request, pool);
+    if (entry.codes == nullptr) {
+      logits[pool] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    for (int d = 0; d < kDim; ++d) k[d] = table.value[entry.codes[d]];
+    float sum = 0.0f;
+    for (int h = 0; h < kHeads; ++h) {
+      const float relu = std::fmax(static_cast<float>(exact_dot(&q[h * kDim], k)), 0.0f);
+      sum = std::fma(head_weights[h], relu, sum);
+    }
+    logits[pool] = sum * entry.scale;
+  }
+  return logits;
+}
+
+std::vector<int32_t> select_top_pools(const std::vector<float>& logits, int count) {
+  std::vector<int32_t> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  const auto ranks_before = [&](int32_t a, int32_t b) {
+    const float va = rank_value(logits[a]), vb = rank_value(logits[b]);
+    return va != vb ? va > vb : a < b;
+  };
+  if (order.size() > size_t(count)) {
+    std::nth_element(order.begin(), order.begin() + count, order.end(), ranks_before);
+    order.resize(count);
+  }
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+void expand_row(int64_t context, const std::vector<int32_t>& top_pools, int32_t* row) {
+  std::fill(row, row + kIndexerRowWidth, -1);
+  if (context <= kIndexerPooledColumns) {
+    for (int64_t c = 0; c < context; ++c) row[c] = static_cast<int32_t>(c);
+    return;
+  }
+  for (size_t i = 0; i < top_pools.size(); ++i) {
+    for (int j = 0; j < kIndexerPoolSize; ++j) row[i * kIndexerPoolSize + j] = top_pools[i] * kIndexerPoolSize + j;
+  }
+  const int64_t tail_start = context / kIndexerPoolSize * kIndexerPoolSize;
+  for (int64_t position = tail_start; position < context; ++position) {
+    row[kIndexerPooledColumns + (position - tail_start)] = static_cast<int32_t>(position);
+  }
+}
+
+int64_t remap_row(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request, const int32_t* positions,
+                  int count, int32_t* slots) {
+  int64_t errors = 0;
+  for (int c = 0; c < count; ++c) {
+    const int32_t position = positions[c];
+    slots[c] = -1;
+    if (position < 0) continue;
+    const int64_t page = position / plan.block_size;
+    const int64_t block =
+        page < state.block_table_width ? state.block_table[request * state.block_table_width + page] : -1;
+    if (block < 0 || block >= state.blocks) {
+      ++errors;
+      continue;
+    }
+    slots[c] = static_cast<int32_t>(block * plan.block_size + position % plan.block_size);
+  }
+  return errors;
+}
+
+Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerQueryHost& query,
+                      const IndexerStateHost& state, IndexerRowsHost* rows) {
+  DSA_RETURN_IF_ERROR(check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests,
+                                          state.block_table_width));
+  rows->topk_positions.assign(size_t(step.m) * kIndexerRowWidth, -1);
+  rows->slots.assign(size_t(step.m) * kIndexerRowWidth, -1);
+  rows->errors = 0;
+  for (int t = 0; t < step.m; ++t) {
+    const int64_t request = step.token_requests[t];
+    if (request < 0) continue;  // padding: rows of -1
+    const int64_t context = step.positions[t] + 1;
+    std::vector<int32_t> top_pools;
+    if (context > kIndexerPooledColumns) {
+      const size_t row = size_t(t) * kHeads;
+      const std::vector<float> logits = indexer_logits(plan, state, request, context / kIndexerPoolSize,
+                                                       &query.q_fp8[row * kDim], &query.head_weights[row]);
+      top_pools = select_top_pools(logits, kIndexerTopPools);
+    }
+    int32_t* positions = &rows->topk_positions[size_t(t) * kIndexerRowWidth];
+    expand_row(context, top_pools, positions);
+    rows->errors += remap_row(plan, state, request, positions, kIndexerRowWidth, &rows->slots[size_t(t) * kIndexerRowWidth]);
+  }
+  return Status();
+}
+
+}  // namespace dsa::reference
