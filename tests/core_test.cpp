@@ -55,6 +55,27 @@ TEST(TensorView, ChecksNameTheArgumentAndTheExpectation) {
   EXPECT_TRUE(check_on_cuda(t, "x").ok());
 }
 
+TEST(TensorView, BadDimensionsAndOverlapsAreRejected) {
+  int storage[16] = {};
+  TensorView five = make_tensor(storage, DType::kF32, {1, 2, 3, 4, 5});
+  EXPECT_FALSE(check_present(five, "x").ok()) << "more than kMaxDims sizes must not pass";
+  TensorView negative = make_tensor(storage, DType::kF32, {2, -3});
+  Status s = check_present(negative, "x");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("non-negative"), std::string::npos) << s.message();
+
+  TensorView first = make_tensor(storage, DType::kF32, {8});
+  TensorView second = make_tensor(storage + 8, DType::kF32, {8});
+  TensorView straddling = make_tensor(storage + 7, DType::kF32, {2});
+  EXPECT_FALSE(tensors_overlap(first, second));
+  EXPECT_TRUE(tensors_overlap(first, straddling));
+  EXPECT_TRUE(tensors_overlap(straddling, second));
+  s = check_no_overlap(straddling, "out", first, "x");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("'out'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("disjoint from 'x'"), std::string::npos) << s.message();
+}
+
 TEST(Status, ToStringCarriesCodeAndMessage) {
   Status s = invalid_argument("m", "1..16", "17");
   EXPECT_EQ(s.to_string(), "invalid argument: argument 'm': expected 1..16, got 17");

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <random>
@@ -39,13 +40,24 @@ uint64_t test_seed();
 
 #define DSA_ASSERT_CUDA(expr) DSA_ASSERT_OK(::dsa::cuda_status((expr), #expr))
 
+// A failed CUDA call inside a test helper fails the running test (a sticky
+// fault must not leave zeros behind that compare equal).
+inline void expect_cuda(cudaError_t error, const char* what) {
+  if (error != cudaSuccess) ADD_FAILURE() << what << ": " << cudaGetErrorString(error);
+}
+
 // Device memory owned by a test; copies in and out synchronously.
 template <class T>
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t count) : count_(count) {
-    if (count && cudaMalloc(&ptr_, count * sizeof(T)) != cudaSuccess) ptr_ = nullptr;
+    if (count == 0) return;
+    if (cudaMalloc(&ptr_, count * sizeof(T)) != cudaSuccess) {
+      ptr_ = nullptr;
+      count_ = 0;
+      ADD_FAILURE() << "cudaMalloc of " << count * sizeof(T) << " bytes failed";
+    }
   }
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -61,18 +73,19 @@ class DeviceBuffer {
   T* get() const { return ptr_; }
   size_t size() const { return count_; }
   void upload(const std::vector<T>& host) {
-    cudaMemcpy(ptr_, host.data(), std::min(host.size(), count_) * sizeof(T), cudaMemcpyHostToDevice);
+    expect_cuda(cudaMemcpy(ptr_, host.data(), std::min(host.size(), count_) * sizeof(T), cudaMemcpyHostToDevice),
+                "DeviceBuffer::upload");
   }
   std::vector<T> download() const {
     std::vector<T> host(count_);
-    cudaMemcpy(host.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost);
+    expect_cuda(cudaMemcpy(host.data(), ptr_, count_ * sizeof(T), cudaMemcpyDeviceToHost), "DeviceBuffer::download");
     return host;
   }
   // Fills every byte with `byte` (poisoning outputs before a run); synchronous,
   // so work on any stream that follows sees the poison.
   void fill_bytes(uint8_t byte) {
-    cudaMemset(ptr_, byte, count_ * sizeof(T));
-    cudaDeviceSynchronize();
+    expect_cuda(cudaMemset(ptr_, byte, count_ * sizeof(T)), "DeviceBuffer::fill_bytes");
+    expect_cuda(cudaDeviceSynchronize(), "DeviceBuffer::fill_bytes");
   }
 
  private:

@@ -41,8 +41,8 @@ namespace dsa {
 inline constexpr int kHeadGemvMaxTokens = 16;
 
 struct HeadGemvTactic {
-  int tile = 64;            // columns per CTA: 16, 32, 64 or 128
-  int rows_per_thread = 8;  // 8 or 16
+  int tile = 64;            // columns per CTA: 16, 32, 64, 128 or 256
+  int rows_per_thread = 8;  // 8, 16, 32 or 64
 };
 
 // The KV-cache write fused into the absorb launch.
@@ -70,8 +70,14 @@ HeadGemvTactic head_gemv_tactic(int heads, int rows, int cols, int m);
 // Whether `tactic` can run rows x cols at m tokens (divisibility, threads per
 // CTA within the register budget, shared memory).
 Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic);
-// Checks every argument; launches nothing.
+// Checks every argument (dtypes, shapes, strides, 16-byte alignment of x and
+// weight, 8-byte of the cache, outputs disjoint from every input); launches
+// nothing. A shape no tactic can run (I not a multiple of 8 rows per thread,
+// J not of a 16..256 column tile) passes here and head_gemv reports it as
+// kUnsupported.
 Status check_head_gemv(const HeadGemvArgs& args);
+// The cache-write part of the checks, shared with stock_concat_and_cache_mla.
+Status check_kv_cache_write(const KvCacheWrite& write, int64_t m);
 
 // Launches on `stream` with PDL; `tactic` null = the table's. Neither
 // allocates nor synchronizes (CUDA-graph capturable).

@@ -126,9 +126,10 @@ DSA_HD uint8_t cache_fp8(uint16_t kv_bf16, float k_scale) {
 }
 
 // The norm's two approximate operations, as Triton emits them (rsqrt.approx.f32,
-// div.full.f32). The host versions are the exactly rounded functions: the
-// device results differ from them by a few FP32 ulp, which is why the norm
-// matches its CPU reference within 1 BF16 ulp and not bitwise.
+// div.full.f32). The host versions are the rounded division and 1/sqrt in
+// double rounded to float (within 1 FP32 ulp of the exact value); the device
+// results differ from them by a few FP32 ulp, which is why the norm matches
+// its CPU reference within 1 BF16 ulp and not bitwise.
 DSA_HD float rsqrt_approx(float x) {
 #if defined(__CUDA_ARCH__)
   float y;

@@ -49,13 +49,15 @@ struct TensorView {
   }
 };
 
-// A contiguous (row-major) view.
+// A contiguous (row-major) view. More than kMaxDims sizes give an invalid view
+// (ndim -1) that every check rejects.
 TensorView make_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape,
                        Device device = Device{});
 TensorView make_strided(void* data, DType dtype, std::initializer_list<int64_t> shape,
                         std::initializer_list<int64_t> strides, Device device = Device{});
 
 // Argument checks. `name` is the caller-facing argument name.
+// Non-null data, 0..kMaxDims dimensions, non-negative sizes.
 Status check_present(const TensorView& t, const char* name);
 Status check_dtype(const TensorView& t, const char* name, DType expected);
 // `expected` entries of -1 match any size.
@@ -64,6 +66,11 @@ Status check_stride(const TensorView& t, const char* name, int dim, int64_t expe
 // data pointer aligned to `bytes`
 Status check_aligned(const TensorView& t, const char* name, size_t bytes);
 Status check_on_cuda(const TensorView& t, const char* name);
+// Whether the byte ranges the two views can address intersect.
+bool tensors_overlap(const TensorView& a, const TensorView& b);
+// A tensor a kernel writes must not share memory with another argument.
+Status check_no_overlap(const TensorView& written, const char* written_name, const TensorView& other,
+                        const char* other_name);
 
 std::string shape_string(std::initializer_list<int64_t> shape);
 

@@ -6,6 +6,12 @@
 // releases its dependents once its own wait has passed: a dependent still
 // waits for this kernel's completion before reading its outputs, so the
 // release only lets the dependent's prologue overlap this kernel.
+//
+// Two rules the chain relies on:
+//  - before pdl_wait, read only what no kernel still in flight writes (weights
+//    written at load time, never the outputs of earlier kernels of the step);
+//  - every CTA calls pdl_wait before it exits, so that completion still
+//    orders a kernel after all earlier ones in the stream, not only the last.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -31,15 +31,19 @@ const char* dtype_name(DType dtype) {
   return "unknown";
 }
 
+// ndim clamped to the arrays' size: a view filled in by hand (a DLPack adapter)
+// may claim more; the checks reject such a view, and nothing here reads past it.
+static int valid_dims(const TensorView& t) { return std::clamp(t.ndim, 0, kMaxDims); }
+
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  for (int d = 0; d < valid_dims(*this); ++d) n *= shape[d];
   return n;
 }
 
 bool TensorView::is_contiguous() const {
   int64_t expected = 1;
-  for (int d = ndim - 1; d >= 0; --d) {
+  for (int d = valid_dims(*this) - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;
     expected *= shape[d];
   }
@@ -49,7 +53,7 @@ bool TensorView::is_contiguous() const {
 int64_t TensorView::span_elements() const {
   if (numel() == 0) return 0;
   int64_t span = 1;
-  for (int d = 0; d < ndim; ++d) span += (shape[d] - 1) * strides[d];
+  for (int d = 0; d < valid_dims(*this); ++d) span += (shape[d] - 1) * strides[d];
   return span;
 }
 
@@ -74,7 +78,9 @@ std::string shape_string(std::initializer_list<int64_t> shape) {
 
 std::string TensorView::describe() const {
   if (data == nullptr) return "no tensor (null data)";
-  std::string s = std::string(dtype_name(dtype)) + join(shape, ndim) + " strides " + join(strides, ndim);
+  std::string s = std::string(dtype_name(dtype)) + join(shape, valid_dims(*this)) + " strides " +
+                  join(strides, valid_dims(*this));
+  if (ndim != valid_dims(*this)) s += " (ndim " + std::to_string(ndim) + ")";
   s += device.kind == DeviceKind::kCUDA ? " on cuda:" + std::to_string(device.index) : " on cpu";
   return s;
 }
@@ -84,7 +90,11 @@ TensorView make_tensor(void* data, DType dtype, std::initializer_list<int64_t> s
   t.data = data;
   t.dtype = dtype;
   t.device = device;
-  t.ndim = static_cast<int>(std::min<size_t>(shape.size(), kMaxDims));
+  if (shape.size() > static_cast<size_t>(kMaxDims)) {
+    t.ndim = -1;  // rejected by every check: no view of more than kMaxDims dimensions
+    return t;
+  }
+  t.ndim = static_cast<int>(shape.size());
   std::copy_n(shape.begin(), t.ndim, t.shape);
   int64_t stride = 1;
   for (int d = t.ndim - 1; d >= 0; --d) {
@@ -103,7 +113,28 @@ TensorView make_strided(void* data, DType dtype, std::initializer_list<int64_t> 
 
 Status check_present(const TensorView& t, const char* name) {
   if (t.data == nullptr) return invalid_argument(name, "a tensor", "a null pointer");
+  if (t.ndim < 0 || t.ndim > kMaxDims) {
+    return invalid_argument(name, "0.." + std::to_string(kMaxDims) + " dimensions", std::to_string(t.ndim));
+  }
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0) return invalid_argument(name, "non-negative sizes", t.describe());
+  }
   return Status();
+}
+
+bool tensors_overlap(const TensorView& a, const TensorView& b) {
+  if (a.data == nullptr || b.data == nullptr || a.numel() == 0 || b.numel() == 0) return false;
+  const auto begin_a = reinterpret_cast<uintptr_t>(a.data), begin_b = reinterpret_cast<uintptr_t>(b.data);
+  const uintptr_t end_a = begin_a + a.span_elements() * dtype_size(a.dtype);
+  const uintptr_t end_b = begin_b + b.span_elements() * dtype_size(b.dtype);
+  return begin_a < end_b && begin_b < end_a;
+}
+
+Status check_no_overlap(const TensorView& written, const char* written_name, const TensorView& other,
+                        const char* other_name) {
+  if (!tensors_overlap(written, other)) return Status();
+  return invalid_argument(written_name, std::string("memory disjoint from '") + other_name + "'",
+                          written.describe() + " overlapping " + other.describe());
 }
 
 Status check_dtype(const TensorView& t, const char* name, DType expected) {

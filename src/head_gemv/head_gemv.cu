@@ -1,7 +1,9 @@
 // head_gemv kernel, its launcher and its argument checks. The contract and the
 // summation order are documented in include/dsa_decode/head_gemv.h.
+#include <algorithm>
 #include <cstdint>
 #include <mutex>
+#include <string>
 
 #include "core/launch.cuh"
 #include "dsa_decode/head_gemv.h"
@@ -144,7 +146,8 @@ __host__ __device__ inline SharedLayout shared_layout(int rows, int tile, int ro
 // token group i / group_threads; every group sums in the same order, so a
 // token's bits do not depend on which group, or which m, it runs in.
 template <int kTokensPerThread>
-__global__ void __launch_bounds__(max_threads_for(kTokensPerThread)) head_gemv_kernel(const HeadGemvParams p) {
+__global__ void __launch_bounds__(max_threads_for(kTokensPerThread))
+    head_gemv_kernel(const __grid_constant__ HeadGemvParams p) {
   extern __shared__ __align__(16) unsigned char shared[];
   const int tile = p.tile, rows_per_thread = p.rows_per_thread;
   const int tiles = p.cols / tile;
@@ -291,6 +294,7 @@ KernelFn kernel_for(int m) {
 }
 
 constexpr size_t kMaxSharedBytes = 227 * 1024;
+constexpr int64_t kMaxDim = (int64_t{1} << 31) - 1;  // the kernel's int index math
 
 // Threads of one token group; a CTA runs token_groups_for(m) of them.
 int group_threads_for(int rows, HeadGemvTactic tactic) { return tactic.tile / 8 * (rows / tactic.rows_per_thread); }
@@ -314,7 +318,9 @@ Status allow_full_shared_memory() {
   static Status result[8];
   int device = 0;
   DSA_CUDA_RETURN(cudaGetDevice(&device));
-  if (device < 0 || device >= 8) return unsupported("head_gemv supports devices 0..7");
+  if (device < 0 || device >= 8) {
+    return unsupported("head_gemv supports CUDA devices 0..7, the current device is " + std::to_string(device));
+  }
   std::call_once(once[device], [&] {
     for (int m : {1, 2, 4, 8}) {
       Status s = cuda_status(cudaFuncSetAttribute(kernel_for(m), cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -334,10 +340,10 @@ Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic) 
     return invalid_argument("tactic", "tile in {16, 32, 64, 128, 256} and rows_per_thread in {8, 16, 32, 64}",
                             tactic_string(tactic));
   }
-  const std::string shape = "rows " + std::to_string(rows) + ", cols " + std::to_string(cols);
+  auto shape = [&] { return "rows " + std::to_string(rows) + ", cols " + std::to_string(cols); };
   if (rows <= 0 || cols <= 0 || rows % tactic.rows_per_thread != 0 || cols % tactic.tile != 0) {
     return invalid_argument("tactic", "tile dividing cols and rows_per_thread dividing rows",
-                            tactic_string(tactic) + " for " + shape);
+                            tactic_string(tactic) + " for " + shape());
   }
   m = std::max(m, 1);
   const int group_threads = group_threads_for(rows, tactic);
@@ -350,12 +356,57 @@ Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic) 
                                 std::to_string(token_groups_for(m)) + " token groups of m = " + std::to_string(m) +
                                 " (registers)",
                             std::to_string(group_threads) + " threads per group with " + tactic_string(tactic) +
-                                " for " + shape);
+                                " for " + shape());
   }
   if (shared_bytes_for(rows, m, tactic) > kMaxSharedBytes) {
     return invalid_argument("tactic", "at most 227 KiB of shared memory (weight slab rows * tile * 2 bytes)",
                             std::to_string(shared_bytes_for(rows, m, tactic)) + " bytes with " + tactic_string(tactic) +
-                                " for " + shape);
+                                " for " + shape());
+  }
+  return Status();
+}
+
+Status check_kv_cache_write(const KvCacheWrite& c, int64_t m) {
+  DSA_RETURN_IF_ERROR(check_dtype(c.kv, "cache.kv", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(c.kv, "cache.kv", {m, -1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(c.kv, "cache.kv"));
+  const int64_t width = c.kv.size(1);
+  if (width < 8 || width % 8 != 0 || width > kMaxDim || c.kv.stride(1) != 1 || c.kv.stride(0) % 8 != 0 ||
+      (m > 1 && c.kv.stride(0) < width)) {
+    return invalid_argument("cache.kv",
+                            "a latent width that is a multiple of 8, contiguous rows, row stride a multiple of 8",
+                            c.kv.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(c.kv, "cache.kv", 16));
+  DSA_RETURN_IF_ERROR(check_dtype(c.cache, "cache.cache", DType::kFP8E4M3));
+  DSA_RETURN_IF_ERROR(check_shape(c.cache, "cache.cache", {-1, -1, width}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(c.cache, "cache.cache"));
+  if (c.cache.size(0) < 1 || c.cache.size(1) < 1 || c.cache.size(1) > kMaxDim || c.cache.stride(2) != 1 ||
+      c.cache.stride(1) % 8 != 0 || c.cache.stride(1) < width || c.cache.stride(0) % 8 != 0 ||
+      c.cache.stride(0) < c.cache.size(1) * c.cache.stride(1)) {
+    return invalid_argument("cache.cache",
+                            "[blocks, block_size, L] with L contiguous and entry and block strides that are "
+                            "multiples of 8 and do not overlap",
+                            c.cache.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(c.cache, "cache.cache", 8));
+  DSA_RETURN_IF_ERROR(check_dtype(c.slot_mapping, "cache.slot_mapping", DType::kI64));
+  DSA_RETURN_IF_ERROR(check_shape(c.slot_mapping, "cache.slot_mapping", {-1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(c.slot_mapping, "cache.slot_mapping"));
+  if (c.slot_mapping.stride(0) != 1 && c.slot_mapping.size(0) > 1) {
+    return invalid_argument("cache.slot_mapping", "a contiguous vector", c.slot_mapping.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(c.slot_mapping, "cache.slot_mapping", 8));
+  DSA_RETURN_IF_ERROR(check_dtype(c.k_scale, "cache.k_scale", DType::kF32));
+  DSA_RETURN_IF_ERROR(check_shape(c.k_scale, "cache.k_scale", {1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(c.k_scale, "cache.k_scale"));
+  DSA_RETURN_IF_ERROR(check_aligned(c.k_scale, "cache.k_scale", 4));
+  if (reinterpret_cast<uintptr_t>(c.error_count) % alignof(unsigned int) != 0) {
+    return invalid_argument("cache.error_count", "a 4-byte aligned device counter or null", "a misaligned pointer");
+  }
+  for (const auto& [other, name] : {std::pair{&c.kv, "cache.kv"}, {&c.slot_mapping, "cache.slot_mapping"},
+                                    {&c.k_scale, "cache.k_scale"}}) {
+    DSA_RETURN_IF_ERROR(check_no_overlap(c.cache, "cache.cache", *other, name));
   }
   return Status();
 }
@@ -368,12 +419,14 @@ Status check_head_gemv(const HeadGemvArgs& a) {
   if (m < 1 || m > kHeadGemvMaxTokens) {
     return invalid_argument("x", "1.." + std::to_string(kHeadGemvMaxTokens) + " tokens in dim 0", a.x.describe());
   }
-  if (heads < 1 || rows < 8 || rows % 8 != 0) {
-    return invalid_argument("x", "at least one head and a row count I that is a multiple of 8", a.x.describe());
+  if (heads < 1 || rows < 8 || rows % 8 != 0 || heads * rows > kMaxDim) {
+    return invalid_argument("x", "at least one head, a row count I that is a multiple of 8, and H*I < 2^31",
+                            a.x.describe());
   }
   DSA_RETURN_IF_ERROR(check_stride(a.x, "x", 2, 1));
   DSA_RETURN_IF_ERROR(check_stride(a.x, "x", 1, rows));
-  if (a.x.stride(0) % 8 != 0 || a.x.stride(0) < heads * rows) {
+  // A single token's stride is never used (PyTorch gives size-1 dims any stride).
+  if (m > 1 && (a.x.stride(0) % 8 != 0 || a.x.stride(0) < heads * rows)) {
     return invalid_argument("x", "a token stride that is a multiple of 8 and at least H*I", a.x.describe());
   }
   DSA_RETURN_IF_ERROR(check_aligned(a.x, "x", 16));
@@ -383,9 +436,10 @@ Status check_head_gemv(const HeadGemvArgs& a) {
   DSA_RETURN_IF_ERROR(check_on_cuda(a.weight, "weight"));
   const int64_t cols = a.weight.size(2);
   DSA_RETURN_IF_ERROR(check_stride(a.weight, "weight", 2, 1));
-  if (a.weight.stride(1) % 8 != 0 || a.weight.stride(1) < cols || a.weight.stride(0) % 8 != 0 ||
-      a.weight.stride(0) < rows * a.weight.stride(1)) {
-    return invalid_argument("weight", "row and head strides that are multiples of 8 and do not overlap",
+  if (cols < 1 || heads * cols > kMaxDim || a.weight.stride(1) % 8 != 0 || a.weight.stride(1) < cols ||
+      a.weight.stride(0) % 8 != 0 || a.weight.stride(0) < rows * a.weight.stride(1)) {
+    return invalid_argument("weight",
+                            "J >= 1, H*J < 2^31, and row and head strides that are multiples of 8 and do not overlap",
                             a.weight.describe());
   }
   DSA_RETURN_IF_ERROR(check_aligned(a.weight, "weight", 16));
@@ -401,41 +455,24 @@ Status check_head_gemv(const HeadGemvArgs& a) {
     DSA_RETURN_IF_ERROR(check_dtype(a.scale, "scale", DType::kF32));
     DSA_RETURN_IF_ERROR(check_shape(a.scale, "scale", {1}));
     DSA_RETURN_IF_ERROR(check_on_cuda(a.scale, "scale"));
+    DSA_RETURN_IF_ERROR(check_aligned(a.scale, "scale", 4));
   } else if (a.scale.data != nullptr) {
     return invalid_argument("scale", "no scale with a BF16 out (a scale means FP8 out)", a.scale.describe());
   }
+  DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.x, "x"));
+  DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.weight, "weight"));
+  DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.scale, "scale"));
 
   if (a.cache != nullptr) {
     const KvCacheWrite& c = *a.cache;
-    DSA_RETURN_IF_ERROR(check_dtype(c.kv, "cache.kv", DType::kBF16));
-    DSA_RETURN_IF_ERROR(check_shape(c.kv, "cache.kv", {m, -1}));
-    DSA_RETURN_IF_ERROR(check_on_cuda(c.kv, "cache.kv"));
-    const int64_t width = c.kv.size(1);
-    if (width < 8 || width % 8 != 0 || c.kv.stride(1) != 1 || c.kv.stride(0) % 8 != 0) {
-      return invalid_argument("cache.kv", "a latent width that is a multiple of 8, contiguous rows, row stride a multiple of 8",
-                              c.kv.describe());
+    DSA_RETURN_IF_ERROR(check_kv_cache_write(c, m));
+    for (const auto& [other, name] : {std::pair{&a.x, "x"}, {&a.weight, "weight"}, {&a.scale, "scale"}}) {
+      DSA_RETURN_IF_ERROR(check_no_overlap(c.cache, "cache.cache", *other, name));
     }
-    DSA_RETURN_IF_ERROR(check_aligned(c.kv, "cache.kv", 16));
-    DSA_RETURN_IF_ERROR(check_dtype(c.cache, "cache.cache", DType::kFP8E4M3));
-    DSA_RETURN_IF_ERROR(check_shape(c.cache, "cache.cache", {-1, -1, width}));
-    DSA_RETURN_IF_ERROR(check_on_cuda(c.cache, "cache.cache"));
-    if (c.cache.size(0) < 1 || c.cache.size(1) < 1 || c.cache.stride(2) != 1 || c.cache.stride(1) % 8 != 0 ||
-        c.cache.stride(1) < width || c.cache.stride(0) % 8 != 0 || c.cache.stride(0) < c.cache.size(1) * c.cache.stride(1)) {
-      return invalid_argument("cache.cache",
-                              "[blocks, block_size, L] with L contiguous and entry and block strides that are multiples of 8 "
-                              "and do not overlap",
-                              c.cache.describe());
+    for (const auto& [other, name] : {std::pair{&c.kv, "cache.kv"}, {&c.cache, "cache.cache"},
+                                      {&c.slot_mapping, "cache.slot_mapping"}, {&c.k_scale, "cache.k_scale"}}) {
+      DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", *other, name));
     }
-    DSA_RETURN_IF_ERROR(check_aligned(c.cache, "cache.cache", 8));
-    DSA_RETURN_IF_ERROR(check_dtype(c.slot_mapping, "cache.slot_mapping", DType::kI64));
-    DSA_RETURN_IF_ERROR(check_shape(c.slot_mapping, "cache.slot_mapping", {-1}));
-    DSA_RETURN_IF_ERROR(check_on_cuda(c.slot_mapping, "cache.slot_mapping"));
-    if (c.slot_mapping.stride(0) != 1) {
-      return invalid_argument("cache.slot_mapping", "a contiguous vector", c.slot_mapping.describe());
-    }
-    DSA_RETURN_IF_ERROR(check_dtype(c.k_scale, "cache.k_scale", DType::kF32));
-    DSA_RETURN_IF_ERROR(check_shape(c.k_scale, "cache.k_scale", {1}));
-    DSA_RETURN_IF_ERROR(check_on_cuda(c.k_scale, "cache.k_scale"));
   }
   return Status();
 }
@@ -445,6 +482,11 @@ Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTacti
   const int m = static_cast<int>(a.x.size(0)), heads = static_cast<int>(a.x.size(1));
   const int rows = static_cast<int>(a.x.size(2)), cols = static_cast<int>(a.weight.size(2));
   const HeadGemvTactic tactic = requested ? *requested : head_gemv_tactic(heads, rows, cols, m);
+  if (requested == nullptr && !check_head_gemv_tactic(rows, cols, m, tactic).ok()) {
+    return unsupported("head_gemv: no tactic runs H = " + std::to_string(heads) + ", I = " + std::to_string(rows) +
+                       ", J = " + std::to_string(cols) + " at m = " + std::to_string(m) +
+                       " (I a multiple of 8 rows per thread, J of a 16..256 column tile)");
+  }
   DSA_RETURN_IF_ERROR(check_head_gemv_tactic(rows, cols, m, tactic));
   const size_t shared_bytes = shared_bytes_for(rows, m, tactic);
 

@@ -21,16 +21,17 @@ using testing::DeviceBuffer;
 
 // ---------------------------------------------------------------- CPU tests
 
+// Views of disjoint, suitably aligned addresses; the checks never dereference them.
+void* fake_address(int region) { return reinterpret_cast<void*>(uintptr_t(region) << 32); }
+
 struct FakeArgs {
-  alignas(16) uint16_t storage[64];
-  alignas(16) uint8_t cache_storage[64];
-  TensorView x = make_tensor(storage, DType::kBF16, {2, 4, 256});
-  TensorView weight = make_tensor(storage, DType::kBF16, {4, 256, 512});
-  TensorView out = make_tensor(storage, DType::kFP8E4M3, {2, 4, 512});
-  TensorView scale = make_tensor(storage, DType::kF32, {1});
-  KvCacheWrite cache{make_tensor(storage, DType::kBF16, {2, 512}),
-                     make_tensor(cache_storage, DType::kFP8E4M3, {8, 128, 512}),
-                     make_tensor(storage, DType::kI64, {2}), make_tensor(storage, DType::kF32, {1})};
+  TensorView x = make_tensor(fake_address(1), DType::kBF16, {2, 4, 256});
+  TensorView weight = make_tensor(fake_address(2), DType::kBF16, {4, 256, 512});
+  TensorView out = make_tensor(fake_address(3), DType::kFP8E4M3, {2, 4, 512});
+  TensorView scale = make_tensor(fake_address(4), DType::kF32, {1});
+  KvCacheWrite cache{make_tensor(fake_address(5), DType::kBF16, {2, 512}),
+                     make_tensor(fake_address(6), DType::kFP8E4M3, {8, 128, 512}),
+                     make_tensor(fake_address(7), DType::kI64, {2}), make_tensor(fake_address(8), DType::kF32, {1})};
   HeadGemvArgs args() {
     HeadGemvArgs a{x, weight, out, scale, &cache};
     return a;
@@ -48,6 +49,38 @@ void expect_rejected(const HeadGemvArgs& a, const std::string& argument, const s
 TEST(HeadGemvChecks, AcceptsTheGlm5NextAbsorb) {
   FakeArgs f;
   EXPECT_TRUE(check_head_gemv(f.args()).ok()) << check_head_gemv(f.args()).to_string();
+  // One token: its stride is never used, so any stride is fine (PyTorch size-1 dims).
+  f.x.shape[0] = f.out.shape[0] = f.cache.kv.shape[0] = 1;
+  f.x.strides[0] = 3;
+  EXPECT_TRUE(check_head_gemv(f.args()).ok()) << check_head_gemv(f.args()).to_string();
+}
+
+TEST(HeadGemvChecks, ShapesWithoutATacticAreUnsupportedNotMisnamed) {
+  FakeArgs f;
+  f.x.shape[2] = f.weight.shape[1] = 200;  // 200 rows: no rows_per_thread divides it at m = 2
+  f.x.strides[1] = 200;
+  f.x.strides[0] = 4 * 200;
+  f.weight.strides[1] = 512;
+  f.weight.strides[0] = 200 * 512;
+  ASSERT_TRUE(check_head_gemv(f.args()).ok()) << check_head_gemv(f.args()).to_string();
+  Status s = head_gemv(f.args(), nullptr);
+  EXPECT_EQ(s.code(), ErrorCode::kUnsupported) << s.to_string();
+  EXPECT_NE(s.message().find("I = 200"), std::string::npos) << s.message();
+}
+
+TEST(HeadGemvChecks, StockEntryPointsNameTheirArguments) {
+  FakeArgs f;
+  KvCacheWrite bad = f.cache;
+  bad.cache.strides[1] = 500;
+  Status s = stock_concat_and_cache_mla(bad, nullptr);
+  EXPECT_NE(s.message().find("'cache.cache'"), std::string::npos) << s.message();
+  TensorView in = make_tensor(fake_address(9), DType::kBF16, {2, 4, 512});
+  TensorView out = make_tensor(fake_address(10), DType::kFP8E4M3, {2, 4, 256});
+  const Status wrong_shape = stock_static_fp8_quant(in, out, f.scale, nullptr);
+  EXPECT_NE(wrong_shape.message().find("'out'"), std::string::npos) << wrong_shape.message();
+  const Status in_place =
+      stock_static_fp8_quant(in, make_tensor(in.data, DType::kFP8E4M3, {2, 4, 512}), f.scale, nullptr);
+  EXPECT_NE(in_place.message().find("disjoint from 'in'"), std::string::npos) << in_place.message();
 }
 
 TEST(HeadGemvChecks, NamesEachBadArgument) {
@@ -69,8 +102,30 @@ TEST(HeadGemvChecks, NamesEachBadArgument) {
   }
   {
     FakeArgs f;
-    f.x.data = reinterpret_cast<char*>(f.storage) + 2;
+    f.x.data = static_cast<char*>(f.x.data) + 2;
     expect_rejected(f.args(), "x", "aligned to 16");
+  }
+  {
+    FakeArgs f;
+    f.x.shape[1] = -4;
+    f.weight.shape[0] = -4;
+    f.out.shape[1] = -4;
+    expect_rejected(f.args(), "x", "non-negative sizes");
+  }
+  {
+    FakeArgs f;
+    f.out.data = static_cast<char*>(f.x.data) + 1024;  // an in-place product would read what it overwrites
+    expect_rejected(f.args(), "out", "disjoint from 'x'");
+  }
+  {
+    FakeArgs f;
+    f.cache.cache.data = f.weight.data;
+    expect_rejected(f.args(), "cache.cache", "disjoint from 'weight'");
+  }
+  {
+    FakeArgs f;
+    f.cache.slot_mapping.data = static_cast<char*>(f.out.data) + 64;
+    expect_rejected(f.args(), "out", "disjoint from 'cache.slot_mapping'");
   }
   {
     FakeArgs f;
@@ -131,7 +186,8 @@ TEST(HeadGemvChecks, NamesEachBadArgument) {
 
 TEST(HeadGemvChecks, TacticTableGivesValidTacticsAndBadOnesAreNamed) {
   for (int heads : {1, 8, 16, 64, 128}) {
-    for (auto [rows, cols] : {std::pair{256, 512}, {512, 256}, {192, 512}, {128, 512}, {512, 128}}) {
+    for (auto [rows, cols] : {std::pair{256, 512}, {512, 256}, {192, 512}, {128, 512}, {512, 128}, {1024, 512},
+                              {768, 256}}) {
       for (int m = 1; m <= kHeadGemvMaxTokens; ++m) {
         const HeadGemvTactic tactic = head_gemv_tactic(heads, rows, cols, m);
         const HeadGemvTactic single_token = head_gemv_tactic(heads, rows, cols, 1);
@@ -245,34 +301,38 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const int width = 512, block_size = 16, blocks = 3;
   const int64_t entry_stride = width + 16, block_stride = block_size * entry_stride + 64;
   const size_t cache_bytes = blocks * block_stride;
-  std::vector<uint16_t> kv = testing::random_bf16(c.m * width, 1.0f, rng);
+  const int64_t kv_stride = c.m % 3 == 1 ? width + 8 : width;  // padded rows for some m
+  std::vector<uint16_t> kv = testing::random_bf16(c.m * kv_stride, 1.0f, rng);
   std::vector<uint8_t> cache(cache_bytes + 2 * kGuard, 0xA5);
-  // Distinct slots; every third token is padding (-1), one slot is past the capacity,
-  // and the slot mapping is one shorter than m (graph padding) when m > 2.
-  std::vector<int64_t> slots(c.m);
-  std::vector<int64_t> pool(blocks * block_size);
+  // Distinct slots; every third token is padding (-1); token 1's slot is past the
+  // capacity (exactly at it for even m); the slot mapping is two longer than m
+  // for even m and one shorter (graph padding) for odd m > 2.
+  const int64_t capacity = int64_t(blocks) * block_size;
+  std::vector<int64_t> slots(c.m + 2);
+  std::vector<int64_t> pool(capacity);
   for (size_t i = 0; i < pool.size(); ++i) pool[i] = int64_t(i);
   std::shuffle(pool.begin(), pool.end(), rng);
-  for (int t = 0; t < c.m; ++t) slots[t] = t % 3 == 2 ? -1 : pool[t];
-  if (c.m >= 2) slots[1] = int64_t(blocks) * block_size + 7;
-  const int n_slots = c.m > 2 ? c.m - 1 : c.m;
+  for (int t = 0; t < c.m + 2; ++t) slots[t] = t % 3 == 2 ? -1 : pool[t];
+  if (c.m >= 2) slots[1] = c.m % 2 == 0 ? capacity : capacity + 7;
+  const int n_slots = c.m % 2 == 0 ? c.m + 2 : c.m > 2 ? c.m - 1 : c.m;
   DeviceBuffer<uint16_t> kv_dev(kv);
-  DeviceBuffer<uint8_t> cache_dev(cache);
+  DeviceBuffer<uint8_t> cache_dev(cache), stock_cache_dev(cache);
   DeviceBuffer<int64_t> slots_dev(std::vector<int64_t>(slots.begin(), slots.begin() + n_slots));
   const float k_scale = 0.02f;
   DeviceBuffer<float> k_scale_dev(std::vector<float>{k_scale});
-  DeviceBuffer<unsigned int> errors_dev(std::vector<unsigned int>{0});
+  DeviceBuffer<unsigned int> errors_dev(std::vector<unsigned int>{0}), stock_errors_dev(std::vector<unsigned int>{0});
+  const bool count_errors = c.m % 4 != 3;  // a null counter must be accepted too
 
   HeadGemvArgs args;
   args.x = make_strided(x_dev.get(), DType::kBF16, {c.m, c.heads, c.rows}, {x_stride, c.rows, 1});
   args.weight = make_strided(w_dev.get(), DType::kBF16, {c.heads, c.rows, c.cols}, {w_head_stride, w_row_stride, 1});
   args.out = make_tensor(out_dev.get() + kGuard, c.fp8 ? DType::kFP8E4M3 : DType::kBF16, {c.m, c.heads, c.cols});
   if (c.fp8) args.scale = make_tensor(scale_dev.get(), DType::kF32, {1});
-  KvCacheWrite write{make_tensor(kv_dev.get(), DType::kBF16, {c.m, width}),
+  KvCacheWrite write{make_strided(kv_dev.get(), DType::kBF16, {c.m, width}, {kv_stride, 1}),
                      make_strided(cache_dev.get() + kGuard, DType::kFP8E4M3, {blocks, block_size, width},
                                   {block_stride, entry_stride, 1}),
                      make_tensor(slots_dev.get(), DType::kI64, {n_slots}), make_tensor(k_scale_dev.get(), DType::kF32, {1}),
-                     errors_dev.get()};
+                     count_errors ? errors_dev.get() : nullptr};
   if (c.cache) args.cache = &write;
 
   Status s = head_gemv(args, nullptr, c.tactic ? &*c.tactic : nullptr);
@@ -305,9 +365,17 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   const std::vector<uint8_t> cache_got = cache_dev.download();
   const unsigned int errors = errors_dev.download()[0];
   if (c.cache) {
-    const int bad = reference::cache_write(kv.data(), width, c.m, width, slots.data(), n_slots, k_scale,
+    const int bad = reference::cache_write(kv.data(), kv_stride, c.m, width, slots.data(), n_slots, k_scale,
                                            cache.data() + kGuard, blocks, block_size, block_stride, entry_stride);
-    EXPECT_EQ(errors, static_cast<unsigned>(bad));
+    EXPECT_EQ(errors, count_errors ? static_cast<unsigned>(bad) : 0u);
+    // The stock write (the fallback path) on the same arguments: same bytes, same count.
+    KvCacheWrite stock = write;
+    stock.cache.data = stock_cache_dev.get() + kGuard;
+    stock.error_count = stock_errors_dev.get();
+    DSA_ASSERT_OK(stock_concat_and_cache_mla(stock, nullptr));
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_TRUE(stock_cache_dev.download() == cache) << "the stock cache write differs from the reference";
+    EXPECT_EQ(stock_errors_dev.download()[0], static_cast<unsigned>(bad));
   } else {
     EXPECT_EQ(errors, 0u);
   }
@@ -370,11 +438,15 @@ TEST(HeadGemvGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
     a.out = make_tensor(out_dev.get(), DType::kBF16, {m, heads, cols});
     out_dev.fill_bytes(kPoison);
     EXPECT_TRUE(head_gemv(a, nullptr, &tactic).ok());
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     std::vector<uint16_t> out = out_dev.download();
     out.resize(size_t(m) * heads * cols);
     return out;
   };
   const std::vector<uint16_t> batch = run(0, 16);
+  // The batch itself is the reference's bits (so equal runs cannot be two unwritten outputs).
+  const reference::HeadGemvHost host{x.data(), heads * rows, w.data(), rows * cols, cols, 16, heads, rows, cols};
+  EXPECT_TRUE(batch == reference::head_gemv_bf16(host, tactic)) << "the batch of 16 differs from the reference";
   EXPECT_EQ(run(0, 16), batch);
   for (int t : {0, 5, 15}) {
     const std::vector<uint16_t> alone = run(t, 1);

@@ -36,14 +36,16 @@ HeadGemvTactic head_gemv_tactic(int heads, int rows, int cols, int m) {
       return e.tactic;
     }
   }
-  // Default: the widest tile whose CTA shape is valid.
-  for (int tile : {64, 32, 16, 128, 256}) {
-    for (int rows_per_thread : {16, 32, 8, 64}) {
-      const HeadGemvTactic tactic{tile, rows_per_thread};
-      if (check_head_gemv_tactic(rows, cols, m, tactic).ok()) return tactic;
+  // Default: a tactic valid at m = 16 is valid at every m (the limits only
+  // tighten with m), so trying that first keeps the order independent of m.
+  constexpr HeadGemvTactic kCandidates[] = {{64, 16}, {32, 8}, {64, 8}, {128, 16}, {32, 16},
+                                            {16, 8},  {64, 32}, {128, 32}, {16, 16}, {256, 32}};
+  for (int tokens : {kHeadGemvMaxTokens, m}) {
+    for (const HeadGemvTactic& tactic : kCandidates) {
+      if (check_head_gemv_tactic(rows, cols, tokens, tactic).ok()) return tactic;
     }
   }
-  return HeadGemvTactic{};  // no valid tactic: head_gemv reports the shape as unsupported
+  return HeadGemvTactic{};  // no valid tactic: head_gemv reports the shape as kUnsupported
 }
 
 }  // namespace dsa

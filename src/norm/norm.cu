@@ -173,6 +173,13 @@ Status make_qkv_norm_params(const TensorView& qkv, const TensorView& q_weight, c
   DSA_RETURN_IF_ERROR(check_contiguous(q_out, "q_out"));
   DSA_RETURN_IF_ERROR(check_shape(kv_out, "kv_out", {m, kv_size}));
   DSA_RETURN_IF_ERROR(check_contiguous(kv_out, "kv_out"));
+  // Outputs written while other CTAs still read qkv and the weights.
+  for (const auto& [out, out_name] : {std::pair{&q_out, "q_out"}, {&kv_out, "kv_out"}}) {
+    for (const auto& [in, in_name] : {std::pair{&qkv, "qkv"}, {&q_weight, "q_weight"}, {&kv_weight, "kv_weight"}}) {
+      DSA_RETURN_IF_ERROR(check_no_overlap(*out, out_name, *in, in_name));
+    }
+  }
+  DSA_RETURN_IF_ERROR(check_no_overlap(q_out, "q_out", kv_out, "kv_out"));
 
   params->qkv = qkv.data;
   params->q_weight = q_weight.data;

@@ -100,6 +100,9 @@ Status bench_norm(bench::Context& ctx, bench::Report& report) {
     bench::DeviceMemory memory;
     DSA_RETURN_IF_ERROR(memory.allocate(copies * set_bytes));
     DSA_RETURN_IF_ERROR(bench::fill_random_bf16(memory.get(), copies * set_bytes / 2, 0x6e6f726d + m, 1.0f, ctx.stream));
+    // The norm reads its weights before griddepcontrol.wait: they must be
+    // complete before it launches, not merely earlier in the stream.
+    DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
     std::vector<QkvNormParams> sets(copies);
     for (int c = 0; c < copies; ++c) {
       char* base = memory.as<char>() + c * set_bytes;

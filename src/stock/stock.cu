@@ -1,4 +1,6 @@
 // The stock path's kernels (see include/dsa_decode/stock.h).
+#include <algorithm>
+
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/stock.h"
@@ -44,6 +46,7 @@ __global__ void concat_and_cache_mla_kernel(const uint16_t* kv, int64_t kv_token
 Status cublas_head_bmm(cublasHandle_t handle, const TensorView& x, const TensorView& weight, const TensorView& out) {
   DSA_RETURN_IF_ERROR(check_dtype(x, "x", DType::kBF16));
   DSA_RETURN_IF_ERROR(check_shape(x, "x", {-1, -1, -1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(x, "x"));
   const int64_t m = x.size(0), heads = x.size(1), rows = x.size(2);
   DSA_RETURN_IF_ERROR(check_stride(x, "x", 2, 1));
   DSA_RETURN_IF_ERROR(check_stride(x, "x", 1, rows));
@@ -51,9 +54,21 @@ Status cublas_head_bmm(cublasHandle_t handle, const TensorView& x, const TensorV
   DSA_RETURN_IF_ERROR(check_shape(weight, "weight", {heads, rows, -1}));
   DSA_RETURN_IF_ERROR(check_stride(weight, "weight", 2, 1));
   const int64_t cols = weight.size(2);
+  DSA_RETURN_IF_ERROR(check_on_cuda(weight, "weight"));
   DSA_RETURN_IF_ERROR(check_dtype(out, "out", DType::kBF16));
   DSA_RETURN_IF_ERROR(check_shape(out, "out", {m, heads, cols}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(out, "out"));
   if (!out.is_contiguous()) return invalid_argument("out", "a contiguous tensor", out.describe());
+  // cuBLAS takes int sizes and leading dimensions.
+  constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
+  if (m < 1 || heads < 1 || rows < 1 || cols < 1 || heads * cols > kIntMax || x.stride(0) > kIntMax ||
+      weight.stride(1) > kIntMax) {
+    return invalid_argument("x, weight", "sizes >= 1 and H*J, x's token stride and weight's row stride < 2^31",
+                            x.describe() + ", " + weight.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_no_overlap(out, "out", x, "x"));
+  DSA_RETURN_IF_ERROR(check_no_overlap(out, "out", weight, "weight"));
+  // alpha and beta are host values: the handle must be in CUBLAS_POINTER_MODE_HOST (the default).
   // Column-major view per head h: out_h^T [J, m] = W_h^T [J, I] * x_h^T [I, m].
   const float alpha = 1.0f, beta = 0.0f;
   DSA_CUBLAS_RETURN(cublasGemmStridedBatchedEx(
@@ -67,13 +82,22 @@ Status cublas_head_bmm(cublasHandle_t handle, const TensorView& x, const TensorV
 Status stock_static_fp8_quant(const TensorView& in, const TensorView& out, const TensorView& scale,
                               cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_dtype(in, "in", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_on_cuda(in, "in"));
   DSA_RETURN_IF_ERROR(check_dtype(out, "out", DType::kFP8E4M3));
+  DSA_RETURN_IF_ERROR(check_on_cuda(out, "out"));
   DSA_RETURN_IF_ERROR(check_dtype(scale, "scale", DType::kF32));
   DSA_RETURN_IF_ERROR(check_shape(scale, "scale", {1}));
-  if (!in.is_contiguous() || !out.is_contiguous() || in.numel() != out.numel() || in.numel() % 8 != 0) {
-    return invalid_argument("out", "contiguous in and out of the same element count, a multiple of 8",
-                            "in " + in.describe() + ", out " + out.describe());
+  DSA_RETURN_IF_ERROR(check_on_cuda(scale, "scale"));
+  DSA_RETURN_IF_ERROR(check_aligned(scale, "scale", 4));
+  if (!in.is_contiguous() || in.numel() % 8 != 0) {
+    return invalid_argument("in", "a contiguous tensor of a multiple of 8 elements", in.describe());
   }
+  bool same_shape = in.ndim == out.ndim;
+  for (int d = 0; same_shape && d < in.ndim; ++d) same_shape = in.size(d) == out.size(d);
+  if (!same_shape || !out.is_contiguous()) {
+    return invalid_argument("out", "a contiguous tensor of in's shape " + in.describe(), out.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_no_overlap(out, "out", in, "in"));
   DSA_RETURN_IF_ERROR(check_aligned(in, "in", 16));
   DSA_RETURN_IF_ERROR(check_aligned(out, "out", 8));
   const int64_t groups = in.numel() / 8;
@@ -86,18 +110,9 @@ Status stock_static_fp8_quant(const TensorView& in, const TensorView& out, const
 }
 
 Status stock_concat_and_cache_mla(const KvCacheWrite& w, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(check_dtype(w.kv, "kv", DType::kBF16));
-  DSA_RETURN_IF_ERROR(check_shape(w.kv, "kv", {-1, -1}));
-  DSA_RETURN_IF_ERROR(check_stride(w.kv, "kv", 1, 1));
+  DSA_RETURN_IF_ERROR(check_present(w.kv, "cache.kv"));
+  DSA_RETURN_IF_ERROR(check_kv_cache_write(w, w.kv.ndim == 2 ? w.kv.size(0) : -1));
   const int64_t width = w.kv.size(1);
-  DSA_RETURN_IF_ERROR(check_dtype(w.cache, "cache", DType::kFP8E4M3));
-  DSA_RETURN_IF_ERROR(check_shape(w.cache, "cache", {-1, -1, width}));
-  DSA_RETURN_IF_ERROR(check_stride(w.cache, "cache", 2, 1));
-  DSA_RETURN_IF_ERROR(check_dtype(w.slot_mapping, "slot_mapping", DType::kI64));
-  DSA_RETURN_IF_ERROR(check_shape(w.slot_mapping, "slot_mapping", {-1}));
-  DSA_RETURN_IF_ERROR(check_stride(w.slot_mapping, "slot_mapping", 0, 1));
-  DSA_RETURN_IF_ERROR(check_dtype(w.k_scale, "k_scale", DType::kF32));
-  DSA_RETURN_IF_ERROR(check_shape(w.k_scale, "k_scale", {1}));
   const int64_t tokens = std::min(w.kv.size(0), w.slot_mapping.size(0));
   if (tokens == 0) return Status();
   concat_and_cache_mla_kernel<<<static_cast<unsigned>(tokens), 128, 0, stream>>>(
