@@ -528,22 +528,34 @@ TEST(HeadGemvGpu, AgreesWithCublasAndTheStockQuant) {
                                              a8.scale, nullptr));
         DSA_ASSERT_CUDA(cudaDeviceSynchronize());
         const std::vector<uint16_t> o = ours.download(), r = theirs.download();
+        // Raw ulp distances blow up where cancellation leaves a value near zero
+        // (a sign flip there is thousands of "ulp"), so the bound is on the
+        // difference in ulp of the larger of the two values and the outputs' RMS.
+        double square_sum = 0;
+        for (uint16_t v : r) square_sum += double(num::bf16_to_float(v)) * num::bf16_to_float(v);
+        const double rms = std::sqrt(square_sum / double(n_out));
         int max_ulp = 0;
+        double max_scaled_ulp = 0;
         size_t over_one = 0;
         for (size_t i = 0; i < n_out; ++i) {
           const int d = bf16_ulp_distance(o[i], r[i]);
           max_ulp = std::max(max_ulp, d);
           over_one += d > 1;
+          const double a = num::bf16_to_float(o[i]), b = num::bf16_to_float(r[i]);
+          const double magnitude = std::max({std::fabs(a), std::fabs(b), rms});
+          const double ulp = std::ldexp(1.0, std::ilogb(magnitude) - 7);  // BF16: 8 significant bits
+          max_scaled_ulp = std::max(max_scaled_ulp, std::fabs(a - b) / ulp);
         }
         const std::vector<uint8_t> o8 = ours_fp8.download(), r8 = theirs_fp8.download();
         int max_fp8_steps = 0;
         for (size_t i = 0; i < n_out; ++i) {
           max_fp8_steps = std::max(max_fp8_steps, fp8_code_distance(o8[i], r8[i]));
         }
-        std::printf("[head_gemv vs cuBLAS] I %d J %d H %d m %d: max %d BF16 ulp, %zu of %zu over 1 ulp; FP8 max %d code steps\n",
-                    rows, cols, heads, m, max_ulp, over_one, n_out, max_fp8_steps);
+        std::printf("[head_gemv vs cuBLAS] I %d J %d H %d m %d: max %d BF16 ulp (%.2f at the outputs' scale), %zu of %zu "
+                    "over 1 ulp; FP8 max %d code steps\n",
+                    rows, cols, heads, m, max_ulp, max_scaled_ulp, over_one, n_out, max_fp8_steps);
         EXPECT_LE(over_one, n_out / 1000) << "more than 0.1% of values differ by over 1 BF16 ulp";
-        EXPECT_LE(max_ulp, 64) << "a difference beyond what summation order explains";
+        EXPECT_LE(max_scaled_ulp, 2.0) << "a difference beyond what summation order explains";
         EXPECT_LE(max_fp8_steps, 1);
       }
     }
