@@ -20,7 +20,7 @@
 //   1. per thread: acc = fma(x[r], w[r][j], acc) over its rows in order, from 0;
 //   2. per warp: butterfly over the lanes of one column group (xor offsets
 //      tile/8, 2*tile/8, .. 16), i.e. a pairwise tree of the row groups;
-//   3. per CTA: total = 0 + warp 0 + warp 1 + ... in warp order.
+//   3. per token group: total = 0 + warp 0 + warp 1 + ... over its warps in order.
 // Rounding: BF16 out = RNE(total). FP8 out = e4m3_satfinite(clamp(RNE_bf16(total)
 // * (1 / scale), +-448)) with 1/scale a rounded division: the stock static quant.
 //
