@@ -1,9 +1,10 @@
 // The glm5next DSA indexer, decode path (issue 5): pooled FP8 keys, logits,
 // top-512 pools, expansion to token positions and remap to KV-cache slots.
 //
-// STATE: contract, plan, argument checks and the bit-exact CPU reference
-// (src/indexer/indexer_reference.h). The GPU kernels are not written yet;
-// this header declares only what exists. docs/indexer.md has the plan.
+// STATE: contract, plan, argument checks, the bit-exact CPU reference
+// (src/indexer/indexer_reference.h) and the GPU select step (steps 5-8:
+// indexer_select, and the benchmark's baseline indexer_select_baseline). The
+// GPU prepare and prefill are not written yet. docs/indexer.md has the plan.
 //
 // Per DSA layer and decode step, m tokens (1..16), 32 index heads of 128,
 // pools of 4 tokens. The projections (cuBLASLt, run by the stage) give:
@@ -72,8 +73,10 @@
 //   6. L > 2048: logit[p] = kscale[p] * sum_h w'[h] * ReLU(q_fp8[h] . k_fp8[p])
 //      for pools p < n, FP32 (the reference: each head's dot exactly, rounded
 //      to FP32 once; acc = fma(w'[h], relu, acc) for h = 0..31 from +0; times
-//      kscale). The tensor cores' FP8 accumulation is not specified bit for
-//      bit, so GPU logits match the reference within a tolerance, not bitwise.
+//      kscale). The GPU select computes each head's dot exactly too (FP64
+//      fma on CUDA cores: every partial sum of e4m3 products is a multiple of
+//      2^-18 below 2^25, exact in double in any order), so its logits, and
+//      hence its rows, equal the reference's bit for bit.
 //   7. The 512 pools of largest logit; ties go to the lower pool index; NaN
 //      counts as -inf and -0 equals +0. Columns [0, 2048): the chosen pools in
 //      increasing pool index, pool p as tokens 4p, 4p+1, 4p+2, 4p+3. Then the
@@ -98,6 +101,8 @@
 // Nothing on the run path allocates or synchronizes (CUDA-graph capturable):
 // the caller sizes the workspace with indexer_workspace_layout().
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -216,5 +221,24 @@ Status check_indexer_prefill(const IndexerPrefillArgs& args);
 // consecutive positions, at most RING - 3 of them. Errors name the token.
 Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positions, const int32_t* token_requests,
                            int64_t requests, int64_t block_table_width);
+
+// Steps 5-8 on the GPU (src/indexer/indexer_select.cu): a logits kernel (one
+// CTA per token and 64 pools, exact per-head dots, the reference's FP32
+// order) writing the workspace's logits, then one CTA per token that finds the
+// 512th key by a 4-pass radix select, compacts the chosen pools in pool-index
+// order and writes the expanded, remapped rows (tail, -1 padding). Two PDL
+// launches; no allocation, no synchronization, CUDA-graph capturable. Rows
+// equal indexer_select of the CPU reference bit for bit.
+Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream);
+
+// The benchmark's straightforward baseline of the same step, same rows: the
+// same logits kernel, a key kernel, cub::DeviceSegmentedRadixSort (pairs,
+// descending, one segment per token), then separate expand and remap kernels.
+// It needs topk_positions (the remap reads it) and a second caller-owned
+// workspace of indexer_select_baseline_workspace_bytes(plan) bytes, 256-byte
+// aligned (asks CUB for its temporary storage: needs the CUDA device).
+Status indexer_select_baseline_workspace_bytes(const IndexerPlan& plan, int64_t* bytes);
+Status indexer_select_baseline(const IndexerSelectArgs& args, void* baseline_workspace, int64_t baseline_workspace_bytes,
+                               cudaStream_t stream);
 
 }  // namespace dsa

@@ -1,0 +1,112 @@
+// The indexer's select step (logits + top-512 + expansion + remap) against the
+// straightforward baseline (same logits kernel, CUB segmented radix sort,
+// separate expand and remap kernels), same run, H200: cold L2 (rotated K-cache
+// copies), graph replay. Rows "indexer" with params m, context; m distinct
+// requests, each with its own pages.
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "dsa_decode/cuda_check.h"
+#include "dsa_decode/indexer.h"
+#include "harness.h"
+
+namespace dsa::bench {
+namespace {
+
+constexpr int kBlockSize = 256;
+
+struct Buffers {
+  IndexerPlan plan;
+  int m = 0, copies = 1;
+  int64_t width = 0, blocks = 0, page_bytes = 0, cache_bytes = 0;
+  DeviceMemory k_cache, block_table, ring, workspace, baseline_workspace, positions, requests, topk, slots;
+  int64_t baseline_bytes = 0;
+};
+
+Status make_buffers(const Context& ctx, int m, int64_t context, Buffers* b) {
+  b->m = m;
+  b->plan.max_tokens = m;
+  b->plan.max_context = context;
+  b->plan.block_size = kBlockSize;
+  b->width = (context + kBlockSize - 1) / kBlockSize;
+  b->blocks = m * b->width;
+  b->page_bytes = kBlockSize / 4 * kIndexerPoolBytes;
+  b->cache_bytes = b->blocks * b->page_bytes;
+  b->copies = cold_copies(ctx, size_t(b->cache_bytes));
+  // K cache copies: random bytes (BF16 values in [-1, 1)), so the scales
+  // are finite floats and the codes arbitrary (an e4m3 NaN code only zeroes a
+  // head's ReLU): fine for timing, never zeros.
+  DSA_RETURN_IF_ERROR(b->k_cache.allocate(size_t(b->cache_bytes) * b->copies));
+  DSA_RETURN_IF_ERROR(fill_random_bf16(b->k_cache.get(), size_t(b->cache_bytes) * b->copies / 2, 11, 1.0f, ctx.stream));
+  std::vector<int32_t> table(size_t(m) * b->width);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937_64(5));
+  DSA_RETURN_IF_ERROR(b->block_table.allocate(table.size() * 4));
+  DSA_CUDA_RETURN(cudaMemcpy(b->block_table.get(), table.data(), table.size() * 4, cudaMemcpyHostToDevice));
+  DSA_RETURN_IF_ERROR(b->ring.allocate(size_t(m) * 2 * b->plan.ring * kIndexerDim * 2));
+  const int64_t workspace_bytes = indexer_workspace_layout(b->plan).bytes;
+  DSA_RETURN_IF_ERROR(b->workspace.allocate(size_t(workspace_bytes)));
+  DSA_RETURN_IF_ERROR(fill_random_bf16(b->workspace.get(), size_t(workspace_bytes) / 2, 12, 1.0f, ctx.stream));
+  DSA_RETURN_IF_ERROR(indexer_select_baseline_workspace_bytes(b->plan, &b->baseline_bytes));
+  DSA_RETURN_IF_ERROR(b->baseline_workspace.allocate(size_t(b->baseline_bytes)));
+  std::vector<int64_t> positions(m, context - 1);
+  std::vector<int32_t> requests(m);
+  std::iota(requests.begin(), requests.end(), 0);
+  DSA_RETURN_IF_ERROR(b->positions.allocate(size_t(m) * 8));
+  DSA_CUDA_RETURN(cudaMemcpy(b->positions.get(), positions.data(), size_t(m) * 8, cudaMemcpyHostToDevice));
+  DSA_RETURN_IF_ERROR(b->requests.allocate(size_t(m) * 4));
+  DSA_CUDA_RETURN(cudaMemcpy(b->requests.get(), requests.data(), size_t(m) * 4, cudaMemcpyHostToDevice));
+  DSA_RETURN_IF_ERROR(b->topk.allocate(size_t(m) * kIndexerRowWidth * 4));
+  DSA_RETURN_IF_ERROR(b->slots.allocate(size_t(m) * kIndexerRowWidth * 4));
+  DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
+  return Status();
+}
+
+IndexerSelectArgs select_args(const Buffers& b, int i) {
+  IndexerSelectArgs a;
+  a.plan = b.plan;
+  a.positions = make_tensor(b.positions.get(), DType::kI64, {b.m});
+  a.token_requests = make_tensor(b.requests.get(), DType::kI32, {b.m});
+  a.state.block_table = make_tensor(b.block_table.get(), DType::kI32, {b.m, b.width});
+  a.state.ring = make_tensor(b.ring.get(), DType::kBF16, {b.m, 2, b.plan.ring, kIndexerDim});
+  a.state.k_cache = make_tensor(b.k_cache.as<uint8_t>() + size_t(b.cache_bytes) * (i % b.copies), DType::kU8,
+                                {b.blocks, b.page_bytes});
+  a.workspace = make_tensor(b.workspace.get(), DType::kU8, {indexer_workspace_layout(b.plan).bytes});
+  a.topk_positions = make_tensor(b.topk.get(), DType::kI32, {b.m, kIndexerRowWidth});
+  a.slots = make_tensor(b.slots.get(), DType::kI32, {b.m, kIndexerRowWidth});
+  return a;
+}
+
+Status run(Context& ctx, Report& report) {
+  for (int64_t context : {32768, 131072}) {
+    for (int m : {1, 2, 4, 8, 16}) {
+      Buffers b;
+      DSA_RETURN_IF_ERROR(make_buffers(ctx, m, context, &b));
+      const int per_graph = std::max(20, b.copies);
+      double fused_us = 0, baseline_us = 0;
+      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
+        return indexer_select(select_args(b, i), stream);
+      }, &fused_us, per_graph));
+      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
+        return indexer_select_baseline(select_args(b, i), b.baseline_workspace.get(), b.baseline_bytes, stream);
+      }, &baseline_us, per_graph));
+      // Floor: each token (its own request) reads its K cache (132 B per pool),
+      // q_fp8 and weights, and writes two rows.
+      const double pools = double(context / kIndexerPoolSize);
+      const double bytes = m * (pools * kIndexerPoolBytes + kIndexerHeads * kIndexerDim + kIndexerHeads * 4.0 +
+                                2.0 * kIndexerRowWidth * 4);
+      Row row{"indexer", {{"m", m}, {"context", double(context)}}, fused_us,
+              "logits + CUB segmented radix sort + expand + remap", baseline_us, floor_us(ctx, bytes)};
+      row.note = "v1: FP64 exact-dot logits (CUDA cores), radix select, fused expand/remap";
+      report.add(row);
+    }
+  }
+  return Status();
+}
+
+}  // namespace
+DSA_BENCH("indexer", run);
+}  // namespace dsa::bench

@@ -1,0 +1,373 @@
+// The GPU select step (indexer_select, indexer_select_baseline) against the
+// CPU reference: K caches filled by the reference's prefill, a decode step
+// prepared by the reference, then the GPU rows, slots and logits compared bit
+// for bit (the logits kernel's head dots are exact, as the reference's).
+// GPU tests: IndexerSelectGpu.*; argument checks without a GPU: IndexerSelectChecks.*.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "dsa_decode/indexer.h"
+#include "dsa_decode/numerics.h"
+#include "indexer/indexer_math.h"
+#include "indexer/indexer_reference.h"
+#include "support.h"
+
+namespace dsa {
+namespace {
+
+using testing::DeviceBuffer;
+constexpr int kDim = kIndexerDim;
+constexpr int kHeads = kIndexerHeads;
+constexpr int kWidth = kIndexerRowWidth;
+constexpr uint8_t kPoison = 0xAB;
+
+std::vector<float> normal_floats(size_t count, float mean, float stddev, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(mean, stddev);
+  std::vector<float> values(count);
+  for (float& v : values) v = normal(rng);
+  return values;
+}
+
+// A step on the host: state after the reference's prefill and prepare, and
+// the reference's rows. contexts[t] = L of token t, 0 = a padding token; each
+// real token is its own request (RING 4: one token per request per step).
+struct Scenario {
+  IndexerPlan plan;
+  int m = 0;
+  int64_t requests = 0, width = 0, blocks = 0, page_stride = 0;
+  std::vector<int64_t> positions;
+  std::vector<int32_t> token_requests;
+  std::vector<int32_t> block_table;
+  std::vector<uint16_t> ring;
+  std::vector<uint8_t> k_cache;
+  reference::IndexerStateHost view{};
+  reference::IndexerQueryHost query;
+  reference::IndexerRowsHost rows;
+
+  Scenario(const std::vector<int64_t>& contexts, int block_size, std::mt19937_64& rng) {
+    m = static_cast<int>(contexts.size());
+    plan.max_tokens = m;
+    plan.block_size = block_size;
+    plan.max_context = std::max<int64_t>(1, *std::max_element(contexts.begin(), contexts.end()));
+    requests = m;
+    width = (plan.max_context + block_size - 1) / block_size;
+    blocks = requests * width + 3;
+    page_stride = int64_t(block_size) / 4 * kIndexerPoolBytes + 16;  // padded pages
+    std::vector<int32_t> order(blocks);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    block_table.assign(order.begin(), order.begin() + requests * width);
+    ring.assign(requests * 2 * plan.ring * kDim, 0);
+    k_cache.assign(blocks * page_stride, 0);
+    view = {block_table.data(), requests, width, ring.data(), k_cache.data(), blocks, page_stride};
+    for (int t = 0; t < m; ++t) {
+      positions.push_back(contexts[t] > 0 ? contexts[t] - 1 : 0);
+      token_requests.push_back(contexts[t] > 0 ? t : -1);
+    }
+  }
+
+  // Prefill of positions 0..L-2 of every real token's request, then the
+  // reference's prepare (completing the pool of tokens with L % 4 == 0) and
+  // select.
+  void fill_and_run_reference(std::mt19937_64& rng) {
+    const std::vector<float> weight = normal_floats(kDim, 1.0f, 0.2f, rng), bias = normal_floats(kDim, 0.0f, 0.1f, rng),
+                             ape = normal_floats(4 * kDim, 0.0f, 0.5f, rng);
+    const reference::IndexerParamsHost params{weight.data(), bias.data(), ape.data()};
+    for (int t = 0; t < m; ++t) {
+      const int64_t n = token_requests[t] < 0 ? 0 : positions[t];
+      if (n < 1) continue;
+      const std::vector<uint16_t> k = testing::random_bf16(n * kDim, 1.0f, rng);
+      const std::vector<uint16_t> gate = testing::random_bf16(n * kDim, 1.0f, rng);
+      int64_t errors = -1;
+      DSA_ASSERT_OK(reference::indexer_prefill(plan, k.data(), gate.data(), n, t, params, view, &errors));
+      ASSERT_EQ(errors, 0);
+    }
+    const std::vector<uint16_t> index_q = testing::random_bf16(size_t(m) * kHeads * kDim, 1.0f, rng);
+    const std::vector<uint16_t> index_k = testing::random_bf16(size_t(m) * kDim, 1.0f, rng);
+    const std::vector<uint16_t> gate = testing::random_bf16(size_t(m) * kDim, 1.0f, rng);
+    const std::vector<float> head_weights = normal_floats(size_t(m) * kHeads, 0.0f, 1.0f, rng);
+    const reference::IndexerStepHost step{m, index_q.data(), index_k.data(), head_weights.data(), gate.data(),
+                                          positions.data(), token_requests.data()};
+    int64_t errors = -1;
+    DSA_ASSERT_OK(reference::indexer_prepare(plan, step, params, view, &query, &errors));
+    ASSERT_EQ(errors, 0);
+    run_reference_select();
+  }
+
+  void run_reference_select() {
+    const reference::IndexerStepHost step{m, nullptr, nullptr, nullptr, nullptr, positions.data(),
+                                          token_requests.data()};
+    DSA_ASSERT_OK(reference::indexer_select(plan, step, query, view, &rows));
+  }
+};
+
+// The scenario's state, workspace and outputs on the device.
+struct DeviceStep {
+  DeviceBuffer<int32_t> block_table;
+  DeviceBuffer<uint16_t> ring;
+  DeviceBuffer<uint8_t> k_cache, workspace, baseline_workspace;
+  DeviceBuffer<int64_t> positions;
+  DeviceBuffer<int32_t> token_requests, topk_positions, slots;
+  DeviceBuffer<unsigned int> errors;
+  IndexerWorkspaceLayout layout;
+  IndexerSelectArgs args;
+
+  explicit DeviceStep(const Scenario& s)
+      : block_table(s.block_table),
+        ring(s.ring),
+        k_cache(s.k_cache),
+        workspace(size_t(indexer_workspace_layout(s.plan).bytes)),
+        positions(s.positions),
+        token_requests(s.token_requests),
+        topk_positions(size_t(s.m) * kWidth),
+        slots(size_t(s.m) * kWidth),
+        errors(1),
+        layout(indexer_workspace_layout(s.plan)) {
+    std::vector<uint8_t> host(layout.bytes, 0);
+    std::memcpy(&host[layout.q_fp8], s.query.q_fp8.data(), s.query.q_fp8.size());
+    std::memcpy(&host[layout.head_weights], s.query.head_weights.data(), s.query.head_weights.size() * 4);
+    workspace.upload(host);
+    args.plan = s.plan;
+    args.positions = make_tensor(positions.get(), DType::kI64, {s.m});
+    args.token_requests = make_tensor(token_requests.get(), DType::kI32, {s.m});
+    args.state.block_table = make_tensor(block_table.get(), DType::kI32, {s.requests, s.width});
+    args.state.ring = make_tensor(ring.get(), DType::kBF16, {s.requests, 2, s.plan.ring, kDim});
+    args.state.k_cache = make_strided(k_cache.get(), DType::kU8, {s.blocks, s.plan.block_size / 4 * kIndexerPoolBytes},
+                                      {s.page_stride, 1});
+    args.workspace = make_tensor(workspace.get(), DType::kU8, {layout.bytes});
+    args.topk_positions = make_tensor(topk_positions.get(), DType::kI32, {s.m, kWidth});
+    args.slots = make_tensor(slots.get(), DType::kI32, {s.m, kWidth});
+    args.error_count = errors.get();
+  }
+
+  // Poisons the outputs and the logits, runs one path, waits.
+  void run(bool baseline, cudaStream_t stream) {
+    topk_positions.fill_bytes(kPoison);
+    slots.fill_bytes(kPoison);
+    errors.fill_bytes(0);
+    const int64_t logits_bytes = layout.top_pools - layout.logits;
+    testing::expect_cuda(cudaMemset(workspace.get() + layout.logits, kPoison, logits_bytes), "poison logits");
+    testing::expect_cuda(cudaDeviceSynchronize(), "poison logits");
+    if (baseline) {
+      if (baseline_workspace.size() == 0) {
+        int64_t bytes = 0;
+        const Status s = indexer_select_baseline_workspace_bytes(args.plan, &bytes);
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        baseline_workspace = DeviceBuffer<uint8_t>(size_t(bytes));
+      }
+      const Status s = indexer_select_baseline(args, baseline_workspace.get(), baseline_workspace.size(), stream);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    } else {
+      const Status s = indexer_select(args, stream);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    testing::expect_cuda(cudaStreamSynchronize(stream), "indexer select");
+    testing::expect_cuda(cudaGetLastError(), "indexer select");
+  }
+};
+
+// GPU rows, slots and error count equal the reference's; the GPU logits of
+// up to `logit_checks` long tokens equal the reference's bit for bit.
+void expect_matches_reference(const Scenario& s, DeviceStep& d, const std::string& what, int logit_checks) {
+  const std::vector<int32_t> topk = d.topk_positions.download(), slots = d.slots.download();
+  EXPECT_EQ(d.errors.download()[0], 0u) << what;
+  for (int t = 0; t < s.m; ++t) {
+    const std::string where = what + " token " + std::to_string(t) + " L " +
+                              std::to_string(s.token_requests[t] < 0 ? 0 : s.positions[t] + 1);
+    for (int c = 0; c < kWidth; ++c) {
+      ASSERT_EQ(topk[t * kWidth + c], s.rows.topk_positions[t * kWidth + c]) << where << " column " << c;
+      ASSERT_EQ(slots[t * kWidth + c], s.rows.slots[t * kWidth + c]) << where << " column " << c;
+    }
+  }
+  const std::vector<uint8_t> workspace = d.workspace.download();
+  const int64_t stride = (s.plan.max_context + 3) / 4;
+  for (int t = 0; t < s.m && logit_checks > 0; ++t) {
+    const int64_t L = s.positions[t] + 1;
+    if (s.token_requests[t] < 0 || L <= kIndexerPooledColumns) continue;
+    --logit_checks;
+    const std::vector<float> expected = reference::indexer_logits(
+        s.plan, s.view, s.token_requests[t], L / 4, &s.query.q_fp8[size_t(t) * kHeads * kDim],
+        &s.query.head_weights[size_t(t) * kHeads]);
+    const uint8_t* got = &workspace[d.layout.logits + size_t(t) * stride * 4];
+    for (int64_t p = 0; p < L / 4; ++p) {
+      float value;
+      std::memcpy(&value, got + p * 4, 4);
+      if (value != value && expected[p] != expected[p]) continue;  // NaN payloads differ (GPU: canonical NaN)
+      ASSERT_EQ(num::float_bits(value), num::float_bits(expected[p])) << what << " token " << t << " pool " << p
+                                                                      << ": " << value << " vs " << expected[p];
+    }
+  }
+}
+
+void check_contexts(const std::vector<int64_t>& contexts, int block_size, const std::string& what,
+                    bool with_baseline) {
+  std::mt19937_64 rng(testing::test_seed());
+  Scenario s(contexts, block_size, rng);
+  s.fill_and_run_reference(rng);
+  if (::testing::Test::HasFatalFailure()) return;
+  DeviceStep d(s);
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  d.run(false, stream);
+  expect_matches_reference(s, d, what + " fused", 2);
+  if (with_baseline && !::testing::Test::HasFatalFailure()) {
+    d.run(true, stream);
+    expect_matches_reference(s, d, what + " baseline", 1);
+  }
+  cudaStreamDestroy(stream);
+}
+
+// Short rows (L <= 2048, L = 2049..2051 with exactly 512 pools), every L % 4,
+// a padding token, and contexts 4k+ at m = 16.
+TEST(IndexerSelectGpu, MatchesReferenceM16Around4k) {
+  DSA_REQUIRE_GPU();
+  if (testing::quick_mode()) {
+    check_contexts({1, 5, 2049, 0}, 128, "quick m 4", true);
+    return;
+  }
+  check_contexts({1, 5, 2047, 2048, 2049, 2050, 2051, 0, 2052, 4093, 4094, 4095, 4096, 4097, 5000, 6143}, 256,
+                 "m 16", true);
+}
+
+TEST(IndexerSelectGpu, MatchesReferenceM4At32k) {
+  DSA_REQUIRE_GPU();
+  if (testing::quick_mode()) {
+    check_contexts({4096 + 3}, 128, "quick m 1", false);
+    return;
+  }
+  check_contexts({32768, 32768 + 1, 0, 32768 + 3}, 256, "m 4 32k", true);
+  check_contexts({32768 + 2, 20000, 9000, 2100}, 128, "m 4 block 128", false);
+}
+
+TEST(IndexerSelectGpu, MatchesReferenceM1At128k) {
+  DSA_REQUIRE_GPU();
+  if (testing::quick_mode()) GTEST_SKIP() << "quick mode: long contexts run in the full suite";
+  check_contexts({131072}, 256, "m 1 128k", true);
+}
+
+// Ties at the 512th value, -0 against +0, NaN and untrusted pages: every pool
+// a copy of one entry (equal logits), a few with a larger scale, some with
+// scale 0 (logits +-0) or NaN (ranked -inf); rows equal the reference's.
+TEST(IndexerSelectGpu, TiesSignedZerosAndNaNFollowTheReference) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  const int64_t L = testing::quick_mode() ? 2048 + 600 : 16384 + 2;
+  Scenario s({L, L - 1, 3000}, 128, rng);
+  s.query.q_fp8.resize(size_t(s.m) * kHeads * kDim);
+  s.query.head_weights = normal_floats(size_t(s.m) * kHeads, 0.0f, 1.0f, rng);
+  std::uniform_int_distribution<int> code(0, 0x7E);
+  for (uint8_t& c : s.query.q_fp8) c = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
+  std::vector<uint8_t> entry(kDim);
+  for (uint8_t& c : entry) c = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
+  const int64_t per_page = s.plan.block_size / 4;
+  std::uniform_int_distribution<int> kind(0, 99);
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    uint8_t* page = &s.k_cache[b * s.page_stride];
+    for (int64_t e = 0; e < per_page; ++e) {
+      std::memcpy(page + e * kDim, entry.data(), kDim);
+      const int k = kind(rng);
+      const float scale = k < 3 ? 2.0f : k < 6 ? 0.0f : k < 8 ? -0.0f : k < 10 ? std::numeric_limits<float>::quiet_NaN()
+                                                                           : 1.0f;
+      std::memcpy(page + per_page * kDim + e * 4, &scale, 4);
+    }
+  }
+  // The common logit's sign depends on the random weights; token 1 gets token
+  // 0's weights negated, so one of the two sees it positive (scale-2 pools on
+  // top) and the other negative (the +-0 pools on top, then the ties).
+  std::copy(s.query.q_fp8.begin(), s.query.q_fp8.begin() + kHeads * kDim, s.query.q_fp8.begin() + kHeads * kDim);
+  for (int h = 0; h < kHeads; ++h) s.query.head_weights[kHeads + h] = -s.query.head_weights[h];
+  s.run_reference_select();
+  DeviceStep d(s);
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  d.run(false, stream);
+  expect_matches_reference(s, d, "ties fused", 3);
+  d.run(true, stream);
+  expect_matches_reference(s, d, "ties baseline", 0);
+  cudaStreamDestroy(stream);
+}
+
+// The same inputs give the same bits on every run, direct and from a CUDA
+// graph; an untrusted block table entry is counted and remaps to -1, as in
+// the reference.
+TEST(IndexerSelectGpu, RepeatableGraphCapturableAndUntrustedBlocksCounted) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  const int64_t L = testing::quick_mode() ? 2048 + 515 : 8192 + 1;
+  Scenario s({L, 1000, L - 2}, 128, rng);
+  s.fill_and_run_reference(rng);
+  if (HasFatalFailure()) return;
+  DeviceStep d(s);
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  d.run(false, stream);
+  const std::vector<int32_t> first_topk = d.topk_positions.download(), first_slots = d.slots.download();
+  for (int i = 0; i < 3; ++i) {
+    d.run(false, stream);
+    ASSERT_TRUE(d.topk_positions.download() == first_topk) << "run " << i;
+    ASSERT_TRUE(d.slots.download() == first_slots) << "run " << i;
+  }
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = indexer_select(d.args, stream);
+  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  DSA_ASSERT_OK(captured);
+  DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  d.topk_positions.fill_bytes(kPoison);
+  d.slots.fill_bytes(kPoison);
+  for (int i = 0; i < 3; ++i) DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(d.topk_positions.download() == first_topk);
+  EXPECT_TRUE(d.slots.download() == first_slots);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+
+  // Token 0's second page points past the cache (its pools score -inf) and
+  // the page of its tail is negative (the tail remaps to -1): the error
+  // counters are not zero.
+  s.block_table[0 * s.width + 1] = static_cast<int32_t>(s.blocks + 5);
+  s.block_table[0 * s.width + (L - 1) / s.plan.block_size] = -7;
+  s.run_reference_select();
+  EXPECT_GT(s.rows.errors, 0);
+  d.block_table.upload(s.block_table);
+  for (bool baseline : {false, true}) {
+    d.run(baseline, stream);
+    EXPECT_GT(d.errors.download()[0], 0u);
+    EXPECT_TRUE(d.topk_positions.download() == s.rows.topk_positions) << "baseline " << baseline;
+    EXPECT_TRUE(d.slots.download() == s.rows.slots) << "baseline " << baseline;
+  }
+  cudaStreamDestroy(stream);
+}
+
+// Without a GPU: the launchers check their arguments before launching.
+TEST(IndexerSelectChecks, LaunchersRejectBadArgumentsBeforeLaunching) {
+  IndexerSelectArgs a;
+  a.plan.max_tokens = 4;
+  a.positions = make_tensor(reinterpret_cast<void*>(0x40000), DType::kI64, {4});
+  a.token_requests = make_tensor(reinterpret_cast<void*>(0x41000), DType::kI32, {4});
+  a.state.block_table = make_tensor(reinterpret_cast<void*>(0x10000), DType::kI32, {4, 512});
+  a.state.ring = make_tensor(reinterpret_cast<void*>(0x20000), DType::kBF16, {4, 2, 4, kDim});
+  a.state.k_cache = make_tensor(reinterpret_cast<void*>(0x30000), DType::kU8, {1000, 64 * 132});
+  a.workspace = make_tensor(reinterpret_cast<void*>(0x100000), DType::kU8, {indexer_workspace_layout(a.plan).bytes});
+  a.topk_positions = make_tensor(reinterpret_cast<void*>(0x70000), DType::kI32, {4, kWidth});
+  a.slots = make_tensor(reinterpret_cast<void*>(0x80000), DType::kI32, {3, kWidth});  // wrong m
+  Status s = indexer_select(a, nullptr);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("'slots'"), std::string::npos) << s.message();
+  a.slots = make_tensor(reinterpret_cast<void*>(0x80000), DType::kI32, {4, kWidth});
+  a.topk_positions = TensorView();
+  const Status baseline = indexer_select_baseline(a, nullptr, 0, nullptr);
+  ASSERT_FALSE(baseline.ok());
+  EXPECT_NE(baseline.message().find("'topk_positions'"), std::string::npos) << baseline.message();
+}
+
+}  // namespace
+}  // namespace dsa
