@@ -2,10 +2,10 @@
 // summation order are documented in include/dsa_decode/head_gemv.h.
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <string>
 
 #include "core/launch.cuh"
+#include "core/shared_memory.h"
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/numerics.h"
 
@@ -310,28 +310,6 @@ std::string tactic_string(HeadGemvTactic tactic) {
 
 bool is_power_of_two(int v) { return v > 0 && (v & (v - 1)) == 0; }
 
-// Raises every instantiation's dynamic shared-memory limit to the whole 227 KiB,
-// once per process and device 0..7 (it is a per-device function attribute),
-// so that no later launch, inside a graph capture or not, changes attributes.
-Status allow_full_shared_memory() {
-  static std::once_flag once[8];
-  static Status result[8];
-  int device = 0;
-  DSA_CUDA_RETURN(cudaGetDevice(&device));
-  if (device < 0 || device >= 8) {
-    return unsupported("head_gemv supports CUDA devices 0..7, the current device is " + std::to_string(device));
-  }
-  std::call_once(once[device], [&] {
-    for (int m : {1, 2, 4, 8}) {
-      Status s = cuda_status(cudaFuncSetAttribute(kernel_for(m), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(kMaxSharedBytes)),
-                             "cudaFuncSetAttribute(head_gemv, max dynamic shared memory)");
-      if (!s.ok()) result[device] = s;
-    }
-  });
-  return result[device];
-}
-
 }  // namespace
 
 Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic) {
@@ -523,7 +501,8 @@ Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTacti
   p.tile = tactic.tile;
   p.rows_per_thread = tactic.rows_per_thread;
   const KernelFn kernel = kernel_for(m);
-  DSA_RETURN_IF_ERROR(allow_full_shared_memory());
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(kernel),
+                                                static_cast<int>(kMaxSharedBytes), "head_gemv"));
   const dim3 grid(heads * (cols / tactic.tile) + cache_ctas);
   const dim3 block(group_threads_for(rows, tactic) * token_groups_for(m));
   return launch_pdl(kernel, grid, block, shared_bytes, stream, p);

@@ -24,10 +24,10 @@
 #include <cub/device/device_segmented_radix_sort.cuh>
 
 #include <cstdint>
-#include <mutex>
 #include <string>
 
 #include "core/launch.cuh"
+#include "core/shared_memory.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 
@@ -463,27 +463,10 @@ Params make_params(const IndexerSelectArgs& a) {
   return p;
 }
 
-// The logits kernel's shared memory is over the 48 KiB default: raise its
-// limit once per process and device (no attribute changes inside a capture).
-Status allow_logits_shared_memory() {
-  static std::once_flag once[8];
-  static Status result[8];
-  int device = 0;
-  DSA_CUDA_RETURN(cudaGetDevice(&device));
-  if (device < 0 || device >= 8) {
-    return unsupported("indexer supports CUDA devices 0..7, the current device is " + std::to_string(device));
-  }
-  std::call_once(once[device], [&] {
-    Status s = cuda_status(cudaFuncSetAttribute(logits_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(sizeof(LogitsShared))),
-                           "cudaFuncSetAttribute(indexer logits, max dynamic shared memory)");
-    if (!s.ok()) result[device] = s;
-  });
-  return result[device];
-}
-
 Status launch_logits(const Params& p, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(allow_logits_shared_memory());
+  // Over the 48 KiB default.
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(logits_kernel),
+                                                static_cast<int>(sizeof(LogitsShared)), "indexer logits"));
   const int64_t chunks = (p.logits_stride + kLogitPools - 1) / kLogitPools;
   return launch_pdl(logits_kernel, dim3(static_cast<unsigned>(chunks), p.m), dim3(kLogitThreads),
                     sizeof(LogitsShared), stream, p);
