@@ -20,7 +20,8 @@
 //
 // Special values:
 // - A row with no valid entry: latent[t, h, :] = 0 (+0.0 bits) and lse[t, h] = -inf.
-// - NaN (e4m3 codes 0x7F / 0xFF) in q[t, h, :] or in any dimension of a valid
+// - In a row with at least one valid entry (the rule above comes first), NaN
+//   (e4m3 codes 0x7F / 0xFF) in q[t, h, :] or in any dimension of a valid
 //   selected cache entry of token t makes every value of latent[t, h, :] NaN
 //   (BF16 0x7FFF) and lse[t, h] NaN: the score of that entry is NaN and the
 //   softmax maximum propagates it. NaN in entries that are not selected, or
@@ -29,7 +30,9 @@
 //   must be finite and > 0, and scores must stay finite (they do whenever
 //   softmax_scale * q_scale * k_scale * 448^2 * 512 < 3.4e38).
 //
-// Buffers: inputs and outputs must not overlap. Nothing is allocated or
+// Buffers: latent, lse and the split counters share no memory with each other
+// or with any input (checked; error_count is a raw pointer and is not).
+// Scalars and counters are 4-byte aligned. Nothing is allocated or
 // synchronized on the run path (CUDA-graph capturable); every launch uses
 // programmatic dependent launch and waits (griddepcontrol.wait) before reading
 // q, the cache, the indices or the scales, all of which its predecessors write.

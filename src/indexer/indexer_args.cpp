@@ -2,6 +2,7 @@
 // (include/dsa_decode/indexer.h), shared by every indexer kernel.
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "dsa_decode/indexer.h"
 
@@ -19,7 +20,7 @@ Status check_parameter(const TensorView& t, const char* name, std::initializer_l
   DSA_RETURN_IF_ERROR(check_shape(t, name, shape));
   DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
   if (!t.is_contiguous()) return invalid_argument(name, "a contiguous tensor", t.describe());
-  return Status();
+  return check_aligned(t, name, 4);
 }
 
 // [m, width] rows of `dtype`, dim 1 contiguous, token stride a multiple of
@@ -43,7 +44,21 @@ Status check_token_vector(const TensorView& t, const char* name, DType dtype, in
   DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
   DSA_RETURN_IF_ERROR(check_shape(t, name, {m}));
   DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  DSA_RETURN_IF_ERROR(check_aligned(t, name, dtype_size(dtype)));
   return check_stride(t, name, 0, 1);
+}
+
+using NamedView = std::pair<const TensorView*, const char*>;
+
+// Each written view shares no memory with any other argument of the launch.
+Status check_written_apart(std::initializer_list<NamedView> written, std::initializer_list<NamedView> arguments) {
+  for (const auto& [out, out_name] : written) {
+    if (out->data == nullptr) continue;  // an absent optional output
+    for (const auto& [other, other_name] : arguments) {
+      if (other != out) DSA_RETURN_IF_ERROR(check_no_overlap(*out, out_name, *other, other_name));
+    }
+  }
+  return Status();
 }
 
 // The token count of a step: dim 0 of `t`, within the plan.
@@ -64,6 +79,7 @@ Status check_state(const IndexerState& s, const IndexerPlan& plan) {
     return invalid_argument("block_table", "at least one request of at least one block", s.block_table.describe());
   }
   DSA_RETURN_IF_ERROR(check_stride(s.block_table, "block_table", 1, 1));
+  DSA_RETURN_IF_ERROR(check_aligned(s.block_table, "block_table", 4));
   if (requests > 1 && s.block_table.stride(0) < s.block_table.size(1)) {
     return invalid_argument("block_table", "a request stride of at least its width", s.block_table.describe());
   }
@@ -178,7 +194,13 @@ Status check_indexer_prepare(const IndexerPrepareArgs& a) {
   DSA_RETURN_IF_ERROR(check_token_vector(a.positions, "positions", DType::kI64, m));
   DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
   DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
-  return check_workspace(a.workspace, a.plan);
+  DSA_RETURN_IF_ERROR(check_workspace(a.workspace, a.plan));
+  return check_written_apart(
+      {{&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}},
+      {{&a.index_q, "index_q"}, {&a.index_k, "index_k"}, {&a.head_weights, "head_weights"}, {&a.gate, "gate"},
+       {&a.k_norm_weight, "k_norm_weight"}, {&a.k_norm_bias, "k_norm_bias"}, {&a.ape, "ape"},
+       {&a.positions, "positions"}, {&a.token_requests, "token_requests"}, {&a.state.block_table, "block_table"},
+       {&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}});
 }
 
 Status check_indexer_select(const IndexerSelectArgs& a) {
@@ -193,7 +215,13 @@ Status check_indexer_select(const IndexerSelectArgs& a) {
   if (a.topk_positions.data != nullptr) {
     DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
   }
-  return check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4);
+  DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4));
+  // The rows are written while the logits in the workspace are still read.
+  return check_written_apart(
+      {{&a.slots, "slots"}, {&a.topk_positions, "topk_positions"}, {&a.workspace, "workspace"}},
+      {{&a.positions, "positions"}, {&a.token_requests, "token_requests"}, {&a.state.block_table, "block_table"},
+       {&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}, {&a.slots, "slots"},
+       {&a.topk_positions, "topk_positions"}});
 }
 
 Status check_indexer_prefill(const IndexerPrefillArgs& a) {
@@ -220,7 +248,10 @@ Status check_indexer_prefill(const IndexerPrefillArgs& a) {
                                            " tokens",
                             a.index_k.describe());
   }
-  return Status();
+  return check_written_apart({{&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}},
+                             {{&a.index_k, "index_k"}, {&a.gate, "gate"}, {&a.k_norm_weight, "k_norm_weight"},
+                              {&a.k_norm_bias, "k_norm_bias"}, {&a.ape, "ape"}, {&a.state.block_table, "block_table"},
+                              {&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}});
 }
 
 Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positions, const int32_t* token_requests,

@@ -525,11 +525,19 @@ Status indexer_select_baseline(const IndexerSelectArgs& args, void* baseline_wor
   }
   BaselineLayout layout;
   DSA_RETURN_IF_ERROR(baseline_layout(args.plan, &layout));
-  if (baseline_workspace == nullptr || baseline_workspace_bytes < layout.bytes ||
-      reinterpret_cast<uintptr_t>(baseline_workspace) % 256 != 0) {
+  const TensorView baseline =
+      make_tensor(baseline_workspace, DType::kU8, {std::max<int64_t>(baseline_workspace_bytes, 0)});
+  DSA_RETURN_IF_ERROR(check_present(baseline, "baseline_workspace"));
+  if (baseline_workspace_bytes < layout.bytes) {
     return invalid_argument("baseline_workspace",
-                            "a 256-byte aligned buffer of at least " + std::to_string(layout.bytes) + " bytes",
+                            "at least indexer_select_baseline_workspace_bytes(plan) = " + std::to_string(layout.bytes) +
+                                " bytes",
                             std::to_string(baseline_workspace_bytes) + " bytes");
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(baseline, "baseline_workspace", 256));
+  for (const auto& [other, name] : {std::pair{&args.workspace, "workspace"}, {&args.slots, "slots"},
+                                    {&args.topk_positions, "topk_positions"}, {&args.state.k_cache, "k_cache"}}) {
+    DSA_RETURN_IF_ERROR(check_no_overlap(baseline, "baseline_workspace", *other, name));
   }
   uint8_t* w = static_cast<uint8_t*>(baseline_workspace);
   Params p = make_params(args);

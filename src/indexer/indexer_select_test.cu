@@ -351,18 +351,27 @@ TEST(IndexerSelectGpu, RepeatableGraphCapturableAndUntrustedBlocksCounted) {
 TEST(IndexerSelectChecks, LaunchersRejectBadArgumentsBeforeLaunching) {
   IndexerSelectArgs a;
   a.plan.max_tokens = 4;
-  a.positions = make_tensor(reinterpret_cast<void*>(0x40000), DType::kI64, {4});
-  a.token_requests = make_tensor(reinterpret_cast<void*>(0x41000), DType::kI32, {4});
-  a.state.block_table = make_tensor(reinterpret_cast<void*>(0x10000), DType::kI32, {4, 512});
-  a.state.ring = make_tensor(reinterpret_cast<void*>(0x20000), DType::kBF16, {4, 2, 4, kDim});
-  a.state.k_cache = make_tensor(reinterpret_cast<void*>(0x30000), DType::kU8, {1000, 64 * 132});
-  a.workspace = make_tensor(reinterpret_cast<void*>(0x100000), DType::kU8, {indexer_workspace_layout(a.plan).bytes});
-  a.topk_positions = make_tensor(reinterpret_cast<void*>(0x70000), DType::kI32, {4, kWidth});
-  a.slots = make_tensor(reinterpret_cast<void*>(0x80000), DType::kI32, {3, kWidth});  // wrong m
+  a.positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x40000} << 16), DType::kI64, {4});
+  a.token_requests = make_tensor(reinterpret_cast<void*>(uintptr_t{0x41000} << 16), DType::kI32, {4});
+  a.state.block_table = make_tensor(reinterpret_cast<void*>(uintptr_t{0x10000} << 16), DType::kI32, {4, 512});
+  a.state.ring = make_tensor(reinterpret_cast<void*>(uintptr_t{0x20000} << 16), DType::kBF16, {4, 2, 4, kDim});
+  a.state.k_cache = make_tensor(reinterpret_cast<void*>(uintptr_t{0x30000} << 16), DType::kU8, {1000, 64 * 132});
+  a.workspace = make_tensor(reinterpret_cast<void*>(uintptr_t{0x100000} << 16), DType::kU8, {indexer_workspace_layout(a.plan).bytes});
+  a.topk_positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x70000} << 16), DType::kI32, {4, kWidth});
+  a.slots = make_tensor(reinterpret_cast<void*>(uintptr_t{0x80000} << 16), DType::kI32, {3, kWidth});  // wrong m
   Status s = indexer_select(a, nullptr);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("'slots'"), std::string::npos) << s.message();
-  a.slots = make_tensor(reinterpret_cast<void*>(0x80000), DType::kI32, {4, kWidth});
+  a.slots = make_tensor(reinterpret_cast<void*>(uintptr_t{0x80000} << 16), DType::kI32, {4, kWidth});
+  // Rows written over the workspace's logits, or both outputs in one buffer.
+  IndexerSelectArgs aliased = a;
+  aliased.topk_positions.data = a.slots.data;
+  const Status same_buffer = check_indexer_select(aliased);
+  EXPECT_NE(same_buffer.message().find("disjoint from 'topk_positions'"), std::string::npos) << same_buffer.message();
+  aliased = a;
+  aliased.slots.data = a.workspace.data;
+  const Status over_workspace = check_indexer_select(aliased);
+  EXPECT_NE(over_workspace.message().find("'slots'"), std::string::npos) << over_workspace.message();
   a.topk_positions = TensorView();
   const Status baseline = indexer_select_baseline(a, nullptr, 0, nullptr);
   ASSERT_FALSE(baseline.ok());

@@ -30,7 +30,9 @@ const float kInf = std::numeric_limits<float>::infinity();
 // ---------------------------------------------------------------------------
 // Argument checks (no GPU needed: the views' pointers are never dereferenced).
 
-void* fake_device_pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+// Region r of a fake address space (regions 4 GiB apart, so no views overlap);
+// the checks never dereference these.
+void* fake_device_pointer(uintptr_t region) { return reinterpret_cast<void*>(region << 16); }
 
 // Valid views of a glm5next step, m = 4, block_size 256, RING 4; each test breaks one thing.
 struct FakeArgs {
@@ -47,15 +49,15 @@ struct FakeArgs {
     const TensorView workspace =
         make_tensor(fake_device_pointer(0x100000), DType::kU8, {indexer_workspace_layout(plan).bytes});
     const TensorView positions = make_tensor(fake_device_pointer(0x40000), DType::kI64, {m});
-    const TensorView token_requests = make_tensor(fake_device_pointer(0x41000), DType::kI32, {m});
-    const TensorView weight = make_tensor(fake_device_pointer(0x42000), DType::kF32, {kDim});
-    const TensorView bias = make_tensor(fake_device_pointer(0x43000), DType::kF32, {kDim});
-    const TensorView ape = make_tensor(fake_device_pointer(0x44000), DType::kF32, {4, kDim});
+    const TensorView token_requests = make_tensor(static_cast<char*>(fake_device_pointer(0x40000)) + 0x1000, DType::kI32, {m});
+    const TensorView weight = make_tensor(static_cast<char*>(fake_device_pointer(0x40000)) + 0x2000, DType::kF32, {kDim});
+    const TensorView bias = make_tensor(static_cast<char*>(fake_device_pointer(0x40000)) + 0x3000, DType::kF32, {kDim});
+    const TensorView ape = make_tensor(static_cast<char*>(fake_device_pointer(0x40000)) + 0x4000, DType::kF32, {4, kDim});
     prepare = {plan,
                make_tensor(fake_device_pointer(0x50000), DType::kBF16, {m, kHeads, kDim}),
                make_tensor(fake_device_pointer(0x60000), DType::kBF16, {m, kDim}),
-               make_tensor(fake_device_pointer(0x61000), DType::kF32, {m, kHeads}),
-               make_tensor(fake_device_pointer(0x62000), DType::kBF16, {m, kDim}),
+               make_tensor(static_cast<char*>(fake_device_pointer(0x60000)) + 0x1000, DType::kF32, {m, kHeads}),
+               make_tensor(static_cast<char*>(fake_device_pointer(0x60000)) + 0x2000, DType::kBF16, {m, kDim}),
                weight, bias, ape, positions, token_requests, state, workspace, nullptr};
     select = {plan, positions, token_requests, state, workspace,
               make_tensor(fake_device_pointer(0x70000), DType::kI32, {m, kIndexerRowWidth}),
@@ -137,12 +139,12 @@ TEST(IndexerChecks, PrepareErrorsNameTheArgument) {
   }
   {
     FakeArgs f;
-    f.prepare.gate = make_tensor(fake_device_pointer(0x62000), DType::kBF16, {3, kDim});
+    f.prepare.gate = make_tensor(static_cast<char*>(fake_device_pointer(0x60000)) + 0x2000, DType::kBF16, {3, kDim});
     expect_rejected(check_indexer_prepare(f.prepare), "gate", "shape [4, 128]");
   }
   {
     FakeArgs f;
-    f.prepare.ape = make_tensor(fake_device_pointer(0x44000), DType::kF32, {8, kDim});
+    f.prepare.ape = make_tensor(static_cast<char*>(fake_device_pointer(0x40000)) + 0x4000, DType::kF32, {8, kDim});
     expect_rejected(check_indexer_prepare(f.prepare), "ape", "shape [4, 128]");
   }
   {
@@ -167,7 +169,7 @@ TEST(IndexerChecks, PrepareErrorsNameTheArgument) {
   }
   {
     FakeArgs f;
-    f.prepare.state.k_cache = make_tensor(fake_device_pointer(0x30008), DType::kU8, {1000, 64 * 132});
+    f.prepare.state.k_cache = make_tensor(static_cast<char*>(fake_device_pointer(0x30000)) + 0x0008, DType::kU8, {1000, 64 * 132});
     expect_rejected(check_indexer_prepare(f.prepare), "k_cache", "aligned to 16");
   }
   {

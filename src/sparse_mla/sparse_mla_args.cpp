@@ -2,6 +2,7 @@
 // (include/dsa_decode/sparse_mla.h), shared by every sparse MLA kernel.
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "dsa_decode/sparse_mla.h"
 
@@ -14,6 +15,7 @@ namespace {
 Status check_scale(const TensorView& scale, const char* name) {
   DSA_RETURN_IF_ERROR(check_dtype(scale, name, DType::kF32));
   DSA_RETURN_IF_ERROR(check_shape(scale, name, {1}));
+  DSA_RETURN_IF_ERROR(check_aligned(scale, name, 4));
   return check_on_cuda(scale, name);
 }
 
@@ -90,6 +92,7 @@ Status check_sparse_mla(const SparseMlaArgs& a) {
   DSA_RETURN_IF_ERROR(check_dtype(a.lse, "lse", DType::kF32));
   DSA_RETURN_IF_ERROR(check_shape(a.lse, "lse", {m, heads}));
   DSA_RETURN_IF_ERROR(check_on_cuda(a.lse, "lse"));
+  DSA_RETURN_IF_ERROR(check_aligned(a.lse, "lse", 4));
   if (!a.lse.is_contiguous()) return invalid_argument("lse", "a contiguous tensor", a.lse.describe());
 
   DSA_RETURN_IF_ERROR(check_dtype(a.split_counters, "split_counters", DType::kI32));
@@ -101,6 +104,21 @@ Status check_sparse_mla(const SparseMlaArgs& a) {
                             "a contiguous vector of at least sparse_mla_split_counter_count(m, H, K) = " +
                                 std::to_string(counters) + " counters",
                             a.split_counters.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_aligned(a.split_counters, "split_counters", 4));
+
+  // What a launch writes (latent, lse, the counters) shares no memory with
+  // anything else it is given.
+  const std::pair<const TensorView*, const char*> written[] = {
+      {&a.latent, "latent"}, {&a.lse, "lse"}, {&a.split_counters, "split_counters"}};
+  const std::pair<const TensorView*, const char*> arguments[] = {
+      {&a.q, "q"},           {&a.q_scale, "q_scale"}, {&a.kv_cache, "kv_cache"},
+      {&a.k_scale, "k_scale"}, {&a.indices, "indices"}, {&a.latent, "latent"},
+      {&a.lse, "lse"},       {&a.split_counters, "split_counters"}};
+  for (const auto& [out, out_name] : written) {
+    for (const auto& [other, other_name] : arguments) {
+      if (other != out) DSA_RETURN_IF_ERROR(check_no_overlap(*out, out_name, *other, other_name));
+    }
   }
   return Status();
 }

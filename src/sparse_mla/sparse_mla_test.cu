@@ -30,7 +30,9 @@ const float kInf = std::numeric_limits<float>::infinity();
 // ---------------------------------------------------------------------------
 // Argument checks (no GPU needed: the views' pointers are never dereferenced).
 
-void* fake_device_pointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
+// Region r of a fake address space (regions 4 GiB apart, so no views overlap);
+// the checks never dereference these.
+void* fake_device_pointer(uintptr_t region) { return reinterpret_cast<void*>(region << 16); }
 
 // Valid views of glm5next at TP1 (H = 64, K = 2176), m = 4; each test breaks one thing.
 struct FakeArgs {
@@ -94,7 +96,7 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
   rejected([](SparseMlaArgs& a) { a.q.shape[0] = 0; }, "q", "1..65535 tokens");
   rejected([](SparseMlaArgs& a) { a.q.strides[1] = 520; }, "q", "multiples of 16");
   rejected([](SparseMlaArgs& a) { a.q.strides[2] = 2; }, "q", "stride 1 in dim 2");
-  rejected([](SparseMlaArgs& a) { a.q.data = fake_device_pointer(0x10008); }, "q", "aligned to 16");
+  rejected([](SparseMlaArgs& a) { a.q.data = static_cast<char*>(fake_device_pointer(0x10000)) + 0x0008; }, "q", "aligned to 16");
   rejected([](SparseMlaArgs& a) { a.q.device.kind = DeviceKind::kCPU; }, "q", "a CUDA tensor");
   rejected([](SparseMlaArgs& a) { a.q_scale = TensorView{}; }, "q_scale", "null");
   rejected([](SparseMlaArgs& a) { a.q_scale.shape[0] = 2; }, "q_scale", "shape [1]");
@@ -103,7 +105,7 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
   rejected([](SparseMlaArgs& a) { a.kv_cache.strides[1] = 520; }, "kv_cache", "multiples of 16");
   rejected([](SparseMlaArgs& a) { a.kv_cache.strides[0] = 255 * 512; }, "kv_cache", "do not overlap");
   rejected([](SparseMlaArgs& a) { a.kv_cache.shape[1] = 0; }, "kv_cache", "at least one block");
-  rejected([](SparseMlaArgs& a) { a.kv_cache.data = fake_device_pointer(0x30008); }, "kv_cache", "aligned to 16");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.data = static_cast<char*>(fake_device_pointer(0x30000)) + 0x0008; }, "kv_cache", "aligned to 16");
   rejected([](SparseMlaArgs& a) { a.k_scale.dtype = DType::kBF16; }, "k_scale", "f32");
   rejected([](SparseMlaArgs& a) { a.indices.dtype = DType::kI64; }, "indices", "i32");
   rejected([](SparseMlaArgs& a) { a.indices.shape[0] = 3; }, "indices", "shape [4, *]");
@@ -118,7 +120,11 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
   rejected([](SparseMlaArgs& a) { a.latent.shape[1] = 8; }, "latent", "shape [4, 64, 512]");
   rejected([](SparseMlaArgs& a) { a.latent.strides[1] = 520; }, "latent", "stride 512 in dim 1");
   rejected([](SparseMlaArgs& a) { a.latent.strides[0] = 64 * 512 + 4; }, "latent", "multiple of 8");
-  rejected([](SparseMlaArgs& a) { a.latent.data = fake_device_pointer(0x60008); }, "latent", "aligned to 16");
+  rejected([](SparseMlaArgs& a) { a.latent.data = static_cast<char*>(fake_device_pointer(0x60000)) + 0x0008; }, "latent", "aligned to 16");
+  rejected([](SparseMlaArgs& a) { a.latent.data = a.kv_cache.data; }, "latent", "disjoint from 'kv_cache'");
+  rejected([](SparseMlaArgs& a) { a.lse.data = a.indices.data; }, "lse", "disjoint from 'indices'");
+  rejected([](SparseMlaArgs& a) { a.split_counters.data = a.lse.data; }, "lse", "disjoint from 'split_counters'");
+  rejected([](SparseMlaArgs& a) { a.q_scale.data = static_cast<char*>(a.q_scale.data) + 2; }, "q_scale", "aligned to 4");
   rejected([](SparseMlaArgs& a) { a.lse.shape[1] = 63; }, "lse", "shape [4, 64]");
   rejected([](SparseMlaArgs& a) { a.lse.strides[0] = 65; }, "lse", "contiguous");
   rejected([](SparseMlaArgs& a) { a.split_counters = TensorView{}; }, "split_counters", "null");
