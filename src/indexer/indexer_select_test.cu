@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +16,7 @@
 #include "dsa_decode/numerics.h"
 #include "indexer/indexer_math.h"
 #include "indexer/indexer_reference.h"
+#include "indexer/indexer_test_state.h"
 #include "support.h"
 
 namespace dsa {
@@ -35,38 +35,29 @@ std::vector<float> normal_floats(size_t count, float mean, float stddev, std::mt
   return values;
 }
 
+// The plan of a scenario: one token per request, the largest context sized.
+IndexerPlan scenario_plan(const std::vector<int64_t>& contexts, int block_size) {
+  IndexerPlan plan;
+  plan.max_tokens = static_cast<int>(contexts.size());
+  plan.block_size = block_size;
+  plan.max_context = std::max<int64_t>(1, *std::max_element(contexts.begin(), contexts.end()));
+  return plan;
+}
+
 // A step on the host: state after the reference's prefill and prepare, and
 // the reference's rows. contexts[t] = L of token t, 0 = a padding token; each
 // real token is its own request (RING 4: one token per request per step).
-struct Scenario {
-  IndexerPlan plan;
+struct Scenario : testing::IndexerHostState {
   int m = 0;
-  int64_t requests = 0, width = 0, blocks = 0, page_stride = 0;
   std::vector<int64_t> positions;
   std::vector<int32_t> token_requests;
-  std::vector<int32_t> block_table;
-  std::vector<uint16_t> ring;
-  std::vector<uint8_t> k_cache;
-  reference::IndexerStateHost view{};
   reference::IndexerQueryHost query;
   reference::IndexerRowsHost rows;
 
-  Scenario(const std::vector<int64_t>& contexts, int block_size, std::mt19937_64& rng) {
-    m = static_cast<int>(contexts.size());
-    plan.max_tokens = m;
-    plan.block_size = block_size;
-    plan.max_context = std::max<int64_t>(1, *std::max_element(contexts.begin(), contexts.end()));
-    requests = m;
-    width = (plan.max_context + block_size - 1) / block_size;
-    blocks = requests * width + 3;
-    page_stride = int64_t(block_size) / 4 * kIndexerPoolBytes + 16;  // padded pages
-    std::vector<int32_t> order(blocks);
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    block_table.assign(order.begin(), order.begin() + requests * width);
-    ring.assign(requests * 2 * plan.ring * kDim, 0);
-    k_cache.assign(blocks * page_stride, 0);
-    view = {block_table.data(), requests, width, ring.data(), k_cache.data(), blocks, page_stride};
+  Scenario(const std::vector<int64_t>& contexts, int block_size, std::mt19937_64& rng)
+      : IndexerHostState(scenario_plan(contexts, block_size), static_cast<int64_t>(contexts.size()),
+                         (scenario_plan(contexts, block_size).max_context + block_size - 1) / block_size, rng),
+        m(static_cast<int>(contexts.size())) {
     for (int t = 0; t < m; ++t) {
       positions.push_back(contexts[t] > 0 ? contexts[t] - 1 : 0);
       token_requests.push_back(contexts[t] > 0 ? t : -1);

@@ -17,6 +17,7 @@
 #include "dsa_decode/numerics.h"
 #include "indexer/indexer_math.h"
 #include "indexer/indexer_reference.h"
+#include "indexer/indexer_test_state.h"
 #include "support.h"
 
 namespace dsa {
@@ -417,26 +418,7 @@ TEST(IndexerMath, PoolCompressionMatchesFloat64) {
 // ---------------------------------------------------------------------------
 // The reference's steps on a host state.
 
-struct HostState {
-  IndexerPlan plan;
-  std::vector<int32_t> block_table;  // [requests, width]
-  std::vector<uint16_t> ring;        // [requests, 2, RING, 128]
-  std::vector<uint8_t> k_cache;      // [blocks, page_stride]
-  reference::IndexerStateHost view;
-
-  // Each request's blocks are distinct blocks in a shuffled order.
-  HostState(const IndexerPlan& p, int64_t requests, int64_t width, std::mt19937_64& rng) : plan(p) {
-    const int64_t blocks = requests * width + 3;
-    const int64_t page_stride = plan.block_size / 4 * 132 + 16;  // padded pages
-    std::vector<int32_t> order(blocks);
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    block_table.assign(order.begin(), order.begin() + requests * width);
-    ring.assign(requests * 2 * plan.ring * kDim, 0);
-    k_cache.assign(blocks * page_stride, 0);
-    view = {block_table.data(), requests, width, ring.data(), k_cache.data(), blocks, page_stride};
-  }
-};
+using HostState = testing::IndexerHostState;
 
 struct LayerParams {
   std::vector<float> weight, bias, ape;
