@@ -66,6 +66,11 @@ Status check_stride(const TensorView& t, const char* name, int dim, int64_t expe
 // data pointer aligned to `bytes`
 Status check_aligned(const TensorView& t, const char* name, size_t bytes);
 Status check_on_cuda(const TensorView& t, const char* name);
+// Per-head rows [m, heads, dim] of `dtype` as the kernels read them, 16 bytes at
+// a time: dims 1-2 packed (strides dim, 1), a token stride that is a multiple
+// of 8 elements and at least heads * dim (any when m == 1: a size-1 dimension's
+// stride is never used), data 16-byte aligned, on CUDA.
+Status check_head_rows(const TensorView& t, const char* name, DType dtype, int64_t m, int64_t heads, int64_t dim);
 // Whether the byte ranges the two views can address intersect.
 bool tensors_overlap(const TensorView& a, const TensorView& b);
 // A tensor a kernel writes must not share memory with another argument.

@@ -122,6 +122,21 @@ Status check_present(const TensorView& t, const char* name) {
   return Status();
 }
 
+Status check_head_rows(const TensorView& t, const char* name, DType dtype, int64_t m, int64_t heads, int64_t dim) {
+  DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
+  DSA_RETURN_IF_ERROR(check_shape(t, name, {m, heads, dim}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  DSA_RETURN_IF_ERROR(check_stride(t, name, 2, 1));
+  DSA_RETURN_IF_ERROR(check_stride(t, name, 1, dim));
+  if (m > 1 && (t.stride(0) % 8 != 0 || t.stride(0) < heads * dim)) {
+    return invalid_argument(name,
+                            "a token stride that is a multiple of 8 and at least heads * dim = " +
+                                std::to_string(heads * dim),
+                            t.describe());
+  }
+  return check_aligned(t, name, 16);
+}
+
 bool tensors_overlap(const TensorView& a, const TensorView& b) {
   if (a.data == nullptr || b.data == nullptr || a.numel() == 0 || b.numel() == 0) return false;
   const auto begin_a = reinterpret_cast<uintptr_t>(a.data), begin_b = reinterpret_cast<uintptr_t>(b.data);

@@ -401,13 +401,7 @@ Status check_head_gemv(const HeadGemvArgs& a) {
     return invalid_argument("x", "at least one head, a row count I that is a multiple of 8, and H*I < 2^31",
                             a.x.describe());
   }
-  DSA_RETURN_IF_ERROR(check_stride(a.x, "x", 2, 1));
-  DSA_RETURN_IF_ERROR(check_stride(a.x, "x", 1, rows));
-  // A single token's stride is never used (PyTorch gives size-1 dims any stride).
-  if (m > 1 && (a.x.stride(0) % 8 != 0 || a.x.stride(0) < heads * rows)) {
-    return invalid_argument("x", "a token stride that is a multiple of 8 and at least H*I", a.x.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(a.x, "x", 16));
+  DSA_RETURN_IF_ERROR(check_head_rows(a.x, "x", DType::kBF16, m, heads, rows));
 
   DSA_RETURN_IF_ERROR(check_dtype(a.weight, "weight", DType::kBF16));
   DSA_RETURN_IF_ERROR(check_shape(a.weight, "weight", {heads, rows, -1}));

@@ -178,15 +178,7 @@ Status check_indexer_prepare(const IndexerPrepareArgs& a) {
   DSA_RETURN_IF_ERROR(check_dtype(a.index_q, "index_q", DType::kBF16));
   DSA_RETURN_IF_ERROR(check_token_count(a.index_q, "index_q", a.plan));
   const int64_t m = a.index_q.size(0);
-  DSA_RETURN_IF_ERROR(check_shape(a.index_q, "index_q", {m, kIndexerHeads, kIndexerDim}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(a.index_q, "index_q"));
-  DSA_RETURN_IF_ERROR(check_stride(a.index_q, "index_q", 2, 1));
-  DSA_RETURN_IF_ERROR(check_stride(a.index_q, "index_q", 1, kIndexerDim));
-  if (a.index_q.stride(0) % 8 != 0 || a.index_q.stride(0) < kIndexerHeads * kIndexerDim) {
-    return invalid_argument("index_q", "a token stride that is a multiple of 8 and at least 32*128",
-                            a.index_q.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(a.index_q, "index_q", 16));
+  DSA_RETURN_IF_ERROR(check_head_rows(a.index_q, "index_q", DType::kBF16, m, kIndexerHeads, kIndexerDim));
   DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, m, kIndexerDim, 8));
   DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, kIndexerHeads, 4));
   DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));

@@ -78,16 +78,8 @@ Status check_sparse_mla(const SparseMlaArgs& a) {
     return invalid_argument("softmax_scale", "a finite value > 0", std::to_string(a.softmax_scale));
   }
 
-  DSA_RETURN_IF_ERROR(check_dtype(a.latent, "latent", DType::kBF16));
-  DSA_RETURN_IF_ERROR(check_shape(a.latent, "latent", {m, heads, L}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(a.latent, "latent"));
-  DSA_RETURN_IF_ERROR(check_stride(a.latent, "latent", 2, 1));
-  DSA_RETURN_IF_ERROR(check_stride(a.latent, "latent", 1, L));
-  if (a.latent.stride(0) % 8 != 0 || a.latent.stride(0) < heads * L) {
-    return invalid_argument("latent", "a token stride that is a multiple of 8 and at least H*512",
-                            a.latent.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(a.latent, "latent", 16));
+  // The layout head_gemv's x takes, so that the latent feeds W_UV directly.
+  DSA_RETURN_IF_ERROR(check_head_rows(a.latent, "latent", DType::kBF16, m, heads, L));
 
   DSA_RETURN_IF_ERROR(check_dtype(a.lse, "lse", DType::kF32));
   DSA_RETURN_IF_ERROR(check_shape(a.lse, "lse", {m, heads}));
