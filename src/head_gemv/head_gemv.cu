@@ -454,12 +454,13 @@ Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTacti
   const int m = static_cast<int>(a.x.size(0)), heads = static_cast<int>(a.x.size(1));
   const int rows = static_cast<int>(a.x.size(2)), cols = static_cast<int>(a.weight.size(2));
   const HeadGemvTactic tactic = requested ? *requested : head_gemv_tactic(heads, rows, cols, m);
-  if (requested == nullptr && !check_head_gemv_tactic(rows, cols, m, tactic).ok()) {
+  const Status runnable = check_head_gemv_tactic(rows, cols, m, tactic);
+  if (!runnable.ok() && requested == nullptr) {
     return unsupported("head_gemv: no tactic runs H = " + std::to_string(heads) + ", I = " + std::to_string(rows) +
                        ", J = " + std::to_string(cols) + " at m = " + std::to_string(m) +
                        " (I a multiple of 8 rows per thread, J of a 16..256 column tile)");
   }
-  DSA_RETURN_IF_ERROR(check_head_gemv_tactic(rows, cols, m, tactic));
+  DSA_RETURN_IF_ERROR(runnable);
   const size_t shared_bytes = shared_bytes_for(rows, m, tactic);
 
   HeadGemvParams p = {};
