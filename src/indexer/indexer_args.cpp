@@ -168,6 +168,7 @@ IndexerWorkspaceLayout indexer_workspace_layout(const IndexerPlan& plan) {
   layout.q_fp8 = take(m * kIndexerHeads * kIndexerDim);
   layout.head_weights = take(m * kIndexerHeads * 4);
   layout.logits = take(m * pools * 4);
+  layout.logits_stride = pools;
   layout.top_pools = take(m * kIndexerTopPools * 4);
   layout.bytes = offset;
   return layout;

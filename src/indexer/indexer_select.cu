@@ -430,10 +430,6 @@ __global__ void __launch_bounds__(256) baseline_remap_kernel(const __grid_consta
 // ---------------------------------------------------------------------------
 // Launchers.
 
-int64_t logits_stride(const IndexerPlan& plan) {
-  return (plan.max_context + kIndexerPoolSize - 1) / kIndexerPoolSize;
-}
-
 Params make_params(const IndexerSelectArgs& a) {
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(a.plan);
   uint8_t* workspace = a.workspace.ptr<uint8_t>();
@@ -454,7 +450,7 @@ Params make_params(const IndexerSelectArgs& a) {
   p.q_fp8 = workspace + layout.q_fp8;
   p.head_weights = reinterpret_cast<const float*>(workspace + layout.head_weights);
   p.logits = reinterpret_cast<float*>(workspace + layout.logits);
-  p.logits_stride = logits_stride(a.plan);
+  p.logits_stride = layout.logits_stride;
   p.topk_positions = a.topk_positions.ptr<int32_t>();
   p.topk_stride = a.topk_positions.data != nullptr ? a.topk_positions.stride(0) : 0;
   p.slots = a.slots.ptr<int32_t>();
@@ -483,7 +479,7 @@ int64_t align256(int64_t v) { return (v + 255) / 256 * 256; }
 
 Status baseline_layout(const IndexerPlan& plan, BaselineLayout* layout) {
   DSA_RETURN_IF_ERROR(check_indexer_plan(plan));
-  const int64_t items = int64_t(plan.max_tokens) * logits_stride(plan);
+  const int64_t items = int64_t(plan.max_tokens) * indexer_workspace_layout(plan).logits_stride;
   const int64_t array = align256(items * 4);
   layout->keys_in = 0;
   layout->keys_out = layout->keys_in + array;
