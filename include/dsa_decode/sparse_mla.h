@@ -105,6 +105,34 @@ int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
 // Errors name the argument, what was expected and what was given.
 Status check_sparse_mla(const SparseMlaArgs& args);
 
+// How the tensor-core kernel (sparse_mla) divides one token's work. It
+// depends only on H and K, never on m or the GPU: a token's bits do not
+// change with the batch around it.
+//   CTA (split, group, token) owns heads [group * heads_per_cta, ...) of the
+//   token and the entries [split * rows_per_split, ...) of its index row;
+//   the `splits` CTAs of a (token, group) form one thread-block cluster and
+//   combine their partial results through distributed shared memory, in split
+//   order, in the same launch.
+struct SparseMlaSplitPlan {
+  int heads_per_cta = 0;   // 8 or 16: one or two 8-head MMA tiles (H = 8 computes 8 heads, not a padded 64)
+  int head_groups = 0;     // ceil(H / heads_per_cta)
+  int splits = 0;          // 1..kSparseMlaMaxSplits CTAs per (token, group), each with at least one entry
+  int rows_per_split = 0;  // a multiple of 64
+};
+inline constexpr int kSparseMlaMaxSplits = 8;  // the portable cluster size
+
+// The plan sparse_mla uses for H heads and K entries per row (H, K in the
+// ranges check_sparse_mla accepts).
+SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k);
+
+// The fast kernel: FP8 codes converted exactly to FP16, both products on
+// tensor cores (mma.sync m16n8k16, FP32 accumulation), online softmax per
+// 64-entry chunk, split-K over a thread-block cluster (SparseMlaSplitPlan).
+// Deterministic and batch invariant. docs/sparse_mla.md has the design and
+// the measured versions. Launches on `stream` with PDL; neither allocates nor
+// synchronizes.
+Status sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
+
 // The simple GPU kernel: FP32 on CUDA cores, one CTA per (token, head), a
 // fixed summation order (deterministic, batch invariant). It is the GPU
 // reference and the benchmark baseline of the tensor-core kernel to come, not

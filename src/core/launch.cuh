@@ -27,22 +27,35 @@ __device__ __forceinline__ void pdl_release_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// cudaLaunchKernelEx with the programmatic-stream-serialization attribute.
+// cudaLaunchKernelEx with the programmatic-stream-serialization attribute and,
+// when cluster_x > 0, thread-block clusters of cluster_x CTAs along x (grid.x
+// must be a multiple of it; 1 still launches as clusters, of one CTA).
 template <class... KernelArgs, class... Args>
-Status launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
-                  cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attribute[1];
+Status launch_pdl_clustered(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                            cudaStream_t stream, unsigned cluster_x, Args&&... args) {
+  cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  attribute[1].id = cudaLaunchAttributeClusterDimension;
+  attribute[1].val.clusterDim.x = cluster_x;
+  attribute[1].val.clusterDim.y = 1;
+  attribute[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = attribute;
-  config.numAttrs = 1;
+  config.numAttrs = cluster_x > 0 ? 2 : 1;
   DSA_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   return Status();
+}
+
+// cudaLaunchKernelEx with the programmatic-stream-serialization attribute.
+template <class... KernelArgs, class... Args>
+Status launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                  cudaStream_t stream, Args&&... args) {
+  return launch_pdl_clustered(kernel, grid, block, shared_bytes, stream, 0u, std::forward<Args>(args)...);
 }
 
 }  // namespace dsa

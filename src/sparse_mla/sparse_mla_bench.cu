@@ -1,7 +1,9 @@
 // Sparse MLA decode attention at the issue's latency shapes (H in {8, 64},
-// m in {1, 2, 4, 8, 16}, K = 2048), H200, graph replay. Rows
-// "sparse_mla_simple": the simple FP32 kernel, the baseline the tensor-core
-// kernel will be measured against in the same run.
+// m in {1, 2, 4, 8, 16}, K = 2048) and throughput shapes (m = 128, H in
+// {64, 128}), H200, graph replay. Rows "sparse_mla_simple": the simple FP32
+// kernel, the baseline; "sparse_mla": the tensor-core kernel with its split
+// plan, and with the other head tiling (8 or 16 heads per CTA) to measure the
+// plan's choice, both against the baseline timed in the same run.
 //
 // Cold KV rows: the cache holds `rotations` disjoint regions of m * K slots and
 // launch i reads region i % rotations through its own index rows (a random
@@ -19,6 +21,7 @@
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/sparse_mla.h"
 #include "harness.h"
+#include "sparse_mla/sparse_mla_plan.h"
 
 namespace dsa::bench {
 namespace {
@@ -134,19 +137,49 @@ SparseMlaArgs views(const Problem& p, const Buffers& b, int i) {
   return a;
 }
 
+// One timed configuration: `launch` runs rotation i on the stream.
+template <class Launch>
+Status time_rows(Context& ctx, const Problem& p, const Buffers& b, Launch&& launch, double* us) {
+  return time_graph(
+      ctx, [&](cudaStream_t stream, int i) { return launch(views(p, b, i), stream); }, us, std::max(20, b.rotations));
+}
+
 Status run(Context& ctx, Report& report) {
-  for (int heads : {8, 64}) {
-    for (int m : {1, 2, 4, 8, 16}) {
-      const Problem p{heads, m};
-      Buffers b;
-      DSA_RETURN_IF_ERROR(make_buffers(ctx, p, &b));
+  // Latency shapes (H in {8, 64}, m <= 16) and throughput shapes (m = 128: 64
+  // requests x 2 draft tokens, H in {64, 128}).
+  const Problem problems[] = {{8, 1},  {8, 2},  {8, 4},  {8, 8},   {8, 16},   {64, 1},  {64, 2},
+                              {64, 4}, {64, 8}, {64, 16}, {64, 128}, {128, 128}};
+  for (const Problem& p : problems) {
+    Buffers b;
+    DSA_RETURN_IF_ERROR(make_buffers(ctx, p, &b));
+    const std::vector<std::pair<std::string, double>> params = {{"H", p.heads}, {"m", p.m}, {"K", kTopK}};
+    const double floor = floor_us(ctx, floor_bytes(p));
+    const std::string regions = std::to_string(b.rotations) + " KV regions of " + std::to_string(p.m * kTopK) + " rows";
+    double simple_us = 0;
+    DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_simple, &simple_us));
+    Row simple{"sparse_mla_simple", params, simple_us, "", 0, floor};
+    simple.tflops = flops(p) / (simple_us * 1e-6) / 1e12;
+    simple.note = regions;
+    report.add(simple);
+
+    // The fast kernel with its own plan, and with the other head tiling, so
+    // that the plan's choice is measured, not assumed.
+    const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);
+    SparseMlaSplitPlan other = own;
+    other.heads_per_cta = own.heads_per_cta == 8 ? 16 : 8;
+    other.head_groups = (p.heads + other.heads_per_cta - 1) / other.heads_per_cta;
+    const SparseMlaSplitPlan plans[] = {own, other};
+    for (int k = 0; k < (p.heads <= 8 ? 1 : 2); ++k) {  // at H <= 8, 16 heads per CTA would compute padded heads
+      const SparseMlaSplitPlan& plan = plans[k];
       double us = 0;
-      DSA_RETURN_IF_ERROR(time_graph(
-          ctx, [&](cudaStream_t stream, int i) { return sparse_mla_simple(views(p, b, i), stream); }, &us,
-          std::max(20, b.rotations)));
-      Row row{"sparse_mla_simple", {{"H", heads}, {"m", m}, {"K", kTopK}}, us, "", 0, floor_us(ctx, floor_bytes(p))};
+      DSA_RETURN_IF_ERROR(time_rows(
+          ctx, p, b,
+          [&](const SparseMlaArgs& a, cudaStream_t stream) { return sparse_mla_with_plan(a, plan, stream); }, &us));
+      Row row{k == 0 ? "sparse_mla" : "sparse_mla (other head tiling)", params, us, "sparse_mla_simple",
+              simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = std::to_string(b.rotations) + " KV regions of " + std::to_string(m * kTopK) + " rows";
+      row.note = "heads_per_cta " + std::to_string(plan.heads_per_cta) + ", splits " + std::to_string(plan.splits) +
+                 " x " + std::to_string(plan.rows_per_split) + " rows; " + regions;
       report.add(row);
     }
   }

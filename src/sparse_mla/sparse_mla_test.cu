@@ -1,6 +1,7 @@
-// Sparse MLA decode attention: argument checks and the float64 reference's
-// edge cases (CPU), and the simple kernel against the reference, guard bands,
-// determinism, batch invariance and graph capture (SparseMlaGpu).
+// Sparse MLA decode attention: argument checks, the split plan and the float64
+// reference's edge cases (CPU), and both kernels (sparse_mla_simple and the
+// tensor-core sparse_mla) against the reference, guard bands, determinism,
+// batch invariance and graph capture (SparseMlaGpu).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/sparse_mla.h"
+#include "sparse_mla/sparse_mla_plan.h"
 #include "sparse_mla/sparse_mla_reference.h"
 #include "support.h"
 
@@ -144,6 +146,44 @@ TEST(SparseMlaChecks, SplitCounterCountGrowsWithTokens) {
       }
     }
   }
+}
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
+  for (int heads = 1; heads <= kSparseMlaMaxHeads; ++heads) {
+    for (int top_k : {1, 63, 64, 65, 100, 511, 2048, 2176, 5000, kSparseMlaMaxTopK}) {
+      const SparseMlaSplitPlan plan = sparse_mla_split_plan(heads, top_k);
+      SCOPED_TRACE("H " + std::to_string(heads) + " K " + std::to_string(top_k));
+      ASSERT_TRUE(plan.heads_per_cta == 8 || plan.heads_per_cta == 16);
+      EXPECT_EQ(plan.head_groups, ceil_div(heads, plan.heads_per_cta));
+      if (heads <= 8) EXPECT_EQ(plan.heads_per_cta, 8);  // TP8 computes 8 heads, not vLLM's padded 64
+      EXPECT_GE(plan.splits, 1);
+      EXPECT_LE(plan.splits, kSparseMlaMaxSplits);
+      EXPECT_EQ(plan.rows_per_split % 64, 0);
+      EXPECT_GE(int64_t(plan.splits) * plan.rows_per_split, top_k) << "entries left out";
+      EXPECT_LT(int64_t(plan.splits - 1) * plan.rows_per_split, top_k) << "an empty split";
+    }
+  }
+}
+
+TEST(SparseMlaSplitPlan, BadPlansAreRejectedByName) {
+  const FakeArgs f;  // H = 64, K = 2176
+  const SparseMlaSplitPlan good = sparse_mla_split_plan(64, 2176);
+  auto rejected = [&](auto&& breaks, const std::string& words) {
+    SparseMlaSplitPlan plan = good;
+    breaks(plan);
+    const Status s = sparse_mla_with_plan(f.args, plan, nullptr);
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("'plan'"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
+  };
+  rejected([](SparseMlaSplitPlan& p) { p.heads_per_cta = 32; }, "heads_per_cta 8 or 16");
+  rejected([](SparseMlaSplitPlan& p) { p.head_groups -= 1; }, "head_groups = ceil(H / heads_per_cta)");
+  rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 100; }, "multiple of 64");
+  rejected([](SparseMlaSplitPlan& p) { p.splits += 1; }, "at least one of the K = 2176");
+  rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 64, p.splits = 34; }, "1..8 splits");
 }
 
 // ---------------------------------------------------------------------------
@@ -323,7 +363,14 @@ TEST(SparseMlaReference, AgreesWithTheContractFormula) {
 }
 
 // ---------------------------------------------------------------------------
-// GPU: the simple kernel against the reference.
+// GPU: both kernels against the reference.
+
+using Kernel = Status (*)(const SparseMlaArgs&, cudaStream_t);
+struct NamedKernel {
+  const char* name;
+  Kernel run;
+};
+const NamedKernel kKernels[] = {{"sparse_mla_simple", sparse_mla_simple}, {"sparse_mla", sparse_mla}};
 
 constexpr int64_t kGuard = 64;  // poisoned elements on each side of each output (keeps 16-byte alignment)
 constexpr uint8_t kPoison = 0xFF;
@@ -334,9 +381,10 @@ struct GpuResult {
   unsigned int out_of_range = 0;
 };
 
-// Runs the simple kernel on `p` with poisoned outputs and guard bands; checks
-// the guards, the latent's token padding and the split counters (all still zero).
-GpuResult run_gpu(const Problem& p) {
+// Runs `kernel` on `p` with poisoned outputs and guard bands; checks the
+// guards, the latent's token padding and the split counters (all zero after).
+GpuResult run_gpu(const Problem& p, const NamedKernel& kernel) {
+  SCOPED_TRACE(kernel.name);
   GpuResult result;
   DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
   DeviceBuffer<int32_t> indices_dev(p.indices);
@@ -362,7 +410,7 @@ GpuResult run_gpu(const Problem& p) {
   a.lse = make_tensor(lse_dev.get() + kGuard, DType::kF32, {p.m, p.heads});
   a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {counters});
   a.error_count = errors_dev.get();
-  const Status s = sparse_mla_simple(a, nullptr);
+  const Status s = kernel.run(a, nullptr);
   EXPECT_TRUE(s.ok()) << s.to_string();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   if (!s.ok()) return result;
@@ -489,17 +537,23 @@ TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
   };
   const std::vector<Case> quick = {{4, 2, 100}, {8, 1, 2176, 125}};
   const float spreads[] = {1.0f, 3.0f, 10.0f};
-  double worst = 0;
+  double worst[2] = {0, 0};
   int index = 0;
   for (const Case& c : testing::quick_mode() ? quick : full) {
     const bool padded = index % 2 == 1;
     const float spread = spreads[index % 3];
     SCOPED_TRACE(describe(c) + (padded ? " padded strides" : "") + " score spread " + std::to_string(spread));
     const Problem p = random_problem(c, padded, spread, rng);
-    worst = std::max(worst, expect_close_to_reference(p, run_gpu(p), reference::sparse_mla(p.host())));
+    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+    for (int k = 0; k < 2; ++k) {
+      worst[k] = std::max(worst[k], expect_close_to_reference(p, run_gpu(p, kKernels[k]), want));
+    }
     ++index;
   }
-  std::printf("[sparse_mla_simple vs float64] worst relative Frobenius error %.3g over %d cases\n", worst, index);
+  for (int k = 0; k < 2; ++k) {
+    std::printf("[%s vs float64] worst relative Frobenius error %.3g over %d cases\n", kKernels[k].name, worst[k],
+                index);
+  }
 }
 
 TEST(SparseMlaGpu, EdgeCasesMatchTheReference) {
@@ -524,16 +578,14 @@ TEST(SparseMlaGpu, EdgeCasesMatchTheReference) {
   p.q_row(5, 3)[0] = kCodeNaN | 0x80;                                                         // a NaN in one head's q
   const reference::SparseMlaResult want = reference::sparse_mla(p.host());
   ASSERT_GT(want.out_of_range, top_k / 2);
-  expect_close_to_reference(p, run_gpu(p), want);
+  for (const NamedKernel& kernel : kKernels) expect_close_to_reference(p, run_gpu(p, kernel), want);
 }
 
-TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
-  DSA_REQUIRE_GPU();
-  std::mt19937_64 rng(testing::test_seed() + 20);
-  const Case c = testing::quick_mode() ? Case{4, 4, 300} : Case{8, 16, 2176, 125};
-  const Problem batch = random_problem(c, /*padded=*/false, 3.0f, rng);
-  const GpuResult first = run_gpu(batch);
-  const GpuResult again = run_gpu(batch);
+// Two runs of `batch` give the same bits, and so do tokens 0, m / 2 and m - 1
+// run alone.
+void expect_same_bits_alone_and_in_batch(const Problem& batch, const Case& c, const NamedKernel& kernel) {
+  const GpuResult first = run_gpu(batch, kernel);
+  const GpuResult again = run_gpu(batch, kernel);
   EXPECT_TRUE(first.latent == again.latent) << "latent bits differ between two runs";
   EXPECT_EQ(std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * 4), 0) << "lse bits differ";
   ASSERT_EQ(first.latent.size(), size_t(c.m) * c.heads * L);
@@ -543,7 +595,7 @@ TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
     alone.cache = batch.cache;
     std::copy_n(batch.q.begin() + t * batch.q_token_stride, c.heads * L, alone.q.begin());
     std::copy_n(batch.indices.begin() + t * batch.indices_token_stride, c.top_k, alone.indices.begin());
-    const GpuResult single = run_gpu(alone);
+    const GpuResult single = run_gpu(alone, kernel);
     ASSERT_EQ(single.latent.size(), size_t(c.heads) * L);
     EXPECT_TRUE(std::equal(single.latent.begin(), single.latent.end(), first.latent.begin() + size_t(t) * c.heads * L))
         << "token " << t << " alone differs from the same token in a batch of " << c.m;
@@ -551,10 +603,56 @@ TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
   }
 }
 
+TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 20);
+  // H = 8 (one head group), 64 and 128 (several groups, split clusters).
+  const std::vector<Case> cases = testing::quick_mode()
+                                      ? std::vector<Case>{{4, 4, 300}}
+                                      : std::vector<Case>{{8, 16, 2176, 125}, {64, 8, 2176, 125}, {128, 4, 2048}};
+  for (const Case& c : cases) {
+    const Problem batch = random_problem(c, /*padded=*/false, 3.0f, rng);
+    for (const NamedKernel& kernel : kKernels) {
+      SCOPED_TRACE(std::string(kernel.name) + " " + describe(c));
+      expect_same_bits_alone_and_in_batch(batch, c, kernel);
+    }
+  }
+}
+
+// A launch captured into a graph and replayed three times over poisoned
+// outputs gives the direct launch's bits and leaves the counters zero.
+void expect_graph_replays_direct_launch(const NamedKernel& kernel, const SparseMlaArgs& a, cudaStream_t stream,
+                                        DeviceBuffer<uint16_t>& latent_dev, DeviceBuffer<float>& lse_dev,
+                                        DeviceBuffer<int32_t>& counters_dev) {
+  DSA_ASSERT_OK(kernel.run(a, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  const std::vector<uint16_t> direct_latent = latent_dev.download();
+  const std::vector<float> direct_lse = lse_dev.download();
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = kernel.run(a, stream);
+  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  DSA_ASSERT_OK(captured);
+  DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  latent_dev.fill_bytes(kPoison);
+  lse_dev.fill_bytes(kPoison);
+  for (int i = 0; i < 3; ++i) DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(latent_dev.download() == direct_latent);
+  const std::vector<float> replay_lse = lse_dev.download();
+  EXPECT_EQ(std::memcmp(replay_lse.data(), direct_lse.data(), direct_lse.size() * 4), 0);
+  const std::vector<int32_t> counters = counters_dev.download();
+  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int32_t v) { return v == 0; }));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 30);
-  const Problem p = random_problem(Case{8, 4, 2048}, /*padded=*/false, 3.0f, rng);
+  const Problem p = random_problem(Case{64, 4, 2048}, /*padded=*/false, 3.0f, rng);
   DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
   DeviceBuffer<int32_t> indices_dev(p.indices);
   DeviceBuffer<float> scales_dev(std::vector<float>{p.q_scale, p.k_scale});
@@ -574,29 +672,10 @@ TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
 
   cudaStream_t stream;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  DSA_ASSERT_OK(sparse_mla_simple(a, stream));
-  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
-  const std::vector<uint16_t> direct_latent = latent_dev.download();
-  const std::vector<float> direct_lse = lse_dev.download();
-
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const Status captured = sparse_mla_simple(a, stream);
-  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
-  DSA_ASSERT_OK(captured);
-  DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  latent_dev.fill_bytes(kPoison);
-  lse_dev.fill_bytes(kPoison);
-  for (int i = 0; i < 3; ++i) DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
-  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
-  EXPECT_TRUE(latent_dev.download() == direct_latent);
-  const std::vector<float> replay_lse = lse_dev.download();
-  EXPECT_EQ(std::memcmp(replay_lse.data(), direct_lse.data(), direct_lse.size() * 4), 0);
-  const std::vector<int32_t> counters = counters_dev.download();
-  EXPECT_TRUE(std::all_of(counters.begin(), counters.end(), [](int32_t v) { return v == 0; }));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  for (const NamedKernel& kernel : kKernels) {
+    SCOPED_TRACE(kernel.name);
+    expect_graph_replays_direct_launch(kernel, a, stream, latent_dev, lse_dev, counters_dev);
+  }
   cudaStreamDestroy(stream);
 }
 
