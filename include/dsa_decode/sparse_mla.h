@@ -119,7 +119,9 @@ struct SparseMlaSplitPlan {
   int splits = 0;          // 1..kSparseMlaMaxSplits CTAs per (token, group), each with at least one entry
   int rows_per_split = 0;  // a multiple of 64
 };
-inline constexpr int kSparseMlaMaxSplits = 8;  // the portable cluster size
+// Hopper's largest cluster (non-portable above 8); sparse_mla_split_plan
+// stays within the portable 8.
+inline constexpr int kSparseMlaMaxSplits = 16;
 
 // The plan sparse_mla uses for H heads and K entries per row (H, K in the
 // ranges check_sparse_mla accepts).

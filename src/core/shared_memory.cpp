@@ -9,26 +9,42 @@
 #include "dsa_decode/cuda_check.h"
 
 namespace dsa {
+namespace {
 
-Status raise_shared_memory_limit(const void* kernel, int bytes, const char* name) {
-  struct Raised {
+// Sets `attribute` of `kernel` on the current device to `value` unless a
+// value at least as large was set before (both attributes here only allow
+// more as they grow).
+Status set_attribute_once(const void* kernel, cudaFuncAttribute attribute, int value, const std::string& what) {
+  struct Set {
     const void* kernel;
-    int device, bytes;
+    int device;
+    cudaFuncAttribute attribute;
+    int value;
   };
   static std::mutex mutex;
-  static std::vector<Raised> raised;
+  static std::vector<Set> done;
   int device = 0;
   DSA_CUDA_RETURN(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mutex);
-  for (const Raised& r : raised) {
-    if (r.kernel == kernel && r.device == device && r.bytes >= bytes) return Status();
+  for (const Set& s : done) {
+    if (s.kernel == kernel && s.device == device && s.attribute == attribute && s.value >= value) return Status();
   }
-  const std::string what = std::string("cudaFuncSetAttribute(") + name + ", max dynamic shared memory " +
-                           std::to_string(bytes) + " bytes, device " + std::to_string(device) + ")";
-  DSA_RETURN_IF_ERROR(
-      cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), what.c_str()));
-  raised.push_back(Raised{kernel, device, bytes});
+  const std::string call = "cudaFuncSetAttribute(" + what + ", device " + std::to_string(device) + ")";
+  DSA_RETURN_IF_ERROR(cuda_status(cudaFuncSetAttribute(kernel, attribute, value), call.c_str()));
+  done.push_back(Set{kernel, device, attribute, value});
   return Status();
+}
+
+}  // namespace
+
+Status raise_shared_memory_limit(const void* kernel, int bytes, const char* name) {
+  return set_attribute_once(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes,
+                            std::string(name) + ", max dynamic shared memory " + std::to_string(bytes) + " bytes");
+}
+
+Status allow_non_portable_clusters(const void* kernel, const char* name) {
+  return set_attribute_once(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1,
+                            std::string(name) + ", non-portable cluster sizes");
 }
 
 }  // namespace dsa

@@ -1,4 +1,6 @@
-// Raising a kernel's dynamic shared-memory limit above the 48 KiB default.
+// Function attributes a kernel needs before its first launch: a dynamic
+// shared-memory limit above the 48 KiB default, and cluster sizes above the
+// portable 8.
 #pragma once
 
 #include "dsa_decode/status.h"
@@ -10,5 +12,9 @@ namespace dsa {
 // and setting it once up front keeps every later launch, inside a CUDA-graph
 // capture or not, free of attribute changes. `name` goes into the error.
 Status raise_shared_memory_limit(const void* kernel, int bytes, const char* name);
+
+// cudaFuncSetAttribute(kernel, NonPortableClusterSizeAllowed, 1), once per
+// (kernel, device) in the same way: clusters of up to 16 CTAs on Hopper.
+Status allow_non_portable_clusters(const void* kernel, const char* name);
 
 }  // namespace dsa

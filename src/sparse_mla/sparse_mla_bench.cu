@@ -162,24 +162,38 @@ Status run(Context& ctx, Report& report) {
     simple.note = regions;
     report.add(simple);
 
-    // The fast kernel with its own plan, and with the other head tiling, so
-    // that the plan's choice is measured, not assumed.
+    // The fast kernel with its own plan, and with other plans (the other
+    // head tiling; twice the splits, in non-portable clusters of up to 16),
+    // so that the plan's choices are measured, not assumed.
     const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);
-    SparseMlaSplitPlan other = own;
-    other.heads_per_cta = own.heads_per_cta == 8 ? 16 : 8;
-    other.head_groups = (p.heads + other.heads_per_cta - 1) / other.heads_per_cta;
-    const SparseMlaSplitPlan plans[] = {own, other};
-    for (int k = 0; k < (p.heads <= 8 ? 1 : 2); ++k) {  // at H <= 8, 16 heads per CTA would compute padded heads
-      const SparseMlaSplitPlan& plan = plans[k];
+    std::vector<std::pair<std::string, SparseMlaSplitPlan>> plans = {{"sparse_mla", own}};
+    if (p.heads > 8) {  // at H <= 8, 16 heads per CTA would compute padded heads
+      SparseMlaSplitPlan other = own;
+      other.heads_per_cta = own.heads_per_cta == 8 ? 16 : 8;
+      other.head_groups = (p.heads + other.heads_per_cta - 1) / other.heads_per_cta;
+      plans.push_back({"sparse_mla (other head tiling)", other});
+    }
+    if (own.splits * 2 <= kSparseMlaMaxSplits && own.rows_per_split >= 128) {
+      SparseMlaSplitPlan wider = own;
+      wider.rows_per_split = own.rows_per_split / 2;
+      wider.splits = (kTopK + wider.rows_per_split - 1) / wider.rows_per_split;
+      int clusters = 0;
+      DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(wider, p.heads, kTopK, &clusters));
+      if (clusters > 0) plans.push_back({"sparse_mla (twice the splits)", wider});
+    }
+    for (const auto& named : plans) {
+      const SparseMlaSplitPlan& plan = named.second;
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(
-          ctx, p, b,
-          [&](const SparseMlaArgs& a, cudaStream_t stream) { return sparse_mla_with_plan(a, plan, stream); }, &us));
-      Row row{k == 0 ? "sparse_mla" : "sparse_mla (other head tiling)", params, us, "sparse_mla_simple",
-              simple_us, floor};
+          ctx, p, b, [&](const SparseMlaArgs& a, cudaStream_t stream) { return sparse_mla_with_plan(a, plan, stream); },
+          &us));
+      int clusters = 0;
+      DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(plan, p.heads, kTopK, &clusters));
+      Row row{named.first, params, us, "sparse_mla_simple", simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
       row.note = "heads_per_cta " + std::to_string(plan.heads_per_cta) + ", splits " + std::to_string(plan.splits) +
-                 " x " + std::to_string(plan.rows_per_split) + " rows; " + regions;
+                 " x " + std::to_string(plan.rows_per_split) + " rows, " + std::to_string(clusters) +
+                 " clusters at once; " + regions;
       report.add(row);
     }
   }

@@ -1,36 +1,38 @@
 // The tensor-core sparse MLA decode kernel (sparse_mla). The contract is in
-// include/dsa_decode/sparse_mla.h; the design and measurements in
+// include/dsa_decode/sparse_mla.h; the design and the measurements in
 // docs/sparse_mla.md.
 //
 // Work split (SparseMlaSplitPlan): CTA (split, group, token) of 8 warps owns
 // kHeads = 8 * kTiles heads of one token and one run of rows_per_split entries
 // of its index row, taken in chunks of 64 entries. The `splits` CTAs of a
-// (token, group) are one thread-block cluster.
+// (token, group) form one thread-block cluster.
 //
-// Per chunk:
-//  1. gather: warp w loads rows w, w + 8, ..., w + 56 of the chunk (one
-//     512-byte row per warp instruction, 16 B per lane), the next chunk's
-//     rows are loaded into registers while this one is computed; invalid rows
-//     are zero. The codes are converted to FP16 exactly (e4m3 fits in f16)
-//     into `tile` [64 rows][512 dims].
-//  2. scores: warp w < 4 * kTiles computes S^T[16 rows][8 heads] for rows
-//     16 (w % 4).. and head tile w / 4: mma m16n8k16 over the 512 dims in
-//     order (A = tile rows via ldmatrix, B = q from registers), FP32
-//     accumulation; times softmax_scale * q_scale * k_scale * log2(e) into
-//     `scores` (log2 units), -inf for invalid rows.
-//  3. softmax: warp w owns heads w, w + 8: chunk max (NaN propagates) and
-//     running max, p = 2^(score - max) rounded to FP16 into `probs`, the sum
-//     of the rounded p (butterfly over the lanes) into the running sum.
+// Per chunk, four phases separated by CTA barriers:
+//  1. convert: the chunk's cache rows, gathered into registers while the
+//     previous chunk was computed (warp w holds rows w, w + 8, ..., w + 56,
+//     16 codes per lane; invalid rows are zero), go to `tile` [64 rows][512]
+//     as FP16 (e4m3 converts to f16 exactly); the next chunk's gather starts.
+//  2. scores: warp w computes S^T[16 rows][8 heads] for rows 16 (w % 4)..:
+//     with two head tiles, head tile w / 4 over all 512 dims; with one, head
+//     tile 0 over dims half w / 4 (the two halves are added in phase 3).
+//     mma m16n8k16 (A = tile rows through ldmatrix, B = q from registers)
+//     with FP32 accumulators, four of them (16-dim step s goes to s % 4) so
+//     that four MMAs are in flight; S = (acc0 + acc1) + (acc2 + acc3).
+//  3. softmax: warp w owns heads w and w + 8; lane l rows 2l, 2l + 1. Score =
+//     S * softmax_scale * q_scale * k_scale * log2(e) (-inf for invalid
+//     rows); chunk max over the lanes (NaN propagates), running max, p =
+//     2^(score - max) rounded to FP16 into `probs`, the sum of the rounded p
+//     (butterfly over the lanes) into the running sum.
 //  4. P.V: warp w owns dims 64 w..64 w + 63 of every head: rescales its
 //     accumulators, then O^T[dims][heads] += V^T[dims][rows] P^T[rows][heads]
-//     (A = tile via ldmatrix.trans, B = probs), FP32 accumulation.
-// Then every CTA leaves its unnormalized O [kHeads][512] and its (max, sum)
-// per head in shared memory; after a cluster barrier, CTA r combines vectors
-// [r * V / splits, (r + 1) * V / splits) of the V = kHeads * 64 eight-dim
-// vectors of the group, reading every split's partial through distributed
-// shared memory in split order, and writes latent (times k_scale / sum) and
-// lse. A second cluster barrier keeps each CTA's shared memory alive until
-// its peers have read it.
+//     (A = tile through ldmatrix.trans, B = probs), FP32 accumulators.
+// After the last chunk every CTA leaves its unnormalized O [kHeads][512] f32
+// and its (max, sum) per head in shared memory; after a cluster barrier, CTA
+// r combines vectors [r V / splits, (r + 1) V / splits) of the V = kHeads * 64
+// eight-dim vectors of the group, reading every split's partial through
+// distributed shared memory and adding in split order, and writes latent
+// (times k_scale / sum) and lse. A second cluster barrier keeps each CTA's
+// shared memory alive until its peers have read it.
 //
 // Every sum has a fixed order that depends only on K, H and the entry
 // positions: the same inputs give the same bits, for any m.
@@ -59,29 +61,29 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = kChunkRows / kWarps;  // gathered rows per warp and chunk
 constexpr int kDimsPerWarp = kLatent / kWarps;     // P.V dims per warp
-constexpr int kScoreStride = kChunkRows + 4;       // floats; keeps the score stores free of bank conflicts
-constexpr int kProbStride = kChunkRows + 8;        // halves; 144-byte rows: 16-byte aligned, conflict-free ldmatrix
+constexpr int kDimTiles = kDimsPerWarp / 16;       // P.V MMA tiles per warp and head tile
+constexpr int kRowSteps = kChunkRows / 16;         // P.V MMA steps per chunk
+constexpr int kScoreStride = kChunkRows + 4;       // floats: conflict-free score stores
+constexpr int kProbStride = kChunkRows + 8;        // halves: 144-byte rows, 16-byte aligned, conflict-free ldmatrix
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-static_assert(kDimsPerWarp == 64, "P.V: four 16-dim MMA tiles per warp");
 
 template <int kHeads>
 struct SharedStorage {
   // [64 rows][512 dims] FP16 of the chunk; 16-byte unit u of row r is stored
-  // at unit u ^ (r % 8), so that ldmatrix (8 rows at one unit) hits 8 banks
-  // groups. After the last chunk it holds the CTA's partial O [kHeads][512]
-  // f32.
+  // at unit u ^ (r % 8), so that ldmatrix (8 rows at one unit, or one row's
+  // 8 units) touches all 32 banks once. After the last chunk: the CTA's
+  // partial O [kHeads][512] f32.
   uint4 tile[kChunkRows * kLatent * 2 / 16];
-  float scores[kHeads][kScoreStride];  // [head][chunk row], log2 units
-  __half probs[kHeads][kProbStride];   // [head][chunk row], 2^(score - running max)
+  float scores[2][8][kScoreStride];   // [score part = warp / 4][head in tile][chunk row], raw S
+  __half probs[kHeads][kProbStride];  // [head][chunk row], 2^(score - running max)
   float run_max[kHeads], run_sum[kHeads], rescale[kHeads];
   int row_valid[kChunkRows];
   alignas(16) uint8_t q[kHeads][kLatent];  // the group's q codes, zero for heads >= H
 };
-static_assert(sizeof(float) * 16 * kLatent <= sizeof(uint4) * kChunkRows * kLatent * 2 / 16,
-              "the partial O of 16 heads fits in the tile");
+static_assert(sizeof(float) * 16 * kLatent <= sizeof(SharedStorage<16>::tile), "the partial O fits in the tile");
 
-__device__ __forceinline__ uint32_t shared_address(const void *pointer) {
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
@@ -109,26 +111,21 @@ __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t address) 
 // d += a * b, m16n8k16, FP16 inputs, FP32 accumulators.
 __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, "
-      "%3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two e4m3 codes (low byte first) to FP16x2, exactly; NaN stays NaN.
+// Two e4m3 codes (the low 16 bits, low byte first) to FP16x2, exactly; NaN stays NaN.
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
   uint32_t out;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(out) : "h"(static_cast<uint16_t>(codes)));
   return out;
 }
 
-// Sixteen codes to sixteen FP16 values (two 16-byte units), in order.
-__device__ __forceinline__ void e4m3x16_to_f16(const uint4 &codes, uint4 &low, uint4 &high) {
-  low = make_uint4(e4m3x2_to_f16x2(codes.x), e4m3x2_to_f16x2(codes.x >> 16), e4m3x2_to_f16x2(codes.y),
-                   e4m3x2_to_f16x2(codes.y >> 16));
-  high = make_uint4(e4m3x2_to_f16x2(codes.z), e4m3x2_to_f16x2(codes.z >> 16), e4m3x2_to_f16x2(codes.w),
-                    e4m3x2_to_f16x2(codes.w >> 16));
+__device__ __forceinline__ void store_shared(uint32_t address, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(a), "r"(b), "r"(c), "r"(d));
 }
 
 // max that returns NaN when either operand is NaN (fmaxf would drop it).
@@ -137,50 +134,27 @@ __device__ __forceinline__ float max_propagating_nan(float a, float b) { return 
 template <int kTiles>
 __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMlaParams p, const int rows_per_split) {
   constexpr int kHeads = 8 * kTiles;
+  constexpr int kScoreSteps = kTiles == 2 ? kLatent / 16 : kLatent / 32;  // 16-dim MMA steps per score warp
   extern __shared__ uint4 shared_raw[];
-  SharedStorage<kHeads> &s = *reinterpret_cast<SharedStorage<kHeads> *>(shared_raw);
+  SharedStorage<kHeads>& s = *reinterpret_cast<SharedStorage<kHeads>*>(shared_raw);
   const cg::cluster_group cluster = cg::this_cluster();
 
   const int split = blockIdx.x, splits = gridDim.x, group = blockIdx.y, token = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4,
-            c = lane % 4;  // MMA fragment coordinates: row group, column pair
+  const int g = lane / 4, c = lane % 4;  // MMA fragment coordinates: row group, column pair
   const int first_head = group * kHeads;
   const uint32_t tile = shared_address(s.tile);
 
-  // Every input is written by a predecessor in the decode chain (absorb, cache
-  // write, indexer).
+  // Every input is written by a predecessor in the decode chain (absorb, cache write, indexer).
   pdl_wait();
   pdl_release_dependents();
 
-  const int32_t *index_row = p.indices + token * p.indices_token_stride;
+  const int32_t* index_row = p.indices + token * p.indices_token_stride;
   const int row_begin = split * rows_per_split;
   const int row_end = min(p.top_k, row_begin + rows_per_split);
   const int chunks = (row_end - row_begin + kChunkRows - 1) / kChunkRows;
 
-  if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTAs cover the row
-    unsigned int out_of_range = 0;
-    for (int j = row_begin + threadIdx.x; j < row_end; j += kThreads) out_of_range += index_row[j] >= p.capacity;
-    out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
-    if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
-  }
-
-  for (int i = threadIdx.x; i < kHeads * (kLatent / 16); i += kThreads) {
-    const int h = i / (kLatent / 16), unit = i % (kLatent / 16);
-    uint4 codes = make_uint4(0, 0, 0, 0);
-    if (first_head + h < p.heads) {
-      codes = *reinterpret_cast<const uint4 *>(p.q + token * p.q_token_stride + (first_head + h) * p.q_head_stride +
-                                               unit * 16);
-    }
-    reinterpret_cast<uint4 *>(s.q[h])[unit] = codes;
-  }
-  if (threadIdx.x < kHeads) {
-    s.run_max[threadIdx.x] = -INFINITY;
-    s.run_sum[threadIdx.x] = 0.0f;
-  }
-
-  // The chunk's rows this thread gathers: rows warp + 8 i, 16 codes at lane
-  // * 16.
+  // Rows warp + 8 i of a chunk, 16 codes at lane * 16 each; invalid rows are zero.
   uint4 staged[kRowsPerWarp];
   uint32_t staged_valid = 0;  // bit i: row warp + 8 i is a valid entry
   auto gather = [&](int chunk) {
@@ -193,70 +167,92 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       if (slot >= 0 && slot < p.capacity) {
         const int32_t block = slot / p.block_size;
         const int32_t offset = slot - block * p.block_size;
-        staged[i] = *reinterpret_cast<const uint4 *>(p.cache + block * p.cache_block_stride +
-                                                     offset * p.cache_entry_stride + lane * 16);
+        staged[i] = *reinterpret_cast<const uint4*>(p.cache + block * p.cache_block_stride +
+                                                    offset * p.cache_entry_stride + lane * 16);
         staged_valid |= 1u << i;
       }
     }
   };
   gather(0);
+
+  if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTAs cover the row
+    unsigned int out_of_range = 0;
+    for (int j = row_begin + threadIdx.x; j < row_end; j += kThreads) out_of_range += index_row[j] >= p.capacity;
+    out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
+    if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
+  }
+  for (int i = threadIdx.x; i < kHeads * (kLatent / 16); i += kThreads) {
+    const int h = i / (kLatent / 16), unit = i % (kLatent / 16);
+    uint4 codes = make_uint4(0, 0, 0, 0);
+    if (first_head + h < p.heads) {
+      codes = *reinterpret_cast<const uint4*>(p.q + token * p.q_token_stride + (first_head + h) * p.q_head_stride +
+                                              unit * 16);
+    }
+    reinterpret_cast<uint4*>(s.q[h])[unit] = codes;
+  }
+  if (threadIdx.x < kHeads) {
+    s.run_max[threadIdx.x] = -INFINITY;
+    s.run_sum[threadIdx.x] = 0.0f;
+  }
   __syncthreads();  // q staged
 
-  // Score warps: rows 16 (warp % 4).. of the chunk, heads 8 (warp / 4).. of the
-  // group.
-  const bool scores_warp = warp < 4 * kTiles;
-  const int score_tile = scores_warp ? warp / 4 : 0, score_row = (warp % 4) * 16;
-  uint32_t q_fragment[kLatent / 16];  // per 16-dim step: e4m3 pairs of the B fragment
-                                      // (low: dims 2c.., high: 8 + 2c..)
+  // Score role (phase 2): rows 16 (warp % 4).., part warp / 4 = the head tile
+  // (two tiles) or the dims half (one tile).
+  const int score_part = warp / 4, score_row = (warp % 4) * 16;
+  const int score_tile = kTiles == 2 ? score_part : 0;
+  const int first_step = kTiles == 2 ? 0 : score_part * kScoreSteps;
+  uint32_t q_fragment[kScoreSteps];  // per 16-dim step, the B fragment's e4m3 pairs: low dims 2c.., high 8 + 2c..
 #pragma unroll
-  for (int step = 0; step < kLatent / 16; ++step) {
-    const uint8_t *q_row = s.q[score_tile * 8 + g] + step * 16 + 2 * c;
-    q_fragment[step] =
-        *reinterpret_cast<const uint16_t *>(q_row) | (uint32_t(*reinterpret_cast<const uint16_t *>(q_row + 8)) << 16);
+  for (int step = 0; step < kScoreSteps; ++step) {
+    const uint8_t* q_row = s.q[score_tile * 8 + g] + (first_step + step) * 16 + 2 * c;
+    q_fragment[step] = *reinterpret_cast<const uint16_t*>(q_row) |
+                       (uint32_t(*reinterpret_cast<const uint16_t*>(q_row + 8)) << 16);
   }
   const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
 
-  float out[kDimsPerWarp / 16][kTiles][4];  // O^T: dims 64 warp + 16 t + (g, g + 8), heads 8 n + 2c (+1)
+  float out[kDimTiles][kTiles][4];  // O^T: dims 64 warp + 16 t + (g, g + 8), heads 8 n + 2c (+1)
 #pragma unroll
-  for (int t = 0; t < kDimsPerWarp / 16; ++t)
+  for (int t = 0; t < kDimTiles; ++t)
 #pragma unroll
     for (int n = 0; n < kTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) out[t][n][e] = 0.0f;
 
   for (int chunk = 0; chunk < chunks; ++chunk) {
-    // 1. The gathered rows, as FP16, into the tile (the previous chunk's
-    //    readers finished at the barrier that ends the loop body).
+    // 1. Convert (the previous chunk's readers passed the barrier that ends the loop body).
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const int row = warp + kWarps * i;
-      uint4 low, high;
-      e4m3x16_to_f16(staged[i], low, high);
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(tile_unit(tile, row, 2 * lane)), "r"(low.x),
-                   "r"(low.y), "r"(low.z), "r"(low.w));
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(tile_unit(tile, row, 2 * lane + 1)), "r"(high.x),
-                   "r"(high.y), "r"(high.z), "r"(high.w));
+      const uint4 codes = staged[i];
+      store_shared(tile_unit(tile, row, 2 * lane), e4m3x2_to_f16x2(codes.x), e4m3x2_to_f16x2(codes.x >> 16),
+                   e4m3x2_to_f16x2(codes.y), e4m3x2_to_f16x2(codes.y >> 16));
+      store_shared(tile_unit(tile, row, 2 * lane + 1), e4m3x2_to_f16x2(codes.z), e4m3x2_to_f16x2(codes.z >> 16),
+                   e4m3x2_to_f16x2(codes.w), e4m3x2_to_f16x2(codes.w >> 16));
       if (lane == 0) s.row_valid[row] = (staged_valid >> i) & 1u;
     }
     __syncthreads();
     if (chunk + 1 < chunks) gather(chunk + 1);
 
-    // 2. Scores of 16 rows x 8 heads per score warp.
-    if (scores_warp) {
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // 2. Raw scores S of 16 rows x 8 heads per warp.
+    {
+      float acc[4][4] = {};
       const int a_row = score_row + lane % 8 + ((lane / 8) % 2) * 8;
 #pragma unroll
-      for (int step = 0; step < kLatent / 16; ++step) {
-        uint32_t a[4];
-        ldmatrix_x4(a, tile_unit(tile, a_row, 2 * step + lane / 16));
-        mma_f16(acc, a, e4m3x2_to_f16x2(q_fragment[step]), e4m3x2_to_f16x2(q_fragment[step] >> 16));
+      for (int step = 0; step < kScoreSteps; step += 4) {
+        uint32_t a[4][4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) ldmatrix_x4(a[u], tile_unit(tile, a_row, 2 * (first_step + step + u) + lane / 16));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          mma_f16(acc[u], a[u], e4m3x2_to_f16x2(q_fragment[step + u]), e4m3x2_to_f16x2(q_fragment[step + u] >> 16));
+        }
       }
-      const int row0 = score_row + g, row1 = row0 + 8, head0 = score_tile * 8 + 2 * c;
-      const bool valid0 = s.row_valid[row0] != 0, valid1 = s.row_valid[row1] != 0;
-      s.scores[head0][row0] = valid0 ? acc[0] * score_scale : -INFINITY;
-      s.scores[head0 + 1][row0] = valid0 ? acc[1] * score_scale : -INFINITY;
-      s.scores[head0][row1] = valid1 ? acc[2] * score_scale : -INFINITY;
-      s.scores[head0 + 1][row1] = valid1 ? acc[3] * score_scale : -INFINITY;
+      const int row0 = score_row + g, head0 = 2 * c;
+      float(*scores)[kScoreStride] = s.scores[score_part];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        scores[head0 + e % 2][row0 + (e / 2) * 8] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+      }
     }
     __syncthreads();
 
@@ -264,23 +260,28 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
 #pragma unroll
     for (int n = 0; n < kTiles; ++n) {
       const int h = warp + 8 * n;
-      const float2 score = *reinterpret_cast<const float2 *>(&s.scores[h][2 * lane]);
-      float chunk_max = max_propagating_nan(score.x, score.y);
+      float2 raw = *reinterpret_cast<const float2*>(&s.scores[n][warp][2 * lane]);  // two tiles: part n = tile n
+      if (kTiles == 1) {  // one tile: the dims halves of parts 0 and 1
+        const float2 high = *reinterpret_cast<const float2*>(&s.scores[1][warp][2 * lane]);
+        raw = make_float2(raw.x + high.x, raw.y + high.y);
+      }
+      const float score0 = s.row_valid[2 * lane] ? raw.x * score_scale : -INFINITY;
+      const float score1 = s.row_valid[2 * lane + 1] ? raw.y * score_scale : -INFINITY;
+      float chunk_max = max_propagating_nan(score0, score1);
 #pragma unroll
       for (int offset = 16; offset >= 1; offset /= 2) {
         chunk_max = max_propagating_nan(chunk_max, __shfl_xor_sync(0xFFFFFFFFu, chunk_max, offset));
       }
       const float old_max = s.run_max[h];
       const float new_max = max_propagating_nan(old_max, chunk_max);
-      float rescale = 1.0f, p0 = 0.0f,
-            p1 = 0.0f;  // no valid entry yet: nothing to weigh
+      float rescale = 1.0f, p0 = 0.0f, p1 = 0.0f;  // no valid entry yet: nothing to weigh
       if (new_max != -INFINITY) {
         rescale = exp2f(old_max - new_max);  // 0 when old_max = -inf
-        p0 = exp2f(score.x - new_max);
-        p1 = exp2f(score.y - new_max);
+        p0 = exp2f(score0 - new_max);
+        p1 = exp2f(score1 - new_max);
       }
       const __half2 probs = __floats2half2_rn(p0, p1);
-      *reinterpret_cast<__half2 *>(&s.probs[h][2 * lane]) = probs;
+      *reinterpret_cast<__half2*>(&s.probs[h][2 * lane]) = probs;
       const float2 rounded = __half22float2(probs);
       float chunk_sum = rounded.x + rounded.y;
 #pragma unroll
@@ -299,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     for (int n = 0; n < kTiles; ++n) {
       const float rescale0 = s.rescale[8 * n + 2 * c], rescale1 = s.rescale[8 * n + 2 * c + 1];
 #pragma unroll
-      for (int t = 0; t < kDimsPerWarp / 16; ++t) {
+      for (int t = 0; t < kDimTiles; ++t) {
         out[t][n][0] *= rescale0;
         out[t][n][1] *= rescale1;
         out[t][n][2] *= rescale0;
@@ -307,29 +308,29 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       }
     }
 #pragma unroll
-    for (int step = 0; step < kChunkRows / 16; ++step) {
-      uint32_t b[kTiles][2];
+    for (int step = 0; step < kRowSteps; ++step) {
+      uint32_t b[kTiles][2], a[kDimTiles][4];
 #pragma unroll
       for (int n = 0; n < kTiles; ++n) {
         ldmatrix_x2(b[n], shared_address(&s.probs[8 * n + lane % 8][step * 16 + ((lane / 8) % 2) * 8]));
       }
       const int v_row = step * 16 + lane % 8 + (lane / 16) * 8;
 #pragma unroll
-      for (int t = 0; t < kDimsPerWarp / 16; ++t) {
-        uint32_t a[4];
-        ldmatrix_x4_trans(a, tile_unit(tile, v_row, (warp * kDimsPerWarp + t * 16) / 8 + (lane / 8) % 2));
-#pragma unroll
-        for (int n = 0; n < kTiles; ++n) mma_f16(out[t][n], a, b[n][0], b[n][1]);
+      for (int t = 0; t < kDimTiles; ++t) {
+        ldmatrix_x4_trans(a[t], tile_unit(tile, v_row, (warp * kDimsPerWarp + t * 16) / 8 + (lane / 8) % 2));
       }
+#pragma unroll
+      for (int t = 0; t < kDimTiles; ++t)
+#pragma unroll
+        for (int n = 0; n < kTiles; ++n) mma_f16(out[t][n], a[t], b[n][0], b[n][1]);
     }
     __syncthreads();
   }
 
-  // This CTA's partial O [kHeads][512] f32, relative to its run_max, over the
-  // tile.
+  // This CTA's partial O [kHeads][512] f32, relative to its run_max, over the tile.
   float(*partial)[kLatent] = reinterpret_cast<float(*)[kLatent]>(s.tile);
 #pragma unroll
-  for (int t = 0; t < kDimsPerWarp / 16; ++t) {
+  for (int t = 0; t < kDimTiles; ++t) {
     const int d = warp * kDimsPerWarp + t * 16 + g;
 #pragma unroll
     for (int n = 0; n < kTiles; ++n) {
@@ -342,28 +343,40 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
   }
   cluster.sync();
 
-  // Combine this CTA's share of the group's eight-dim vectors over the splits,
-  // in split order.
+  // Combine this CTA's share of the group's eight-dim vectors over the splits, in split order.
   constexpr int kVectorsPerHead = kLatent / 8, kVectors = kHeads * kVectorsPerHead;
   const int vector_end = (split + 1) * kVectors / splits;
   const float k_scale = *p.k_scale;
   for (int v = split * kVectors / splits + threadIdx.x; v < vector_end; v += kThreads) {
     const int h = v / kVectorsPerHead, d0 = (v % kVectorsPerHead) * 8, head = first_head + h;
     if (head >= p.heads) continue;
+    float split_max[kSparseMlaMaxSplits], split_sum[kSparseMlaMaxSplits];
+#pragma unroll
+    for (int r = 0; r < kSparseMlaMaxSplits; ++r) {  // all loads first: one round trip, not `splits`
+      if (r < splits) {
+        split_max[r] = *cluster.map_shared_rank(&s.run_max[h], r);
+        split_sum[r] = *cluster.map_shared_rank(&s.run_sum[h], r);
+      }
+    }
     float total_max = -INFINITY;
-    for (int r = 0; r < splits; ++r)
-      total_max = max_propagating_nan(total_max, *cluster.map_shared_rank(&s.run_max[h], r));
+#pragma unroll
+    for (int r = 0; r < kSparseMlaMaxSplits; ++r) {
+      if (r < splits) total_max = max_propagating_nan(total_max, split_max[r]);
+    }
     float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     float total_sum = 0.0f;
     if (total_max != -INFINITY) {
-      for (int r = 0; r < splits; ++r) {
-        const float weight = exp2f(*cluster.map_shared_rank(&s.run_max[h], r) - total_max);
-        total_sum = fmaf(*cluster.map_shared_rank(&s.run_sum[h], r), weight, total_sum);
-        const float4 *source = reinterpret_cast<const float4 *>(cluster.map_shared_rank(&partial[h][d0], r));
-        const float4 x = source[0], y = source[1];
-        const float values[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) total[e] = fmaf(values[e], weight, total[e]);
+      for (int r = 0; r < kSparseMlaMaxSplits; ++r) {
+        if (r < splits) {
+          const float weight = exp2f(split_max[r] - total_max);  // 0 for a split without valid entries
+          total_sum = fmaf(split_sum[r], weight, total_sum);
+          const float4* source = reinterpret_cast<const float4*>(cluster.map_shared_rank(&partial[h][d0], r));
+          const float4 x = source[0], y = source[1];
+          const float values[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) total[e] = fmaf(values[e], weight, total[e]);
+        }
       }
     }
     // No valid entry: total_sum = 0 and the output is +0 (scale is never used).
@@ -374,7 +387,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       packed[e] = uint32_t(num::float_to_bf16(total[2 * e] * scale)) |
                   (uint32_t(num::float_to_bf16(total[2 * e + 1] * scale)) << 16);
     }
-    *reinterpret_cast<uint4 *>(p.latent + token * p.latent_token_stride + int64_t(head) * kLatent + d0) =
+    *reinterpret_cast<uint4*>(p.latent + token * p.latent_token_stride + int64_t(head) * kLatent + d0) =
         make_uint4(packed[0], packed[1], packed[2], packed[3]);
     if (d0 == 0) {
       p.lse[int64_t(token) * p.heads + head] = total_max != -INFINITY ? total_max * kLn2 + logf(total_sum) : -INFINITY;
@@ -386,34 +399,63 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 template <int kTiles>
-Status launch(const SparseMlaParams &p, const SparseMlaSplitPlan &plan, int tokens, cudaStream_t stream) {
-  constexpr int kBytes = sizeof(SharedStorage<8 * kTiles>);
-  auto *kernel = sparse_mla_mma_kernel<kTiles>;
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void *>(kernel), kBytes, "sparse_mla"));
+auto* kernel_for() {
+  return sparse_mla_mma_kernel<kTiles>;
+}
+
+template <int kTiles>
+Status prepare_kernel(unsigned cluster) {
+  const void* kernel = reinterpret_cast<const void*>(kernel_for<kTiles>());
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, sizeof(SharedStorage<8 * kTiles>), "sparse_mla"));
+  if (cluster > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla"));
+  return Status();
+}
+
+template <int kTiles>
+Status launch(const SparseMlaParams& p, const SparseMlaSplitPlan& plan, int tokens, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(prepare_kernel<kTiles>(plan.splits));
   const dim3 grid(plan.splits, plan.head_groups, tokens);
-  return launch_pdl_clustered(kernel, grid, dim3(kThreads), kBytes, stream, unsigned(plan.splits), p,
-                              plan.rows_per_split);
+  return launch_pdl_clustered(kernel_for<kTiles>(), grid, dim3(kThreads), sizeof(SharedStorage<8 * kTiles>), stream,
+                              unsigned(plan.splits), p, plan.rows_per_split);
+}
+
+template <int kTiles>
+Status max_active_clusters(const SparseMlaSplitPlan& plan, int* clusters) {
+  DSA_RETURN_IF_ERROR(prepare_kernel<kTiles>(plan.splits));
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = plan.splits;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(plan.splits, plan.head_groups, 1);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = sizeof(SharedStorage<8 * kTiles>);
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, kernel_for<kTiles>(), &config));
+  return Status();
 }
 
 }  // namespace
 
 SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k) {
-  // About 128 CTAs per token at m = 1 (132 SMs), within the portable cluster
-  // size.
-  constexpr int kCtasPerToken = 128;
+  // About 128 CTAs per token at m = 1 (132 SMs); clusters of at most 8 CTAs
+  // (the portable size: any Hopper part schedules them).
+  constexpr int kCtasPerToken = 128, kPlanMaxSplits = 8;
   SparseMlaSplitPlan plan;
   plan.heads_per_cta = heads > 64 ? 16 : 8;
   plan.head_groups = ceil_div(heads, plan.heads_per_cta);
   const int splits =
-      std::max(1, std::min({kSparseMlaMaxSplits, kCtasPerToken / plan.head_groups, ceil_div(top_k, kChunkRows)}));
+      std::max(1, std::min({kPlanMaxSplits, kCtasPerToken / plan.head_groups, ceil_div(top_k, kChunkRows)}));
   plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
   plan.splits = ceil_div(top_k, plan.rows_per_split);
   return plan;
 }
 
-Status sparse_mla_with_plan(const SparseMlaArgs &a, const SparseMlaSplitPlan &plan, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(check_sparse_mla(a));
-  const int heads = static_cast<int>(a.q.size(1)), top_k = static_cast<int>(a.indices.size(1));
+namespace {
+
+Status check_plan(const SparseMlaSplitPlan& plan, int heads, int top_k) {
   const std::string given = "heads_per_cta " + std::to_string(plan.heads_per_cta) + ", head_groups " +
                             std::to_string(plan.head_groups) + ", splits " + std::to_string(plan.splits) +
                             ", rows_per_split " + std::to_string(plan.rows_per_split);
@@ -434,12 +476,25 @@ Status sparse_mla_with_plan(const SparseMlaArgs &a, const SparseMlaSplitPlan &pl
                                 " splits, each with at least one of the K = " + std::to_string(top_k) + " entries",
                             given);
   }
+  return Status();
+}
+
+}  // namespace
+
+Status sparse_mla_with_plan(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_sparse_mla(a));
+  DSA_RETURN_IF_ERROR(check_plan(plan, static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1))));
   const SparseMlaParams p = sparse_mla_params(a);
   const int tokens = static_cast<int>(a.q.size(0));
   return plan.heads_per_cta == 16 ? launch<2>(p, plan, tokens, stream) : launch<1>(p, plan, tokens, stream);
 }
 
-Status sparse_mla(const SparseMlaArgs &a, cudaStream_t stream) {
+Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads, int top_k, int* clusters) {
+  DSA_RETURN_IF_ERROR(check_plan(plan, heads, top_k));
+  return plan.heads_per_cta == 16 ? max_active_clusters<2>(plan, clusters) : max_active_clusters<1>(plan, clusters);
+}
+
+Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   return sparse_mla_with_plan(
       a, sparse_mla_split_plan(static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1))), stream);

@@ -12,47 +12,46 @@
 namespace dsa {
 
 struct SparseMlaParams {
-  const uint8_t *q;  // [m, H, 512] e4m3 codes
+  const uint8_t* q;  // [m, H, 512] e4m3 codes
   int64_t q_token_stride, q_head_stride;
-  const float *q_scale;  // [1]
-  const uint8_t *cache;  // [blocks, block_size, 512] e4m3 codes
+  const float* q_scale;  // [1]
+  const uint8_t* cache;  // [blocks, block_size, 512] e4m3 codes
   int64_t cache_block_stride, cache_entry_stride;
   int64_t capacity;        // blocks * block_size
-  int32_t block_size;      // min(block_size, 2^31 - 1): the same quotient for every
-                           // int32 slot
-  const float *k_scale;    // [1]
-  const int32_t *indices;  // [m, K]
+  int32_t block_size;      // min(block_size, 2^31 - 1): the same quotient for every int32 slot
+  const float* k_scale;    // [1]
+  const int32_t* indices;  // [m, K]
   int64_t indices_token_stride;
   int top_k;
   int heads;
   float softmax_scale;
-  uint16_t *latent;  // [m, H, 512] BF16 bits, dims 1-2 contiguous
+  uint16_t* latent;  // [m, H, 512] BF16 bits, dims 1-2 contiguous
   int64_t latent_token_stride;
-  float *lse;                 // [m, H]
-  unsigned int *error_count;  // may be null
+  float* lse;                 // [m, H]
+  unsigned int* error_count;  // may be null
 };
 
 // `a` must have passed check_sparse_mla.
 inline SparseMlaParams sparse_mla_params(const SparseMlaArgs &a) {
   SparseMlaParams p = {};
-  p.q = static_cast<const uint8_t *>(a.q.data);
+  p.q = static_cast<const uint8_t*>(a.q.data);
   p.q_token_stride = a.q.stride(0);
   p.q_head_stride = a.q.stride(1);
-  p.q_scale = static_cast<const float *>(a.q_scale.data);
-  p.cache = static_cast<const uint8_t *>(a.kv_cache.data);
+  p.q_scale = static_cast<const float*>(a.q_scale.data);
+  p.cache = static_cast<const uint8_t*>(a.kv_cache.data);
   p.cache_block_stride = a.kv_cache.stride(0);
   p.cache_entry_stride = a.kv_cache.stride(1);
   p.capacity = a.kv_cache.size(0) * a.kv_cache.size(1);
   p.block_size = static_cast<int32_t>(std::min<int64_t>(a.kv_cache.size(1), INT32_MAX));
-  p.k_scale = static_cast<const float *>(a.k_scale.data);
-  p.indices = static_cast<const int32_t *>(a.indices.data);
+  p.k_scale = static_cast<const float*>(a.k_scale.data);
+  p.indices = static_cast<const int32_t*>(a.indices.data);
   p.indices_token_stride = a.indices.stride(0);
   p.top_k = static_cast<int>(a.indices.size(1));
   p.heads = static_cast<int>(a.q.size(1));
   p.softmax_scale = a.softmax_scale;
-  p.latent = static_cast<uint16_t *>(a.latent.data);
+  p.latent = static_cast<uint16_t*>(a.latent.data);
   p.latent_token_stride = a.latent.stride(0);
-  p.lse = static_cast<float *>(a.lse.data);
+  p.lse = static_cast<float*>(a.lse.data);
   p.error_count = a.error_count;
   return p;
 }

@@ -183,7 +183,7 @@ TEST(SparseMlaSplitPlan, BadPlansAreRejectedByName) {
   rejected([](SparseMlaSplitPlan& p) { p.head_groups -= 1; }, "head_groups = ceil(H / heads_per_cta)");
   rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 100; }, "multiple of 64");
   rejected([](SparseMlaSplitPlan& p) { p.splits += 1; }, "at least one of the K = 2176");
-  rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 64, p.splits = 34; }, "1..8 splits");
+  rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 64, p.splits = 34; }, "1..16 splits");
 }
 
 // ---------------------------------------------------------------------------
