@@ -108,19 +108,18 @@ Status check_sparse_mla(const SparseMlaArgs& args);
 // How the tensor-core kernel (sparse_mla) divides one token's work. It
 // depends only on H and K, never on m or the GPU: a token's bits do not
 // change with the batch around it.
-//   CTA (split, group, token) owns heads [group * heads_per_cta, ...) of the
-//   token and the entries [split * rows_per_split, ...) of its index row;
-//   the `splits` CTAs of a (token, group) form one thread-block cluster and
-//   combine their partial results through distributed shared memory, in split
-//   order, in the same launch.
+//   CTA (split, group, token) owns heads [8 group, 8 group + 8) of the token
+//   (one 8-wide MMA tile: H = 8 computes 8 heads, not vLLM's padded 64) and
+//   the entries [split * rows_per_split, ...) of its index row; the `splits`
+//   CTAs of a (token, group) form one thread-block cluster and combine their
+//   partial results through distributed shared memory, in split order, in the
+//   same launch.
 struct SparseMlaSplitPlan {
-  int heads_per_cta = 0;   // 8 or 16: one or two 8-head MMA tiles (H = 8 computes 8 heads, not a padded 64)
-  int head_groups = 0;     // ceil(H / heads_per_cta)
+  int head_groups = 0;     // ceil(H / 8)
   int splits = 0;          // 1..kSparseMlaMaxSplits CTAs per (token, group), each with at least one entry
   int rows_per_split = 0;  // a multiple of 64
 };
-// Hopper's largest cluster (non-portable above 8); sparse_mla_split_plan
-// stays within the portable 8.
+// Hopper's largest cluster (non-portable above 8).
 inline constexpr int kSparseMlaMaxSplits = 16;
 
 // The plan sparse_mla uses for H heads and K entries per row (H, K in the

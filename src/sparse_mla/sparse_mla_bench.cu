@@ -2,8 +2,8 @@
 // m in {1, 2, 4, 8, 16}, K = 2048) and throughput shapes (m = 128, H in
 // {64, 128}), H200, graph replay. Rows "sparse_mla_simple": the simple FP32
 // kernel, the baseline; "sparse_mla": the tensor-core kernel with its split
-// plan, and with the other head tiling (8 or 16 heads per CTA) to measure the
-// plan's choice, both against the baseline timed in the same run.
+// plan, and with half and twice the splits to measure the plan's choice, all
+// against the baseline timed in the same run.
 //
 // Cold KV rows: the cache holds `rotations` disjoint regions of m * K slots and
 // launch i reads region i % rotations through its own index rows (a random
@@ -162,24 +162,21 @@ Status run(Context& ctx, Report& report) {
     simple.note = regions;
     report.add(simple);
 
-    // The fast kernel with its own plan, and with other plans (the other
-    // head tiling; twice the splits, in non-portable clusters of up to 16),
-    // so that the plan's choices are measured, not assumed.
+    // The fast kernel with its own plan, and with half and twice the splits
+    // (clusters above 8 CTAs are non-portable), so that the plan's choice is
+    // measured, not assumed.
     const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);
     std::vector<std::pair<std::string, SparseMlaSplitPlan>> plans = {{"sparse_mla", own}};
-    if (p.heads > 8) {  // at H <= 8, 16 heads per CTA would compute padded heads
+    for (const int factor : {2, -2}) {
       SparseMlaSplitPlan other = own;
-      other.heads_per_cta = own.heads_per_cta == 8 ? 16 : 8;
-      other.head_groups = (p.heads + other.heads_per_cta - 1) / other.heads_per_cta;
-      plans.push_back({"sparse_mla (other head tiling)", other});
-    }
-    if (own.splits * 2 <= kSparseMlaMaxSplits && own.rows_per_split >= 128) {
-      SparseMlaSplitPlan wider = own;
-      wider.rows_per_split = own.rows_per_split / 2;
-      wider.splits = (kTopK + wider.rows_per_split - 1) / wider.rows_per_split;
+      other.rows_per_split = factor > 0 ? own.rows_per_split / 2 : own.rows_per_split * 2;
+      if (other.rows_per_split < 64 || other.rows_per_split % 64 != 0 || other.rows_per_split > kTopK) continue;
+      other.splits = (kTopK + other.rows_per_split - 1) / other.rows_per_split;
+      if (other.splits > kSparseMlaMaxSplits) continue;
       int clusters = 0;
-      DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(wider, p.heads, kTopK, &clusters));
-      if (clusters > 0) plans.push_back({"sparse_mla (twice the splits)", wider});
+      DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(other, p.heads, kTopK, &clusters));
+      if (clusters == 0) continue;
+      plans.push_back({factor > 0 ? "sparse_mla (twice the splits)" : "sparse_mla (half the splits)", other});
     }
     for (const auto& named : plans) {
       const SparseMlaSplitPlan& plan = named.second;
@@ -191,7 +188,7 @@ Status run(Context& ctx, Report& report) {
       DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(plan, p.heads, kTopK, &clusters));
       Row row{named.first, params, us, "sparse_mla_simple", simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = "heads_per_cta " + std::to_string(plan.heads_per_cta) + ", splits " + std::to_string(plan.splits) +
+      row.note = "head_groups " + std::to_string(plan.head_groups) + ", splits " + std::to_string(plan.splits) +
                  " x " + std::to_string(plan.rows_per_split) + " rows, " + std::to_string(clusters) +
                  " clusters at once; " + regions;
       report.add(row);

@@ -2,33 +2,34 @@
 // include/dsa_decode/sparse_mla.h; the design and the measurements in
 // docs/sparse_mla.md.
 //
-// Work split (SparseMlaSplitPlan): CTA (split, group, token) of 8 warps owns
-// kHeads = 8 * kTiles heads of one token and one run of rows_per_split entries
-// of its index row, taken in chunks of 64 entries. The `splits` CTAs of a
-// (token, group) form one thread-block cluster.
+// Work split (SparseMlaSplitPlan): CTA (split, group, token) of 16 warps
+// owns the 8 heads 8 group.. of one token (one 8-wide MMA tile) and one run
+// of rows_per_split entries of its index row, taken in chunks of 64 entries.
+// The `splits` CTAs of a (token, group) form one thread-block cluster.
 //
 // Per chunk, four phases separated by CTA barriers:
 //  1. convert: the chunk's cache rows, gathered into registers while the
-//     previous chunk was computed (warp w holds rows w, w + 8, ..., w + 56,
-//     16 codes per lane; invalid rows are zero), go to `tile` [64 rows][512]
-//     as FP16 (e4m3 converts to f16 exactly); the next chunk's gather starts.
-//  2. scores: warp w computes S^T[16 rows][8 heads] for rows 16 (w % 4)..:
-//     with two head tiles, head tile w / 4 over all 512 dims; with one, head
-//     tile 0 over dims half w / 4 (the two halves are added in phase 3).
-//     mma m16n8k16 (A = tile rows through ldmatrix, B = q from registers)
-//     with FP32 accumulators, four of them (16-dim step s goes to s % 4) so
-//     that four MMAs are in flight; S = (acc0 + acc1) + (acc2 + acc3).
-//  3. softmax: warp w owns heads w and w + 8; lane l rows 2l, 2l + 1. Score =
-//     S * softmax_scale * q_scale * k_scale * log2(e) (-inf for invalid
-//     rows); chunk max over the lanes (NaN propagates), running max, p =
-//     2^(score - max) rounded to FP16 into `probs`, the sum of the rounded p
-//     (butterfly over the lanes) into the running sum.
-//  4. P.V: warp w owns dims 64 w..64 w + 63 of every head: rescales its
+//     previous chunk was computed (warp w holds rows w, w + 16, w + 32,
+//     w + 48, 16 codes per lane; invalid rows are zero), go to `tile` [64
+//     rows][512] as FP16 (e4m3 converts to f16 exactly); then the next
+//     chunk's gather starts.
+//  2. scores: warp w computes the partial S^T[16 rows][8 heads] of rows
+//     16 (w % 4).. over dims quarter w / 4 (128 dims, 8 MMA steps): mma
+//     m16n8k16, A = tile rows through ldmatrix, B = q from registers, FP32
+//     accumulators, four of them (step s goes to s % 4) so that four MMAs are
+//     in flight; part = (acc0 + acc1) + (acc2 + acc3).
+//  3. softmax: warp h < 8 owns head h; lane l rows 2l, 2l + 1. Score =
+//     ((part0 + part1) + (part2 + part3)) * softmax_scale * q_scale * k_scale
+//     * log2(e) (-inf for invalid rows); chunk max over the lanes (NaN
+//     propagates), running max, p = 2^(score - max) rounded to FP16 into
+//     `probs`, the sum of the rounded p (butterfly over the lanes) into the
+//     running sum.
+//  4. P.V: warp w owns dims 32 w..32 w + 31 of the 8 heads: rescales its
 //     accumulators, then O^T[dims][heads] += V^T[dims][rows] P^T[rows][heads]
 //     (A = tile through ldmatrix.trans, B = probs), FP32 accumulators.
-// After the last chunk every CTA leaves its unnormalized O [kHeads][512] f32
-// and its (max, sum) per head in shared memory; after a cluster barrier, CTA
-// r combines vectors [r V / splits, (r + 1) V / splits) of the V = kHeads * 64
+// After the last chunk every CTA leaves its unnormalized O [8][512] f32 and
+// its (max, sum) per head in shared memory; after a cluster barrier, CTA r
+// combines vectors [r V / splits, (r + 1) V / splits) of the V = 8 * 64
 // eight-dim vectors of the group, reading every split's partial through
 // distributed shared memory and adding in split order, and writes latent
 // (times k_scale / sum) and lse. A second cluster barrier keeps each CTA's
@@ -56,32 +57,35 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kLatent = kSparseMlaLatent;
+constexpr int kHeads = 8;  // heads per CTA: one MMA tile
 constexpr int kChunkRows = 64;
-constexpr int kWarps = 8;
+constexpr int kWarps = 16;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRowsPerWarp = kChunkRows / kWarps;  // gathered rows per warp and chunk
+constexpr int kScoreParts = kWarps / 4;            // dims quarters: four warps per 16-row MMA tile
+constexpr int kScoreSteps = kLatent / 16 / kScoreParts;  // 16-dim MMA steps per score warp
 constexpr int kDimsPerWarp = kLatent / kWarps;     // P.V dims per warp
-constexpr int kDimTiles = kDimsPerWarp / 16;       // P.V MMA tiles per warp and head tile
+constexpr int kDimTiles = kDimsPerWarp / 16;       // P.V MMA tiles per warp
 constexpr int kRowSteps = kChunkRows / 16;         // P.V MMA steps per chunk
 constexpr int kScoreStride = kChunkRows + 4;       // floats: conflict-free score stores
 constexpr int kProbStride = kChunkRows + 8;        // halves: 144-byte rows, 16-byte aligned, conflict-free ldmatrix
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+static_assert(kScoreSteps % 4 == 0 && kDimTiles == 2 && kRowsPerWarp <= 32, "the work split below");
 
-template <int kHeads>
 struct SharedStorage {
   // [64 rows][512 dims] FP16 of the chunk; 16-byte unit u of row r is stored
   // at unit u ^ (r % 8), so that ldmatrix (8 rows at one unit, or one row's
   // 8 units) touches all 32 banks once. After the last chunk: the CTA's
-  // partial O [kHeads][512] f32.
+  // partial O [8][512] f32.
   uint4 tile[kChunkRows * kLatent * 2 / 16];
-  float scores[2][8][kScoreStride];   // [score part = warp / 4][head in tile][chunk row], raw S
-  __half probs[kHeads][kProbStride];  // [head][chunk row], 2^(score - running max)
+  float scores[kScoreParts][kHeads][kScoreStride];  // [dims quarter][head][chunk row], raw partial S
+  __half probs[kHeads][kProbStride];                // [head][chunk row], 2^(score - running max)
   float run_max[kHeads], run_sum[kHeads], rescale[kHeads];
   int row_valid[kChunkRows];
   alignas(16) uint8_t q[kHeads][kLatent];  // the group's q codes, zero for heads >= H
 };
-static_assert(sizeof(float) * 16 * kLatent <= sizeof(SharedStorage<16>::tile), "the partial O fits in the tile");
+static_assert(sizeof(float) * kHeads * kLatent <= sizeof(SharedStorage::tile), "the partial O fits in the tile");
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
@@ -131,12 +135,9 @@ __device__ __forceinline__ void store_shared(uint32_t address, uint32_t a, uint3
 // max that returns NaN when either operand is NaN (fmaxf would drop it).
 __device__ __forceinline__ float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
-template <int kTiles>
 __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMlaParams p, const int rows_per_split) {
-  constexpr int kHeads = 8 * kTiles;
-  constexpr int kScoreSteps = kTiles == 2 ? kLatent / 16 : kLatent / 32;  // 16-dim MMA steps per score warp
   extern __shared__ uint4 shared_raw[];
-  SharedStorage<kHeads>& s = *reinterpret_cast<SharedStorage<kHeads>*>(shared_raw);
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>(shared_raw);
   const cg::cluster_group cluster = cg::this_cluster();
 
   const int split = blockIdx.x, splits = gridDim.x, group = blockIdx.y, token = blockIdx.z;
@@ -154,23 +155,27 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
   const int row_end = min(p.top_k, row_begin + rows_per_split);
   const int chunks = (row_end - row_begin + kChunkRows - 1) / kChunkRows;
 
-  // Rows warp + 8 i of a chunk, 16 codes at lane * 16 each; invalid rows are zero.
+  // Rows warp + 16 i of a chunk, 16 codes at lane * 16 each; invalid rows are
+  // zero. Lane i < kRowsPerWarp forms row i's address, the warp shares it.
   uint4 staged[kRowsPerWarp];
-  uint32_t staged_valid = 0;  // bit i: row warp + 8 i is a valid entry
+  uint32_t staged_valid = 0;  // bit i: row warp + 16 i is a valid entry
   auto gather = [&](int chunk) {
-    staged_valid = 0;
+    const uint8_t* row_address = nullptr;
+    if (lane < kRowsPerWarp) {
+      const int j = row_begin + chunk * kChunkRows + warp + kWarps * lane;
+      const int32_t slot = j < row_end ? index_row[j] : -1;
+      if (slot >= 0 && slot < p.capacity) {
+        const int32_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
+        const int32_t offset = slot - block * p.block_size;
+        row_address = p.cache + block * p.cache_block_stride + offset * p.cache_entry_stride;
+      }
+    }
+    staged_valid = __ballot_sync(0xFFFFFFFFu, row_address != nullptr);
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
-      const int j = row_begin + chunk * kChunkRows + warp + kWarps * i;
-      const int32_t slot = j < row_end ? index_row[j] : -1;
-      staged[i] = make_uint4(0, 0, 0, 0);
-      if (slot >= 0 && slot < p.capacity) {
-        const int32_t block = slot / p.block_size;
-        const int32_t offset = slot - block * p.block_size;
-        staged[i] = *reinterpret_cast<const uint4*>(p.cache + block * p.cache_block_stride +
-                                                    offset * p.cache_entry_stride + lane * 16);
-        staged_valid |= 1u << i;
-      }
+      const uint8_t* row = reinterpret_cast<const uint8_t*>(
+          __shfl_sync(0xFFFFFFFFu, reinterpret_cast<uintptr_t>(row_address), i));
+      staged[i] = row != nullptr ? *reinterpret_cast<const uint4*>(row + lane * 16) : make_uint4(0, 0, 0, 0);
     }
   };
   gather(0);
@@ -181,8 +186,8 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
     if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
   }
-  for (int i = threadIdx.x; i < kHeads * (kLatent / 16); i += kThreads) {
-    const int h = i / (kLatent / 16), unit = i % (kLatent / 16);
+  if (threadIdx.x < kHeads * (kLatent / 16)) {
+    const int h = threadIdx.x / (kLatent / 16), unit = threadIdx.x % (kLatent / 16);
     uint4 codes = make_uint4(0, 0, 0, 0);
     if (first_head + h < p.heads) {
       codes = *reinterpret_cast<const uint4*>(p.q + token * p.q_token_stride + (first_head + h) * p.q_head_stride +
@@ -196,27 +201,22 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
   }
   __syncthreads();  // q staged
 
-  // Score role (phase 2): rows 16 (warp % 4).., part warp / 4 = the head tile
-  // (two tiles) or the dims half (one tile).
-  const int score_part = warp / 4, score_row = (warp % 4) * 16;
-  const int score_tile = kTiles == 2 ? score_part : 0;
-  const int first_step = kTiles == 2 ? 0 : score_part * kScoreSteps;
+  // Score role (phase 2): rows 16 (warp % 4).., dims quarter warp / 4.
+  const int score_part = warp / 4, score_row = (warp % 4) * 16, first_step = score_part * kScoreSteps;
   uint32_t q_fragment[kScoreSteps];  // per 16-dim step, the B fragment's e4m3 pairs: low dims 2c.., high 8 + 2c..
 #pragma unroll
   for (int step = 0; step < kScoreSteps; ++step) {
-    const uint8_t* q_row = s.q[score_tile * 8 + g] + (first_step + step) * 16 + 2 * c;
+    const uint8_t* q_row = s.q[g] + (first_step + step) * 16 + 2 * c;
     q_fragment[step] = *reinterpret_cast<const uint16_t*>(q_row) |
                        (uint32_t(*reinterpret_cast<const uint16_t*>(q_row + 8)) << 16);
   }
   const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
 
-  float out[kDimTiles][kTiles][4];  // O^T: dims 64 warp + 16 t + (g, g + 8), heads 8 n + 2c (+1)
+  float out[kDimTiles][4];  // O^T: dims 32 warp + 16 t + (g, g + 8), heads 2c (+1)
 #pragma unroll
   for (int t = 0; t < kDimTiles; ++t)
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) out[t][n][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) out[t][e] = 0.0f;
 
   for (int chunk = 0; chunk < chunks; ++chunk) {
     // 1. Convert (the previous chunk's readers passed the barrier that ends the loop body).
@@ -228,12 +228,12 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
                    e4m3x2_to_f16x2(codes.y), e4m3x2_to_f16x2(codes.y >> 16));
       store_shared(tile_unit(tile, row, 2 * lane + 1), e4m3x2_to_f16x2(codes.z), e4m3x2_to_f16x2(codes.z >> 16),
                    e4m3x2_to_f16x2(codes.w), e4m3x2_to_f16x2(codes.w >> 16));
-      if (lane == 0) s.row_valid[row] = (staged_valid >> i) & 1u;
     }
+    if (lane < kRowsPerWarp) s.row_valid[warp + kWarps * lane] = (staged_valid >> lane) & 1u;
     __syncthreads();
     if (chunk + 1 < chunks) gather(chunk + 1);
 
-    // 2. Raw scores S of 16 rows x 8 heads per warp.
+    // 2. Partial scores of 16 rows x 8 heads over one dims quarter per warp.
     {
       float acc[4][4] = {};
       const int a_row = score_row + lane % 8 + ((lane / 8) % 2) * 8;
@@ -247,26 +247,24 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
           mma_f16(acc[u], a[u], e4m3x2_to_f16x2(q_fragment[step + u]), e4m3x2_to_f16x2(q_fragment[step + u] >> 16));
         }
       }
-      const int row0 = score_row + g, head0 = 2 * c;
-      float(*scores)[kScoreStride] = s.scores[score_part];
+      const int row0 = score_row + g;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        scores[head0 + e % 2][row0 + (e / 2) * 8] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
+        s.scores[score_part][2 * c + e % 2][row0 + (e / 2) * 8] = (acc[0][e] + acc[1][e]) + (acc[2][e] + acc[3][e]);
       }
     }
     __syncthreads();
 
-    // 3. Online softmax, one warp per head; lane l holds rows 2l, 2l + 1.
+    // 3. Online softmax, warp h < 8 for head h; lane l holds rows 2l, 2l + 1.
+    if (warp < kHeads) {
+      const int h = warp;
+      float2 part[kScoreParts];
 #pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      const int h = warp + 8 * n;
-      float2 raw = *reinterpret_cast<const float2*>(&s.scores[n][warp][2 * lane]);  // two tiles: part n = tile n
-      if (kTiles == 1) {  // one tile: the dims halves of parts 0 and 1
-        const float2 high = *reinterpret_cast<const float2*>(&s.scores[1][warp][2 * lane]);
-        raw = make_float2(raw.x + high.x, raw.y + high.y);
-      }
-      const float score0 = s.row_valid[2 * lane] ? raw.x * score_scale : -INFINITY;
-      const float score1 = s.row_valid[2 * lane + 1] ? raw.y * score_scale : -INFINITY;
+      for (int q = 0; q < kScoreParts; ++q) part[q] = *reinterpret_cast<const float2*>(&s.scores[q][h][2 * lane]);
+      const float raw0 = (part[0].x + part[1].x) + (part[2].x + part[3].x);
+      const float raw1 = (part[0].y + part[1].y) + (part[2].y + part[3].y);
+      const float score0 = s.row_valid[2 * lane] ? raw0 * score_scale : -INFINITY;
+      const float score1 = s.row_valid[2 * lane + 1] ? raw1 * score_scale : -INFINITY;
       float chunk_max = max_propagating_nan(score0, score1);
 #pragma unroll
       for (int offset = 16; offset >= 1; offset /= 2) {
@@ -295,61 +293,50 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     }
     __syncthreads();
 
-    // 4. P.V for dims 64 warp.. of every head.
-#pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      const float rescale0 = s.rescale[8 * n + 2 * c], rescale1 = s.rescale[8 * n + 2 * c + 1];
+    // 4. P.V for dims 32 warp.. of the 8 heads.
+    {
+      const float rescale0 = s.rescale[2 * c], rescale1 = s.rescale[2 * c + 1];
 #pragma unroll
       for (int t = 0; t < kDimTiles; ++t) {
-        out[t][n][0] *= rescale0;
-        out[t][n][1] *= rescale1;
-        out[t][n][2] *= rescale0;
-        out[t][n][3] *= rescale1;
+        out[t][0] *= rescale0;
+        out[t][1] *= rescale1;
+        out[t][2] *= rescale0;
+        out[t][3] *= rescale1;
       }
     }
 #pragma unroll
     for (int step = 0; step < kRowSteps; ++step) {
-      uint32_t b[kTiles][2], a[kDimTiles][4];
-#pragma unroll
-      for (int n = 0; n < kTiles; ++n) {
-        ldmatrix_x2(b[n], shared_address(&s.probs[8 * n + lane % 8][step * 16 + ((lane / 8) % 2) * 8]));
-      }
+      uint32_t b[2], a[kDimTiles][4];
+      ldmatrix_x2(b, shared_address(&s.probs[lane % 8][step * 16 + ((lane / 8) % 2) * 8]));
       const int v_row = step * 16 + lane % 8 + (lane / 16) * 8;
 #pragma unroll
       for (int t = 0; t < kDimTiles; ++t) {
         ldmatrix_x4_trans(a[t], tile_unit(tile, v_row, (warp * kDimsPerWarp + t * 16) / 8 + (lane / 8) % 2));
       }
 #pragma unroll
-      for (int t = 0; t < kDimTiles; ++t)
-#pragma unroll
-        for (int n = 0; n < kTiles; ++n) mma_f16(out[t][n], a[t], b[n][0], b[n][1]);
+      for (int t = 0; t < kDimTiles; ++t) mma_f16(out[t], a[t], b[0], b[1]);
     }
     __syncthreads();
   }
 
-  // This CTA's partial O [kHeads][512] f32, relative to its run_max, over the tile.
+  // This CTA's partial O [8][512] f32, relative to its run_max, over the tile.
   float(*partial)[kLatent] = reinterpret_cast<float(*)[kLatent]>(s.tile);
 #pragma unroll
   for (int t = 0; t < kDimTiles; ++t) {
     const int d = warp * kDimsPerWarp + t * 16 + g;
-#pragma unroll
-    for (int n = 0; n < kTiles; ++n) {
-      const int h = 8 * n + 2 * c;
-      partial[h][d] = out[t][n][0];
-      partial[h + 1][d] = out[t][n][1];
-      partial[h][d + 8] = out[t][n][2];
-      partial[h + 1][d + 8] = out[t][n][3];
-    }
+    partial[2 * c][d] = out[t][0];
+    partial[2 * c + 1][d] = out[t][1];
+    partial[2 * c][d + 8] = out[t][2];
+    partial[2 * c + 1][d + 8] = out[t][3];
   }
   cluster.sync();
 
   // Combine this CTA's share of the group's eight-dim vectors over the splits, in split order.
   constexpr int kVectorsPerHead = kLatent / 8, kVectors = kHeads * kVectorsPerHead;
-  const int vector_end = (split + 1) * kVectors / splits;
-  const float k_scale = *p.k_scale;
-  for (int v = split * kVectors / splits + threadIdx.x; v < vector_end; v += kThreads) {
-    const int h = v / kVectorsPerHead, d0 = (v % kVectorsPerHead) * 8, head = first_head + h;
-    if (head >= p.heads) continue;
+  const int v = split * kVectors / splits + threadIdx.x;
+  const int h = v / kVectorsPerHead, d0 = (v % kVectorsPerHead) * 8, head = first_head + h;
+  static_assert(kVectors <= kThreads, "one vector per thread at most");
+  if (v < (split + 1) * kVectors / splits && head < p.heads) {
     float split_max[kSparseMlaMaxSplits], split_sum[kSparseMlaMaxSplits];
 #pragma unroll
     for (int r = 0; r < kSparseMlaMaxSplits; ++r) {  // all loads first: one round trip, not `splits`
@@ -380,7 +367,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       }
     }
     // No valid entry: total_sum = 0 and the output is +0 (scale is never used).
-    const float scale = total_max != -INFINITY ? num::div_rn(k_scale, total_sum) : 0.0f;
+    const float scale = total_max != -INFINITY ? num::div_rn(*p.k_scale, total_sum) : 0.0f;
     uint32_t packed[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -398,74 +385,18 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-template <int kTiles>
-auto* kernel_for() {
-  return sparse_mla_mma_kernel<kTiles>;
-}
-
-template <int kTiles>
 Status prepare_kernel(unsigned cluster) {
-  const void* kernel = reinterpret_cast<const void*>(kernel_for<kTiles>());
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, sizeof(SharedStorage<8 * kTiles>), "sparse_mla"));
+  const void* kernel = reinterpret_cast<const void*>(sparse_mla_mma_kernel);
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, sizeof(SharedStorage), "sparse_mla"));
   if (cluster > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla"));
   return Status();
 }
 
-template <int kTiles>
-Status launch(const SparseMlaParams& p, const SparseMlaSplitPlan& plan, int tokens, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(prepare_kernel<kTiles>(plan.splits));
-  const dim3 grid(plan.splits, plan.head_groups, tokens);
-  return launch_pdl_clustered(kernel_for<kTiles>(), grid, dim3(kThreads), sizeof(SharedStorage<8 * kTiles>), stream,
-                              unsigned(plan.splits), p, plan.rows_per_split);
-}
-
-template <int kTiles>
-Status max_active_clusters(const SparseMlaSplitPlan& plan, int* clusters) {
-  DSA_RETURN_IF_ERROR(prepare_kernel<kTiles>(plan.splits));
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = plan.splits;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(plan.splits, plan.head_groups, 1);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = sizeof(SharedStorage<8 * kTiles>);
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, kernel_for<kTiles>(), &config));
-  return Status();
-}
-
-}  // namespace
-
-SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k) {
-  // About 128 CTAs per token at m = 1 (132 SMs); clusters of at most 8 CTAs
-  // (the portable size: any Hopper part schedules them).
-  constexpr int kCtasPerToken = 128, kPlanMaxSplits = 8;
-  SparseMlaSplitPlan plan;
-  plan.heads_per_cta = heads > 64 ? 16 : 8;
-  plan.head_groups = ceil_div(heads, plan.heads_per_cta);
-  const int splits =
-      std::max(1, std::min({kPlanMaxSplits, kCtasPerToken / plan.head_groups, ceil_div(top_k, kChunkRows)}));
-  plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
-  plan.splits = ceil_div(top_k, plan.rows_per_split);
-  return plan;
-}
-
-namespace {
-
 Status check_plan(const SparseMlaSplitPlan& plan, int heads, int top_k) {
-  const std::string given = "heads_per_cta " + std::to_string(plan.heads_per_cta) + ", head_groups " +
-                            std::to_string(plan.head_groups) + ", splits " + std::to_string(plan.splits) +
-                            ", rows_per_split " + std::to_string(plan.rows_per_split);
-  if (plan.heads_per_cta != 8 && plan.heads_per_cta != 16) {
-    return invalid_argument("plan", "heads_per_cta 8 or 16", given);
-  }
-  if (plan.head_groups != ceil_div(heads, plan.heads_per_cta)) {
-    return invalid_argument(
-        "plan", "head_groups = ceil(H / heads_per_cta) = " + std::to_string(ceil_div(heads, plan.heads_per_cta)),
-        given);
+  const std::string given = "head_groups " + std::to_string(plan.head_groups) + ", splits " +
+                            std::to_string(plan.splits) + ", rows_per_split " + std::to_string(plan.rows_per_split);
+  if (plan.head_groups != ceil_div(heads, kHeads)) {
+    return invalid_argument("plan", "head_groups = ceil(H / 8) = " + std::to_string(ceil_div(heads, kHeads)), given);
   }
   if (plan.rows_per_split < kChunkRows || plan.rows_per_split % kChunkRows != 0) {
     return invalid_argument("plan", "rows_per_split a positive multiple of 64", given);
@@ -481,17 +412,44 @@ Status check_plan(const SparseMlaSplitPlan& plan, int heads, int top_k) {
 
 }  // namespace
 
+SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k) {
+  // About 128 CTAs per token at m = 1 (132 SMs); clusters of at most 8 CTAs
+  // (the portable size: any Hopper part schedules them).
+  constexpr int kCtasPerToken = 128, kPlanMaxSplits = 8;
+  SparseMlaSplitPlan plan;
+  plan.head_groups = ceil_div(heads, kHeads);
+  const int splits =
+      std::max(1, std::min({kPlanMaxSplits, kCtasPerToken / plan.head_groups, ceil_div(top_k, kChunkRows)}));
+  plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
+  plan.splits = ceil_div(top_k, plan.rows_per_split);
+  return plan;
+}
+
 Status sparse_mla_with_plan(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   DSA_RETURN_IF_ERROR(check_plan(plan, static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1))));
-  const SparseMlaParams p = sparse_mla_params(a);
-  const int tokens = static_cast<int>(a.q.size(0));
-  return plan.heads_per_cta == 16 ? launch<2>(p, plan, tokens, stream) : launch<1>(p, plan, tokens, stream);
+  DSA_RETURN_IF_ERROR(prepare_kernel(plan.splits));
+  const dim3 grid(plan.splits, plan.head_groups, static_cast<unsigned>(a.q.size(0)));
+  return launch_pdl_clustered(sparse_mla_mma_kernel, grid, dim3(kThreads), sizeof(SharedStorage), stream,
+                              unsigned(plan.splits), sparse_mla_params(a), plan.rows_per_split);
 }
 
 Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads, int top_k, int* clusters) {
   DSA_RETURN_IF_ERROR(check_plan(plan, heads, top_k));
-  return plan.heads_per_cta == 16 ? max_active_clusters<2>(plan, clusters) : max_active_clusters<1>(plan, clusters);
+  DSA_RETURN_IF_ERROR(prepare_kernel(plan.splits));
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = plan.splits;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(plan.splits, plan.head_groups, 1);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = sizeof(SharedStorage);
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_mma_kernel, &config));
+  return Status();
 }
 
 Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {

@@ -19,6 +19,7 @@ struct SparseMlaParams {
   int64_t cache_block_stride, cache_entry_stride;
   int64_t capacity;        // blocks * block_size
   int32_t block_size;      // min(block_size, 2^31 - 1): the same quotient for every int32 slot
+  int32_t block_shift;     // log2(block_size) when it is a power of two (served sizes are), else -1
   const float* k_scale;    // [1]
   const int32_t* indices;  // [m, K]
   int64_t indices_token_stride;
@@ -43,6 +44,10 @@ inline SparseMlaParams sparse_mla_params(const SparseMlaArgs &a) {
   p.cache_entry_stride = a.kv_cache.stride(1);
   p.capacity = a.kv_cache.size(0) * a.kv_cache.size(1);
   p.block_size = static_cast<int32_t>(std::min<int64_t>(a.kv_cache.size(1), INT32_MAX));
+  p.block_shift = -1;
+  for (int shift = 0; shift < 31; ++shift) {
+    if (p.block_size == (int32_t(1) << shift)) p.block_shift = shift;
+  }
   p.k_scale = static_cast<const float*>(a.k_scale.data);
   p.indices = static_cast<const int32_t*>(a.indices.data);
   p.indices_token_stride = a.indices.stride(0);

@@ -155,9 +155,7 @@ TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
     for (int top_k : {1, 63, 64, 65, 100, 511, 2048, 2176, 5000, kSparseMlaMaxTopK}) {
       const SparseMlaSplitPlan plan = sparse_mla_split_plan(heads, top_k);
       SCOPED_TRACE("H " + std::to_string(heads) + " K " + std::to_string(top_k));
-      ASSERT_TRUE(plan.heads_per_cta == 8 || plan.heads_per_cta == 16);
-      EXPECT_EQ(plan.head_groups, ceil_div(heads, plan.heads_per_cta));
-      if (heads <= 8) EXPECT_EQ(plan.heads_per_cta, 8);  // TP8 computes 8 heads, not vLLM's padded 64
+      EXPECT_EQ(plan.head_groups, ceil_div(heads, 8));  // TP8 computes 8 heads, not vLLM's padded 64
       EXPECT_GE(plan.splits, 1);
       EXPECT_LE(plan.splits, kSparseMlaMaxSplits);
       EXPECT_EQ(plan.rows_per_split % 64, 0);
@@ -179,8 +177,7 @@ TEST(SparseMlaSplitPlan, BadPlansAreRejectedByName) {
     EXPECT_NE(s.message().find("'plan'"), std::string::npos) << s.message();
     EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
   };
-  rejected([](SparseMlaSplitPlan& p) { p.heads_per_cta = 32; }, "heads_per_cta 8 or 16");
-  rejected([](SparseMlaSplitPlan& p) { p.head_groups -= 1; }, "head_groups = ceil(H / heads_per_cta)");
+  rejected([](SparseMlaSplitPlan& p) { p.head_groups -= 1; }, "head_groups = ceil(H / 8) = 8");
   rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 100; }, "multiple of 64");
   rejected([](SparseMlaSplitPlan& p) { p.splits += 1; }, "at least one of the K = 2176");
   rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 64, p.splits = 34; }, "1..16 splits");
