@@ -117,7 +117,7 @@ Status check_sparse_mla(const SparseMlaArgs& args);
 struct SparseMlaSplitPlan {
   int head_groups = 0;     // ceil(H / 8)
   int splits = 0;          // 1..kSparseMlaMaxSplits CTAs per (token, group), each with at least one entry
-  int rows_per_split = 0;  // a multiple of 64
+  int rows_per_split = 0;  // a multiple of 64, at most kSparseMlaMaxTopK / 8 (the entries a CTA stages)
 };
 // Hopper's largest cluster (non-portable above 8).
 inline constexpr int kSparseMlaMaxSplits = 16;

@@ -4,15 +4,20 @@
 //
 // Work split (SparseMlaSplitPlan): CTA (split, group, token) of 16 warps
 // owns the 8 heads 8 group.. of one token (one 8-wide MMA tile) and one run
-// of rows_per_split entries of its index row, taken in chunks of 64 entries.
-// The `splits` CTAs of a (token, group) form one thread-block cluster.
+// of rows_per_split (<= 2048) entries of its index row, taken in chunks of 64
+// entries. The `splits` CTAs of a (token, group) form one thread-block
+// cluster.
+//
+// Prologue: the run's indices go to shared memory (one coalesced read, the
+// out-of-range ones counted), then the cache rows of the first kStages - 1
+// chunks are requested (cp.async, 16 bytes per thread and request, zeros for
+// invalid entries) into a ring of kStages FP8 chunk buffers.
 //
 // Per chunk, four phases separated by CTA barriers:
-//  1. convert: the chunk's cache rows, gathered into registers while the
-//     previous chunk was computed (warp w holds rows w, w + 16, w + 32,
-//     w + 48, 16 codes per lane; invalid rows are zero), go to `tile` [64
-//     rows][512] as FP16 (e4m3 converts to f16 exactly); then the next
-//     chunk's gather starts.
+//  1. convert: once the chunk's copies have landed, warp w converts rows w,
+//     w + 16, w + 32, w + 48 of the chunk buffer to FP16 (e4m3 converts to
+//     f16 exactly) into `tile` [64 rows][512]; then the rows of the chunk
+//     kStages - 1 ahead are requested into the buffer just freed.
 //  2. scores: warp w computes the partial S^T[16 rows][8 heads] of rows
 //     16 (w % 4).. over dims quarter w / 4 (128 dims, 8 MMA steps): mma
 //     m16n8k16, A = tile rows through ldmatrix, B = q from registers, FP32
@@ -20,7 +25,7 @@
 //     in flight; part = (acc0 + acc1) + (acc2 + acc3).
 //  3. softmax: warp h < 8 owns head h; lane l rows 2l, 2l + 1. Score =
 //     ((part0 + part1) + (part2 + part3)) * softmax_scale * q_scale * k_scale
-//     * log2(e) (-inf for invalid rows); chunk max over the lanes (NaN
+//     * log2(e) (-inf for invalid entries); chunk max over the lanes (NaN
 //     propagates), running max, p = 2^(score - max) rounded to FP16 into
 //     `probs`, the sum of the rounded p (butterfly over the lanes) into the
 //     running sum.
@@ -61,7 +66,9 @@ constexpr int kHeads = 8;  // heads per CTA: one MMA tile
 constexpr int kChunkRows = 64;
 constexpr int kWarps = 16;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRowsPerWarp = kChunkRows / kWarps;  // gathered rows per warp and chunk
+constexpr int kStages = 4;                         // FP8 chunk buffers: up to 3 chunks in flight while one is used
+constexpr int kMaxRowsPerSplit = kSparseMlaMaxTopK / 8;  // indices staged per CTA
+constexpr int kRowsPerWarp = kChunkRows / kWarps;  // converted rows per warp and chunk
 constexpr int kScoreParts = kWarps / 4;            // dims quarters: four warps per 16-row MMA tile
 constexpr int kScoreSteps = kLatent / 16 / kScoreParts;  // 16-dim MMA steps per score warp
 constexpr int kDimsPerWarp = kLatent / kWarps;     // P.V dims per warp
@@ -71,7 +78,7 @@ constexpr int kScoreStride = kChunkRows + 4;       // floats: conflict-free scor
 constexpr int kProbStride = kChunkRows + 8;        // halves: 144-byte rows, 16-byte aligned, conflict-free ldmatrix
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-static_assert(kScoreSteps % 4 == 0 && kDimTiles == 2 && kRowsPerWarp <= 32, "the work split below");
+static_assert(kScoreSteps % 4 == 0 && kDimTiles == 2, "the work split below");
 
 struct SharedStorage {
   // [64 rows][512 dims] FP16 of the chunk; 16-byte unit u of row r is stored
@@ -82,8 +89,9 @@ struct SharedStorage {
   float scores[kScoreParts][kHeads][kScoreStride];  // [dims quarter][head][chunk row], raw partial S
   __half probs[kHeads][kProbStride];                // [head][chunk row], 2^(score - running max)
   float run_max[kHeads], run_sum[kHeads], rescale[kHeads];
-  int row_valid[kChunkRows];
   alignas(16) uint8_t q[kHeads][kLatent];  // the group's q codes, zero for heads >= H
+  uint4 stage[kStages][kChunkRows * kLatent / 16];  // FP8 codes of chunk c in stage c % kStages, rows in order
+  int32_t index[kMaxRowsPerSplit];                  // the run's entries of the index row
 };
 static_assert(sizeof(float) * kHeads * kLatent <= sizeof(SharedStorage::tile), "the partial O fits in the tile");
 
@@ -132,6 +140,16 @@ __device__ __forceinline__ void store_shared(uint32_t address, uint32_t a, uint3
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(a), "r"(b), "r"(c), "r"(d));
 }
 
+// 16 bytes global -> shared, through L2 only; zeros when !valid (nothing is read then).
+__device__ __forceinline__ void copy_async_16(uint32_t shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+}
+
 // max that returns NaN when either operand is NaN (fmaxf would drop it).
 __device__ __forceinline__ float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
@@ -155,34 +173,14 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
   const int row_end = min(p.top_k, row_begin + rows_per_split);
   const int chunks = (row_end - row_begin + kChunkRows - 1) / kChunkRows;
 
-  // Rows warp + 16 i of a chunk, 16 codes at lane * 16 each; invalid rows are
-  // zero. Lane i < kRowsPerWarp forms row i's address, the warp shares it.
-  uint4 staged[kRowsPerWarp];
-  uint32_t staged_valid = 0;  // bit i: row warp + 16 i is a valid entry
-  auto gather = [&](int chunk) {
-    const uint8_t* row_address = nullptr;
-    if (lane < kRowsPerWarp) {
-      const int j = row_begin + chunk * kChunkRows + warp + kWarps * lane;
-      const int32_t slot = j < row_end ? index_row[j] : -1;
-      if (slot >= 0 && slot < p.capacity) {
-        const int32_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
-        const int32_t offset = slot - block * p.block_size;
-        row_address = p.cache + block * p.cache_block_stride + offset * p.cache_entry_stride;
-      }
-    }
-    staged_valid = __ballot_sync(0xFFFFFFFFu, row_address != nullptr);
-#pragma unroll
-    for (int i = 0; i < kRowsPerWarp; ++i) {
-      const uint8_t* row = reinterpret_cast<const uint8_t*>(
-          __shfl_sync(0xFFFFFFFFu, reinterpret_cast<uintptr_t>(row_address), i));
-      staged[i] = row != nullptr ? *reinterpret_cast<const uint4*>(row + lane * 16) : make_uint4(0, 0, 0, 0);
-    }
-  };
-  gather(0);
-
+  const int rows = row_end - row_begin;
+  unsigned int out_of_range = 0;
+  for (int j = threadIdx.x; j < rows; j += kThreads) {
+    const int32_t slot = index_row[row_begin + j];
+    s.index[j] = slot;
+    out_of_range += slot >= p.capacity;
+  }
   if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTAs cover the row
-    unsigned int out_of_range = 0;
-    for (int j = row_begin + threadIdx.x; j < row_end; j += kThreads) out_of_range += index_row[j] >= p.capacity;
     out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
     if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
   }
@@ -199,7 +197,32 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     s.run_max[threadIdx.x] = -INFINITY;
     s.run_sum[threadIdx.x] = 0.0f;
   }
-  __syncthreads();  // q staged
+  __syncthreads();  // indices and q staged
+
+  // Requests chunk `chunk`'s rows into its stage (an empty group past the last
+  // chunk keeps the group count uniform): thread t copies 16-byte unit t % 32
+  // of rows t / 32 + 16 i.
+  auto request = [&](int chunk) {
+    if (chunk < chunks) {
+      const uint32_t stage = shared_address(s.stage[chunk % kStages]);
+#pragma unroll
+      for (int i = 0; i < kRowsPerWarp; ++i) {
+        const int row = warp + kWarps * i, j = chunk * kChunkRows + row;
+        const int32_t slot = j < rows ? s.index[j] : -1;
+        const bool valid = slot >= 0 && slot < p.capacity;
+        const uint8_t* source = p.cache;
+        if (valid) {
+          const int32_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
+          const int32_t offset = slot - block * p.block_size;
+          source += block * p.cache_block_stride + offset * p.cache_entry_stride + lane * 16;
+        }
+        copy_async_16(stage + row * kLatent + lane * 16, source, valid);
+      }
+    }
+    copy_async_commit();
+  };
+#pragma unroll
+  for (int c = 0; c < kStages - 1; ++c) request(c);
 
   // Score role (phase 2): rows 16 (warp % 4).., dims quarter warp / 4.
   const int score_part = warp / 4, score_row = (warp % 4) * 16, first_step = score_part * kScoreSteps;
@@ -219,19 +242,21 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     for (int e = 0; e < 4; ++e) out[t][e] = 0.0f;
 
   for (int chunk = 0; chunk < chunks; ++chunk) {
-    // 1. Convert (the previous chunk's readers passed the barrier that ends the loop body).
+    // 1. Convert (the previous chunk's readers of `tile` passed the barrier below).
+    copy_async_wait<kStages - 2>();
+    __syncthreads();
+    const uint4* stage = s.stage[chunk % kStages];
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const int row = warp + kWarps * i;
-      const uint4 codes = staged[i];
+      const uint4 codes = stage[row * (kLatent / 16) + lane];
       store_shared(tile_unit(tile, row, 2 * lane), e4m3x2_to_f16x2(codes.x), e4m3x2_to_f16x2(codes.x >> 16),
                    e4m3x2_to_f16x2(codes.y), e4m3x2_to_f16x2(codes.y >> 16));
       store_shared(tile_unit(tile, row, 2 * lane + 1), e4m3x2_to_f16x2(codes.z), e4m3x2_to_f16x2(codes.z >> 16),
                    e4m3x2_to_f16x2(codes.w), e4m3x2_to_f16x2(codes.w >> 16));
     }
-    if (lane < kRowsPerWarp) s.row_valid[warp + kWarps * lane] = (staged_valid >> lane) & 1u;
     __syncthreads();
-    if (chunk + 1 < chunks) gather(chunk + 1);
+    request(chunk + kStages - 1);  // into the stage converted one chunk ago
 
     // 2. Partial scores of 16 rows x 8 heads over one dims quarter per warp.
     {
@@ -263,8 +288,12 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       for (int q = 0; q < kScoreParts; ++q) part[q] = *reinterpret_cast<const float2*>(&s.scores[q][h][2 * lane]);
       const float raw0 = (part[0].x + part[1].x) + (part[2].x + part[3].x);
       const float raw1 = (part[0].y + part[1].y) + (part[2].y + part[3].y);
-      const float score0 = s.row_valid[2 * lane] ? raw0 * score_scale : -INFINITY;
-      const float score1 = s.row_valid[2 * lane + 1] ? raw1 * score_scale : -INFINITY;
+      auto valid = [&](int row) {
+        const int j = chunk * kChunkRows + row;
+        return j < rows && s.index[j] >= 0 && s.index[j] < p.capacity;
+      };
+      const float score0 = valid(2 * lane) ? raw0 * score_scale : -INFINITY;
+      const float score1 = valid(2 * lane + 1) ? raw1 * score_scale : -INFINITY;
       float chunk_max = max_propagating_nan(score0, score1);
 #pragma unroll
       for (int offset = 16; offset >= 1; offset /= 2) {
@@ -316,8 +345,9 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
 #pragma unroll
       for (int t = 0; t < kDimTiles; ++t) mma_f16(out[t], a[t], b[0], b[1]);
     }
-    __syncthreads();
   }
+  copy_async_wait<0>();  // only empty groups remain
+  __syncthreads();       // every warp's P.V is done with the tile
 
   // This CTA's partial O [8][512] f32, relative to its run_max, over the tile.
   float(*partial)[kLatent] = reinterpret_cast<float(*)[kLatent]>(s.tile);
@@ -398,8 +428,10 @@ Status check_plan(const SparseMlaSplitPlan& plan, int heads, int top_k) {
   if (plan.head_groups != ceil_div(heads, kHeads)) {
     return invalid_argument("plan", "head_groups = ceil(H / 8) = " + std::to_string(ceil_div(heads, kHeads)), given);
   }
-  if (plan.rows_per_split < kChunkRows || plan.rows_per_split % kChunkRows != 0) {
-    return invalid_argument("plan", "rows_per_split a positive multiple of 64", given);
+  if (plan.rows_per_split < kChunkRows || plan.rows_per_split % kChunkRows != 0 ||
+      plan.rows_per_split > kMaxRowsPerSplit) {
+    return invalid_argument("plan", "rows_per_split a multiple of 64 in 64.." + std::to_string(kMaxRowsPerSplit),
+                            given);
   }
   if (plan.splits < 1 || plan.splits > kSparseMlaMaxSplits || plan.splits != ceil_div(top_k, plan.rows_per_split)) {
     return invalid_argument("plan",

@@ -159,6 +159,7 @@ TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
       EXPECT_GE(plan.splits, 1);
       EXPECT_LE(plan.splits, kSparseMlaMaxSplits);
       EXPECT_EQ(plan.rows_per_split % 64, 0);
+      EXPECT_LE(plan.rows_per_split, kSparseMlaMaxTopK / 8) << "more entries than a CTA stages";
       EXPECT_GE(int64_t(plan.splits) * plan.rows_per_split, top_k) << "entries left out";
       EXPECT_LT(int64_t(plan.splits - 1) * plan.rows_per_split, top_k) << "an empty split";
     }
@@ -178,7 +179,8 @@ TEST(SparseMlaSplitPlan, BadPlansAreRejectedByName) {
     EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
   };
   rejected([](SparseMlaSplitPlan& p) { p.head_groups -= 1; }, "head_groups = ceil(H / 8) = 8");
-  rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 100; }, "multiple of 64");
+  rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 100; }, "multiple of 64 in 64..2048");
+  rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 2176, p.splits = 1; }, "multiple of 64 in 64..2048");
   rejected([](SparseMlaSplitPlan& p) { p.splits += 1; }, "at least one of the K = 2176");
   rejected([](SparseMlaSplitPlan& p) { p.rows_per_split = 64, p.splits = 34; }, "1..16 splits");
 }
