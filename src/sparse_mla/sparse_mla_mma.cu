@@ -8,8 +8,9 @@
 // entries. The `splits` CTAs of a (token, group) form one thread-block
 // cluster.
 //
-// Prologue: the run's indices go to shared memory (one coalesced read, the
-// out-of-range ones counted), then the cache rows of the first kStages - 1
+// Prologue: the run's indices are read once (coalesced, the out-of-range ones
+// counted) and their cache row offsets go to shared memory (-1 for invalid
+// entries), then the cache rows of the first kStages - 1
 // chunks are requested (cp.async, 16 bytes per thread and request, zeros for
 // invalid entries) into a ring of kStages FP8 chunk buffers.
 //
@@ -35,9 +36,10 @@
 // After the last chunk every CTA leaves its unnormalized O [8][512] f32 and
 // its (max, sum) per head in shared memory; after a cluster barrier, CTA r
 // combines vectors [r V / splits, (r + 1) V / splits) of the V = 8 * 64
-// eight-dim vectors of the group, reading every split's partial through
-// distributed shared memory and adding in split order, and writes latent
-// (times k_scale / sum) and lse. A second cluster barrier keeps each CTA's
+// eight-dim vectors of the group: one thread per (vector, split) reads that
+// split's partial through distributed shared memory and weighs it by
+// 2^(split max - max), then one thread per vector adds the weighted partials
+// in split order, and writes latent (times k_scale / sum) and lse. A second cluster barrier keeps each CTA's
 // shared memory alive until its peers have read it.
 //
 // Every sum has a fixed order that depends only on K, H and the entry
@@ -89,11 +91,15 @@ struct SharedStorage {
   float scores[kScoreParts][kHeads][kScoreStride];  // [dims quarter][head][chunk row], raw partial S
   __half probs[kHeads][kProbStride];                // [head][chunk row], 2^(score - running max)
   float run_max[kHeads], run_sum[kHeads], rescale[kHeads];
+  float peer_max[kSparseMlaMaxSplits][kHeads], peer_sum[kSparseMlaMaxSplits][kHeads];  // every split's, for the combine
   alignas(16) uint8_t q[kHeads][kLatent];  // the group's q codes, zero for heads >= H
   uint4 stage[kStages][kChunkRows * kLatent / 16];  // FP8 codes of chunk c in stage c % kStages, rows in order
-  int32_t index[kMaxRowsPerSplit];                  // the run's entries of the index row
+  int64_t row_offset[kMaxRowsPerSplit];             // byte offset of each entry's cache row, -1 when invalid
 };
-static_assert(sizeof(float) * kHeads * kLatent <= sizeof(SharedStorage::tile), "the partial O fits in the tile");
+// The partial O and the weighted partials of the combine share the tile.
+static_assert(sizeof(float) * (kHeads * kLatent + (kHeads * kLatent / 8 + kSparseMlaMaxSplits) * 8) <=
+                  sizeof(SharedStorage::tile),
+              "the combine fits in the tile");
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
@@ -177,7 +183,12 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
   unsigned int out_of_range = 0;
   for (int j = threadIdx.x; j < rows; j += kThreads) {
     const int32_t slot = index_row[row_begin + j];
-    s.index[j] = slot;
+    int64_t offset = -1;
+    if (slot >= 0 && slot < p.capacity) {
+      const int32_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
+      offset = block * p.cache_block_stride + (slot - block * p.block_size) * p.cache_entry_stride;
+    }
+    s.row_offset[j] = offset;
     out_of_range += slot >= p.capacity;
   }
   if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTAs cover the row
@@ -208,15 +219,8 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
 #pragma unroll
       for (int i = 0; i < kRowsPerWarp; ++i) {
         const int row = warp + kWarps * i, j = chunk * kChunkRows + row;
-        const int32_t slot = j < rows ? s.index[j] : -1;
-        const bool valid = slot >= 0 && slot < p.capacity;
-        const uint8_t* source = p.cache;
-        if (valid) {
-          const int32_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
-          const int32_t offset = slot - block * p.block_size;
-          source += block * p.cache_block_stride + offset * p.cache_entry_stride + lane * 16;
-        }
-        copy_async_16(stage + row * kLatent + lane * 16, source, valid);
+        const int64_t offset = j < rows ? s.row_offset[j] : -1;
+        copy_async_16(stage + row * kLatent + lane * 16, p.cache + (offset >= 0 ? offset + lane * 16 : 0), offset >= 0);
       }
     }
     copy_async_commit();
@@ -290,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       const float raw1 = (part[0].y + part[1].y) + (part[2].y + part[3].y);
       auto valid = [&](int row) {
         const int j = chunk * kChunkRows + row;
-        return j < rows && s.index[j] >= 0 && s.index[j] < p.capacity;
+        return j < rows && s.row_offset[j] >= 0;
       };
       const float score0 = valid(2 * lane) ? raw0 * score_scale : -INFINITY;
       const float score1 = valid(2 * lane + 1) ? raw1 * score_scale : -INFINITY;
@@ -361,53 +365,61 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
   }
   cluster.sync();
 
-  // Combine this CTA's share of the group's eight-dim vectors over the splits, in split order.
+  // Combine this CTA's share of the group's eight-dim vectors over the splits,
+  // in split order: (max, sum) of every split to local memory; then one
+  // thread per (vector, split) reads that split's partial and weighs it;
+  // then one thread per vector adds the weighted partials in split order.
   constexpr int kVectorsPerHead = kLatent / 8, kVectors = kHeads * kVectorsPerHead;
-  const int v = split * kVectors / splits + threadIdx.x;
-  const int h = v / kVectorsPerHead, d0 = (v % kVectorsPerHead) * 8, head = first_head + h;
-  static_assert(kVectors <= kThreads, "one vector per thread at most");
-  if (v < (split + 1) * kVectors / splits && head < p.heads) {
-    float split_max[kSparseMlaMaxSplits], split_sum[kSparseMlaMaxSplits];
+  if (threadIdx.x < kHeads * splits) {
+    const int r = threadIdx.x / kHeads, h = threadIdx.x % kHeads;
+    s.peer_max[r][h] = *cluster.map_shared_rank(&s.run_max[h], r);
+    s.peer_sum[r][h] = *cluster.map_shared_rank(&s.run_sum[h], r);
+  }
+  __syncthreads();
+  auto head_max = [&](int h) {
+    float m = -INFINITY;
+    for (int r = 0; r < splits; ++r) m = max_propagating_nan(m, s.peer_max[r][h]);
+    return m;
+  };
+  const int first_vector = split * kVectors / splits, share = (split + 1) * kVectors / splits - first_vector;
+  float(*weighted)[8] = reinterpret_cast<float(*)[8]>(&partial[kHeads][0]);  // [share * splits][8], after the partial
+  for (int q = threadIdx.x; q < share * splits; q += kThreads) {
+    const int v = first_vector + q / splits, r = q % splits;
+    const int h = v / kVectorsPerHead, d0 = (v % kVectorsPerHead) * 8;
+    const float m = head_max(h);
+    const float weight = m != -INFINITY ? exp2f(s.peer_max[r][h] - m) : 0.0f;  // 0 for a split without valid entries
+    const float4* source = reinterpret_cast<const float4*>(cluster.map_shared_rank(&partial[h][d0], r));
+    const float4 x = source[0], y = source[1];
+    reinterpret_cast<float4*>(weighted[q])[0] = make_float4(x.x * weight, x.y * weight, x.z * weight, x.w * weight);
+    reinterpret_cast<float4*>(weighted[q])[1] = make_float4(y.x * weight, y.y * weight, y.z * weight, y.w * weight);
+  }
+  __syncthreads();
+  if (threadIdx.x < share) {
+    const int v = first_vector + threadIdx.x;
+    const int h = v / kVectorsPerHead, d0 = (v % kVectorsPerHead) * 8, head = first_head + h;
+    const float m = head_max(h);
+    if (head < p.heads) {
+      float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      float total_sum = 0.0f;
+      for (int r = 0; r < splits; ++r) {
+        const float* w = weighted[threadIdx.x * splits + r];
 #pragma unroll
-    for (int r = 0; r < kSparseMlaMaxSplits; ++r) {  // all loads first: one round trip, not `splits`
-      if (r < splits) {
-        split_max[r] = *cluster.map_shared_rank(&s.run_max[h], r);
-        split_sum[r] = *cluster.map_shared_rank(&s.run_sum[h], r);
+        for (int e = 0; e < 8; ++e) total[e] += w[e];
+        if (m != -INFINITY) total_sum = fmaf(s.peer_sum[r][h], exp2f(s.peer_max[r][h] - m), total_sum);
       }
-    }
-    float total_max = -INFINITY;
+      // No valid entry: total_sum = 0 and the output is +0 (scale is never used).
+      const float scale = m != -INFINITY ? num::div_rn(*p.k_scale, total_sum) : 0.0f;
+      uint32_t packed[4];
 #pragma unroll
-    for (int r = 0; r < kSparseMlaMaxSplits; ++r) {
-      if (r < splits) total_max = max_propagating_nan(total_max, split_max[r]);
-    }
-    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    float total_sum = 0.0f;
-    if (total_max != -INFINITY) {
-#pragma unroll
-      for (int r = 0; r < kSparseMlaMaxSplits; ++r) {
-        if (r < splits) {
-          const float weight = exp2f(split_max[r] - total_max);  // 0 for a split without valid entries
-          total_sum = fmaf(split_sum[r], weight, total_sum);
-          const float4* source = reinterpret_cast<const float4*>(cluster.map_shared_rank(&partial[h][d0], r));
-          const float4 x = source[0], y = source[1];
-          const float values[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
-#pragma unroll
-          for (int e = 0; e < 8; ++e) total[e] = fmaf(values[e], weight, total[e]);
-        }
+      for (int e = 0; e < 4; ++e) {
+        packed[e] = uint32_t(num::float_to_bf16(total[2 * e] * scale)) |
+                    (uint32_t(num::float_to_bf16(total[2 * e + 1] * scale)) << 16);
       }
-    }
-    // No valid entry: total_sum = 0 and the output is +0 (scale is never used).
-    const float scale = total_max != -INFINITY ? num::div_rn(*p.k_scale, total_sum) : 0.0f;
-    uint32_t packed[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      packed[e] = uint32_t(num::float_to_bf16(total[2 * e] * scale)) |
-                  (uint32_t(num::float_to_bf16(total[2 * e + 1] * scale)) << 16);
-    }
-    *reinterpret_cast<uint4*>(p.latent + token * p.latent_token_stride + int64_t(head) * kLatent + d0) =
-        make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    if (d0 == 0) {
-      p.lse[int64_t(token) * p.heads + head] = total_max != -INFINITY ? total_max * kLn2 + logf(total_sum) : -INFINITY;
+      *reinterpret_cast<uint4*>(p.latent + token * p.latent_token_stride + int64_t(head) * kLatent + d0) =
+          make_uint4(packed[0], packed[1], packed[2], packed[3]);
+      if (d0 == 0) {
+        p.lse[int64_t(token) * p.heads + head] = m != -INFINITY ? m * kLn2 + logf(total_sum) : -INFINITY;
+      }
     }
   }
   cluster.sync();  // peers may still be reading this CTA's partials
