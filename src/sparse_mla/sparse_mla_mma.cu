@@ -33,14 +33,14 @@
 //  4. P.V: warp w owns dims 32 w..32 w + 31 of the 8 heads: rescales its
 //     accumulators, then O^T[dims][heads] += V^T[dims][rows] P^T[rows][heads]
 //     (A = tile through ldmatrix.trans, B = probs), FP32 accumulators.
-// After the last chunk every CTA leaves its unnormalized O [8][512] f32 and
-// its (max, sum) per head in shared memory; after a cluster barrier, CTA r
-// combines vectors [r V / splits, (r + 1) V / splits) of the V = 8 * 64
-// eight-dim vectors of the group: one thread per (vector, split) reads that
-// split's partial through distributed shared memory and weighs it by
-// 2^(split max - max), then one thread per vector adds the weighted partials
-// in split order, and writes latent (times k_scale / sum) and lse. A second cluster barrier keeps each CTA's
-// shared memory alive until its peers have read it.
+// After the last chunk, CTA r of the cluster pushes its unnormalized partial
+// O [8][512] f32 and its (max, sum) per head to the CTAs that combine them:
+// CTA k combines vectors [k V / splits, (k + 1) V / splits) of the V = 8 * 64
+// eight-dim vectors of the group, so CTA r stores each of its partial vectors
+// into the shared memory of the vector's CTA (distributed shared memory,
+// stores only). After one cluster barrier, each CTA weighs every split's
+// partial by 2^(split max - max), adds them in split order from its own
+// shared memory, and writes latent (times k_scale / sum) and lse.
 //
 // Every sum has a fixed order that depends only on K, H and the entry
 // positions: the same inputs give the same bits, for any m.
@@ -68,7 +68,7 @@ constexpr int kHeads = 8;  // heads per CTA: one MMA tile
 constexpr int kChunkRows = 64;
 constexpr int kWarps = 16;
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 4;                         // FP8 chunk buffers: up to 3 chunks in flight while one is used
+constexpr int kStages = 3;                         // FP8 chunk buffers: two chunks in flight while one is used
 constexpr int kMaxRowsPerSplit = kSparseMlaMaxTopK / 8;  // indices staged per CTA
 constexpr int kRowsPerWarp = kChunkRows / kWarps;  // converted rows per warp and chunk
 constexpr int kScoreParts = kWarps / 4;            // dims quarters: four warps per 16-row MMA tile
@@ -91,15 +91,18 @@ struct SharedStorage {
   float scores[kScoreParts][kHeads][kScoreStride];  // [dims quarter][head][chunk row], raw partial S
   __half probs[kHeads][kProbStride];                // [head][chunk row], 2^(score - running max)
   float run_max[kHeads], run_sum[kHeads], rescale[kHeads];
-  float peer_max[kSparseMlaMaxSplits][kHeads], peer_sum[kSparseMlaMaxSplits][kHeads];  // every split's, for the combine
+  // What the cluster's CTAs push for this CTA's combine: per split, (max,
+  // sum) per head and the partial O of this CTA's vectors (at most 512 / 1
+  // of them). Written by peers once they leave their chunk loop, so nothing
+  // else lives here.
+  float peer_max[kSparseMlaMaxSplits][kHeads], peer_sum[kSparseMlaMaxSplits][kHeads];
+  // incoming[r * share + i]: split r's partial of this CTA's vector i (share = this CTA's vector count).
+  alignas(16) float incoming[kHeads * kLatent / 8 + kSparseMlaMaxSplits][8];
   alignas(16) uint8_t q[kHeads][kLatent];  // the group's q codes, zero for heads >= H
   uint4 stage[kStages][kChunkRows * kLatent / 16];  // FP8 codes of chunk c in stage c % kStages, rows in order
   int64_t row_offset[kMaxRowsPerSplit];             // byte offset of each entry's cache row, -1 when invalid
 };
-// The partial O and the weighted partials of the combine share the tile.
-static_assert(sizeof(float) * (kHeads * kLatent + (kHeads * kLatent / 8 + kSparseMlaMaxSplits) * 8) <=
-                  sizeof(SharedStorage::tile),
-              "the combine fits in the tile");
+static_assert(sizeof(float) * kHeads * kLatent <= sizeof(SharedStorage::tile), "the partial O fits in the tile");
 
 __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
@@ -156,6 +159,15 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
 }
 
+// Cluster barrier halves. A CTA arrives (relaxed) when it starts and waits
+// before its first store into a peer's shared memory, so no store reaches a
+// CTA that has not started; the release/acquire pair publishes the stores.
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;"); }
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
 // max that returns NaN when either operand is NaN (fmaxf would drop it).
 __device__ __forceinline__ float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
@@ -169,6 +181,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
   const int g = lane / 4, c = lane % 4;  // MMA fragment coordinates: row group, column pair
   const int first_head = group * kHeads;
   const uint32_t tile = shared_address(s.tile);
+  cluster_arrive_relaxed();  // this CTA has started (see the push below)
 
   // Every input is written by a predecessor in the decode chain (absorb, cache write, indexer).
   pdl_wait();
@@ -249,15 +262,18 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     // 1. Convert (the previous chunk's readers of `tile` passed the barrier below).
     copy_async_wait<kStages - 2>();
     __syncthreads();
-    const uint4* stage = s.stage[chunk % kStages];
+    // Lane l converts dims 8l.. and 256 + 8l.. of each row: whole 512-byte
+    // spans of the tile per store, no bank conflicts.
+    const uint2* stage = reinterpret_cast<const uint2*>(s.stage[chunk % kStages]);
 #pragma unroll
     for (int i = 0; i < kRowsPerWarp; ++i) {
       const int row = warp + kWarps * i;
-      const uint4 codes = stage[row * (kLatent / 16) + lane];
-      store_shared(tile_unit(tile, row, 2 * lane), e4m3x2_to_f16x2(codes.x), e4m3x2_to_f16x2(codes.x >> 16),
-                   e4m3x2_to_f16x2(codes.y), e4m3x2_to_f16x2(codes.y >> 16));
-      store_shared(tile_unit(tile, row, 2 * lane + 1), e4m3x2_to_f16x2(codes.z), e4m3x2_to_f16x2(codes.z >> 16),
-                   e4m3x2_to_f16x2(codes.w), e4m3x2_to_f16x2(codes.w >> 16));
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint2 codes = stage[row * (kLatent / 8) + half * 32 + lane];
+        store_shared(tile_unit(tile, row, half * 32 + lane), e4m3x2_to_f16x2(codes.x), e4m3x2_to_f16x2(codes.x >> 16),
+                     e4m3x2_to_f16x2(codes.y), e4m3x2_to_f16x2(codes.y >> 16));
+      }
     }
     __syncthreads();
     request(chunk + kStages - 1);  // into the stage converted one chunk ago
@@ -363,52 +379,57 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     partial[2 * c][d + 8] = out[t][2];
     partial[2 * c + 1][d + 8] = out[t][3];
   }
-  cluster.sync();
+  __syncthreads();
 
-  // Combine this CTA's share of the group's eight-dim vectors over the splits,
-  // in split order: (max, sum) of every split to local memory; then one
-  // thread per (vector, split) reads that split's partial and weighs it;
-  // then one thread per vector adds the weighted partials in split order.
+  // Push: CTA k of the cluster combines the eight-dim vectors [k V / splits,
+  // (k + 1) V / splits) of the group's V = 8 * 64; this CTA stores its partial
+  // of those vectors and its (max, sum) per head into CTA k's `incoming` and
+  // `peer_*` rows for split `split` (distributed shared memory, stores only).
+  // After one cluster barrier every CTA combines from its own shared memory,
+  // and no CTA reads another's memory after the barrier.
   constexpr int kVectorsPerHead = kLatent / 8, kVectors = kHeads * kVectorsPerHead;
+  auto first_vector_of = [&](int k) { return k * kVectors / splits; };
+  cluster_wait();  // every peer has started
+  for (int v = threadIdx.x; v < kVectors; v += kThreads) {
+    int k = (v * splits) / kVectors;  // the combining CTA of vector v
+    while (first_vector_of(k + 1) <= v) ++k;
+    while (first_vector_of(k) > v) --k;
+    const float4* source = reinterpret_cast<const float4*>(&partial[v / kVectorsPerHead][(v % kVectorsPerHead) * 8]);
+    const int share_k = first_vector_of(k + 1) - first_vector_of(k);
+    float4* target = reinterpret_cast<float4*>(
+        cluster.map_shared_rank(s.incoming[split * share_k + v - first_vector_of(k)], k));
+    target[0] = source[0];
+    target[1] = source[1];
+  }
   if (threadIdx.x < kHeads * splits) {
-    const int r = threadIdx.x / kHeads, h = threadIdx.x % kHeads;
-    s.peer_max[r][h] = *cluster.map_shared_rank(&s.run_max[h], r);
-    s.peer_sum[r][h] = *cluster.map_shared_rank(&s.run_sum[h], r);
+    const int k = threadIdx.x / kHeads, h = threadIdx.x % kHeads;
+    *cluster.map_shared_rank(&s.peer_max[split][h], k) = s.run_max[h];
+    *cluster.map_shared_rank(&s.peer_sum[split][h], k) = s.run_sum[h];
   }
-  __syncthreads();
-  auto head_max = [&](int h) {
-    float m = -INFINITY;
-    for (int r = 0; r < splits; ++r) m = max_propagating_nan(m, s.peer_max[r][h]);
-    return m;
-  };
-  const int first_vector = split * kVectors / splits, share = (split + 1) * kVectors / splits - first_vector;
-  float(*weighted)[8] = reinterpret_cast<float(*)[8]>(&partial[kHeads][0]);  // [share * splits][8], after the partial
-  for (int q = threadIdx.x; q < share * splits; q += kThreads) {
-    const int v = first_vector + q / splits, r = q % splits;
-    const int h = v / kVectorsPerHead, d0 = (v % kVectorsPerHead) * 8;
-    const float m = head_max(h);
-    const float weight = m != -INFINITY ? exp2f(s.peer_max[r][h] - m) : 0.0f;  // 0 for a split without valid entries
-    const float4* source = reinterpret_cast<const float4*>(cluster.map_shared_rank(&partial[h][d0], r));
-    const float4 x = source[0], y = source[1];
-    reinterpret_cast<float4*>(weighted[q])[0] = make_float4(x.x * weight, x.y * weight, x.z * weight, x.w * weight);
-    reinterpret_cast<float4*>(weighted[q])[1] = make_float4(y.x * weight, y.y * weight, y.z * weight, y.w * weight);
-  }
-  __syncthreads();
+  cluster_arrive_release();
+  cluster_wait();
+
+  // Combine this CTA's vectors over the splits, in split order.
+  const int first_vector = first_vector_of(split), share = first_vector_of(split + 1) - first_vector;
   if (threadIdx.x < share) {
     const int v = first_vector + threadIdx.x;
     const int h = v / kVectorsPerHead, d0 = (v % kVectorsPerHead) * 8, head = first_head + h;
-    const float m = head_max(h);
     if (head < p.heads) {
+      float total_max = -INFINITY;
+      for (int r = 0; r < splits; ++r) total_max = max_propagating_nan(total_max, s.peer_max[r][h]);
       float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       float total_sum = 0.0f;
-      for (int r = 0; r < splits; ++r) {
-        const float* w = weighted[threadIdx.x * splits + r];
+      if (total_max != -INFINITY) {
+        for (int r = 0; r < splits; ++r) {
+          const float weight = exp2f(s.peer_max[r][h] - total_max);  // 0 for a split without valid entries
+          total_sum = fmaf(s.peer_sum[r][h], weight, total_sum);
+          const float* values = s.incoming[r * share + threadIdx.x];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) total[e] += w[e];
-        if (m != -INFINITY) total_sum = fmaf(s.peer_sum[r][h], exp2f(s.peer_max[r][h] - m), total_sum);
+          for (int e = 0; e < 8; ++e) total[e] = fmaf(values[e], weight, total[e]);
+        }
       }
       // No valid entry: total_sum = 0 and the output is +0 (scale is never used).
-      const float scale = m != -INFINITY ? num::div_rn(*p.k_scale, total_sum) : 0.0f;
+      const float scale = total_max != -INFINITY ? num::div_rn(*p.k_scale, total_sum) : 0.0f;
       uint32_t packed[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -418,11 +439,11 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       *reinterpret_cast<uint4*>(p.latent + token * p.latent_token_stride + int64_t(head) * kLatent + d0) =
           make_uint4(packed[0], packed[1], packed[2], packed[3]);
       if (d0 == 0) {
-        p.lse[int64_t(token) * p.heads + head] = m != -INFINITY ? m * kLn2 + logf(total_sum) : -INFINITY;
+        p.lse[int64_t(token) * p.heads + head] =
+            total_max != -INFINITY ? total_max * kLn2 + logf(total_sum) : -INFINITY;
       }
     }
   }
-  cluster.sync();  // peers may still be reading this CTA's partials
 }
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
