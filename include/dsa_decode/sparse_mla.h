@@ -37,19 +37,18 @@
 // programmatic dependent launch and waits (griddepcontrol.wait) before reading
 // q, the cache, the indices or the scales, all of which its predecessors write.
 //
-// Split-K counters (the contract of the tensor-core kernel to come, issue 4;
-// docs/sparse_mla.md): when m * H is small the fast kernel splits the K
-// entries of a (token, head group) over several CTAs and the last CTA to
-// finish combines the partial results, counted in a caller-owned int32 buffer
-// of sparse_mla_split_counter_count(m, H, K) counters. The caller zeroes it
-// once at allocation; every launch that completes returns each counter it
-// used to zero, so no per-call memset is needed. One buffer serves any number
-// of launches in stream order (every layer of a step), but not two launches
-// that may run concurrently. After a launch that failed mid-way (a CUDA
-// error), zero it again. The count is non-decreasing in m: allocate it once
-// for the largest m. sparse_mla_simple does not split: it requires the
-// buffer too (one contract for both kernels, so switching kernel changes no
-// caller) but never reads or writes it, so it stays zero.
+// Split-K counters: a caller-owned int32 buffer of
+// sparse_mla_split_counter_count(m, H, K) counters, zeroed once at
+// allocation; every launch that completes leaves it zero, so no per-call
+// memset is needed. Neither kernel of this version uses it: the tensor-core
+// kernel combines its splits inside a thread-block cluster through
+// distributed shared memory (docs/sparse_mla.md has the measurements). It is
+// required all the same, so that a kernel with more splits than a cluster
+// holds (a two-level combine through a self-resetting counter) changes no
+// caller. One buffer serves any number of launches in stream order, not two
+// launches that may run concurrently; after a launch that failed mid-way (a
+// CUDA error), zero it again. The count is non-decreasing in m: allocate it
+// once for the largest m.
 #pragma once
 
 #include <cuda_runtime.h>
