@@ -1,5 +1,6 @@
 #include "cpu_path.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -49,6 +50,47 @@ std::string first_fp8(const uint8_t* codes, size_t count, float scale) {
   return text;
 }
 
+std::string first_f32(const std::vector<float>& values) {
+  std::string text;
+  for (size_t i = 0; i < values.size() && i < kShownValues; ++i) {
+    char number[24];
+    std::snprintf(number, sizeof(number), "%s%.4g", i ? " " : "", values[i]);
+    text += number;
+  }
+  return text;
+}
+
+// The attention over the cache entries the rows select, gathered into a
+// compact cache (one entry per block) so that any context fits: entries below
+// the context are made from the seed, the step's own from `window` (written by
+// the cache write).
+reference::SparseMlaResult attend(const StepShape& s, const HostWeights& w, uint64_t seed, const HostCache& window,
+                                  const std::vector<uint8_t>& q_fp8, const std::vector<int32_t>& slots) {
+  std::vector<int32_t> selected;
+  for (int32_t slot : slots) {
+    if (slot >= 0) selected.push_back(slot);
+  }
+  std::sort(selected.begin(), selected.end());
+  selected.erase(std::unique(selected.begin(), selected.end()), selected.end());
+  std::vector<uint8_t> compact(selected.size() * s.L);
+  for (size_t i = 0; i < selected.size(); ++i) {
+    uint8_t* entry = &compact[i * s.L];
+    if (selected[i] < s.context) {
+      make_cached_entry(s, w, seed, selected[i], entry);
+    } else {
+      std::copy_n(&window.bytes[size_t(selected[i] - window.first_slot()) * s.L], s.L, entry);
+    }
+  }
+  std::vector<int32_t> compact_slots(slots.size(), -1);
+  for (size_t j = 0; j < slots.size(); ++j) {
+    if (slots[j] >= 0) {
+      compact_slots[j] = static_cast<int32_t>(std::lower_bound(selected.begin(), selected.end(), slots[j]) -
+                                              selected.begin());
+    }
+  }
+  return reference_attention(s, w, q_fp8, compact, static_cast<int64_t>(selected.size()), 1, compact_slots);
+}
+
 // ms < 0: the output comes from the previous row's kernel (no time of its own).
 void print_row(const char* kernel, const std::string& output, double ms, uint64_t fingerprint,
                const std::string& values) {
@@ -83,8 +125,8 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
               "W_UV [%d, %d, %d]), q_scale = k_scale = %.6g, eps %g; made in %.0f ms\n",
               static_cast<unsigned long long>(seed), weight_mb, static_cast<long long>(s.q_width()), s.Q, s.H, s.P,
               s.L, s.H, s.L, s.V, weights.q_scale, weights.eps, make_ms);
-  std::printf("latent: a synthetic stand-in for the attention output (the sparse MLA attention, issue 4, and the "
-              "indexer, issue 5, are not built yet)\n");
+  std::printf("attention: over synthetic top-k rows (512 pools drawn from the seed + the tail per token; the "
+              "indexer is not wired in yet), float64 reference\n");
   std::printf("KV cache [%lld blocks, %d, %d] FP8 e4m3, new tokens at slots %lld..%lld; the CPU holds blocks "
               "%lld..%lld only\n\n",
               static_cast<long long>(s.cache_blocks()), kCacheBlockSize, s.L, static_cast<long long>(s.context),
@@ -93,6 +135,7 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
 
   NormOutputs normed;
   std::vector<uint16_t> q, out;
+  reference::SparseMlaResult attended;
   std::vector<uint8_t> q_fp8;
   int skipped_slots = 0;
   const HeadGemvTactic absorb = absorb_tactic(s), value_up = value_up_tactic(s);
@@ -101,7 +144,8 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
   const double absorb_ms = timed_ms([&] { q_fp8 = reference_absorb(s, weights, q, absorb); });
   const double cache_ms =
       timed_ms([&] { skipped_slots = reference_cache_write(s, weights, normed.kv_c, inputs.slot_mapping, &cache); });
-  const double value_up_ms = timed_ms([&] { out = reference_value_up(s, weights, inputs.latent, value_up); });
+  const double attention_ms = timed_ms([&] { attended = attend(s, weights, seed, cache, q_fp8, inputs.topk_slots); });
+  const double value_up_ms = timed_ms([&] { out = reference_value_up(s, weights, attended.latent, value_up); });
 
   std::printf("%-12s %-30s %9s  %-16s  %s\n", "kernel", "output", "CPU ms", "fingerprint", "first values (token 0)");
   print_row("norm", "q_c " + shape_text({s.m, s.Q}) + " BF16", norm_ms, fingerprint(normed.q_c),
@@ -114,13 +158,16 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
   const std::vector<uint8_t> written(cache.bytes.begin() + first_entry, cache.bytes.begin() + first_entry + size_t(s.m) * s.L);
   print_row("cache write", std::to_string(s.m) + " entries of " + std::to_string(s.L) + " e4m3", cache_ms,
             fingerprint(written), first_fp8(written.data(), written.size(), weights.k_scale) + " (dequantized)");
+  print_row("attention", "latent " + shape_text({s.m, s.H, s.L}) + " BF16", attention_ms, fingerprint(attended.latent),
+            first_bf16(attended.latent));
+  print_row("", "lse " + shape_text({s.m, s.H}) + " f32", -1, fingerprint(attended.lse), first_f32(attended.lse));
   print_row("value_up", "out " + shape_text({s.m, s.H, s.V}) + " BF16", value_up_ms, fingerprint(out),
             first_bf16(out));
   std::printf("\nhead_gemv tactics (tile/rows per thread): absorb %d/%d, value_up %d/%d; q_fp8 saturated at +-448: "
               "%zu of %zu; slots outside the cache: %d\n",
               absorb.tile, absorb.rows_per_thread, value_up.tile, value_up.rows_per_thread,
               count_saturated_fp8(q_fp8), q_fp8.size(), skipped_slots);
-  std::printf("CPU reference chain: %.0f ms\n", norm_ms + q_b_ms + absorb_ms + cache_ms + value_up_ms);
+  std::printf("CPU reference chain: %.0f ms\n", norm_ms + q_b_ms + absorb_ms + cache_ms + attention_ms + value_up_ms);
   return 0;
 }
 

@@ -1,9 +1,11 @@
 #include "device_step.h"
 
+#include <algorithm>
 #include <string>
 
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/norm.h"
+#include "dsa_decode/sparse_mla.h"
 #include "dsa_decode/stock.h"
 #include "reference_chain.h"
 
@@ -76,8 +78,8 @@ Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const Host
   DSA_RETURN_IF_ERROR(copy_to_device(scales, &scales_, stream));
 
   DSA_RETURN_IF_ERROR(copy_to_device(in.qkv, &qkv_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.latent, &latent_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(in.slot_mapping, &slots_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.topk_slots, &topk_slots_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(cache.bytes, &cache_fused_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(cache.bytes, &cache_stock_, stream));
 
@@ -86,11 +88,18 @@ Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const Host
   DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * shape.L, &kv_c_, stream));
   DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * shape.q_width(), &q_, stream));
   DSA_RETURN_IF_ERROR(allocate_poisoned(m * H * shape.L, &q_fp8_fused_, stream));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * H * shape.L, &latent_fused_, stream));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(4 * m * H, &lse_fused_, stream));
   DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * H * shape.V, &out_fused_, stream));
   DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * H * shape.L, &q_bf16_stock_, stream));
   DSA_RETURN_IF_ERROR(allocate_poisoned(m * H * shape.L, &q_fp8_stock_, stream));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * H * shape.L, &latent_stock_, stream));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(4 * m * H, &lse_stock_, stream));
   DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * H * shape.V, &out_stock_, stream));
-  DSA_RETURN_IF_ERROR(error_counts_.allocate(2 * sizeof(unsigned int)));
+  const int64_t counters = sparse_mla_split_counter_count(shape.m, shape.H, kTopKWidth);
+  DSA_RETURN_IF_ERROR(split_counters_.allocate(size_t(counters) * sizeof(int32_t)));
+  DSA_CUDA_RETURN(cudaMemsetAsync(split_counters_.get(), 0, split_counters_.bytes(), stream));
+  DSA_RETURN_IF_ERROR(error_counts_.allocate(4 * sizeof(unsigned int)));
   DSA_CUDA_RETURN(cudaMemsetAsync(error_counts_.get(), 0, error_counts_.bytes(), stream));
   // The host vectors (`scales` too) must outlive the copies from them.
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
@@ -153,9 +162,33 @@ Status DeviceStep::fused_absorb(cudaStream_t stream, int copy) const {
   return head_gemv(args, stream, &tactic);
 }
 
+// q_fp8 [m, H, L] and the cache attend over the step's top-k slots into
+// latent [m, H, L] BF16 and lse [m, H] f32.
+Status DeviceStep::attention(void* q_fp8, void* cache, void* latent, void* lse, unsigned int* error_count,
+                             cudaStream_t stream) const {
+  SparseMlaArgs args;
+  args.q = fp8(q_fp8, {s_.m, s_.H, s_.L});
+  args.q_scale = make_tensor(scales_.get(), DType::kF32, {1});
+  args.kv_cache = cache_view(cache);
+  args.k_scale = make_tensor(scales_.as<float>() + 1, DType::kF32, {1});
+  args.indices = make_tensor(topk_slots_.get(), DType::kI32, {s_.m, kTopKWidth});
+  args.softmax_scale = attention_softmax_scale(s_);
+  args.latent = bf16(latent, {s_.m, s_.H, s_.L});
+  args.lse = make_tensor(lse, DType::kF32, {s_.m, s_.H});
+  args.split_counters = make_tensor(split_counters_.get(), DType::kI32,
+                                    {int64_t(split_counters_.bytes() / sizeof(int32_t))});
+  args.error_count = error_count;
+  return sparse_mla(args, stream);
+}
+
+Status DeviceStep::fused_attention(cudaStream_t stream, int /*copy: no weights*/) const {
+  return attention(q_fp8_fused_.get(), cache_fused_.get(), latent_fused_.get(), lse_fused_.get(),
+                   error_counts_.as<unsigned int>() + 2, stream);
+}
+
 Status DeviceStep::fused_value_up(cudaStream_t stream, int copy) const {
   HeadGemvArgs args;
-  args.x = bf16(latent_.get(), {s_.m, s_.H, s_.L});
+  args.x = bf16(latent_fused_.get(), {s_.m, s_.H, s_.L});
   args.weight = bf16(w_uv_.copy(copy), {s_.H, s_.L, s_.V});
   args.out = bf16(out_fused_.get(), {s_.m, s_.H, s_.V});
   const HeadGemvTactic tactic = value_up_tactic(s_);
@@ -178,9 +211,22 @@ Status DeviceStep::stock_fp8_quant(cudaStream_t stream, int /*copy: no weights*/
                                 make_tensor(scales_.get(), DType::kF32, {1}), stream);
 }
 
+// What stock engines issue before a split-K attention whose counters do not
+// reset themselves.
+Status DeviceStep::stock_counter_memset(cudaStream_t stream, int /*copy: no weights*/) const {
+  DSA_CUDA_RETURN(cudaMemsetAsync(split_counters_.get(), 0, split_counters_.bytes(), stream));
+  return Status();
+}
+
+Status DeviceStep::stock_attention(cudaStream_t stream, int /*copy: no weights*/) const {
+  return attention(q_fp8_stock_.get(), cache_stock_.get(), latent_stock_.get(), lse_stock_.get(),
+                   error_counts_.as<unsigned int>() + 3, stream);
+}
+
 Status DeviceStep::stock_value_up_bmm(cudaStream_t stream, int copy) const {
   DSA_RETURN_IF_ERROR(check_cublas_stream(stream));
-  return cublas_head_bmm(handle_, bf16(latent_.get(), {s_.m, s_.H, s_.L}), bf16(w_uv_.copy(copy), {s_.H, s_.L, s_.V}),
+  return cublas_head_bmm(handle_, bf16(latent_stock_.get(), {s_.m, s_.H, s_.L}),
+                         bf16(w_uv_.copy(copy), {s_.H, s_.L, s_.V}),
                          bf16(out_stock_.get(), {s_.m, s_.H, s_.V}));
 }
 
@@ -192,15 +238,24 @@ Status DeviceStep::download(cudaStream_t stream, StepOutputs* out) const {
   DSA_RETURN_IF_ERROR(copy_to_host(q_, &out->q, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(q_fp8_fused_, &out->q_fp8_fused, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(q_fp8_stock_, &out->q_fp8_stock, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(latent_fused_, &out->latent_fused, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(latent_stock_, &out->latent_stock, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(lse_fused_, &out->lse_fused, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(lse_stock_, &out->lse_stock, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(out_fused_, &out->out_fused, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(out_stock_, &out->out_stock, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(cache_fused_, &out->cache_fused, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(cache_stock_, &out->cache_stock, stream));
   std::vector<unsigned int> counts;
   DSA_RETURN_IF_ERROR(copy_to_host(error_counts_, &counts, stream));
+  std::vector<int32_t> split_counters;
+  DSA_RETURN_IF_ERROR(copy_to_host(split_counters_, &split_counters, stream));
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
   out->skipped_slots_fused = counts[0];
   out->skipped_slots_stock = counts[1];
+  out->bad_indices_fused = counts[2];
+  out->bad_indices_stock = counts[3];
+  out->counters_zero = std::all_of(split_counters.begin(), split_counters.end(), [](int32_t c) { return c == 0; });
   return Status();
 }
 

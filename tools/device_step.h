@@ -1,10 +1,15 @@
 // The synthetic layer and one decode step's buffers on the GPU, and every
 // launch of the two chains:
-//   fused: norm -> q_b_proj -> head_gemv absorb (FP8 out + cache write) -> head_gemv value-up
-//   stock: norm -> q_b_proj -> concat_and_cache_mla -> cuBLAS bmm -> static FP8 quant -> cuBLAS bmm
+//   fused: norm -> q_b_proj -> head_gemv absorb (FP8 out + cache write) -> sparse_mla -> head_gemv value-up
+//   stock: norm -> q_b_proj -> concat_and_cache_mla -> cuBLAS bmm -> static FP8 quant -> counter memset
+//          -> sparse_mla -> cuBLAS bmm
 // norm and q_b_proj are shared (same buffers, same launches). The two paths
 // write their own outputs and their own copy of the KV cache, so they can be
-// compared after both ran.
+// compared after both ran. The attention reads the step's top-k slots (the
+// indexer's stand-in, HostStepInputs::topk_slots). No stock Hopper kernel
+// takes this cache format (the seed's attention is Blackwell-only), so the
+// stock chain runs the same sparse_mla on its own q and cache, after the
+// counter memset stock engines issue before their attention.
 #pragma once
 
 #include <cublas_v2.h>
@@ -39,9 +44,13 @@ class ReplicatedBuffer {
 struct StepOutputs {
   std::vector<uint16_t> q_c, kv_c, q;  // shared: [m, Q], [m, L], [m, H*P]
   std::vector<uint8_t> q_fp8_fused, q_fp8_stock;  // [m, H, L]
+  std::vector<uint16_t> latent_fused, latent_stock;  // [m, H, L] BF16, the attention's outputs
+  std::vector<float> lse_fused, lse_stock;            // [m, H]
   std::vector<uint16_t> out_fused, out_stock;     // [m, H, V]
   std::vector<uint8_t> cache_fused, cache_stock;  // whole caches
   unsigned int skipped_slots_fused = 0, skipped_slots_stock = 0;  // the cache writes' error counters
+  unsigned int bad_indices_fused = 0, bad_indices_stock = 0;      // the attentions' error counters
+  bool counters_zero = false;                                     // the split counters after the run
 };
 
 class DeviceStep {
@@ -55,10 +64,13 @@ class DeviceStep {
   Status norm(cudaStream_t stream, int copy) const;
   Status q_b_proj(cudaStream_t stream, int copy) const;
   Status fused_absorb(cudaStream_t stream, int copy) const;  // FP8 q + cache write, one launch
+  Status fused_attention(cudaStream_t stream, int copy) const;
   Status fused_value_up(cudaStream_t stream, int copy) const;
   Status stock_cache_write(cudaStream_t stream, int copy) const;
   Status stock_absorb_bmm(cudaStream_t stream, int copy) const;
   Status stock_fp8_quant(cudaStream_t stream, int copy) const;
+  Status stock_counter_memset(cudaStream_t stream, int copy) const;
+  Status stock_attention(cudaStream_t stream, int copy) const;
   Status stock_value_up_bmm(cudaStream_t stream, int copy) const;
 
   // Waits for `stream`, then copies every output back.
@@ -68,6 +80,8 @@ class DeviceStep {
   TensorView q_view() const;                // [m, H, P] BF16
   TensorView cache_view(void* data) const;  // [blocks, 256, L] FP8
   KvCacheWrite cache_write(void* cache, unsigned int* error_count) const;
+  Status attention(void* q_fp8, void* cache, void* latent, void* lse, unsigned int* error_count,
+                   cudaStream_t stream) const;
   Status check_cublas_stream(cudaStream_t stream) const;
 
   StepShape s_{};
@@ -75,10 +89,11 @@ class DeviceStep {
   float eps_ = 0;
   ReplicatedBuffer q_norm_gamma_, kv_norm_gamma_, q_b_proj_, w_uk_t_, w_uv_;
   bench::DeviceMemory scales_;  // [q_scale, k_scale] f32
-  bench::DeviceMemory qkv_, q_c_, kv_c_, q_, latent_, slots_;
-  bench::DeviceMemory q_fp8_fused_, out_fused_, cache_fused_;
-  bench::DeviceMemory q_bf16_stock_, q_fp8_stock_, out_stock_, cache_stock_;
-  bench::DeviceMemory error_counts_;  // [fused, stock]
+  bench::DeviceMemory qkv_, q_c_, kv_c_, q_, slots_, topk_slots_;
+  bench::DeviceMemory q_fp8_fused_, latent_fused_, lse_fused_, out_fused_, cache_fused_;
+  bench::DeviceMemory q_bf16_stock_, q_fp8_stock_, latent_stock_, lse_stock_, out_stock_, cache_stock_;
+  bench::DeviceMemory split_counters_;  // sparse_mla's, zero between launches
+  bench::DeviceMemory error_counts_;    // [fused cache write, stock cache write, fused attention, stock attention]
 };
 
 }  // namespace dsa::cli

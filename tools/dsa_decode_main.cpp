@@ -4,9 +4,9 @@
 // reference, and times every kernel and both chains. Without a usable GPU
 // (or with --cpu) it runs the CPU reference chain at the preset.
 //
-// Today's chain stops short of the indexer and the attention (issues 4, 5):
-// a synthetic latent stands in for the attention's output. The stage (issue 6)
-// slots them in between the absorb and the value-up.
+// Today's chain runs the sparse attention between the absorb and the value-up
+// over synthetic top-k rows: the indexer (issue 5) is not wired in yet. The
+// stage (issue 6) puts the indexer and the projections around it.
 #include <cstdio>
 #include <string>
 

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
@@ -14,6 +15,8 @@
 #include "cublas_bmm.h"
 #include "device_step.h"
 #include "dsa_decode/cuda_check.h"
+#include "dsa_decode/numerics.h"
+#include "dsa_decode/sparse_mla.h"
 #include "harness.h"
 #include "reference_chain.h"
 #include "report.h"
@@ -73,10 +76,13 @@ enum KernelId {
   kNorm,
   kQBProj,
   kFusedAbsorb,
+  kFusedAttention,
   kFusedValueUp,
   kStockCacheWrite,
   kStockAbsorbBmm,
   kStockFp8Quant,
+  kStockCounterMemset,
+  kStockAttention,
   kStockValueUpBmm,
 };
 
@@ -86,26 +92,35 @@ std::vector<Kernel> make_kernels(const StepShape& s) {
   const double bf16 = 2, fp8 = 1;
   const double w_uk = bf16 * H * P * L, w_uv = bf16 * H * L * V, q = bf16 * m * H * P;
   const double cache_write = bf16 * m * L + fp8 * m * L;  // kv_c read, the new entries written
+  // q, the index rows, every token's own cache rows (no sharing assumed), latent and lse.
+  const double attention = fp8 * m * H * L + 4.0 * m * kTopKWidth + fp8 * m * kIndexerPooledColumns * L +
+                           bf16 * m * H * L + 4.0 * m * H;
+  const double counters = 4.0 * sparse_mla_split_counter_count(s.m, s.H, kTopKWidth);
   return {
       {"norm", "norm (q and kv RMSNorm, one launch)", "shared", bf16 * (2 * m * (Q + L) + (Q + L)),
        &DeviceStep::norm},
       {"q_b_proj", "q_b_proj (cuBLAS GEMM)", "shared", bf16 * H * P * Q + bf16 * m * Q + q, &DeviceStep::q_b_proj},
       {"absorb", "absorb + FP8 quant + cache write (head_gemv)", "fused", w_uk + q + fp8 * m * H * L + cache_write,
        &DeviceStep::fused_absorb},
+      {"attention", "sparse attention (sparse_mla)", "fused", attention, &DeviceStep::fused_attention},
       {"value_up", "value_up (head_gemv)", "fused", w_uv + bf16 * m * H * L + bf16 * m * H * V,
        &DeviceStep::fused_value_up},
       {"stock_cache_write", "concat_and_cache_mla", "stock", cache_write, &DeviceStep::stock_cache_write},
       {"stock_absorb_bmm", "absorb bmm (cuBLAS)", "stock", w_uk + q + bf16 * m * H * L, &DeviceStep::stock_absorb_bmm},
       {"stock_fp8_quant", "static FP8 quant", "stock", bf16 * m * H * L + fp8 * m * H * L, &DeviceStep::stock_fp8_quant},
+      {"stock_counter_memset", "split counters memset", "stock", counters, &DeviceStep::stock_counter_memset},
+      {"stock_attention", "sparse attention (sparse_mla, stock inputs)", "stock", attention,
+       &DeviceStep::stock_attention},
       {"stock_value_up_bmm", "value_up bmm (cuBLAS)", "stock", w_uv + bf16 * m * H * L + bf16 * m * H * V,
        &DeviceStep::stock_value_up_bmm},
   };
 }
 
-const std::vector<KernelId> kFusedChain = {kNorm, kQBProj, kFusedAbsorb, kFusedValueUp};
+const std::vector<KernelId> kFusedChain = {kNorm, kQBProj, kFusedAbsorb, kFusedAttention, kFusedValueUp};
 // vLLM's order: the cache write, the absorb bmm and its quant run after the top-k.
-const std::vector<KernelId> kStockChain = {kNorm,           kQBProj,        kStockCacheWrite,
-                                           kStockAbsorbBmm, kStockFp8Quant, kStockValueUpBmm};
+const std::vector<KernelId> kStockChain = {kNorm,          kQBProj,         kStockCacheWrite,
+                                           kStockAbsorbBmm, kStockFp8Quant, kStockCounterMemset,
+                                           kStockAttention, kStockValueUpBmm};
 const std::vector<KernelId> kStockAbsorb = {kStockCacheWrite, kStockAbsorbBmm, kStockFp8Quant};
 
 Status run_chain(const DeviceStep& step, const std::vector<Kernel>& kernels, const std::vector<KernelId>& chain,
@@ -164,14 +179,49 @@ Check check_absorb(const StepShape& s, const HostWeights& w, const StepOutputs& 
                        tactic.rows_per_thread));
 }
 
-Check check_value_up(const StepShape& s, const HostWeights& w, const HostStepInputs& in, const StepOutputs& gpu) {
+Check check_value_up(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
   const HeadGemvTactic tactic = value_up_tactic(s);
-  const std::vector<uint16_t> cpu = reference_value_up(s, w, in.latent, tactic);
+  const std::vector<uint16_t> cpu = reference_value_up(s, w, gpu.latent_fused, tactic);
   const Difference d = bf16_difference(gpu.out_fused, cpu);
   return judged("value_up out vs CPU reference", d.differing == 0,
-                format("bitwise: %zu of %zu BF16 values differ (first at %zu, max %lld ulp); tactic %d/%d",
+                format("bitwise: %zu of %zu BF16 values differ (first at %zu, max %lld ulp); tactic %d/%d, on the "
+                       "GPU's latent",
                        d.differing, cpu.size(), d.first_index, static_cast<long long>(d.max_steps), tactic.tile,
                        tactic.rows_per_thread));
+}
+
+// The attention against the float64 reference on the GPU's own q_fp8 and
+// cache, with the tolerances of its tests (docs/sparse_mla.md).
+Check check_attention(const StepShape& s, const HostWeights& w, const HostStepInputs& in, const StepOutputs& gpu) {
+  constexpr double kMaxRelativeFrobenius = 1e-2, kMaxLseError = 1e-3;
+  const reference::SparseMlaResult cpu = reference_attention(s, w, gpu.q_fp8_fused, gpu.cache_fused, s.cache_blocks(),
+                                                             kCacheBlockSize, in.topk_slots);
+  double error_squares = 0, reference_squares = 0, worst_lse = 0;
+  for (size_t i = 0; i < cpu.latent.size(); ++i) {
+    const double got = num::bf16_to_float(gpu.latent_fused[i]), want = num::bf16_to_float(cpu.latent[i]);
+    error_squares += (got - want) * (got - want);  // NaN from the GPU fails the check
+    reference_squares += want * want;
+  }
+  for (size_t i = 0; i < cpu.lse.size(); ++i) {
+    const double error = std::fabs(double(gpu.lse_fused[i]) - cpu.lse[i]);
+    worst_lse = std::isnan(error) ? error : std::max(worst_lse, error);
+  }
+  const double relative = std::sqrt(error_squares / reference_squares);
+  const bool pass = relative <= kMaxRelativeFrobenius && worst_lse <= kMaxLseError && gpu.bad_indices_fused == 0 &&
+                    cpu.out_of_range == 0 && gpu.counters_zero;
+  return judged("sparse attention vs float64 reference", pass,
+                format("latent relative Frobenius error %.2e (tolerance %.0e), lse max error %.2e (tolerance %.0e); "
+                       "out-of-range slots GPU %u, CPU %lld; split counters %s after the run",
+                       relative, kMaxRelativeFrobenius, worst_lse, kMaxLseError, gpu.bad_indices_fused,
+                       static_cast<long long>(cpu.out_of_range), gpu.counters_zero ? "zero" : "NOT zero"));
+}
+
+Check report_attention_fused_vs_stock(const StepOutputs& gpu) {
+  return reported("attention fused vs stock",
+                  format("latent max %.2f BF16 ulp at the values' scale (the inputs differ: q_fp8 by up to one "
+                         "step); %zu of %zu values differ",
+                         bf16_error_in_scale_ulps(gpu.latent_fused, gpu.latent_stock),
+                         bf16_difference(gpu.latent_fused, gpu.latent_stock).differing, gpu.latent_stock.size()));
 }
 
 // The whole cache, not only the new entries: a stray write anywhere fails it.
@@ -240,9 +290,11 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   add(check_shared_repeat(after_fused, after_both));
   add(check_absorb(s, w, after_fused));
   add(check_cache_reference(s, w, in, initial_cache, after_fused));
-  add(check_value_up(s, w, in, after_fused));
+  add(check_attention(s, w, in, after_fused));
+  add(check_value_up(s, w, after_fused));
   add(check_cache_fused_vs_stock(s, after_both));
   add(check_q_fp8_fused_vs_stock(after_both));
+  add(report_attention_fused_vs_stock(after_both));
   add(report_value_up_fused_vs_stock(after_both));
   add(report_saturation(s, after_both));
   return Status();
@@ -283,8 +335,9 @@ Status time_all(const bench::Context& ctx, const DeviceStep& step, const std::ve
   DSA_RETURN_IF_ERROR(measure("stock_absorb", "cache write + absorb bmm + FP8 quant", "stock", kStockAbsorb));
   const int stock_chain = static_cast<int>(timings->size());
   DSA_RETURN_IF_ERROR(measure("stock_chain", "stock chain norm .. value_up", "stock", kStockChain));
-  DSA_RETURN_IF_ERROR(measure("chain", "chain norm .. value_up (no attention yet)", "fused", kFusedChain));
+  DSA_RETURN_IF_ERROR(measure("chain", "chain norm .. value_up", "fused", kFusedChain));
   (*timings)[first + kFusedAbsorb].baseline = stock_absorb;
+  (*timings)[first + kFusedAttention].baseline = first + kStockAttention;
   (*timings)[first + kFusedValueUp].baseline = first + kStockValueUpBmm;
   timings->back().baseline = stock_chain;
   return Status();
@@ -299,8 +352,9 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   DSA_RETURN_IF_ERROR(bench::open_context(stream.get(), /*quick=*/false, &ctx));
   std::printf("dsa-decode on %s (%d SMs, L2 %.0f MB, copy %.0f GB/s), commit %s: %s\n", ctx.gpu_name.c_str(),
               ctx.sm_count, ctx.l2_bytes / 1e6, ctx.copy_GBps, ctx.commit.c_str(), s.describe().c_str());
-  std::printf("latent: a synthetic stand-in for the attention output (the sparse MLA attention, issue 4, and the "
-              "indexer, issue 5, are not built yet)\n");
+  std::printf("attention: sparse_mla over synthetic top-k rows (512 pools drawn from the seed + the tail per token: "
+              "the indexer's GPU prepare step is not wired in yet); no stock Hopper kernel takes this cache format, "
+              "so the stock chain runs the same sparse_mla after its counter memset\n");
   bench::CublasHandle cublas;
   DSA_RETURN_IF_ERROR(cublas.create(ctx.stream));
 

@@ -8,6 +8,31 @@
 
 namespace dsa::cli {
 
+float attention_softmax_scale(const StepShape& s) { return 1.0f / std::sqrt(static_cast<float>(s.P)); }
+
+reference::SparseMlaResult reference_attention(const StepShape& s, const HostWeights& w,
+                                               const std::vector<uint8_t>& q_fp8, const std::vector<uint8_t>& cache,
+                                               int64_t blocks, int64_t block_size, const std::vector<int32_t>& slots) {
+  reference::SparseMlaHost a{};
+  a.q = q_fp8.data();
+  a.q_head_stride = s.L;
+  a.q_token_stride = int64_t{s.H} * s.L;
+  a.cache = cache.data();
+  a.blocks = blocks;
+  a.block_size = block_size;
+  a.entry_stride = s.L;
+  a.block_stride = block_size * s.L;
+  a.indices = slots.data();
+  a.indices_token_stride = kTopKWidth;
+  a.m = s.m;
+  a.heads = s.H;
+  a.top_k = kTopKWidth;
+  a.q_scale = w.q_scale;
+  a.k_scale = w.k_scale;
+  a.softmax_scale = attention_softmax_scale(s);
+  return reference::sparse_mla(a);
+}
+
 HeadGemvTactic absorb_tactic(const StepShape& s) { return head_gemv_tactic(s.H, s.P, s.L, s.m); }
 HeadGemvTactic value_up_tactic(const StepShape& s) { return head_gemv_tactic(s.H, s.L, s.V, s.m); }
 

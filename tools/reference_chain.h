@@ -1,6 +1,7 @@
 // The decode step's chain on the CPU, kernel by kernel, in the kernels' own
 // summation orders where they have a fixed one (src/*/..._reference.h):
-// norm -> q_b_proj -> absorb (FP8) + cache write -> value-up. The CPU path runs
+// norm -> q_b_proj -> absorb (FP8) + cache write -> sparse attention (float64)
+// -> value-up. The CPU path runs
 // it whole; the GPU path runs each piece on the GPU's own inputs to check the
 // kernel that made the same output.
 #pragma once
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "dsa_decode/head_gemv.h"
+#include "sparse_mla/sparse_mla_reference.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {
@@ -34,6 +36,17 @@ std::vector<uint16_t> reference_q_b_proj(const StepShape& s, const HostWeights& 
 // q_fp8 [m, H, L] = static FP8 quant of q [m, H, P] x W_UK_T, head_gemv's order.
 std::vector<uint8_t> reference_absorb(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
                                       HeadGemvTactic tactic);
+
+// The attention's softmax scale: qk_nope^-0.5 (the absorbed query keeps the
+// scale of the per-head q.k product).
+float attention_softmax_scale(const StepShape& s);
+
+// latent [m, H, L] BF16 and lse [m, H] of q_fp8 [m, H, L] attending over
+// `cache` [blocks, block_size, L] e4m3 at `slots` [m, kTopKWidth] (-1 = none):
+// the float64 reference every sparse MLA kernel is checked against.
+reference::SparseMlaResult reference_attention(const StepShape& s, const HostWeights& w,
+                                               const std::vector<uint8_t>& q_fp8, const std::vector<uint8_t>& cache,
+                                               int64_t blocks, int64_t block_size, const std::vector<int32_t>& slots);
 
 // out [m, H, V] BF16 = latent [m, H, L] x W_UV, head_gemv's order.
 std::vector<uint16_t> reference_value_up(const StepShape& s, const HostWeights& w,

@@ -18,7 +18,18 @@ constexpr float kCalibratedAmax = 6.0f;
 // unit-variance rows it hardly moves the result.
 constexpr float kNormEps = 1e-5f;
 
-enum class Tensor : uint64_t { kQNormGamma = 1, kKvNormGamma, kQBProj, kWUkT, kWUv, kQkv, kLatent, kCachedLatent };
+// Hash keys of the layer's tensors; fixed numbers, so a tensor's values do not
+// change when others are added or removed.
+enum class Tensor : uint64_t {
+  kQNormGamma = 1,
+  kKvNormGamma = 2,
+  kQBProj = 3,
+  kWUkT = 4,
+  kWUv = 5,
+  kQkv = 6,
+  kCachedLatent = 8,
+  kTopK = 9,
+};
 
 // splitmix64's output function: a well-mixed 64-bit hash.
 uint64_t mix64(uint64_t z) {
@@ -93,9 +104,34 @@ HostStepInputs make_step_inputs(const StepShape& s, uint64_t seed) {
   HostStepInputs in;
   // Not unit scale: the norm has something to normalize.
   in.qkv = normal_bf16(size_t(s.m) * s.qkv_width(), 0.0f, 3.0f, ElementHash(seed, Tensor::kQkv));
-  in.latent = normal_bf16(size_t(s.m) * s.H * s.L, 0.0f, 1.0f, ElementHash(seed, Tensor::kLatent));
   in.slot_mapping.resize(s.m);
   for (int t = 0; t < s.m; ++t) in.slot_mapping[t] = s.context + t;
+  in.topk_slots.assign(size_t(s.m) * kTopKWidth, -1);
+  const ElementHash hash(seed, Tensor::kTopK);
+  std::vector<int32_t> pools;
+  for (int t = 0; t < s.m; ++t) {
+    int32_t* row = &in.topk_slots[size_t(t) * kTopKWidth];
+    const int64_t visible = s.context + t + 1;
+    if (visible <= kIndexerPooledColumns) {
+      for (int64_t j = 0; j < visible; ++j) row[j] = static_cast<int32_t>(j);
+      continue;
+    }
+    // 512 distinct pools by a partial Fisher-Yates shuffle, then in increasing order.
+    const int64_t complete = visible / kIndexerPoolSize;
+    pools.resize(size_t(complete));
+    for (int64_t p = 0; p < complete; ++p) pools[size_t(p)] = static_cast<int32_t>(p);
+    for (int i = 0; i < kIndexerTopPools; ++i) {
+      const uint64_t pick = i + hash(uint64_t(t) * kIndexerTopPools + i) % uint64_t(complete - i);
+      std::swap(pools[size_t(i)], pools[size_t(pick)]);
+    }
+    std::sort(pools.begin(), pools.begin() + kIndexerTopPools);
+    for (int i = 0; i < kIndexerTopPools; ++i) {
+      for (int k = 0; k < kIndexerPoolSize; ++k) row[i * kIndexerPoolSize + k] = pools[size_t(i)] * kIndexerPoolSize + k;
+    }
+    for (int64_t j = complete * kIndexerPoolSize; j < visible; ++j) {
+      row[kIndexerPooledColumns + (j - complete * kIndexerPoolSize)] = static_cast<int32_t>(j);
+    }
+  }
   return in;
 }
 
@@ -106,18 +142,21 @@ HostCache make_cache(const StepShape& s, const HostWeights& weights, uint64_t se
   cache.blocks = blocks;
   cache.width = s.L;
   cache.bytes.assign(size_t(blocks) * kCacheBlockSize * s.L, 0);
+  const int64_t cached_end = std::min<int64_t>(s.context, (first_block + blocks) * kCacheBlockSize);
+  for (int64_t slot = cache.first_slot(); slot < cached_end; ++slot) {
+    make_cached_entry(s, weights, seed, slot, &cache.bytes[size_t(slot - cache.first_slot()) * s.L]);
+  }
+  return cache;
+}
+
+void make_cached_entry(const StepShape& s, const HostWeights& weights, uint64_t seed, int64_t slot, uint8_t* entry) {
   // Earlier tokens' latents (uniform in [-2, 2): cheap for long contexts),
   // stored as the cache write stores them.
   const ElementHash hash(seed, Tensor::kCachedLatent);
-  const int64_t cached_end = std::min<int64_t>(s.context, (first_block + blocks) * kCacheBlockSize);
-  for (int64_t slot = cache.first_slot(); slot < cached_end; ++slot) {
-    uint8_t* entry = &cache.bytes[size_t(slot - cache.first_slot()) * s.L];
-    for (int i = 0; i < s.L; ++i) {
-      const uint16_t latent = num::float_to_bf16(2.0f * signed_uniform(hash(uint64_t(slot) * s.L + i)));
-      entry[i] = num::cache_fp8(latent, weights.k_scale);
-    }
+  for (int i = 0; i < s.L; ++i) {
+    const uint16_t latent = num::float_to_bf16(2.0f * signed_uniform(hash(uint64_t(slot) * s.L + i)));
+    entry[i] = num::cache_fp8(latent, weights.k_scale);
   }
-  return cache;
 }
 
 }  // namespace dsa::cli

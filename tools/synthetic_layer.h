@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dsa_decode/indexer.h"
 #include "dsa_decode/presets.h"
 
 namespace dsa::cli {
@@ -49,10 +50,21 @@ struct HostWeights {
   float eps = 0;                        // of both RMSNorms
 };
 
+// Width of a top-k row: glm5next's 2048 pooled tokens, up to 3 tail tokens, -1 padding.
+inline constexpr int kTopKWidth = kIndexerRowWidth;
+
 struct HostStepInputs {
-  std::vector<uint16_t> qkv;           // [m, Q + L]: stands in for fused_qkv_a_proj's output
-  std::vector<uint16_t> latent;        // [m, H, L]: stands in for the attention's output
-  std::vector<int64_t> slot_mapping;   // [m]: context + t
+  std::vector<uint16_t> qkv;          // [m, Q + L]: stands in for fused_qkv_a_proj's output
+  std::vector<int64_t> slot_mapping;  // [m]: context + t
+  // [m, kTopKWidth] int32: the cache slots token t attends to, in the
+  // indexer's row format; they stand in for the indexer's output (its GPU
+  // prepare step is not wired in yet). The layer's cache holds one request
+  // whose block table is the identity, so a token's position is its slot.
+  // Token t (position context + t, L = context + t + 1 tokens visible): L <=
+  // 2048: 0..L-1; else 512 distinct pools of the floor(L / 4) complete ones,
+  // drawn from the seed, in increasing order, expanded to 4p..4p+3, then the
+  // tail 4 floor(L / 4)..L-1; -1 up to the width.
+  std::vector<int32_t> topk_slots;
 };
 
 // Blocks [first_block, first_block + blocks) of the layer's KV cache
@@ -73,5 +85,8 @@ HostWeights make_weights(const StepShape& shape, uint64_t seed);
 HostStepInputs make_step_inputs(const StepShape& shape, uint64_t seed);
 HostCache make_cache(const StepShape& shape, const HostWeights& weights, uint64_t seed, int64_t first_block,
                      int64_t blocks);
+// The cached entry of `slot` < context, as make_cache stores it: `entry` [L] e4m3.
+void make_cached_entry(const StepShape& shape, const HostWeights& weights, uint64_t seed, int64_t slot,
+                       uint8_t* entry);
 
 }  // namespace dsa::cli
