@@ -2,9 +2,11 @@
 // top-512 pools, expansion to token positions and remap to KV-cache slots.
 //
 // STATE: contract, plan, argument checks, the bit-exact CPU reference
-// (src/indexer/indexer_reference.h) and the GPU select step (steps 5-8:
-// indexer_select, and the benchmark's baseline indexer_select_baseline). The
-// GPU prepare and prefill are not written yet. docs/indexer.md has the plan.
+// (src/indexer/indexer_reference.h), the GPU select step (steps 5-8:
+// indexer_select, and the benchmark's baseline indexer_select_baseline) and
+// the GPU prepare and prefill (steps 1-4 and 9: indexer_prepare,
+// indexer_prefill; written, validation on the H200 pending).
+// docs/indexer.md has the plan.
 //
 // Per DSA layer and decode step, m tokens (1..16), 32 index heads of 128,
 // pools of 4 tokens. The projections (cuBLASLt, run by the stage) give:
@@ -223,6 +225,19 @@ Status check_indexer_prefill(const IndexerPrefillArgs& args);
 Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positions, const int32_t* token_requests,
                            int64_t requests, int64_t block_table_width);
 
+// Steps 1-4 on the GPU (src/indexer/indexer_prepare.cu), two PDL launches:
+// one warp per 128-value row of the step (each token's 32 q heads: Hadamard,
+// FP8 quant and folded weight into the workspace, for padding tokens too;
+// each token's k: LayerNorm, then k and gate stashed in the ring), then one
+// warp per token, which compresses its pool from the ring into the K cache
+// when pos % 4 == 3. Under the ring rule, stashing every token before any
+// pool is read gives the token-by-token order's result. The error counter
+// gets one count per untrusted token and one per pool whose page is
+// untrusted. No allocation, no synchronization, CUDA-graph capturable. Ring,
+// K cache, q_fp8 and folded weights equal indexer_prepare of the CPU
+// reference bit for bit.
+Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream);
+
 // Steps 5-8 on the GPU (src/indexer/indexer_select.cu): a logits kernel (one
 // CTA per token and 64 pools, exact per-head dots, the reference's FP32
 // order) writing the workspace's logits, then one CTA per token that finds the
@@ -241,5 +256,14 @@ Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream);
 Status indexer_select_baseline_workspace_bytes(const IndexerPlan& plan, int64_t* bytes);
 Status indexer_select_baseline(const IndexerSelectArgs& args, void* baseline_workspace, int64_t baseline_workspace_bytes,
                                cudaStream_t stream);
+
+// Step 9 on the GPU (src/indexer/indexer_prepare.cu), one PDL launch: one
+// warp per complete pool (LayerNorm of its 4 tokens from index_k, then the
+// compression into the K cache) and one warp per token of the last
+// min(n, RING) (LayerNorm, stashed in the ring with its gate). The error
+// counter gets one count per pool whose page is untrusted. No allocation, no
+// synchronization, CUDA-graph capturable. K cache and ring bytes equal
+// indexer_prefill of the CPU reference bit for bit.
+Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream);
 
 }  // namespace dsa

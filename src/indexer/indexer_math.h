@@ -70,6 +70,9 @@ DSA_HD int fp8_scale_exponent(float absmax) {
 
 DSA_HD float pow2(int k) { return num::bits_float(static_cast<uint32_t>(k + 127) << 23); }  // k in -126..127
 
+// A Hadamard output value (unscaled transform) scaled by 128^-0.5 and rounded to BF16.
+DSA_HD float hadamard_output(float x) { return num::round_bf16(mul_rn(x, kHadamardScale)); }
+
 // Hadamard, BF16 and FP8 quant of one 128-value row (a q head or a pooled k):
 // codes [128] e4m3 and the power-of-two scale; returns the scale.
 DSA_HD float hadamard_quantize(const uint16_t* row_bf16, uint8_t* codes) {
@@ -78,7 +81,7 @@ DSA_HD float hadamard_quantize(const uint16_t* row_bf16, uint8_t* codes) {
   hadamard128(x);
   float absmax = 0.0f;  // max is exact, so its order is free; fmaxf skips NaN
   for (int i = 0; i < kIndexerDim; ++i) {
-    x[i] = num::round_bf16(mul_rn(x[i], kHadamardScale));
+    x[i] = hadamard_output(x[i]);
     absmax = fmaxf(absmax, fabsf(x[i]));
   }
   const int k = fp8_scale_exponent(absmax);
@@ -130,26 +133,55 @@ DSA_HD float butterfly_sum32(float* lanes) {
   return lanes[0];
 }
 
+// Step 1's pieces, as lane l of a warp holding elements 4l..4l+3 computes
+// them: layernorm128 below and the GPU kernels' warp version share them.
+DSA_HD float layernorm_lane_sum(const float* v) { return add_rn(add_rn(add_rn(v[0], v[1]), v[2]), v[3]); }
+
+DSA_HD float layernorm_lane_squares(const float* d) {
+  float squares = mul_rn(d[0], d[0]);
+  for (int j = 1; j < 4; ++j) squares = fmaf(d[j], d[j], squares);
+  return squares;
+}
+
+// The mean from the butterfly's sum of the lane sums.
+DSA_HD float layernorm_mean(float sum) { return mul_rn(sum, 1.0f / kIndexerDim); }
+
+// 1 / sqrt(variance + eps) from the butterfly's sum of the lane squares.
+DSA_HD float layernorm_rstd(float square_sum) {
+  const float variance = mul_rn(square_sum, 1.0f / kIndexerDim);
+  return num::div_rn(1.0f, sqrtf(add_rn(variance, kIndexerNormEps)));
+}
+
+// One output element from its deviation d = x - mean.
+DSA_HD uint16_t layernorm_output(float d, float rstd, float weight, float bias) {
+  return num::float_to_bf16(fmaf(mul_rn(d, rstd), weight, bias));
+}
+
 // Step 1: LayerNorm of one index k row (BF16 [128]) to BF16 [128].
 DSA_HD void layernorm128(const uint16_t* k_bf16, const float* weight, const float* bias, uint16_t* out_bf16) {
   float x[kIndexerDim], lanes[32];
   for (int i = 0; i < kIndexerDim; ++i) x[i] = num::bf16_to_float(k_bf16[i]);
-  for (int lane = 0; lane < 32; ++lane) {
-    const float* v = &x[4 * lane];
-    lanes[lane] = add_rn(add_rn(add_rn(v[0], v[1]), v[2]), v[3]);
-  }
-  const float mean = mul_rn(butterfly_sum32(lanes), 1.0f / kIndexerDim);
+  for (int lane = 0; lane < 32; ++lane) lanes[lane] = layernorm_lane_sum(&x[4 * lane]);
+  const float mean = layernorm_mean(butterfly_sum32(lanes));
   float d[kIndexerDim];
   for (int i = 0; i < kIndexerDim; ++i) d[i] = x[i] - mean;
-  for (int lane = 0; lane < 32; ++lane) {
-    const float* v = &d[4 * lane];
-    float squares = mul_rn(v[0], v[0]);
-    for (int j = 1; j < 4; ++j) squares = fmaf(v[j], v[j], squares);
-    lanes[lane] = squares;
-  }
-  const float variance = mul_rn(butterfly_sum32(lanes), 1.0f / kIndexerDim);
-  const float rstd = num::div_rn(1.0f, sqrtf(add_rn(variance, kIndexerNormEps)));
-  for (int i = 0; i < kIndexerDim; ++i) out_bf16[i] = num::float_to_bf16(fmaf(mul_rn(d[i], rstd), weight[i], bias[i]));
+  for (int lane = 0; lane < 32; ++lane) lanes[lane] = layernorm_lane_squares(&d[4 * lane]);
+  const float rstd = layernorm_rstd(butterfly_sum32(lanes));
+  for (int i = 0; i < kIndexerDim; ++i) out_bf16[i] = layernorm_output(d[i], rstd, weight[i], bias[i]);
+}
+
+// Step 3's softmax pooling of one dim: k [4] and gate [4] are the dim's
+// values of the pool's tokens 4p + j (from BF16), ape [4] the dim's column of
+// ape; returns the pooled value as BF16.
+DSA_HD uint16_t pool_softmax_dim(const float* k, const float* gate, const float* ape) {
+  float s[kIndexerPoolSize], e[kIndexerPoolSize];
+  for (int j = 0; j < kIndexerPoolSize; ++j) s[j] = add_rn(gate[j], ape[j]);
+  const float max_s = fmaxf(fmaxf(fmaxf(s[0], s[1]), s[2]), s[3]);
+  for (int j = 0; j < kIndexerPoolSize; ++j) e[j] = exp_nonpositive(s[j] - max_s);
+  const float sum = add_rn(add_rn(add_rn(e[0], e[1]), e[2]), e[3]);
+  float pooled = mul_rn(num::div_rn(e[0], sum), k[0]);
+  for (int j = 1; j < kIndexerPoolSize; ++j) pooled = fmaf(num::div_rn(e[j], sum), k[j], pooled);
+  return num::float_to_bf16(pooled);
 }
 
 // Step 3's softmax pooling of one pool: k and gate rows of its 4 tokens (BF16
@@ -157,16 +189,13 @@ DSA_HD void layernorm128(const uint16_t* k_bf16, const float* weight, const floa
 DSA_HD void pool_softmax128(const uint16_t* const* k_rows, const uint16_t* const* gate_rows, const float* ape,
                             uint16_t* pooled_bf16) {
   for (int i = 0; i < kIndexerDim; ++i) {
-    float s[kIndexerPoolSize], e[kIndexerPoolSize];
-    for (int j = 0; j < kIndexerPoolSize; ++j) s[j] = add_rn(num::bf16_to_float(gate_rows[j][i]), ape[j * kIndexerDim + i]);
-    const float max_s = fmaxf(fmaxf(fmaxf(s[0], s[1]), s[2]), s[3]);
-    for (int j = 0; j < kIndexerPoolSize; ++j) e[j] = exp_nonpositive(s[j] - max_s);
-    const float sum = add_rn(add_rn(add_rn(e[0], e[1]), e[2]), e[3]);
-    float pooled = mul_rn(num::div_rn(e[0], sum), num::bf16_to_float(k_rows[0][i]));
-    for (int j = 1; j < kIndexerPoolSize; ++j) {
-      pooled = fmaf(num::div_rn(e[j], sum), num::bf16_to_float(k_rows[j][i]), pooled);
+    float k[kIndexerPoolSize], gate[kIndexerPoolSize], ape_column[kIndexerPoolSize];
+    for (int j = 0; j < kIndexerPoolSize; ++j) {
+      k[j] = num::bf16_to_float(k_rows[j][i]);
+      gate[j] = num::bf16_to_float(gate_rows[j][i]);
+      ape_column[j] = ape[j * kIndexerDim + i];
     }
-    pooled_bf16[i] = num::float_to_bf16(pooled);
+    pooled_bf16[i] = pool_softmax_dim(k, gate, ape_column);
   }
 }
 

@@ -1,0 +1,473 @@
+// The indexer's prepare step (steps 1-4) and prefill (step 9) on the GPU
+// (include/dsa_decode/indexer.h), bitwise equal to the CPU reference
+// (src/indexer/indexer_reference.cpp): every value goes through the
+// operations of src/indexer/indexer_math.h in the reference's order.
+//
+// Every 128-value row (a q head, a k row, a pooled k) is one warp's, lane l
+// holding elements 4l..4l+3, the lane layout the fixed orders are written for
+// (docs/indexer.md):
+//  - LayerNorm: lane sums, then butterflies over lanes xor 16, 8, 4, 2, 1
+//    (indexer_math::butterfly_sum32's order);
+//  - Hadamard: stages h = 1, 2 pair registers of one lane, stages h = 4..64
+//    pair lane l with lane l ^ (h / 4); then the scale and BF16 rounding, a
+//    warp max for the absmax (max is exact: any order), and the lane's 4 FP8
+//    codes stored as one 32-bit word;
+//  - pool softmax: each dim in the lane that holds it.
+//
+// indexer_prepare, two PDL launches:
+//  1. prepare_rows_kernel: one warp per row of the step. Rows [0, 32 m): head
+//     h of token t (row 32 t + h) is quantized into the workspace's q_fp8 and
+//     its folded weight written, for every token (padding and untrusted too:
+//     they read only the token's own rows, as the reference does for
+//     padding). Rows [32 m, 33 m): token t's k is LayerNormed and stashed with
+//     its gate in ring slot pos % RING.
+//  2. prepare_pools_kernel: one warp per token; a token at pos % 4 == 3
+//     compresses pool pos / 4 from the ring rows of positions pos - 3..pos.
+//  A step's tokens of one request plus the three before the first of them
+//  occupy distinct ring slots (the ring rule), so once every token is stashed
+//  the ring holds exactly the rows the reference's token-by-token order reads
+//  for each pool: the three earlier tokens' (this step's or an earlier
+//  step's) and the completing token's own, the same BF16 bits.
+//
+// indexer_prefill, one PDL launch: prefill_kernel, one warp per item. Items
+// [0, n / 4) are the complete pools: the warp LayerNorms the pool's 4 tokens
+// from index_k itself (prefill has no workspace to hold normalized rows; the
+// LayerNorm is deterministic, so recomputing it gives the reference's bits)
+// and compresses the pool. The next min(n, RING) items stash the last tokens
+// in the ring.
+//
+// Untrusted device values: a token whose request is >= requests or whose
+// position is outside [0, min(max_context, width * block_size)) writes neither
+// ring nor K cache and is counted once (by kernel 1); a pool whose block
+// table entry is outside [0, blocks) is not written and is counted once.
+#include <algorithm>
+#include <cstdint>
+
+#include "core/launch.cuh"
+#include "dsa_decode/indexer.h"
+#include "dsa_decode/numerics.h"
+#include "indexer/indexer_math.h"
+
+namespace dsa {
+namespace {
+
+namespace im = indexer_math;
+
+constexpr int kDim = kIndexerDim;
+constexpr int kHeads = kIndexerHeads;
+constexpr int kPoolSize = kIndexerPoolSize;
+constexpr int kLaneValues = kDim / 32;  // 4: elements 4l..4l+3 in lane l
+constexpr int kWarpsPerCta = 8;
+constexpr int kThreads = 32 * kWarpsPerCta;
+constexpr unsigned kFullMask = 0xFFFFFFFFu;
+
+// The paged state as the kernels address it.
+struct StateParams {
+  const int32_t* block_table;  // [requests, width], request stride block_table_stride
+  int64_t block_table_stride;
+  int64_t block_table_width;
+  int64_t requests;
+  uint16_t* ring;  // [requests, 2, ring_size, 128] BF16, request stride ring_request_stride
+  int64_t ring_request_stride;
+  int ring_size;
+  uint8_t* k_cache;  // [blocks, page_stride] bytes
+  int64_t page_stride;
+  int64_t blocks;
+  int pools_per_page;
+  int64_t position_limit;  // min(max_context, width * block_size): trusted positions are below it
+};
+
+struct PrepareParams {
+  int m;
+  const uint16_t* index_q;  // [m, 32, 128] BF16, token stride q_token_stride
+  int64_t q_token_stride;
+  const uint16_t* index_k;  // [m, 128] BF16, token stride k_token_stride
+  int64_t k_token_stride;
+  const float* head_weights;  // [m, 32], token stride weights_token_stride
+  int64_t weights_token_stride;
+  const uint16_t* gate;  // [m, 128] BF16, token stride gate_token_stride
+  int64_t gate_token_stride;
+  const float* k_norm_weight;  // [128]
+  const float* k_norm_bias;    // [128]
+  const float* ape;            // [4, 128]
+  const int64_t* positions;       // [m]
+  const int32_t* token_requests;  // [m]
+  StateParams state;
+  uint8_t* q_fp8;         // workspace [max_tokens, 32, 128] e4m3 codes
+  float* folded_weights;  // workspace [max_tokens, 32]
+  unsigned int* error_count;  // optional
+};
+
+struct PrefillParams {
+  int64_t n;                // tokens at positions 0..n-1
+  const uint16_t* index_k;  // [n, 128] BF16, token stride k_token_stride
+  int64_t k_token_stride;
+  const uint16_t* gate;  // [n, 128] BF16, token stride gate_token_stride
+  int64_t gate_token_stride;
+  const float* k_norm_weight;  // [128]
+  const float* k_norm_bias;    // [128]
+  const float* ape;            // [4, 128]
+  int64_t request;
+  int64_t first_stashed;  // max(0, n - RING): the first position stashed in the ring
+  StateParams state;
+  unsigned int* error_count;  // optional
+};
+
+__device__ __forceinline__ void count_error(unsigned int* error_count) {
+  if (error_count != nullptr) atomicAdd(error_count, 1u);
+}
+
+// ---------------------------------------------------------------------------
+// One lane's 4 elements of a 128-value row.
+
+// BF16 elements 4 lane..4 lane + 3 of `row` [128] as one 8-byte word (rows
+// are 8-byte aligned: 16-byte aligned data, token strides multiples of 8).
+__device__ __forceinline__ uint2 load_lane_bf16(const uint16_t* row, int lane) {
+  return *reinterpret_cast<const uint2*>(row + kLaneValues * lane);
+}
+
+__device__ __forceinline__ void store_lane_bf16(uint16_t* row, int lane, uint2 bits) {
+  *reinterpret_cast<uint2*>(row + kLaneValues * lane) = bits;
+}
+
+__device__ __forceinline__ void unpack_bf16(uint2 bits, float (&x)[kLaneValues]) {
+  x[0] = num::bf16_to_float(static_cast<uint16_t>(bits.x));
+  x[1] = num::bf16_to_float(static_cast<uint16_t>(bits.x >> 16));
+  x[2] = num::bf16_to_float(static_cast<uint16_t>(bits.y));
+  x[3] = num::bf16_to_float(static_cast<uint16_t>(bits.y >> 16));
+}
+
+__device__ __forceinline__ uint2 pack_bf16(const uint16_t (&b)[kLaneValues]) {
+  return make_uint2(b[0] | (static_cast<uint32_t>(b[1]) << 16), b[2] | (static_cast<uint32_t>(b[3]) << 16));
+}
+
+// The lane's 4 elements of a contiguous FP32 parameter row [128]. The
+// parameters are only 4-byte aligned: scalar loads.
+__device__ __forceinline__ void load_lane_floats(const float* row, int lane, float (&x)[kLaneValues]) {
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) x[i] = row[kLaneValues * lane + i];
+}
+
+// ape [4, 128] as the lane's columns: ape_columns[i][j] = ape[j, 4 lane + i].
+__device__ __forceinline__ void load_ape_columns(const float* ape, int lane, float (&ape_columns)[kLaneValues][kPoolSize]) {
+#pragma unroll
+  for (int j = 0; j < kPoolSize; ++j) {
+#pragma unroll
+    for (int i = 0; i < kLaneValues; ++i) ape_columns[i][j] = ape[j * kDim + kLaneValues * lane + i];
+  }
+}
+
+// indexer_math::butterfly_sum32 over the warp: every lane ends with the sum.
+__device__ __forceinline__ float warp_butterfly_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset /= 2) v = im::add_rn(v, __shfl_xor_sync(kFullMask, v, offset));
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// The row operations, one warp per row.
+
+// Step 1 (indexer_math::layernorm128) on the row whose BF16 elements
+// 4 lane..4 lane + 3 are `k_bits`; returns the lane's 4 outputs as BF16.
+// weight and bias: the lane's 4 elements of k_norm_weight and k_norm_bias.
+__device__ uint2 layernorm_lane(uint2 k_bits, const float (&weight)[kLaneValues], const float (&bias)[kLaneValues]) {
+  float x[kLaneValues], d[kLaneValues];
+  unpack_bf16(k_bits, x);
+  const float mean = im::layernorm_mean(warp_butterfly_sum(im::layernorm_lane_sum(x)));
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) d[i] = x[i] - mean;
+  const float rstd = im::layernorm_rstd(warp_butterfly_sum(im::layernorm_lane_squares(d)));
+  uint16_t y[kLaneValues];
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) y[i] = im::layernorm_output(d[i], rstd, weight[i], bias[i]);
+  return pack_bf16(y);
+}
+
+// indexer_math::hadamard_quantize on the row whose elements 4 lane..4 lane + 3
+// are x (overwritten): the lane's codes go to codes[4 lane..4 lane + 3];
+// returns the row's scale (every lane).
+__device__ float hadamard_quantize_lane(float (&x)[kLaneValues], uint8_t* codes, int lane) {
+  // Stages h = 1, 2: pairs (i, i + h) inside the lane.
+#pragma unroll
+  for (int h = 1; h < kLaneValues; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < kLaneValues; ++i) {
+      if (i & h) continue;
+      const float a = x[i], b = x[i + h];
+      x[i] = im::add_rn(a, b);
+      x[i + h] = a - b;
+    }
+  }
+  // Stages h = 4..64: element 4 lane + i pairs with the same register of lane
+  // lane ^ (h / 4); the lower lane holds a and keeps a + b, the upper keeps a - b.
+#pragma unroll
+  for (int lane_bit = 1; lane_bit < 32; lane_bit *= 2) {
+    const bool upper = (lane & lane_bit) != 0;
+#pragma unroll
+    for (int i = 0; i < kLaneValues; ++i) {
+      const float other = __shfl_xor_sync(kFullMask, x[i], lane_bit);
+      x[i] = upper ? other - x[i] : im::add_rn(x[i], other);
+    }
+  }
+  float absmax = 0.0f;  // fmaxf skips NaN, as the reference's loop
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) {
+    x[i] = im::hadamard_output(x[i]);
+    absmax = fmaxf(absmax, fabsf(x[i]));
+  }
+#pragma unroll
+  for (int offset = 16; offset >= 1; offset /= 2) absmax = fmaxf(absmax, __shfl_xor_sync(kFullMask, absmax, offset));
+  const int k = im::fp8_scale_exponent(absmax);
+  const float inverse_scale = im::pow2(-k);
+  uint32_t word = 0;
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) word |= static_cast<uint32_t>(num::quant_fp8_static(x[i], inverse_scale)) << (8 * i);
+  *reinterpret_cast<uint32_t*>(codes + kLaneValues * lane) = word;
+  return im::pow2(k);
+}
+
+// The BF16 row [128] of ring half `which` (0: k, 1: gate) holding `position` of `request`.
+__device__ __forceinline__ uint16_t* ring_row(const StateParams& s, int64_t request, int which, int64_t position) {
+  return s.ring + request * s.ring_request_stride + (int64_t(which) * s.ring_size + position % s.ring_size) * kDim;
+}
+
+// The block holding `pool` of `request`, or -1 when its page is past the
+// table's width or its entry outside [0, blocks) (the reference's pool_block).
+__device__ __forceinline__ int64_t pool_block(const StateParams& s, int64_t request, int64_t pool) {
+  const int64_t page = pool / s.pools_per_page;
+  if (page >= s.block_table_width) return -1;
+  const int64_t block = s.block_table[request * s.block_table_stride + page];
+  return block >= 0 && block < s.blocks ? block : -1;
+}
+
+// Step 3: pool `pool` of `request` from its 4 tokens' LayerNormed k and gate
+// (k[j], gate[j]: the lane's elements of token 4 pool + j) into its page
+// entry: codes at byte 128 e, scale at byte 128 P + 4 e. An untrusted page is
+// skipped and counted once. ape_columns: load_ape_columns.
+__device__ void compress_pool(const StateParams& s, int64_t request, int64_t pool, const uint2 (&k)[kPoolSize],
+                              const uint2 (&gate)[kPoolSize], const float (&ape_columns)[kLaneValues][kPoolSize],
+                              unsigned int* error_count, int lane) {
+  const int64_t block = pool_block(s, request, pool);  // the same for every lane
+  if (block < 0) {
+    if (lane == 0) count_error(error_count);
+    return;
+  }
+  float k_values[kPoolSize][kLaneValues], gate_values[kPoolSize][kLaneValues];
+#pragma unroll
+  for (int j = 0; j < kPoolSize; ++j) {
+    unpack_bf16(k[j], k_values[j]);
+    unpack_bf16(gate[j], gate_values[j]);
+  }
+  float pooled[kLaneValues];
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) {
+    float k_column[kPoolSize], gate_column[kPoolSize];
+#pragma unroll
+    for (int j = 0; j < kPoolSize; ++j) {
+      k_column[j] = k_values[j][i];
+      gate_column[j] = gate_values[j][i];
+    }
+    pooled[i] = num::bf16_to_float(im::pool_softmax_dim(k_column, gate_column, ape_columns[i]));
+  }
+  const int64_t entry = pool % s.pools_per_page;
+  uint8_t* page = s.k_cache + block * s.page_stride;
+  const float scale = hadamard_quantize_lane(pooled, page + entry * kDim, lane);
+  if (lane == 0) *reinterpret_cast<float*>(page + int64_t(s.pools_per_page) * kDim + entry * 4) = scale;
+}
+
+// ---------------------------------------------------------------------------
+// prepare.
+
+// Where token t writes the state: request -1 for a padding token and for an
+// untrusted one (request >= requests, position outside [0, position_limit)).
+struct TokenTarget {
+  int64_t request;
+  int64_t position;
+  bool untrusted;
+};
+
+__device__ TokenTarget token_target(const PrepareParams& p, int t) {
+  const int32_t request = p.token_requests[t];
+  if (request < 0) return {-1, 0, false};
+  const int64_t position = p.positions[t];
+  if (request >= p.state.requests || position < 0 || position >= p.state.position_limit) return {-1, 0, true};
+  return {request, position, false};
+}
+
+// Step 2 for head h of token t: codes into q_fp8 [t, h], w' into folded_weights [t, h].
+__device__ void quantize_head(const PrepareParams& p, int t, int h, int lane) {
+  float x[kLaneValues];
+  unpack_bf16(load_lane_bf16(p.index_q + t * p.q_token_stride + h * kDim, lane), x);
+  const int64_t row = int64_t(t) * kHeads + h;
+  const float scale = hadamard_quantize_lane(x, p.q_fp8 + row * kDim, lane);
+  if (lane == 0) p.folded_weights[row] = im::fold_head_weight(p.head_weights[t * p.weights_token_stride + h], scale);
+}
+
+// Steps 1 and 4 for token t: LayerNorm, then k and gate into the ring.
+__device__ void normalize_and_stash(const PrepareParams& p, int t, const float (&weight)[kLaneValues],
+                                    const float (&bias)[kLaneValues], int lane) {
+  const TokenTarget target = token_target(p, t);
+  if (target.untrusted && lane == 0) count_error(p.error_count);
+  if (target.request < 0) return;
+  const uint2 k = layernorm_lane(load_lane_bf16(p.index_k + t * p.k_token_stride, lane), weight, bias);
+  const uint2 gate = load_lane_bf16(p.gate + t * p.gate_token_stride, lane);
+  store_lane_bf16(ring_row(p.state, target.request, 0, target.position), lane, k);
+  store_lane_bf16(ring_row(p.state, target.request, 1, target.position), lane, gate);
+}
+
+// Steps 1, 2 and 4: warp w of CTA c takes row 8 c + w of the 33 m rows (32 m
+// q heads, then m k rows); grid ceil(33 m / 8), kThreads threads.
+__global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const __grid_constant__ PrepareParams p) {
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
+  const int q_rows = p.m * kHeads;
+  const bool k_row = row >= q_rows && row < q_rows + p.m;
+  float weight[kLaneValues] = {}, bias[kLaneValues] = {};
+  if (k_row) {  // layer parameters: no kernel in flight writes them
+    load_lane_floats(p.k_norm_weight, lane, weight);
+    load_lane_floats(p.k_norm_bias, lane, bias);
+  }
+  pdl_wait();  // the projections, positions and state come from earlier kernels
+  pdl_release_dependents();
+  if (row < q_rows) {
+    quantize_head(p, row / kHeads, row % kHeads, lane);
+  } else if (k_row) {
+    normalize_and_stash(p, row - q_rows, weight, bias, lane);
+  }
+}
+
+// Step 3: warp w of CTA c takes token 8 c + w; a trusted token at pos % 4 == 3
+// compresses its pool from the ring, which prepare_rows_kernel has filled
+// (read after pdl_wait: that kernel has completed). Grid ceil(m / 8).
+__global__ void __launch_bounds__(kThreads) prepare_pools_kernel(const __grid_constant__ PrepareParams p) {
+  const int lane = threadIdx.x % 32;
+  const int t = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
+  float ape_columns[kLaneValues][kPoolSize];
+  load_ape_columns(p.ape, lane, ape_columns);  // a layer parameter: before the wait
+  pdl_wait();
+  pdl_release_dependents();
+  if (t >= p.m) return;
+  const TokenTarget target = token_target(p, t);  // an untrusted token was counted by prepare_rows_kernel
+  if (target.request < 0 || target.position % kPoolSize != kPoolSize - 1) return;
+  uint2 k[kPoolSize], gate[kPoolSize];
+#pragma unroll
+  for (int j = 0; j < kPoolSize; ++j) {
+    const int64_t position = target.position - (kPoolSize - 1) + j;
+    k[j] = load_lane_bf16(ring_row(p.state, target.request, 0, position), lane);
+    gate[j] = load_lane_bf16(ring_row(p.state, target.request, 1, position), lane);
+  }
+  compress_pool(p.state, target.request, target.position / kPoolSize, k, gate, ape_columns, p.error_count, lane);
+}
+
+// ---------------------------------------------------------------------------
+// prefill.
+
+// Step 9: warp w of CTA c takes item 8 c + w: items [0, n / 4) are the
+// complete pools, the next n - first_stashed the stashed tokens. Grid
+// ceil((n / 4 + n - first_stashed) / 8).
+__global__ void __launch_bounds__(kThreads) prefill_kernel(const __grid_constant__ PrefillParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t item = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
+  float weight[kLaneValues], bias[kLaneValues], ape_columns[kLaneValues][kPoolSize];
+  load_lane_floats(p.k_norm_weight, lane, weight);  // layer parameters: before the wait
+  load_lane_floats(p.k_norm_bias, lane, bias);
+  load_ape_columns(p.ape, lane, ape_columns);
+  pdl_wait();
+  pdl_release_dependents();
+  const int64_t pools = p.n / kPoolSize;
+  if (item < pools) {
+    uint2 k[kPoolSize], gate[kPoolSize];
+#pragma unroll
+    for (int j = 0; j < kPoolSize; ++j) {
+      const int64_t token = item * kPoolSize + j;
+      k[j] = layernorm_lane(load_lane_bf16(p.index_k + token * p.k_token_stride, lane), weight, bias);
+      gate[j] = load_lane_bf16(p.gate + token * p.gate_token_stride, lane);
+    }
+    compress_pool(p.state, p.request, item, k, gate, ape_columns, p.error_count, lane);
+    return;
+  }
+  const int64_t position = p.first_stashed + (item - pools);
+  if (position >= p.n) return;
+  const uint2 k = layernorm_lane(load_lane_bf16(p.index_k + position * p.k_token_stride, lane), weight, bias);
+  store_lane_bf16(ring_row(p.state, p.request, 0, position), lane, k);
+  store_lane_bf16(ring_row(p.state, p.request, 1, position), lane,
+                  load_lane_bf16(p.gate + position * p.gate_token_stride, lane));
+}
+
+// ---------------------------------------------------------------------------
+// Launchers.
+
+StateParams make_state_params(const IndexerPlan& plan, const IndexerState& state) {
+  StateParams s = {};
+  s.block_table = state.block_table.ptr<const int32_t>();
+  s.block_table_stride = state.block_table.stride(0);
+  s.block_table_width = state.block_table.size(1);
+  s.requests = state.block_table.size(0);
+  s.ring = state.ring.ptr<uint16_t>();
+  s.ring_request_stride = state.ring.stride(0);
+  s.ring_size = plan.ring;
+  s.k_cache = state.k_cache.ptr<uint8_t>();
+  s.page_stride = state.k_cache.stride(0);
+  s.blocks = state.k_cache.size(0);
+  s.pools_per_page = plan.block_size / kPoolSize;
+  s.position_limit = std::min(plan.max_context, s.block_table_width * plan.block_size);
+  return s;
+}
+
+PrepareParams make_prepare_params(const IndexerPrepareArgs& a) {
+  const IndexerWorkspaceLayout layout = indexer_workspace_layout(a.plan);
+  uint8_t* workspace = a.workspace.ptr<uint8_t>();
+  PrepareParams p = {};
+  p.m = static_cast<int>(a.index_q.size(0));
+  p.index_q = a.index_q.ptr<const uint16_t>();
+  p.q_token_stride = a.index_q.stride(0);
+  p.index_k = a.index_k.ptr<const uint16_t>();
+  p.k_token_stride = a.index_k.stride(0);
+  p.head_weights = a.head_weights.ptr<const float>();
+  p.weights_token_stride = a.head_weights.stride(0);
+  p.gate = a.gate.ptr<const uint16_t>();
+  p.gate_token_stride = a.gate.stride(0);
+  p.k_norm_weight = a.k_norm_weight.ptr<const float>();
+  p.k_norm_bias = a.k_norm_bias.ptr<const float>();
+  p.ape = a.ape.ptr<const float>();
+  p.positions = a.positions.ptr<const int64_t>();
+  p.token_requests = a.token_requests.ptr<const int32_t>();
+  p.state = make_state_params(a.plan, a.state);
+  p.q_fp8 = workspace + layout.q_fp8;
+  p.folded_weights = reinterpret_cast<float*>(workspace + layout.head_weights);
+  p.error_count = a.error_count;
+  return p;
+}
+
+unsigned ctas_for_warps(int64_t warps) { return static_cast<unsigned>((warps + kWarpsPerCta - 1) / kWarpsPerCta); }
+
+}  // namespace
+
+Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_indexer_prepare(args));
+  const PrepareParams p = make_prepare_params(args);
+  DSA_RETURN_IF_ERROR(launch_pdl(prepare_rows_kernel, dim3(ctas_for_warps(int64_t(p.m) * (kHeads + 1))),
+                                 dim3(kThreads), 0, stream, p));
+  return launch_pdl(prepare_pools_kernel, dim3(ctas_for_warps(p.m)), dim3(kThreads), 0, stream, p);
+}
+
+Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_indexer_prefill(args));
+  PrefillParams p = {};
+  p.n = args.index_k.size(0);
+  p.index_k = args.index_k.ptr<const uint16_t>();
+  p.k_token_stride = args.index_k.stride(0);
+  p.gate = args.gate.ptr<const uint16_t>();
+  p.gate_token_stride = args.gate.stride(0);
+  p.k_norm_weight = args.k_norm_weight.ptr<const float>();
+  p.k_norm_bias = args.k_norm_bias.ptr<const float>();
+  p.ape = args.ape.ptr<const float>();
+  p.request = args.request;
+  p.first_stashed = std::max<int64_t>(0, p.n - args.plan.ring);
+  p.state = make_state_params(args.plan, args.state);
+  p.error_count = args.error_count;
+  const int64_t items = p.n / kPoolSize + (p.n - p.first_stashed);
+  return launch_pdl(prefill_kernel, dim3(ctas_for_warps(items)), dim3(kThreads), 0, stream, p);
+}
+
+}  // namespace dsa
