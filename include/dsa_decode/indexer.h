@@ -5,7 +5,7 @@
 // (src/indexer/indexer_reference.h), the GPU select step (steps 5-8:
 // indexer_select, and the benchmark's baseline indexer_select_baseline) and
 // the GPU prepare and prefill (steps 1-4 and 9: indexer_prepare,
-// indexer_prefill; written, validation on the H200 pending).
+// indexer_prefill; bitwise equal to the reference on the H200).
 // docs/indexer.md has the plan.
 //
 // Per DSA layer and decode step, m tokens (1..16), 32 index heads of 128,
