@@ -10,9 +10,9 @@
 //
 // Prologue: the run's indices are read once (coalesced, the out-of-range ones
 // counted) and their cache row offsets go to shared memory (-1 for invalid
-// entries), then the cache rows of the first kStages - 1
-// chunks are requested (cp.async, 16 bytes per thread and request, zeros for
-// invalid entries) into a ring of kStages FP8 chunk buffers.
+// entries), then the cache rows of the first kStages - 1 chunks are requested
+// (cp.async, 16 bytes per thread and request, zeros for invalid entries) into
+// a ring of kStages FP8 chunk buffers.
 //
 // Per chunk, four phases separated by CTA barriers:
 //  1. convert: once the chunk's copies have landed, warp w converts rows w,
@@ -92,9 +92,9 @@ struct SharedStorage {
   __half probs[kHeads][kProbStride];                // [head][chunk row], 2^(score - running max)
   float run_max[kHeads], run_sum[kHeads], rescale[kHeads];
   // What the cluster's CTAs push for this CTA's combine: per split, (max,
-  // sum) per head and the partial O of this CTA's vectors (at most 512 / 1
-  // of them). Written by peers once they leave their chunk loop, so nothing
-  // else lives here.
+  // sum) per head and the partial O of this CTA's share of the group's 512
+  // eight-dim vectors. Peers write here once they leave their chunk loop,
+  // while this CTA may still be in its own, so nothing else lives here.
   float peer_max[kSparseMlaMaxSplits][kHeads], peer_sum[kSparseMlaMaxSplits][kHeads];
   // incoming[r * share + i]: split r's partial of this CTA's vector i (share = this CTA's vector count).
   alignas(16) float incoming[kHeads * kLatent / 8 + kSparseMlaMaxSplits][8];
