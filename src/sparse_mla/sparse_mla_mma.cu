@@ -156,7 +156,7 @@ __device__ __forceinline__ void copy_async_16(uint32_t shared, const void* globa
 __device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int kPending>
 __device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
 }
 
 // Cluster barrier halves. A CTA arrives (relaxed) when it starts and waits
@@ -198,8 +198,8 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     const int32_t slot = index_row[row_begin + j];
     int64_t offset = -1;
     if (slot >= 0 && slot < p.capacity) {
-      const int32_t block = p.block_shift >= 0 ? slot >> p.block_shift : slot / p.block_size;
-      offset = block * p.cache_block_stride + (slot - block * p.block_size) * p.cache_entry_stride;
+      const int32_t block = sparse_mla_block_of(p, slot);
+      offset = block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
     }
     s.row_offset[j] = offset;
     out_of_range += slot >= p.capacity;
@@ -455,36 +455,46 @@ Status prepare_kernel(unsigned cluster) {
   return Status();
 }
 
+// H and K within check_sparse_mla's ranges. The message is only built on an error.
 Status check_plan(const SparseMlaSplitPlan& plan, int heads, int top_k) {
+  const bool groups_ok = plan.head_groups == ceil_div(heads, kHeads);
+  const bool rows_ok = plan.rows_per_split >= kChunkRows && plan.rows_per_split % kChunkRows == 0 &&
+                       plan.rows_per_split <= kMaxRowsPerSplit;
+  const bool splits_ok = rows_ok && plan.splits >= 1 && plan.splits <= kSparseMlaMaxSplits &&
+                         plan.splits == ceil_div(top_k, plan.rows_per_split);
+  if (groups_ok && rows_ok && splits_ok) return Status();
   const std::string given = "head_groups " + std::to_string(plan.head_groups) + ", splits " +
                             std::to_string(plan.splits) + ", rows_per_split " + std::to_string(plan.rows_per_split);
-  if (plan.head_groups != ceil_div(heads, kHeads)) {
+  if (!groups_ok) {
     return invalid_argument("plan", "head_groups = ceil(H / 8) = " + std::to_string(ceil_div(heads, kHeads)), given);
   }
-  if (plan.rows_per_split < kChunkRows || plan.rows_per_split % kChunkRows != 0 ||
-      plan.rows_per_split > kMaxRowsPerSplit) {
+  if (!rows_ok) {
     return invalid_argument("plan", "rows_per_split a multiple of 64 in 64.." + std::to_string(kMaxRowsPerSplit),
                             given);
   }
-  if (plan.splits < 1 || plan.splits > kSparseMlaMaxSplits || plan.splits != ceil_div(top_k, plan.rows_per_split)) {
-    return invalid_argument("plan",
-                            "1.." + std::to_string(kSparseMlaMaxSplits) +
-                                " splits, each with at least one of the K = " + std::to_string(top_k) + " entries",
-                            given);
-  }
-  return Status();
+  return invalid_argument("plan",
+                          "1.." + std::to_string(kSparseMlaMaxSplits) +
+                              " splits, each with at least one of the K = " + std::to_string(top_k) + " entries",
+                          given);
+}
+
+// `a` passed check_sparse_mla and `plan` check_plan.
+Status launch(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(prepare_kernel(plan.splits));
+  const dim3 grid(plan.splits, plan.head_groups, static_cast<unsigned>(a.q.size(0)));
+  return launch_pdl_clustered(sparse_mla_mma_kernel, grid, dim3(kThreads), sizeof(SharedStorage), stream,
+                              unsigned(plan.splits), sparse_mla_params(a), plan.rows_per_split);
 }
 
 }  // namespace
 
 SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k) {
-  // About 128 CTAs per token at m = 1 (132 SMs); clusters of at most 8 CTAs
-  // (the portable size: any Hopper part schedules them).
-  constexpr int kCtasPerToken = 128, kPlanMaxSplits = 8;
+  // Eight splits (the portable cluster size: any Hopper part schedules it)
+  // of whole 64-entry chunks: at m = 1, 8 CTAs per head group.
+  constexpr int kPlanMaxSplits = 8;
   SparseMlaSplitPlan plan;
   plan.head_groups = ceil_div(heads, kHeads);
-  const int splits =
-      std::max(1, std::min({kPlanMaxSplits, kCtasPerToken / plan.head_groups, ceil_div(top_k, kChunkRows)}));
+  const int splits = std::min(kPlanMaxSplits, ceil_div(top_k, kChunkRows));
   plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
   plan.splits = ceil_div(top_k, plan.rows_per_split);
   return plan;
@@ -493,13 +503,15 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k) {
 Status sparse_mla_with_plan(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   DSA_RETURN_IF_ERROR(check_plan(plan, static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1))));
-  DSA_RETURN_IF_ERROR(prepare_kernel(plan.splits));
-  const dim3 grid(plan.splits, plan.head_groups, static_cast<unsigned>(a.q.size(0)));
-  return launch_pdl_clustered(sparse_mla_mma_kernel, grid, dim3(kThreads), sizeof(SharedStorage), stream,
-                              unsigned(plan.splits), sparse_mla_params(a), plan.rows_per_split);
+  return launch(a, plan, stream);
 }
 
 Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads, int top_k, int* clusters) {
+  if (heads < 1 || heads > kSparseMlaMaxHeads || top_k < 1 || top_k > kSparseMlaMaxTopK) {
+    return invalid_argument("heads, top_k",
+                            "1.." + std::to_string(kSparseMlaMaxHeads) + " and 1.." + std::to_string(kSparseMlaMaxTopK),
+                            std::to_string(heads) + ", " + std::to_string(top_k));
+  }
   DSA_RETURN_IF_ERROR(check_plan(plan, heads, top_k));
   DSA_RETURN_IF_ERROR(prepare_kernel(plan.splits));
   cudaLaunchAttribute attribute[1];
@@ -519,8 +531,7 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
 
 Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
-  return sparse_mla_with_plan(
-      a, sparse_mla_split_plan(static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1))), stream);
+  return launch(a, sparse_mla_split_plan(static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1))), stream);
 }
 
 }  // namespace dsa

@@ -18,8 +18,8 @@ struct SparseMlaParams {
   const uint8_t* cache;  // [blocks, block_size, 512] e4m3 codes
   int64_t cache_block_stride, cache_entry_stride;
   int64_t capacity;        // blocks * block_size
-  int32_t block_size;      // min(block_size, 2^31 - 1): the same quotient for every int32 slot
-  int32_t block_shift;     // log2(block_size) when it is a power of two (served sizes are), else -1
+  int32_t block_size;      // block_size when it fits int32 (else unused: block_shift is 31)
+  int32_t block_shift;     // log2(block_size) for a power of two (served sizes are; 31 for sizes > 2^31 - 1), else -1
   const float* k_scale;    // [1]
   const int32_t* indices;  // [m, K]
   int64_t indices_token_stride;
@@ -43,10 +43,15 @@ inline SparseMlaParams sparse_mla_params(const SparseMlaArgs &a) {
   p.cache_block_stride = a.kv_cache.stride(0);
   p.cache_entry_stride = a.kv_cache.stride(1);
   p.capacity = a.kv_cache.size(0) * a.kv_cache.size(1);
-  p.block_size = static_cast<int32_t>(std::min<int64_t>(a.kv_cache.size(1), INT32_MAX));
+  const int64_t block_size = a.kv_cache.size(1);
+  p.block_size = static_cast<int32_t>(std::min<int64_t>(block_size, INT32_MAX));
   p.block_shift = -1;
-  for (int shift = 0; shift < 31; ++shift) {
-    if (p.block_size == (int32_t(1) << shift)) p.block_shift = shift;
+  if (block_size > INT32_MAX) {
+    p.block_shift = 31;  // every int32 slot lies in block 0
+  } else {
+    for (int shift = 0; shift < 31; ++shift) {
+      if (block_size == (int64_t(1) << shift)) p.block_shift = shift;
+    }
   }
   p.k_scale = static_cast<const float*>(a.k_scale.data);
   p.indices = static_cast<const int32_t*>(a.indices.data);
@@ -59,6 +64,11 @@ inline SparseMlaParams sparse_mla_params(const SparseMlaArgs &a) {
   p.lse = static_cast<float*>(a.lse.data);
   p.error_count = a.error_count;
   return p;
+}
+
+// The cache block of slot (0 <= slot), by shift or by division.
+__host__ __device__ inline int32_t sparse_mla_block_of(const SparseMlaParams& p, int32_t slot) {
+  return p.block_shift >= 0 ? int32_t(uint32_t(slot) >> p.block_shift) : slot / p.block_size;
 }
 
 }  // namespace dsa

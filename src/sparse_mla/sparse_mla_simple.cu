@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_simple_kernel(const Spars
       out_of_range += (slot >= p.capacity) ? 1u : 0u;
       codes[r] = make_uint4(0, 0, 0, 0);
       if (valid[r]) {
-        const int32_t block = slot / p.block_size;
+        const int32_t block = sparse_mla_block_of(p, slot);
         const int32_t offset = slot - block * p.block_size;
         codes[r] = *reinterpret_cast<const uint4*>(p.cache + block * p.cache_block_stride +
                                                    offset * p.cache_entry_stride + lane * kDimsPerLane);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <string>
@@ -364,9 +365,9 @@ TEST(SparseMlaReference, AgreesWithTheContractFormula) {
 // ---------------------------------------------------------------------------
 // GPU: both kernels against the reference.
 
-using Kernel = Status (*)(const SparseMlaArgs&, cudaStream_t);
+using Kernel = std::function<Status(const SparseMlaArgs&, cudaStream_t)>;
 struct NamedKernel {
-  const char* name;
+  std::string name;
   Kernel run;
 };
 const NamedKernel kKernels[] = {{"sparse_mla_simple", sparse_mla_simple}, {"sparse_mla", sparse_mla}};
@@ -550,7 +551,7 @@ TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
     ++index;
   }
   for (int k = 0; k < 2; ++k) {
-    std::printf("[%s vs float64] worst relative Frobenius error %.3g over %d cases\n", kKernels[k].name, worst[k],
+    std::printf("[%s vs float64] worst relative Frobenius error %.3g over %d cases\n", kKernels[k].name.c_str(), worst[k],
                 index);
   }
 }
@@ -612,10 +613,92 @@ TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
   for (const Case& c : cases) {
     const Problem batch = random_problem(c, /*padded=*/false, 3.0f, rng);
     for (const NamedKernel& kernel : kKernels) {
-      SCOPED_TRACE(std::string(kernel.name) + " " + describe(c));
+      SCOPED_TRACE(kernel.name + " " + describe(c));
       expect_same_bits_alone_and_in_batch(batch, c, kernel);
     }
   }
+}
+
+// The tensor-core kernel with a given plan (the default one is tested above).
+NamedKernel with_plan(const SparseMlaSplitPlan& plan) {
+  return {"sparse_mla splits " + std::to_string(plan.splits) + " x " + std::to_string(plan.rows_per_split),
+          [plan](const SparseMlaArgs& a, cudaStream_t stream) { return sparse_mla_with_plan(a, plan, stream); }};
+}
+
+SparseMlaSplitPlan plan_with_rows(int heads, int top_k, int rows_per_split) {
+  SparseMlaSplitPlan plan;
+  plan.head_groups = (heads + 7) / 8;
+  plan.rows_per_split = rows_per_split;
+  plan.splits = (top_k + rows_per_split - 1) / rows_per_split;
+  return plan;
+}
+
+// Plans other than the default (splits that do not divide the 512 combine
+// vectors, 16-CTA non-portable clusters), K beyond the served 2176 (many
+// chunks per CTA, the largest run a CTA stages), head counts that are not a
+// multiple of 8 over several groups, and block sizes that are not powers of
+// two (the division path), against the float64 reference.
+TEST(SparseMlaGpu, OtherPlansLongRowsOddHeadsAndBlockSizes) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 40);
+  struct PlanCase {
+    Case shape;
+    int rows_per_split;  // 0: the default plan
+    int64_t block_size;
+  };
+  const std::vector<PlanCase> cases = {
+      {{16, 2, 2176, 125}, 768, 256},  // 3 splits
+      {{16, 2, 2176, 125}, 448, 256},  // 5 splits
+      {{8, 3, 2048}, 128, 256},        // 16 splits: a non-portable cluster
+      {{8, 1, 5000}, 0, 256},          // 8 splits of 640 rows
+      {{8, 1, kSparseMlaMaxTopK}, 0, 256},  // 8 splits of 2048 rows, 32 chunks each
+      {{12, 3, 700}, 0, 48},           // two groups, the second half empty; block size 48
+      {{100, 1, 300}, 0, 100},         // 13 groups; block size 100
+  };
+  for (const PlanCase& pc : cases) {
+    const Case& c = pc.shape;
+    SCOPED_TRACE(describe(c) + " block size " + std::to_string(pc.block_size));
+    Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
+    if (pc.block_size != p.block_size) {  // the same cache bytes, regrouped into blocks of another size
+      const int64_t slots = p.capacity();
+      p.block_size = pc.block_size;
+      p.blocks = slots / pc.block_size;
+      p.block_stride = pc.block_size * L;
+      p.cache.resize(size_t(p.blocks) * p.block_stride);
+      std::uniform_int_distribution<int32_t> slot(0, int32_t(p.capacity()) - 1);
+      for (int t = 0; t < c.m; ++t) {
+        for (int j = 0; j < c.top_k - c.padding; ++j) p.index(t, j) = slot(rng);
+      }
+    }
+    const NamedKernel kernel =
+        pc.rows_per_split ? with_plan(plan_with_rows(c.heads, c.top_k, pc.rows_per_split)) : kKernels[1];
+    expect_close_to_reference(p, run_gpu(p, kernel), reference::sparse_mla(p.host()));
+  }
+}
+
+// Special values spread over splits and chunks: NaN in a late chunk of a late
+// split (after finite chunks), a row whose valid entries all lie in the first
+// split (the other splits have none), a row with no valid entry over all
+// splits, and out-of-range entries counted once with two head groups.
+TEST(SparseMlaGpu, SpecialValuesAcrossSplitsAndChunks) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 50);
+  const int heads = 16, top_k = 2048;
+  Problem p = random_problem(Case{heads, 4, top_k}, /*padded=*/false, 3.0f, rng);
+  const int32_t capacity = static_cast<int32_t>(p.capacity());
+  const int32_t nan_slot = 5;
+  p.entry(nan_slot)[100] = kCodeNaN;
+  std::uniform_int_distribution<int32_t> slot(nan_slot + 1, capacity - 1);
+  for (int t = 0; t < p.m; ++t) {
+    for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
+  }
+  p.index(0, 1900) = nan_slot;                                        // split 7, its fourth chunk
+  for (int j = 200; j < top_k; ++j) p.index(1, j) = -1;               // only split 0 has entries
+  for (int j = 0; j < top_k; ++j) p.index(2, j) = j % 3 ? -1 : capacity + j;  // none valid, a third out of range
+  for (int j = 0; j < top_k; j += 7) p.index(3, j) = capacity;        // out of range, counted once (not per group)
+  const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+  ASSERT_GT(want.out_of_range, top_k / 3);
+  for (const NamedKernel& kernel : kKernels) expect_close_to_reference(p, run_gpu(p, kernel), want);
 }
 
 // A launch captured into a graph and replayed three times over poisoned
