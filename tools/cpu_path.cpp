@@ -29,6 +29,8 @@ double timed_ms(Work&& work) {
 }
 
 constexpr int kShownValues = 4;
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
 
 std::string first_bf16(const std::vector<uint16_t>& values) {
   std::string text;
@@ -47,6 +49,12 @@ std::string first_fp8(const uint8_t* codes, size_t count, float scale) {
     std::snprintf(number, sizeof(number), "%s%.4g", i ? " " : "", num::e4m3_to_float(codes[i]) * scale);
     text += number;
   }
+  return text;
+}
+
+std::string first_i32(const std::vector<int32_t>& values) {
+  std::string text;
+  for (size_t i = 0; i < values.size() && i < kShownValues; ++i) text += (i ? " " : "") + std::to_string(values[i]);
   return text;
 }
 
@@ -106,11 +114,25 @@ std::string shape_text(std::initializer_list<int64_t> dims) {
   return text + "]";
 }
 
+// The first pool entry the prefill wrote, dequantized, for the printout.
+std::string first_pool(const StepShape& s, IndexerHostState& state) {
+  const int64_t longest_prefill = s.indexer_prefill_tokens(s.indexer_requests() - 1);
+  if (longest_prefill < kIndexerPoolSize) return "no complete pool";
+  const reference::PoolEntry pool = reference::read_pool(s.indexer_plan(), state.view(), 0, 0);
+  return "pool 0: " + first_fp8(pool.codes, kIndexerDim, pool.scale) + " (dequantized)";
+}
+
+int failed(const Status& status) {
+  std::fprintf(stderr, "dsa-decode: %s\n", status.to_string().c_str());
+  return kExitFailure;
+}
+
 }  // namespace
 
 int run_cpu_path(const StepShape& s, uint64_t seed) {
   HostWeights weights;
   HostStepInputs inputs;
+  IndexerTokenRows indexer_history;
   // Only the blocks the new tokens land in: the context sizes the cache, the
   // reference touches just these.
   const int64_t first_block = s.context / kCacheBlockSize;
@@ -118,6 +140,7 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
   const double make_ms = timed_ms([&] {
     weights = make_weights(s, seed);
     inputs = make_step_inputs(s, seed);
+    indexer_history = make_indexer_history(s, seed);
     cache = make_cache(s, weights, seed, first_block, s.cache_blocks() - first_block);
   });
   const double weight_mb = 2e-6 * double(weights.q_b_proj.size() + weights.w_uk_t.size() + weights.w_uv.size());
@@ -125,16 +148,27 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
               "W_UV [%d, %d, %d]), q_scale = k_scale = %.6g, eps %g; made in %.0f ms\n",
               static_cast<unsigned long long>(seed), weight_mb, static_cast<long long>(s.q_width()), s.Q, s.H, s.P,
               s.L, s.H, s.L, s.V, weights.q_scale, weights.eps, make_ms);
-  std::printf("attention: over synthetic top-k rows (512 pools drawn from the seed + the tail per token; the "
-              "indexer is not wired in yet), float64 reference\n");
+  std::printf("attention: over the glm5next indexer's slots (its CPU reference: prefill of the context, prepare, "
+              "select) on synthetic projection outputs, float64 reference\n");
+  std::printf("%s\n", s.describe_indexer().c_str());
   std::printf("KV cache [%lld blocks, %d, %d] FP8 e4m3, new tokens at slots %lld..%lld; the CPU holds blocks "
               "%lld..%lld only\n\n",
               static_cast<long long>(s.cache_blocks()), kCacheBlockSize, s.L, static_cast<long long>(s.context),
               static_cast<long long>(s.context + s.m - 1), static_cast<long long>(cache.first_block),
               static_cast<long long>(cache.first_block + cache.blocks - 1));
 
+  IndexerHostState indexer = make_indexer_state(s);
+  int64_t prefill_errors = 0, step_errors = 0;
+  Status status;
+  const double prefill_ms =
+      timed_ms([&] { status = reference_indexer_prefill(s, weights, indexer_history, &indexer, &prefill_errors); });
+  if (!status.ok()) return failed(status);
+  const uint64_t prefilled_fingerprint = fingerprint(indexer.k_cache);
+  const std::string prefilled_pool = first_pool(s, indexer);
+
   NormOutputs normed;
   std::vector<uint16_t> q, out;
+  reference::IndexerRowsHost rows;
   reference::SparseMlaResult attended;
   std::vector<uint8_t> q_fp8;
   int skipped_slots = 0;
@@ -144,10 +178,15 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
   const double absorb_ms = timed_ms([&] { q_fp8 = reference_absorb(s, weights, q, absorb); });
   const double cache_ms =
       timed_ms([&] { skipped_slots = reference_cache_write(s, weights, normed.kv_c, inputs.slot_mapping, &cache); });
-  const double attention_ms = timed_ms([&] { attended = attend(s, weights, seed, cache, q_fp8, inputs.topk_slots); });
+  const double indexer_ms =
+      timed_ms([&] { status = reference_indexer_step(s, weights, inputs, &indexer, &rows, &step_errors); });
+  if (!status.ok()) return failed(status);
+  const double attention_ms = timed_ms([&] { attended = attend(s, weights, seed, cache, q_fp8, rows.slots); });
   const double value_up_ms = timed_ms([&] { out = reference_value_up(s, weights, attended.latent, value_up); });
 
   std::printf("%-12s %-30s %9s  %-16s  %s\n", "kernel", "output", "CPU ms", "fingerprint", "first values (token 0)");
+  print_row("prefill", "indexer K cache " + shape_text({s.cache_blocks(), kIndexerPageBytes}), prefill_ms,
+            prefilled_fingerprint, prefilled_pool);
   print_row("norm", "q_c " + shape_text({s.m, s.Q}) + " BF16", norm_ms, fingerprint(normed.q_c),
             first_bf16(normed.q_c));
   print_row("", "kv_c " + shape_text({s.m, s.L}) + " BF16", -1, fingerprint(normed.kv_c), first_bf16(normed.kv_c));
@@ -158,17 +197,21 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
   const std::vector<uint8_t> written(cache.bytes.begin() + first_entry, cache.bytes.begin() + first_entry + size_t(s.m) * s.L);
   print_row("cache write", std::to_string(s.m) + " entries of " + std::to_string(s.L) + " e4m3", cache_ms,
             fingerprint(written), first_fp8(written.data(), written.size(), weights.k_scale) + " (dequantized)");
+  print_row("indexer", "slots " + shape_text({s.m, kTopKWidth}) + " int32", indexer_ms, fingerprint(rows.slots),
+            first_i32(rows.slots));
   print_row("attention", "latent " + shape_text({s.m, s.H, s.L}) + " BF16", attention_ms, fingerprint(attended.latent),
             first_bf16(attended.latent));
   print_row("", "lse " + shape_text({s.m, s.H}) + " f32", -1, fingerprint(attended.lse), first_f32(attended.lse));
   print_row("value_up", "out " + shape_text({s.m, s.H, s.V}) + " BF16", value_up_ms, fingerprint(out),
             first_bf16(out));
   std::printf("\nhead_gemv tactics (tile/rows per thread): absorb %d/%d, value_up %d/%d; q_fp8 saturated at +-448: "
-              "%zu of %zu; slots outside the cache: %d\n",
+              "%zu of %zu; slots outside the cache: %d; indexer block table entries out of range: %lld\n",
               absorb.tile, absorb.rows_per_thread, value_up.tile, value_up.rows_per_thread,
-              count_saturated_fp8(q_fp8), q_fp8.size(), skipped_slots);
-  std::printf("CPU reference chain: %.0f ms\n", norm_ms + q_b_ms + absorb_ms + cache_ms + attention_ms + value_up_ms);
-  return 0;
+              count_saturated_fp8(q_fp8), q_fp8.size(), skipped_slots,
+              static_cast<long long>(prefill_errors + step_errors));
+  std::printf("CPU reference chain: %.0f ms (the indexer's prefill, %.0f ms, not counted)\n",
+              norm_ms + q_b_ms + absorb_ms + cache_ms + indexer_ms + attention_ms + value_up_ms, prefill_ms);
+  return kExitOk;
 }
 
 }  // namespace dsa::cli

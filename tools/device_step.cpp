@@ -4,6 +4,7 @@
 #include <string>
 
 #include "dsa_decode/cuda_check.h"
+#include "dsa_decode/indexer.h"
 #include "dsa_decode/norm.h"
 #include "dsa_decode/sparse_mla.h"
 #include "dsa_decode/stock.h"
@@ -15,6 +16,9 @@ namespace {
 
 constexpr size_t kCopyAlignment = 256;  // what cudaMalloc gives: every copy as aligned as the first
 constexpr int kPoisonByte = 0xFF;       // BF16 0xFFFF and e4m3 0xFF are NaN: an unwritten output fails its check
+// Top-k rows: 0x7F7F7F7F is a slot past any cache (0xFF.. would read as -1,
+// a valid "none"), so an unwritten row fails its check and the attention's.
+constexpr int kPoisonSlotByte = 0x7F;
 
 template <class T>
 size_t bytes_of(const std::vector<T>& v) {
@@ -28,10 +32,14 @@ Status copy_to_device(const std::vector<T>& host, bench::DeviceMemory* device, c
   return Status();
 }
 
-Status allocate_poisoned(size_t bytes, bench::DeviceMemory* device, cudaStream_t stream) {
+Status allocate_filled(size_t bytes, int byte, bench::DeviceMemory* device, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(device->allocate(bytes));
-  DSA_CUDA_RETURN(cudaMemsetAsync(device->get(), kPoisonByte, bytes, stream));
+  DSA_CUDA_RETURN(cudaMemsetAsync(device->get(), byte, bytes, stream));
   return Status();
+}
+
+Status allocate_poisoned(size_t bytes, bench::DeviceMemory* device, cudaStream_t stream) {
+  return allocate_filled(bytes, kPoisonByte, device, stream);
 }
 
 template <class T>
@@ -60,8 +68,9 @@ Status ReplicatedBuffer::upload(const void* host, size_t bytes, int copies, cuda
 
 void* ReplicatedBuffer::copy(int i) const { return memory_.as<char>() + (i % copies_) * stride_; }
 
-Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const HostStepInputs& in, const HostCache& cache,
-                        int weight_copies, cublasHandle_t handle, cudaStream_t stream) {
+Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const HostStepInputs& in,
+                        const IndexerTokenRows& indexer_history, const HostCache& cache, int weight_copies,
+                        cublasHandle_t handle, cudaStream_t stream) {
   if (cache.first_block != 0 || cache.blocks != shape.cache_blocks()) {
     return invalid_argument("cache", "the whole cache (" + std::to_string(shape.cache_blocks()) + " blocks from 0)",
                             std::to_string(cache.blocks) + " blocks from " + std::to_string(cache.first_block));
@@ -78,8 +87,7 @@ Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const Host
   DSA_RETURN_IF_ERROR(copy_to_device(scales, &scales_, stream));
 
   DSA_RETURN_IF_ERROR(copy_to_device(in.qkv, &qkv_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.slot_mapping, &slots_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.topk_slots, &topk_slots_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.slot_mapping, &slot_mapping_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(cache.bytes, &cache_fused_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(cache.bytes, &cache_stock_, stream));
 
@@ -99,9 +107,63 @@ Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const Host
   const int64_t counters = sparse_mla_split_counter_count(shape.m, shape.H, kTopKWidth);
   DSA_RETURN_IF_ERROR(split_counters_.allocate(size_t(counters) * sizeof(int32_t)));
   DSA_CUDA_RETURN(cudaMemsetAsync(split_counters_.get(), 0, split_counters_.bytes(), stream));
-  DSA_RETURN_IF_ERROR(error_counts_.allocate(4 * sizeof(unsigned int)));
+  DSA_RETURN_IF_ERROR(error_counts_.allocate(kErrorCounters * sizeof(unsigned int)));
   DSA_CUDA_RETURN(cudaMemsetAsync(error_counts_.get(), 0, error_counts_.bytes(), stream));
-  // The host vectors (`scales` too) must outlive the copies from them.
+
+  DSA_RETURN_IF_ERROR(copy_to_device(w.index_k_norm_weight, &index_k_norm_weight_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(w.index_k_norm_bias, &index_k_norm_bias_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(w.index_ape, &index_ape_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.index_q, &index_q_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.index_rows.index_k, &index_k_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.head_weights, &index_head_weights_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.index_rows.gate, &index_gate_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.positions, &positions_, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.token_requests, &token_requests_, stream));
+  const std::vector<int32_t> block_table = make_indexer_block_table(shape);
+  DSA_RETURN_IF_ERROR(copy_to_device(block_table, &indexer_block_table_, stream));
+  // Zeroed, as the CPU reference's state starts: the whole states compare.
+  const size_t ring_bytes = size_t(shape.indexer_requests()) * 2 * kIndexerRing * kIndexerDim * sizeof(uint16_t);
+  DSA_RETURN_IF_ERROR(allocate_filled(ring_bytes, 0, &indexer_ring_, stream));
+  DSA_RETURN_IF_ERROR(allocate_filled(size_t(shape.cache_blocks()) * kIndexerPageBytes, 0, &indexer_k_cache_, stream));
+  const IndexerPlan plan = shape.indexer_plan();
+  DSA_RETURN_IF_ERROR(check_indexer_plan(plan));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(size_t(indexer_workspace_layout(plan).bytes), &indexer_workspace_, stream));
+  int64_t baseline_bytes = 0;
+  DSA_RETURN_IF_ERROR(indexer_select_baseline_workspace_bytes(plan, &baseline_bytes));
+  DSA_RETURN_IF_ERROR(select_baseline_workspace_.allocate(size_t(baseline_bytes)));
+  const size_t row_bytes = m * kTopKWidth * sizeof(int32_t);
+  DSA_RETURN_IF_ERROR(allocate_filled(row_bytes, kPoisonSlotByte, &topk_slots_fused_, stream));
+  DSA_RETURN_IF_ERROR(allocate_filled(row_bytes, kPoisonSlotByte, &topk_slots_stock_, stream));
+  DSA_RETURN_IF_ERROR(allocate_filled(row_bytes, kPoisonSlotByte, &topk_positions_stock_, stream));
+  DSA_RETURN_IF_ERROR(prefill_indexer(indexer_history, stream));
+  // The host vectors (`scales`, `block_table` too) and the prefill's device
+  // rows must outlive the copies and launches that read them.
+  DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+  return Status();
+}
+
+// indexer_prefill of each indexer request over the context rows before its
+// first token (StepShape), on the device copy of `history`.
+Status DeviceStep::prefill_indexer(const IndexerTokenRows& history, cudaStream_t stream) {
+  bench::DeviceMemory index_k, gate;
+  DSA_RETURN_IF_ERROR(copy_to_device(history.index_k, &index_k, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(history.gate, &gate, stream));
+  for (int request = 0; request < s_.indexer_requests(); ++request) {
+    const int64_t tokens = s_.indexer_prefill_tokens(request);
+    if (tokens == 0) continue;  // no context: the state starts empty
+    IndexerPrefillArgs args;
+    args.plan = s_.indexer_plan();
+    args.index_k = bf16(index_k.get(), {tokens, kIndexerDim});
+    args.gate = bf16(gate.get(), {tokens, kIndexerDim});
+    args.k_norm_weight = make_tensor(index_k_norm_weight_.get(), DType::kF32, {kIndexerDim});
+    args.k_norm_bias = make_tensor(index_k_norm_bias_.get(), DType::kF32, {kIndexerDim});
+    args.ape = make_tensor(index_ape_.get(), DType::kF32, {kIndexerPoolSize, kIndexerDim});
+    args.request = request;
+    args.state = indexer_state();
+    args.error_count = error_counter(kIndexerState);
+    DSA_RETURN_IF_ERROR(indexer_prefill(args, stream));
+  }
+  // index_k and gate are freed on return: wait for the launches that read them.
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
   return Status();
 }
@@ -112,8 +174,29 @@ TensorView DeviceStep::cache_view(void* data) const { return fp8(data, {s_.cache
 
 KvCacheWrite DeviceStep::cache_write(void* cache, unsigned int* error_count) const {
   return KvCacheWrite{bf16(kv_c_.get(), {s_.m, s_.L}), cache_view(cache),
-                      make_tensor(slots_.get(), DType::kI64, {s_.m}),
+                      make_tensor(slot_mapping_.get(), DType::kI64, {s_.m}),
                       make_tensor(scales_.as<float>() + 1, DType::kF32, {1}), error_count};
+}
+
+IndexerState DeviceStep::indexer_state() const {
+  const int64_t requests = s_.indexer_requests();
+  return IndexerState{make_tensor(indexer_block_table_.get(), DType::kI32, {requests, s_.cache_blocks()}),
+                      bf16(indexer_ring_.get(), {requests, 2, kIndexerRing, kIndexerDim}),
+                      make_tensor(indexer_k_cache_.get(), DType::kU8, {s_.cache_blocks(), kIndexerPageBytes})};
+}
+
+IndexerSelectArgs DeviceStep::indexer_select_args(void* slots, void* topk_positions,
+                                                  unsigned int* error_count) const {
+  IndexerSelectArgs args;
+  args.plan = s_.indexer_plan();
+  args.positions = make_tensor(positions_.get(), DType::kI64, {s_.m});
+  args.token_requests = make_tensor(token_requests_.get(), DType::kI32, {s_.m});
+  args.state = indexer_state();
+  args.workspace = make_tensor(indexer_workspace_.get(), DType::kU8, {int64_t(indexer_workspace_.bytes())});
+  if (topk_positions != nullptr) args.topk_positions = make_tensor(topk_positions, DType::kI32, {s_.m, kTopKWidth});
+  args.slots = make_tensor(slots, DType::kI32, {s_.m, kTopKWidth});
+  args.error_count = error_count;
+  return args;
 }
 
 // cuBLAS runs on the stream its handle is bound to, whatever the caller
@@ -151,7 +234,7 @@ Status DeviceStep::q_b_proj(cudaStream_t stream, int copy) const {
 }
 
 Status DeviceStep::fused_absorb(cudaStream_t stream, int copy) const {
-  const KvCacheWrite write = cache_write(cache_fused_.get(), error_counts_.as<unsigned int>());
+  const KvCacheWrite write = cache_write(cache_fused_.get(), error_counter(kFusedCacheWrite));
   HeadGemvArgs args;
   args.x = q_view();
   args.weight = bf16(w_uk_t_.copy(copy), {s_.H, s_.P, s_.L});
@@ -162,16 +245,59 @@ Status DeviceStep::fused_absorb(cudaStream_t stream, int copy) const {
   return head_gemv(args, stream, &tactic);
 }
 
-// q_fp8 [m, H, L] and the cache attend over the step's top-k slots into
+// Both chains run this launch at the same positions, and the timings replay
+// it many times, on one shared state. That is sound because prepare at
+// positions it already ran at rewrites the same bytes (the reference's steps
+// 1-4, include/dsa_decode/indexer.h): the q quant and the folded weights
+// depend on the step's own rows only; stashing puts the same LayerNormed k and
+// gate into the same ring slots; a pool completing at position p reads the
+// rows of p-3..p, which are this step's tokens (just restashed) or the up to
+// three rows before the request's first token, which no token of the step
+// overwrites (the ring rule: a request's step tokens and the three before them
+// fit the ring without wrapping), so it writes the same pooled bytes to the
+// same page entry. Select only reads the state. Hence no restore between runs.
+Status DeviceStep::indexer_prepare(cudaStream_t stream, int /*copy: no weights*/) const {
+  IndexerPrepareArgs args;
+  args.plan = s_.indexer_plan();
+  args.index_q = bf16(index_q_.get(), {s_.m, kIndexerHeads, kIndexerDim});
+  args.index_k = bf16(index_k_.get(), {s_.m, kIndexerDim});
+  args.head_weights = make_tensor(index_head_weights_.get(), DType::kF32, {s_.m, kIndexerHeads});
+  args.gate = bf16(index_gate_.get(), {s_.m, kIndexerDim});
+  args.k_norm_weight = make_tensor(index_k_norm_weight_.get(), DType::kF32, {kIndexerDim});
+  args.k_norm_bias = make_tensor(index_k_norm_bias_.get(), DType::kF32, {kIndexerDim});
+  args.ape = make_tensor(index_ape_.get(), DType::kF32, {kIndexerPoolSize, kIndexerDim});
+  args.positions = make_tensor(positions_.get(), DType::kI64, {s_.m});
+  args.token_requests = make_tensor(token_requests_.get(), DType::kI32, {s_.m});
+  args.state = indexer_state();
+  args.workspace = make_tensor(indexer_workspace_.get(), DType::kU8, {int64_t(indexer_workspace_.bytes())});
+  args.error_count = error_counter(kIndexerState);
+  return dsa::indexer_prepare(args, stream);
+}
+
+// The fused attention needs the slots only: no request-local positions.
+Status DeviceStep::fused_indexer_select(cudaStream_t stream, int /*copy: no weights*/) const {
+  return indexer_select(indexer_select_args(topk_slots_fused_.get(), nullptr, error_counter(kFusedIndexerSelect)),
+                        stream);
+}
+
+// The baseline remaps from the positions, so it writes them too.
+Status DeviceStep::stock_indexer_select(cudaStream_t stream, int /*copy: no weights*/) const {
+  const IndexerSelectArgs args =
+      indexer_select_args(topk_slots_stock_.get(), topk_positions_stock_.get(), error_counter(kStockIndexerSelect));
+  return indexer_select_baseline(args, select_baseline_workspace_.get(),
+                                 static_cast<int64_t>(select_baseline_workspace_.bytes()), stream);
+}
+
+// q_fp8 [m, H, L] and the cache attend over the top-k slots [m, 2176] into
 // latent [m, H, L] BF16 and lse [m, H] f32.
-Status DeviceStep::attention(void* q_fp8, void* cache, void* latent, void* lse, unsigned int* error_count,
-                             cudaStream_t stream) const {
+Status DeviceStep::attention(void* q_fp8, void* cache, void* topk_slots, void* latent, void* lse,
+                             unsigned int* error_count, cudaStream_t stream) const {
   SparseMlaArgs args;
   args.q = fp8(q_fp8, {s_.m, s_.H, s_.L});
   args.q_scale = make_tensor(scales_.get(), DType::kF32, {1});
   args.kv_cache = cache_view(cache);
   args.k_scale = make_tensor(scales_.as<float>() + 1, DType::kF32, {1});
-  args.indices = make_tensor(topk_slots_.get(), DType::kI32, {s_.m, kTopKWidth});
+  args.indices = make_tensor(topk_slots, DType::kI32, {s_.m, kTopKWidth});
   args.softmax_scale = attention_softmax_scale(s_);
   args.latent = bf16(latent, {s_.m, s_.H, s_.L});
   args.lse = make_tensor(lse, DType::kF32, {s_.m, s_.H});
@@ -182,8 +308,8 @@ Status DeviceStep::attention(void* q_fp8, void* cache, void* latent, void* lse, 
 }
 
 Status DeviceStep::fused_attention(cudaStream_t stream, int /*copy: no weights*/) const {
-  return attention(q_fp8_fused_.get(), cache_fused_.get(), latent_fused_.get(), lse_fused_.get(),
-                   error_counts_.as<unsigned int>() + 2, stream);
+  return attention(q_fp8_fused_.get(), cache_fused_.get(), topk_slots_fused_.get(), latent_fused_.get(),
+                   lse_fused_.get(), error_counter(kFusedAttention), stream);
 }
 
 Status DeviceStep::fused_value_up(cudaStream_t stream, int copy) const {
@@ -196,7 +322,7 @@ Status DeviceStep::fused_value_up(cudaStream_t stream, int copy) const {
 }
 
 Status DeviceStep::stock_cache_write(cudaStream_t stream, int /*copy: no weights*/) const {
-  return stock_concat_and_cache_mla(cache_write(cache_stock_.get(), error_counts_.as<unsigned int>() + 1), stream);
+  return stock_concat_and_cache_mla(cache_write(cache_stock_.get(), error_counter(kStockCacheWrite)), stream);
 }
 
 Status DeviceStep::stock_absorb_bmm(cudaStream_t stream, int copy) const {
@@ -219,8 +345,8 @@ Status DeviceStep::stock_counter_memset(cudaStream_t stream, int /*copy: no weig
 }
 
 Status DeviceStep::stock_attention(cudaStream_t stream, int /*copy: no weights*/) const {
-  return attention(q_fp8_stock_.get(), cache_stock_.get(), latent_stock_.get(), lse_stock_.get(),
-                   error_counts_.as<unsigned int>() + 3, stream);
+  return attention(q_fp8_stock_.get(), cache_stock_.get(), topk_slots_stock_.get(), latent_stock_.get(),
+                   lse_stock_.get(), error_counter(kStockAttention), stream);
 }
 
 Status DeviceStep::stock_value_up_bmm(cudaStream_t stream, int copy) const {
@@ -246,15 +372,22 @@ Status DeviceStep::download(cudaStream_t stream, StepOutputs* out) const {
   DSA_RETURN_IF_ERROR(copy_to_host(out_stock_, &out->out_stock, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(cache_fused_, &out->cache_fused, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(cache_stock_, &out->cache_stock, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(topk_slots_fused_, &out->topk_slots_fused, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(topk_slots_stock_, &out->topk_slots_stock, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(indexer_ring_, &out->indexer_ring, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(indexer_k_cache_, &out->indexer_k_cache, stream));
   std::vector<unsigned int> counts;
   DSA_RETURN_IF_ERROR(copy_to_host(error_counts_, &counts, stream));
   std::vector<int32_t> split_counters;
   DSA_RETURN_IF_ERROR(copy_to_host(split_counters_, &split_counters, stream));
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
-  out->skipped_slots_fused = counts[0];
-  out->skipped_slots_stock = counts[1];
-  out->bad_indices_fused = counts[2];
-  out->bad_indices_stock = counts[3];
+  out->skipped_slots_fused = counts[kFusedCacheWrite];
+  out->skipped_slots_stock = counts[kStockCacheWrite];
+  out->bad_indices_fused = counts[kFusedAttention];
+  out->bad_indices_stock = counts[kStockAttention];
+  out->indexer_state_errors = counts[kIndexerState];
+  out->indexer_select_errors_fused = counts[kFusedIndexerSelect];
+  out->indexer_select_errors_stock = counts[kStockIndexerSelect];
   out->counters_zero = std::all_of(split_counters.begin(), split_counters.end(), [](int32_t c) { return c == 0; });
   return Status();
 }

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -75,9 +76,12 @@ struct Kernel {
 enum KernelId {
   kNorm,
   kQBProj,
+  kIndexerPrepare,
   kFusedAbsorb,
+  kFusedIndexerSelect,
   kFusedAttention,
   kFusedValueUp,
+  kStockIndexerSelect,
   kStockCacheWrite,
   kStockAbsorbBmm,
   kStockFp8Quant,
@@ -96,15 +100,40 @@ std::vector<Kernel> make_kernels(const StepShape& s) {
   const double attention = fp8 * m * H * L + 4.0 * m * kTopKWidth + fp8 * m * kIndexerPooledColumns * L +
                            bf16 * m * H * L + 4.0 * m * H;
   const double counters = 4.0 * sparse_mla_split_counter_count(s.m, s.H, kTopKWidth);
+  // The indexer. A token at position p % 4 == 3 completes pool p / 4; a token
+  // of L > 2048 scores pools 0..L/4-1, all tokens on the same pages, so at the
+  // least each pool up to the last token's is read once. Its K cache is not
+  // rotated (prepare writes it; every copy would need the same writes): alone,
+  // the select finds it in L2, as the attention finds its cache rows; in the
+  // chains the rotated weights stream through L2 between two selects.
+  const double index_row = bf16 * m * kIndexerDim;  // index_k or gate [m, 128], or their ring rows
+  const double q_fp8_and_weights = fp8 * m * kIndexerHeads * kIndexerDim + 4.0 * m * kIndexerHeads;
+  const int64_t last_context = s.context + s.m;
+  const double pools_completed = double(last_context / kIndexerPoolSize - s.context / kIndexerPoolSize);
+  const double pools_scored = last_context > kIndexerPooledColumns ? double(last_context / kIndexerPoolSize) : 0;
+  // index_q, index_k, gate, head_weights, the parameters, positions and
+  // requests; q_fp8, folded weights and ring rows written; per completed pool
+  // the three earlier tokens' ring rows read and the pool written.
+  const double prepare = bf16 * m * kIndexerHeads * kIndexerDim + 2 * index_row + 4.0 * m * kIndexerHeads +
+                         4.0 * (2 + kIndexerPoolSize) * kIndexerDim + 12.0 * m + q_fp8_and_weights + 2 * index_row +
+                         pools_completed * (3 * 2 * bf16 * kIndexerDim + kIndexerPoolBytes);
+  // q_fp8 and folded weights, positions and requests, the pools scored, the rows of slots written.
+  const double top_k_rows = 4.0 * m * kTopKWidth;
+  const double select = q_fp8_and_weights + 12.0 * m + pools_scored * kIndexerPoolBytes + top_k_rows;
   return {
       {"norm", "norm (q and kv RMSNorm, one launch)", "shared", bf16 * (2 * m * (Q + L) + (Q + L)),
        &DeviceStep::norm},
       {"q_b_proj", "q_b_proj (cuBLAS GEMM)", "shared", bf16 * H * P * Q + bf16 * m * Q + q, &DeviceStep::q_b_proj},
+      {"indexer_prepare", "indexer prepare (k norm, q quant, pools)", "shared", prepare, &DeviceStep::indexer_prepare},
       {"absorb", "absorb + FP8 quant + cache write (head_gemv)", "fused", w_uk + q + fp8 * m * H * L + cache_write,
        &DeviceStep::fused_absorb},
+      {"indexer_select", "indexer select (logits, top-512, slots)", "fused", select,
+       &DeviceStep::fused_indexer_select},
       {"attention", "sparse attention (sparse_mla)", "fused", attention, &DeviceStep::fused_attention},
       {"value_up", "value_up (head_gemv)", "fused", w_uv + bf16 * m * H * L + bf16 * m * H * V,
        &DeviceStep::fused_value_up},
+      {"stock_indexer_select", "indexer select baseline (CUB sort)", "stock", select + top_k_rows,
+       &DeviceStep::stock_indexer_select},
       {"stock_cache_write", "concat_and_cache_mla", "stock", cache_write, &DeviceStep::stock_cache_write},
       {"stock_absorb_bmm", "absorb bmm (cuBLAS)", "stock", w_uk + q + bf16 * m * H * L, &DeviceStep::stock_absorb_bmm},
       {"stock_fp8_quant", "static FP8 quant", "stock", bf16 * m * H * L + fp8 * m * H * L, &DeviceStep::stock_fp8_quant},
@@ -116,11 +145,13 @@ std::vector<Kernel> make_kernels(const StepShape& s) {
   };
 }
 
-const std::vector<KernelId> kFusedChain = {kNorm, kQBProj, kFusedAbsorb, kFusedAttention, kFusedValueUp};
-// vLLM's order: the cache write, the absorb bmm and its quant run after the top-k.
-const std::vector<KernelId> kStockChain = {kNorm,          kQBProj,         kStockCacheWrite,
-                                           kStockAbsorbBmm, kStockFp8Quant, kStockCounterMemset,
-                                           kStockAttention, kStockValueUpBmm};
+const std::vector<KernelId> kFusedChain = {
+    kNorm, kQBProj, kFusedAbsorb, kIndexerPrepare, kFusedIndexerSelect, kFusedAttention, kFusedValueUp};
+// vLLM's order: the top-k right after q_b_proj; the cache write, the absorb
+// bmm and its quant after it.
+const std::vector<KernelId> kStockChain = {
+    kNorm,           kQBProj,        kIndexerPrepare,     kStockIndexerSelect, kStockCacheWrite,
+    kStockAbsorbBmm, kStockFp8Quant, kStockCounterMemset, kStockAttention,     kStockValueUpBmm};
 const std::vector<KernelId> kStockAbsorb = {kStockCacheWrite, kStockAbsorbBmm, kStockFp8Quant};
 
 Status run_chain(const DeviceStep& step, const std::vector<Kernel>& kernels, const std::vector<KernelId>& chain,
@@ -161,11 +192,18 @@ Check check_q_b_proj(const StepShape& s, const HostWeights& w, const StepOutputs
                        error, kTolerance));
 }
 
+// The indexer's state too: the stock run's prepare ran again at the fused
+// run's positions, which must leave the same bytes
+// (DeviceStep::indexer_prepare), or the fused and the stock rows would come
+// from different states (and every timed replay from yet another).
 Check check_shared_repeat(const StepOutputs& first, const StepOutputs& second) {
-  const bool same = first.q_c == second.q_c && first.kv_c == second.kv_c && first.q == second.q;
-  return judged("norm and q_b_proj repeat", same,
-                same ? "the fused and the stock run got the same q_c, kv_c and q bits"
-                     : "q_c, kv_c or q differ between the fused and the stock run: the comparisons below are void");
+  const bool same = first.q_c == second.q_c && first.kv_c == second.kv_c && first.q == second.q &&
+                    first.indexer_ring == second.indexer_ring && first.indexer_k_cache == second.indexer_k_cache;
+  return judged("norm, q_b_proj and indexer prepare repeat", same,
+                same ? "the fused and the stock run got the same q_c, kv_c and q bits and left the same indexer ring "
+                       "and K cache bytes (prepare run again at the same positions)"
+                     : "q_c, kv_c, q or the indexer state differ between the fused and the stock run: the "
+                       "comparisons below are void");
 }
 
 Check check_absorb(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
@@ -190,12 +228,92 @@ Check check_value_up(const StepShape& s, const HostWeights& w, const StepOutputs
                        tactic.rows_per_thread));
 }
 
-// The attention against the float64 reference on the GPU's own q_fp8 and
-// cache, with the tolerances of its tests (docs/sparse_mla.md).
-Check check_attention(const StepShape& s, const HostWeights& w, const HostStepInputs& in, const StepOutputs& gpu) {
+// Elements that differ between two outputs of the same shape (a size
+// mismatch counts every element), and the first that does.
+struct Mismatches {
+  size_t count = 0, first = 0;
+};
+
+template <class T>
+Mismatches count_mismatches(const std::vector<T>& got, const std::vector<T>& want) {
+  if (got.size() != want.size()) return Mismatches{std::max(got.size(), want.size()), 0};
+  Mismatches d;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] == want[i]) continue;
+    if (d.count == 0) d.first = i;
+    ++d.count;
+  }
+  return d;
+}
+
+// The indexer on the CPU from the same history and step inputs: the state
+// after the prefill and the step, and the step's rows.
+struct IndexerReference {
+  IndexerHostState state;
+  reference::IndexerRowsHost rows;
+  int64_t errors = 0;  // untrusted block table entries met by the prefill and the step
+  double ms = 0;       // CPU time
+};
+
+Status run_indexer_reference(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
+                             const IndexerTokenRows& history, IndexerReference* cpu) {
+  const auto start = std::chrono::steady_clock::now();
+  cpu->state = make_indexer_state(s);
+  int64_t prefill_errors = 0;
+  DSA_RETURN_IF_ERROR(reference_indexer_prefill(s, w, history, &cpu->state, &prefill_errors));
+  DSA_RETURN_IF_ERROR(reference_indexer_step(s, w, in, &cpu->state, &cpu->rows, &cpu->errors));
+  cpu->errors += prefill_errors;
+  cpu->ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return Status();
+}
+
+// Every step of the indexer is bit-exact (the select's head dots are exact),
+// so the slots must be equal bit for bit.
+Check check_indexer_rows(const StepShape& s, const IndexerReference& cpu, const StepOutputs& gpu) {
+  const Mismatches d = count_mismatches(gpu.topk_slots_fused, cpu.rows.slots);
+  const bool pass = d.count == 0 && gpu.indexer_state_errors == 0 && gpu.indexer_select_errors_fused == 0 &&
+                    cpu.errors == 0;
+  const int64_t last_context = s.context + s.m;
+  return judged("indexer slots (select) vs CPU reference", pass,
+                format("bitwise: %zu of %zu slots differ (first: token %zu, column %zu); %d indexer request(s), up "
+                       "to %lld pools scored; error counters: prefill and prepare %u, select %u, CPU %lld; CPU "
+                       "prefill and step %.0f ms",
+                       d.count, cpu.rows.slots.size(), d.first / kTopKWidth, d.first % kTopKWidth,
+                       s.indexer_requests(),
+                       static_cast<long long>(last_context > kIndexerPooledColumns ? last_context / kIndexerPoolSize
+                                                                                   : 0),
+                       gpu.indexer_state_errors, gpu.indexer_select_errors_fused, static_cast<long long>(cpu.errors),
+                       cpu.ms));
+}
+
+// What the GPU prefill and prepare left: the whole ring and every K cache
+// page, unwritten entries included.
+Check check_indexer_state(const IndexerReference& cpu, const StepOutputs& gpu) {
+  const Mismatches ring = count_mismatches(gpu.indexer_ring, cpu.state.ring);
+  const Mismatches pages = count_mismatches(gpu.indexer_k_cache, cpu.state.k_cache);
+  return judged("indexer state (prefill + prepare) vs CPU reference", ring.count == 0 && pages.count == 0,
+                format("bitwise: ring %zu of %zu BF16 values differ, K cache %zu of %zu bytes differ (first in page "
+                       "%lld)",
+                       ring.count, cpu.state.ring.size(), pages.count, cpu.state.k_cache.size(),
+                       static_cast<long long>(pages.first / kIndexerPageBytes)));
+}
+
+// The baseline's CUB sort must select the same pools as the radix select.
+Check check_indexer_fused_vs_stock(const StepOutputs& gpu) {
+  const Mismatches d = count_mismatches(gpu.topk_slots_stock, gpu.topk_slots_fused);
+  return judged("indexer slots fused vs stock (select baseline)", d.count == 0 && gpu.indexer_select_errors_stock == 0,
+                format("bitwise: %zu of %zu slots differ (first: token %zu, column %zu); the baseline's error counter "
+                       "%u",
+                       d.count, gpu.topk_slots_fused.size(), d.first / kTopKWidth, d.first % kTopKWidth,
+                       gpu.indexer_select_errors_stock));
+}
+
+// The attention against the float64 reference on the GPU's own q_fp8, cache
+// and slots, with the tolerances of its tests (docs/sparse_mla.md).
+Check check_attention(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
   constexpr double kMaxRelativeFrobenius = 1e-2, kMaxLseError = 1e-3;
   const reference::SparseMlaResult cpu = reference_attention(s, w, gpu.q_fp8_fused, gpu.cache_fused, s.cache_blocks(),
-                                                             kCacheBlockSize, in.topk_slots);
+                                                             kCacheBlockSize, gpu.topk_slots_fused);
   double error_squares = 0, reference_squares = 0, worst_lse = 0;
   for (size_t i = 0; i < cpu.latent.size(); ++i) {
     const double got = num::bf16_to_float(gpu.latent_fused[i]), want = num::bf16_to_float(cpu.latent[i]);
@@ -270,15 +388,18 @@ Check report_saturation(const StepShape& s, const StepOutputs& gpu) {
 }
 
 // Runs the fused chain, then the stock chain, once each on weight copy 0, and
-// checks what they wrote. Each check is printed as soon as it is known.
-Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs& in, const HostCache& initial_cache,
-                  const DeviceStep& step, const std::vector<Kernel>& kernels, cudaStream_t stream,
-                  std::vector<Check>* checks) {
+// checks what they wrote; the indexer's CPU reference prefills from the same
+// `indexer_history`. Each check is printed as soon as it is known.
+Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
+                  const IndexerTokenRows& indexer_history, const HostCache& initial_cache, const DeviceStep& step,
+                  const std::vector<Kernel>& kernels, cudaStream_t stream, std::vector<Check>* checks) {
   StepOutputs after_fused, after_both;
   DSA_RETURN_IF_ERROR(run_chain(step, kernels, kFusedChain, stream, 0));
   DSA_RETURN_IF_ERROR(step.download(stream, &after_fused));
   DSA_RETURN_IF_ERROR(run_chain(step, kernels, kStockChain, stream, 0));
   DSA_RETURN_IF_ERROR(step.download(stream, &after_both));
+  IndexerReference indexer;
+  DSA_RETURN_IF_ERROR(run_indexer_reference(s, w, in, indexer_history, &indexer));
 
   std::printf("\nchecks (fused chain, then stock chain, once each):\n");
   auto add = [&](Check check) {
@@ -290,10 +411,13 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   add(check_shared_repeat(after_fused, after_both));
   add(check_absorb(s, w, after_fused));
   add(check_cache_reference(s, w, in, initial_cache, after_fused));
-  add(check_attention(s, w, in, after_fused));
+  add(check_indexer_state(indexer, after_fused));
+  add(check_indexer_rows(s, indexer, after_fused));
+  add(check_attention(s, w, after_fused));
   add(check_value_up(s, w, after_fused));
   add(check_cache_fused_vs_stock(s, after_both));
   add(check_q_fp8_fused_vs_stock(after_both));
+  add(check_indexer_fused_vs_stock(after_both));
   add(report_attention_fused_vs_stock(after_both));
   add(report_value_up_fused_vs_stock(after_both));
   add(report_saturation(s, after_both));
@@ -337,6 +461,7 @@ Status time_all(const bench::Context& ctx, const DeviceStep& step, const std::ve
   DSA_RETURN_IF_ERROR(measure("stock_chain", "stock chain norm .. value_up", "stock", kStockChain));
   DSA_RETURN_IF_ERROR(measure("chain", "chain norm .. value_up", "fused", kFusedChain));
   (*timings)[first + kFusedAbsorb].baseline = stock_absorb;
+  (*timings)[first + kFusedIndexerSelect].baseline = first + kStockIndexerSelect;
   (*timings)[first + kFusedAttention].baseline = first + kStockAttention;
   (*timings)[first + kFusedValueUp].baseline = first + kStockValueUpBmm;
   timings->back().baseline = stock_chain;
@@ -352,22 +477,25 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   DSA_RETURN_IF_ERROR(bench::open_context(stream.get(), /*quick=*/false, &ctx));
   std::printf("dsa-decode on %s (%d SMs, L2 %.0f MB, copy %.0f GB/s), commit %s: %s\n", ctx.gpu_name.c_str(),
               ctx.sm_count, ctx.l2_bytes / 1e6, ctx.copy_GBps, ctx.commit.c_str(), s.describe().c_str());
-  std::printf("attention: sparse_mla over synthetic top-k rows (512 pools drawn from the seed + the tail per token: "
-              "the indexer's GPU prepare step is not wired in yet); no stock Hopper kernel takes this cache format, "
-              "so the stock chain runs the same sparse_mla after its counter memset\n");
+  std::printf("attention: sparse_mla over the glm5next indexer's slots (indexer_prepare + indexer_select; stock: "
+              "indexer_select_baseline, a CUB sort) on synthetic projection outputs, its state prefilled with the "
+              "context's rows; no stock Hopper kernel takes this cache format, so the stock chain runs the same "
+              "sparse_mla after its counter memset\n");
   bench::CublasHandle cublas;
   DSA_RETURN_IF_ERROR(cublas.create(ctx.stream));
 
   const HostWeights weights = make_weights(s, options.seed);
   const HostStepInputs inputs = make_step_inputs(s, options.seed);
+  const IndexerTokenRows indexer_history = make_indexer_history(s, options.seed);
   const HostCache cache = make_cache(s, weights, options.seed, 0, s.cache_blocks());
   const int copies = weight_copies(ctx, s);
   DeviceStep step;
-  DSA_RETURN_IF_ERROR(step.init(s, weights, inputs, cache, copies, cublas.get(), ctx.stream));
+  DSA_RETURN_IF_ERROR(step.init(s, weights, inputs, indexer_history, cache, copies, cublas.get(), ctx.stream));
   std::printf("synthetic layer (seed %llu), %d weight copies; KV cache [%lld, %d, %d] FP8 e4m3, new tokens at slots "
               "%lld..%lld\n",
               static_cast<unsigned long long>(options.seed), copies, static_cast<long long>(s.cache_blocks()),
               kCacheBlockSize, s.L, static_cast<long long>(s.context), static_cast<long long>(s.context + s.m - 1));
+  std::printf("%s\n", s.describe_indexer().c_str());
 
   const std::vector<Kernel> kernels = make_kernels(s);
   report->gpu = ctx.gpu_name;
@@ -377,7 +505,8 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   report->shape = s;
   report->steps = options.steps;
   report->weight_copies = copies;
-  DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, cache, step, kernels, ctx.stream, &report->checks));
+  DSA_RETURN_IF_ERROR(
+      run_checks(s, weights, inputs, indexer_history, cache, step, kernels, ctx.stream, &report->checks));
   DSA_RETURN_IF_ERROR(time_all(ctx, step, kernels, copies, options.steps, &report->timings));
   print_timings(*report);
   return Status();

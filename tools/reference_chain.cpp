@@ -100,4 +100,60 @@ int reference_cache_write(const StepShape& s, const HostWeights& w, const std::v
                                                 int64_t{kCacheBlockSize} * s.L, s.L);
 }
 
+reference::IndexerStateHost IndexerHostState::view() {
+  // One page per KV block: as many blocks as the table is wide.
+  return reference::IndexerStateHost{block_table.data(), requests, width, ring.data(), k_cache.data(),
+                                     /*blocks=*/width, kIndexerPageBytes};
+}
+
+IndexerHostState make_indexer_state(const StepShape& s) {
+  IndexerHostState state;
+  state.requests = s.indexer_requests();
+  state.width = s.cache_blocks();
+  state.block_table = make_indexer_block_table(s);
+  state.ring.assign(size_t(state.requests) * 2 * kIndexerRing * kIndexerDim, 0);
+  state.k_cache.assign(size_t(state.width) * kIndexerPageBytes, 0);
+  return state;
+}
+
+namespace {
+reference::IndexerParamsHost indexer_params(const HostWeights& w) {
+  return reference::IndexerParamsHost{w.index_k_norm_weight.data(), w.index_k_norm_bias.data(), w.index_ape.data()};
+}
+}  // namespace
+
+Status reference_indexer_prefill(const StepShape& s, const HostWeights& w, const IndexerTokenRows& history,
+                                 IndexerHostState* state, int64_t* errors) {
+  const IndexerPlan plan = s.indexer_plan();
+  reference::IndexerStateHost view = state->view();
+  *errors = 0;
+  for (int request = 0; request < s.indexer_requests(); ++request) {
+    const int64_t tokens = s.indexer_prefill_tokens(request);
+    if (tokens == 0) continue;  // no context: the state starts empty
+    int64_t request_errors = 0;
+    DSA_RETURN_IF_ERROR(reference::indexer_prefill(plan, history.index_k.data(), history.gate.data(), tokens, request,
+                                                   indexer_params(w), view, &request_errors));
+    *errors += request_errors;
+  }
+  return Status();
+}
+
+Status reference_indexer_step(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
+                              IndexerHostState* state, reference::IndexerRowsHost* rows, int64_t* errors) {
+  const IndexerPlan plan = s.indexer_plan();
+  reference::IndexerStateHost view = state->view();
+  const reference::IndexerStepHost step{s.m,
+                                        in.index_q.data(),
+                                        in.index_rows.index_k.data(),
+                                        in.head_weights.data(),
+                                        in.index_rows.gate.data(),
+                                        in.positions.data(),
+                                        in.token_requests.data()};
+  reference::IndexerQueryHost query;
+  DSA_RETURN_IF_ERROR(reference::indexer_prepare(plan, step, indexer_params(w), view, &query, errors));
+  DSA_RETURN_IF_ERROR(reference::indexer_select(plan, step, query, view, rows));
+  *errors += rows->errors;
+  return Status();
+}
+
 }  // namespace dsa::cli

@@ -1,15 +1,17 @@
 // The decode step's chain on the CPU, kernel by kernel, in the kernels' own
 // summation orders where they have a fixed one (src/*/..._reference.h):
-// norm -> q_b_proj -> absorb (FP8) + cache write -> sparse attention (float64)
-// -> value-up. The CPU path runs
-// it whole; the GPU path runs each piece on the GPU's own inputs to check the
-// kernel that made the same output.
+// norm -> q_b_proj -> absorb (FP8) + cache write -> indexer (prefill of the
+// context, then prepare and select: bit-exact) -> sparse attention (float64)
+// -> value-up. The CPU path runs it whole; the GPU path runs each piece on the
+// GPU's own inputs to check the kernel that made the same output.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "dsa_decode/head_gemv.h"
+#include "dsa_decode/status.h"
+#include "indexer/indexer_reference.h"
 #include "sparse_mla/sparse_mla_reference.h"
 #include "synthetic_layer.h"
 
@@ -56,5 +58,29 @@ std::vector<uint16_t> reference_value_up(const StepShape& s, const HostWeights& 
 // returns how many slots fell outside the cache's window (skipped).
 int reference_cache_write(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& kv_c,
                           const std::vector<int64_t>& slots, HostCache* cache);
+
+// The indexer's paged state on the host, laid out as on the GPU (StepShape
+// says why there may be several requests).
+struct IndexerHostState {
+  int64_t requests = 0, width = 0;   // block table rows and columns
+  std::vector<int32_t> block_table;  // [requests, width] int32: identity rows
+  std::vector<uint16_t> ring;        // [requests, 2, kIndexerRing, 128] BF16
+  std::vector<uint8_t> k_cache;      // [cache_blocks, kIndexerPageBytes]
+  reference::IndexerStateHost view();  // points into the vectors
+};
+
+// A zeroed state (the GPU's starts zeroed too, so whole states compare).
+IndexerHostState make_indexer_state(const StepShape& s);
+
+// indexer_prefill of every indexer request r over positions
+// 0..indexer_prefill_tokens(r)-1 of `history` (make_indexer_history);
+// `errors`: untrusted block table entries met (0 for this layout).
+Status reference_indexer_prefill(const StepShape& s, const HostWeights& w, const IndexerTokenRows& history,
+                                 IndexerHostState* state, int64_t* errors);
+
+// indexer_prepare, then indexer_select, of the step on `state`: rows [m, 2176]
+// of request-local positions and of KV slots.
+Status reference_indexer_step(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
+                              IndexerHostState* state, reference::IndexerRowsHost* rows, int64_t* errors);
 
 }  // namespace dsa::cli

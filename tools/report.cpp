@@ -85,9 +85,10 @@ Status write_json(const RunReport& r, const std::string& path) {
        << ",\n \"preset\": " << json_string(s.preset) << ", \"tp\": " << s.tp << ", \"params\": {\"H\": " << s.H
        << ", \"m\": " << s.m << ", \"context\": " << s.context << "}, \"steps\": " << r.steps
        << ", \"weight_copies\": " << r.weight_copies
-       << ",\n \"note\": \"attention over synthetic top-k rows (the indexer's GPU prepare is not wired in yet); "
-          "the stock chain runs the same sparse_mla after a counter memset (no stock Hopper kernel takes this cache "
-          "format)\",\n \"checks\": [";
+       << ",\n \"note\": \"attention over the glm5next indexer's slots (indexer_prepare + indexer_select; stock: "
+          "indexer_select_baseline, a CUB sort) on synthetic projection outputs, its state prefilled with the "
+          "context's rows; the stock chain runs the same sparse_mla after a counter memset (no stock Hopper kernel "
+          "takes this cache format)\",\n \"checks\": [";
   for (size_t i = 0; i < r.checks.size(); ++i) {
     const Check& c = r.checks[i];
     json << (i ? ",\n  " : "\n  ") << "{\"name\": " << json_string(c.name)

@@ -28,7 +28,13 @@ enum class Tensor : uint64_t {
   kWUv = 5,
   kQkv = 6,
   kCachedLatent = 8,
-  kTopK = 9,
+  kIndexQ = 10,
+  kIndexK = 11,
+  kIndexHeadWeights = 12,
+  kIndexGate = 13,
+  kIndexKNormWeight = 14,
+  kIndexKNormBias = 15,
+  kIndexApe = 16,
 };
 
 // splitmix64's output function: a well-mixed 64-bit hash.
@@ -64,7 +70,20 @@ std::vector<uint16_t> normal_bf16(size_t count, float mean, float stddev, const 
   return values;
 }
 
+// FP32 values a BF16 checkpoint gives (BF16 values, exact in FP32).
+std::vector<float> normal_bf16_as_float(size_t count, float mean, float stddev, const ElementHash& hash) {
+  std::vector<float> values(count);
+  for (size_t i = 0; i < count; ++i) {
+    values[i] = num::bf16_to_float(num::float_to_bf16(mean + stddev * standard_normal(hash(i))));
+  }
+  return values;
+}
+
 float inverse_sqrt(int fan_in) { return 1.0f / std::sqrt(static_cast<float>(fan_in)); }
+
+// Uniform in [-sqrt(3), sqrt(3)): unit variance, and cheap enough for the rows
+// of every cached token.
+uint16_t unit_uniform_bf16(uint64_t bits) { return num::float_to_bf16(1.7320508f * signed_uniform(bits)); }
 
 }  // namespace
 
@@ -72,6 +91,31 @@ std::string StepShape::describe() const {
   return preset + " TP" + std::to_string(tp) + " (H=" + std::to_string(H) + ", Q=" + std::to_string(Q) +
          ", L=" + std::to_string(L) + ", P=" + std::to_string(P) + ", V=" + std::to_string(V) +
          "), m=" + std::to_string(m) + ", context " + std::to_string(context);
+}
+
+std::string StepShape::describe_indexer() const {
+  const int requests = indexer_requests();
+  std::string text = "indexer: RING " + std::to_string(kIndexerRing) + ", ";
+  if (requests == 1) {
+    text += context > 0 ? "one request prefilled with the " + std::to_string(context) + " context positions"
+                        : "one request, empty before the step (no context)";
+  } else {
+    text += std::to_string(requests) + " requests of up to " + std::to_string(kIndexerTokensPerRequest) +
+            " tokens, request r prefilled with the " + std::to_string(context) + " + " +
+            std::to_string(kIndexerTokensPerRequest) + "r positions before its first token (forks sharing the pages)";
+  }
+  return text + "; block table [" + std::to_string(requests) + ", " + std::to_string(cache_blocks()) +
+         "] (identity rows), K cache [" + std::to_string(cache_blocks()) + ", " + std::to_string(kIndexerPageBytes) +
+         "] bytes";
+}
+
+IndexerPlan StepShape::indexer_plan() const {
+  IndexerPlan plan;
+  plan.max_tokens = m;
+  plan.max_context = context + m;
+  plan.ring = kIndexerRing;
+  plan.block_size = kCacheBlockSize;
+  return plan;
 }
 
 StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context) {
@@ -97,6 +141,13 @@ HostWeights make_weights(const StepShape& s, uint64_t seed) {
   w.q_scale = kCalibratedAmax / num::kFp8E4M3Max;
   w.k_scale = kCalibratedAmax / num::kFp8E4M3Max;
   w.eps = kNormEps;
+  // The key LayerNorm's affine parameters near identity, as trained ones
+  // mostly are; the positional bias of the pool softmax small next to the
+  // unit-scale gates it is added to.
+  w.index_k_norm_weight = normal_bf16_as_float(kIndexerDim, 1.0f, 0.05f, ElementHash(seed, Tensor::kIndexKNormWeight));
+  w.index_k_norm_bias = normal_bf16_as_float(kIndexerDim, 0.0f, 0.02f, ElementHash(seed, Tensor::kIndexKNormBias));
+  w.index_ape = normal_bf16_as_float(size_t(kIndexerPoolSize) * kIndexerDim, 0.0f, 0.1f,
+                                     ElementHash(seed, Tensor::kIndexApe));
   return w;
 }
 
@@ -106,33 +157,41 @@ HostStepInputs make_step_inputs(const StepShape& s, uint64_t seed) {
   in.qkv = normal_bf16(size_t(s.m) * s.qkv_width(), 0.0f, 3.0f, ElementHash(seed, Tensor::kQkv));
   in.slot_mapping.resize(s.m);
   for (int t = 0; t < s.m; ++t) in.slot_mapping[t] = s.context + t;
-  in.topk_slots.assign(size_t(s.m) * kTopKWidth, -1);
-  const ElementHash hash(seed, Tensor::kTopK);
-  std::vector<int32_t> pools;
-  for (int t = 0; t < s.m; ++t) {
-    int32_t* row = &in.topk_slots[size_t(t) * kTopKWidth];
-    const int64_t visible = s.context + t + 1;
-    if (visible <= kIndexerPooledColumns) {
-      for (int64_t j = 0; j < visible; ++j) row[j] = static_cast<int32_t>(j);
-      continue;
-    }
-    // 512 distinct pools by a partial Fisher-Yates shuffle, then in increasing order.
-    const int64_t complete = visible / kIndexerPoolSize;
-    pools.resize(size_t(complete));
-    for (int64_t p = 0; p < complete; ++p) pools[size_t(p)] = static_cast<int32_t>(p);
-    for (int i = 0; i < kIndexerTopPools; ++i) {
-      const uint64_t pick = i + hash(uint64_t(t) * kIndexerTopPools + i) % uint64_t(complete - i);
-      std::swap(pools[size_t(i)], pools[size_t(pick)]);
-    }
-    std::sort(pools.begin(), pools.begin() + kIndexerTopPools);
-    for (int i = 0; i < kIndexerTopPools; ++i) {
-      for (int k = 0; k < kIndexerPoolSize; ++k) row[i * kIndexerPoolSize + k] = pools[size_t(i)] * kIndexerPoolSize + k;
-    }
-    for (int64_t j = complete * kIndexerPoolSize; j < visible; ++j) {
-      row[kIndexerPooledColumns + (j - complete * kIndexerPoolSize)] = static_cast<int32_t>(j);
-    }
-  }
+  // Unit scale, as projections of normed activations are: the logits spread
+  // over many values, so the top-512 is no tie-break of a few.
+  in.index_q = normal_bf16(size_t(s.m) * kIndexerHeads * kIndexerDim, 0.0f, 1.0f, ElementHash(seed, Tensor::kIndexQ));
+  in.index_rows = make_indexer_token_rows(seed, s.context, s.m);
+  const ElementHash head_weight_hash(seed, Tensor::kIndexHeadWeights);
+  in.head_weights.resize(size_t(s.m) * kIndexerHeads);
+  for (size_t i = 0; i < in.head_weights.size(); ++i) in.head_weights[i] = standard_normal(head_weight_hash(i));
+  in.positions = in.slot_mapping;
+  in.token_requests.resize(s.m);
+  for (int t = 0; t < s.m; ++t) in.token_requests[t] = t / kIndexerTokensPerRequest;
   return in;
+}
+
+IndexerTokenRows make_indexer_token_rows(uint64_t seed, int64_t first, int64_t count) {
+  IndexerTokenRows rows;
+  rows.index_k.resize(size_t(count) * kIndexerDim);
+  rows.gate.resize(size_t(count) * kIndexerDim);
+  const ElementHash k_hash(seed, Tensor::kIndexK), gate_hash(seed, Tensor::kIndexGate);
+  for (size_t i = 0; i < rows.index_k.size(); ++i) {
+    const uint64_t element = uint64_t(first) * kIndexerDim + i;
+    rows.index_k[i] = unit_uniform_bf16(k_hash(element));
+    rows.gate[i] = unit_uniform_bf16(gate_hash(element));
+  }
+  return rows;
+}
+
+IndexerTokenRows make_indexer_history(const StepShape& s, uint64_t seed) {
+  return make_indexer_token_rows(seed, 0, s.indexer_prefill_tokens(s.indexer_requests() - 1));
+}
+
+std::vector<int32_t> make_indexer_block_table(const StepShape& s) {
+  const int64_t width = s.cache_blocks();
+  std::vector<int32_t> table(size_t(s.indexer_requests()) * width);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(i % width);
+  return table;
 }
 
 HostCache make_cache(const StepShape& s, const HostWeights& weights, uint64_t seed, int64_t first_block,

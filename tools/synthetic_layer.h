@@ -1,8 +1,9 @@
 // The synthetic DSA layer dsa-decode runs: one rank's weights at a preset's
-// shapes, one decode step's inputs and the layer's FP8 KV cache, all drawn
-// from a seed on the host. Every element is a hash of (seed, tensor, index),
-// so any part of a tensor (a window of the cache) can be made on its own and
-// the CPU and GPU paths see the same values.
+// shapes, one decode step's inputs, the layer's FP8 KV cache and the
+// indexer's rows of the cached tokens, all drawn from a seed on the host.
+// Every element is a hash of (seed, tensor, index), so any part of a tensor (a
+// window of the cache) can be made on its own and the CPU and GPU paths see
+// the same values.
 #pragma once
 
 #include <cstdint>
@@ -14,10 +15,32 @@
 
 namespace dsa::cli {
 
-// Tokens per KV-cache block in served glm5next configurations.
+// Tokens per KV-cache block in served glm5next configurations; also the
+// indexer's block size (a multiple of 128, as its pages need).
 inline constexpr int kCacheBlockSize = 256;
 
+// The indexer's ring holds 8 rows, its size with draft tokens: a step may then
+// carry up to RING - 3 = 5 tokens of one request (include/dsa_decode/indexer.h,
+// "Ring"); RING 4 would allow one.
+inline constexpr int kIndexerRing = 8;
+inline constexpr int kIndexerTokensPerRequest = kIndexerRing - 3;
+// One indexer page: the pooled keys of one KV block (64 pools of 132 bytes).
+inline constexpr int64_t kIndexerPageBytes = int64_t{kCacheBlockSize} / kIndexerPoolSize * kIndexerPoolBytes;
+
 // The shapes of one decode step on one rank.
+//
+// The step's m tokens are one request's consecutive positions
+// context..context+m-1 (a token and its drafts), in the main KV cache at the
+// slots of the same numbers. The indexer takes at most kIndexerTokensPerRequest
+// tokens of one request per step, so token t goes to indexer request
+// t / kIndexerTokensPerRequest, and request r's state starts from positions
+// 0..indexer_prefill_tokens(r) - 1, those before its first token (for r >= 1
+// that includes the step's earlier tokens: a fork of request 0). Every
+// request's block table row is the identity, so all of them read and write the
+// same pages, and the bytes any of them writes for a pool are the bytes every
+// other would write (the pool's tokens' rows are the same): each token sees
+// the pools and rows that one request decoded token by token would give. For
+// m <= 5 there is exactly one request.
 struct StepShape {
   std::string preset;
   int tp;
@@ -32,7 +55,15 @@ struct StepShape {
   int64_t q_width() const { return int64_t{H} * P; }  // q_b_proj's out features
   int qkv_width() const { return Q + L; }
   int64_t cache_blocks() const { return (context + m + kCacheBlockSize - 1) / kCacheBlockSize; }
+  int indexer_requests() const { return (m + kIndexerTokensPerRequest - 1) / kIndexerTokensPerRequest; }
+  int64_t indexer_prefill_tokens(int request) const {
+    return context + int64_t{request} * kIndexerTokensPerRequest;
+  }
+  // max_tokens m, max_context context + m, RING kIndexerRing, block size kCacheBlockSize.
+  IndexerPlan indexer_plan() const;
   std::string describe() const;  // "glm5next TP1 (H=64, Q=1536, L=512, P=256, V=256), m=4, context 32768"
+  // "indexer: RING 8, one request prefilled with the 32768 context positions; block table [1, 129] ..."
+  std::string describe_indexer() const;
 };
 
 // `per_rank` is a NoPE preset already split by per_rank().
@@ -48,23 +79,35 @@ struct HostWeights {
   float q_scale = 0;                    // static FP8 scale of the absorbed query
   float k_scale = 0;                    // static FP8 scale of the KV cache
   float eps = 0;                        // of both RMSNorms
+  // The indexer's parameters, FP32 as the indexer takes them, with BF16
+  // values (what a BF16 checkpoint converts to exactly).
+  std::vector<float> index_k_norm_weight;  // [128]
+  std::vector<float> index_k_norm_bias;    // [128]
+  std::vector<float> index_ape;            // [4, 128]
 };
 
 // Width of a top-k row: glm5next's 2048 pooled tokens, up to 3 tail tokens, -1 padding.
 inline constexpr int kTopKWidth = kIndexerRowWidth;
 
+// index_k and gate rows of consecutive positions. Each row is a function of
+// its position alone, so the context's rows (the prefill's) and the step's
+// own rows come from the same draw.
+struct IndexerTokenRows {
+  std::vector<uint16_t> index_k;  // [count, 128] BF16, before the indexer's LayerNorm
+  std::vector<uint16_t> gate;     // [count, 128] BF16
+};
+
+// The step's inputs. qkv stands in for fused_qkv_a_proj's output; index_q,
+// index_k, head_weights and gate stand in for the indexer's projections
+// (wq_b(q_c), wk(x), weights_proj(x), compress_gate(x)), which the stage will run.
 struct HostStepInputs {
-  std::vector<uint16_t> qkv;          // [m, Q + L]: stands in for fused_qkv_a_proj's output
-  std::vector<int64_t> slot_mapping;  // [m]: context + t
-  // [m, kTopKWidth] int32: the cache slots token t attends to, in the
-  // indexer's row format; they stand in for the indexer's output (its GPU
-  // prepare step is not wired in yet). The layer's cache holds one request
-  // whose block table is the identity, so a token's position is its slot.
-  // Token t (position context + t, L = context + t + 1 tokens visible): L <=
-  // 2048: 0..L-1; else 512 distinct pools of the floor(L / 4) complete ones,
-  // drawn from the seed, in increasing order, expanded to 4p..4p+3, then the
-  // tail 4 floor(L / 4)..L-1; -1 up to the width.
-  std::vector<int32_t> topk_slots;
+  std::vector<uint16_t> qkv;           // [m, Q + L]
+  std::vector<int64_t> slot_mapping;   // [m]: context + t
+  std::vector<uint16_t> index_q;       // [m, 32, 128] BF16
+  IndexerTokenRows index_rows;         // index_k and gate [m, 128] of positions context..context+m-1
+  std::vector<float> head_weights;     // [m, 32] FP32
+  std::vector<int64_t> positions;      // [m]: context + t (the indexer's; the block table is the identity)
+  std::vector<int32_t> token_requests; // [m]: t / kIndexerTokensPerRequest (see StepShape)
 };
 
 // Blocks [first_block, first_block + blocks) of the layer's KV cache
@@ -83,6 +126,12 @@ struct HostCache {
 
 HostWeights make_weights(const StepShape& shape, uint64_t seed);
 HostStepInputs make_step_inputs(const StepShape& shape, uint64_t seed);
+// The index_k and gate rows of positions first..first+count-1.
+IndexerTokenRows make_indexer_token_rows(uint64_t seed, int64_t first, int64_t count);
+// The rows the prefill reads: positions 0 up to the last indexer request's first token.
+IndexerTokenRows make_indexer_history(const StepShape& shape, uint64_t seed);
+// The indexer's block table [indexer_requests(), cache_blocks()] int32: every row the identity.
+std::vector<int32_t> make_indexer_block_table(const StepShape& shape);
 HostCache make_cache(const StepShape& shape, const HostWeights& weights, uint64_t seed, int64_t first_block,
                      int64_t blocks);
 // The cached entry of `slot` < context, as make_cache stores it: `entry` [L] e4m3.
