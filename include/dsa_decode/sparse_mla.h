@@ -136,8 +136,8 @@ Status sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
 
 // The simple GPU kernel: FP32 on CUDA cores, one CTA per (token, head), a
 // fixed summation order (deterministic, batch invariant). It is the GPU
-// reference and the benchmark baseline of the tensor-core kernel to come, not
-// the fast path. It sums in FP32, so its distance to the float64 CPU
+// reference and the benchmark baseline of the tensor-core kernel
+// (sparse_mla), not the fast path. It sums in FP32, so its distance to the float64 CPU
 // reference is mostly the BF16 rounding of the output.
 // Launches on `stream` with PDL; neither allocates nor synchronizes.
 Status sparse_mla_simple(const SparseMlaArgs& args, cudaStream_t stream);
