@@ -206,26 +206,28 @@ Check check_shared_repeat(const StepOutputs& first, const StepOutputs& second) {
                        "comparisons below are void");
 }
 
+// A head_gemv output against its CPU reference, bitwise; `values` and `step`
+// name the output's type and its unit of difference, `input` what it was fed.
+Check head_gemv_check(const char* name, const Difference& d, size_t count, const char* values, const char* step,
+                      HeadGemvTactic tactic, const char* input) {
+  return judged(name, d.differing == 0,
+                format("bitwise: %zu of %zu %s values differ (first at %zu, max %lld %s); tactic %d/%d, on the GPU's %s",
+                       d.differing, count, values, d.first_index, static_cast<long long>(d.max_steps), step,
+                       tactic.tile, tactic.rows_per_thread, input));
+}
+
 Check check_absorb(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
   const HeadGemvTactic tactic = absorb_tactic(s);
   const std::vector<uint8_t> cpu = reference_absorb(s, w, gpu.q, tactic);
-  const Difference d = fp8_difference(gpu.q_fp8_fused, cpu);
-  return judged("absorb q_fp8 vs CPU reference", d.differing == 0,
-                format("bitwise: %zu of %zu FP8 values differ (first at %zu, max %lld steps); tactic %d/%d, on the "
-                       "GPU's q",
-                       d.differing, cpu.size(), d.first_index, static_cast<long long>(d.max_steps), tactic.tile,
-                       tactic.rows_per_thread));
+  return head_gemv_check("absorb q_fp8 vs CPU reference", fp8_difference(gpu.q_fp8_fused, cpu), cpu.size(), "FP8",
+                         "steps", tactic, "q");
 }
 
 Check check_value_up(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
   const HeadGemvTactic tactic = value_up_tactic(s);
   const std::vector<uint16_t> cpu = reference_value_up(s, w, gpu.latent_fused, tactic);
-  const Difference d = bf16_difference(gpu.out_fused, cpu);
-  return judged("value_up out vs CPU reference", d.differing == 0,
-                format("bitwise: %zu of %zu BF16 values differ (first at %zu, max %lld ulp); tactic %d/%d, on the "
-                       "GPU's latent",
-                       d.differing, cpu.size(), d.first_index, static_cast<long long>(d.max_steps), tactic.tile,
-                       tactic.rows_per_thread));
+  return head_gemv_check("value_up out vs CPU reference", bf16_difference(gpu.out_fused, cpu), cpu.size(), "BF16",
+                         "ulp", tactic, "latent");
 }
 
 // Elements that differ between two outputs of the same shape (a size

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/async_copy.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
 #include "dsa_decode/head_gemv.h"
@@ -37,34 +38,6 @@ struct HeadGemvParams {
   const float* k_scale;   // [1]
   unsigned int* error_count;
 };
-
-// Shared-memory address of a generic pointer, for the async-copy and mbarrier instructions.
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
-// 16 bytes from global to shared memory on the async-copy path (LDGSTS),
-// bypassing L1: weights are read once.
-__device__ __forceinline__ void async_copy_16(void* destination, const void* source) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(destination)), "l"(source)
-               : "memory");
-}
-
-__device__ __forceinline__ void async_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-// Waits until at most `pending` of this thread's committed groups are in flight.
-__device__ __forceinline__ void async_copy_wait(int pending) {
-  switch (pending) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
-  }
-}
 
 __device__ __forceinline__ float low_bf16(uint32_t pair) { return __uint_as_float(pair << 16); }
 __device__ __forceinline__ float high_bf16(uint32_t pair) { return __uint_as_float(pair & 0xFFFF0000u); }
@@ -186,7 +159,7 @@ __global__ void __launch_bounds__(max_threads_for(kTokensPerThread))
 #pragma unroll
       for (int i = 0; i < kRowsPerChunk; ++i) {
         const int r = c * kRowsPerChunk + i;
-        async_copy_16(destination + r * tile, source + r * p.weight_row_stride);
+        async_copy_16(shared_address(destination + r * tile), source + r * p.weight_row_stride);
       }
       async_copy_commit();
     }

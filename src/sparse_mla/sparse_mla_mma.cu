@@ -52,6 +52,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/async_copy.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
 #include "dsa_decode/numerics.h"
@@ -104,10 +105,6 @@ struct SharedStorage {
 };
 static_assert(sizeof(float) * kHeads * kLatent <= sizeof(SharedStorage::tile), "the partial O fits in the tile");
 
-__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
-
 // Byte address of 16-byte unit `unit` (0..63) of tile row `row`.
 __device__ __forceinline__ uint32_t tile_unit(uint32_t tile, int row, int unit) {
   return tile + row * (kLatent * 2) + ((unit ^ (row % 8)) * 16);
@@ -149,16 +146,6 @@ __device__ __forceinline__ void store_shared(uint32_t address, uint32_t a, uint3
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(a), "r"(b), "r"(c), "r"(d));
 }
 
-// 16 bytes global -> shared, through L2 only; zeros when !valid (nothing is read then).
-__device__ __forceinline__ void copy_async_16(uint32_t shared, const void* global, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int kPending>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
-
 // Cluster barrier halves. A CTA arrives (relaxed) when it starts and waits
 // before its first store into a peer's shared memory, so no store reaches a
 // CTA that has not started; the release/acquire pair publishes the stores.
@@ -168,8 +155,6 @@ __device__ __forceinline__ void cluster_arrive_release() {
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
-// max that returns NaN when either operand is NaN (fmaxf would drop it).
-__device__ __forceinline__ float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
 __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMlaParams p, const int rows_per_split) {
   extern __shared__ uint4 shared_raw[];
@@ -233,10 +218,10 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       for (int i = 0; i < kRowsPerWarp; ++i) {
         const int row = warp + kWarps * i, j = chunk * kChunkRows + row;
         const int64_t offset = j < rows ? s.row_offset[j] : -1;
-        copy_async_16(stage + row * kLatent + lane * 16, p.cache + (offset >= 0 ? offset + lane * 16 : 0), offset >= 0);
+        async_copy_16_or_zero(stage + row * kLatent + lane * 16, p.cache + (offset >= 0 ? offset + lane * 16 : 0), offset >= 0);
       }
     }
-    copy_async_commit();
+    async_copy_commit();
   };
 #pragma unroll
   for (int c = 0; c < kStages - 1; ++c) request(c);
@@ -260,7 +245,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
 
   for (int chunk = 0; chunk < chunks; ++chunk) {
     // 1. Convert (the previous chunk's readers of `tile` passed the barrier below).
-    copy_async_wait<kStages - 2>();
+    async_copy_wait(kStages - 2);
     __syncthreads();
     // Lane l converts dims 8l.. and 256 + 8l.. of each row: whole 512-byte
     // spans of the tile per store, no bank conflicts.
@@ -366,7 +351,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       for (int t = 0; t < kDimTiles; ++t) mma_f16(out[t], a[t], b[0], b[1]);
     }
   }
-  copy_async_wait<0>();  // only empty groups remain
+  async_copy_wait(0);  // only empty groups remain
   __syncthreads();       // every warp's P.V is done with the tile
 
   // This CTA's partial O [8][512] f32, relative to its run_max, over the tile.

@@ -1,6 +1,7 @@
-// The raw-pointer parameters every sparse MLA kernel takes, filled from the
-// checked SparseMlaArgs (include/dsa_decode/sparse_mla.h) by one function, so
-// the kernels agree on how a view becomes addresses.
+// What every sparse MLA kernel shares (CUDA sources only): the raw-pointer
+// parameters, filled from the checked SparseMlaArgs
+// (include/dsa_decode/sparse_mla.h) by one function, so the kernels agree on
+// how a view becomes addresses, and the device helpers both use.
 #pragma once
 
 #include <algorithm>
@@ -65,6 +66,10 @@ inline SparseMlaParams sparse_mla_params(const SparseMlaArgs &a) {
   p.error_count = a.error_count;
   return p;
 }
+
+// max that returns NaN when either operand is NaN (fmaxf would drop it): the
+// softmax maximum that carries NaN scores through, as the contract says.
+__device__ __forceinline__ float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
 // The cache block of slot (0 <= slot), by shift or by division.
 __host__ __device__ inline int32_t sparse_mla_block_of(const SparseMlaParams& p, int32_t slot) {

@@ -57,8 +57,6 @@ __device__ __forceinline__ void decode_e4m3x16(const uint4& codes, float (&out)[
   }
 }
 
-// max that returns NaN when either operand is NaN (fmaxf would drop it).
-__device__ __forceinline__ float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
 __global__ void __launch_bounds__(kThreads) sparse_mla_simple_kernel(const SparseMlaParams p) {
   __shared__ float4 warp_acc[kWarps][kLatent / 4];  // [warp][latent dims] FP32, the warps' unnormalized outputs

@@ -1,0 +1,44 @@
+// Shared-memory addresses and the async-copy (LDGSTS) primitives the kernels
+// that stage global data in shared memory use: head_gemv's weight slabs and
+// sparse_mla's gathered cache rows.
+#pragma once
+
+#include <cstdint>
+
+namespace dsa {
+
+// Shared-memory address of a generic pointer, for the async-copy, ldmatrix and
+// mbarrier instructions.
+__device__ __forceinline__ uint32_t shared_address(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// 16 bytes from global to shared memory, bypassing L1 (the data is read once).
+__device__ __forceinline__ void async_copy_16(uint32_t shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared), "l"(global) : "memory");
+}
+
+// The same, except that with `valid` false nothing is read and the 16 bytes are zero.
+__device__ __forceinline__ void async_copy_16_or_zero(uint32_t shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared), "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void async_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most `pending` (0..7; more counts as 7) of this thread's
+// committed groups are in flight. A compile-time `pending` folds the switch.
+__device__ __forceinline__ void async_copy_wait(int pending) {
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+  }
+}
+
+}  // namespace dsa
