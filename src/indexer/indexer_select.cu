@@ -4,17 +4,20 @@
 //
 // Fused path (indexer_select), two PDL launches:
 //   1. logits_kernel: CTA (chunk, t) scores pools 64 chunk .. 64 chunk + 63 of
-//      token t into workspace.logits[t, :]. Each head's dot is exact (FP64 fma
-//      of decoded e4m3 values: every partial sum is a multiple of 2^-18 below
-//      2^25, exact in double in any order), rounded to FP32 once, then the
-//      reference's FP32 order: ReLU, acc = fma(w'[h], relu, acc) for h = 0..31
-//      from +0, times the pool's scale. So the logits equal the reference's.
+//      token t into workspace.logits[t, :]. Each head's dot is exact (FP64
+//      tensor-core MMA of decoded e4m3 values: every partial sum is a multiple
+//      of 2^-18 below 2^25, exact in double in any order), rounded to FP32
+//      once, then the reference's FP32 order: ReLU, acc = fma(w'[h], relu,
+//      acc) for h = 0..31 from +0, times the pool's scale. So the logits equal
+//      the reference's.
 //   2. select_rows_kernel: one CTA per token. Radix select on the order key of
-//      the logits (NaN -> -inf, -0 -> +0, order-preserving bits), 4 passes of
-//      8 bits, gives the 512th largest key T and how many pools of key T are
-//      taken (the lowest-indexed ones); then one pass in pool order with block
-//      scans compacts the chosen pools in increasing pool index and writes
-//      their 4 positions and slots each; then the tail and the -1 padding.
+//      the logits (NaN -> -inf, -0 -> +0, order-preserving bits), digits of
+//      12, 10 and 10 bits (the digit found by one block scan over the
+//      histogram), gives the 512th largest key T and how many pools of key T
+//      are taken (the lowest-indexed ones); then one pass in pool order with
+//      block scans compacts the chosen pools in increasing pool index and
+//      writes their 4 positions and slots each; then the tail and the -1
+//      padding.
 //
 // Baseline (indexer_select_baseline): the same logits kernel, a key kernel,
 // cub::DeviceSegmentedRadixSort::SortPairsDescending (stable, so equal keys
@@ -22,12 +25,13 @@
 // by index through ranks) and a remap kernel.
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <string>
 
 #include "core/launch.cuh"
-#include "core/shared_memory.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 
@@ -37,17 +41,18 @@ namespace {
 constexpr int kDim = kIndexerDim;
 constexpr int kHeads = kIndexerHeads;
 
-// Logits kernel shape.
-constexpr int kLogitPools = 64;      // pools per CTA
-constexpr int kLogitThreads = 256;   // 32 pool lanes x 8 head groups of 4 heads
-constexpr int kRowStride = kDim + 1; // doubles per shared row: consecutive rows start one 8-byte bank apart
+// Logits kernel shape: CTA (chunk, t) scores 64 pools of token t on the FP64
+// tensor cores (mma.m16n8k16.f64: M = 16 pools, N = 8 heads, K = 16 dims).
+constexpr int kLogitPools = 64;                           // pools per CTA
+constexpr int kLogitWarps = 8;                            // 4 head tiles x 2 pool halves
+constexpr int kLogitThreads = kLogitWarps * 32;
+constexpr int kPoolTilesPerWarp = kLogitPools / 16 / 2;   // M tiles per warp
+constexpr int kDimsPerLane = kDim / 4;                    // dims a lane feeds the MMAs: 32c .. 32c + 31
+constexpr int kDimSteps = kDim / 16;                      // MMA k steps per tile
 
 struct LogitsShared {
-  double q[kHeads * kRowStride];           // token's q, decoded
-  double k[kLogitPools * kRowStride];      // the CTA's pools, decoded (0 where absent)
-  float relu[kLogitPools * (kHeads + 1)];  // [pool][head] ReLU(dot) rounded to FP32
+  float relu[kLogitPools * (kHeads + 1)];  // [pool][head] ReLU(dot) rounded to FP32; + 1: no bank conflicts
   float weight[kHeads];                    // folded head weights w'
-  float scale[kLogitPools];
   long long block[kLogitPools];            // page of the pool, -1: untrusted, -2: past n
 };
 
@@ -169,9 +174,50 @@ __device__ void write_pool(const Params& p, int t, int64_t request, int32_t pool
 // ---------------------------------------------------------------------------
 // Step 6: logits.
 
+// d += a * b on the FP64 tensor cores: D [16 x 8] += A [16 x 16] B [16 x 8].
+// Lane (g, c) = (lane / 4, lane % 4) supplies A[g][c + 4j] (a[2j]) and
+// A[g + 8][c + 4j] (a[2j + 1]) and B[c + 4j][g] (b[j]) for j = 0..3, and holds
+// D[g][2c], D[g][2c + 1], D[g + 8][2c], D[g + 8][2c + 1].
+__device__ __forceinline__ void mma_f64(double (&d)[4], const double (&a)[8], const double (&b)[4]) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7, %8, %9, %10, %11}, "
+      "{%12, %13, %14, %15}, {%0, %1, %2, %3};"
+      : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+      : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]), "d"(b[0]), "d"(b[1]),
+        "d"(b[2]), "d"(b[3]));
+}
+
+// Four e4m3 codes (lowest byte first) as doubles, exactly; NaN stays NaN.
+__device__ __forceinline__ void decode_e4m3x4(uint32_t codes, double (&out)[4]) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const auto pair = static_cast<__nv_fp8x2_storage_t>(codes >> (16 * half));
+    const float2 values = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    out[2 * half] = values.x;
+    out[2 * half + 1] = values.y;
+  }
+}
+
+// Word `w` (0..7) of a lane's 32 codes.
+__device__ __forceinline__ uint32_t code_word(const uint4 (&codes)[2], int w) {
+  const uint4 v = codes[w / 4];
+  return w % 4 == 0 ? v.x : w % 4 == 1 ? v.y : w % 4 == 2 ? v.z : v.w;
+}
+
+// Logits of pools 64 chunk .. 64 chunk + 63 of token t (CTA (chunk, t)).
+//
+// Warp w owns heads 8 (w % 4) .. + 7 (one MMA N tile) and pools 32 (w / 4) ..
+// + 31 (two M tiles of 16). Lane (g, c) feeds dims 32c .. 32c + 31: k step s
+// takes dims 32c + 4s .. 32c + 4s + 3 into its k slots c, c + 4, c + 8, c + 12
+// (a permutation of the dims that A and B share). It holds q of head
+// 8 (w % 4) + g as doubles (the B fragments of all 8 steps) and loads its 32
+// dims of pools g and g + 8 of each M tile straight from the K cache page
+// (one 32-byte sector per lane and pool). Every product of two e4m3 values is
+// a multiple of 2^-18 and every partial sum of 128 of them lies below 2^25,
+// so each is exact in double: the MMA's result is the exact dot whatever order
+// the tensor core adds in. Rounded to FP32 once and ReLU'd into shared memory;
+// then one thread per pool runs the reference's FP32 chain over the heads.
 __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_constant__ Params p) {
-  extern __shared__ __align__(16) unsigned char shared_bytes[];
-  LogitsShared& s = *reinterpret_cast<LogitsShared*>(shared_bytes);
+  __shared__ LogitsShared s;
   pdl_wait();  // q_fp8, head weights and the K cache come from the prepare step
   pdl_release_dependents();
   const int t = blockIdx.y;
@@ -180,12 +226,22 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   const int64_t first_pool = int64_t(blockIdx.x) * kLogitPools;
   if (first_pool >= n) return;  // uniform over the CTA
 
-  // Pool pages and scales; q and the weights.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int first_head = 8 * (warp % 4), first_tile_pool = 32 * (warp / 4);
+  uint4 q_codes[2];
+  {
+    const uint4* q_row = reinterpret_cast<const uint4*>(p.q_fp8 + (int64_t(t) * kHeads + first_head + g) * kDim +
+                                                        kDimsPerLane * c);
+    q_codes[0] = q_row[0];
+    q_codes[1] = q_row[1];
+  }
+
+  // Pool pages; the pool's scale is loaded now by the thread that uses it last.
+  float scale = 0.0f;
   if (threadIdx.x < kLogitPools) {
     const int i = threadIdx.x;
     const int64_t pool = first_pool + i;
     long long block = -2;
-    float scale = 0.0f;
     if (pool < n) {
       const int64_t page = pool / p.pools_per_page;
       block = -1;
@@ -200,54 +256,55 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
       }
     }
     s.block[i] = block;
-    s.scale[i] = scale;
   }
   if (threadIdx.x < kHeads) s.weight[threadIdx.x] = p.head_weights[t * kHeads + threadIdx.x];
-  const uint8_t* q = p.q_fp8 + int64_t(t) * kHeads * kDim;
-  for (int i = threadIdx.x; i < kHeads * kDim; i += kLogitThreads) {
-    s.q[i / kDim * kRowStride + i % kDim] = num::e4m3_to_float(q[i]);
-  }
   __syncthreads();
 
-  // The codes, 4 per load: pool i's 32 words.
-  for (int w = threadIdx.x; w < kLogitPools * (kDim / 4); w += kLogitThreads) {
-    const int i = w / (kDim / 4), d = w % (kDim / 4) * 4;
-    const long long block = s.block[i];
-    uint32_t codes = 0;  // absent pools decode to zeros
-    if (block >= 0) {
-      const int64_t entry = (first_pool + i) % p.pools_per_page;
-      codes = *reinterpret_cast<const uint32_t*>(p.k_cache + block * p.page_stride + entry * kDim + d);
-    }
+  // The lane's 32 dims of pools g and g + 8 of each of its M tiles (zeros for absent pools).
+  uint4 k_codes[kPoolTilesPerWarp][2][2];  // [tile][row g, g + 8][16-byte half]
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      s.k[i * kRowStride + d + j] = num::e4m3_to_float(static_cast<uint8_t>(codes >> (8 * j)));
-    }
-  }
-  __syncthreads();
-
-  // Exact dots: thread (lane, group) owns pools lane and lane + 32, heads
-  // 4 group .. 4 group + 3.
-  {
-    const int lane = threadIdx.x % 32, group = threadIdx.x / 32;
-    double acc[2][4] = {};
-    const double* k0 = &s.k[lane * kRowStride];
-    const double* k1 = &s.k[(lane + 32) * kRowStride];
-    const double* q0 = &s.q[(4 * group) * kRowStride];
-#pragma unroll 4
-    for (int d = 0; d < kDim; ++d) {
-      const double a0 = k0[d], a1 = k1[d];
+  for (int j = 0; j < kPoolTilesPerWarp; ++j) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const double b = q0[j * kRowStride + d];
-        acc[0][j] = fma(a0, b, acc[0][j]);
-        acc[1][j] = fma(a1, b, acc[1][j]);
+    for (int r = 0; r < 2; ++r) {
+      const int i = first_tile_pool + 16 * j + 8 * r + g;
+      const long long block = s.block[i];
+      k_codes[j][r][0] = k_codes[j][r][1] = make_uint4(0, 0, 0, 0);
+      if (block >= 0) {
+        const int64_t entry = (first_pool + i) % p.pools_per_page;
+        const uint4* codes =
+            reinterpret_cast<const uint4*>(p.k_cache + block * p.page_stride + entry * kDim + kDimsPerLane * c);
+        k_codes[j][r][0] = codes[0];
+        k_codes[j][r][1] = codes[1];
       }
     }
+  }
+  double q[kDimSteps][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      // fmaxf(x, 0) as the reference's std::fmax: NaN gives 0; the exact sum is never -0.
-      s.relu[lane * (kHeads + 1) + 4 * group + j] = fmaxf(static_cast<float>(acc[0][j]), 0.0f);
-      s.relu[(lane + 32) * (kHeads + 1) + 4 * group + j] = fmaxf(static_cast<float>(acc[1][j]), 0.0f);
+  for (int step = 0; step < kDimSteps; ++step) decode_e4m3x4(code_word(q_codes, step), q[step]);
+
+  double dot[kPoolTilesPerWarp][4] = {};  // +0: an all -0 sum stays +0, as in the reference's chain
+#pragma unroll
+  for (int step = 0; step < kDimSteps; ++step) {
+#pragma unroll
+    for (int j = 0; j < kPoolTilesPerWarp; ++j) {
+      double rows[2][4], a[8];
+      decode_e4m3x4(code_word(k_codes[j][0], step), rows[0]);
+      decode_e4m3x4(code_word(k_codes[j][1], step), rows[1]);
+#pragma unroll
+      for (int slot = 0; slot < 4; ++slot) {
+        a[2 * slot] = rows[0][slot];
+        a[2 * slot + 1] = rows[1][slot];
+      }
+      mma_f64(dot[j], a, q[step]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPoolTilesPerWarp; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = first_tile_pool + 16 * j + 8 * (e / 2) + g, head = first_head + 2 * c + e % 2;
+      // fmaxf(x, 0) as the reference's std::fmax: NaN gives 0.
+      s.relu[i * (kHeads + 1) + head] = fmaxf(static_cast<float>(dot[j][e]), 0.0f);
     }
   }
   __syncthreads();
@@ -260,7 +317,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     if (block >= 0) {
       float sum = 0.0f;
       for (int h = 0; h < kHeads; ++h) sum = __fmaf_rn(s.weight[h], s.relu[i * (kHeads + 1) + h], sum);
-      logit = __fmul_rn(sum, s.scale[i]);
+      logit = __fmul_rn(sum, scale);
     } else {
       count_error(p);
     }
@@ -272,15 +329,76 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
 // Steps 7-8 fused: top-512 by radix select, compaction in pool order,
 // expansion and remap.
 
+// Radix select digits, most significant first: 12 + 10 + 10 bits of the key.
+constexpr int kDigitCount = 3;
+__device__ __forceinline__ constexpr int digit_bits(int d) { return d == 0 ? 12 : 10; }
+__device__ __forceinline__ constexpr int digit_shift(int d) { return d == 0 ? 20 : d == 1 ? 10 : 0; }
+constexpr int kMaxBins = 1 << 12;
+constexpr int kMaxBinsPerThread = kMaxBins / kSelectThreads;
+constexpr int kPassItems = 8;     // pools per thread and round of a histogram pass
+constexpr int kCompactItems = 8;  // consecutive pools per thread and round of the compaction
+
 struct SelectShared {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   typename Scan::TempStorage scan;
-  unsigned int histogram[256];
-  uint32_t prefix;      // the key bits chosen so far
-  int remaining;        // pools still to take among those matching `prefix`
-  int taken, equal_seen;  // running totals of the compaction
+  unsigned int histogram[kMaxBins];
+  uint32_t prefix;  // the key digits chosen so far
+  int remaining;    // pools still to take among those whose key starts with `prefix`
+  int digit_count;  // pools whose key starts with `prefix` (after the last digit: equal to the threshold)
 };
 
+// One radix digit: the histogram of digit `d` over the keys that start with
+// s.prefix, then the largest digit value v such that at least s.remaining of
+// them have a digit >= v. Thread i sums bins in descending order, so one block
+// scan gives every thread the count above its bins and exactly one bin
+// crosses s.remaining (the invariant: at least s.remaining keys match).
+__device__ void select_digit(SelectShared& s, const float* logits, int64_t n, int d) {
+  const int shift = digit_shift(d), bins = 1 << digit_bits(d), bins_per_thread = bins / kSelectThreads;
+  for (int b = threadIdx.x; b < bins; b += kSelectThreads) s.histogram[b] = 0;
+  __syncthreads();
+  const uint32_t prefix = s.prefix;
+  const int remaining = s.remaining;
+  const uint32_t mask = d == 0 ? 0u : ~0u << (shift + digit_bits(d));  // the digits above this one
+  // kPassItems independent loads per thread before any use: one L2 round
+  // trip per 8 Ki pools instead of one per pool.
+  for (int64_t base = 0; base < n; base += int64_t(kSelectThreads) * kPassItems) {
+    float values[kPassItems];
+#pragma unroll
+    for (int k = 0; k < kPassItems; ++k) {
+      const int64_t pool = base + k * kSelectThreads + threadIdx.x;
+      values[k] = pool < n ? logits[pool] : 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < kPassItems; ++k) {
+      const uint32_t key = order_key(values[k]);
+      if (base + k * kSelectThreads + threadIdx.x < n && (key & mask) == prefix) {
+        atomicAdd(&s.histogram[(key >> shift) & (bins - 1)], 1u);
+      }
+    }
+  }
+  __syncthreads();
+  const int top = bins - 1 - threadIdx.x * bins_per_thread;  // this thread's bins: top, top - 1, ...
+  int counts[kMaxBinsPerThread] = {}, mine = 0;
+#pragma unroll
+  for (int k = 0; k < kMaxBinsPerThread; ++k) {
+    if (k < bins_per_thread) counts[k] = static_cast<int>(s.histogram[top - k]);
+    mine += counts[k];
+  }
+  int above = 0;
+  SelectShared::Scan(s.scan).ExclusiveSum(mine, above);
+#pragma unroll
+  for (int k = 0; k < kMaxBinsPerThread; ++k) {
+    if (k < bins_per_thread && above < remaining && above + counts[k] >= remaining) {
+      s.prefix = prefix | (static_cast<uint32_t>(top - k) << shift);
+      s.remaining = remaining - above;
+      s.digit_count = counts[k];
+    }
+    above += counts[k];
+  }
+  __syncthreads();
+}
+
+// Rows of token blockIdx.x, one CTA.
 __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __grid_constant__ Params p) {
   __shared__ SelectShared s;
   pdl_wait();  // the logits
@@ -295,69 +413,59 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
   }
   const float* logits = p.logits + t * p.logits_stride;
 
-  // The 512th largest key T and how many pools of key T to take; with n <= 512
-  // every pool is taken (T = 0 <= every key, and all of them).
+  // The 512th largest key T, and how many of the pools of key T to take (the
+  // lowest-indexed ones). n >= 512 here (L > 2048).
   if (threadIdx.x == 0) {
     s.prefix = 0;
-    s.remaining = n <= kIndexerTopPools ? static_cast<int>(n) : kIndexerTopPools;
+    s.remaining = n < kIndexerTopPools ? static_cast<int>(n) : kIndexerTopPools;
   }
   __syncthreads();
-  if (n > kIndexerTopPools) {
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int b = threadIdx.x; b < 256; b += kSelectThreads) s.histogram[b] = 0;
-      __syncthreads();
-      const uint32_t prefix = s.prefix;
-      const uint32_t mask = shift == 24 ? 0u : ~0u << (shift + 8);  // bits above this digit
-      for (int64_t pool = threadIdx.x; pool < n; pool += kSelectThreads) {
-        const uint32_t key = order_key(logits[pool]);
-        if ((key & mask) == prefix) atomicAdd(&s.histogram[(key >> shift) & 0xFFu], 1u);
-      }
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        // From the top digit down: the digit where the running count reaches `remaining`.
-        int above = 0, digit = 0;
-        for (digit = 255; digit > 0; --digit) {
-          const int count = static_cast<int>(s.histogram[digit]);
-          if (above + count >= s.remaining) break;
-          above += count;
-        }
-        s.remaining -= above;
-        s.prefix = prefix | (static_cast<uint32_t>(digit) << shift);
-      }
-      __syncthreads();
-    }
-  }
+  for (int d = 0; d < kDigitCount; ++d) select_digit(s, logits, n, d);
   const uint32_t threshold = s.prefix;
-  const int take_equal = s.remaining;  // pools of key == threshold to take, lowest index first
-  if (threadIdx.x == 0) {
-    s.taken = 0;
-    s.equal_seen = 0;
-  }
-  __syncthreads();
+  const int take_equal = s.remaining;
+  const bool split_ties = take_equal < s.digit_count;  // some pools of key T are left out
 
-  // Compaction in pool order: pool index order is the column order.
-  for (int64_t base = 0; base < n; base += kSelectThreads) {
-    const int64_t pool = base + threadIdx.x;
-    uint32_t key = 0;
-    if (pool < n) key = order_key(logits[pool]);
-    const int greater = pool < n && key > threshold;
-    const int equal = pool < n && key == threshold;
-    int equal_before = 0, equal_total = 0;
-    SelectShared::Scan(s.scan).ExclusiveSum(equal, equal_before, equal_total);
-    __syncthreads();  // scan storage reused
-    const int take = greater || (equal && s.equal_seen + equal_before < take_equal);
-    int take_before = 0, take_total = 0;
-    SelectShared::Scan(s.scan).ExclusiveSum(take, take_before, take_total);
-    const int index = s.taken + take_before;
-    if (take && index < kIndexerTopPools) write_pool(p, t, request, static_cast<int32_t>(pool), index);
-    __syncthreads();  // every thread has read the totals
-    if (threadIdx.x == 0) {
-      s.taken += take_total;
-      s.equal_seen += equal_total;
+  // Compaction in pool order (pool index order is the column order): thread i
+  // owns pools base + 8i .. base + 8i + 7; running totals stay in registers.
+  int taken = 0, equal_seen = 0;
+  for (int64_t base = 0; base < n; base += int64_t(kSelectThreads) * kCompactItems) {
+    const int64_t first = base + int64_t(threadIdx.x) * kCompactItems;
+    uint32_t keys[kCompactItems];
+    int equal_mine = 0;
+#pragma unroll
+    for (int k = 0; k < kCompactItems; ++k) {
+      keys[k] = first + k < n ? order_key(logits[first + k]) : 0u;  // key 0: below every real key (NaN ranks as -inf)
+      equal_mine += first + k < n && keys[k] == threshold;
     }
-    __syncthreads();
+    int equal_before = 0, equal_total = 0;
+    if (split_ties) {
+      SelectShared::Scan(s.scan).ExclusiveSum(equal_mine, equal_before, equal_total);
+      __syncthreads();  // scan storage reused
+    }
+    bool take[kCompactItems];
+    int take_mine = 0;
+#pragma unroll
+    for (int k = 0; k < kCompactItems; ++k) {
+      const bool equal = keys[k] == threshold && first + k < n;
+      take[k] = keys[k] > threshold || (equal && (!split_ties || equal_seen + equal_before < take_equal));
+      equal_before += equal;
+      take_mine += take[k];
+    }
+    int take_before = 0, take_total = 0;
+    SelectShared::Scan(s.scan).ExclusiveSum(take_mine, take_before, take_total);
+    __syncthreads();  // scan storage reused
+#pragma unroll
+    for (int k = 0; k < kCompactItems; ++k) {
+      if (take[k]) {
+        const int index = taken + take_before++;
+        if (index < kIndexerTopPools) write_pool(p, t, request, static_cast<int32_t>(first + k), index);
+      }
+    }
+    taken += take_total;
+    equal_seen += equal_total;
+    if (taken >= kIndexerTopPools) break;  // uniform: block totals
   }
-  // Exactly 512 pools are taken when n >= 512 (min(n, 512) in general; n >= 512 here).
+  // Exactly 512 pools are taken (n >= 512 here).
   write_tail(p, t, request, context);
 }
 
@@ -460,12 +568,8 @@ Params make_params(const IndexerSelectArgs& a) {
 }
 
 Status launch_logits(const Params& p, cudaStream_t stream) {
-  // Over the 48 KiB default.
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(logits_kernel),
-                                                static_cast<int>(sizeof(LogitsShared)), "indexer logits"));
   const int64_t chunks = (p.logits_stride + kLogitPools - 1) / kLogitPools;
-  return launch_pdl(logits_kernel, dim3(static_cast<unsigned>(chunks), p.m), dim3(kLogitThreads),
-                    sizeof(LogitsShared), stream, p);
+  return launch_pdl(logits_kernel, dim3(static_cast<unsigned>(chunks), p.m), dim3(kLogitThreads), 0, stream, p);
 }
 
 // Baseline workspace: keys in/out, values in/out [max_tokens, stride] each,
