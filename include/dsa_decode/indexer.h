@@ -76,7 +76,7 @@
 //      for pools p < n, FP32 (the reference: each head's dot exactly, rounded
 //      to FP32 once; acc = fma(w'[h], relu, acc) for h = 0..31 from +0; times
 //      kscale). The GPU select computes each head's dot exactly too (FP64
-//      fma on CUDA cores: every partial sum of e4m3 products is a multiple of
+//      tensor-core MMA: every partial sum of e4m3 products is a multiple of
 //      2^-18 below 2^25, exact in double in any order), so its logits, and
 //      hence its rows, equal the reference's bit for bit.
 //   7. The 512 pools of largest logit; ties go to the lower pool index; NaN
@@ -241,7 +241,7 @@ Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream);
 // Steps 5-8 on the GPU (src/indexer/indexer_select.cu): a logits kernel (one
 // CTA per token and 64 pools, exact per-head dots, the reference's FP32
 // order) writing the workspace's logits, then one CTA per token that finds the
-// 512th key by a 4-pass radix select, compacts the chosen pools in pool-index
+// 512th key by a 3-digit radix select, compacts the chosen pools in pool-index
 // order and writes the expanded, remapped rows (tail, -1 padding). Two PDL
 // launches; no allocation, no synchronization, CUDA-graph capturable. Rows
 // equal indexer_select of the CPU reference bit for bit.
