@@ -28,10 +28,12 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "core/launch.cuh"
+#include "core/shared_memory.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 
@@ -335,44 +337,72 @@ __device__ __forceinline__ constexpr int digit_bits(int d) { return d == 0 ? 12 
 __device__ __forceinline__ constexpr int digit_shift(int d) { return d == 0 ? 20 : d == 1 ? 10 : 0; }
 constexpr int kMaxBins = 1 << 12;
 constexpr int kMaxBinsPerThread = kMaxBins / kSelectThreads;
-constexpr int kPassItems = 8;     // pools per thread and round of a histogram pass
-constexpr int kCompactItems = 8;  // consecutive pools per thread and round of the compaction
+constexpr int kPassItems = 8;          // pools per thread and round of a histogram pass
+constexpr int kCompactItems = 8;       // consecutive pools per thread and round of the compaction
+constexpr int kStagedKeys = 1 << 15;   // keys kept in shared memory: every pool up to 128k context
 
 struct SelectShared {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   typename Scan::TempStorage scan;
   unsigned int histogram[kMaxBins];
+  int32_t chosen[kIndexerTopPools];  // the taken pools in column order
   uint32_t prefix;  // the key digits chosen so far
   int remaining;    // pools still to take among those whose key starts with `prefix`
   int digit_count;  // pools whose key starts with `prefix` (after the last digit: equal to the threshold)
+};
+
+// The select's view of a token's keys: the first `staged` live in shared
+// memory (written by the first digit's pass), the rest are recomputed from the
+// logits (contexts above 128k).
+struct TokenKeys {
+  const float* logits;
+  uint32_t* staged_keys;
+  int staged;
+  __device__ uint32_t operator()(int pool) const {
+    return pool < staged ? staged_keys[pool] : order_key(logits[pool]);
+  }
 };
 
 // One radix digit: the histogram of digit `d` over the keys that start with
 // s.prefix, then the largest digit value v such that at least s.remaining of
 // them have a digit >= v. Thread i sums bins in descending order, so one block
 // scan gives every thread the count above its bins and exactly one bin
-// crosses s.remaining (the invariant: at least s.remaining keys match).
-__device__ void select_digit(SelectShared& s, const float* logits, int64_t n, int d) {
+// crosses s.remaining (the invariant: at least s.remaining keys match). The
+// first digit's pass reads the logits (kPassItems independent loads per
+// thread before any use) and stages the keys.
+__device__ void select_digit(SelectShared& s, const TokenKeys& keys, int n, int d) {
   const int shift = digit_shift(d), bins = 1 << digit_bits(d), bins_per_thread = bins / kSelectThreads;
   for (int b = threadIdx.x; b < bins; b += kSelectThreads) s.histogram[b] = 0;
   __syncthreads();
   const uint32_t prefix = s.prefix;
   const int remaining = s.remaining;
   const uint32_t mask = d == 0 ? 0u : ~0u << (shift + digit_bits(d));  // the digits above this one
-  // kPassItems independent loads per thread before any use: one L2 round
-  // trip per 8 Ki pools instead of one per pool.
-  for (int64_t base = 0; base < n; base += int64_t(kSelectThreads) * kPassItems) {
-    float values[kPassItems];
+  for (int base = 0; base < n; base += kSelectThreads * kPassItems) {
+    uint32_t key[kPassItems];
+    if (d == 0) {
+      float values[kPassItems];
 #pragma unroll
-    for (int k = 0; k < kPassItems; ++k) {
-      const int64_t pool = base + k * kSelectThreads + threadIdx.x;
-      values[k] = pool < n ? logits[pool] : 0.0f;
+      for (int k = 0; k < kPassItems; ++k) {
+        const int pool = base + k * kSelectThreads + threadIdx.x;
+        values[k] = pool < n ? keys.logits[pool] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kPassItems; ++k) {
+        const int pool = base + k * kSelectThreads + threadIdx.x;
+        key[k] = order_key(values[k]);
+        if (pool < keys.staged) keys.staged_keys[pool] = key[k];
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < kPassItems; ++k) {
+        const int pool = base + k * kSelectThreads + threadIdx.x;
+        key[k] = pool < n ? keys(pool) : 0u;
+      }
     }
 #pragma unroll
     for (int k = 0; k < kPassItems; ++k) {
-      const uint32_t key = order_key(values[k]);
-      if (base + k * kSelectThreads + threadIdx.x < n && (key & mask) == prefix) {
-        atomicAdd(&s.histogram[(key >> shift) & (bins - 1)], 1u);
+      if (base + k * kSelectThreads + static_cast<int>(threadIdx.x) < n && (key[k] & mask) == prefix) {
+        atomicAdd(&s.histogram[(key[k] >> shift) & (bins - 1)], 1u);
       }
     }
   }
@@ -398,44 +428,47 @@ __device__ void select_digit(SelectShared& s, const float* logits, int64_t n, in
   __syncthreads();
 }
 
-// Rows of token blockIdx.x, one CTA.
-__global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __grid_constant__ Params p) {
+// Rows of token blockIdx.x, one CTA; `staged` keys fit the dynamic shared memory.
+__global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __grid_constant__ Params p, int staged) {
   __shared__ SelectShared s;
+  extern __shared__ uint32_t staged_keys[];
   pdl_wait();  // the logits
   pdl_release_dependents();
   const int t = blockIdx.x;
   int64_t request = 0;
   const int64_t context = token_context(p, t, &request, true);
-  const int64_t n = scored_pools(context);
+  const int n = static_cast<int>(scored_pools(context));  // < 2^20: max_context <= 2^22
   if (n == 0) {
     write_short_row(p, t, request, context);
     return;
   }
-  const float* logits = p.logits + t * p.logits_stride;
+  const TokenKeys keys{p.logits + t * p.logits_stride, staged_keys, staged};
 
   // The 512th largest key T, and how many of the pools of key T to take (the
   // lowest-indexed ones). n >= 512 here (L > 2048).
   if (threadIdx.x == 0) {
     s.prefix = 0;
-    s.remaining = n < kIndexerTopPools ? static_cast<int>(n) : kIndexerTopPools;
+    s.remaining = n < kIndexerTopPools ? n : kIndexerTopPools;
   }
   __syncthreads();
-  for (int d = 0; d < kDigitCount; ++d) select_digit(s, logits, n, d);
+  for (int d = 0; d < kDigitCount; ++d) select_digit(s, keys, n, d);
   const uint32_t threshold = s.prefix;
   const int take_equal = s.remaining;
   const bool split_ties = take_equal < s.digit_count;  // some pools of key T are left out
 
   // Compaction in pool order (pool index order is the column order): thread i
   // owns pools base + 8i .. base + 8i + 7; running totals stay in registers.
+  // The taken pools go to s.chosen at their column; the rows are written
+  // after the pass, one pool per thread, so the block-table reads overlap.
   int taken = 0, equal_seen = 0;
-  for (int64_t base = 0; base < n; base += int64_t(kSelectThreads) * kCompactItems) {
-    const int64_t first = base + int64_t(threadIdx.x) * kCompactItems;
-    uint32_t keys[kCompactItems];
+  for (int base = 0; base < n && taken < kIndexerTopPools; base += kSelectThreads * kCompactItems) {
+    const int first = base + static_cast<int>(threadIdx.x) * kCompactItems;
+    uint32_t key[kCompactItems];
     int equal_mine = 0;
 #pragma unroll
     for (int k = 0; k < kCompactItems; ++k) {
-      keys[k] = first + k < n ? order_key(logits[first + k]) : 0u;  // key 0: below every real key (NaN ranks as -inf)
-      equal_mine += first + k < n && keys[k] == threshold;
+      key[k] = first + k < n ? keys(first + k) : 0u;  // key 0: below every real key (NaN ranks as -inf)
+      equal_mine += first + k < n && key[k] == threshold;
     }
     int equal_before = 0, equal_total = 0;
     if (split_ties) {
@@ -446,8 +479,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
     int take_mine = 0;
 #pragma unroll
     for (int k = 0; k < kCompactItems; ++k) {
-      const bool equal = keys[k] == threshold && first + k < n;
-      take[k] = keys[k] > threshold || (equal && (!split_ties || equal_seen + equal_before < take_equal));
+      const bool equal = key[k] == threshold && first + k < n;
+      take[k] = key[k] > threshold || (equal && (!split_ties || equal_seen + equal_before < take_equal));
       equal_before += equal;
       take_mine += take[k];
     }
@@ -458,14 +491,15 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
     for (int k = 0; k < kCompactItems; ++k) {
       if (take[k]) {
         const int index = taken + take_before++;
-        if (index < kIndexerTopPools) write_pool(p, t, request, static_cast<int32_t>(first + k), index);
+        if (index < kIndexerTopPools) s.chosen[index] = first + k;
       }
     }
-    taken += take_total;
+    taken += take_total;  // block totals: the loop condition is uniform
     equal_seen += equal_total;
-    if (taken >= kIndexerTopPools) break;  // uniform: block totals
   }
+  __syncthreads();
   // Exactly 512 pools are taken (n >= 512 here).
+  for (int i = threadIdx.x; i < kIndexerTopPools; i += kSelectThreads) write_pool(p, t, request, s.chosen[i], i);
   write_tail(p, t, request, context);
 }
 
@@ -607,7 +641,12 @@ Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_select(args));
   const Params p = make_params(args);
   DSA_RETURN_IF_ERROR(launch_logits(p, stream));
-  return launch_pdl(select_rows_kernel, dim3(p.m), dim3(kSelectThreads), 0, stream, p);
+  // The token's keys stay in shared memory up to 2^15 pools (128 KiB); the
+  // limit is raised to that once per device, whatever this plan needs.
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(select_rows_kernel),
+                                                kStagedKeys * static_cast<int>(sizeof(uint32_t)), "indexer select"));
+  const int staged = static_cast<int>(std::min<int64_t>(p.logits_stride, kStagedKeys));
+  return launch_pdl(select_rows_kernel, dim3(p.m), dim3(kSelectThreads), staged * sizeof(uint32_t), stream, p, staged);
 }
 
 Status indexer_select_baseline_workspace_bytes(const IndexerPlan& plan, int64_t* bytes) {
