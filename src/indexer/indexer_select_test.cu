@@ -249,40 +249,49 @@ TEST(IndexerSelectGpu, MatchesReferenceM1At128k) {
 TEST(IndexerSelectGpu, TiesSignedZerosAndNaNFollowTheReference) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed());
-  const int64_t L = testing::quick_mode() ? 2048 + 600 : 16384 + 2;
-  Scenario s({L, L - 1, 3000}, 128, rng);
-  s.query.q_fp8.resize(size_t(s.m) * kHeads * kDim);
-  s.query.head_weights = normal_floats(size_t(s.m) * kHeads, 0.0f, 1.0f, rng);
-  std::uniform_int_distribution<int> code(0, 0x7E);
-  for (uint8_t& c : s.query.q_fp8) c = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
-  std::vector<uint8_t> entry(kDim);
-  for (uint8_t& c : entry) c = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
-  const int64_t per_page = s.plan.block_size / 4;
-  std::uniform_int_distribution<int> kind(0, 99);
-  for (int64_t b = 0; b < s.blocks; ++b) {
-    uint8_t* page = &s.k_cache[b * s.page_stride];
-    for (int64_t e = 0; e < per_page; ++e) {
-      std::memcpy(page + e * kDim, entry.data(), kDim);
-      const int k = kind(rng);
-      const float scale = k < 3 ? 2.0f : k < 6 ? 0.0f : k < 8 ? -0.0f : k < 10 ? std::numeric_limits<float>::quiet_NaN()
-                                                                           : 1.0f;
-      std::memcpy(page + per_page * kDim + e * 4, &scale, 4);
+  // About 90% of the pools share one logit, at a short and a long context
+  // (up to 8192 pools, 7000-odd of them tied).
+  const std::vector<int64_t> contexts = testing::quick_mode() ? std::vector<int64_t>{2048 + 600, 20480 + 2}
+                                                              : std::vector<int64_t>{16384 + 2, 32768 + 2};
+  for (const int64_t L : contexts) {
+    SCOPED_TRACE("context " + std::to_string(L));
+    Scenario s({L, L - 1, 3000}, 128, rng);
+    s.query.q_fp8.resize(size_t(s.m) * kHeads * kDim);
+    s.query.head_weights = normal_floats(size_t(s.m) * kHeads, 0.0f, 1.0f, rng);
+    std::uniform_int_distribution<int> code(0, 0x7E);
+    for (uint8_t& c : s.query.q_fp8) c = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
+    std::vector<uint8_t> entry(kDim);
+    for (uint8_t& c : entry) c = static_cast<uint8_t>(code(rng) | (rng() & 0x80));
+    const int64_t per_page = s.plan.block_size / 4;
+    std::uniform_int_distribution<int> kind(0, 99);
+    for (int64_t b = 0; b < s.blocks; ++b) {
+      uint8_t* page = &s.k_cache[b * s.page_stride];
+      for (int64_t e = 0; e < per_page; ++e) {
+        std::memcpy(page + e * kDim, entry.data(), kDim);
+        const int k = kind(rng);
+        const float scale = k < 3    ? 2.0f
+                            : k < 6  ? 0.0f
+                            : k < 8  ? -0.0f
+                            : k < 10 ? std::numeric_limits<float>::quiet_NaN()
+                                     : 1.0f;
+        std::memcpy(page + per_page * kDim + e * 4, &scale, 4);
+      }
     }
+    // The common logit's sign depends on the random weights; token 1 gets token
+    // 0's weights negated, so one of the two sees it positive (scale-2 pools on
+    // top) and the other negative (the +-0 pools on top, then the ties).
+    std::copy(s.query.q_fp8.begin(), s.query.q_fp8.begin() + kHeads * kDim, s.query.q_fp8.begin() + kHeads * kDim);
+    for (int h = 0; h < kHeads; ++h) s.query.head_weights[kHeads + h] = -s.query.head_weights[h];
+    s.run_reference_select();
+    DeviceStep d(s);
+    cudaStream_t stream = nullptr;
+    DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    d.run(false, stream);
+    expect_matches_reference(s, d, "ties fused", 3);
+    d.run(true, stream);
+    expect_matches_reference(s, d, "ties baseline", 0);
+    cudaStreamDestroy(stream);
   }
-  // The common logit's sign depends on the random weights; token 1 gets token
-  // 0's weights negated, so one of the two sees it positive (scale-2 pools on
-  // top) and the other negative (the +-0 pools on top, then the ties).
-  std::copy(s.query.q_fp8.begin(), s.query.q_fp8.begin() + kHeads * kDim, s.query.q_fp8.begin() + kHeads * kDim);
-  for (int h = 0; h < kHeads; ++h) s.query.head_weights[kHeads + h] = -s.query.head_weights[h];
-  s.run_reference_select();
-  DeviceStep d(s);
-  cudaStream_t stream = nullptr;
-  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  d.run(false, stream);
-  expect_matches_reference(s, d, "ties fused", 3);
-  d.run(true, stream);
-  expect_matches_reference(s, d, "ties baseline", 0);
-  cudaStreamDestroy(stream);
 }
 
 // The same inputs give the same bits on every run, direct and from a CUDA
