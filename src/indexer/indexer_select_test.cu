@@ -237,10 +237,13 @@ TEST(IndexerSelectGpu, MatchesReferenceM4At32k) {
   check_contexts({32768 + 2, 20000, 9000, 2100}, 128, "m 4 block 128", false);
 }
 
-TEST(IndexerSelectGpu, MatchesReferenceM1At128k) {
+TEST(IndexerSelectGpu, MatchesReferenceAt128kAndAbove) {
   DSA_REQUIRE_GPU();
   if (testing::quick_mode()) GTEST_SKIP() << "quick mode: long contexts run in the full suite";
   check_contexts({131072}, 256, "m 1 128k", true);
+  // 37500 pools: the select keeps 2^15 keys in shared memory and reads the
+  // rest from the logits on every pass.
+  check_contexts({150001, 131072}, 256, "m 2 above 128k", false);
 }
 
 // Ties at the 512th value, -0 against +0, NaN and untrusted pages: every pool
