@@ -243,8 +243,10 @@ Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream);
 // order) writing the workspace's logits, then one CTA per token that finds the
 // 512th key by a 3-digit radix select, compacts the chosen pools in pool-index
 // order and writes the expanded, remapped rows (tail, -1 padding). Two PDL
-// launches; no allocation, no synchronization, CUDA-graph capturable. Rows
-// equal indexer_select of the CPU reference bit for bit.
+// launches; no allocation, no synchronization, CUDA-graph capturable (the
+// first call on a device raises the select kernel's shared-memory limit: make
+// it outside a capture). Rows equal indexer_select of the CPU reference bit
+// for bit.
 Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream);
 
 // The benchmark's straightforward baseline of the same step, same rows: the

@@ -13,11 +13,12 @@
 //   2. select_rows_kernel: one CTA per token. Radix select on the order key of
 //      the logits (NaN -> -inf, -0 -> +0, order-preserving bits), digits of
 //      12, 10 and 10 bits (the digit found by one block scan over the
-//      histogram), gives the 512th largest key T and how many pools of key T
+//      histogram; the first digit's pass stages the keys in shared memory for
+//      the others), gives the 512th largest key T and how many pools of key T
 //      are taken (the lowest-indexed ones); then one pass in pool order with
-//      block scans compacts the chosen pools in increasing pool index and
-//      writes their 4 positions and slots each; then the tail and the -1
-//      padding.
+//      block scans lists the chosen pools in increasing pool index, and one
+//      thread per listed pool writes its 4 positions and slots; then the tail
+//      and the -1 padding.
 //
 // Baseline (indexer_select_baseline): the same logits kernel, a key kernel,
 // cub::DeviceSegmentedRadixSort::SortPairsDescending (stable, so equal keys
@@ -45,17 +46,22 @@ constexpr int kHeads = kIndexerHeads;
 
 // Logits kernel shape: CTA (chunk, t) scores 64 pools of token t on the FP64
 // tensor cores (mma.m16n8k16.f64: M = 16 pools, N = 8 heads, K = 16 dims).
-constexpr int kLogitPools = 64;                           // pools per CTA
-constexpr int kLogitWarps = 8;                            // 4 head tiles x 2 pool halves
+constexpr int kLogitPools = 64;                                 // pools per CTA
+constexpr int kPoolTile = 16;                                   // MMA M: pools
+constexpr int kHeadTile = 8;                                    // MMA N: heads
+constexpr int kHeadTiles = kHeads / kHeadTile;                  // 4
+constexpr int kLogitWarps = 2 * kHeadTiles;                     // every head tile x 2 pool halves
 constexpr int kLogitThreads = kLogitWarps * 32;
-constexpr int kPoolTilesPerWarp = kLogitPools / 16 / 2;   // M tiles per warp
-constexpr int kDimsPerLane = kDim / 4;                    // dims a lane feeds the MMAs: 32c .. 32c + 31
-constexpr int kDimSteps = kDim / 16;                      // MMA k steps per tile
+constexpr int kPoolsPerWarp = kLogitPools / 2;                  // one pool half
+constexpr int kPoolTilesPerWarp = kPoolsPerWarp / kPoolTile;    // M tiles per warp
+constexpr int kDimsPerLane = kDim / 4;                          // dims a lane feeds the MMAs: 32c .. 32c + 31
+constexpr int kDimSteps = kDim / 16;                            // MMA k steps per tile: 4 dims per lane each
+static_assert(kDimsPerLane == 32 && kDimSteps * 4 == kDimsPerLane, "a lane's dims are two uint4 of codes");
 
 struct LogitsShared {
   float relu[kLogitPools * (kHeads + 1)];  // [pool][head] ReLU(dot) rounded to FP32; + 1: no bank conflicts
   float weight[kHeads];                    // folded head weights w'
-  long long block[kLogitPools];            // page of the pool, -1: untrusted, -2: past n
+  int64_t block[kLogitPools];              // page of the pool, -1: untrusted, -2: past n
 };
 
 constexpr int kSelectThreads = 1024;
@@ -229,7 +235,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   if (first_pool >= n) return;  // uniform over the CTA
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int first_head = 8 * (warp % 4), first_tile_pool = 32 * (warp / 4);
+  const int first_head = kHeadTile * (warp % kHeadTiles), first_tile_pool = kPoolsPerWarp * (warp / kHeadTiles);
   uint4 q_codes[2];
   {
     const uint4* q_row = reinterpret_cast<const uint4*>(p.q_fp8 + (int64_t(t) * kHeads + first_head + g) * kDim +
@@ -243,7 +249,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   if (threadIdx.x < kLogitPools) {
     const int i = threadIdx.x;
     const int64_t pool = first_pool + i;
-    long long block = -2;
+    int64_t block = -2;
     if (pool < n) {
       const int64_t page = pool / p.pools_per_page;
       block = -1;
@@ -268,8 +274,8 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   for (int j = 0; j < kPoolTilesPerWarp; ++j) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int i = first_tile_pool + 16 * j + 8 * r + g;
-      const long long block = s.block[i];
+      const int i = first_tile_pool + kPoolTile * j + 8 * r + g;
+      const int64_t block = s.block[i];
       k_codes[j][r][0] = k_codes[j][r][1] = make_uint4(0, 0, 0, 0);
       if (block >= 0) {
         const int64_t entry = (first_pool + i) % p.pools_per_page;
@@ -304,7 +310,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   for (int j = 0; j < kPoolTilesPerWarp; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = first_tile_pool + 16 * j + 8 * (e / 2) + g, head = first_head + 2 * c + e % 2;
+      const int i = first_tile_pool + kPoolTile * j + 8 * (e / 2) + g, head = first_head + 2 * c + e % 2;
       // fmaxf(x, 0) as the reference's std::fmax: NaN gives 0.
       s.relu[i * (kHeads + 1) + head] = fmaxf(static_cast<float>(dot[j][e]), 0.0f);
     }
@@ -313,7 +319,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
 
   if (threadIdx.x < kLogitPools) {
     const int i = threadIdx.x;
-    const long long block = s.block[i];
+    const int64_t block = s.block[i];
     if (block == -2) return;  // past n
     float logit = -INFINITY;
     if (block >= 0) {
@@ -337,6 +343,7 @@ __device__ __forceinline__ constexpr int digit_bits(int d) { return d == 0 ? 12 
 __device__ __forceinline__ constexpr int digit_shift(int d) { return d == 0 ? 20 : d == 1 ? 10 : 0; }
 constexpr int kMaxBins = 1 << 12;
 constexpr int kMaxBinsPerThread = kMaxBins / kSelectThreads;
+static_assert(kMaxBins % kSelectThreads == 0 && (1 << 10) % kSelectThreads == 0, "whole bins per thread");
 constexpr int kPassItems = 8;          // pools per thread and round of a histogram pass
 constexpr int kCompactItems = 8;       // consecutive pools per thread and round of the compaction
 constexpr int kStagedKeys = 1 << 15;   // keys kept in shared memory: every pool up to 128k context

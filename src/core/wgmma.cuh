@@ -1,0 +1,99 @@
+// Hopper warpgroup MMA (wgmma, sm_90a) primitives: the 128-byte-swizzled
+// K-major shared-memory layout, its matrix descriptor, and the instructions
+// the next sparse_mla kernel is designed around (docs/sparse_mla_next.md):
+// FP8 Q.K^T with both operands in shared memory, FP16 P.V with A in registers.
+// tests/wgmma_test.cu checks each against a CPU product on the GPU. Sources:
+// PTX ISA 9.7.15.5 (wgmma.mma_async, its register fragments, shared-memory
+// layouts and descriptor) and 9.7.15.7 (fence, commit, wait).
+//
+// All four warps of a warpgroup (128 consecutive threads, the first a
+// multiple of 128) execute every function here together.
+#pragma once
+
+#include <cstdint>
+
+namespace dsa::wgmma {
+
+// K-major 128B-swizzle layout: each row of the operand (an M row of A or an N
+// row of B) holds 128 bytes of K (128 FP8 or 64 FP16 values); 8 rows form a
+// 1024-byte atom, atoms follow each other (1024-byte aligned), and inside an
+// atom 16-byte chunk c of row r is stored at chunk c ^ (r % 8). Byte offset of
+// chunk `chunk` (0..7) of row `row` from the tile's start:
+__host__ __device__ constexpr uint32_t k_major_sw128_offset(int row, int chunk) {
+  return static_cast<uint32_t>(row * 128 + ((chunk ^ (row % 8)) * 16));
+}
+
+// Descriptor of a K-major 128B-swizzle operand whose K slice starts `address`
+// (a shared-memory address: the tile's 1024-byte aligned start plus 32 bytes
+// per FP8 k32 or FP16 k16 step inside the 128-byte rows). Fields: start
+// address >> 4 (bits 0-13), leading byte offset (16-29; unused by swizzled
+// K-major layouts, 1 by convention), stride byte offset 1024 >> 4 (32-45: the
+// next 8-row atom), base offset 0 (49-51: atoms are 1024-byte aligned),
+// swizzle mode 1 = 128B (62-63).
+__device__ __forceinline__ uint64_t k_major_sw128_descriptor(uint32_t address) {
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
+// Orders this thread's generic-proxy writes to shared memory (st.shared,
+// cp.async) before later wgmma reads of them (the async proxy).
+__device__ __forceinline__ void fence_shared_for_async_proxy() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Before the first wgmma, and between register writes of accumulators or A
+// fragments and a wgmma that reads them.
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void commit_group() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Waits until at most kPending committed groups are in flight; their
+// accumulators may be read after it.
+template <int kPending>
+__device__ __forceinline__ void wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+
+// Accumulator element i of thread t (0..127) of an m64nN f32 result: row
+// 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2.
+__host__ __device__ constexpr int accumulator_row(int thread, int i) {
+  return 16 * (thread / 32) + (thread % 32) / 4 + 8 * ((i / 2) % 2);
+}
+__host__ __device__ constexpr int accumulator_column(int thread, int i) { return 8 * (i / 4) + 2 * (thread % 4) + i % 2; }
+
+// D[64 x 8] = A[64 x 32] B[32 x 8] (+ D when `accumulate`): e4m3 operands,
+// both K-major in shared memory (descriptors above), f32 accumulators.
+__device__ __forceinline__ void mma_m64n8k32_e4m3(float (&d)[4], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
+}
+
+// D[64 x 64] = A[64 x 32] B[32 x 64] (+ D when `accumulate`), as above with N = 64.
+__device__ __forceinline__ void mma_m64n64k32_e4m3(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
+}
+
+// D[64 x 8] = A[64 x 16] B[16 x 8] (+ D when `accumulate`): FP16 A from
+// registers (warp w supplies rows 16w..16w+15 in mma.m16n8k16's A layout:
+// a[0] rows g, columns 2c, 2c+1; a[1] rows g+8; a[2] columns 2c+8, 2c+9; a[3]
+// both, with g = lane / 4, c = lane % 4), FP16 B K-major in shared memory,
+// f32 accumulators.
+__device__ __forceinline__ void mma_m64n8k16_f16_a_in_registers(float (&d)[4], const uint32_t (&a)[4], uint64_t b,
+                                                               bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
+}
+
+}  // namespace dsa::wgmma
