@@ -193,6 +193,39 @@ Comparison run_f16(bool small_integers, std::mt19937_64& rng) {
   return compare(out.download(), exact, magnitude);
 }
 
+// The layout functions on the host: the swizzle is a permutation of each
+// 1024-byte atom's 16-byte slots, and the accumulator map covers every element
+// of an m64nN result exactly once.
+TEST(Wgmma, SwizzledOffsetsPermuteEachAtomsSlots) {
+  for (int atom = 0; atom < 3; ++atom) {
+    std::vector<int> seen(64, 0);
+    for (int row = 8 * atom; row < 8 * atom + 8; ++row) {
+      for (int chunk = 0; chunk < 8; ++chunk) {
+        const uint32_t offset = wgmma::k_major_sw128_offset(row, chunk);
+        ASSERT_EQ(offset % 16, 0u);
+        ASSERT_EQ(offset / kAtomBytes, static_cast<uint32_t>(atom)) << "row " << row << " left its atom";
+        ASSERT_EQ(offset / kRowBytes, static_cast<uint32_t>(row)) << "chunk " << chunk << " left row " << row;
+        ++seen[offset % kAtomBytes / 16];
+      }
+    }
+    for (int slot = 0; slot < 64; ++slot) EXPECT_EQ(seen[slot], 1) << "atom " << atom << " slot " << slot;
+  }
+}
+
+TEST(Wgmma, AccumulatorMapCoversTheResultOnce) {
+  for (const int n : {8, 64}) {
+    std::vector<int> seen(kM * n, 0);
+    for (int thread = 0; thread < 128; ++thread) {
+      for (int i = 0; i < n / 2; ++i) {
+        const int row = wgmma::accumulator_row(thread, i), column = wgmma::accumulator_column(thread, i);
+        ASSERT_TRUE(row >= 0 && row < kM && column >= 0 && column < n) << "thread " << thread << " element " << i;
+        ++seen[row * n + column];
+      }
+    }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), kM * n) << "N = " << n;
+  }
+}
+
 TEST(WgmmaGpu, E4m3OperandsInSharedMemoryGiveExactIntegerSums) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed());
