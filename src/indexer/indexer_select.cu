@@ -27,12 +27,12 @@
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
 
+#include "core/fp8.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
 #include "dsa_decode/indexer.h"
@@ -198,8 +198,7 @@ __device__ __forceinline__ void mma_f64(double (&d)[4], const double (&a)[8], co
 __device__ __forceinline__ void decode_e4m3x4(uint32_t codes, double (&out)[4]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const auto pair = static_cast<__nv_fp8x2_storage_t>(codes >> (16 * half));
-    const float2 values = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+    const float2 values = e4m3x2_to_float2(codes >> (16 * half));
     out[2 * half] = values.x;
     out[2 * half + 1] = values.y;
   }

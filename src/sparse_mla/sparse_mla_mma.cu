@@ -53,6 +53,7 @@
 #include <string>
 
 #include "core/async_copy.cuh"
+#include "core/fp8.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
 #include "dsa_decode/numerics.h"
@@ -133,13 +134,6 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two e4m3 codes (the low 16 bits, low byte first) to FP16x2, exactly; NaN stays NaN.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
-  uint32_t out;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(out) : "h"(static_cast<uint16_t>(codes)));
-  return out;
 }
 
 __device__ __forceinline__ void store_shared(uint32_t address, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {

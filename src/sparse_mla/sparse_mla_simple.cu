@@ -21,11 +21,11 @@
 // the same inputs give the same bits on every run, and a token's bits do not
 // depend on m or on the other tokens of the batch.
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "core/fp8.cuh"
 #include "core/launch.cuh"
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/sparse_mla.h"
@@ -41,16 +41,14 @@ constexpr int kDimsPerLane = kLatent / 32;  // 16 FP8 codes: one 16-byte load
 constexpr int kRowsPerStep = 4;             // cache rows a warp loads before it uses the first
 static_assert(kDimsPerLane == 16, "one uint4 of FP8 codes per lane");
 
-// Sixteen e4m3 codes to FP32, exactly (cvt.rn.f16x2.e4m3x2: e4m3 fits in f16;
-// NaN stays NaN).
+// Sixteen e4m3 codes to FP32, exactly.
 __device__ __forceinline__ void decode_e4m3x16(const uint4& codes, float (&out)[kDimsPerLane]) {
   const uint32_t words[4] = {codes.x, codes.y, codes.z, codes.w};
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const auto pair = static_cast<__nv_fp8x2_storage_t>(words[w] >> (16 * half));
-      const float2 values = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3)));
+      const float2 values = e4m3x2_to_float2(words[w] >> (16 * half));
       out[4 * w + 2 * half] = values.x;
       out[4 * w + 2 * half + 1] = values.y;
     }
