@@ -40,6 +40,15 @@ uint64_t test_seed();
 
 #define DSA_ASSERT_CUDA(expr) DSA_ASSERT_OK(::dsa::cuda_status((expr), #expr))
 
+// The status is an invalid-argument error naming `argument` (quoted, as every
+// check writes it) and holding `words`.
+inline void expect_rejected(const Status& s, const std::string& argument, const std::string& words) {
+  ASSERT_FALSE(s.ok()) << "expected an error naming '" << argument << "'";
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("'" + argument + "'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
+}
+
 // A failed CUDA call inside a test helper fails the running test (a sticky
 // fault must not leave zeros behind that compare equal).
 inline void expect_cuda(cudaError_t error, const char* what) {

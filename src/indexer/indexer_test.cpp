@@ -24,6 +24,7 @@ namespace dsa {
 namespace {
 
 using namespace indexer_math;
+using testing::expect_rejected;
 constexpr int kDim = kIndexerDim;
 constexpr int kHeads = kIndexerHeads;
 const float kInf = std::numeric_limits<float>::infinity();
@@ -69,14 +70,6 @@ struct FakeArgs {
                weight, bias, ape, 3, state, nullptr};
   }
 };
-
-// The status is an invalid-argument error naming `argument` and holding `words`.
-void expect_rejected(const Status& s, const std::string& argument, const std::string& words) {
-  ASSERT_FALSE(s.ok()) << "expected an error naming '" << argument << "'";
-  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("'" + argument + "'"), std::string::npos) << s.message();
-  EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
-}
 
 TEST(IndexerChecks, AcceptsGlm5NextShapes) {
   FakeArgs f;
