@@ -47,6 +47,7 @@
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 #include "indexer/indexer_math.h"
+#include "indexer/indexer_state_params.h"
 
 namespace dsa {
 namespace {
@@ -60,22 +61,6 @@ constexpr int kLaneValues = kDim / 32;  // 4: elements 4l..4l+3 in lane l
 constexpr int kWarpsPerCta = 8;
 constexpr int kThreads = 32 * kWarpsPerCta;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
-
-// The paged state as the kernels address it.
-struct StateParams {
-  const int32_t* block_table;  // [requests, width], request stride block_table_stride
-  int64_t block_table_stride;
-  int64_t block_table_width;
-  int64_t requests;
-  uint16_t* ring;  // [requests, 2, ring_size, 128] BF16, request stride ring_request_stride
-  int64_t ring_request_stride;
-  int ring_size;
-  uint8_t* k_cache;  // [blocks, page_stride] bytes
-  int64_t page_stride;
-  int64_t blocks;
-  int pools_per_page;
-  int64_t position_limit;  // min(max_context, width * block_size): trusted positions are below it
-};
 
 struct PrepareParams {
   int m;
@@ -92,7 +77,7 @@ struct PrepareParams {
   const float* ape;            // [4, 128]
   const int64_t* positions;       // [m]
   const int32_t* token_requests;  // [m]
-  StateParams state;
+  IndexerStateParams state;
   uint8_t* q_fp8;         // workspace [max_tokens, 32, 128] e4m3 codes
   float* folded_weights;  // workspace [max_tokens, 32]
   unsigned int* error_count;  // optional
@@ -109,7 +94,7 @@ struct PrefillParams {
   const float* ape;            // [4, 128]
   int64_t request;
   int64_t first_stashed;  // max(0, n - RING): the first position stashed in the ring
-  StateParams state;
+  IndexerStateParams state;
   unsigned int* error_count;  // optional
 };
 
@@ -227,27 +212,18 @@ __device__ float hadamard_quantize_lane(float (&x)[kLaneValues], uint8_t* codes,
 }
 
 // The BF16 row [128] of ring half `which` (0: k, 1: gate) holding `position` of `request`.
-__device__ __forceinline__ uint16_t* ring_row(const StateParams& s, int64_t request, int which, int64_t position) {
+__device__ __forceinline__ uint16_t* ring_row(const IndexerStateParams& s, int64_t request, int which, int64_t position) {
   return s.ring + request * s.ring_request_stride + (int64_t(which) * s.ring_size + position % s.ring_size) * kDim;
-}
-
-// The block holding `pool` of `request`, or -1 when its page is past the
-// table's width or its entry outside [0, blocks) (the reference's pool_block).
-__device__ __forceinline__ int64_t pool_block(const StateParams& s, int64_t request, int64_t pool) {
-  const int64_t page = pool / s.pools_per_page;
-  if (page >= s.block_table_width) return -1;
-  const int64_t block = s.block_table[request * s.block_table_stride + page];
-  return block >= 0 && block < s.blocks ? block : -1;
 }
 
 // Step 3: pool `pool` of `request` from its 4 tokens' LayerNormed k and gate
 // (k[j], gate[j]: the lane's elements of token 4 pool + j) into its page
 // entry: codes at byte 128 e, scale at byte 128 P + 4 e. An untrusted page is
 // skipped and counted once. ape_columns: load_ape_columns.
-__device__ void compress_pool(const StateParams& s, int64_t request, int64_t pool, const uint2 (&k)[kPoolSize],
+__device__ void compress_pool(const IndexerStateParams& s, int64_t request, int64_t pool, const uint2 (&k)[kPoolSize],
                               const uint2 (&gate)[kPoolSize], const float (&ape_columns)[kLaneValues][kPoolSize],
                               unsigned int* error_count, int lane) {
-  const int64_t block = pool_block(s, request, pool);  // the same for every lane
+  const int64_t block = indexer_pool_block(s, request, pool);  // the same for every lane
   if (block < 0) {
     if (lane == 0) count_error(error_count);
     return;
@@ -397,23 +373,6 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const __grid_constant
 // ---------------------------------------------------------------------------
 // Launchers.
 
-StateParams make_state_params(const IndexerPlan& plan, const IndexerState& state) {
-  StateParams s = {};
-  s.block_table = state.block_table.ptr<const int32_t>();
-  s.block_table_stride = state.block_table.stride(0);
-  s.block_table_width = state.block_table.size(1);
-  s.requests = state.block_table.size(0);
-  s.ring = state.ring.ptr<uint16_t>();
-  s.ring_request_stride = state.ring.stride(0);
-  s.ring_size = plan.ring;
-  s.k_cache = state.k_cache.ptr<uint8_t>();
-  s.page_stride = state.k_cache.stride(0);
-  s.blocks = state.k_cache.size(0);
-  s.pools_per_page = plan.block_size / kPoolSize;
-  s.position_limit = std::min(plan.max_context, s.block_table_width * plan.block_size);
-  return s;
-}
-
 PrepareParams make_prepare_params(const IndexerPrepareArgs& a) {
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(a.plan);
   uint8_t* workspace = a.workspace.ptr<uint8_t>();
@@ -432,7 +391,7 @@ PrepareParams make_prepare_params(const IndexerPrepareArgs& a) {
   p.ape = a.ape.ptr<const float>();
   p.positions = a.positions.ptr<const int64_t>();
   p.token_requests = a.token_requests.ptr<const int32_t>();
-  p.state = make_state_params(a.plan, a.state);
+  p.state = make_indexer_state_params(a.plan, a.state);
   p.q_fp8 = workspace + layout.q_fp8;
   p.folded_weights = reinterpret_cast<float*>(workspace + layout.head_weights);
   p.error_count = a.error_count;
@@ -464,7 +423,7 @@ Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream) {
   p.ape = args.ape.ptr<const float>();
   p.request = args.request;
   p.first_stashed = std::max<int64_t>(0, p.n - args.plan.ring);
-  p.state = make_state_params(args.plan, args.state);
+  p.state = make_indexer_state_params(args.plan, args.state);
   p.error_count = args.error_count;
   const int64_t items = p.n / kPoolSize + (p.n - p.first_stashed);
   return launch_pdl(prefill_kernel, dim3(ctas_for_warps(items)), dim3(kThreads), 0, stream, p);

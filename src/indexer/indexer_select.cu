@@ -26,7 +26,6 @@
 // by index through ranks) and a remap kernel.
 #include <cub/block/block_scan.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
-#include <cuda_fp16.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -37,6 +36,7 @@
 #include "core/shared_memory.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
+#include "indexer/indexer_state_params.h"
 
 namespace dsa {
 namespace {
@@ -70,16 +70,7 @@ struct Params {
   int m;
   const int64_t* positions;        // [m]
   const int32_t* token_requests;   // [m]
-  const int32_t* block_table;      // [requests, width]
-  int64_t block_table_stride;
-  int64_t block_table_width;
-  int64_t requests;
-  const uint8_t* k_cache;  // [blocks, page_stride]
-  int64_t page_stride;
-  int64_t blocks;
-  int block_size;
-  int pools_per_page;
-  int64_t max_context;
+  IndexerStateParams state;        // read only: block table and K cache
   const uint8_t* q_fp8;        // workspace [max_tokens, 32, 128]
   const float* head_weights;   // workspace [max_tokens, 32]
   float* logits;               // workspace [max_tokens, logits_stride]
@@ -108,8 +99,7 @@ __device__ int64_t token_context(const Params& p, int t, int64_t* request, bool 
   *request = r;
   if (r < 0) return 0;
   const int64_t position = p.positions[t];
-  if (r >= p.requests || position < 0 || position >= p.max_context ||
-      position >= p.block_table_width * p.block_size) {
+  if (r >= p.state.requests || position < 0 || position >= p.state.position_limit) {
     if (count && threadIdx.x == 0) count_error(p);
     return 0;
   }
@@ -125,17 +115,18 @@ __device__ __forceinline__ int64_t scored_pools(int64_t context) {
 // gives -1 and is counted.
 __device__ int32_t slot_of(const Params& p, int64_t request, int32_t position) {
   if (position < 0) return -1;
-  const int64_t page = position / p.block_size;
-  if (page >= p.block_table_width) {
+  const IndexerStateParams& s = p.state;
+  const int64_t page = position / s.block_size;
+  if (page >= s.block_table_width) {
     count_error(p);
     return -1;
   }
-  const int64_t block = p.block_table[request * p.block_table_stride + page];
-  if (block < 0 || block >= p.blocks) {
+  const int64_t block = s.block_table[request * s.block_table_stride + page];
+  if (block < 0 || block >= s.blocks) {
     count_error(p);
     return -1;
   }
-  return static_cast<int32_t>(block * p.block_size + position % p.block_size);
+  return static_cast<int32_t>(block * s.block_size + position % s.block_size);
 }
 
 // The selection's order as unsigned integers: larger logit -> larger key;
@@ -250,16 +241,11 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     const int64_t pool = first_pool + i;
     int64_t block = -2;
     if (pool < n) {
-      const int64_t page = pool / p.pools_per_page;
-      block = -1;
-      if (page < p.block_table_width) {
-        const int64_t b = p.block_table[request * p.block_table_stride + page];
-        if (b >= 0 && b < p.blocks) block = b;
-      }
+      block = indexer_pool_block(p.state, request, pool);
       if (block >= 0) {
-        const int64_t entry = pool % p.pools_per_page;
-        scale = *reinterpret_cast<const float*>(p.k_cache + block * p.page_stride +
-                                                int64_t(p.pools_per_page) * kDim + entry * 4);
+        const int64_t entry = pool % p.state.pools_per_page;
+        scale = *reinterpret_cast<const float*>(p.state.k_cache + block * p.state.page_stride +
+                                                int64_t(p.state.pools_per_page) * kDim + entry * 4);
       }
     }
     s.block[i] = block;
@@ -277,9 +263,9 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
       const int64_t block = s.block[i];
       k_codes[j][r][0] = k_codes[j][r][1] = make_uint4(0, 0, 0, 0);
       if (block >= 0) {
-        const int64_t entry = (first_pool + i) % p.pools_per_page;
-        const uint4* codes =
-            reinterpret_cast<const uint4*>(p.k_cache + block * p.page_stride + entry * kDim + kDimsPerLane * c);
+        const int64_t entry = (first_pool + i) % p.state.pools_per_page;
+        const uint4* codes = reinterpret_cast<const uint4*>(p.state.k_cache + block * p.state.page_stride +
+                                                            entry * kDim + kDimsPerLane * c);
         k_codes[j][r][0] = codes[0];
         k_codes[j][r][1] = codes[1];
       }
@@ -585,16 +571,7 @@ Params make_params(const IndexerSelectArgs& a) {
   p.m = static_cast<int>(a.positions.size(0));
   p.positions = a.positions.ptr<const int64_t>();
   p.token_requests = a.token_requests.ptr<const int32_t>();
-  p.block_table = a.state.block_table.ptr<const int32_t>();
-  p.block_table_stride = a.state.block_table.stride(0);
-  p.block_table_width = a.state.block_table.size(1);
-  p.requests = a.state.block_table.size(0);
-  p.k_cache = a.state.k_cache.ptr<const uint8_t>();
-  p.page_stride = a.state.k_cache.stride(0);
-  p.blocks = a.state.k_cache.size(0);
-  p.block_size = a.plan.block_size;
-  p.pools_per_page = a.plan.block_size / kIndexerPoolSize;
-  p.max_context = a.plan.max_context;
+  p.state = make_indexer_state_params(a.plan, a.state);
   p.q_fp8 = workspace + layout.q_fp8;
   p.head_weights = reinterpret_cast<const float*>(workspace + layout.head_weights);
   p.logits = reinterpret_cast<float*>(workspace + layout.logits);

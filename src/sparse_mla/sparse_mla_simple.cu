@@ -20,7 +20,6 @@
 // Every sum has a fixed order that depends only on K and the entry positions:
 // the same inputs give the same bits on every run, and a token's bits do not
 // depend on m or on the other tokens of the batch.
-#include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
