@@ -142,7 +142,6 @@ struct IndexerWorkspaceLayout {
   int64_t head_weights = 0;  // [max_tokens, 32] FP32: folded weights w'
   int64_t logits = 0;        // [max_tokens, logits_stride] FP32 (the baseline's; see docs/indexer.md)
   int64_t logits_stride = 0; // pools per token row: ceil(max_context / 4)
-  int64_t top_pools = 0;     // [max_tokens, 512] int32 pool indices
   int64_t bytes = 0;         // total
 };
 

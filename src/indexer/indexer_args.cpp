@@ -169,7 +169,6 @@ IndexerWorkspaceLayout indexer_workspace_layout(const IndexerPlan& plan) {
   layout.head_weights = take(m * kIndexerHeads * 4);
   layout.logits = take(m * pools * 4);
   layout.logits_stride = pools;
-  layout.top_pools = take(m * kIndexerTopPools * 4);
   layout.bytes = offset;
   return layout;
 }

@@ -143,7 +143,7 @@ struct DeviceStep {
     topk_positions.fill_bytes(kPoison);
     slots.fill_bytes(kPoison);
     errors.fill_bytes(0);
-    const int64_t logits_bytes = layout.top_pools - layout.logits;
+    const int64_t logits_bytes = layout.bytes - layout.logits;  // the logits are the last region
     testing::expect_cuda(cudaMemset(workspace.get() + layout.logits, kPoison, logits_bytes), "poison logits");
     testing::expect_cuda(cudaDeviceSynchronize(), "poison logits");
     if (baseline) {

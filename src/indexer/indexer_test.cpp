@@ -110,9 +110,8 @@ TEST(IndexerChecks, WorkspaceLayoutIsAlignedAndSizedByTheShapes) {
   EXPECT_EQ(layout.q_fp8, 0);
   EXPECT_EQ(layout.head_weights, 16 * 32 * 128);
   EXPECT_EQ(layout.logits, layout.head_weights + 16 * 32 * 4);
-  EXPECT_EQ(layout.top_pools, layout.logits + 16 * 32768 * 4);
-  EXPECT_EQ(layout.bytes, layout.top_pools + 16 * 512 * 4);
-  for (int64_t offset : {layout.head_weights, layout.logits, layout.top_pools, layout.bytes}) EXPECT_EQ(offset % 256, 0);
+  EXPECT_EQ(layout.bytes, layout.logits + 16 * 32768 * 4);
+  for (int64_t offset : {layout.head_weights, layout.logits, layout.bytes}) EXPECT_EQ(offset % 256, 0);
 }
 
 TEST(IndexerChecks, PrepareErrorsNameTheArgument) {
