@@ -1,9 +1,11 @@
 // Sparse MLA decode attention at the issue's latency shapes (H in {8, 64},
 // m in {1, 2, 4, 8, 16}, K = 2048) and throughput shapes (m = 128, H in
 // {64, 128}), H200, graph replay. Rows "sparse_mla_simple": the simple FP32
-// kernel, the baseline; "sparse_mla": the tensor-core kernel with its split
-// plan, and with half and twice the splits to measure the plan's choice, all
-// against the baseline timed in the same run.
+// kernel, the baseline; "sparse_mla": what engines get (the 64-head wgmma
+// kernel at H = 64 and 128, the 8-head mma kernel at H = 8); "sparse_mla_mma":
+// the 8-head kernel with its plan where sparse_mla ran the other one, and with
+// half and twice the splits to measure the plan's choice; all against the
+// baseline timed in the same run.
 //
 // Cold KV rows: the cache holds `rotations` disjoint regions of m * K slots and
 // launch i reads region i % rotations through its own index rows (a random
@@ -162,11 +164,29 @@ Status run(Context& ctx, Report& report) {
     simple.note = regions;
     report.add(simple);
 
-    // The fast kernel with its own plan, and with half and twice the splits
-    // (clusters above 8 CTAs are non-portable), so that the plan's choice is
-    // measured, not assumed.
+    // What engines get (sparse_mla: the 64-head wgmma kernel when H is a
+    // multiple of 64, else the 8-head mma kernel with its plan), then the
+    // 8-head kernel with its own plan (where sparse_mla ran the other one) and
+    // with half and twice the splits (clusters above 8 CTAs are non-portable),
+    // so that both the kernel choice and the plan's are measured, not assumed.
+    const bool wgmma = p.heads % 64 == 0;
+    {
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla, &us));
+      Row row{"sparse_mla", params, us, "sparse_mla_simple", simple_us, floor};
+      row.tflops = flops(p) / (us * 1e-6) / 1e12;
+      if (wgmma) {
+        const SparseMlaWgmmaSplits splits = sparse_mla_wgmma_splits(kTopK);
+        row.note = "sparse_mla_wgmma: 64 heads per CTA, splits " + std::to_string(splits.splits) + " x " +
+                   std::to_string(splits.rows_per_split) + " rows; " + regions;
+      } else {
+        row.note = "sparse_mla_mma with its plan; " + regions;
+      }
+      report.add(row);
+    }
     const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);
-    std::vector<std::pair<std::string, SparseMlaSplitPlan>> plans = {{"sparse_mla", own}};
+    std::vector<std::pair<std::string, SparseMlaSplitPlan>> plans;
+    if (wgmma) plans.push_back({"sparse_mla_mma", own});
     for (const int factor : {2, -2}) {
       SparseMlaSplitPlan other = own;
       other.rows_per_split = factor > 0 ? own.rows_per_split / 2 : own.rows_per_split * 2;
@@ -176,7 +196,8 @@ Status run(Context& ctx, Report& report) {
       int clusters = 0;
       DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(other, p.heads, kTopK, &clusters));
       if (clusters == 0) continue;
-      plans.push_back({factor > 0 ? "sparse_mla (twice the splits)" : "sparse_mla (half the splits)", other});
+      plans.push_back(
+          {factor > 0 ? "sparse_mla_mma (twice the splits)" : "sparse_mla_mma (half the splits)", other});
     }
     for (const auto& named : plans) {
       const SparseMlaSplitPlan& plan = named.second;

@@ -1,6 +1,8 @@
-// The tensor-core sparse MLA decode kernel (sparse_mla). The contract is in
-// include/dsa_decode/sparse_mla.h; the design and the measurements in
-// docs/sparse_mla.md.
+// The 8-head tensor-core sparse MLA decode kernel (sparse_mla_mma), what
+// sparse_mla runs when H is not a multiple of 64 (TP8: H = 8), and the
+// dispatch between it and the 64-head kernel (sparse_mla_wgmma.cu). The
+// contract is in include/dsa_decode/sparse_mla.h; the design and the
+// measurements in docs/sparse_mla.md.
 //
 // Work split (SparseMlaSplitPlan): CTA (split, group, token) of 16 warps
 // owns the 8 heads 8 group.. of one token (one 8-wide MMA tile) and one run
@@ -508,9 +510,15 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
   return Status();
 }
 
-Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
+Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   return launch(a, sparse_mla_split_plan(static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1))), stream);
+}
+
+Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
+  // Each kernel's entry checks the arguments (once); here only q's head count is read.
+  const bool heads_in_64s = a.q.ndim == 3 && a.q.size(1) > 0 && a.q.size(1) % 64 == 0;
+  return heads_in_64s ? sparse_mla_wgmma(a, stream) : sparse_mla_mma(a, stream);
 }
 
 }  // namespace dsa

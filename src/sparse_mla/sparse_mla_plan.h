@@ -1,7 +1,8 @@
-// The tensor-core sparse MLA kernel with an explicit split plan, for the
-// benchmark (to measure plans against each other) and the tests (to check
-// that a plan is validated). Engines call sparse_mla, which uses
-// sparse_mla_split_plan(H, K).
+// The two tensor-core sparse MLA kernels behind sparse_mla, callable one by
+// one for the benchmark (to measure them and their plans against each other)
+// and the tests (to check both on every shape). Engines call sparse_mla,
+// which runs sparse_mla_wgmma when H is a multiple of 64 and sparse_mla_mma
+// otherwise.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,12 +11,29 @@
 
 namespace dsa {
 
-// Errors name `plan` when it does not cover the heads or the entries of
-// `args`, or breaks a limit of SparseMlaSplitPlan.
+// The 8-head kernel (src/sparse_mla/sparse_mla_mma.cu) with the default plan
+// sparse_mla_split_plan(H, K): any H.
+Status sparse_mla_mma(const SparseMlaArgs& args, cudaStream_t stream);
+
+// The 8-head kernel with an explicit plan. Errors name `plan` when it does not
+// cover the heads or the entries of `args`, or breaks a limit of
+// SparseMlaSplitPlan.
 Status sparse_mla_with_plan(const SparseMlaArgs& args, const SparseMlaSplitPlan& plan, cudaStream_t stream);
 
-// How many clusters of `plan` the current device can run at once
-// (cudaOccupancyMaxActiveClusters); 0 means the plan cannot launch there.
+// How many clusters of the 8-head kernel's `plan` the current device can run
+// at once (cudaOccupancyMaxActiveClusters); 0 means the plan cannot launch there.
 Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads, int top_k, int* clusters);
+
+// The 64-head warpgroup-MMA kernel (src/sparse_mla/sparse_mla_wgmma.cu):
+// H a multiple of 64 (else an error naming q). Its split of a token's K
+// entries, a function of K only: min(16, ceil(K / 64)) CTAs of whole 64-entry
+// chunks (one thread-block cluster of up to 16, non-portable above 8), each
+// CTA owning 64 heads.
+struct SparseMlaWgmmaSplits {
+  int splits = 0;
+  int rows_per_split = 0;  // a multiple of 64, at most 1024
+};
+SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k);
+Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
 
 }  // namespace dsa

@@ -163,6 +163,30 @@ TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
   }
 }
 
+TEST(SparseMlaSplitPlan, WgmmaSplitsCoverEveryRowWithinOneCluster) {
+  for (int top_k = 1; top_k <= kSparseMlaMaxTopK; top_k += top_k < 4096 ? 1 : 61) {
+    const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k);
+    SCOPED_TRACE("K " + std::to_string(top_k));
+    ASSERT_GE(plan.splits, 1);
+    ASSERT_LE(plan.splits, kSparseMlaMaxSplits);
+    ASSERT_EQ(plan.rows_per_split % 64, 0);
+    ASSERT_LE(plan.rows_per_split, 1024) << "more entries than a CTA stages";
+    ASSERT_GE(int64_t(plan.splits) * plan.rows_per_split, top_k) << "entries left out";
+    ASSERT_LT(int64_t(plan.splits - 1) * plan.rows_per_split, top_k) << "an empty split";
+  }
+  EXPECT_EQ(sparse_mla_wgmma_splits(2048).splits, 16);  // two chunks per CTA at the served K
+  EXPECT_EQ(sparse_mla_wgmma_splits(2048).rows_per_split, 128);
+}
+
+TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
+  FakeArgs f;  // H = 64
+  f.args.q.shape[1] = 32;
+  f.args.latent.shape[1] = 32;
+  f.args.lse = make_tensor(f.args.lse.data, DType::kF32, {4, 32});
+  ASSERT_TRUE(check_sparse_mla(f.args).ok()) << check_sparse_mla(f.args).to_string();
+  testing::expect_rejected(sparse_mla_wgmma(f.args, nullptr), "q", "a multiple of 64 heads");
+}
+
 TEST(SparseMlaSplitPlan, BadPlansAreRejectedByName) {
   const FakeArgs f;  // H = 64, K = 2176
   const SparseMlaSplitPlan good = sparse_mla_split_plan(64, 2176);
@@ -362,7 +386,11 @@ struct NamedKernel {
   std::string name;
   Kernel run;
 };
-const NamedKernel kKernels[] = {{"sparse_mla_simple", sparse_mla_simple}, {"sparse_mla", sparse_mla}};
+// sparse_mla runs sparse_mla_wgmma when H is a multiple of 64 and sparse_mla_mma
+// otherwise; the 8-head kernel is also run on its own, so that both fast
+// kernels meet every shape of every test.
+const NamedKernel kKernels[] = {
+    {"sparse_mla_simple", sparse_mla_simple}, {"sparse_mla", sparse_mla}, {"sparse_mla_mma", sparse_mla_mma}};
 
 constexpr int64_t kGuard = 64;  // poisoned elements on each side of each output (keeps 16-byte alignment)
 constexpr uint8_t kPoison = 0xFF;

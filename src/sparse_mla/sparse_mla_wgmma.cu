@@ -1,0 +1,435 @@
+// The 64-head warpgroup-MMA sparse MLA decode kernel (sparse_mla_wgmma), what
+// sparse_mla runs when H is a multiple of 64 (the served models at TP1 and
+// TP2). The contract is in include/dsa_decode/sparse_mla.h; the design and
+// the measurements in docs/sparse_mla.md ("v7").
+//
+// Work split (a function of K only, sparse_mla_wgmma_splits): CTA (split,
+// group, token) of two warpgroups owns heads 64 group..64 group + 63 of one
+// token and one run of rows_per_split entries of its index row, in chunks of
+// 64 entries; the `splits` CTAs of a (token, group) form one thread-block
+// cluster (up to 16: non-portable).
+//
+// Shared memory holds FP16 copies of the group's q and of two chunks, each as
+// 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
+// e4m3 converts to FP16 exactly, so both products see the exact codes. A
+// chunk tile serves Q.K^T as a K-major operand and P.V as an N-major one.
+//
+// Prologue: the run's indices are read once (coalesced, the out-of-range ones
+// counted) into cache-row offsets (-1 = invalid) and a valid-row mask per
+// chunk; chunks without a valid entry are skipped (they would add exact
+// zeros). q is converted into its tile, the first chunk into tile 0, and the
+// second chunk's rows are loaded into registers.
+//
+// Per chunk i (tile i % 2), all 256 threads, three CTA barriers:
+//  - warpgroup w: S_w [64 heads][32 entries] = Q K^T for entries 32 w..32 w + 31
+//    of the chunk: 32 wgmma m64n32k16 over the 512 dims, FP32 accumulators.
+//    While they run, every thread converts chunk i + 1's rows from its
+//    registers into the other tile and loads chunk i + 2's rows.
+//  - scores = S * softmax_scale * q_scale * k_scale * log2(e), -inf for invalid
+//    entries; each head's chunk max is max(warpgroup 0's, warpgroup 1's), in
+//    that order in both warpgroups, so both hold the same running max (NaN
+//    propagates); p = 2^(score - running max) rounded to FP16, and the row sum
+//    of the rounded p (warpgroup 0's entries + warpgroup 1's).
+//  - both warpgroups' P fragments go through shared memory; warpgroup w then
+//    rescales O_w [64 heads][256 dims 256 w..] and adds P [64 x 64] V [64 x 256]:
+//    4 wgmma m64n256k16, P from registers, V the tile read N-major.
+// Combine (push model, as the 8-head kernel): after a cluster barrier (every
+// CTA has left its chunk loop, so its tiles are free), CTA r stores its
+// partial O and its (max, sum) per head into the shared memory of the CTAs
+// that combine them: CTA k owns the eight-dim output vectors
+// [k V / splits, (k + 1) V / splits) of the group's V = 64 * 64. After a
+// second cluster barrier each CTA weighs every split's partial by
+// 2^(split max - max), adds them in split order and writes latent (times
+// k_scale / sum, BF16) and lse.
+//
+// Every sum has a fixed order that depends only on K, H and the entry
+// positions: the same inputs give the same bits, for any m.
+#include <cooperative_groups.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "core/async_copy.cuh"
+#include "core/fp8.cuh"
+#include "core/launch.cuh"
+#include "core/shared_memory.h"
+#include "core/wgmma.cuh"
+#include "dsa_decode/numerics.h"
+#include "sparse_mla/sparse_mla_params.h"
+#include "sparse_mla/sparse_mla_plan.h"
+
+namespace dsa {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kLatent = kSparseMlaLatent;
+constexpr int kHeads = 64;                          // heads per CTA: the M of every wgmma
+constexpr int kChunkRows = 64;                      // entries per chunk
+constexpr int kThreads = 256;                       // two warpgroups
+constexpr int kGroupEntries = kChunkRows / 2;       // score columns per warpgroup
+constexpr int kGroupDims = kLatent / 2;             // output dims per warpgroup
+constexpr int kPanelBytes = 64 * 128;               // 64 rows x 64 FP16 dims
+constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
+constexpr int kMaxRowsPerSplit = 1024;              // K <= 16384 over 16 splits
+constexpr int kMaxChunks = kMaxRowsPerSplit / kChunkRows;
+constexpr int kPiecesPerThread = kChunkRows * (kLatent / 16) / kThreads;  // 16-byte FP8 pieces per chunk
+constexpr int kVectors = kHeads * kLatent / 8;      // eight-dim output vectors of a group: the combine's unit
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+static_assert(kPiecesPerThread == 8 && kMaxRowsPerSplit * kSparseMlaMaxSplits >= kSparseMlaMaxTopK, "the split");
+
+struct alignas(1024) SharedStorage {
+  uint8_t q_tile[kTileBytes];    // [8 panels][64 heads][128 B]: FP16 q of the group
+  uint8_t tiles[2][kTileBytes];  // [8 panels][64 entries][128 B]: FP16 rows of the i-th chunk in tiles[i % 2]
+  uint4 probs[2][2][128];        // [warpgroup][k16 step][thread]: P fragments (4 FP16 pairs)
+  float group_max[2][kHeads], group_sum[2][kHeads];  // per warpgroup and head: chunk max, sum of p
+  int64_t row_offset[kMaxRowsPerSplit];              // byte offset of each entry's cache row, -1 when invalid
+  uint64_t valid_rows[kMaxChunks];                   // bit r: row r of chunk c is a valid entry
+  int chunk_list[kMaxChunks];                        // the chunks with a valid entry, in order
+  int chunk_count;
+};
+// After the chunk loop (and a cluster barrier) the combine's inbox overlays
+// the tiles and probs: incoming[r * share + i] = split r's partial of this
+// CTA's vector i (share <= ceil(V / splits), so splits * share < V + splits),
+// and the peers' (max, sum) per head overlay the q tile.
+static_assert(sizeof(SharedStorage::tiles) + sizeof(SharedStorage::probs) >=
+                  sizeof(float) * 8 * (kVectors + kSparseMlaMaxSplits),
+              "the inbox fits over the tiles");
+static_assert(sizeof(SharedStorage::q_tile) >= 2 * sizeof(float) * kSparseMlaMaxSplits * kHeads, "peer statistics");
+constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
+
+__device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// 16 bytes read once: not kept in L1 (which the shared-memory carve-out leaves small).
+__device__ __forceinline__ uint4 load_streaming(const uint8_t* global) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(global));
+  return v;
+}
+
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+// Rows and pieces of a 64-row FP16 tile that thread `t` (0..255) converts:
+// 16-byte FP8 piece t % 32 (dims 16 (t % 32)..) of rows t / 32 + 8 k.
+__device__ __forceinline__ int piece_row(int k) { return threadIdx.x / 32 + 8 * k; }
+
+// Writes this thread's pieces (FP8 codes) as FP16 into `tile`: piece j of a
+// row is 16-byte chunks 2 (j % 4) and 2 (j % 4) + 1 of the row's 128 bytes in
+// panel j / 4. Odd panels store their second chunk first: panels lie 8 KiB
+// apart (the same banks), and so the 32 lanes of a store cover all 8 chunk
+// positions four times, the least a 512-byte warp store can take.
+__device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kPiecesPerThread], uint32_t tile) {
+  const int piece = threadIdx.x % 32, panel = piece / 4, first_chunk = (piece % 4) * 2;
+  const bool swap = panel % 2 == 1;
+  const uint32_t panel_base = tile + panel * kPanelBytes;
+#pragma unroll
+  for (int k = 0; k < kPiecesPerThread; ++k) {
+    const int row = piece_row(k);
+    const uint4 low = make_uint4(e4m3x2_to_f16x2(codes[k].x), e4m3x2_to_f16x2(codes[k].x >> 16),
+                                 e4m3x2_to_f16x2(codes[k].y), e4m3x2_to_f16x2(codes[k].y >> 16));
+    const uint4 high = make_uint4(e4m3x2_to_f16x2(codes[k].z), e4m3x2_to_f16x2(codes[k].z >> 16),
+                                  e4m3x2_to_f16x2(codes[k].w), e4m3x2_to_f16x2(codes[k].w >> 16));
+    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_chunk + swap), swap ? high : low);
+    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_chunk + !swap), swap ? low : high);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_wgmma_kernel(const SparseMlaParams p, const int rows_per_split) {
+  extern __shared__ uint8_t shared_raw[];
+  SharedStorage& s =
+      *reinterpret_cast<SharedStorage*>(shared_raw + (1024 - shared_address(shared_raw) % 1024) % 1024);
+  const cg::cluster_group cluster = cg::this_cluster();
+
+  const int split = blockIdx.x, splits = gridDim.x, group = blockIdx.y, token = blockIdx.z;
+  const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
+  const int warp = thread / 32, lane = threadIdx.x % 32;  // warp of the warpgroup: accumulator rows 16 warp..
+  const int g = lane / 4, c = lane % 4;                    // accumulator row group and column pair
+  const int first_head = group * kHeads;
+  const uint32_t q_tile = shared_address(s.q_tile), tiles = shared_address(s.tiles);
+
+  // Every input is written by a predecessor in the decode chain (absorb, cache write, indexer).
+  pdl_wait();
+  pdl_release_dependents();
+
+  const int32_t* index_row = p.indices + token * p.indices_token_stride;
+  const int row_begin = split * rows_per_split;
+  const int rows = min(p.top_k, row_begin + rows_per_split) - row_begin;
+  const int chunks = (rows + kChunkRows - 1) / kChunkRows;
+  if (threadIdx.x < kMaxChunks) s.valid_rows[threadIdx.x] = 0;
+  __syncthreads();
+  unsigned int out_of_range = 0;
+  for (int j = threadIdx.x; j < chunks * kChunkRows; j += kThreads) {  // whole warps: chunks * 64 % 32 == 0
+    int64_t offset = -1;
+    if (j < rows) {
+      const int32_t slot = index_row[row_begin + j];
+      if (slot >= 0 && slot < p.capacity) {
+        const int32_t block = sparse_mla_block_of(p, slot);
+        offset = block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
+      }
+      out_of_range += slot >= p.capacity;
+    }
+    s.row_offset[j] = offset;
+    const unsigned int valid = __ballot_sync(0xFFFFFFFFu, offset >= 0);
+    if (lane == 0 && valid != 0) {
+      atomicOr(reinterpret_cast<unsigned long long*>(&s.valid_rows[j / kChunkRows]),
+               static_cast<unsigned long long>(valid) << (j % kChunkRows));
+    }
+  }
+  if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTAs cover the row
+    out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
+    if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
+  }
+
+  uint4 codes[kPiecesPerThread];  // this thread's FP8 pieces of the next chunk (or of q)
+  const int piece = threadIdx.x % 32;
+#pragma unroll
+  for (int k = 0; k < kPiecesPerThread; ++k) {
+    codes[k] = load_streaming(p.q + token * p.q_token_stride + (first_head + piece_row(k)) * p.q_head_stride +
+                              piece * 16);
+  }
+  __syncthreads();  // row offsets and masks
+  if (threadIdx.x == 0) {
+    int count = 0;
+    for (int chunk = 0; chunk < chunks; ++chunk) {
+      if (s.valid_rows[chunk] != 0) s.chunk_list[count++] = chunk;
+    }
+    s.chunk_count = count;
+  }
+  // This thread's pieces of `chunk` (zeros for invalid rows: a NaN code left
+  // in the tile would turn p = 0 into NaN in P.V).
+  auto load_chunk = [&](int chunk) {
+#pragma unroll
+    for (int k = 0; k < kPiecesPerThread; ++k) {
+      const int64_t offset = s.row_offset[chunk * kChunkRows + piece_row(k)];
+      codes[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  store_pieces_as_f16(codes, q_tile);
+  __syncthreads();  // the chunk list
+  const int chunk_count = s.chunk_count;
+  if (chunk_count > 0) {
+    load_chunk(s.chunk_list[0]);
+    store_pieces_as_f16(codes, tiles);
+    if (chunk_count > 1) load_chunk(s.chunk_list[1]);
+  }
+  wgmma::fence_shared_for_async_proxy();  // this thread's q and tile stores, before the wgmmas read them
+
+  const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
+  float out[128];  // O_w: head 16 warp + g + 8 ((e / 2) % 2), dim 256 w + 8 (e / 4) + 2 c + e % 2
+#pragma unroll
+  for (int e = 0; e < 128; ++e) out[e] = 0.0f;
+  float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // heads 16 warp + g + 8 r
+
+  for (int i = 0; i < chunk_count; ++i) {
+    const int chunk = s.chunk_list[i];
+    const uint32_t tile = tiles + (i % 2) * kTileBytes;
+    __syncthreads();  // tile i written (and fenced) by every thread; both warpgroups' P.V of chunk i - 1 done
+
+    // S_w = Q K^T over entries 32 w.. of the chunk: 16-dim steps along the 128-byte rows of each panel.
+    float score[16];  // head 16 warp + g + 8 ((e / 2) % 2), entry 32 w + 8 (e / 4) + 2 c + e % 2
+#pragma unroll
+    for (int e = 0; e < 16; ++e) score[e] = 0.0f;
+    wgmma::fence();
+#pragma unroll
+    for (int step = 0; step < kLatent / 16; ++step) {
+      const uint32_t k_offset = (step / 4) * kPanelBytes + (step % 4) * 32;
+      wgmma::mma_m64n32k16_f16(score, wgmma::k_major_sw128_descriptor(q_tile + k_offset),
+                               wgmma::k_major_sw128_descriptor(tile + warpgroup * kGroupEntries * 128 + k_offset),
+                               step > 0);
+    }
+    wgmma::commit_group();
+    if (i + 1 < chunk_count) {  // overlaps the tensor cores
+      store_pieces_as_f16(codes, tiles + ((i + 1) % 2) * kTileBytes);
+      wgmma::fence_shared_for_async_proxy();
+      if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2]);
+    }
+    wgmma::wait_group<0>();
+
+    // Scores and this warpgroup's chunk max per head (the quad of lanes c = 0..3 holds a head's 32 entries).
+    const uint64_t valid = s.valid_rows[chunk];
+    float group_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      const int entry = warpgroup * kGroupEntries + 8 * (e / 4) + 2 * c + e % 2;
+      score[e] = (valid >> entry) & 1 ? score[e] * score_scale : -INFINITY;
+      group_max[(e / 2) % 2] = max_propagating_nan(group_max[(e / 2) % 2], score[e]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int offset = 1; offset <= 2; offset *= 2) {
+        group_max[r] = max_propagating_nan(group_max[r], __shfl_xor_sync(0xFFFFFFFFu, group_max[r], offset));
+      }
+      if (c == 0) s.group_max[warpgroup][16 * warp + g + 8 * r] = group_max[r];
+    }
+    __syncthreads();
+
+    float new_max[2], rescale[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = 16 * warp + g + 8 * r;
+      new_max[r] = max_propagating_nan(run_max[r], max_propagating_nan(s.group_max[0][head], s.group_max[1][head]));
+      rescale[r] = new_max[r] == -INFINITY ? 1.0f : exp2f(run_max[r] - new_max[r]);  // 0 when run_max = -inf
+    }
+    // P fragments of this warpgroup's two 16-entry steps: pair q of step t
+    // holds score elements 8 t + 2 q, + 1 (head row q % 2, as mma's A layout).
+    float group_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      uint32_t pairs[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int r = q % 2, e = 8 * t + 2 * q;
+        const bool none = new_max[r] == -INFINITY;  // no valid entry yet: nothing to weigh
+        const __half2 probs =
+            __floats2half2_rn(none ? 0.0f : exp2f(score[e] - new_max[r]), none ? 0.0f : exp2f(score[e + 1] - new_max[r]));
+        pairs[q] = *reinterpret_cast<const uint32_t*>(&probs);
+        const float2 rounded = __half22float2(probs);
+        group_sum[r] += rounded.x + rounded.y;
+      }
+      s.probs[warpgroup][t][thread] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int offset = 1; offset <= 2; offset *= 2) group_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, group_sum[r], offset);
+      if (c == 0) s.group_sum[warpgroup][16 * warp + g + 8 * r] = group_sum[r];
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = 16 * warp + g + 8 * r;
+      run_sum[r] = fmaf(run_sum[r], rescale[r], s.group_sum[0][head] + s.group_sum[1][head]);
+      run_max[r] = new_max[r];
+    }
+#pragma unroll
+    for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
+    // O_w += P V over the chunk's 64 entries: step t reads entries 16 t.., from warpgroup t / 2's fragments.
+    uint32_t fragments[kChunkRows / 16][4];
+#pragma unroll
+    for (int t = 0; t < kChunkRows / 16; ++t) {
+      const uint4 fragment = s.probs[t / 2][t % 2][thread];
+      fragments[t][0] = fragment.x, fragments[t][1] = fragment.y, fragments[t][2] = fragment.z,
+      fragments[t][3] = fragment.w;
+    }
+    wgmma::fence();
+#pragma unroll
+    for (int t = 0; t < kChunkRows / 16; ++t) {
+      wgmma::mma_m64n256k16_f16_a_in_registers_b_n_major(
+          out, fragments[t],
+          wgmma::n_major_sw128_descriptor(tile + (warpgroup * kGroupDims / 64) * kPanelBytes + t * 16 * 128,
+                                          kPanelBytes),
+          true);
+    }
+    wgmma::commit_group();
+    wgmma::wait_group<0>();
+  }
+
+  // Every CTA of the cluster has left its loop: its tiles may take the inbox.
+  cluster_arrive_release();
+  cluster_wait();
+
+  float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);
+  float(*peer_sum)[kHeads] = peer_max + kSparseMlaMaxSplits;
+  float(*incoming)[8] = reinterpret_cast<float(*)[8]>(s.tiles);
+  auto first_vector_of = [&](int k) { return k * kVectors / splits; };
+#pragma unroll
+  for (int e = 0; e < 128; e += 2) {
+    const int head = 16 * warp + g + 8 * ((e / 2) % 2);
+    const int v = head * (kLatent / 8) + warpgroup * (kGroupDims / 8) + e / 4;
+    const int k = ((v + 1) * splits - 1) / kVectors;  // the CTA whose vectors include v
+    const int first = first_vector_of(k), share = first_vector_of(k + 1) - first;
+    float2* target = reinterpret_cast<float2*>(&incoming[split * share + v - first][2 * c]);
+    *cluster.map_shared_rank(target, k) = make_float2(out[e], out[e + 1]);
+  }
+  if (warpgroup == 0 && c == 0) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = 16 * warp + g + 8 * r;
+      for (int k = 0; k < splits; ++k) {
+        *cluster.map_shared_rank(&peer_max[split][head], k) = run_max[r];
+        *cluster.map_shared_rank(&peer_sum[split][head], k) = run_sum[r];
+      }
+    }
+  }
+  cluster_arrive_release();
+  cluster_wait();
+
+  // Combine this CTA's vectors over the splits, in split order.
+  const int first_vector = first_vector_of(split), share = first_vector_of(split + 1) - first_vector;
+  for (int i = threadIdx.x; i < share; i += kThreads) {
+    const int v = first_vector + i;
+    const int h = v / (kLatent / 8), d0 = (v % (kLatent / 8)) * 8;
+    float total_max = -INFINITY;
+    for (int r = 0; r < splits; ++r) total_max = max_propagating_nan(total_max, peer_max[r][h]);
+    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    float total_sum = 0.0f;
+    if (total_max != -INFINITY) {
+      for (int r = 0; r < splits; ++r) {
+        const float weight = exp2f(peer_max[r][h] - total_max);  // 0 for a split without valid entries
+        total_sum = fmaf(peer_sum[r][h], weight, total_sum);
+        const float4* values = reinterpret_cast<const float4*>(incoming[r * share + i]);
+        const float4 low = values[0], high = values[1];
+        const float partial[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) total[e] = fmaf(partial[e], weight, total[e]);
+      }
+    }
+    // No valid entry: total_sum = 0 and the output is +0 (scale is never used).
+    const float scale = total_max != -INFINITY ? num::div_rn(*p.k_scale, total_sum) : 0.0f;
+    uint32_t packed[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      packed[e] = uint32_t(num::float_to_bf16(total[2 * e] * scale)) |
+                  (uint32_t(num::float_to_bf16(total[2 * e + 1] * scale)) << 16);
+    }
+    const int head = first_head + h;
+    *reinterpret_cast<uint4*>(p.latent + token * p.latent_token_stride + int64_t(head) * kLatent + d0) =
+        make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    if (d0 == 0) {
+      p.lse[int64_t(token) * p.heads + head] = total_max != -INFINITY ? total_max * kLn2 + logf(total_sum) : -INFINITY;
+    }
+  }
+}
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k) {
+  SparseMlaWgmmaSplits plan;
+  const int splits = std::min(kSparseMlaMaxSplits, ceil_div(top_k, kChunkRows));
+  plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
+  plan.splits = ceil_div(top_k, plan.rows_per_split);
+  return plan;
+}
+
+Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_sparse_mla(a));
+  const int64_t heads = a.q.size(1);
+  if (heads % kHeads != 0) {
+    return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
+  }
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)));
+  const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel);
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma"));
+  if (plan.splits > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla_wgmma"));
+  const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(a.q.size(0)));
+  return launch_pdl_clustered(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
+                              unsigned(plan.splits), sparse_mla_params(a), plan.rows_per_split);
+}
+
+}  // namespace dsa
