@@ -36,8 +36,8 @@
 // Combine (push model, as the 8-head kernel): after a cluster barrier (every
 // CTA has left its chunk loop, so its tiles are free), CTA r stores its
 // partial O and its (max, sum) per head into the shared memory of the CTAs
-// that combine them: CTA k owns the eight-dim output vectors
-// [k V / splits, (k + 1) V / splits) of the group's V = 64 * 64. After a
+// that combine them: CTA k owns the 128-dim quarters of a head's output
+// [k U / splits, (k + 1) U / splits) of the group's U = 64 * 4. After a
 // second cluster barrier each CTA weighs every split's partial by
 // 2^(split max - max), adds them in split order and writes latent (times
 // k_scale / sum, BF16) and lse.
@@ -77,7 +77,8 @@ constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
 constexpr int kMaxRowsPerSplit = 1024;              // K <= 16384 over 16 splits
 constexpr int kMaxChunks = kMaxRowsPerSplit / kChunkRows;
 constexpr int kPiecesPerThread = kChunkRows * (kLatent / 16) / kThreads;  // 16-byte FP8 pieces per chunk
-constexpr int kVectors = kHeads * kLatent / 8;      // eight-dim output vectors of a group: the combine's unit
+constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
+constexpr int kUnits = kHeads * kLatent / kUnitDims;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 static_assert(kPiecesPerThread == 8 && kMaxRowsPerSplit * kSparseMlaMaxSplits >= kSparseMlaMaxTopK, "the split");
@@ -94,13 +95,18 @@ struct alignas(1024) SharedStorage {
 };
 // After the chunk loop (and a cluster barrier) the combine's inbox overlays
 // the tiles and probs: incoming[r * share + i] = split r's partial of this
-// CTA's vector i (share <= ceil(V / splits), so splits * share < V + splits),
+// CTA's unit i (share <= ceil(U / splits), so splits * share < U + splits),
 // and the peers' (max, sum) per head overlay the q tile.
 static_assert(sizeof(SharedStorage::tiles) + sizeof(SharedStorage::probs) >=
-                  sizeof(float) * 8 * (kVectors + kSparseMlaMaxSplits),
+                  sizeof(float) * kUnitDims * (kUnits + kSparseMlaMaxSplits),
               "the inbox fits over the tiles");
 static_assert(sizeof(SharedStorage::q_tile) >= 2 * sizeof(float) * kSparseMlaMaxSplits * kHeads, "peer statistics");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
+
+// Where a unit of the inbox keeps its 128 dims: 16-byte slot unit_slot(j, c)
+// holds dims 8 j + 2 c, + 1 and 8 (j + 1) + 2 c, + 1 for even j, so that lane
+// c of a quad pushes 16 contiguous bytes and the quad 64.
+__host__ __device__ constexpr int unit_slot(int j, int c) { return (j / 2) * 4 + c; }
 
 __device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
@@ -163,6 +169,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   pdl_wait();
   pdl_release_dependents();
 
+  uint4 codes[kPiecesPerThread];  // this thread's FP8 pieces of the next chunk (first: of q, in flight while the indices are read)
+  const int piece = threadIdx.x % 32;
+#pragma unroll
+  for (int k = 0; k < kPiecesPerThread; ++k) {
+    codes[k] = load_streaming(p.q + token * p.q_token_stride + (first_head + piece_row(k)) * p.q_head_stride +
+                              piece * 16);
+  }
+
   const int32_t* index_row = p.indices + token * p.indices_token_stride;
   const int row_begin = split * rows_per_split;
   const int rows = min(p.top_k, row_begin + rows_per_split) - row_begin;
@@ -192,13 +206,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
   }
 
-  uint4 codes[kPiecesPerThread];  // this thread's FP8 pieces of the next chunk (or of q)
-  const int piece = threadIdx.x % 32;
-#pragma unroll
-  for (int k = 0; k < kPiecesPerThread; ++k) {
-    codes[k] = load_streaming(p.q + token * p.q_token_stride + (first_head + piece_row(k)) * p.q_head_stride +
-                              piece * 16);
-  }
   __syncthreads();  // row offsets and masks
   if (threadIdx.x == 0) {
     int count = 0;
@@ -209,20 +216,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // This thread's pieces of `chunk` (zeros for invalid rows: a NaN code left
   // in the tile would turn p = 0 into NaN in P.V).
-  auto load_chunk = [&](int chunk) {
+  auto load_chunk = [&](int chunk, uint4(&pieces)[kPiecesPerThread]) {
 #pragma unroll
     for (int k = 0; k < kPiecesPerThread; ++k) {
       const int64_t offset = s.row_offset[chunk * kChunkRows + piece_row(k)];
-      codes[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
+      pieces[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
     }
   };
   store_pieces_as_f16(codes, q_tile);
   __syncthreads();  // the chunk list
   const int chunk_count = s.chunk_count;
-  if (chunk_count > 0) {
-    load_chunk(s.chunk_list[0]);
-    store_pieces_as_f16(codes, tiles);
-    if (chunk_count > 1) load_chunk(s.chunk_list[1]);
+  if (chunk_count > 0) {  // the first two chunks requested together
+    uint4 first[kPiecesPerThread];
+    load_chunk(s.chunk_list[0], first);
+    if (chunk_count > 1) load_chunk(s.chunk_list[1], codes);
+    store_pieces_as_f16(first, tiles);
   }
   wgmma::fence_shared_for_async_proxy();  // this thread's q and tile stores, before the wgmmas read them
 
@@ -253,7 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (i + 1 < chunk_count) {  // overlaps the tensor cores
       store_pieces_as_f16(codes, tiles + ((i + 1) % 2) * kTileBytes);
       wgmma::fence_shared_for_async_proxy();
-      if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2]);
+      if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
     }
     wgmma::wait_group<0>();
 
@@ -342,18 +350,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   cluster_arrive_release();
   cluster_wait();
 
+  // Push. The combine's unit is a quarter of a head's output (128 dims): CTA
+  // k owns units [k U / splits, (k + 1) U / splits) of the group's U = 256. A
+  // thread's accumulators cover 4 units (2 heads x 2 quarters), 32 values
+  // each, which it stores with 8 16-byte stores into the unit's owner, in
+  // the fragment order below (the combine reads it back the same way).
   float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);
   float(*peer_sum)[kHeads] = peer_max + kSparseMlaMaxSplits;
-  float(*incoming)[8] = reinterpret_cast<float(*)[8]>(s.tiles);
-  auto first_vector_of = [&](int k) { return k * kVectors / splits; };
+  float(*incoming)[kUnitDims] = reinterpret_cast<float(*)[kUnitDims]>(s.tiles);
+  auto first_unit_of = [&](int k) { return k * kUnits / splits; };
 #pragma unroll
-  for (int e = 0; e < 128; e += 2) {
-    const int head = 16 * warp + g + 8 * ((e / 2) % 2);
-    const int v = head * (kLatent / 8) + warpgroup * (kGroupDims / 8) + e / 4;
-    const int k = ((v + 1) * splits - 1) / kVectors;  // the CTA whose vectors include v
-    const int first = first_vector_of(k), share = first_vector_of(k + 1) - first;
-    float2* target = reinterpret_cast<float2*>(&incoming[split * share + v - first][2 * c]);
-    *cluster.map_shared_rank(target, k) = make_float2(out[e], out[e + 1]);
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int quarter = 0; quarter < 2; ++quarter) {
+      const int head = 16 * warp + g + 8 * r;
+      const int unit = head * (kLatent / kUnitDims) + warpgroup * 2 + quarter;
+      const int k = ((unit + 1) * splits - 1) / kUnits;  // the CTA whose units include this one
+      const int first = first_unit_of(k), share = first_unit_of(k + 1) - first;
+      float4* target = cluster.map_shared_rank(reinterpret_cast<float4*>(incoming[split * share + unit - first]), k);
+#pragma unroll
+      for (int j = 0; j < kUnitDims / 8; j += 2) {  // 8-dim column groups j, j + 1 of the quarter
+        const int e = 4 * (quarter * (kUnitDims / 8) + j) + 2 * r;  // accumulator of dims 8 j + 2 c, + 1 of the head
+        target[unit_slot(j, c)] = make_float4(out[e], out[e + 1], out[e + 4], out[e + 5]);
+      }
+    }
   }
   if (warpgroup == 0 && c == 0) {
 #pragma unroll
@@ -368,11 +388,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   cluster_arrive_release();
   cluster_wait();
 
-  // Combine this CTA's vectors over the splits, in split order.
-  const int first_vector = first_vector_of(split), share = first_vector_of(split + 1) - first_vector;
-  for (int i = threadIdx.x; i < share; i += kThreads) {
-    const int v = first_vector + i;
-    const int h = v / (kLatent / 8), d0 = (v % (kLatent / 8)) * 8;
+  // Combine this CTA's units over the splits, in split order: one thread per
+  // (unit, 8-dim output vector).
+  const int first_unit = first_unit_of(split), share = first_unit_of(split + 1) - first_unit;
+  for (int item = threadIdx.x; item < share * (kUnitDims / 8); item += kThreads) {
+    const int i = item / (kUnitDims / 8), j = item % (kUnitDims / 8);
+    const int unit = first_unit + i, h = unit / (kLatent / kUnitDims);
+    const int d0 = (unit % (kLatent / kUnitDims)) * kUnitDims + 8 * j;
     float total_max = -INFINITY;
     for (int r = 0; r < splits; ++r) total_max = max_propagating_nan(total_max, peer_max[r][h]);
     float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -382,10 +404,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float weight = exp2f(peer_max[r][h] - total_max);  // 0 for a split without valid entries
         total_sum = fmaf(peer_sum[r][h], weight, total_sum);
         const float4* values = reinterpret_cast<const float4*>(incoming[r * share + i]);
-        const float4 low = values[0], high = values[1];
-        const float partial[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
 #pragma unroll
-        for (int e = 0; e < 8; ++e) total[e] = fmaf(partial[e], weight, total[e]);
+        for (int pair = 0; pair < 4; ++pair) {  // dims 8 j + 2 pair, + 1: lane c = pair's half of its slot
+          const float4 slot = values[unit_slot(j & ~1, pair)];
+          total[2 * pair] = fmaf(j % 2 ? slot.z : slot.x, weight, total[2 * pair]);
+          total[2 * pair + 1] = fmaf(j % 2 ? slot.w : slot.y, weight, total[2 * pair + 1]);
+        }
       }
     }
     // No valid entry: total_sum = 0 and the output is +0 (scale is never used).
