@@ -79,6 +79,8 @@ constexpr int kMaxChunks = kMaxRowsPerSplit / kChunkRows;
 constexpr int kPiecesPerThread = kChunkRows * (kLatent / 16) / kThreads;  // 16-byte FP8 pieces per chunk
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
 constexpr int kUnits = kHeads * kLatent / kUnitDims;
+constexpr int kUnitSlots = kUnitDims * 2 / 16;      // 16-byte slots of a unit's FP16 values
+constexpr int kMaxCombineHeads = kHeads;            // heads a CTA's units touch (all 64 for one split)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 static_assert(kPiecesPerThread == 8 && kMaxRowsPerSplit * kSparseMlaMaxSplits >= kSparseMlaMaxTopK, "the split");
@@ -94,19 +96,28 @@ struct alignas(1024) SharedStorage {
   int chunk_count;
 };
 // After the chunk loop (and a cluster barrier) the combine's inbox overlays
-// the tiles and probs: incoming[r * share + i] = split r's partial of this
-// CTA's unit i (share <= ceil(U / splits), so splits * share < U + splits),
-// and the peers' (max, sum) per head overlay the q tile.
-static_assert(sizeof(SharedStorage::tiles) + sizeof(SharedStorage::probs) >=
-                  sizeof(float) * kUnitDims * (kUnits + kSparseMlaMaxSplits),
-              "the inbox fits over the tiles");
-static_assert(sizeof(SharedStorage::q_tile) >= 2 * sizeof(float) * kSparseMlaMaxSplits * kHeads, "peer statistics");
+// the tiles: incoming[r * share + i] = split r's FP16 partial of this CTA's
+// unit i (share <= ceil(U / splits), so splits * share < U + splits), and the
+// peers' (max, sum) per head and the combine's coefficients overlay the q tile.
+static_assert(sizeof(SharedStorage::tiles) >= 2 * kUnitDims * (kUnits + kSparseMlaMaxSplits), "the inbox");
+static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kSparseMlaMaxSplits * (2 * kHeads + kMaxCombineHeads),
+              "peer statistics and coefficients");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 
-// Where a unit of the inbox keeps its 128 dims: 16-byte slot unit_slot(j, c)
-// holds dims 8 j + 2 c, + 1 and 8 (j + 1) + 2 c, + 1 for even j, so that lane
-// c of a quad pushes 16 contiguous bytes and the quad 64.
-__host__ __device__ constexpr int unit_slot(int j, int c) { return (j / 2) * 4 + c; }
+// Where a unit of the inbox keeps its 128 dims (FP16): 16-byte slot
+// unit_slot(j, c) holds dims 8 (j + u) + 2 c, + 1 for u = 0..3, j a multiple
+// of 4, so that lane c of a quad pushes 16 contiguous bytes and the quad 64.
+__host__ __device__ constexpr int unit_slot(int j, int c) { return (j / 4) * 4 + c; }
+
+// 2^x by the MUFU alone, results below 2^-126 flushed to zero: exp2f without
+// its subnormal fix-up. The probabilities are rounded to FP16 (which has no
+// values that small) and a rescale below 2^-126 multiplies a sum by a
+// negligible amount either way.
+__device__ __forceinline__ float exp2_flush(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
@@ -284,12 +295,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     __syncthreads();
 
-    float new_max[2], rescale[2];
+    // Exponents relative to `base`: the running max, or 0 while no entry is
+    // valid (every score is then -inf, p = 0 and the rescale 0 of a zero O),
+    // so that no branch is needed.
+    float new_max[2], base[2], rescale[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int head = 16 * warp + g + 8 * r;
       new_max[r] = max_propagating_nan(run_max[r], max_propagating_nan(s.group_max[0][head], s.group_max[1][head]));
-      rescale[r] = new_max[r] == -INFINITY ? 1.0f : exp2f(run_max[r] - new_max[r]);  // 0 when run_max = -inf
+      base[r] = new_max[r] == -INFINITY ? 0.0f : new_max[r];
+      rescale[r] = exp2_flush(run_max[r] - base[r]);
     }
     // P fragments of this warpgroup's two 16-entry steps: pair q of step t
     // holds score elements 8 t + 2 q, + 1 (head row q % 2, as mma's A layout).
@@ -300,9 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int r = q % 2, e = 8 * t + 2 * q;
-        const bool none = new_max[r] == -INFINITY;  // no valid entry yet: nothing to weigh
-        const __half2 probs =
-            __floats2half2_rn(none ? 0.0f : exp2f(score[e] - new_max[r]), none ? 0.0f : exp2f(score[e + 1] - new_max[r]));
+        const __half2 probs = __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
         pairs[q] = *reinterpret_cast<const uint32_t*>(&probs);
         const float2 rounded = __half22float2(probs);
         group_sum[r] += rounded.x + rounded.y;
@@ -353,25 +366,35 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Push. The combine's unit is a quarter of a head's output (128 dims): CTA
   // k owns units [k U / splits, (k + 1) U / splits) of the group's U = 256. A
   // thread's accumulators cover 4 units (2 heads x 2 quarters), 32 values
-  // each, which it stores with 8 16-byte stores into the unit's owner, in
-  // the fragment order below (the combine reads it back the same way).
+  // each. It pushes them divided by its sum, in FP16 (|O / sum| <= 448, the
+  // largest code; relative rounding 2^-11), with 4 16-byte stores per unit
+  // into the owner: distributed shared memory moves only ~25 GB/s per SM, so
+  // the bytes are what the combine costs.
   float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);
   float(*peer_sum)[kHeads] = peer_max + kSparseMlaMaxSplits;
-  float(*incoming)[kUnitDims] = reinterpret_cast<float(*)[kUnitDims]>(s.tiles);
+  float(*coefficient)[kMaxCombineHeads] = reinterpret_cast<float(*)[kMaxCombineHeads]>(peer_sum + kSparseMlaMaxSplits);
+  uint4(*incoming)[kUnitSlots] = reinterpret_cast<uint4(*)[kUnitSlots]>(s.tiles);
   auto first_unit_of = [&](int k) { return k * kUnits / splits; };
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    const float inverse_sum = run_sum[r] == 0.0f ? 0.0f : __frcp_rn(run_sum[r]);  // 0: no valid entry, O = 0
+    const int head = 16 * warp + g + 8 * r;
 #pragma unroll
     for (int quarter = 0; quarter < 2; ++quarter) {
-      const int head = 16 * warp + g + 8 * r;
       const int unit = head * (kLatent / kUnitDims) + warpgroup * 2 + quarter;
       const int k = ((unit + 1) * splits - 1) / kUnits;  // the CTA whose units include this one
       const int first = first_unit_of(k), share = first_unit_of(k + 1) - first;
-      float4* target = cluster.map_shared_rank(reinterpret_cast<float4*>(incoming[split * share + unit - first]), k);
+      uint4* target = cluster.map_shared_rank(incoming[split * share + unit - first], k);
 #pragma unroll
-      for (int j = 0; j < kUnitDims / 8; j += 2) {  // 8-dim column groups j, j + 1 of the quarter
-        const int e = 4 * (quarter * (kUnitDims / 8) + j) + 2 * r;  // accumulator of dims 8 j + 2 c, + 1 of the head
-        target[unit_slot(j, c)] = make_float4(out[e], out[e + 1], out[e + 4], out[e + 5]);
+      for (int j = 0; j < kUnitDims / 8; j += 4) {  // 8-dim column groups j..j + 3 of the quarter
+        uint32_t pairs[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int e = 4 * (quarter * (kUnitDims / 8) + j + u) + 2 * r;  // dims 8 (j + u) + 2 c, + 1 of the head
+          const __half2 values = __floats2half2_rn(out[e] * inverse_sum, out[e + 1] * inverse_sum);
+          pairs[u] = *reinterpret_cast<const uint32_t*>(&values);
+        }
+        target[unit_slot(j, c)] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
       }
     }
   }
@@ -388,43 +411,57 @@ __global__ void __launch_bounds__(kThreads, 1)
   cluster_arrive_release();
   cluster_wait();
 
-  // Combine this CTA's units over the splits, in split order: one thread per
-  // (unit, 8-dim output vector).
+  // Combine this CTA's units over the splits. First one warp per head of the
+  // units: lane r holds split r's (max, sum); the max and the weighted sum
+  // over the splits by a fixed butterfly (every lane ends with the same
+  // bits); the coefficient of split r is k_scale 2^(max_r - max) sum_r / sum.
   const int first_unit = first_unit_of(split), share = first_unit_of(split + 1) - first_unit;
-  for (int item = threadIdx.x; item < share * (kUnitDims / 8); item += kThreads) {
-    const int i = item / (kUnitDims / 8), j = item % (kUnitDims / 8);
-    const int unit = first_unit + i, h = unit / (kLatent / kUnitDims);
-    const int d0 = (unit % (kLatent / kUnitDims)) * kUnitDims + 8 * j;
-    float total_max = -INFINITY;
-    for (int r = 0; r < splits; ++r) total_max = max_propagating_nan(total_max, peer_max[r][h]);
-    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    float total_sum = 0.0f;
-    if (total_max != -INFINITY) {
-      for (int r = 0; r < splits; ++r) {
-        const float weight = exp2f(peer_max[r][h] - total_max);  // 0 for a split without valid entries
-        total_sum = fmaf(peer_sum[r][h], weight, total_sum);
-        const float4* values = reinterpret_cast<const float4*>(incoming[r * share + i]);
+  const int first_local_head = first_unit / (kLatent / kUnitDims);
+  const int local_heads = (first_unit + share - 1) / (kLatent / kUnitDims) - first_local_head + 1;
+  for (int local = threadIdx.x / 32; local < local_heads; local += kThreads / 32) {
+    const int h = first_local_head + local;
+    const float split_max = lane < splits ? peer_max[lane][h] : -INFINITY;
+    const float split_sum = lane < splits ? peer_sum[lane][h] : 0.0f;
+    float total_max = split_max;
 #pragma unroll
-        for (int pair = 0; pair < 4; ++pair) {  // dims 8 j + 2 pair, + 1: lane c = pair's half of its slot
-          const float4 slot = values[unit_slot(j & ~1, pair)];
-          total[2 * pair] = fmaf(j % 2 ? slot.z : slot.x, weight, total[2 * pair]);
-          total[2 * pair + 1] = fmaf(j % 2 ? slot.w : slot.y, weight, total[2 * pair + 1]);
-        }
+    for (int offset = 16; offset >= 1; offset /= 2) {
+      total_max = max_propagating_nan(total_max, __shfl_xor_sync(0xFFFFFFFFu, total_max, offset));
+    }
+    const float weighted = total_max == -INFINITY ? 0.0f : split_sum * exp2f(split_max - total_max);
+    float total_sum = weighted;
+#pragma unroll
+    for (int offset = 16; offset >= 1; offset /= 2) total_sum += __shfl_xor_sync(0xFFFFFFFFu, total_sum, offset);
+    // No valid entry: every coefficient 0, the output +0, lse -inf.
+    const float scale = total_max == -INFINITY ? 0.0f : num::div_rn(*p.k_scale, total_sum);
+    if (lane < splits) coefficient[lane][local] = weighted * scale;
+    if (lane == 0 && h * (kLatent / kUnitDims) >= first_unit) {  // the CTA of the head's first quarter
+      p.lse[int64_t(token) * p.heads + first_head + h] =
+          total_max == -INFINITY ? -INFINITY : total_max * kLn2 + logf(total_sum);
+    }
+  }
+  __syncthreads();
+  // Then one thread per (unit, slot): dims 8 (4 (slot / 4) + u) + 2 (slot % 4), + 1 for u = 0..3.
+  for (int item = threadIdx.x; item < share * kUnitSlots; item += kThreads) {
+    const int i = item / kUnitSlots, slot = item % kUnitSlots;
+    const int unit = first_unit + i, h = unit / (kLatent / kUnitDims);
+    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < splits; ++r) {
+      const float weight = coefficient[r][h - first_local_head];
+      const uint4 x = incoming[r * share + i][slot];
+      const uint32_t pairs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float2 values = __half22float2(*reinterpret_cast<const __half2*>(&pairs[u]));
+        total[2 * u] = fmaf(values.x, weight, total[2 * u]);
+        total[2 * u + 1] = fmaf(values.y, weight, total[2 * u + 1]);
       }
     }
-    // No valid entry: total_sum = 0 and the output is +0 (scale is never used).
-    const float scale = total_max != -INFINITY ? num::div_rn(*p.k_scale, total_sum) : 0.0f;
-    uint32_t packed[4];
+    uint16_t* row = p.latent + token * p.latent_token_stride + int64_t(first_head + h) * kLatent +
+                    (unit % (kLatent / kUnitDims)) * kUnitDims + 2 * (slot % 4);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      packed[e] = uint32_t(num::float_to_bf16(total[2 * e] * scale)) |
-                  (uint32_t(num::float_to_bf16(total[2 * e + 1] * scale)) << 16);
-    }
-    const int head = first_head + h;
-    *reinterpret_cast<uint4*>(p.latent + token * p.latent_token_stride + int64_t(head) * kLatent + d0) =
-        make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    if (d0 == 0) {
-      p.lse[int64_t(token) * p.heads + head] = total_max != -INFINITY ? total_max * kLn2 + logf(total_sum) : -INFINITY;
+    for (int u = 0; u < 4; ++u) {
+      *reinterpret_cast<uint32_t*>(row + 8 * (4 * (slot / 4) + u)) =
+          uint32_t(num::float_to_bf16(total[2 * u])) | (uint32_t(num::float_to_bf16(total[2 * u + 1])) << 16);
     }
   }
 }
