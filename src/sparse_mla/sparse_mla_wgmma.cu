@@ -70,6 +70,7 @@ constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;                          // heads per CTA: the M of every wgmma
 constexpr int kChunkRows = 64;                      // entries per chunk
 constexpr int kThreads = 256;                       // two warpgroups
+constexpr int kGroupEntries = kChunkRows / 2;       // score columns per warpgroup
 constexpr int kGroupDims = kLatent / 2;             // output dims per warpgroup
 constexpr int kPanelBytes = 64 * 128;               // 64 rows x 64 FP16 dims
 constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
@@ -87,6 +88,8 @@ static_assert(kPiecesPerThread == 8 && kMaxRowsPerSplit * kSparseMlaMaxSplits >=
 struct alignas(1024) SharedStorage {
   uint8_t q_tile[kTileBytes];    // [8 panels][64 heads][128 B]: FP16 q of the group
   uint8_t tiles[2][kTileBytes];  // [8 panels][64 entries][128 B]: FP16 rows of the i-th chunk in tiles[i % 2]
+  uint4 probs[2][2][128];        // [warpgroup][k16 step][thread]: P fragments (4 FP16 pairs)
+  float group_max[2][kHeads], group_sum[2][kHeads];  // per warpgroup and head: chunk max, sum of p
   int64_t row_offset[kMaxRowsPerSplit];              // byte offset of each entry's cache row, -1 when invalid
   uint64_t valid_rows[kMaxChunks];                   // bit r: row r of chunk c is a valid entry
   int chunk_list[kMaxChunks];                        // the chunks with a valid entry, in order
@@ -253,19 +256,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t tile = tiles + (i % 2) * kTileBytes;
     __syncthreads();  // tile i written (and fenced) by every thread; both warpgroups' P.V of chunk i - 1 done
 
-    // S = Q K^T over the chunk's 64 entries, in both warpgroups (the same
-    // instructions, so the same bits): each then holds whole rows of S and
-    // runs the softmax without exchanging anything with the other. 16-dim
-    // steps along the 128-byte rows of each panel.
-    float score[32];  // head 16 warp + g + 8 ((e / 2) % 2), entry 8 (e / 4) + 2 c + e % 2
+    // S_w = Q K^T over entries 32 w.. of the chunk: 16-dim steps along the 128-byte rows of each panel.
+    float score[16];  // head 16 warp + g + 8 ((e / 2) % 2), entry 32 w + 8 (e / 4) + 2 c + e % 2
 #pragma unroll
-    for (int e = 0; e < 32; ++e) score[e] = 0.0f;
+    for (int e = 0; e < 16; ++e) score[e] = 0.0f;
     wgmma::fence();
 #pragma unroll
     for (int step = 0; step < kLatent / 16; ++step) {
       const uint32_t k_offset = (step / 4) * kPanelBytes + (step % 4) * 32;
-      wgmma::mma_m64n64k16_f16(score, wgmma::k_major_sw128_descriptor(q_tile + k_offset),
-                               wgmma::k_major_sw128_descriptor(tile + k_offset), step > 0);
+      wgmma::mma_m64n32k16_f16(score, wgmma::k_major_sw128_descriptor(q_tile + k_offset),
+                               wgmma::k_major_sw128_descriptor(tile + warpgroup * kGroupEntries * 128 + k_offset),
+                               step > 0);
     }
     wgmma::commit_group();
     if (i + 1 < chunk_count) {  // overlaps the tensor cores
@@ -275,55 +276,76 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wgmma::wait_group<0>();
 
-    // Scores and the chunk max per head: the quad of lanes c = 0..3 holds a head's 64 entries.
+    // Scores and this warpgroup's chunk max per head (the quad of lanes c = 0..3 holds a head's 32 entries).
     const uint64_t valid = s.valid_rows[chunk];
-    float chunk_max[2] = {-INFINITY, -INFINITY};
+    float group_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      const int entry = 8 * (e / 4) + 2 * c + e % 2;
+    for (int e = 0; e < 16; ++e) {
+      const int entry = warpgroup * kGroupEntries + 8 * (e / 4) + 2 * c + e % 2;
       score[e] = (valid >> entry) & 1 ? score[e] * score_scale : -INFINITY;
-      chunk_max[(e / 2) % 2] = max_propagating_nan(chunk_max[(e / 2) % 2], score[e]);
+      group_max[(e / 2) % 2] = max_propagating_nan(group_max[(e / 2) % 2], score[e]);
     }
-    // Exponents relative to `base`: the running max, or 0 while no entry is
-    // valid (every score is then -inf, p = 0 and the rescale 0 of a zero O),
-    // so that no branch is needed.
-    float base[2], rescale[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
       for (int offset = 1; offset <= 2; offset *= 2) {
-        chunk_max[r] = max_propagating_nan(chunk_max[r], __shfl_xor_sync(0xFFFFFFFFu, chunk_max[r], offset));
+        group_max[r] = max_propagating_nan(group_max[r], __shfl_xor_sync(0xFFFFFFFFu, group_max[r], offset));
       }
-      const float new_max = max_propagating_nan(run_max[r], chunk_max[r]);
-      base[r] = new_max == -INFINITY ? 0.0f : new_max;
-      rescale[r] = exp2_flush(run_max[r] - base[r]);
-      run_max[r] = new_max;
+      if (c == 0) s.group_max[warpgroup][16 * warp + g + 8 * r] = group_max[r];
     }
-    // P as the A fragments of the four 16-entry steps of P.V: pair q of step t
-    // holds score elements 8 t + 2 q, + 1 (head row q % 2, as mma's A layout).
-    // The sum uses the FP16-rounded p that P.V multiplies.
-    uint32_t fragments[kChunkRows / 16][4];
-    float chunk_sum[2] = {0.0f, 0.0f};
+    __syncthreads();
+
+    // Exponents relative to `base`: the running max, or 0 while no entry is
+    // valid (every score is then -inf, p = 0 and the rescale 0 of a zero O),
+    // so that no branch is needed.
+    float new_max[2], base[2], rescale[2];
 #pragma unroll
-    for (int t = 0; t < kChunkRows / 16; ++t) {
+    for (int r = 0; r < 2; ++r) {
+      const int head = 16 * warp + g + 8 * r;
+      new_max[r] = max_propagating_nan(run_max[r], max_propagating_nan(s.group_max[0][head], s.group_max[1][head]));
+      base[r] = new_max[r] == -INFINITY ? 0.0f : new_max[r];
+      rescale[r] = exp2_flush(run_max[r] - base[r]);
+    }
+    // P fragments of this warpgroup's two 16-entry steps: pair q of step t
+    // holds score elements 8 t + 2 q, + 1 (head row q % 2, as mma's A layout).
+    float group_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      uint32_t pairs[4];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const int r = q % 2, e = 8 * t + 2 * q;
         const __half2 probs = __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
-        fragments[t][q] = *reinterpret_cast<const uint32_t*>(&probs);
+        pairs[q] = *reinterpret_cast<const uint32_t*>(&probs);
         const float2 rounded = __half22float2(probs);
-        chunk_sum[r] += rounded.x + rounded.y;
+        group_sum[r] += rounded.x + rounded.y;
       }
+      s.probs[warpgroup][t][thread] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
-      for (int offset = 1; offset <= 2; offset *= 2) chunk_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum[r], offset);
-      run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
+      for (int offset = 1; offset <= 2; offset *= 2) group_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, group_sum[r], offset);
+      if (c == 0) s.group_sum[warpgroup][16 * warp + g + 8 * r] = group_sum[r];
+    }
+    __syncthreads();
+
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int head = 16 * warp + g + 8 * r;
+      run_sum[r] = fmaf(run_sum[r], rescale[r], s.group_sum[0][head] + s.group_sum[1][head]);
+      run_max[r] = new_max[r];
     }
 #pragma unroll
     for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
-    // O_w += P V over the chunk's 64 entries: V is the tile read N-major, dims 256 w..
+    // O_w += P V over the chunk's 64 entries: step t reads entries 16 t.., from warpgroup t / 2's fragments.
+    uint32_t fragments[kChunkRows / 16][4];
+#pragma unroll
+    for (int t = 0; t < kChunkRows / 16; ++t) {
+      const uint4 fragment = s.probs[t / 2][t % 2][thread];
+      fragments[t][0] = fragment.x, fragments[t][1] = fragment.y, fragments[t][2] = fragment.z,
+      fragments[t][3] = fragment.w;
+    }
     wgmma::fence();
 #pragma unroll
     for (int t = 0; t < kChunkRows / 16; ++t) {
