@@ -184,6 +184,19 @@ Status run(Context& ctx, Report& report) {
       }
       report.add(row);
     }
+    if (wgmma) {  // half the splits: four chunks per CTA, clusters of 8 (twice as many fit at once)
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_rows(
+          ctx, p, b,
+          [&](const SparseMlaArgs& a, cudaStream_t stream) { return sparse_mla_wgmma_with_max_splits(a, 8, stream); },
+          &us));
+      const SparseMlaWgmmaSplits splits = sparse_mla_wgmma_splits(kTopK, 8);
+      Row row{"sparse_mla_wgmma (half the splits)", params, us, "sparse_mla_simple", simple_us, floor};
+      row.tflops = flops(p) / (us * 1e-6) / 1e12;
+      row.note = "splits " + std::to_string(splits.splits) + " x " + std::to_string(splits.rows_per_split) +
+                 " rows; " + regions;
+      report.add(row);
+    }
     const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);
     std::vector<std::pair<std::string, SparseMlaSplitPlan>> plans;
     if (wgmma) plans.push_back({"sparse_mla_mma", own});

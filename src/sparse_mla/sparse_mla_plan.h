@@ -33,7 +33,11 @@ struct SparseMlaWgmmaSplits {
   int splits = 0;
   int rows_per_split = 0;  // a multiple of 64, at most 1024
 };
-SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k);
+SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits = kSparseMlaMaxSplits);
 Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
+// The same kernel with at most `max_splits` CTAs per (token, group), for the
+// benchmark's comparison of plans (an error naming max_splits when the plan
+// would need more than 16 splits).
+Status sparse_mla_wgmma_with_max_splits(const SparseMlaArgs& args, int max_splits, cudaStream_t stream);
 
 }  // namespace dsa

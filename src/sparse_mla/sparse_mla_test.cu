@@ -700,6 +700,23 @@ TEST(SparseMlaGpu, OtherPlansLongRowsOddHeadsAndBlockSizes) {
   }
 }
 
+// The 64-head kernel with fewer, longer splits than its plan (8: clusters of
+// 8 CTAs; 3: splits that do not divide the 256 combine units, 11 chunks per
+// CTA with the padding's chunks skipped), against the float64 reference.
+TEST(SparseMlaGpu, WgmmaKernelWithFewerSplits) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 45);
+  const Problem p = random_problem(Case{128, 2, 2176, 125}, /*padded=*/true, 3.0f, rng);
+  const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+  for (const int max_splits : {8, 3}) {
+    const NamedKernel kernel = {"sparse_mla_wgmma, at most " + std::to_string(max_splits) + " splits",
+                                [max_splits](const SparseMlaArgs& a, cudaStream_t stream) {
+                                  return sparse_mla_wgmma_with_max_splits(a, max_splits, stream);
+                                }};
+    expect_close_to_reference(p, run_gpu(p, kernel), want);
+  }
+}
+
 // Special values spread over splits and chunks: NaN in a late chunk of a late
 // split (after finite chunks), a row whose valid entries all lie in the first
 // split (the other splits have none), a row with no valid entry over all

@@ -470,27 +470,35 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k) {
+SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits) {
   SparseMlaWgmmaSplits plan;
-  const int splits = std::min(kSparseMlaMaxSplits, ceil_div(top_k, kChunkRows));
-  plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
+  const int splits = std::max(1, std::min({max_splits, kSparseMlaMaxSplits, ceil_div(top_k, kChunkRows)}));
+  plan.rows_per_split = std::min(kMaxRowsPerSplit, ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows);
   plan.splits = ceil_div(top_k, plan.rows_per_split);
   return plan;
 }
 
-Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
+Status sparse_mla_wgmma_with_max_splits(const SparseMlaArgs& a, int max_splits, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   const int64_t heads = a.q.size(1);
   if (heads % kHeads != 0) {
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
   }
-  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)));
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)), max_splits);
+  if (plan.splits > kSparseMlaMaxSplits) {
+    return invalid_argument("max_splits", "a plan of at most 16 splits of at most 1024 entries",
+                            std::to_string(max_splits) + " (gives " + std::to_string(plan.splits) + ")");
+  }
   const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel);
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma"));
   if (plan.splits > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla_wgmma"));
   const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(a.q.size(0)));
   return launch_pdl_clustered(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
                               unsigned(plan.splits), sparse_mla_params(a), plan.rows_per_split);
+}
+
+Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
+  return sparse_mla_wgmma_with_max_splits(a, kSparseMlaMaxSplits, stream);
 }
 
 }  // namespace dsa
