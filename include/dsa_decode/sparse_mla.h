@@ -41,8 +41,8 @@
 // Split-K counters: a caller-owned int32 buffer of
 // sparse_mla_split_counter_count(m, H, K) counters, zeroed once at
 // allocation; every launch that completes leaves it zero, so no per-call
-// memset is needed. Neither kernel of this version uses it: the tensor-core
-// kernel combines its splits inside a thread-block cluster through
+// memset is needed. No kernel of this version uses it: the tensor-core
+// kernels combine their splits inside a thread-block cluster through
 // distributed shared memory (docs/sparse_mla.md has the measurements). It is
 // required all the same, so that a kernel with more splits than a cluster
 // holds (a two-level combine through a self-resetting counter) changes no
@@ -105,9 +105,12 @@ int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
 // Errors name the argument, what was expected and what was given.
 Status check_sparse_mla(const SparseMlaArgs& args);
 
-// How the tensor-core kernel (sparse_mla) divides one token's work. It
-// depends only on H and K, never on m or the GPU: a token's bits do not
-// change with the batch around it.
+// How the 8-head tensor-core kernel (what sparse_mla runs when H is not a
+// multiple of 64) divides one token's work. It depends only on H and K, never
+// on m or the GPU: a token's bits do not change with the batch around it.
+// (When H is a multiple of 64, sparse_mla runs a 64-head kernel whose split,
+// min(16, ceil(K / 64)) CTAs of whole 64-entry chunks per (token, 64 heads),
+// likewise depends on K only.)
 //   CTA (split, group, token) owns heads [8 group, 8 group + 8) of the token
 //   (one 8-wide MMA tile: H = 8 computes 8 heads, not vLLM's padded 64) and
 //   the entries [split * rows_per_split, ...) of its index row; the `splits`
@@ -126,12 +129,14 @@ inline constexpr int kSparseMlaMaxSplits = 16;
 // ranges check_sparse_mla accepts).
 SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k);
 
-// The fast kernel: FP8 codes converted exactly to FP16, both products on
-// tensor cores (mma.sync m16n8k16, FP32 accumulation), online softmax per
-// 64-entry chunk, split-K over a thread-block cluster (SparseMlaSplitPlan).
-// Deterministic and batch invariant. docs/sparse_mla.md has the design and
-// the measured versions. Launches on `stream` with PDL; neither allocates nor
-// synchronizes.
+// The fast path: FP8 codes converted exactly to FP16, both products on
+// tensor cores with FP32 accumulation, online softmax per 64-entry chunk,
+// split-K over a thread-block cluster. H a multiple of 64 (TP1, TP2): 64 heads
+// per CTA on warpgroup MMA (wgmma), the partials pushed in FP16 (O / sum);
+// other H: 8 heads per CTA on mma.sync (SparseMlaSplitPlan), the partials in
+// FP32. Deterministic and batch invariant (the kernel choice depends on H
+// only). docs/sparse_mla.md has the designs and the measured versions.
+// Launches on `stream` with PDL; neither allocates nor synchronizes.
 Status sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
 
 // The simple GPU kernel: FP32 on CUDA cores, one CTA per (token, head), a

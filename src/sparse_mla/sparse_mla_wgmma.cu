@@ -17,8 +17,8 @@
 // Prologue: the run's indices are read once (coalesced, the out-of-range ones
 // counted) into cache-row offsets (-1 = invalid) and a valid-row mask per
 // chunk; chunks without a valid entry are skipped (they would add exact
-// zeros). q is converted into its tile, the first chunk into tile 0, and the
-// second chunk's rows are loaded into registers.
+// zeros). The first two chunks' rows are requested, q is converted into its
+// tile and the first chunk into tile 0.
 //
 // Per chunk i (tile i % 2), all 256 threads, three CTA barriers:
 //  - warpgroup w: S_w [64 heads][32 entries] = Q K^T for entries 32 w..32 w + 31
@@ -33,14 +33,15 @@
 //  - both warpgroups' P fragments go through shared memory; warpgroup w then
 //    rescales O_w [64 heads][256 dims 256 w..] and adds P [64 x 64] V [64 x 256]:
 //    4 wgmma m64n256k16, P from registers, V the tile read N-major.
-// Combine (push model, as the 8-head kernel): after a cluster barrier (every
-// CTA has left its chunk loop, so its tiles are free), CTA r stores its
-// partial O and its (max, sum) per head into the shared memory of the CTAs
-// that combine them: CTA k owns the 128-dim quarters of a head's output
+// Combine (push model): after a cluster barrier (every CTA has left its chunk
+// loop, so its tiles are free), CTA r stores its partial O divided by its sum
+// (FP16) and its (max, sum) per head into the shared memory of the CTAs that
+// combine them: CTA k owns the 128-dim quarters of a head's output
 // [k U / splits, (k + 1) U / splits) of the group's U = 64 * 4. After a
-// second cluster barrier each CTA weighs every split's partial by
-// 2^(split max - max), adds them in split order and writes latent (times
-// k_scale / sum, BF16) and lse.
+// second cluster barrier, one warp per head turns the splits' (max, sum) into
+// one coefficient per split, k_scale 2^(max_r - max) sum_r / sum (fixed
+// butterflies), and each thread adds its 8 dims over the splits in split
+// order and writes latent (BF16); lse = max ln 2 + ln(sum).
 //
 // Every sum has a fixed order that depends only on K, H and the entry
 // positions: the same inputs give the same bits, for any m.
