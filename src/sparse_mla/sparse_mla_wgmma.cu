@@ -253,9 +253,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // heads 16 warp + g + 8 r
 
   for (int i = 0; i < chunk_count; ++i) {
+    __syncthreads();  // tile i written (and fenced) by every thread; both warpgroups' P.V of chunk i - 1 done; the list
     const int chunk = s.chunk_list[i];
     const uint32_t tile = tiles + (i % 2) * kTileBytes;
-    __syncthreads();  // tile i written (and fenced) by every thread; both warpgroups' P.V of chunk i - 1 done
 
     // S_w = Q K^T over entries 32 w.. of the chunk: 16-dim steps along the 128-byte rows of each panel.
     float score[16];  // head 16 warp + g + 8 ((e / 2) % 2), entry 32 w + 8 (e / 4) + 2 c + e % 2
