@@ -330,7 +330,7 @@ constexpr int kMaxBins = 1 << 12;
 constexpr int kMaxBinsPerThread = kMaxBins / kSelectThreads;
 static_assert(kMaxBins % kSelectThreads == 0 && (1 << 10) % kSelectThreads == 0, "whole bins per thread");
 constexpr int kPassItems = 8;          // pools per thread and round of a histogram pass
-constexpr int kCompactItems = 8;       // consecutive pools per thread and round of the compaction
+constexpr int kCompactItems = 8;       // consecutive pools per thread and round of the compaction (two uint4)
 constexpr int kStagedKeys = 1 << 15;   // keys kept in shared memory: every pool up to 128k context
 
 struct SelectShared {
@@ -423,7 +423,7 @@ __device__ void select_digit(SelectShared& s, const TokenKeys& keys, int n, int 
 // Rows of token blockIdx.x, one CTA; `staged` keys fit the dynamic shared memory.
 __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __grid_constant__ Params p, int staged) {
   __shared__ SelectShared s;
-  extern __shared__ uint32_t staged_keys[];
+  extern __shared__ __align__(16) uint32_t staged_keys[];  // 16-byte aligned: the compaction reads uint4
   pdl_wait();  // the logits
   pdl_release_dependents();
   const int t = blockIdx.x;
@@ -456,12 +456,22 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
   for (int base = 0; base < n && taken < kIndexerTopPools; base += kSelectThreads * kCompactItems) {
     const int first = base + static_cast<int>(threadIdx.x) * kCompactItems;
     uint32_t key[kCompactItems];
+    if (first + kCompactItems <= n && first + kCompactItems <= keys.staged) {
+      // Two 16-byte reads: eight scalar reads at a stride of 8 words would
+      // meet 8 times in each bank.
+      const uint4* pair = reinterpret_cast<const uint4*>(keys.staged_keys + first);
+      const uint4 low = pair[0], high = pair[1];
+      key[0] = low.x, key[1] = low.y, key[2] = low.z, key[3] = low.w;
+      key[4] = high.x, key[5] = high.y, key[6] = high.z, key[7] = high.w;
+    } else {
+#pragma unroll
+      for (int k = 0; k < kCompactItems; ++k) {
+        key[k] = first + k < n ? keys(first + k) : 0u;  // key 0: below every real key (NaN ranks as -inf)
+      }
+    }
     int equal_mine = 0;
 #pragma unroll
-    for (int k = 0; k < kCompactItems; ++k) {
-      key[k] = first + k < n ? keys(first + k) : 0u;  // key 0: below every real key (NaN ranks as -inf)
-      equal_mine += first + k < n && key[k] == threshold;
-    }
+    for (int k = 0; k < kCompactItems; ++k) equal_mine += first + k < n && key[k] == threshold;
     int equal_before = 0, equal_total = 0;
     if (split_ties) {
       SelectShared::Scan(s.scan).ExclusiveSum(equal_mine, equal_before, equal_total);
