@@ -226,6 +226,31 @@ TEST(Wgmma, AccumulatorMapCoversTheResultOnce) {
   }
 }
 
+// The descriptors' fields as PTX 9.7.15.5.1.2.2 lays them out: start address,
+// leading and stride byte offsets (each >> 4, 14 bits), base offset 0, swizzle
+// mode 1 (128B); the start address keeps only bits 4..17 of the address.
+TEST(Wgmma, DescriptorsHoldTheirFieldsWhereThePtxIsaPutsThem) {
+  auto field = [](uint64_t descriptor, int low, int bits) { return (descriptor >> low) & ((uint64_t(1) << bits) - 1); };
+  for (const uint32_t address : {0u, 1024u, 0x8020u, 0x3FFF0u}) {
+    const uint64_t k_major = wgmma::k_major_sw128_descriptor(address);
+    EXPECT_EQ(field(k_major, 0, 14), address >> 4) << address;
+    EXPECT_EQ(field(k_major, 16, 14), 1u);          // leading byte offset: unused by swizzled K-major layouts
+    EXPECT_EQ(field(k_major, 32, 14), 1024u >> 4);  // stride byte offset: the next 8-row atom
+    EXPECT_EQ(field(k_major, 49, 3), 0u);
+    EXPECT_EQ(field(k_major, 62, 2), 1u);
+    EXPECT_EQ(k_major & ~((uint64_t(1) << 14) - 1 | (uint64_t(0x3FFF) << 16) | (uint64_t(0x3FFF) << 32) |
+                          (uint64_t(7) << 49) | (uint64_t(3) << 62)),
+              0u) << "bits outside the fields";
+    const uint64_t n_major = wgmma::n_major_sw128_descriptor(address, 8192);
+    EXPECT_EQ(field(n_major, 0, 14), address >> 4);
+    EXPECT_EQ(field(n_major, 16, 14), 8192u >> 4);  // leading byte offset: the next 64 values along N
+    EXPECT_EQ(field(n_major, 32, 14), 1024u >> 4);  // stride byte offset: the next 8 k
+    EXPECT_EQ(field(n_major, 62, 2), 1u);
+  }
+  EXPECT_EQ(wgmma::k_major_sw128_descriptor(0x40000u), wgmma::k_major_sw128_descriptor(0u))
+      << "shared-memory addresses are 18 bits";
+}
+
 TEST(WgmmaGpu, E4m3OperandsInSharedMemoryGiveExactIntegerSums) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed());

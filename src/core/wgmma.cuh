@@ -30,7 +30,7 @@ __host__ __device__ constexpr uint32_t k_major_sw128_offset(int row, int chunk) 
 // K-major layouts, 1 by convention), stride byte offset 1024 >> 4 (32-45: the
 // next 8-row atom), base offset 0 (49-51: atoms are 1024-byte aligned),
 // swizzle mode 1 = 128B (62-63).
-__device__ __forceinline__ uint64_t k_major_sw128_descriptor(uint32_t address) {
+__host__ __device__ constexpr uint64_t k_major_sw128_descriptor(uint32_t address) {
   return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) |
          (uint64_t(1) << 62);
 }
@@ -43,7 +43,7 @@ __device__ __forceinline__ uint64_t k_major_sw128_descriptor(uint32_t address) {
 // offset). So the bytes of a K-major tile [rows][64 dims] read as an N-major
 // operand [k = rows][n = dims]: one layout serves Q.K^T and P.V. The k16 step
 // s starts 16 rows (2048 bytes) in.
-__device__ __forceinline__ uint64_t n_major_sw128_descriptor(uint32_t address, uint32_t n_group_bytes) {
+__host__ __device__ constexpr uint64_t n_major_sw128_descriptor(uint32_t address, uint32_t n_group_bytes) {
   return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t((n_group_bytes & 0x3FFFF) >> 4) << 16) |
          (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
