@@ -67,7 +67,7 @@ inline constexpr int kSparseMlaMaxHeads = 128;  // dsv32 at TP1
 // -1 padding). The bound keeps index arithmetic in int32 and gives the fast
 // kernel's split plan a finite range; raising it later breaks no caller.
 inline constexpr int kSparseMlaMaxTopK = 16384;
-// Tokens run on the grid's y dimension (at most 65535); decode steps are far smaller.
+// Tokens run on a grid dimension of at most 65535 CTAs; decode steps are far smaller.
 inline constexpr int kSparseMlaMaxTokens = 65535;
 
 struct SparseMlaArgs {
@@ -109,7 +109,8 @@ Status check_sparse_mla(const SparseMlaArgs& args);
 // multiple of 64) divides one token's work. It depends only on H and K, never
 // on m or the GPU: a token's bits do not change with the batch around it.
 // (When H is a multiple of 64, sparse_mla runs a 64-head kernel whose split,
-// min(16, ceil(K / 64)) CTAs of whole 64-entry chunks per (token, 64 heads),
+// at most 16 CTAs of whole 64-entry chunks per (token, 64 heads) (16 at
+// K = 2048, 12 at K = 2176),
 // likewise depends on K only.)
 //   CTA (split, group, token) owns heads [8 group, 8 group + 8) of the token
 //   (one 8-wide MMA tile: H = 8 computes 8 heads, not vLLM's padded 64) and

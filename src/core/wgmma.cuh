@@ -1,8 +1,11 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) primitives: the 128-byte-swizzled
-// K-major shared-memory layout, its matrix descriptor, and the instructions
-// the next sparse_mla kernel is designed around (docs/sparse_mla_next.md):
-// FP8 Q.K^T with both operands in shared memory, FP16 P.V with A in registers.
-// tests/wgmma_test.cu checks each against a CPU product on the GPU. Sources:
+// K-major shared-memory layout, its descriptors (K-major, and N-major for a
+// K-major tile read transposed), and the instructions the 64-head sparse_mla
+// kernel (src/sparse_mla/sparse_mla_wgmma.cu) uses: FP16 Q.K^T with both
+// operands in shared memory, FP16 P.V with P in registers and V N-major; plus
+// the FP8 forms measured and set aside (docs/sparse_mla_next.md section 0).
+// tests/wgmma_test.cu checks the layouts on the host and several instructions
+// against a CPU product on the GPU (the sparse_mla tests cover the rest). Sources:
 // PTX ISA 9.7.15.5 (wgmma.mma_async, its register fragments, shared-memory
 // layouts and descriptor) and 9.7.15.7 (fence, commit, wait).
 //

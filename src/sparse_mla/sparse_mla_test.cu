@@ -187,6 +187,15 @@ TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
   testing::expect_rejected(sparse_mla_wgmma(f.args, nullptr), "q", "a multiple of 64 heads");
 }
 
+TEST(SparseMlaChecks, WgmmaMaxSplitsIsCheckedAgainstK) {
+  FakeArgs f;  // K = 2176: 3 CTAs of at most 1024 entries at least
+  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 2, nullptr), "max_splits", "at least ceil(K / 1024) = 3");
+  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 0, nullptr), "max_splits", "1..16");
+  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 17, nullptr), "max_splits", "1..16");
+  EXPECT_EQ(sparse_mla_wgmma_splits(2176, 2).splits, 3) << "the plan itself exceeds max_splits; the launcher refuses it";
+  EXPECT_EQ(sparse_mla_wgmma_splits(0).splits, 1) << "K below the contract's range: one split, no division by zero";
+}
+
 TEST(SparseMlaSplitPlan, BadPlansAreRejectedByName) {
   const FakeArgs f;  // H = 64, K = 2176
   const SparseMlaSplitPlan good = sparse_mla_split_plan(64, 2176);

@@ -7,7 +7,8 @@
 // group, token) of two warpgroups owns heads 64 group..64 group + 63 of one
 // token and one run of rows_per_split entries of its index row, in chunks of
 // 64 entries; the `splits` CTAs of a (token, group) form one thread-block
-// cluster (up to 16: non-portable).
+// cluster (up to 16 CTAs: non-portable above 8). The cluster rank of a CTA is
+// its split (blockIdx.x: grid.x equals the cluster size).
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
 // 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
@@ -17,8 +18,8 @@
 // Prologue: the run's indices are read once (coalesced, the out-of-range ones
 // counted) into cache-row offsets (-1 = invalid) and a valid-row mask per
 // chunk; chunks without a valid entry are skipped (they would add exact
-// zeros). The first two chunks' rows are requested, q is converted into its
-// tile and the first chunk into tile 0.
+// zeros). q is converted into its tile, the first two chunks' rows are
+// requested and the first is converted into tile 0.
 //
 // Per chunk i (tile i % 2), all 256 threads, three CTA barriers:
 //  - warpgroup w: S_w [64 heads][32 entries] = Q K^T for entries 32 w..32 w + 31
@@ -36,8 +37,8 @@
 // Combine (push model): after a cluster barrier (every CTA has left its chunk
 // loop, so its tiles are free), CTA r stores its partial O divided by its sum
 // (FP16) and its (max, sum) per head into the shared memory of the CTAs that
-// combine them: CTA k owns the 128-dim quarters of a head's output
-// [k U / splits, (k + 1) U / splits) of the group's U = 64 * 4. After a
+// combine them: CTA k owns units [k U / splits, (k + 1) U / splits) of the
+// group's U = 256 quarter heads (128 dims each). After a
 // second cluster barrier, one warp per head turns the splits' (max, sum) into
 // one coefficient per split, k_scale 2^(max_r - max) sum_r / sum (fixed
 // butterflies), and each thread adds its 8 dims over the splits in split
@@ -71,8 +72,8 @@ constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;                          // heads per CTA: the M of every wgmma
 constexpr int kChunkRows = 64;                      // entries per chunk
 constexpr int kThreads = 256;                       // two warpgroups
-constexpr int kGroupEntries = kChunkRows / 2;       // score columns per warpgroup
-constexpr int kGroupDims = kLatent / 2;             // output dims per warpgroup
+constexpr int kWarpgroupEntries = kChunkRows / 2;   // score columns per warpgroup
+constexpr int kWarpgroupDims = kLatent / 2;         // output dims per warpgroup
 constexpr int kPanelBytes = 64 * 128;               // 64 rows x 64 FP16 dims
 constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
 constexpr int kMaxRowsPerSplit = 1024;              // K <= 16384 over 16 splits
@@ -84,13 +85,14 @@ constexpr int kUnitSlots = kUnitDims * 2 / 16;      // 16-byte slots of a unit's
 constexpr int kMaxCombineHeads = kHeads;            // heads a CTA's units touch (all 64 for one split)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-static_assert(kPiecesPerThread == 8 && kMaxRowsPerSplit * kSparseMlaMaxSplits >= kSparseMlaMaxTopK, "the split");
+static_assert(kPiecesPerThread == 8, "a thread converts 8 pieces of a chunk: rows t / 32 + 8 k");
+static_assert(kMaxRowsPerSplit * kSparseMlaMaxSplits >= kSparseMlaMaxTopK, "16 splits cover the largest K");
 
 struct alignas(1024) SharedStorage {
   uint8_t q_tile[kTileBytes];    // [8 panels][64 heads][128 B]: FP16 q of the group
   uint8_t tiles[2][kTileBytes];  // [8 panels][64 entries][128 B]: FP16 rows of the i-th chunk in tiles[i % 2]
   uint4 probs[2][2][128];        // [warpgroup][k16 step][thread]: P fragments (4 FP16 pairs)
-  float group_max[2][kHeads], group_sum[2][kHeads];  // per warpgroup and head: chunk max, sum of p
+  float warpgroup_max[2][kHeads], warpgroup_sum[2][kHeads];  // [warpgroup][head]: its entries' chunk max, sum of p
   int64_t row_offset[kMaxRowsPerSplit];              // byte offset of each entry's cache row, -1 when invalid
   uint64_t valid_rows[kMaxChunks];                   // bit r: row r of chunk c is a valid entry
   int chunk_list[kMaxChunks];                        // the chunks with a valid entry, in order
@@ -147,7 +149,7 @@ __device__ __forceinline__ int piece_row(int k) { return threadIdx.x / 32 + 8 * 
 // apart (the same banks), and so the 32 lanes of a store cover all 8 chunk
 // positions four times, the least a 512-byte warp store can take.
 __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kPiecesPerThread], uint32_t tile) {
-  const int piece = threadIdx.x % 32, panel = piece / 4, first_chunk = (piece % 4) * 2;
+  const int piece = threadIdx.x % 32, panel = piece / 4, first_slot = (piece % 4) * 2;
   const bool swap = panel % 2 == 1;
   const uint32_t panel_base = tile + panel * kPanelBytes;
 #pragma unroll
@@ -157,20 +159,24 @@ __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kPieces
                                  e4m3x2_to_f16x2(codes[k].y), e4m3x2_to_f16x2(codes[k].y >> 16));
     const uint4 high = make_uint4(e4m3x2_to_f16x2(codes[k].z), e4m3x2_to_f16x2(codes[k].z >> 16),
                                   e4m3x2_to_f16x2(codes[k].w), e4m3x2_to_f16x2(codes[k].w >> 16));
-    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_chunk + swap), swap ? high : low);
-    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_chunk + !swap), swap ? low : high);
+    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + swap), swap ? high : low);
+    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + !swap), swap ? low : high);
   }
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_wgmma_kernel(const SparseMlaParams p, const int rows_per_split) {
   extern __shared__ uint8_t shared_raw[];
+  // Aligned up to 1024 bytes (the swizzle atoms); the same offset in every CTA
+  // of the cluster, so a peer's copy of a field is at the same address.
   SharedStorage& s =
       *reinterpret_cast<SharedStorage*>(shared_raw + (1024 - shared_address(shared_raw) % 1024) % 1024);
   const cg::cluster_group cluster = cg::this_cluster();
 
   const int split = blockIdx.x, splits = gridDim.x, group = blockIdx.y, token = blockIdx.z;
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
+  // Accumulator coordinates (wgmma::accumulator_row / _column): element e of
+  // an m64nN result is head 16 warp + g + 8 ((e / 2) % 2), column 8 (e / 4) + 2 c + e % 2.
   const int warp = thread / 32, lane = threadIdx.x % 32;  // warp of the warpgroup: accumulator rows 16 warp..
   const int g = lane / 4, c = lane % 4;                    // accumulator row group and column pair
   const int first_head = group * kHeads;
@@ -230,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // This thread's pieces of `chunk` (zeros for invalid rows: a NaN code left
   // in the tile would turn p = 0 into NaN in P.V).
-  auto load_chunk = [&](int chunk, uint4(&pieces)[kPiecesPerThread]) {
+  auto load_chunk = [&](int chunk, uint4(&pieces)[kPiecesPerThread]) {  // pieces[k]: row piece_row(k), dims 16 piece..
 #pragma unroll
     for (int k = 0; k < kPiecesPerThread; ++k) {
       const int64_t offset = s.row_offset[chunk * kChunkRows + piece_row(k)];
@@ -247,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   wgmma::fence_shared_for_async_proxy();  // this thread's q and tile stores, before the wgmmas read them
 
   const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
-  float out[128];  // O_w: head 16 warp + g + 8 ((e / 2) % 2), dim 256 w + 8 (e / 4) + 2 c + e % 2
+  float out[128];  // O_w [64 heads x 256 dims]: head 16 warp + g + 8 ((e / 2) % 2), dim 256 w + 8 (e / 4) + 2 c + e % 2
 #pragma unroll
   for (int e = 0; e < 128; ++e) out[e] = 0.0f;
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // heads 16 warp + g + 8 r
@@ -258,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t tile = tiles + (i % 2) * kTileBytes;
 
     // S_w = Q K^T over entries 32 w.. of the chunk: 16-dim steps along the 128-byte rows of each panel.
-    float score[16];  // head 16 warp + g + 8 ((e / 2) % 2), entry 32 w + 8 (e / 4) + 2 c + e % 2
+    float score[16];  // S_w [64 heads x 32 entries]: head 16 warp + g + 8 ((e / 2) % 2), entry 32 w + 8 (e / 4) + 2 c + e % 2
 #pragma unroll
     for (int e = 0; e < 16; ++e) score[e] = 0.0f;
     wgmma::fence();
@@ -266,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int step = 0; step < kLatent / 16; ++step) {
       const uint32_t k_offset = (step / 4) * kPanelBytes + (step % 4) * 32;
       wgmma::mma_m64n32k16_f16(score, wgmma::k_major_sw128_descriptor(q_tile + k_offset),
-                               wgmma::k_major_sw128_descriptor(tile + warpgroup * kGroupEntries * 128 + k_offset),
+                               wgmma::k_major_sw128_descriptor(tile + warpgroup * kWarpgroupEntries * 128 + k_offset),
                                step > 0);
     }
     wgmma::commit_group();
@@ -279,68 +285,68 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // Scores and this warpgroup's chunk max per head (the quad of lanes c = 0..3 holds a head's 32 entries).
     const uint64_t valid = s.valid_rows[chunk];
-    float group_max[2] = {-INFINITY, -INFINITY};
+    float warpgroup_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int e = 0; e < 16; ++e) {
-      const int entry = warpgroup * kGroupEntries + 8 * (e / 4) + 2 * c + e % 2;
+      const int entry = warpgroup * kWarpgroupEntries + 8 * (e / 4) + 2 * c + e % 2;
       score[e] = (valid >> entry) & 1 ? score[e] * score_scale : -INFINITY;
-      group_max[(e / 2) % 2] = max_propagating_nan(group_max[(e / 2) % 2], score[e]);
+      warpgroup_max[(e / 2) % 2] = max_propagating_nan(warpgroup_max[(e / 2) % 2], score[e]);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
       for (int offset = 1; offset <= 2; offset *= 2) {
-        group_max[r] = max_propagating_nan(group_max[r], __shfl_xor_sync(0xFFFFFFFFu, group_max[r], offset));
+        warpgroup_max[r] = max_propagating_nan(warpgroup_max[r], __shfl_xor_sync(0xFFFFFFFFu, warpgroup_max[r], offset));
       }
-      if (c == 0) s.group_max[warpgroup][16 * warp + g + 8 * r] = group_max[r];
+      if (c == 0) s.warpgroup_max[warpgroup][16 * warp + g + 8 * r] = warpgroup_max[r];
     }
     __syncthreads();
 
-    // Exponents relative to `base`: the running max, or 0 while no entry is
-    // valid (every score is then -inf, p = 0 and the rescale 0 of a zero O),
-    // so that no branch is needed.
+    // Exponents relative to `base`, the running max. Every chunk here has a
+    // valid entry, so the max is finite or NaN; the 0 fallback only keeps
+    // -inf - -inf out of exp2 for scores beyond the contract's bound.
     float new_max[2], base[2], rescale[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int head = 16 * warp + g + 8 * r;
-      new_max[r] = max_propagating_nan(run_max[r], max_propagating_nan(s.group_max[0][head], s.group_max[1][head]));
+      new_max[r] = max_propagating_nan(run_max[r], max_propagating_nan(s.warpgroup_max[0][head], s.warpgroup_max[1][head]));
       base[r] = new_max[r] == -INFINITY ? 0.0f : new_max[r];
       rescale[r] = exp2_flush(run_max[r] - base[r]);
     }
     // P fragments of this warpgroup's two 16-entry steps: pair q of step t
-    // holds score elements 8 t + 2 q, + 1 (head row q % 2, as mma's A layout).
-    float group_sum[2] = {0.0f, 0.0f};
+    // holds score elements 8 t + 2 pair, + 1 (head row pair % 2, as mma's A layout).
+    float warpgroup_sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       uint32_t pairs[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int r = q % 2, e = 8 * t + 2 * q;
+      for (int pair = 0; pair < 4; ++pair) {
+        const int r = pair % 2, e = 8 * t + 2 * pair;
         const __half2 probs = __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
-        pairs[q] = *reinterpret_cast<const uint32_t*>(&probs);
+        pairs[pair] = *reinterpret_cast<const uint32_t*>(&probs);
         const float2 rounded = __half22float2(probs);
-        group_sum[r] += rounded.x + rounded.y;
+        warpgroup_sum[r] += rounded.x + rounded.y;
       }
       s.probs[warpgroup][t][thread] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
 #pragma unroll
-      for (int offset = 1; offset <= 2; offset *= 2) group_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, group_sum[r], offset);
-      if (c == 0) s.group_sum[warpgroup][16 * warp + g + 8 * r] = group_sum[r];
+      for (int offset = 1; offset <= 2; offset *= 2) warpgroup_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, warpgroup_sum[r], offset);
+      if (c == 0) s.warpgroup_sum[warpgroup][16 * warp + g + 8 * r] = warpgroup_sum[r];
     }
     __syncthreads();
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int head = 16 * warp + g + 8 * r;
-      run_sum[r] = fmaf(run_sum[r], rescale[r], s.group_sum[0][head] + s.group_sum[1][head]);
+      run_sum[r] = fmaf(run_sum[r], rescale[r], s.warpgroup_sum[0][head] + s.warpgroup_sum[1][head]);
       run_max[r] = new_max[r];
     }
 #pragma unroll
     for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
     // O_w += P V over the chunk's 64 entries: step t reads entries 16 t.., from warpgroup t / 2's fragments.
-    uint32_t fragments[kChunkRows / 16][4];
+    uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]: P [64 heads x 64 entries] as A fragments
 #pragma unroll
     for (int t = 0; t < kChunkRows / 16; ++t) {
       const uint4 fragment = s.probs[t / 2][t % 2][thread];
@@ -352,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = 0; t < kChunkRows / 16; ++t) {
       wgmma::mma_m64n256k16_f16_a_in_registers_b_n_major(
           out, fragments[t],
-          wgmma::n_major_sw128_descriptor(tile + (warpgroup * kGroupDims / 64) * kPanelBytes + t * 16 * 128,
+          wgmma::n_major_sw128_descriptor(tile + (warpgroup * kWarpgroupDims / 64) * kPanelBytes + t * 16 * 128,
                                           kPanelBytes),
           true);
     }
@@ -371,10 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // largest code; relative rounding 2^-11), with 4 16-byte stores per unit
   // into the owner: distributed shared memory moves only ~25 GB/s per SM, so
   // the bytes are what the combine costs.
-  float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);
-  float(*peer_sum)[kHeads] = peer_max + kSparseMlaMaxSplits;
-  float(*coefficient)[kMaxCombineHeads] = reinterpret_cast<float(*)[kMaxCombineHeads]>(peer_sum + kSparseMlaMaxSplits);
-  uint4(*incoming)[kUnitSlots] = reinterpret_cast<uint4(*)[kUnitSlots]>(s.tiles);
+  float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);  // [split][head]
+  float(*peer_sum)[kHeads] = peer_max + kSparseMlaMaxSplits;                 // [split][head]
+  float(*coefficient)[kMaxCombineHeads] =                                     // [split][head - first_local_head]
+      reinterpret_cast<float(*)[kMaxCombineHeads]>(peer_sum + kSparseMlaMaxSplits);
+  uint4(*incoming)[kUnitSlots] = reinterpret_cast<uint4(*)[kUnitSlots]>(s.tiles);  // [split * share + unit][slot]
   auto first_unit_of = [&](int k) { return k * kUnits / splits; };
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -445,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int item = threadIdx.x; item < share * kUnitSlots; item += kThreads) {
     const int i = item / kUnitSlots, slot = item % kUnitSlots;
     const int unit = first_unit + i, h = unit / (kLatent / kUnitDims);
-    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // dims 8 (4 (slot / 4) + u) + 2 (slot % 4), + 1
     for (int r = 0; r < splits; ++r) {
       const float weight = coefficient[r][h - first_local_head];
       const uint4 x = incoming[r * share + i][slot];
@@ -473,6 +480,7 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits) {
   SparseMlaWgmmaSplits plan;
+  top_k = std::max(top_k, 1);  // outside the contract's range: the plan of one entry, not a division by zero
   const int splits = std::max(1, std::min({max_splits, kSparseMlaMaxSplits, ceil_div(top_k, kChunkRows)}));
   plan.rows_per_split = std::min(kMaxRowsPerSplit, ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows);
   plan.splits = ceil_div(top_k, plan.rows_per_split);
@@ -485,10 +493,12 @@ Status sparse_mla_wgmma_with_max_splits(const SparseMlaArgs& a, int max_splits, 
   if (heads % kHeads != 0) {
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
   }
-  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)), max_splits);
-  if (plan.splits > kSparseMlaMaxSplits) {
-    return invalid_argument("max_splits", "a plan of at most 16 splits of at most 1024 entries",
-                            std::to_string(max_splits) + " (gives " + std::to_string(plan.splits) + ")");
+  const int top_k = static_cast<int>(a.indices.size(1));
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits);
+  if (max_splits < 1 || max_splits > kSparseMlaMaxSplits || plan.splits > max_splits) {
+    return invalid_argument("max_splits",
+                            "1..16, and at least ceil(K / 1024) = " + std::to_string(ceil_div(top_k, kMaxRowsPerSplit)),
+                            std::to_string(max_splits));
   }
   const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel);
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma"));
