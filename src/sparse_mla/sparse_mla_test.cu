@@ -585,29 +585,33 @@ TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
   }
 }
 
+// H = 8 runs the 8-head kernel, H = 64 the 64-head one (through sparse_mla).
 TEST(SparseMlaGpu, EdgeCasesMatchTheReference) {
   DSA_REQUIRE_GPU();
-  std::mt19937_64 rng(testing::test_seed() + 10);
-  const int heads = 8, top_k = 64;
-  Problem p = random_problem(Case{heads, 6, top_k}, /*padded=*/true, 3.0f, rng);
-  const int32_t capacity = static_cast<int32_t>(p.capacity());
-  const int32_t nan_slot = 77;
-  p.entry(nan_slot)[300] = kCodeNaN;
-  // Random entries avoid the NaN slot except where a row selects it on purpose.
-  std::uniform_int_distribution<int32_t> slot(nan_slot + 1, capacity - 1);
-  for (int t = 0; t < p.m; ++t) {
-    for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
+  for (const int heads : {8, 64}) {
+    SCOPED_TRACE("H " + std::to_string(heads));
+    std::mt19937_64 rng(testing::test_seed() + 10);
+    const int top_k = 64;
+    Problem p = random_problem(Case{heads, 6, top_k}, /*padded=*/true, 3.0f, rng);
+    const int32_t capacity = static_cast<int32_t>(p.capacity());
+    const int32_t nan_slot = 77;
+    p.entry(nan_slot)[300] = kCodeNaN;
+    // Random entries avoid the NaN slot except where a row selects it on purpose.
+    std::uniform_int_distribution<int32_t> slot(nan_slot + 1, capacity - 1);
+    for (int t = 0; t < p.m; ++t) {
+      for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
+    }
+    for (int j = 0; j < top_k; ++j) p.index(0, j) = -1 - j;                                     // all negative
+    for (int j = 0; j < top_k; ++j) p.index(1, j) = p.index(1, j % 3);                          // three slots, repeated
+    for (int j = 0; j < top_k; j += 3) p.index(2, j) = capacity + j * 1000;                     // a third out of range
+    p.index(2, 1) = std::numeric_limits<int32_t>::max();
+    for (int j = 0; j < top_k; ++j) p.index(3, j) = j % 2 ? capacity : -1;                      // none valid
+    p.index(4, 17) = nan_slot;                                                                  // a NaN in a selected row
+    p.q_row(5, 3)[0] = kCodeNaN | 0x80;                                                         // a NaN in one head's q
+    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+    ASSERT_GT(want.out_of_range, top_k / 2);
+    for (const NamedKernel& kernel : kKernels) expect_close_to_reference(p, run_gpu(p, kernel), want);
   }
-  for (int j = 0; j < top_k; ++j) p.index(0, j) = -1 - j;                                     // all negative
-  for (int j = 0; j < top_k; ++j) p.index(1, j) = p.index(1, j % 3);                          // three slots, repeated
-  for (int j = 0; j < top_k; j += 3) p.index(2, j) = capacity + j * 1000;                     // a third out of range
-  p.index(2, 1) = std::numeric_limits<int32_t>::max();
-  for (int j = 0; j < top_k; ++j) p.index(3, j) = j % 2 ? capacity : -1;                      // none valid
-  p.index(4, 17) = nan_slot;                                                                  // a NaN in a selected row
-  p.q_row(5, 3)[0] = kCodeNaN | 0x80;                                                         // a NaN in one head's q
-  const reference::SparseMlaResult want = reference::sparse_mla(p.host());
-  ASSERT_GT(want.out_of_range, top_k / 2);
-  for (const NamedKernel& kernel : kKernels) expect_close_to_reference(p, run_gpu(p, kernel), want);
 }
 
 // Two runs of `batch` give the same bits, and so do tokens 0, m / 2 and m - 1
@@ -730,25 +734,31 @@ TEST(SparseMlaGpu, WgmmaKernelWithFewerSplits) {
 // split (after finite chunks), a row whose valid entries all lie in the first
 // split (the other splits have none), a row with no valid entry over all
 // splits, and out-of-range entries counted once with two head groups.
+// H = 16 runs the 8-head kernel (two groups, 8 splits of 256 rows); H = 128 the
+// 64-head one (two groups, 16 splits of 128 rows: entry 1900 is split 14's
+// second chunk, and row 1 leaves 14 of 16 splits without a valid entry).
 TEST(SparseMlaGpu, SpecialValuesAcrossSplitsAndChunks) {
   DSA_REQUIRE_GPU();
-  std::mt19937_64 rng(testing::test_seed() + 50);
-  const int heads = 16, top_k = 2048;
-  Problem p = random_problem(Case{heads, 4, top_k}, /*padded=*/false, 3.0f, rng);
-  const int32_t capacity = static_cast<int32_t>(p.capacity());
-  const int32_t nan_slot = 5;
-  p.entry(nan_slot)[100] = kCodeNaN;
-  std::uniform_int_distribution<int32_t> slot(nan_slot + 1, capacity - 1);
-  for (int t = 0; t < p.m; ++t) {
-    for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
+  for (const int heads : {16, 128}) {
+    SCOPED_TRACE("H " + std::to_string(heads));
+    std::mt19937_64 rng(testing::test_seed() + 50);
+    const int top_k = 2048;
+    Problem p = random_problem(Case{heads, 4, top_k}, /*padded=*/false, 3.0f, rng);
+    const int32_t capacity = static_cast<int32_t>(p.capacity());
+    const int32_t nan_slot = 5;
+    p.entry(nan_slot)[100] = kCodeNaN;
+    std::uniform_int_distribution<int32_t> slot(nan_slot + 1, capacity - 1);
+    for (int t = 0; t < p.m; ++t) {
+      for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
+    }
+    p.index(0, 1900) = nan_slot;                                        // a late chunk of a late split
+    for (int j = 200; j < top_k; ++j) p.index(1, j) = -1;               // only the first splits have entries
+    for (int j = 0; j < top_k; ++j) p.index(2, j) = j % 3 ? -1 : capacity + j;  // none valid, a third out of range
+    for (int j = 0; j < top_k; j += 7) p.index(3, j) = capacity;        // out of range, counted once (not per group)
+    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+    ASSERT_GT(want.out_of_range, top_k / 3);
+    for (const NamedKernel& kernel : kKernels) expect_close_to_reference(p, run_gpu(p, kernel), want);
   }
-  p.index(0, 1900) = nan_slot;                                        // split 7, its fourth chunk
-  for (int j = 200; j < top_k; ++j) p.index(1, j) = -1;               // only split 0 has entries
-  for (int j = 0; j < top_k; ++j) p.index(2, j) = j % 3 ? -1 : capacity + j;  // none valid, a third out of range
-  for (int j = 0; j < top_k; j += 7) p.index(3, j) = capacity;        // out of range, counted once (not per group)
-  const reference::SparseMlaResult want = reference::sparse_mla(p.host());
-  ASSERT_GT(want.out_of_range, top_k / 3);
-  for (const NamedKernel& kernel : kKernels) expect_close_to_reference(p, run_gpu(p, kernel), want);
 }
 
 // A launch captured into a graph and replayed three times over poisoned
