@@ -28,7 +28,7 @@
 //   in other tokens' rows, has no effect. e4m3 has no infinities.
 // - Scales are read on the device and cannot be checked: q_scale and k_scale
 //   must be finite and > 0, and scores must stay below 2.3e38 in magnitude
-//   (FLT_MAX / log2(e): the fast kernel works in log2 units), which they do
+//   (FLT_MAX / log2(e): the fast kernels work in log2 units), which they do
 //   whenever softmax_scale * q_scale * k_scale * 448^2 * 512 < 2.3e38.
 //
 // Buffers: latent, lse and the split counters share no memory with each other

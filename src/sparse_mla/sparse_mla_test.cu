@@ -1,7 +1,8 @@
-// Sparse MLA decode attention: argument checks, the split plan and the float64
-// reference's edge cases (CPU), and both kernels (sparse_mla_simple and the
-// tensor-core sparse_mla) against the reference, guard bands, determinism,
-// batch invariance and graph capture (SparseMlaGpu).
+// Sparse MLA decode attention: argument checks, the split plans and the float64
+// reference's edge cases (CPU), and the kernels (sparse_mla_simple, sparse_mla
+// - the 64-head wgmma kernel when H is a multiple of 64 - and the 8-head
+// sparse_mla_mma) against the reference, guard bands, determinism, batch
+// invariance and graph capture (SparseMlaGpu).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -388,7 +389,7 @@ TEST(SparseMlaReference, AgreesWithTheContractFormula) {
 }
 
 // ---------------------------------------------------------------------------
-// GPU: both kernels against the reference.
+// GPU: the kernels against the reference.
 
 using Kernel = std::function<Status(const SparseMlaArgs&, cudaStream_t)>;
 struct NamedKernel {
