@@ -138,7 +138,7 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k);
 // FP32. Deterministic and batch invariant (the kernel choice depends on H
 // only). docs/sparse_mla.md has the designs and the measured versions.
 // Launches on `stream` with PDL; neither allocates nor synchronizes.
-// The 64-head kernel at K > 512 runs clusters of 9 to 16 CTAs of ~217 KB of
+// The 64-head kernel at K > 512 runs clusters of 9 to 16 CTAs of 216 KB of
 // shared memory each (non-portable: a whole GPC of a full Hopper part); where
 // the GPU cannot schedule them (a MIG slice, a part with fewer SMs per GPC),
 // the launch returns the CUDA error as the Status. The plan does not fall back

@@ -714,9 +714,10 @@ TEST(SparseMlaGpu, OtherPlansLongRowsOddHeadsAndBlockSizes) {
   }
 }
 
-// The 64-head kernel with fewer, longer splits than its plan (8: clusters of
-// 8 CTAs; 3: splits that do not divide the 256 combine units, 11 chunks per
-// CTA with the padding's chunks skipped), against the float64 reference.
+// The 64-head kernel with fewer, longer splits than its plan, at K = 2176: at
+// most 8 (7 CTAs of 320 rows: portable clusters, 5 chunks each) and 3 (768
+// rows: splits that do not divide the 256 combine units, 12 chunks per CTA,
+// the padding's chunks skipped), against the float64 reference.
 TEST(SparseMlaGpu, WgmmaKernelWithFewerSplits) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 45);
