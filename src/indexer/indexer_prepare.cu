@@ -62,19 +62,39 @@ constexpr int kWarpsPerCta = 8;
 constexpr int kThreads = 32 * kWarpsPerCta;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
-struct PrepareParams {
-  int m;
-  const uint16_t* index_q;  // [m, 32, 128] BF16, token stride q_token_stride
-  int64_t q_token_stride;
-  const uint16_t* index_k;  // [m, 128] BF16, token stride k_token_stride
+// What the pooled keys are made of, for the prepare (m tokens) and prefill
+// (n tokens) kernels alike: each token's k and gate rows and the layer's
+// LayerNorm and ape parameters.
+struct KeyInputs {
+  const uint16_t* index_k;  // [tokens, 128] BF16, token stride k_token_stride
   int64_t k_token_stride;
-  const float* head_weights;  // [m, 32], token stride weights_token_stride
-  int64_t weights_token_stride;
-  const uint16_t* gate;  // [m, 128] BF16, token stride gate_token_stride
+  const uint16_t* gate;  // [tokens, 128] BF16, token stride gate_token_stride
   int64_t gate_token_stride;
   const float* k_norm_weight;  // [128]
   const float* k_norm_bias;    // [128]
   const float* ape;            // [4, 128]
+};
+
+KeyInputs make_key_inputs(const TensorView& index_k, const TensorView& gate, const TensorView& k_norm_weight,
+                          const TensorView& k_norm_bias, const TensorView& ape) {
+  KeyInputs k = {};
+  k.index_k = index_k.ptr<const uint16_t>();
+  k.k_token_stride = index_k.stride(0);
+  k.gate = gate.ptr<const uint16_t>();
+  k.gate_token_stride = gate.stride(0);
+  k.k_norm_weight = k_norm_weight.ptr<const float>();
+  k.k_norm_bias = k_norm_bias.ptr<const float>();
+  k.ape = ape.ptr<const float>();
+  return k;
+}
+
+struct PrepareParams {
+  int m;
+  const uint16_t* index_q;  // [m, 32, 128] BF16, token stride q_token_stride
+  int64_t q_token_stride;
+  const float* head_weights;  // [m, 32], token stride weights_token_stride
+  int64_t weights_token_stride;
+  KeyInputs keys;             // m tokens
   const int64_t* positions;       // [m]
   const int32_t* token_requests;  // [m]
   IndexerStateParams state;
@@ -84,14 +104,8 @@ struct PrepareParams {
 };
 
 struct PrefillParams {
-  int64_t n;                // tokens at positions 0..n-1
-  const uint16_t* index_k;  // [n, 128] BF16, token stride k_token_stride
-  int64_t k_token_stride;
-  const uint16_t* gate;  // [n, 128] BF16, token stride gate_token_stride
-  int64_t gate_token_stride;
-  const float* k_norm_weight;  // [128]
-  const float* k_norm_bias;    // [128]
-  const float* ape;            // [4, 128]
+  int64_t n;      // tokens at positions 0..n-1
+  KeyInputs keys;  // n tokens
   int64_t request;
   int64_t first_stashed;  // max(0, n - RING): the first position stashed in the ring
   IndexerStateParams state;
@@ -285,8 +299,8 @@ __device__ void normalize_and_stash(const PrepareParams& p, int t, const float (
   const TokenTarget target = token_target(p, t);
   if (target.untrusted && lane == 0) count_error(p.error_count);
   if (target.request < 0) return;
-  const uint2 k = layernorm_lane(load_lane_bf16(p.index_k + t * p.k_token_stride, lane), weight, bias);
-  const uint2 gate = load_lane_bf16(p.gate + t * p.gate_token_stride, lane);
+  const uint2 k = layernorm_lane(load_lane_bf16(p.keys.index_k + t * p.keys.k_token_stride, lane), weight, bias);
+  const uint2 gate = load_lane_bf16(p.keys.gate + t * p.keys.gate_token_stride, lane);
   store_lane_bf16(ring_row(p.state, target.request, 0, target.position), lane, k);
   store_lane_bf16(ring_row(p.state, target.request, 1, target.position), lane, gate);
 }
@@ -300,8 +314,8 @@ __global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const __grid_con
   const bool k_row = row >= q_rows && row < q_rows + p.m;
   float weight[kLaneValues] = {}, bias[kLaneValues] = {};
   if (k_row) {  // layer parameters: no kernel in flight writes them
-    load_lane_floats(p.k_norm_weight, lane, weight);
-    load_lane_floats(p.k_norm_bias, lane, bias);
+    load_lane_floats(p.keys.k_norm_weight, lane, weight);
+    load_lane_floats(p.keys.k_norm_bias, lane, bias);
   }
   pdl_wait();  // the projections, positions and state come from earlier kernels
   pdl_release_dependents();
@@ -319,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) prepare_pools_kernel(const __grid_co
   const int lane = threadIdx.x % 32;
   const int t = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
   float ape_columns[kLaneValues][kPoolSize];
-  load_ape_columns(p.ape, lane, ape_columns);  // a layer parameter: before the wait
+  load_ape_columns(p.keys.ape, lane, ape_columns);  // a layer parameter: before the wait
   pdl_wait();
   pdl_release_dependents();
   if (t >= p.m) return;
@@ -345,9 +359,9 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const __grid_constant
   const int lane = threadIdx.x % 32;
   const int64_t item = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
   float weight[kLaneValues], bias[kLaneValues], ape_columns[kLaneValues][kPoolSize];
-  load_lane_floats(p.k_norm_weight, lane, weight);  // layer parameters: before the wait
-  load_lane_floats(p.k_norm_bias, lane, bias);
-  load_ape_columns(p.ape, lane, ape_columns);
+  load_lane_floats(p.keys.k_norm_weight, lane, weight);  // layer parameters: before the wait
+  load_lane_floats(p.keys.k_norm_bias, lane, bias);
+  load_ape_columns(p.keys.ape, lane, ape_columns);
   pdl_wait();
   pdl_release_dependents();
   const int64_t pools = p.n / kPoolSize;
@@ -356,18 +370,18 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const __grid_constant
 #pragma unroll
     for (int j = 0; j < kPoolSize; ++j) {
       const int64_t token = item * kPoolSize + j;
-      k[j] = layernorm_lane(load_lane_bf16(p.index_k + token * p.k_token_stride, lane), weight, bias);
-      gate[j] = load_lane_bf16(p.gate + token * p.gate_token_stride, lane);
+      k[j] = layernorm_lane(load_lane_bf16(p.keys.index_k + token * p.keys.k_token_stride, lane), weight, bias);
+      gate[j] = load_lane_bf16(p.keys.gate + token * p.keys.gate_token_stride, lane);
     }
     compress_pool(p.state, p.request, item, k, gate, ape_columns, p.error_count, lane);
     return;
   }
   const int64_t position = p.first_stashed + (item - pools);
   if (position >= p.n) return;
-  const uint2 k = layernorm_lane(load_lane_bf16(p.index_k + position * p.k_token_stride, lane), weight, bias);
+  const uint2 k = layernorm_lane(load_lane_bf16(p.keys.index_k + position * p.keys.k_token_stride, lane), weight, bias);
   store_lane_bf16(ring_row(p.state, p.request, 0, position), lane, k);
   store_lane_bf16(ring_row(p.state, p.request, 1, position), lane,
-                  load_lane_bf16(p.gate + position * p.gate_token_stride, lane));
+                  load_lane_bf16(p.keys.gate + position * p.keys.gate_token_stride, lane));
 }
 
 // ---------------------------------------------------------------------------
@@ -380,15 +394,9 @@ PrepareParams make_prepare_params(const IndexerPrepareArgs& a) {
   p.m = static_cast<int>(a.index_q.size(0));
   p.index_q = a.index_q.ptr<const uint16_t>();
   p.q_token_stride = a.index_q.stride(0);
-  p.index_k = a.index_k.ptr<const uint16_t>();
-  p.k_token_stride = a.index_k.stride(0);
   p.head_weights = a.head_weights.ptr<const float>();
   p.weights_token_stride = a.head_weights.stride(0);
-  p.gate = a.gate.ptr<const uint16_t>();
-  p.gate_token_stride = a.gate.stride(0);
-  p.k_norm_weight = a.k_norm_weight.ptr<const float>();
-  p.k_norm_bias = a.k_norm_bias.ptr<const float>();
-  p.ape = a.ape.ptr<const float>();
+  p.keys = make_key_inputs(a.index_k, a.gate, a.k_norm_weight, a.k_norm_bias, a.ape);
   p.positions = a.positions.ptr<const int64_t>();
   p.token_requests = a.token_requests.ptr<const int32_t>();
   p.state = make_indexer_state_params(a.plan, a.state);
@@ -414,13 +422,7 @@ Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_prefill(args));
   PrefillParams p = {};
   p.n = args.index_k.size(0);
-  p.index_k = args.index_k.ptr<const uint16_t>();
-  p.k_token_stride = args.index_k.stride(0);
-  p.gate = args.gate.ptr<const uint16_t>();
-  p.gate_token_stride = args.gate.stride(0);
-  p.k_norm_weight = args.k_norm_weight.ptr<const float>();
-  p.k_norm_bias = args.k_norm_bias.ptr<const float>();
-  p.ape = args.ape.ptr<const float>();
+  p.keys = make_key_inputs(args.index_k, args.gate, args.k_norm_weight, args.k_norm_bias, args.ape);
   p.request = args.request;
   p.first_stashed = std::max<int64_t>(0, p.n - args.plan.ring);
   p.state = make_indexer_state_params(args.plan, args.state);

@@ -55,6 +55,7 @@
 #include <string>
 
 #include "core/async_copy.cuh"
+#include "core/cluster.cuh"
 #include "core/fp8.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
@@ -137,20 +138,6 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-
-__device__ __forceinline__ void store_shared(uint32_t address, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(a), "r"(b), "r"(c), "r"(d));
-}
-
-// Cluster barrier halves. A CTA arrives (relaxed) when it starts and waits
-// before its first store into a peer's shared memory, so no store reaches a
-// CTA that has not started; the release/acquire pair publishes the stores.
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;"); }
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-
 
 __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMlaParams p, const int rows_per_split) {
   extern __shared__ uint4 shared_raw[];
@@ -252,8 +239,9 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const uint2 codes = stage[row * (kLatent / 8) + half * 32 + lane];
-        store_shared(tile_unit(tile, row, half * 32 + lane), e4m3x2_to_f16x2(codes.x), e4m3x2_to_f16x2(codes.x >> 16),
-                     e4m3x2_to_f16x2(codes.y), e4m3x2_to_f16x2(codes.y >> 16));
+        store_shared(tile_unit(tile, row, half * 32 + lane),
+                     make_uint4(e4m3x2_to_f16x2(codes.x), e4m3x2_to_f16x2(codes.x >> 16), e4m3x2_to_f16x2(codes.y),
+                                e4m3x2_to_f16x2(codes.y >> 16)));
       }
     }
     __syncthreads();

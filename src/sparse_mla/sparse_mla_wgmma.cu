@@ -55,6 +55,7 @@
 #include <string>
 
 #include "core/async_copy.cuh"
+#include "core/cluster.cuh"
 #include "core/fp8.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
@@ -82,7 +83,6 @@ constexpr int kPiecesPerThread = kChunkRows * (kLatent / 16) / kThreads;  // 16-
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
 constexpr int kUnits = kHeads * kLatent / kUnitDims;
 constexpr int kUnitSlots = kUnitDims * 2 / 16;      // 16-byte slots of a unit's FP16 values
-constexpr int kMaxCombineHeads = kHeads;            // heads a CTA's units touch (all 64 for one split)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 static_assert(kPiecesPerThread == 8, "a thread converts 8 pieces of a chunk: rows t / 32 + 8 k");
@@ -102,7 +102,7 @@ struct alignas(1024) SharedStorage {
 // unit i (share <= ceil(U / splits), so splits * share < U + splits), and the
 // peers' (max, sum) per head and the combine's coefficients overlay the q tile.
 static_assert(sizeof(SharedStorage::tiles) >= 2 * kUnitDims * (kUnits + kSparseMlaMaxSplits), "the inbox");
-static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kSparseMlaMaxSplits * (2 * kHeads + kMaxCombineHeads),
+static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kSparseMlaMaxSplits * 3 * kHeads,
               "peer statistics and coefficients");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 
@@ -121,10 +121,6 @@ __device__ __forceinline__ float exp2_flush(float x) {
   return y;
 }
 
-__device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
-}
-
 // 16 bytes read once: not kept in L1 (which the shared-memory carve-out leaves small).
 __device__ __forceinline__ uint4 load_streaming(const uint8_t* global) {
   uint4 v;
@@ -134,10 +130,6 @@ __device__ __forceinline__ uint4 load_streaming(const uint8_t* global) {
   return v;
 }
 
-__device__ __forceinline__ void cluster_arrive_release() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 // Rows and pieces of a 64-row FP16 tile that thread `t` (0..255) converts:
 // 16-byte FP8 piece t % 32 (dims 16 (t % 32)..) of rows t / 32 + 8 k.
@@ -379,8 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the bytes are what the combine costs.
   float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);  // [split][head]
   float(*peer_sum)[kHeads] = peer_max + kSparseMlaMaxSplits;                 // [split][head]
-  float(*coefficient)[kMaxCombineHeads] =                                     // [split][head - first_local_head]
-      reinterpret_cast<float(*)[kMaxCombineHeads]>(peer_sum + kSparseMlaMaxSplits);
+  float(*coefficient)[kHeads] = peer_sum + kSparseMlaMaxSplits;             // [split][head - first_local_head]
   uint4(*incoming)[kUnitSlots] = reinterpret_cast<uint4(*)[kUnitSlots]>(s.tiles);  // [split * share + unit][slot]
   auto first_unit_of = [&](int k) { return k * kUnits / splits; };
 #pragma unroll
