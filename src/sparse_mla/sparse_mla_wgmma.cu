@@ -18,22 +18,22 @@
 // Prologue: the run's indices are read once (coalesced, the out-of-range ones
 // counted) into cache-row offsets (-1 = invalid) and a valid-row mask per
 // chunk; chunks without a valid entry are skipped (they would add exact
-// zeros). q is converted into its tile, the first two chunks' rows are
-// requested and the first is converted into tile 0.
+// zeros). The first chunk's rows are requested, q and that chunk are
+// converted into their tiles by all threads; warpgroup 1 requests the second.
 //
-// Per chunk i (tile i % 2), all 256 threads, three CTA barriers:
-//  - warpgroup w: S_w [64 heads][32 entries] = Q K^T for entries 32 w..32 w + 31
-//    of the chunk: 32 wgmma m64n32k16 over the 512 dims, FP32 accumulators.
-//    While they run, every thread converts chunk i + 1's rows from its
-//    registers into the other tile and loads chunk i + 2's rows.
-//  - scores = S * softmax_scale * q_scale * k_scale * log2(e), -inf for invalid
-//    entries; each head's chunk max is max(warpgroup 0's, warpgroup 1's), in
-//    that order in both warpgroups, so both hold the same running max (NaN
-//    propagates); p = 2^(score - running max) rounded to FP16, and the row sum
-//    of the rounded p (warpgroup 0's entries + warpgroup 1's).
-//  - both warpgroups' P fragments go through shared memory; warpgroup w then
-//    rescales O_w [64 heads][256 dims 256 w..] and adds P [64 x 64] V [64 x 256]:
-//    4 wgmma m64n256k16, P from registers, V the tile read N-major.
+// Per chunk i (tile i % 2), two roles (FlashMLA's split), handing over
+// through two named barriers:
+//  - warpgroup 0: S [64 heads][64 entries] = Q K^T by 32 wgmma m64n64k16 (q
+//    read once per chunk); scores = S * softmax_scale * q_scale * k_scale *
+//    log2(e), -inf for invalid entries; the running max per head (NaN
+//    propagates); p = 2^(score - max) rounded to FP16 into registers (O_left's
+//    A fragments) and into p_tiles[i % 2] with the rescale factors; then
+//    O_left [64 x 256] = O_left * rescale + P V[:, 0:256] by 4 wgmma m64n256k16
+//    (P from registers, V the tile read N-major).
+//  - warpgroup 1: once P is ready, O_right = O_right * rescale + P V[:, 256:512]
+//    (P from shared memory); while those run it converts chunk i + 1 from its
+//    registers into the other tile (warpgroup 0 is done with it) and loads
+//    chunk i + 2.
 // Combine (push model): after a cluster barrier (every CTA has left its chunk
 // loop, so its tiles are free), CTA r stores its partial O divided by its sum
 // (FP16) and its (max, sum) per head into the shared memory of the CTAs that
@@ -73,26 +73,29 @@ constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;                          // heads per CTA: the M of every wgmma
 constexpr int kChunkRows = 64;                      // entries per chunk
 constexpr int kThreads = 256;                       // two warpgroups
-constexpr int kWarpgroupEntries = kChunkRows / 2;   // score columns per warpgroup
 constexpr int kWarpgroupDims = kLatent / 2;         // output dims per warpgroup
 constexpr int kPanelBytes = 64 * 128;               // 64 rows x 64 FP16 dims
 constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
 constexpr int kMaxRowsPerSplit = 1024;              // K <= 16384 over 16 splits
 constexpr int kMaxChunks = kMaxRowsPerSplit / kChunkRows;
-constexpr int kPiecesPerThread = kChunkRows * (kLatent / 16) / kThreads;  // 16-byte FP8 pieces per chunk
+constexpr int kChunkPieces = kChunkRows * (kLatent / 16);  // 16-byte FP8 pieces of a chunk (or of q)
+constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
+// Named barriers between the two warpgroups (0 is __syncthreads).
+constexpr int kTileReady = 1;  // warpgroup 1 has converted the next chunk's tile
+constexpr int kPReady = 2;     // warpgroup 0 has written a chunk's P and rescale factors
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
 constexpr int kUnits = kHeads * kLatent / kUnitDims;
 constexpr int kUnitSlots = kUnitDims * 2 / 16;      // 16-byte slots of a unit's FP16 values
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-static_assert(kPiecesPerThread == 8, "a thread converts 8 pieces of a chunk: rows t / 32 + 8 k");
 static_assert(kMaxRowsPerSplit * kSparseMlaMaxSplits >= kSparseMlaMaxTopK, "16 splits cover the largest K");
 
 struct alignas(1024) SharedStorage {
   uint8_t q_tile[kTileBytes];    // [8 panels][64 heads][128 B]: FP16 q of the group
   uint8_t tiles[2][kTileBytes];  // [8 panels][64 entries][128 B]: FP16 rows of the i-th chunk in tiles[i % 2]
-  uint4 probs[2][2][128];        // [warpgroup][k16 step][thread]: P fragments (4 FP16 pairs)
-  float warpgroup_max[2][kHeads], warpgroup_sum[2][kHeads];  // [warpgroup][head]: its entries' chunk max, sum of p
+  uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the i-th chunk in p_tiles[i % 2]
+  float rescale[2][kHeads];          // [i % 2][head]: the i-th chunk's rescale of the running O
+  float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
   int64_t row_offset[kMaxRowsPerSplit];              // byte offset of each entry's cache row, -1 when invalid
   uint64_t valid_rows[kMaxChunks];                   // bit r: row r of chunk c is a valid entry
   int chunk_list[kMaxChunks];                        // the chunks with a valid entry, in order
@@ -121,6 +124,10 @@ __device__ __forceinline__ float exp2_flush(float x) {
   return y;
 }
 
+__device__ __forceinline__ void store_shared_b32(uint32_t address, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(v));
+}
+
 // 16 bytes read once: not kept in L1 (which the shared-memory carve-out leaves small).
 __device__ __forceinline__ uint4 load_streaming(const uint8_t* global) {
   uint4 v;
@@ -131,22 +138,27 @@ __device__ __forceinline__ uint4 load_streaming(const uint8_t* global) {
 }
 
 
-// Rows and pieces of a 64-row FP16 tile that thread `t` (0..255) converts:
-// 16-byte FP8 piece t % 32 (dims 16 (t % 32)..) of rows t / 32 + 8 k.
-__device__ __forceinline__ int piece_row(int k) { return threadIdx.x / 32 + 8 * k; }
+// The pieces of a 64-row tile that thread t of `kConverters` (128 or 256)
+// converts: 16-byte FP8 piece t % 32 (dims 16 (t % 32)..) of rows
+// t / 32 + (kConverters / 32) k, k = 0..kChunkPieces / kConverters - 1.
+template <int kConverters>
+__device__ __forceinline__ int piece_row(int k) {
+  return (threadIdx.x % kConverters) / 32 + (kConverters / 32) * k;
+}
 
 // Writes this thread's pieces (FP8 codes) as FP16 into `tile`: piece j of a
-// row is 16-byte chunks 2 (j % 4) and 2 (j % 4) + 1 of the row's 128 bytes in
-// panel j / 4. Odd panels store their second chunk first: panels lie 8 KiB
-// apart (the same banks), and so the 32 lanes of a store cover all 8 chunk
+// row is 16-byte slots 2 (j % 4) and 2 (j % 4) + 1 of the row's 128 bytes in
+// panel j / 4. Odd panels store their second slot first: panels lie 8 KiB
+// apart (the same banks), and so the 32 lanes of a store cover all 8 slot
 // positions four times, the least a 512-byte warp store can take.
-__device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kPiecesPerThread], uint32_t tile) {
+template <int kConverters>
+__device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkPieces / kConverters], uint32_t tile) {
   const int piece = threadIdx.x % 32, panel = piece / 4, first_slot = (piece % 4) * 2;
   const bool swap = panel % 2 == 1;
   const uint32_t panel_base = tile + panel * kPanelBytes;
 #pragma unroll
-  for (int k = 0; k < kPiecesPerThread; ++k) {
-    const int row = piece_row(k);
+  for (int k = 0; k < kChunkPieces / kConverters; ++k) {
+    const int row = piece_row<kConverters>(k);
     const uint4 low = make_uint4(e4m3x2_to_f16x2(codes[k].x), e4m3x2_to_f16x2(codes[k].x >> 16),
                                  e4m3x2_to_f16x2(codes[k].y), e4m3x2_to_f16x2(codes[k].y >> 16));
     const uint4 high = make_uint4(e4m3x2_to_f16x2(codes[k].z), e4m3x2_to_f16x2(codes[k].z >> 16),
@@ -154,6 +166,13 @@ __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kPieces
     store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + swap), swap ? high : low);
     store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + !swap), swap ? low : high);
   }
+}
+
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -178,12 +197,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   pdl_wait();
   pdl_release_dependents();
 
-  uint4 codes[kPiecesPerThread];  // this thread's FP8 pieces of the next chunk (first: of q, in flight while the indices are read)
+  constexpr int kPieces = kChunkPieces / kThreads;  // per thread, when all threads convert
+  uint4 q_codes[kPieces];  // this thread's FP8 pieces of q, in flight while the indices are read
   const int piece = threadIdx.x % 32;
 #pragma unroll
-  for (int k = 0; k < kPiecesPerThread; ++k) {
-    codes[k] = load_streaming(p.q + token * p.q_token_stride + (first_head + piece_row(k)) * p.q_head_stride +
-                              piece * 16);
+  for (int k = 0; k < kPieces; ++k) {
+    q_codes[k] = load_streaming(p.q + token * p.q_token_stride +
+                                (first_head + piece_row<kThreads>(k)) * p.q_head_stride + piece * 16);
   }
 
   const int32_t* index_row = p.indices + token * p.indices_token_stride;
@@ -227,135 +247,163 @@ __global__ void __launch_bounds__(kThreads, 1)
     ++chunk_count;
   }
   // This thread's pieces of `chunk` (zeros for invalid rows: a NaN code left
-  // in the tile would turn p = 0 into NaN in P.V).
-  auto load_chunk = [&](int chunk, uint4(&pieces)[kPiecesPerThread]) {  // pieces[k]: row piece_row(k), dims 16 piece..
+  // in the tile would turn p = 0 into NaN in P.V); pieces[k]: row
+  // piece_row<kConverters>(k), dims 16 piece..
+  auto load_chunk = [&](int chunk, auto& pieces) {
+    constexpr int kConverters = kChunkPieces / (sizeof(pieces) / sizeof(pieces[0]));
 #pragma unroll
-    for (int k = 0; k < kPiecesPerThread; ++k) {
-      const int64_t offset = s.row_offset[chunk * kChunkRows + piece_row(k)];
+    for (int k = 0; k < kChunkPieces / kConverters; ++k) {
+      const int64_t offset = s.row_offset[chunk * kChunkRows + piece_row<kConverters>(k)];
       pieces[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
     }
   };
-  store_pieces_as_f16(codes, q_tile);
-  if (chunk_count > 0) {  // the first two chunks requested together
-    uint4 first[kPiecesPerThread];
+  if (chunk_count > 0) {
+    uint4 first[kPieces];
     load_chunk(first_chunk, first);
-    if (chunk_count > 1) load_chunk(second_chunk, codes);
-    store_pieces_as_f16(first, tiles);
+    store_pieces_as_f16<kThreads>(q_codes, q_tile);
+    store_pieces_as_f16<kThreads>(first, tiles);
+  } else {
+    store_pieces_as_f16<kThreads>(q_codes, q_tile);
   }
   wgmma::fence_shared_for_async_proxy();  // this thread's q and tile stores, before the wgmmas read them
+  __syncthreads();                        // q, tile 0 and the chunk list
 
   const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
-  float out[128];  // O_w [64 heads x 256 dims]: head 16 warp + g + 8 ((e / 2) % 2), dim 256 w + 8 (e / 4) + 2 c + e % 2
+  float out[128];  // O_w [64 heads x 256 dims 256 w..]: head 16 warp + g + 8 ((e / 2) % 2), dim 256 w + 8 (e / 4) + 2 c + e % 2
 #pragma unroll
   for (int e = 0; e < 128; ++e) out[e] = 0.0f;
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // heads 16 warp + g + 8 r
 
-  for (int i = 0; i < chunk_count; ++i) {
-    __syncthreads();  // tile i written (and fenced) by every thread; both warpgroups' P.V of chunk i - 1 done; the list
-    const int chunk = s.chunk_list[i];
-    const uint32_t tile = tiles + (i % 2) * kTileBytes;
-
-    // S_w = Q K^T over entries 32 w.. of the chunk: 16-dim steps along the 128-byte rows of each panel.
-    float score[16];  // S_w [64 heads x 32 entries]: head 16 warp + g + 8 ((e / 2) % 2), entry 32 w + 8 (e / 4) + 2 c + e % 2
+  if (warpgroup == 0) {
+    // Warpgroup 0: S, the softmax, P (registers and shared memory), O_left.
+    for (int i = 0; i < chunk_count; ++i) {
+      if (i > 0) named_barrier_sync(kTileReady, kThreads);  // tile i converted by warpgroup 1 (tile 0: above)
+      const int chunk = s.chunk_list[i];
+      const uint32_t tile = tiles + (i % 2) * kTileBytes;
+      // S = Q K^T over the chunk's 64 entries: 16-dim steps along the 128-byte rows of each panel.
+      float score[32];  // S [64 heads x 64 entries]: head 16 warp + g + 8 ((e / 2) % 2), entry 8 (e / 4) + 2 c + e % 2
 #pragma unroll
-    for (int e = 0; e < 16; ++e) score[e] = 0.0f;
-    wgmma::fence();
+      for (int e = 0; e < 32; ++e) score[e] = 0.0f;
+      wgmma::fence();
 #pragma unroll
-    for (int step = 0; step < kLatent / 16; ++step) {
-      const uint32_t k_offset = (step / 4) * kPanelBytes + (step % 4) * 32;
-      wgmma::mma_m64n32k16_f16(score, wgmma::k_major_sw128_descriptor(q_tile + k_offset),
-                               wgmma::k_major_sw128_descriptor(tile + warpgroup * kWarpgroupEntries * 128 + k_offset),
-                               step > 0);
-    }
-    wgmma::commit_group();
-    if (i + 1 < chunk_count) {  // overlaps the tensor cores
-      store_pieces_as_f16(codes, tiles + ((i + 1) % 2) * kTileBytes);
-      wgmma::fence_shared_for_async_proxy();
-      if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
-    }
-    wgmma::wait_group<0>();
-
-    // Scores and this warpgroup's chunk max per head (the quad of lanes c = 0..3 holds a head's 32 entries).
-    const uint64_t valid = s.valid_rows[chunk];
-    float warpgroup_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      const int entry = warpgroup * kWarpgroupEntries + 8 * (e / 4) + 2 * c + e % 2;
-      score[e] = (valid >> entry) & 1 ? score[e] * score_scale : -INFINITY;
-      warpgroup_max[(e / 2) % 2] = max_propagating_nan(warpgroup_max[(e / 2) % 2], score[e]);
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int offset = 1; offset <= 2; offset *= 2) {
-        warpgroup_max[r] = max_propagating_nan(warpgroup_max[r], __shfl_xor_sync(0xFFFFFFFFu, warpgroup_max[r], offset));
+      for (int step = 0; step < kLatent / 16; ++step) {
+        const uint32_t k_offset = (step / 4) * kPanelBytes + (step % 4) * 32;
+        wgmma::mma_m64n64k16_f16(score, wgmma::k_major_sw128_descriptor(q_tile + k_offset),
+                                 wgmma::k_major_sw128_descriptor(tile + k_offset), step > 0);
       }
-      if (c == 0) s.warpgroup_max[warpgroup][16 * warp + g + 8 * r] = warpgroup_max[r];
-    }
-    __syncthreads();
+      wgmma::commit_group();
+      wgmma::wait_group<0>();
 
-    // Exponents relative to `base`, the running max. Every chunk here has a
-    // valid entry, so the max is finite or NaN; the 0 fallback only keeps
-    // -inf - -inf out of exp2 for scores beyond the contract's bound.
-    float new_max[2], base[2], rescale[2];
+      // Scores and the chunk max per head: the quad of lanes c = 0..3 holds a head's 64 entries.
+      const uint64_t valid = s.valid_rows[chunk];
+      float chunk_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int head = 16 * warp + g + 8 * r;
-      new_max[r] = max_propagating_nan(run_max[r], max_propagating_nan(s.warpgroup_max[0][head], s.warpgroup_max[1][head]));
-      base[r] = new_max[r] == -INFINITY ? 0.0f : new_max[r];
-      rescale[r] = exp2_flush(run_max[r] - base[r]);
-    }
-    // P fragments of this warpgroup's two 16-entry steps: pair q of step t
-    // holds score elements 8 t + 2 pair, + 1 (head row pair % 2, as mma's A layout).
-    float warpgroup_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      uint32_t pairs[4];
-#pragma unroll
-      for (int pair = 0; pair < 4; ++pair) {
-        const int r = pair % 2, e = 8 * t + 2 * pair;
-        const __half2 probs = __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
-        pairs[pair] = *reinterpret_cast<const uint32_t*>(&probs);
-        const float2 rounded = __half22float2(probs);
-        warpgroup_sum[r] += rounded.x + rounded.y;
+      for (int e = 0; e < 32; ++e) {
+        const int entry = 8 * (e / 4) + 2 * c + e % 2;
+        score[e] = (valid >> entry) & 1 ? score[e] * score_scale : -INFINITY;
+        chunk_max[(e / 2) % 2] = max_propagating_nan(chunk_max[(e / 2) % 2], score[e]);
       }
-      s.probs[warpgroup][t][thread] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+      // Exponents relative to `base`, the running max. Every chunk here has a
+      // valid entry, so the max is finite or NaN; the 0 fallback only keeps
+      // -inf - -inf out of exp2 for scores beyond the contract's bound.
+      float base[2], rescale[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int offset = 1; offset <= 2; offset *= 2) {
+          chunk_max[r] = max_propagating_nan(chunk_max[r], __shfl_xor_sync(0xFFFFFFFFu, chunk_max[r], offset));
+        }
+        const float new_max = max_propagating_nan(run_max[r], chunk_max[r]);
+        base[r] = new_max == -INFINITY ? 0.0f : new_max;
+        rescale[r] = exp2_flush(run_max[r] - base[r]);
+        run_max[r] = new_max;
+      }
+      // P rounded to FP16: as the A fragments of O_left's four 16-entry steps
+      // (pair q of step t holds score elements 8 t + 2 q, + 1, head row q % 2)
+      // and into p_tiles[i % 2] for warpgroup 1. The sum uses the rounded p.
+      const uint32_t p_tile = shared_address(s.p_tiles[i % 2]);
+      uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]
+      float chunk_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int t = 0; t < kChunkRows / 16; ++t) {
+#pragma unroll
+        for (int pair = 0; pair < 4; ++pair) {
+          const int r = pair % 2, e = 8 * t + 2 * pair;
+          const __half2 probs =
+              __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
+          fragments[t][pair] = *reinterpret_cast<const uint32_t*>(&probs);
+          const float2 rounded = __half22float2(probs);
+          chunk_sum[r] += rounded.x + rounded.y;
+          store_shared_b32(p_tile + wgmma::k_major_sw128_offset(16 * warp + g + 8 * r, e / 4) + 4 * c,
+                           fragments[t][pair]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int offset = 1; offset <= 2; offset *= 2) chunk_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum[r], offset);
+        run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
+        if (c == 0) s.rescale[i % 2][16 * warp + g + 8 * r] = rescale[r];
+      }
+      wgmma::fence_shared_for_async_proxy();  // P, before warpgroup 1's wgmmas read it
+      named_barrier_arrive(kPReady, kThreads);
+#pragma unroll
+      for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
+      // O_left += P V[:, 0:256]: V is the tile read N-major.
+      wgmma::fence();
+#pragma unroll
+      for (int t = 0; t < kChunkRows / 16; ++t) {
+        wgmma::mma_m64n256k16_f16_a_in_registers_b_n_major(
+            out, fragments[t], wgmma::n_major_sw128_descriptor(tile + t * 16 * 128, kPanelBytes), true);
+      }
+      wgmma::commit_group();
+      wgmma::wait_group<0>();
     }
+    if (c == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        s.final_max[16 * warp + g + 8 * r] = run_max[r];
+        s.final_sum[16 * warp + g + 8 * r] = run_sum[r];
+      }
+    }
+  } else {
+    // Warpgroup 1: converts the next chunk while warpgroup 0 computes S, then
+    // O_right += P V[:, 256:512] with P from shared memory.
+    constexpr int kConverters = kThreads / 2;
+    uint4 codes[kChunkPieces / kConverters];  // the next chunk's FP8 pieces
+    if (chunk_count > 1) load_chunk(second_chunk, codes);
+    for (int i = 0; i < chunk_count; ++i) {
+      named_barrier_sync(kPReady, kThreads);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
+      const uint32_t tile = tiles + (i % 2) * kTileBytes;
+      const float rescale0 = s.rescale[i % 2][16 * warp + g], rescale1 = s.rescale[i % 2][16 * warp + g + 8];
+#pragma unroll
+      for (int e = 0; e < 128; ++e) out[e] *= (e / 2) % 2 ? rescale1 : rescale0;
+      const uint32_t p_tile = shared_address(s.p_tiles[i % 2]);
+      wgmma::fence();
+#pragma unroll
+      for (int t = 0; t < kChunkRows / 16; ++t) {
+        wgmma::mma_m64n256k16_f16_b_n_major(
+            out, wgmma::k_major_sw128_descriptor(p_tile + t * 32),
+            wgmma::n_major_sw128_descriptor(tile + (kWarpgroupDims / 64) * kPanelBytes + t * 16 * 128, kPanelBytes),
+            true);
+      }
+      wgmma::commit_group();
+      if (i + 1 < chunk_count) {  // overlaps the tensor cores
+        store_pieces_as_f16<kConverters>(codes, tiles + ((i + 1) % 2) * kTileBytes);
+        wgmma::fence_shared_for_async_proxy();
+        named_barrier_arrive(kTileReady, kThreads);
+        if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
+      }
+      wgmma::wait_group<0>();
+    }
+  }
+  __syncthreads();  // warpgroup 0's statistics
+  if (warpgroup == 1) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int offset = 1; offset <= 2; offset *= 2) warpgroup_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, warpgroup_sum[r], offset);
-      if (c == 0) s.warpgroup_sum[warpgroup][16 * warp + g + 8 * r] = warpgroup_sum[r];
+      run_max[r] = s.final_max[16 * warp + g + 8 * r];
+      run_sum[r] = s.final_sum[16 * warp + g + 8 * r];
     }
-    __syncthreads();
-
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int head = 16 * warp + g + 8 * r;
-      run_sum[r] = fmaf(run_sum[r], rescale[r], s.warpgroup_sum[0][head] + s.warpgroup_sum[1][head]);
-      run_max[r] = new_max[r];
-    }
-#pragma unroll
-    for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
-    // O_w += P V over the chunk's 64 entries: step t reads entries 16 t.., from warpgroup t / 2's fragments.
-    uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]: P [64 heads x 64 entries] as A fragments
-#pragma unroll
-    for (int t = 0; t < kChunkRows / 16; ++t) {
-      const uint4 fragment = s.probs[t / 2][t % 2][thread];
-      fragments[t][0] = fragment.x, fragments[t][1] = fragment.y, fragments[t][2] = fragment.z,
-      fragments[t][3] = fragment.w;
-    }
-    wgmma::fence();
-#pragma unroll
-    for (int t = 0; t < kChunkRows / 16; ++t) {
-      wgmma::mma_m64n256k16_f16_a_in_registers_b_n_major(
-          out, fragments[t],
-          wgmma::n_major_sw128_descriptor(tile + (warpgroup * kWarpgroupDims / 64) * kPanelBytes + t * 16 * 128,
-                                          kPanelBytes),
-          true);
-    }
-    wgmma::commit_group();
-    wgmma::wait_group<0>();
   }
 
   // Every CTA of the cluster has left its loop: its tiles may take the inbox.
