@@ -51,6 +51,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -107,6 +108,7 @@ struct alignas(1024) SharedStorage {
 static_assert(sizeof(SharedStorage::tiles) >= 2 * kUnitDims * (kUnits + kSparseMlaMaxSplits), "the inbox");
 static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kSparseMlaMaxSplits * 3 * kHeads,
               "peer statistics and coefficients");
+static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 
 // Where a unit of the inbox keeps its 128 dims (FP16): 16-byte slot
@@ -143,6 +145,7 @@ __device__ __forceinline__ uint4 load_streaming(const uint8_t* global) {
 // t / 32 + (kConverters / 32) k, k = 0..kChunkPieces / kConverters - 1.
 template <int kConverters>
 __device__ __forceinline__ int piece_row(int k) {
+  static_assert(kConverters == 128 || kConverters == 256, "a warpgroup or the whole CTA converts");
   return (threadIdx.x % kConverters) / 32 + (kConverters / 32) * k;
 }
 
@@ -257,9 +260,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       pieces[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
     }
   };
+  // Warpgroup 1's pieces of the next chunk, held from here to its conversion
+  // (the second chunk's requested together with the first).
+  constexpr int kConverters = kThreads / 2;
+  uint4 codes[kChunkPieces / kConverters];
   if (chunk_count > 0) {
     uint4 first[kPieces];
     load_chunk(first_chunk, first);
+    if (warpgroup == 1 && chunk_count > 1) load_chunk(second_chunk, codes);
     store_pieces_as_f16<kThreads>(q_codes, q_tile);
     store_pieces_as_f16<kThreads>(first, tiles);
   } else {
@@ -369,9 +377,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     // Warpgroup 1: converts the next chunk while warpgroup 0 computes S, then
     // O_right += P V[:, 256:512] with P from shared memory.
-    constexpr int kConverters = kThreads / 2;
-    uint4 codes[kChunkPieces / kConverters];  // the next chunk's FP8 pieces
-    if (chunk_count > 1) load_chunk(second_chunk, codes);
     for (int i = 0; i < chunk_count; ++i) {
       named_barrier_sync(kPReady, kThreads);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
