@@ -29,6 +29,11 @@ __device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
+// 4 bytes to shared memory at a shared-memory address.
+__device__ __forceinline__ void store_shared_b32(uint32_t address, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(v));
+}
+
 __device__ __forceinline__ void async_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 // Waits until at most `pending` (0..7; more counts as 7) of this thread's

@@ -126,10 +126,6 @@ __device__ __forceinline__ float exp2_flush(float x) {
   return y;
 }
 
-__device__ __forceinline__ void store_shared_b32(uint32_t address, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(v));
-}
-
 // 16 bytes read once: not kept in L1 (which the shared-memory carve-out leaves small).
 __device__ __forceinline__ uint4 load_streaming(const uint8_t* global) {
   uint4 v;
