@@ -81,7 +81,10 @@ constexpr int kMaxRowsPerSplit = 1024;              // K <= 16384 over 16 splits
 constexpr int kMaxChunks = kMaxRowsPerSplit / kChunkRows;
 constexpr int kChunkPieces = kChunkRows * (kLatent / 16);  // 16-byte FP8 pieces of a chunk (or of q)
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
-// Named barriers between the two warpgroups (0 is __syncthreads).
+// Named barriers between the two warpgroups (0 is __syncthreads); both
+// warpgroups sync on them. A producer-side bar.arrive measured the same, and
+// compute-sanitizer's racecheck does not follow it: it then reported a hazard
+// across the combine's later __syncthreads.
 constexpr int kTileReady = 1;  // warpgroup 1 has converted the next chunk's tile
 constexpr int kPReady = 2;     // warpgroup 0 has written a chunk's P and rescale factors
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
@@ -169,9 +172,6 @@ __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkP
 
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (c == 0) s.rescale[i % 2][16 * warp + g + 8 * r] = rescale[r];
       }
       wgmma::fence_shared_for_async_proxy();  // P, before warpgroup 1's wgmmas read it
-      named_barrier_arrive(kPReady, kThreads);
+      named_barrier_sync(kPReady, kThreads);  // warpgroup 1 has finished O_right of chunk i - 1
 #pragma unroll
       for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
       // O_left += P V[:, 0:256]: V is the tile read N-major.
@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i + 1 < chunk_count) {  // overlaps the tensor cores
         store_pieces_as_f16<kConverters>(codes, tiles + ((i + 1) % 2) * kTileBytes);
         wgmma::fence_shared_for_async_proxy();
-        named_barrier_arrive(kTileReady, kThreads);
         if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
+        named_barrier_sync(kTileReady, kThreads);  // until warpgroup 0 has finished O_left of chunk i
       }
       wgmma::wait_group<0>();
     }
