@@ -50,15 +50,17 @@ constexpr int kLogitPools = 64;                                 // pools per CTA
 constexpr int kPoolTile = 16;                                   // MMA M: pools
 constexpr int kHeadTile = 8;                                    // MMA N: heads
 constexpr int kHeadTiles = kHeads / kHeadTile;                  // 4
-constexpr int kLogitWarps = 2 * kHeadTiles;                     // every head tile x 2 pool halves
+constexpr int kLogitWarps = kLogitPools / kPoolTile;            // one M tile (and every head tile) per warp
 constexpr int kLogitThreads = kLogitWarps * 32;
-constexpr int kPoolsPerWarp = kLogitPools / 2;                  // one pool half
-constexpr int kPoolTilesPerWarp = kPoolsPerWarp / kPoolTile;    // M tiles per warp
 constexpr int kDimsPerLane = kDim / 4;                          // dims a lane feeds the MMAs: 32c .. 32c + 31
 constexpr int kDimSteps = kDim / 16;                            // MMA k steps per tile: 4 dims per lane each
 static_assert(kDimsPerLane == 32 && kDimSteps * 4 == kDimsPerLane, "a lane's dims are two uint4 of codes");
+static_assert(kLogitThreads == kHeads * 4, "one thread per (head, 32-dim quarter) decodes q");
 
 struct LogitsShared {
+  // q as the MMAs' B fragments: [head tile][k step][lane] 4 doubles, so that a
+  // lane's fragment is 32 contiguous bytes and a warp's load is conflict free.
+  double4 q_fragments[kHeadTiles][kDimSteps][32];
   float relu[kLogitPools * (kHeads + 1)];  // [pool][head] ReLU(dot) rounded to FP32; + 1: no bank conflicts
   float weight[kHeads];                    // folded head weights w'
   int64_t block[kLogitPools];              // page of the pool, -1: untrusted, -2: past n
@@ -203,17 +205,19 @@ __device__ __forceinline__ uint32_t code_word(const uint4 (&codes)[2], int w) {
 
 // Logits of pools 64 chunk .. 64 chunk + 63 of token t (CTA (chunk, t)).
 //
-// Warp w owns heads 8 (w % 4) .. + 7 (one MMA N tile) and pools 32 (w / 4) ..
-// + 31 (two M tiles of 16). Lane (g, c) feeds dims 32c .. 32c + 31: k step s
-// takes dims 32c + 4s .. 32c + 4s + 3 into its k slots c, c + 4, c + 8, c + 12
-// (a permutation of the dims that A and B share). It holds q of head
-// 8 (w % 4) + g as doubles (the B fragments of all 8 steps) and loads its 32
-// dims of pools g and g + 8 of each M tile straight from the K cache page
-// (one 32-byte sector per lane and pool). Every product of two e4m3 values is
-// a multiple of 2^-18 and every partial sum of 128 of them lies below 2^25,
-// so each is exact in double: the MMA's result is the exact dot whatever order
-// the tensor core adds in. Rounded to FP32 once and ReLU'd into shared memory;
-// then one thread per pool runs the reference's FP32 chain over the heads.
+// Warp w owns pools 16 w .. + 15 (one MMA M tile) and all 32 heads (four N
+// tiles): each K code is decoded to a double once (v3 decoded it once per
+// head tile, and the conversions to FP64 - 16 per clock and SM - cost as
+// much as the MMAs). Lane (g, c) feeds dims 32c .. 32c + 31: k step s takes
+// dims 32c + 4s .. 32c + 4s + 3 into its k slots c, c + 4, c + 8, c + 12 (a
+// permutation of the dims that A and B share). It loads its 32 dims of pools
+// g and g + 8 straight from the K cache page (one 32-byte sector per lane and
+// pool); q is decoded once per CTA into shared memory in fragment order.
+// Every product of two e4m3 values is a multiple of 2^-18 and every partial
+// sum of 128 of them lies below 2^25, so each is exact in double: the MMA's
+// result is the exact dot whatever order the tensor core adds in. Rounded to
+// FP32 once and ReLU'd into shared memory; then one thread per pool runs the
+// reference's FP32 chain over the heads.
 __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_constant__ Params p) {
   __shared__ LogitsShared s;
   pdl_wait();  // q_fp8, head weights and the K cache come from the prepare step
@@ -225,13 +229,19 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   if (first_pool >= n) return;  // uniform over the CTA
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  const int first_head = kHeadTile * (warp % kHeadTiles), first_tile_pool = kPoolsPerWarp * (warp / kHeadTiles);
-  uint4 q_codes[2];
   {
-    const uint4* q_row = reinterpret_cast<const uint4*>(p.q_fp8 + (int64_t(t) * kHeads + first_head + g) * kDim +
-                                                        kDimsPerLane * c);
-    q_codes[0] = q_row[0];
-    q_codes[1] = q_row[1];
+    // Thread (head, quarter) decodes dims 32 quarter .. + 31 of its head: lane
+    // (head % 8, quarter) of head tile head / 8, every k step.
+    const int head = threadIdx.x / 4, quarter = threadIdx.x % 4;
+    const uint4* q_row = reinterpret_cast<const uint4*>(p.q_fp8 + (int64_t(t) * kHeads + head) * kDim +
+                                                        kDimsPerLane * quarter);
+    const uint4 q_codes[2] = {q_row[0], q_row[1]};
+#pragma unroll
+    for (int step = 0; step < kDimSteps; ++step) {
+      double q[4];
+      decode_e4m3x4(code_word(q_codes, step), q);
+      s.q_fragments[head / kHeadTile][step][4 * (head % kHeadTile) + quarter] = make_double4(q[0], q[1], q[2], q[3]);
+    }
   }
 
   // Pool pages; the pool's scale is loaded now by the thread that uses it last.
@@ -253,51 +263,48 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   if (threadIdx.x < kHeads) s.weight[threadIdx.x] = p.head_weights[t * kHeads + threadIdx.x];
   __syncthreads();
 
-  // The lane's 32 dims of pools g and g + 8 of each of its M tiles (zeros for absent pools).
-  uint4 k_codes[kPoolTilesPerWarp][2][2];  // [tile][row g, g + 8][16-byte half]
+  // The lane's 32 dims of pools g and g + 8 of its M tile (zeros for absent pools).
+  const int first_tile_pool = kPoolTile * warp;
+  uint4 k_codes[2][2];  // [row g, g + 8][16-byte half]
 #pragma unroll
-  for (int j = 0; j < kPoolTilesPerWarp; ++j) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = first_tile_pool + kPoolTile * j + 8 * r + g;
-      const int64_t block = s.block[i];
-      k_codes[j][r][0] = k_codes[j][r][1] = make_uint4(0, 0, 0, 0);
-      if (block >= 0) {
-        const int64_t entry = (first_pool + i) % p.state.pools_per_page;
-        const uint4* codes = reinterpret_cast<const uint4*>(p.state.k_cache + block * p.state.page_stride +
-                                                            entry * kDim + kDimsPerLane * c);
-        k_codes[j][r][0] = codes[0];
-        k_codes[j][r][1] = codes[1];
-      }
+  for (int r = 0; r < 2; ++r) {
+    const int i = first_tile_pool + 8 * r + g;
+    const int64_t block = s.block[i];
+    k_codes[r][0] = k_codes[r][1] = make_uint4(0, 0, 0, 0);
+    if (block >= 0) {
+      const int64_t entry = (first_pool + i) % p.state.pools_per_page;
+      const uint4* codes = reinterpret_cast<const uint4*>(p.state.k_cache + block * p.state.page_stride +
+                                                          entry * kDim + kDimsPerLane * c);
+      k_codes[r][0] = codes[0];
+      k_codes[r][1] = codes[1];
     }
   }
-  double q[kDimSteps][4];
-#pragma unroll
-  for (int step = 0; step < kDimSteps; ++step) decode_e4m3x4(code_word(q_codes, step), q[step]);
 
-  double dot[kPoolTilesPerWarp][4] = {};  // +0: an all -0 sum stays +0, as in the reference's chain
+  double dot[kHeadTiles][4] = {};  // +0: an all -0 sum stays +0, as in the reference's chain
 #pragma unroll
   for (int step = 0; step < kDimSteps; ++step) {
+    double rows[2][4], a[8];
+    decode_e4m3x4(code_word(k_codes[0], step), rows[0]);
+    decode_e4m3x4(code_word(k_codes[1], step), rows[1]);
 #pragma unroll
-    for (int j = 0; j < kPoolTilesPerWarp; ++j) {
-      double rows[2][4], a[8];
-      decode_e4m3x4(code_word(k_codes[j][0], step), rows[0]);
-      decode_e4m3x4(code_word(k_codes[j][1], step), rows[1]);
+    for (int slot = 0; slot < 4; ++slot) {
+      a[2 * slot] = rows[0][slot];
+      a[2 * slot + 1] = rows[1][slot];
+    }
 #pragma unroll
-      for (int slot = 0; slot < 4; ++slot) {
-        a[2 * slot] = rows[0][slot];
-        a[2 * slot + 1] = rows[1][slot];
-      }
-      mma_f64(dot[j], a, q[step]);
+    for (int tile = 0; tile < kHeadTiles; ++tile) {
+      const double4 q = s.q_fragments[tile][step][lane];
+      const double b[4] = {q.x, q.y, q.z, q.w};
+      mma_f64(dot[tile], a, b);
     }
   }
 #pragma unroll
-  for (int j = 0; j < kPoolTilesPerWarp; ++j) {
+  for (int tile = 0; tile < kHeadTiles; ++tile) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = first_tile_pool + kPoolTile * j + 8 * (e / 2) + g, head = first_head + 2 * c + e % 2;
+      const int i = first_tile_pool + 8 * (e / 2) + g, head = kHeadTile * tile + 2 * c + e % 2;
       // fmaxf(x, 0) as the reference's std::fmax: NaN gives 0.
-      s.relu[i * (kHeads + 1) + head] = fmaxf(static_cast<float>(dot[j][e]), 0.0f);
+      s.relu[i * (kHeads + 1) + head] = fmaxf(static_cast<float>(dot[tile][e]), 0.0f);
     }
   }
   __syncthreads();
