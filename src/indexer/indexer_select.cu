@@ -212,7 +212,8 @@ __device__ __forceinline__ uint32_t code_word(const uint4 (&codes)[2], int w) {
 // dims 32c + 4s .. 32c + 4s + 3 into its k slots c, c + 4, c + 8, c + 12 (a
 // permutation of the dims that A and B share). It loads its 32 dims of pools
 // g and g + 8 straight from the K cache page (one 32-byte sector per lane and
-// pool); q is decoded once per CTA into shared memory in fragment order.
+// pool); q is decoded once per CTA into shared memory in fragment order
+// while those loads are in flight.
 // Every product of two e4m3 values is a multiple of 2^-18 and every partial
 // sum of 128 of them lies below 2^25, so each is exact in double: the MMA's
 // result is the exact dot whatever order the tensor core adds in. Rounded to
@@ -229,19 +230,16 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   if (first_pool >= n) return;  // uniform over the CTA
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  // Thread (head, quarter) decodes dims 32 quarter .. + 31 of its head into
+  // the fragment of lane (head % 8, quarter) of head tile head / 8 (below,
+  // while the K codes are in flight).
+  const int q_head = threadIdx.x / 4, q_quarter = threadIdx.x % 4;
+  uint4 q_codes[2];
   {
-    // Thread (head, quarter) decodes dims 32 quarter .. + 31 of its head: lane
-    // (head % 8, quarter) of head tile head / 8, every k step.
-    const int head = threadIdx.x / 4, quarter = threadIdx.x % 4;
-    const uint4* q_row = reinterpret_cast<const uint4*>(p.q_fp8 + (int64_t(t) * kHeads + head) * kDim +
-                                                        kDimsPerLane * quarter);
-    const uint4 q_codes[2] = {q_row[0], q_row[1]};
-#pragma unroll
-    for (int step = 0; step < kDimSteps; ++step) {
-      double q[4];
-      decode_e4m3x4(code_word(q_codes, step), q);
-      s.q_fragments[head / kHeadTile][step][4 * (head % kHeadTile) + quarter] = make_double4(q[0], q[1], q[2], q[3]);
-    }
+    const uint4* q_row = reinterpret_cast<const uint4*>(p.q_fp8 + (int64_t(t) * kHeads + q_head) * kDim +
+                                                        kDimsPerLane * q_quarter);
+    q_codes[0] = q_row[0];
+    q_codes[1] = q_row[1];
   }
 
   // Pool pages; the pool's scale is loaded now by the thread that uses it last.
@@ -279,6 +277,14 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
       k_codes[r][1] = codes[1];
     }
   }
+#pragma unroll
+  for (int step = 0; step < kDimSteps; ++step) {
+    double q[4];
+    decode_e4m3x4(code_word(q_codes, step), q);
+    s.q_fragments[q_head / kHeadTile][step][4 * (q_head % kHeadTile) + q_quarter] =
+        make_double4(q[0], q[1], q[2], q[3]);
+  }
+  __syncthreads();
 
   double dot[kHeadTiles][4] = {};  // +0: an all -0 sum stays +0, as in the reference's chain
 #pragma unroll
