@@ -170,7 +170,11 @@ __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkP
   }
 }
 
+// bar.sync is the aligned form: every lane of the warp must arrive together,
+// so the warp reconverges first (after `if (c == 0)` stores, for one);
+// compute-sanitizer's synccheck reports the divergent arrival otherwise.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  __syncwarp();
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
