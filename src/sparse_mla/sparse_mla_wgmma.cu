@@ -170,12 +170,12 @@ __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkP
   }
 }
 
-// bar.sync is the aligned form: every lane of the warp must arrive together,
-// so the warp reconverges first (after `if (c == 0)` stores, for one);
-// compute-sanitizer's synccheck reports the divergent arrival otherwise.
+// The two warpgroups meet here from different instructions, so the barrier
+// is the non-aligned barrier.sync: bar.sync (= barrier.sync.aligned) promises
+// that every thread executes the same instruction, and compute-sanitizer's
+// synccheck reports the divergence.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  __syncwarp();
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
