@@ -22,7 +22,7 @@
 // converted into their tiles by all threads; warpgroup 1 requests the second.
 //
 // Per chunk i (tile i % 2), two roles (FlashMLA's split), handing over
-// through two named barriers:
+// through two shared-memory barriers (mbarriers):
 //  - warpgroup 0: S [64 heads][64 entries] = Q K^T by 32 wgmma m64n64k16 (q
 //    read once per chunk); scores = S * softmax_scale * q_scale * k_scale *
 //    log2(e), -inf for invalid entries; the running max per head (NaN
@@ -81,12 +81,6 @@ constexpr int kMaxRowsPerSplit = 1024;              // K <= 16384 over 16 splits
 constexpr int kMaxChunks = kMaxRowsPerSplit / kChunkRows;
 constexpr int kChunkPieces = kChunkRows * (kLatent / 16);  // 16-byte FP8 pieces of a chunk (or of q)
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
-// Named barriers between the two warpgroups (0 is __syncthreads); both
-// warpgroups sync on them. A producer-side bar.arrive measured the same, and
-// compute-sanitizer's racecheck does not follow it: it then reported a hazard
-// across the combine's later __syncthreads.
-constexpr int kTileReady = 1;  // warpgroup 1 has converted the next chunk's tile
-constexpr int kPReady = 2;     // warpgroup 0 has written a chunk's P and rescale factors
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
 constexpr int kUnits = kHeads * kLatent / kUnitDims;
 constexpr int kUnitSlots = kUnitDims * 2 / 16;      // 16-byte slots of a unit's FP16 values
@@ -100,6 +94,9 @@ struct alignas(1024) SharedStorage {
   uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the i-th chunk in p_tiles[i % 2]
   float rescale[2][kHeads];          // [i % 2][head]: the i-th chunk's rescale of the running O
   float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
+  // The warpgroups' handover, 128 arrivals a phase (phase i: chunk i):
+  uint64_t p_ready;     // warpgroup 0 has written P and the rescale factors of the chunk
+  uint64_t tile_ready;  // warpgroup 1 has converted the chunk after it into the other tile
   int64_t row_offset[kMaxRowsPerSplit];              // byte offset of each entry's cache row, -1 when invalid
   uint64_t valid_rows[kMaxChunks];                   // bit r: row r of chunk c is a valid entry
   int chunk_list[kMaxChunks];                        // the chunks with a valid entry, in order
@@ -170,12 +167,24 @@ __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkP
   }
 }
 
-// The two warpgroups meet here from different instructions, so the barrier
-// is the non-aligned barrier.sync: bar.sync (= barrier.sync.aligned) promises
-// that every thread executes the same instruction, and compute-sanitizer's
-// synccheck reports the divergence.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+// Shared-memory barriers for the warpgroups' handover. Named barriers
+// (bar.sync / bar.arrive) measured the same, but the two warpgroups reach them
+// from different instructions, which compute-sanitizer's synccheck reports as
+// divergence (bar.sync is the aligned form), and racecheck did not follow
+// bar.arrive.
+__device__ __forceinline__ void mbarrier_init(uint32_t barrier, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {  // release
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  // acquire; phase i % 2 == parity
+  asm volatile(
+      "{\n.reg .pred complete;\nretry:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 complete, [%0], %1;\n"
+      "@!complete bra retry;\n}\n" ::"r"(barrier),
+      "r"(phase % 2)
+      : "memory");
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -214,6 +223,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int rows = min(p.top_k, row_begin + rows_per_split) - row_begin;
   const int chunks = (rows + kChunkRows - 1) / kChunkRows;
   if (threadIdx.x < kMaxChunks) s.valid_rows[threadIdx.x] = 0;
+  const uint32_t p_ready = shared_address(&s.p_ready), tile_ready = shared_address(&s.tile_ready);
+  if (threadIdx.x == 0) {
+    mbarrier_init(p_ready, kThreads / 2);
+    mbarrier_init(tile_ready, kThreads / 2);
+  }
   __syncthreads();
   unsigned int out_of_range = 0;
   for (int j = threadIdx.x; j < chunks * kChunkRows; j += kThreads) {  // whole warps: chunks * 64 % 32 == 0
@@ -285,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     // Warpgroup 0: S, the softmax, P (registers and shared memory), O_left.
     for (int i = 0; i < chunk_count; ++i) {
-      if (i > 0) named_barrier_sync(kTileReady, kThreads);  // tile i converted by warpgroup 1 (tile 0: above)
+      if (i > 0) mbarrier_wait(tile_ready, i - 1);  // tile i converted by warpgroup 1 (tile 0: above)
       const int chunk = s.chunk_list[i];
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
       // S = Q K^T over the chunk's 64 entries: 16-dim steps along the 128-byte rows of each panel.
@@ -354,7 +368,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (c == 0) s.rescale[i % 2][16 * warp + g + 8 * r] = rescale[r];
       }
       wgmma::fence_shared_for_async_proxy();  // P, before warpgroup 1's wgmmas read it
-      named_barrier_sync(kPReady, kThreads);  // warpgroup 1 has finished O_right of chunk i - 1
+      mbarrier_arrive(p_ready);
 #pragma unroll
       for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
       // O_left += P V[:, 0:256]: V is the tile read N-major.
@@ -378,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Warpgroup 1: converts the next chunk while warpgroup 0 computes S, then
     // O_right += P V[:, 256:512] with P from shared memory.
     for (int i = 0; i < chunk_count; ++i) {
-      named_barrier_sync(kPReady, kThreads);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
+      mbarrier_wait(p_ready, i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
       const float rescale0 = s.rescale[i % 2][16 * warp + g], rescale1 = s.rescale[i % 2][16 * warp + g + 8];
 #pragma unroll
@@ -396,8 +410,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i + 1 < chunk_count) {  // overlaps the tensor cores
         store_pieces_as_f16<kConverters>(codes, tiles + ((i + 1) % 2) * kTileBytes);
         wgmma::fence_shared_for_async_proxy();
+        mbarrier_arrive(tile_ready);
         if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
-        named_barrier_sync(kTileReady, kThreads);  // until warpgroup 0 has finished O_left of chunk i
       }
       wgmma::wait_group<0>();
     }
