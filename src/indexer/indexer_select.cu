@@ -59,7 +59,8 @@ static_assert(kLogitThreads == kHeads * 4, "one thread per (head, 32-dim quarter
 
 struct LogitsShared {
   // q as the MMAs' B fragments: [head tile][k step][lane] 4 doubles, so that a
-  // lane's fragment is 32 contiguous bytes and a warp's load is conflict free.
+  // lane's fragment is 32 contiguous bytes (read as two 16-byte loads, each
+  // meeting twice in half of the banks: a [2][32] double2 split would not).
   double4 q_fragments[kHeadTiles][kDimSteps][32];
   float relu[kLogitPools * (kHeads + 1)];  // [pool][head] ReLU(dot) rounded to FP32; + 1: no bank conflicts
   float weight[kHeads];                    // folded head weights w'

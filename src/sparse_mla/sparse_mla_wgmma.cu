@@ -94,7 +94,9 @@ struct alignas(1024) SharedStorage {
   uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the i-th chunk in p_tiles[i % 2]
   float rescale[2][kHeads];          // [i % 2][head]: the i-th chunk's rescale of the running O
   float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
-  // The warpgroups' handover, 128 arrivals a phase (phase i: chunk i):
+  // The warpgroups' handover, 128 arrivals a phase (phase i: chunk i). Each
+  // waits on every phase of the other's barrier (tile_ready from chunk 1 on),
+  // so neither runs two phases ahead and a parity names one phase.
   uint64_t p_ready;     // warpgroup 0 has written P and the rescale factors of the chunk
   uint64_t tile_ready;  // warpgroup 1 has converted the chunk after it into the other tile
   int64_t row_offset[kMaxRowsPerSplit];              // byte offset of each entry's cache row, -1 when invalid
