@@ -12,6 +12,7 @@
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/indexer.h"
 #include "harness.h"
+#include "indexer/indexer_select_parts.h"
 
 namespace dsa::bench {
 namespace {
@@ -93,6 +94,10 @@ Status run(Context& ctx, Report& report) {
       DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
         return indexer_select_baseline(select_args(b, i), b.baseline_workspace.get(), b.baseline_bytes, stream);
       }, &baseline_us, per_graph));
+      double logits_us = 0;  // the logits kernel alone: the rest of the step is the select
+      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
+        return indexer_select_logits_only(select_args(b, i), stream);
+      }, &logits_us, per_graph));
       // Floor: each token (its own request) reads its K cache (132 B per pool),
       // q_fp8 and weights, and writes two rows.
       const double pools = double(context / kIndexerPoolSize);
@@ -102,6 +107,9 @@ Status run(Context& ctx, Report& report) {
               "logits + CUB segmented radix sort + expand + remap", baseline_us, floor_us(ctx, bytes)};
       row.note = "v4: exact logits on FP64 tensor cores (DMMA 16x8x16, each K code converted once), 12/10/10-bit radix select over keys staged in shared memory, fused expand/remap";
       report.add(row);
+      Row logits_row{"indexer logits kernel alone", {{"m", m}, {"context", double(context)}}, logits_us};
+      logits_row.note = "step 6 only (the part of the indexer row that is not the select)";
+      report.add(logits_row);
     }
   }
   return Status();

@@ -36,6 +36,7 @@
 #include "core/shared_memory.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
+#include "indexer/indexer_select_parts.h"
 #include "indexer/indexer_state_params.h"
 
 namespace dsa {
@@ -654,6 +655,11 @@ Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream) {
                                                 kStagedKeys * static_cast<int>(sizeof(uint32_t)), "indexer select"));
   const int staged = static_cast<int>(std::min<int64_t>(p.logits_stride, kStagedKeys));
   return launch_pdl(select_rows_kernel, dim3(p.m), dim3(kSelectThreads), staged * sizeof(uint32_t), stream, p, staged);
+}
+
+Status indexer_select_logits_only(const IndexerSelectArgs& args, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_indexer_select(args));
+  return launch_logits(make_params(args), stream);
 }
 
 Status indexer_select_baseline_workspace_bytes(const IndexerPlan& plan, int64_t* bytes) {
