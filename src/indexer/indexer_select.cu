@@ -59,10 +59,11 @@ static_assert(kDimsPerLane == 32 && kDimSteps * 4 == kDimsPerLane, "a lane's dim
 static_assert(kLogitThreads == kHeads * 4, "one thread per (head, 32-dim quarter) decodes q");
 
 struct LogitsShared {
-  // q as the MMAs' B fragments: [head tile][k step][lane] 4 doubles, so that a
-  // lane's fragment is 32 contiguous bytes (read as two 16-byte loads, each
-  // meeting twice in half of the banks: a [2][32] double2 split would not).
-  double4 q_fragments[kHeadTiles][kDimSteps][32];
+  // q as the MMAs' B fragments: [head tile][k step][half][lane], b[2 half]
+  // and b[2 half + 1] of the lane; each half is one 16-byte load per lane over
+  // 512 contiguous bytes (a lane's 32 bytes together would meet twice in half
+  // of the banks).
+  double2 q_fragments[kHeadTiles][kDimSteps][2][32];
   float relu[kLogitPools * (kHeads + 1)];  // [pool][head] ReLU(dot) rounded to FP32; + 1: no bank conflicts
   float weight[kHeads];                    // folded head weights w'
   int64_t block[kLogitPools];              // page of the pool, -1: untrusted, -2: past n
@@ -283,8 +284,9 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   for (int step = 0; step < kDimSteps; ++step) {
     double q[4];
     decode_e4m3x4(code_word(q_codes, step), q);
-    s.q_fragments[q_head / kHeadTile][step][4 * (q_head % kHeadTile) + q_quarter] =
-        make_double4(q[0], q[1], q[2], q[3]);
+    const int lane_of_fragment = 4 * (q_head % kHeadTile) + q_quarter;
+    s.q_fragments[q_head / kHeadTile][step][0][lane_of_fragment] = make_double2(q[0], q[1]);
+    s.q_fragments[q_head / kHeadTile][step][1][lane_of_fragment] = make_double2(q[2], q[3]);
   }
   __syncthreads();
 
@@ -301,8 +303,8 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     }
 #pragma unroll
     for (int tile = 0; tile < kHeadTiles; ++tile) {
-      const double4 q = s.q_fragments[tile][step][lane];
-      const double b[4] = {q.x, q.y, q.z, q.w};
+      const double2 low = s.q_fragments[tile][step][0][lane], high = s.q_fragments[tile][step][1][lane];
+      const double b[4] = {low.x, low.y, high.x, high.y};
       mma_f64(dot[tile], a, b);
     }
   }
