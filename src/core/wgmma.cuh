@@ -112,17 +112,6 @@ __device__ __forceinline__ void mma_m64n8k16_f16_a_in_registers(float (&d)[4], c
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(static_cast<int>(accumulate)));
 }
 
-// D[64 x 32] = A[64 x 16] B[16 x 32] (+ D when `accumulate`): FP16 operands,
-// both K-major in shared memory (descriptors above), f32 accumulators.
-__device__ __forceinline__ void mma_m64n32k16_f16(float (&d)[16], uint64_t a, uint64_t b, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b), "r"(static_cast<int>(accumulate)));
-}
-
 // D[64 x 64] = A[64 x 16] B[16 x 64] (+ D when `accumulate`): FP16 operands,
 // both K-major in shared memory, f32 accumulators.
 __device__ __forceinline__ void mma_m64n64k16_f16(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {

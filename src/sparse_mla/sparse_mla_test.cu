@@ -586,6 +586,19 @@ TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
   }
 }
 
+// A random problem whose cache entry `nan_slot` holds a NaN code at dim
+// `nan_dim`, with every index drawn from the slots above it: a row selects the
+// NaN entry only where a test sets it on purpose.
+Problem problem_with_nan_entry(const Case& c, bool padded, int32_t nan_slot, int nan_dim, std::mt19937_64& rng) {
+  Problem p = random_problem(c, padded, 3.0f, rng);
+  p.entry(nan_slot)[nan_dim] = kCodeNaN;
+  std::uniform_int_distribution<int32_t> slot(nan_slot + 1, static_cast<int32_t>(p.capacity()) - 1);
+  for (int t = 0; t < p.m; ++t) {
+    for (int j = 0; j < c.top_k; ++j) p.index(t, j) = slot(rng);
+  }
+  return p;
+}
+
 // H = 8 runs the 8-head kernel, H = 64 the 64-head one (through sparse_mla).
 TEST(SparseMlaGpu, EdgeCasesMatchTheReference) {
   DSA_REQUIRE_GPU();
@@ -593,15 +606,9 @@ TEST(SparseMlaGpu, EdgeCasesMatchTheReference) {
     SCOPED_TRACE("H " + std::to_string(heads));
     std::mt19937_64 rng(testing::test_seed() + 10);
     const int top_k = 64;
-    Problem p = random_problem(Case{heads, 6, top_k}, /*padded=*/true, 3.0f, rng);
-    const int32_t capacity = static_cast<int32_t>(p.capacity());
     const int32_t nan_slot = 77;
-    p.entry(nan_slot)[300] = kCodeNaN;
-    // Random entries avoid the NaN slot except where a row selects it on purpose.
-    std::uniform_int_distribution<int32_t> slot(nan_slot + 1, capacity - 1);
-    for (int t = 0; t < p.m; ++t) {
-      for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
-    }
+    Problem p = problem_with_nan_entry(Case{heads, 6, top_k}, /*padded=*/true, nan_slot, 300, rng);
+    const int32_t capacity = static_cast<int32_t>(p.capacity());
     for (int j = 0; j < top_k; ++j) p.index(0, j) = -1 - j;                                     // all negative
     for (int j = 0; j < top_k; ++j) p.index(1, j) = p.index(1, j % 3);                          // three slots, repeated
     for (int j = 0; j < top_k; j += 3) p.index(2, j) = capacity + j * 1000;                     // a third out of range
@@ -745,14 +752,9 @@ TEST(SparseMlaGpu, SpecialValuesAcrossSplitsAndChunks) {
     SCOPED_TRACE("H " + std::to_string(heads));
     std::mt19937_64 rng(testing::test_seed() + 50);
     const int top_k = 2048;
-    Problem p = random_problem(Case{heads, 4, top_k}, /*padded=*/false, 3.0f, rng);
-    const int32_t capacity = static_cast<int32_t>(p.capacity());
     const int32_t nan_slot = 5;
-    p.entry(nan_slot)[100] = kCodeNaN;
-    std::uniform_int_distribution<int32_t> slot(nan_slot + 1, capacity - 1);
-    for (int t = 0; t < p.m; ++t) {
-      for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
-    }
+    Problem p = problem_with_nan_entry(Case{heads, 4, top_k}, /*padded=*/false, nan_slot, 100, rng);
+    const int32_t capacity = static_cast<int32_t>(p.capacity());
     p.index(0, 1900) = nan_slot;                                        // a late chunk of a late split
     for (int j = 200; j < top_k; ++j) p.index(1, j) = -1;               // only the first splits have entries
     for (int j = 0; j < top_k; ++j) p.index(2, j) = j % 3 ? -1 : capacity + j;  // none valid, a third out of range
