@@ -1,6 +1,6 @@
-// Shared-memory addresses and the async-copy (LDGSTS) primitives the kernels
-// that stage global data in shared memory use: head_gemv's weight slabs and
-// sparse_mla's gathered cache rows.
+// Shared-memory addresses, the async-copy (LDGSTS) primitives the kernels
+// that stage global data in shared memory use (head_gemv's weight slabs and
+// sparse_mla's gathered cache rows), and the streaming load of data read once.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +32,16 @@ __device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
 // 4 bytes to shared memory at a shared-memory address.
 __device__ __forceinline__ void store_shared_b32(uint32_t address, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(v));
+}
+
+// 16 bytes from global memory into registers, read once: not kept in L1
+// (which a large shared-memory carve-out leaves small).
+__device__ __forceinline__ uint4 load_streaming(const void* global) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(global));
+  return v;
 }
 
 __device__ __forceinline__ void async_copy_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

@@ -128,16 +128,6 @@ __device__ __forceinline__ float exp2_flush(float x) {
   return y;
 }
 
-// 16 bytes read once: not kept in L1 (which the shared-memory carve-out leaves small).
-__device__ __forceinline__ uint4 load_streaming(const uint8_t* global) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(global));
-  return v;
-}
-
-
 // The pieces of a 64-row tile that thread t of `kConverters` (128 or 256)
 // converts: 16-byte FP8 piece t % 32 (dims 16 (t % 32)..) of rows
 // t / 32 + (kConverters / 32) k, k = 0..kChunkPieces / kConverters - 1.
