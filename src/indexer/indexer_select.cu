@@ -358,7 +358,6 @@ struct SelectShared {
   uint32_t prefix;  // the key digits chosen so far
   int remaining;    // pools still to take among those whose key starts with `prefix`
   int digit_count;  // pools whose key starts with `prefix` (after the last digit: equal to the threshold)
-  int shift;        // the lowest bit of the digits found so far
 };
 
 // The select's view of a token's keys: the first `staged` live in shared
@@ -432,7 +431,6 @@ __device__ void select_digit(SelectShared& s, const TokenKeys& keys, int n, int 
       s.prefix = prefix | (static_cast<uint32_t>(top - k) << shift);
       s.remaining = remaining - above;
       s.digit_count = counts[k];
-      s.shift = shift;
     }
     above += counts[k];
   }
@@ -463,13 +461,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
   }
   __syncthreads();
   // Digits until the bin of the 512th key is taken whole (then the lower
-  // digits cannot change the set) or the key is resolved.
+  // digits cannot change the set) or the key is resolved. After an early
+  // stop T's lower digits are 0 and no tie is split, so "key > T or key == T"
+  // takes exactly the keys of the bin and above.
 #pragma unroll
   for (int d = 0; d < kDigitCount; ++d) {
     select_digit(s, keys, n, d);
     if (s.remaining == s.digit_count) break;  // uniform: shared values after select_digit's barrier
   }
-  const uint32_t mask = ~0u << s.shift;  // the digits found; T's lower bits are 0
   const uint32_t threshold = s.prefix;
   const int take_equal = s.remaining;
   const bool split_ties = take_equal < s.digit_count;  // some pools of key T are left out
@@ -495,8 +494,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
         key[k] = first + k < n ? keys(first + k) : 0u;  // key 0: below every real key (NaN ranks as -inf)
       }
     }
-#pragma unroll
-    for (int k = 0; k < kCompactItems; ++k) key[k] &= mask;
     int equal_mine = 0;
 #pragma unroll
     for (int k = 0; k < kCompactItems; ++k) equal_mine += first + k < n && key[k] == threshold;
