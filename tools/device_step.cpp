@@ -107,6 +107,8 @@ Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const Host
   const int64_t counters = sparse_mla_split_counter_count(shape.m, shape.H, kTopKWidth);
   DSA_RETURN_IF_ERROR(split_counters_.allocate(size_t(counters) * sizeof(int32_t)));
   DSA_CUDA_RETURN(cudaMemsetAsync(split_counters_.get(), 0, split_counters_.bytes(), stream));
+  const int64_t partials = sparse_mla_split_partials_count(shape.m, shape.H, kTopKWidth);
+  if (partials > 0) DSA_RETURN_IF_ERROR(split_partials_.allocate(size_t(partials) * sizeof(float)));
   DSA_RETURN_IF_ERROR(error_counts_.allocate(kErrorCounters * sizeof(unsigned int)));
   DSA_CUDA_RETURN(cudaMemsetAsync(error_counts_.get(), 0, error_counts_.bytes(), stream));
 
@@ -303,6 +305,10 @@ Status DeviceStep::attention(void* q_fp8, void* cache, void* topk_slots, void* l
   args.lse = make_tensor(lse, DType::kF32, {s_.m, s_.H});
   args.split_counters = make_tensor(split_counters_.get(), DType::kI32,
                                     {int64_t(split_counters_.bytes() / sizeof(int32_t))});
+  if (split_partials_.bytes() > 0) {
+    args.split_partials = make_tensor(split_partials_.get(), DType::kF32,
+                                      {int64_t(split_partials_.bytes() / sizeof(float))});
+  }
   args.error_count = error_count;
   return sparse_mla(args, stream);
 }

@@ -128,6 +128,7 @@ class DeviceStep {
   bench::DeviceMemory q_fp8_fused_, latent_fused_, lse_fused_, out_fused_, cache_fused_;
   bench::DeviceMemory q_bf16_stock_, q_fp8_stock_, latent_stock_, lse_stock_, out_stock_, cache_stock_;
   bench::DeviceMemory split_counters_;  // sparse_mla's, zero between launches
+  bench::DeviceMemory split_partials_;  // sparse_mla's clusters' results for the last one
   bench::DeviceMemory error_counts_;    // [kErrorCounters] unsigned int
   // The indexer: parameters, the step's inputs, the shared state and workspace, each path's rows.
   bench::DeviceMemory index_k_norm_weight_, index_k_norm_bias_, index_ape_;

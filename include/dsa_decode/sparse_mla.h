@@ -38,18 +38,20 @@
 // programmatic dependent launch and waits (griddepcontrol.wait) before reading
 // q, the cache, the indices or the scales, all of which its predecessors write.
 //
-// Split-K counters: a caller-owned int32 buffer of
-// sparse_mla_split_counter_count(m, H, K) counters, zeroed once at
-// allocation; every launch that completes leaves it zero, so no per-call
-// memset is needed. No kernel of this version uses it: the tensor-core
-// kernels combine their splits inside a thread-block cluster through
-// distributed shared memory (docs/sparse_mla.md has the measurements). It is
-// required all the same, so that a kernel with more splits than a cluster
-// holds (a two-level combine through a self-resetting counter) changes no
-// caller. One buffer serves any number of launches in stream order, not two
+// Split-K buffers, both caller-owned and planned once for the largest m:
+// - split_counters: int32, sparse_mla_split_counter_count(m, H, K) of them,
+//   zeroed once at allocation; every launch that completes leaves them zero,
+//   so no per-call memset is needed. The 64-head kernel (H a multiple of 64)
+//   splits a token's entries over more CTAs than one thread-block cluster of
+//   8: each cluster combines its CTAs through distributed shared memory, and
+//   the last cluster to finish, found by these counters, combines the
+//   clusters' results in cluster order.
+// - split_partials: f32, sparse_mla_split_partials_count(m, H, K) values (0
+//   when the plan has one cluster; the view may then be empty). Its contents
+//   on entry do not matter and are undefined after a launch.
+// One pair of buffers serves any number of launches in stream order, not two
 // launches that may run concurrently; after a launch that failed mid-way (a
-// CUDA error), zero it again. The count is non-decreasing in m: allocate it
-// once for the largest m.
+// CUDA error), zero the counters again. Both counts are non-decreasing in m.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -90,6 +92,9 @@ struct SparseMlaArgs {
   // [n] int32, n >= sparse_mla_split_counter_count(m, H, K), contiguous, all
   // zero before the first launch (see the split-K contract above).
   TensorView split_counters;
+  // [n] f32, n >= sparse_mla_split_partials_count(m, H, K), contiguous, data
+  // 16-byte aligned; may be empty (null) when that count is 0.
+  TensorView split_partials;
   unsigned int* error_count = nullptr;  // optional device counter of entries >= capacity
 };
 
@@ -98,6 +103,13 @@ struct SparseMlaArgs {
 // Non-decreasing in m. Callers must use this function, not the formula: the
 // fast kernel may need fewer (it returns a value >= what any kernel uses).
 int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
+
+// FP32 values of split_partials for m tokens, H heads, K entries per row: for H
+// a multiple of 64, m * H / 64 * clusters * (64 * 512 + 128), clusters the
+// 64-head kernel's (2 at K in 513..16384 today, 1 below); 0 for other H. At
+// glm5next TP1 (H = 64, K = 2176) that is 256.5 KiB per token. Non-decreasing
+// in m; callers must use this function, not the formula.
+int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k);
 
 // Checks every argument (dtypes, shapes, strides, alignment, ranges:
 // 1 <= m <= kSparseMlaMaxTokens, 1 <= H <= kSparseMlaMaxHeads,
@@ -109,9 +121,8 @@ Status check_sparse_mla(const SparseMlaArgs& args);
 // multiple of 64) divides one token's work. It depends only on H and K, never
 // on m or the GPU: a token's bits do not change with the batch around it.
 // (When H is a multiple of 64, sparse_mla runs a 64-head kernel whose split,
-// at most 16 CTAs of whole 64-entry chunks per (token, 64 heads) (16 at
-// K = 2048, 12 at K = 2176),
-// likewise depends on K only.)
+// at most 16 CTAs of whole 64-entry chunks per (token, 64 heads) in clusters
+// of 8, likewise depends on K only.)
 //   CTA (split, group, token) owns heads [8 group, 8 group + 8) of the token
 //   (one 8-wide MMA tile: H = 8 computes 8 heads, not vLLM's padded 64) and
 //   the entries [split * rows_per_split, ...) of its index row; the `splits`
@@ -132,18 +143,17 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k);
 
 // The fast path: FP8 codes converted exactly to FP16, both products on
 // tensor cores with FP32 accumulation, online softmax per 64-entry chunk,
-// split-K over a thread-block cluster. H a multiple of 64 (TP1, TP2): 64 heads
-// per CTA on warpgroup MMA (wgmma), the partials pushed in FP16 (O / sum);
-// other H: 8 heads per CTA on mma.sync (SparseMlaSplitPlan), the partials in
-// FP32. Deterministic and batch invariant (the kernel choice depends on H
-// only). docs/sparse_mla.md has the designs and the measured versions.
-// Launches on `stream` with PDL; neither allocates nor synchronizes.
-// The 64-head kernel at K > 512 runs clusters of 9 to 16 CTAs of 216 KB of
-// shared memory each (non-portable: a whole GPC of a full Hopper part); where
-// the GPU cannot schedule them (a MIG slice, a part with fewer SMs per GPC),
-// the launch returns the CUDA error as the Status. The plan does not fall back
-// to smaller clusters, because a token's bits may not depend on the device's
-// shape either.
+// split-K. H a multiple of 64 (TP1, TP2): 64 heads per CTA on warpgroup MMA
+// (wgmma), clusters of up to 8 CTAs that combine their partials pushed in
+// FP16 (O / sum), then the clusters' FP32 results combined by the last
+// cluster (split_counters, split_partials); other H: 8 heads per CTA on
+// mma.sync (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic and batch invariant (the kernel
+// choice depends on H only). docs/sparse_mla.md has the designs and the measured versions. Launches on `stream` with
+// PDL; neither allocates nor synchronizes. The 8-head kernel runs clusters of up to 16 CTAs (non-portable above 8);
+// where the GPU cannot schedule them (a MIG slice, a part with fewer SMs per
+// GPC), the launch returns the CUDA error as the Status. The plans do not
+// fall back to smaller clusters, because a token's bits may not depend on the
+// device's shape either.
 Status sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
 
 // The simple GPU kernel: FP32 on CUDA cores, one CTA per (token, head), a

@@ -1,14 +1,22 @@
 // The argument checks and the split-counter size of the sparse MLA contract
 // (include/dsa_decode/sparse_mla.h), shared by every sparse MLA kernel.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "dsa_decode/sparse_mla.h"
+#include "sparse_mla/sparse_mla_plan.h"
 
 namespace dsa {
 
 int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t /*top_k*/) { return m * heads; }
+
+int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k) {
+  const int k = static_cast<int>(std::clamp<int64_t>(top_k, 1, kSparseMlaMaxTopK));
+  return sparse_mla_wgmma_partials_count(m, heads, k, kSparseMlaWgmmaDefaultSplits);
+}
 
 namespace {
 
@@ -18,6 +26,23 @@ Status check_scale(const TensorView& scale, const char* name) {
   DSA_RETURN_IF_ERROR(check_aligned(scale, name, 4));
   return check_on_cuda(scale, name);
 }
+
+}  // namespace
+
+Status check_split_partials(const TensorView& partials, int64_t count) {
+  DSA_RETURN_IF_ERROR(check_dtype(partials, "split_partials", DType::kF32));
+  DSA_RETURN_IF_ERROR(check_shape(partials, "split_partials", {-1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(partials, "split_partials"));
+  if (partials.size(0) < count || partials.stride(0) != 1) {
+    return invalid_argument("split_partials",
+                            "a contiguous vector of at least sparse_mla_split_partials_count(m, H, K) = " +
+                                std::to_string(count) + " values",
+                            partials.describe());
+  }
+  return check_aligned(partials, "split_partials", 16);
+}
+
+namespace {
 
 std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".." + std::to_string(high); }
 
@@ -99,14 +124,22 @@ Status check_sparse_mla(const SparseMlaArgs& a) {
   }
   DSA_RETURN_IF_ERROR(check_aligned(a.split_counters, "split_counters", 4));
 
-  // What a launch writes (latent, lse, the counters) shares no memory with
-  // anything else it is given.
-  const std::pair<const TensorView*, const char*> written[] = {
+  const int64_t partials = sparse_mla_split_partials_count(m, heads, top_k);
+  const bool has_partials = a.split_partials.data != nullptr;
+  if (partials > 0 || has_partials) {
+    DSA_RETURN_IF_ERROR(check_split_partials(a.split_partials, partials));
+  }
+
+  // What a launch writes (latent, lse, the split buffers) shares no memory
+  // with anything else it is given.
+  std::vector<std::pair<const TensorView*, const char*>> written = {
       {&a.latent, "latent"}, {&a.lse, "lse"}, {&a.split_counters, "split_counters"}};
-  const std::pair<const TensorView*, const char*> arguments[] = {
+  if (has_partials) written.push_back({&a.split_partials, "split_partials"});
+  std::vector<std::pair<const TensorView*, const char*>> arguments = {
       {&a.q, "q"},           {&a.q_scale, "q_scale"}, {&a.kv_cache, "kv_cache"},
       {&a.k_scale, "k_scale"}, {&a.indices, "indices"}, {&a.latent, "latent"},
       {&a.lse, "lse"},       {&a.split_counters, "split_counters"}};
+  if (has_partials) arguments.push_back({&a.split_partials, "split_partials"});
   for (const auto& [out, out_name] : written) {
     for (const auto& [other, other_name] : arguments) {
       if (other != out) DSA_RETURN_IF_ERROR(check_no_overlap(*out, out_name, *other, other_name));

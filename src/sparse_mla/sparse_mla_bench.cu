@@ -63,6 +63,14 @@ struct Problem {
   int heads, m;
 };
 
+// The most splits of the 64-head kernel's plans timed here.
+constexpr int kMaxSplitsTimed = 32;
+
+std::string describe(const SparseMlaWgmmaSplits& plan) {
+  return "splits " + std::to_string(plan.splits) + " (" + std::to_string(plan.clusters) + " clusters of " +
+         std::to_string(plan.cluster_size) + ", at most " + std::to_string(plan.max_chunks) + " chunks each)";
+}
+
 // Bytes one launch must move at least: q, the index rows, K distinct cache rows
 // per token (the worst case: no two tokens of the step share a selected row),
 // the latent and the lse.
@@ -78,7 +86,7 @@ double floor_bytes(const Problem& p) {
 double flops(const Problem& p) { return 2.0 * p.m * p.heads * kTopK * (kLatent + kLatent); }
 
 struct Buffers {
-  DeviceMemory q, cache, indices, scales, latent, lse, counters;
+  DeviceMemory q, cache, indices, scales, latent, lse, counters, partials;
   int rotations = 1;
   int64_t blocks = 0;
   size_t indices_per_rotation = 0;
@@ -119,6 +127,9 @@ Status make_buffers(const Context& ctx, const Problem& p, Buffers* b) {
   const int64_t counters = sparse_mla_split_counter_count(p.m, p.heads, kTopK);
   DSA_RETURN_IF_ERROR(b->counters.allocate(size_t(counters) * 4));
   DSA_CUDA_RETURN(cudaMemsetAsync(b->counters.get(), 0, size_t(counters) * 4, ctx.stream));
+  // For every plan timed here (the most clusters: kMaxSplitsTimed).
+  const int64_t partials = sparse_mla_wgmma_partials_count(p.m, p.heads, kTopK, kMaxSplitsTimed);
+  DSA_RETURN_IF_ERROR(b->partials.allocate(size_t(std::max<int64_t>(partials, 1)) * 4));
   DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
   return Status();
 }
@@ -136,6 +147,7 @@ SparseMlaArgs views(const Problem& p, const Buffers& b, int i) {
   a.latent = make_tensor(b.latent.get(), DType::kBF16, {p.m, p.heads, kLatent});
   a.lse = make_tensor(b.lse.get(), DType::kF32, {p.m, p.heads});
   a.split_counters = make_tensor(b.counters.get(), DType::kI32, {sparse_mla_split_counter_count(p.m, p.heads, kTopK)});
+  a.split_partials = make_tensor(b.partials.get(), DType::kF32, {int64_t(b.partials.bytes() / 4)});
   return a;
 }
 
@@ -176,19 +188,18 @@ Status run(Context& ctx, Report& report) {
       Row row{"sparse_mla", params, us, "sparse_mla_simple", simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
       if (wgmma) {
-        const SparseMlaWgmmaSplits splits = sparse_mla_wgmma_splits(kTopK);
-        row.note = "sparse_mla_wgmma: 64 heads per CTA, splits " + std::to_string(splits.splits) + " x " +
-                   std::to_string(splits.rows_per_split) + " rows; " + regions;
+        row.note = "sparse_mla_wgmma: 64 heads per CTA, " + describe(sparse_mla_wgmma_splits(kTopK)) + "; " + regions;
       } else {
         row.note = "sparse_mla_mma with its plan; " + regions;
       }
       report.add(row);
     }
-    // Fewer splits than the plan's 16: 11 (three chunks per CTA: one 11-CTA
-    // cluster fits in every GPC, so m = 8 at H = 64 is one wave) and 8 (four
-    // chunks, clusters of 8: twice as many fit at once as of 16).
-    for (const auto& [max_splits, name] :
-         {std::pair<int, const char*>{11, "sparse_mla_wgmma (11 splits)"}, {8, "sparse_mla_wgmma (half the splits)"}}) {
+    // Other plans than the default 16 splits: 32 (one chunk per CTA, four
+    // clusters), 24 (three clusters) and 8 (four chunks, one cluster: no
+    // level-2 combine).
+    for (const auto& [max_splits, name] : {std::pair<int, const char*>{kMaxSplitsTimed, "sparse_mla_wgmma (32 splits)"},
+                                           {24, "sparse_mla_wgmma (24 splits)"},
+                                           {8, "sparse_mla_wgmma (8 splits)"}}) {
       if (!wgmma) break;
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(
@@ -197,11 +208,9 @@ Status run(Context& ctx, Report& report) {
             return sparse_mla_wgmma_with_max_splits(a, max_splits, stream);
           },
           &us));
-      const SparseMlaWgmmaSplits splits = sparse_mla_wgmma_splits(kTopK, max_splits);
       Row row{name, params, us, "sparse_mla_simple", simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = "splits " + std::to_string(splits.splits) + " x " + std::to_string(splits.rows_per_split) +
-                 " rows; " + regions;
+      row.note = describe(sparse_mla_wgmma_splits(kTopK, max_splits)) + "; " + regions;
       report.add(row);
     }
     const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);

@@ -31,6 +31,8 @@ struct SparseMlaParams {
   int64_t latent_token_stride;
   float* lse;                 // [m, H]
   unsigned int* error_count;  // may be null
+  int32_t* split_counters;    // zero between launches; each kernel that uses some returns them to zero
+  float* split_partials;      // what the 64-head kernel's clusters hand to the last one (null when unused)
 };
 
 // `a` must have passed check_sparse_mla.
@@ -64,6 +66,8 @@ inline SparseMlaParams sparse_mla_params(const SparseMlaArgs &a) {
   p.latent_token_stride = a.latent.stride(0);
   p.lse = static_cast<float*>(a.lse.data);
   p.error_count = a.error_count;
+  p.split_counters = static_cast<int32_t*>(a.split_counters.data);
+  p.split_partials = static_cast<float*>(a.split_partials.data);
   return p;
 }
 

@@ -26,20 +26,33 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
 
 // The 64-head warpgroup-MMA kernel (src/sparse_mla/sparse_mla_wgmma.cu):
 // H a multiple of 64 (else an error naming q), each CTA owning 64 heads. Its
-// split of a token's K entries (1 <= K <= kSparseMlaMaxTopK), a function of K
-// only: S = min(max_splits, 16, ceil(K / 64)), rows_per_split =
-// 64 ceil(ceil(K / S) / 64) (at most 1024), splits = ceil(K / rows_per_split)
-// CTAs of whole 64-entry chunks, one thread-block cluster (non-portable above
-// 8 CTAs). With max_splits too small for 1024 rows per CTA, splits exceeds it.
+// split of a token's C = ceil(K / 64) chunks of 64 entries, a function of K
+// only: splits = min(max_splits, C), rounded down to a multiple of 8 from 8
+// on and to a power of two below; split s takes chunks [s C / splits, (s + 1) C / splits) (at most
+// 16). The splits form clusters of min(splits, 8) CTAs, which combine
+// through distributed shared memory; with more than one cluster, the last
+// cluster to finish a 64-head group (a self-resetting counter per cluster
+// rank) combines the clusters' results through split_partials.
 struct SparseMlaWgmmaSplits {
-  int splits = 0;
-  int rows_per_split = 0;  // a multiple of 64, at most 1024
+  int splits = 0;        // CTAs per (token, 64 heads)
+  int cluster_size = 0;  // 1..8; splits is a multiple of it
+  int clusters = 0;      // splits / cluster_size
+  int max_chunks = 0;    // the most chunks one split takes
 };
-SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits = kSparseMlaMaxSplits);
+inline constexpr int kSparseMlaWgmmaMaxSplits = 64;
+inline constexpr int kSparseMlaWgmmaDefaultSplits = 16;
+SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits = kSparseMlaWgmmaDefaultSplits);
+// The FP32 values split_partials must hold for the plan with at most
+// max_splits splits (0 when it has one cluster).
+int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits);
 Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
-// The same kernel with at most `max_splits` (1..16) CTAs per (token, group),
-// for the benchmark's comparison of plans; an error naming max_splits when K
-// needs more CTAs than that (1024 entries per CTA at most).
+// The checks of split_partials against `count` values (check_sparse_mla's,
+// and the launcher's for plans with more clusters than the default).
+Status check_split_partials(const TensorView& partials, int64_t count);
+// The same kernel with at most `max_splits` (1..kSparseMlaWgmmaMaxSplits) CTAs
+// per (token, group), for the benchmark's comparison of plans; an error naming
+// max_splits when a split would take more than 16 chunks (1024 entries), and
+// one naming split_partials when it is smaller than the plan needs.
 Status sparse_mla_wgmma_with_max_splits(const SparseMlaArgs& args, int max_splits, cudaStream_t stream);
 
 }  // namespace dsa

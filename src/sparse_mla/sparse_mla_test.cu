@@ -53,6 +53,8 @@ struct FakeArgs {
     args.lse = make_tensor(fake_device_pointer(0x70000), DType::kF32, {m, heads});
     args.split_counters = make_tensor(fake_device_pointer(0x80000), DType::kI32,
                                       {sparse_mla_split_counter_count(m, heads, top_k)});
+    args.split_partials = make_tensor(fake_device_pointer(0x1000000), DType::kF32,
+                                      {sparse_mla_split_partials_count(m, heads, top_k)});
   }
 };
 
@@ -78,6 +80,7 @@ TEST(SparseMlaChecks, AcceptsGlm5NextShapesAndTheLimits) {
   wide.args.lse = make_tensor(fake_device_pointer(0x70000), DType::kF32, {4, kSparseMlaMaxHeads});
   wide.args.indices = make_tensor(fake_device_pointer(0x50000), DType::kI32, {4, kSparseMlaMaxTopK});
   wide.args.split_counters.shape[0] = sparse_mla_split_counter_count(4, kSparseMlaMaxHeads, kSparseMlaMaxTopK);
+  wide.args.split_partials.shape[0] = sparse_mla_split_partials_count(4, kSparseMlaMaxHeads, kSparseMlaMaxTopK);
   wide.args.kv_cache = make_strided(fake_device_pointer(0x30000), DType::kFP8E4M3, {100, 256, L},
                                     {256 * 528 + 64, 528, 1});
   EXPECT_TRUE(check_sparse_mla(wide.args).ok()) << check_sparse_mla(wide.args).to_string();
@@ -130,6 +133,27 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
   rejected([](SparseMlaArgs& a) { a.split_counters = TensorView{}; }, "split_counters", "null");
   rejected([](SparseMlaArgs& a) { a.split_counters.dtype = DType::kU8; }, "split_counters", "i32");
   rejected([](SparseMlaArgs& a) { a.split_counters.shape[0] -= 1; }, "split_counters", "at least");
+  rejected([](SparseMlaArgs& a) { a.split_partials = TensorView{}; }, "split_partials", "null");
+  rejected([](SparseMlaArgs& a) { a.split_partials.dtype = DType::kBF16; }, "split_partials", "f32");
+  rejected([](SparseMlaArgs& a) { a.split_partials.shape[0] -= 1; }, "split_partials", "at least");
+  rejected([](SparseMlaArgs& a) { a.split_partials.data = static_cast<char*>(a.split_partials.data) + 4; },
+           "split_partials", "aligned to 16");
+  rejected([](SparseMlaArgs& a) { a.split_partials.data = a.latent.data; }, "latent", "disjoint from 'split_partials'");
+}
+
+// Below 513 entries the 64-head plan has one cluster: no partials, and the
+// view may be empty; a view that is given is still checked.
+TEST(SparseMlaChecks, SplitPartialsMayBeEmptyWhenThePlanHasOneCluster) {
+  FakeArgs f;
+  f.args.indices.shape[1] = 512;
+  ASSERT_EQ(sparse_mla_split_partials_count(4, 64, 512), 0);
+  EXPECT_TRUE(check_sparse_mla(f.args).ok()) << check_sparse_mla(f.args).to_string();
+  f.args.split_partials = TensorView{};
+  EXPECT_TRUE(check_sparse_mla(f.args).ok()) << check_sparse_mla(f.args).to_string();
+  FakeArgs given;
+  given.args.indices.shape[1] = 512;
+  given.args.split_partials.dtype = DType::kI32;
+  testing::expect_rejected(check_sparse_mla(given.args), "split_partials", "f32");
 }
 
 TEST(SparseMlaChecks, SplitCounterCountGrowsWithTokens) {
@@ -144,6 +168,22 @@ TEST(SparseMlaChecks, SplitCounterCountGrowsWithTokens) {
       }
     }
   }
+}
+
+TEST(SparseMlaChecks, SplitPartialsCountGrowsWithTokens) {
+  for (int heads : {1, 8, 64, 128}) {
+    for (int top_k : {1, 100, 512, 513, 2048, 2176, kSparseMlaMaxTopK}) {
+      int64_t previous = 0;
+      for (int m = 1; m <= 512; ++m) {
+        const int64_t count = sparse_mla_split_partials_count(m, heads, top_k);
+        EXPECT_GE(count, previous) << "H " << heads << " K " << top_k << " m " << m;
+        previous = count;
+      }
+    }
+  }
+  // glm5next TP1: two clusters of 64 x 512 sums and 2 x 64 statistics per token.
+  EXPECT_EQ(sparse_mla_split_partials_count(1, 64, 2176), 2 * (64 * 512 + 128));
+  EXPECT_EQ(sparse_mla_split_partials_count(1, 8, 2176), 0) << "the 8-head kernel combines in one cluster";
 }
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -164,19 +204,35 @@ TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
   }
 }
 
-TEST(SparseMlaSplitPlan, WgmmaSplitsCoverEveryRowWithinOneCluster) {
-  for (int top_k = 1; top_k <= kSparseMlaMaxTopK; top_k += top_k < 4096 ? 1 : 61) {
-    const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k);
-    SCOPED_TRACE("K " + std::to_string(top_k));
-    ASSERT_GE(plan.splits, 1);
-    ASSERT_LE(plan.splits, kSparseMlaMaxSplits);
-    ASSERT_EQ(plan.rows_per_split % 64, 0);
-    ASSERT_LE(plan.rows_per_split, 1024) << "more entries than a CTA stages";
-    ASSERT_GE(int64_t(plan.splits) * plan.rows_per_split, top_k) << "entries left out";
-    ASSERT_LT(int64_t(plan.splits - 1) * plan.rows_per_split, top_k) << "an empty split";
+// Split s takes chunks [s C / splits, (s + 1) C / splits): every split has
+// at least one chunk and at most max_chunks <= 16 when splits <= C; the
+// clusters have 1, 2, 4 or 8 CTAs (their owners' units are whole heads).
+TEST(SparseMlaSplitPlan, WgmmaSplitsCoverEveryChunkInWholeHeadClusters) {
+  for (const int max_splits : {kSparseMlaWgmmaDefaultSplits, 8, 24, 32, kSparseMlaWgmmaMaxSplits}) {
+    for (int top_k = 1; top_k <= kSparseMlaMaxTopK; top_k += top_k < 4096 ? 1 : 61) {
+      const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits);
+      SCOPED_TRACE("K " + std::to_string(top_k) + " max_splits " + std::to_string(max_splits));
+      const int chunks = ceil_div(top_k, 64);
+      ASSERT_GE(plan.splits, 1);
+      ASSERT_LE(plan.splits, std::min(max_splits, chunks));
+      ASSERT_TRUE(plan.cluster_size == 1 || plan.cluster_size == 2 || plan.cluster_size == 4 ||
+                  plan.cluster_size == 8);
+      ASSERT_EQ(plan.splits, plan.cluster_size * plan.clusters);
+      ASSERT_TRUE(plan.clusters == 1 || plan.cluster_size == 8);
+      ASSERT_EQ(plan.max_chunks, ceil_div(chunks, plan.splits));
+      if (max_splits >= 16) ASSERT_LE(plan.max_chunks, 16) << "more entries than a CTA stages";
+      for (int split = 0; split < plan.splits; ++split) {
+        ASSERT_GT((split + 1) * chunks / plan.splits, split * chunks / plan.splits) << "an empty split";
+      }
+    }
   }
   EXPECT_EQ(sparse_mla_wgmma_splits(2048).splits, 16);  // two chunks per CTA at the served K
-  EXPECT_EQ(sparse_mla_wgmma_splits(2048).rows_per_split, 128);
+  EXPECT_EQ(sparse_mla_wgmma_splits(2048).clusters, 2);
+  EXPECT_EQ(sparse_mla_wgmma_splits(2176).splits, 16);  // 34 chunks: two or three per CTA
+  EXPECT_EQ(sparse_mla_wgmma_splits(2176).max_chunks, 3);
+  EXPECT_EQ(sparse_mla_wgmma_splits(2048, 32).clusters, 4);
+  EXPECT_EQ(sparse_mla_wgmma_splits(300).splits, 4) << "5 chunks: the largest power of two below 8";
+  EXPECT_EQ(sparse_mla_wgmma_splits(300).clusters, 1);
 }
 
 TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
@@ -189,12 +245,14 @@ TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
 }
 
 TEST(SparseMlaChecks, WgmmaMaxSplitsIsCheckedAgainstK) {
-  FakeArgs f;  // K = 2176: 3 CTAs of at most 1024 entries at least
-  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 2, nullptr), "max_splits", "at least ceil(K / 1024) = 3");
-  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 0, nullptr), "max_splits", "1..16");
-  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 17, nullptr), "max_splits", "1..16");
-  EXPECT_EQ(sparse_mla_wgmma_splits(2176, 2).splits, 3) << "the plan itself exceeds max_splits; the launcher refuses it";
+  FakeArgs f;  // K = 2176: 34 chunks, 16 at most per CTA: 3 CTAs, in a plan of 4
+  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 3, nullptr), "max_splits", "at least 4");
+  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 0, nullptr), "max_splits", "1..64");
+  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 65, nullptr), "max_splits", "1..64");
+  EXPECT_EQ(sparse_mla_wgmma_splits(2176, 3).max_chunks, 17) << "the plan itself exceeds 16 chunks; the launcher refuses it";
   EXPECT_EQ(sparse_mla_wgmma_splits(0).splits, 1) << "K below the contract's range: one split, no division by zero";
+  // More clusters than the default plan need more partials than sparse_mla_split_partials_count.
+  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 32, nullptr), "split_partials", "at least");
 }
 
 TEST(SparseMlaSplitPlan, BadPlansAreRejectedByName) {
@@ -405,6 +463,11 @@ const NamedKernel kKernels[] = {
 constexpr int64_t kGuard = 64;  // poisoned elements on each side of each output (keeps 16-byte alignment)
 constexpr uint8_t kPoison = 0xFF;
 
+// split_partials for every plan of the 64-head kernel (the most clusters).
+int64_t largest_partials_count(int64_t m, int64_t heads, int top_k) {
+  return sparse_mla_wgmma_partials_count(m, heads, top_k, kSparseMlaWgmmaMaxSplits);
+}
+
 struct GpuResult {
   std::vector<uint16_t> latent;  // [m, H, 512] contiguous
   std::vector<float> lse;        // [m, H]
@@ -426,6 +489,8 @@ GpuResult run_gpu(const Problem& p, const NamedKernel& kernel) {
   lse_dev.fill_bytes(kPoison);
   const int64_t counters = sparse_mla_split_counter_count(p.m, p.heads, p.top_k);
   DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(counters, 0));
+  DeviceBuffer<float> partials_dev(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k)));
+  partials_dev.fill_bytes(kPoison);
   DeviceBuffer<unsigned int> errors_dev(std::vector<unsigned int>{0});
 
   SparseMlaArgs a;
@@ -439,6 +504,7 @@ GpuResult run_gpu(const Problem& p, const NamedKernel& kernel) {
   a.latent = make_strided(latent_dev.get() + kGuard, DType::kBF16, {p.m, p.heads, L}, {p.latent_token_stride, L, 1});
   a.lse = make_tensor(lse_dev.get() + kGuard, DType::kF32, {p.m, p.heads});
   a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {counters});
+  a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
   a.error_count = errors_dev.get();
   const Status s = kernel.run(a, nullptr);
   EXPECT_TRUE(s.ok()) << s.to_string();
@@ -721,16 +787,16 @@ TEST(SparseMlaGpu, OtherPlansLongRowsOddHeadsAndBlockSizes) {
   }
 }
 
-// The 64-head kernel with fewer, longer splits than its plan, at K = 2176: at
-// most 8 (7 CTAs of 320 rows: portable clusters, 5 chunks each) and 3 (768
-// rows: splits that do not divide the 256 combine units, 12 chunks per CTA,
+// The 64-head kernel with other plans than its default, at K = 2176 (34
+// chunks): 32 splits (4 clusters, 1-2 chunks each), 24 (3 clusters), 8 (one
+// cluster, no level 2, 4-5 chunks each) and 4 (a cluster of 4, 8-9 chunks,
 // the padding's chunks skipped), against the float64 reference.
-TEST(SparseMlaGpu, WgmmaKernelWithFewerSplits) {
+TEST(SparseMlaGpu, WgmmaKernelWithOtherSplits) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 45);
   const Problem p = random_problem(Case{128, 2, 2176, 125}, /*padded=*/true, 3.0f, rng);
   const reference::SparseMlaResult want = reference::sparse_mla(p.host());
-  for (const int max_splits : {8, 3}) {
+  for (const int max_splits : {32, 24, 8, 4}) {
     const NamedKernel kernel = {"sparse_mla_wgmma, at most " + std::to_string(max_splits) + " splits",
                                 [max_splits](const SparseMlaArgs& a, cudaStream_t stream) {
                                   return sparse_mla_wgmma_with_max_splits(a, max_splits, stream);
@@ -744,8 +810,9 @@ TEST(SparseMlaGpu, WgmmaKernelWithFewerSplits) {
 // split (the other splits have none), a row with no valid entry over all
 // splits, and out-of-range entries counted once with two head groups.
 // H = 16 runs the 8-head kernel (two groups, 8 splits of 256 rows); H = 128 the
-// 64-head one (two groups, 16 splits of 128 rows: entry 1900 is split 14's
-// second chunk, and row 1 leaves 14 of 16 splits without a valid entry).
+// 64-head one (two groups, 16 splits of 128 rows in two clusters of 8: entry
+// 1900 is split 14's second chunk, in the second cluster, and row 1 leaves 14
+// of 16 splits and the whole second cluster without a valid entry).
 TEST(SparseMlaGpu, SpecialValuesAcrossSplitsAndChunks) {
   DSA_REQUIRE_GPU();
   for (const int heads : {16, 128}) {
@@ -805,6 +872,7 @@ TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   DeviceBuffer<uint16_t> latent_dev(size_t(p.m) * p.heads * L);
   DeviceBuffer<float> lse_dev(size_t(p.m) * p.heads);
   DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(sparse_mla_split_counter_count(p.m, p.heads, p.top_k), 0));
+  DeviceBuffer<float> partials_dev(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k)));
   SparseMlaArgs a;
   a.q = make_tensor(q_dev.get(), DType::kFP8E4M3, {p.m, p.heads, L});
   a.q_scale = make_tensor(scales_dev.get(), DType::kF32, {1});
@@ -815,6 +883,7 @@ TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   a.latent = make_tensor(latent_dev.get(), DType::kBF16, {p.m, p.heads, L});
   a.lse = make_tensor(lse_dev.get(), DType::kF32, {p.m, p.heads});
   a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {int64_t(counters_dev.size())});
+  a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
 
   cudaStream_t stream;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

@@ -5,10 +5,10 @@
 //
 // Work split (a function of K only, sparse_mla_wgmma_splits): CTA (split,
 // group, token) of two warpgroups owns heads 64 group..64 group + 63 of one
-// token and one run of rows_per_split entries of its index row, in chunks of
-// 64 entries; the `splits` CTAs of a (token, group) form one thread-block
-// cluster (up to 16 CTAs: non-portable above 8). The cluster rank of a CTA is
-// its split (blockIdx.x: grid.x equals the cluster size).
+// token and the chunks [split C / splits, (split + 1) C / splits) of the C =
+// ceil(K / 64) 64-entry chunks of its index row. The splits of a (token,
+// group) form clusters of cluster_size (<= 8) consecutive splits: cluster
+// split / cluster_size, rank split % cluster_size.
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
 // 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
@@ -34,15 +34,23 @@
 //    (P from shared memory); while those run it converts chunk i + 1 from its
 //    registers into the other tile (warpgroup 0 is done with it) and loads
 //    chunk i + 2.
-// Combine (push model): after a cluster barrier (every CTA has left its chunk
-// loop, so its tiles are free), CTA r stores its partial O divided by its sum
-// (FP16) and its (max, sum) per head into the shared memory of the CTAs that
-// combine them: CTA k owns units [k U / splits, (k + 1) U / splits) of the
-// group's U = 256 quarter heads (128 dims each). After a
-// second cluster barrier, one warp per head turns the splits' (max, sum) into
-// one coefficient per split, k_scale 2^(max_r - max) sum_r / sum (fixed
-// butterflies), and each thread adds its 8 dims over the splits in split
-// order and writes latent (BF16); lse = max ln 2 + ln(sum).
+// Combine, level 1 (push model, inside a cluster): after a cluster barrier
+// (every CTA has left its chunk loop, so its tiles are free), rank r stores
+// its partial O divided by its sum (FP16) and its (max, sum) per head into
+// the shared memory of the CTAs that combine them: rank k owns units
+// [k U / n, (k + 1) U / n) of the group's U = 256 quarter heads (128 dims
+// each), n the cluster size. After a second cluster barrier, one warp per
+// head turns the ranks' (max, sum) into one coefficient per rank,
+// 2^(max_r - max) sum_r / sum (fixed butterflies), and each thread adds its 8
+// dims over the ranks in rank order. With one cluster, that sum times k_scale
+// is the output: latent (BF16) and lse = max ln 2 + ln(sum).
+// Level 2 (more than one cluster): rank k writes its units' sums (FP32) and
+// its heads' (max, sum) into the cluster's slot of split_partials, then
+// counts itself in the counter of (token, group, rank k). The rank k that
+// arrives last (every other cluster's rank k has written and counted) resets
+// the counter to zero and combines the clusters' results for its units in
+// cluster order, the same way with k_scale: latent and lse. Units of one
+// rank are whole heads (n divides 64), so its heads' statistics are its own.
 //
 // Every sum has a fixed order that depends only on K, H and the entry
 // positions: the same inputs give the same bits, for any m.
@@ -77,8 +85,9 @@ constexpr int kThreads = 256;                       // two warpgroups
 constexpr int kWarpgroupDims = kLatent / 2;         // output dims per warpgroup
 constexpr int kPanelBytes = 64 * 128;               // 64 rows x 64 FP16 dims
 constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
-constexpr int kMaxRowsPerSplit = 1024;              // K <= 16384 over 16 splits
-constexpr int kMaxChunks = kMaxRowsPerSplit / kChunkRows;
+constexpr int kMaxChunks = 16;                      // per split: K <= 16384 over 16 splits
+constexpr int kMaxRowsPerSplit = kMaxChunks * kChunkRows;
+constexpr int kMaxClusterSize = 8;                  // portable clusters: 16 fit on an H200 at once
 constexpr int kChunkPieces = kChunkRows * (kLatent / 16);  // 16-byte FP8 pieces of a chunk (or of q)
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
@@ -86,7 +95,8 @@ constexpr int kUnits = kHeads * kLatent / kUnitDims;
 constexpr int kUnitSlots = kUnitDims * 2 / 16;      // 16-byte slots of a unit's FP16 values
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-static_assert(kMaxRowsPerSplit * kSparseMlaMaxSplits >= kSparseMlaMaxTopK, "16 splits cover the largest K");
+constexpr int kClusterPartialFloats = kUnits * kUnitDims + 2 * kHeads;  // a cluster's slot of split_partials
+static_assert(kMaxRowsPerSplit * 16 >= kSparseMlaMaxTopK, "16 splits cover the largest K");
 
 struct alignas(1024) SharedStorage {
   uint8_t q_tile[kTileBytes];    // [8 panels][64 heads][128 B]: FP16 q of the group
@@ -102,14 +112,17 @@ struct alignas(1024) SharedStorage {
   int64_t row_offset[kMaxRowsPerSplit];              // byte offset of each entry's cache row, -1 when invalid
   uint64_t valid_rows[kMaxChunks];                   // bit r: row r of chunk c is a valid entry
   int chunk_list[kMaxChunks];                        // the chunks with a valid entry, in order
+  int combines_clusters;                             // level 2: this CTA arrived last for its rank
 };
 // After the chunk loop (and a cluster barrier) the combine's inbox overlays
-// the tiles: incoming[r * share + i] = split r's FP16 partial of this CTA's
-// unit i (share <= ceil(U / splits), so splits * share < U + splits), and the
-// peers' (max, sum) per head and the combine's coefficients overlay the q tile.
-static_assert(sizeof(SharedStorage::tiles) >= 2 * kUnitDims * (kUnits + kSparseMlaMaxSplits), "the inbox");
-static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kSparseMlaMaxSplits * 3 * kHeads,
+// the tiles: incoming[r * share + i] = rank r's FP16 partial of this CTA's
+// unit i (share = U / n), and the peers' (max, sum) per head and the
+// combine's coefficients overlay the q tile.
+static_assert(sizeof(SharedStorage::tiles) >= 2 * kUnitDims * kUnits, "the inbox");
+static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kMaxClusterSize * 3 * kHeads,
               "peer statistics and coefficients");
+static_assert(kSparseMlaWgmmaMaxSplits / kMaxClusterSize <= kMaxClusterSize,
+              "level 2's coefficients (one row per cluster) fit where level 1's were");
 static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 
@@ -180,7 +193,7 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  //
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
-    sparse_mla_wgmma_kernel(const SparseMlaParams p, const int rows_per_split) {
+    sparse_mla_wgmma_kernel(const SparseMlaParams p, const int total_chunks) {
   extern __shared__ uint8_t shared_raw[];
   // Aligned up to 1024 bytes (the swizzle atoms); the same offset in every CTA
   // of the cluster, so a peer's copy of a field is at the same address.
@@ -189,6 +202,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const cg::cluster_group cluster = cg::this_cluster();
 
   const int split = blockIdx.x, splits = gridDim.x, group = blockIdx.y, token = blockIdx.z;
+  const int rank = int(cluster.block_rank()), cluster_size = int(cluster.num_blocks());
+  const int cluster_index = split / cluster_size, clusters = splits / cluster_size;
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
   // Accumulator coordinates (wgmma::accumulator_row / _column): element e of
   // an m64nN result is head 16 warp + g + 8 ((e / 2) % 2), column 8 (e / 4) + 2 c + e % 2.
@@ -211,8 +226,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   const int32_t* index_row = p.indices + token * p.indices_token_stride;
-  const int row_begin = split * rows_per_split;
-  const int rows = min(p.top_k, row_begin + rows_per_split) - row_begin;
+  const int row_begin = split * total_chunks / splits * kChunkRows;
+  const int rows = min(p.top_k, (split + 1) * total_chunks / splits * kChunkRows) - row_begin;
   const int chunks = (rows + kChunkRows - 1) / kChunkRows;
   if (threadIdx.x < kMaxChunks) s.valid_rows[threadIdx.x] = 0;
   const uint32_t p_ready = shared_address(&s.p_ready), tile_ready = shared_address(&s.tile_ready);
@@ -421,18 +436,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   cluster_arrive_release();
   cluster_wait();
 
-  // Push. The combine's unit is a quarter of a head's output (128 dims): CTA
-  // k owns units [k U / splits, (k + 1) U / splits) of the group's U = 256. A
-  // thread's accumulators cover 4 units (2 heads x 2 quarters), 32 values
-  // each. It pushes them divided by its sum, in FP16 (|O / sum| <= 448, the
-  // largest code; relative rounding 2^-11), with 4 16-byte stores per unit
-  // into the owner: distributed shared memory moves only ~25 GB/s per SM, so
-  // the bytes are what the combine costs.
-  float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);  // [split][head]
-  float(*peer_sum)[kHeads] = peer_max + kSparseMlaMaxSplits;                 // [split][head]
-  float(*coefficient)[kHeads] = peer_sum + kSparseMlaMaxSplits;             // [split][head - first_local_head]
-  uint4(*incoming)[kUnitSlots] = reinterpret_cast<uint4(*)[kUnitSlots]>(s.tiles);  // [split * share + unit][slot]
-  auto first_unit_of = [&](int k) { return k * kUnits / splits; };
+  // Level 1, push. The combine's unit is a quarter of a head's output (128
+  // dims): rank k owns units [k U / n, (k + 1) U / n) of the group's U = 256
+  // (n = cluster_size, a divisor of 64). A thread's accumulators cover 4
+  // units (2 heads x 2 quarters), 32 values each. It pushes them divided by
+  // its sum, in FP16 (|O / sum| <= 448, the largest code; relative rounding
+  // 2^-11), with 4 16-byte stores per unit into the owner: distributed shared
+  // memory moves only ~25 GB/s per SM, so the bytes are what the combine costs.
+  const int share = kUnits / cluster_size;  // units per rank
+  float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);  // [rank][head]
+  float(*peer_sum)[kHeads] = peer_max + kMaxClusterSize;                     // [rank][head]
+  float(*coefficient)[kHeads] = peer_sum + kMaxClusterSize;  // [rank or cluster][head - first_local_head]
+  uint4(*incoming)[kUnitSlots] = reinterpret_cast<uint4(*)[kUnitSlots]>(s.tiles);  // [rank * share + unit][slot]
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float inverse_sum = run_sum[r] == 0.0f ? 0.0f : __frcp_rn(run_sum[r]);  // 0: no valid entry, O = 0
@@ -440,9 +455,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int quarter = 0; quarter < 2; ++quarter) {
       const int unit = head * (kLatent / kUnitDims) + warpgroup * 2 + quarter;
-      const int k = ((unit + 1) * splits - 1) / kUnits;  // the CTA whose units include this one
-      const int first = first_unit_of(k), share = first_unit_of(k + 1) - first;
-      uint4* target = cluster.map_shared_rank(incoming[split * share + unit - first], k);
+      const int owner = unit / share;
+      uint4* target = cluster.map_shared_rank(incoming[rank * share + unit - owner * share], owner);
 #pragma unroll
       for (int j = 0; j < kUnitDims / 8; j += 4) {  // 8-dim column groups j..j + 3 of the quarter
         uint32_t pairs[4];
@@ -460,50 +474,92 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int head = 16 * warp + g + 8 * r;
-      for (int k = 0; k < splits; ++k) {
-        *cluster.map_shared_rank(&peer_max[split][head], k) = run_max[r];
-        *cluster.map_shared_rank(&peer_sum[split][head], k) = run_sum[r];
+      for (int k = 0; k < cluster_size; ++k) {
+        *cluster.map_shared_rank(&peer_max[rank][head], k) = run_max[r];
+        *cluster.map_shared_rank(&peer_sum[rank][head], k) = run_sum[r];
       }
     }
   }
   cluster_arrive_release();
   cluster_wait();
 
-  // Combine this CTA's units over the splits. First one warp per head of the
-  // units: lane r holds split r's (max, sum); the max and the weighted sum
-  // over the splits by a fixed butterfly (every lane ends with the same
-  // bits); the coefficient of split r is k_scale 2^(max_r - max) sum_r / sum.
-  const int first_unit = first_unit_of(split), share = first_unit_of(split + 1) - first_unit;
+  // This CTA's units are whole heads: [first_local_head, + local_heads).
+  const int first_unit = rank * share, local_heads = share / (kLatent / kUnitDims);
   const int first_local_head = first_unit / (kLatent / kUnitDims);
-  const int local_heads = (first_unit + share - 1) / (kLatent / kUnitDims) - first_local_head + 1;
-  for (int local = threadIdx.x / 32; local < local_heads; local += kThreads / 32) {
-    const int h = first_local_head + local;
-    const float split_max = lane < splits ? peer_max[lane][h] : -INFINITY;
-    const float split_sum = lane < splits ? peer_sum[lane][h] : 0.0f;
-    float total_max = split_max;
+  // With more than one cluster: the cluster's slot of split_partials, [unit][slot][8 dims] sums then
+  // [max, sum][head] statistics, and the counter of this rank.
+  const int64_t group_slot = (int64_t(token) * gridDim.y + group) * clusters;
+  float* const cluster_partials = p.split_partials + (group_slot + cluster_index) * kClusterPartialFloats;
+  float* const cluster_stats = cluster_partials + kUnits * kUnitDims;
+
+  // Coefficients of `count` parts (ranks or clusters) whose (max, sum) of
+  // head h lane r < count reads with part_stats(r, h): one warp per local
+  // head; the max and the weighted sum over the parts by a fixed butterfly
+  // (every lane ends with the same bits); the coefficient of part r is
+  // scale 2^(max_r - max) sum_r / sum. Returns per head (lane 0 of its warp
+  // calls `statistics(h, max, sum)`) the combined max and sum.
+  auto coefficients = [&](int count, float scale, auto&& part_stats, auto&& statistics) {
+    for (int local = threadIdx.x / 32; local < local_heads; local += kThreads / 32) {
+      const int h = first_local_head + local;
+      float part_max = -INFINITY, part_sum = 0.0f;
+      if (lane < count) part_stats(lane, h, &part_max, &part_sum);
+      float total_max = part_max;
 #pragma unroll
-    for (int offset = 16; offset >= 1; offset /= 2) {
-      total_max = max_propagating_nan(total_max, __shfl_xor_sync(0xFFFFFFFFu, total_max, offset));
-    }
-    const float weighted = total_max == -INFINITY ? 0.0f : split_sum * exp2f(split_max - total_max);
-    float total_sum = weighted;
+      for (int offset = 16; offset >= 1; offset /= 2) {
+        total_max = max_propagating_nan(total_max, __shfl_xor_sync(0xFFFFFFFFu, total_max, offset));
+      }
+      const float weighted = total_max == -INFINITY ? 0.0f : part_sum * exp2f(part_max - total_max);
+      float total_sum = weighted;
 #pragma unroll
-    for (int offset = 16; offset >= 1; offset /= 2) total_sum += __shfl_xor_sync(0xFFFFFFFFu, total_sum, offset);
-    // No valid entry: every coefficient 0, the output +0, lse -inf.
-    const float scale = total_max == -INFINITY ? 0.0f : num::div_rn(*p.k_scale, total_sum);
-    if (lane < splits) coefficient[lane][local] = weighted * scale;
-    if (lane == 0 && h * (kLatent / kUnitDims) >= first_unit) {  // the CTA of the head's first quarter
-      p.lse[int64_t(token) * p.heads + first_head + h] =
-          total_max == -INFINITY ? -INFINITY : total_max * kLn2 + logf(total_sum);
+      for (int offset = 16; offset >= 1; offset /= 2) total_sum += __shfl_xor_sync(0xFFFFFFFFu, total_sum, offset);
+      // No valid entry: every coefficient 0, the output +0, lse -inf.
+      const float factor = total_max == -INFINITY ? 0.0f : num::div_rn(scale, total_sum);
+      if (lane < count) coefficient[lane][local] = weighted * factor;
+      if (lane == 0) statistics(h, total_max, total_sum);
     }
-  }
+  };
+  // The final outputs of head h (all of this CTA's units are final when called).
+  auto write_lse = [&](int h, float total_max, float total_sum) {
+    p.lse[int64_t(token) * p.heads + first_head + h] =
+        total_max == -INFINITY ? -INFINITY : total_max * kLn2 + logf(total_sum);
+  };
+  // Item i of this CTA: unit first_unit + i / kUnitSlots, 16-byte slot i % kUnitSlots, holding dims
+  // 8 (4 (slot / 4) + u) + 2 (slot % 4), + 1 for u = 0..3 of the unit.
+  auto write_latent = [&](int item, const float (&total)[8]) {
+    const int unit = first_unit + item / kUnitSlots, slot = item % kUnitSlots, h = unit / (kLatent / kUnitDims);
+    uint16_t* row = p.latent + token * p.latent_token_stride + int64_t(first_head + h) * kLatent +
+                    (unit % (kLatent / kUnitDims)) * kUnitDims + 2 * (slot % 4);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      *reinterpret_cast<uint32_t*>(row + 8 * (4 * (slot / 4) + u)) =
+          uint32_t(num::float_to_bf16(total[2 * u])) | (uint32_t(num::float_to_bf16(total[2 * u + 1])) << 16);
+    }
+  };
+
+  // Level 1: this CTA's units over the cluster's ranks, in rank order. With
+  // one cluster the coefficients carry k_scale and the sums are the output;
+  // otherwise they are this cluster's O / sum, for level 2.
+  const bool single_cluster = clusters == 1;
+  coefficients(
+      cluster_size, single_cluster ? *p.k_scale : 1.0f,
+      [&](int r, int h, float* part_max, float* part_sum) {
+        *part_max = peer_max[r][h];
+        *part_sum = peer_sum[r][h];
+      },
+      [&](int h, float total_max, float total_sum) {
+        if (single_cluster) {
+          write_lse(h, total_max, total_sum);
+        } else {
+          cluster_stats[h] = total_max;
+          cluster_stats[kHeads + h] = total_sum;
+        }
+      });
   __syncthreads();
-  // Then one thread per (unit, slot): dims 8 (4 (slot / 4) + u) + 2 (slot % 4), + 1 for u = 0..3.
   for (int item = threadIdx.x; item < share * kUnitSlots; item += kThreads) {
     const int i = item / kUnitSlots, slot = item % kUnitSlots;
-    const int unit = first_unit + i, h = unit / (kLatent / kUnitDims);
-    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};  // dims 8 (4 (slot / 4) + u) + 2 (slot % 4), + 1
-    for (int r = 0; r < splits; ++r) {
+    const int h = (first_unit + i) / (kLatent / kUnitDims);
+    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < cluster_size; ++r) {
       const float weight = coefficient[r][h - first_local_head];
       const uint4 x = incoming[r * share + i][slot];
       const uint32_t pairs[4] = {x.x, x.y, x.z, x.w};
@@ -514,13 +570,53 @@ __global__ void __launch_bounds__(kThreads, 1)
         total[2 * u + 1] = fmaf(values.y, weight, total[2 * u + 1]);
       }
     }
-    uint16_t* row = p.latent + token * p.latent_token_stride + int64_t(first_head + h) * kLatent +
-                    (unit % (kLatent / kUnitDims)) * kUnitDims + 2 * (slot % 4);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      *reinterpret_cast<uint32_t*>(row + 8 * (4 * (slot / 4) + u)) =
-          uint32_t(num::float_to_bf16(total[2 * u])) | (uint32_t(num::float_to_bf16(total[2 * u + 1])) << 16);
+    if (single_cluster) {
+      write_latent(item, total);
+    } else {
+      float4* target = reinterpret_cast<float4*>(cluster_partials + ((first_unit + i) * kUnitSlots + slot) * 8);
+      target[0] = make_float4(total[0], total[1], total[2], total[3]);
+      target[1] = make_float4(total[4], total[5], total[6], total[7]);
     }
+  }
+  if (single_cluster) return;
+
+  // Level 2. Count this CTA in its rank's counter once all its writes are
+  // visible device-wide (each thread fences its own); the last to arrive
+  // resets the counter for the next launch and combines.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = p.split_counters + (int64_t(token) * gridDim.y + group) * kMaxClusterSize + rank;
+    s.combines_clusters = atomicAdd(counter, 1) == clusters - 1;
+    if (s.combines_clusters) *counter = 0;
+    __threadfence();
+  }
+  __syncthreads();
+  if (!s.combines_clusters) return;
+  const float* const group_partials = p.split_partials + group_slot * kClusterPartialFloats;
+  coefficients(
+      clusters, *p.k_scale,
+      [&](int cluster_r, int h, float* part_max, float* part_sum) {
+        const float* stats = group_partials + int64_t(cluster_r) * kClusterPartialFloats + kUnits * kUnitDims;
+        *part_max = __ldcg(stats + h);
+        *part_sum = __ldcg(stats + kHeads + h);
+      },
+      write_lse);
+  __syncthreads();
+  for (int item = threadIdx.x; item < share * kUnitSlots; item += kThreads) {
+    const int i = item / kUnitSlots, slot = item % kUnitSlots;
+    const int h = (first_unit + i) / (kLatent / kUnitDims);
+    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int cluster_r = 0; cluster_r < clusters; ++cluster_r) {
+      const float weight = coefficient[cluster_r][h - first_local_head];
+      const float4* source = reinterpret_cast<const float4*>(group_partials + int64_t(cluster_r) * kClusterPartialFloats +
+                                                             ((first_unit + i) * kUnitSlots + slot) * 8);
+      const float4 low = __ldcg(source), high = __ldcg(source + 1);
+      const float values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+#pragma unroll
+      for (int d = 0; d < 8; ++d) total[d] = fmaf(values[d], weight, total[d]);
+    }
+    write_latent(item, total);
   }
 }
 
@@ -530,36 +626,57 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits) {
   SparseMlaWgmmaSplits plan;
-  top_k = std::max(top_k, 1);  // outside the contract's range: the plan of one entry, not a division by zero
-  const int splits = std::max(1, std::min({max_splits, kSparseMlaMaxSplits, ceil_div(top_k, kChunkRows)}));
-  plan.rows_per_split = std::min(kMaxRowsPerSplit, ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows);
-  plan.splits = ceil_div(top_k, plan.rows_per_split);
+  const int chunks = ceil_div(std::max(top_k, 1), kChunkRows);  // K below the contract's range: one chunk
+  // Clusters of 1, 2, 4 or 8 CTAs: the level-1 owners' units are whole heads.
+  int splits = std::max(1, std::min(max_splits, chunks));
+  if (splits >= kMaxClusterSize) {
+    splits -= splits % kMaxClusterSize;
+  } else {
+    while (splits & (splits - 1)) splits &= splits - 1;  // the largest power of two <= splits
+  }
+  plan.splits = splits;
+  plan.cluster_size = std::min(splits, kMaxClusterSize);
+  plan.clusters = splits / plan.cluster_size;
+  plan.max_chunks = ceil_div(chunks, splits);
   return plan;
+}
+
+int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits) {
+  if (heads % kHeads != 0) return 0;
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits);
+  return plan.clusters == 1 ? 0 : m * (heads / kHeads) * plan.clusters * kClusterPartialFloats;
 }
 
 Status sparse_mla_wgmma_with_max_splits(const SparseMlaArgs& a, int max_splits, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
-  const int64_t heads = a.q.size(1);
+  const int64_t m = a.q.size(0), heads = a.q.size(1);
   if (heads % kHeads != 0) {
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
   }
   const int top_k = static_cast<int>(a.indices.size(1));
   const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits);
-  if (max_splits < 1 || max_splits > kSparseMlaMaxSplits || plan.splits > max_splits) {
+  if (max_splits < 1 || max_splits > kSparseMlaWgmmaMaxSplits || plan.max_chunks > kMaxChunks) {
+    int fewest = 1;  // the smallest max_splits whose plan stages at most 16 chunks per CTA
+    while (sparse_mla_wgmma_splits(top_k, fewest).max_chunks > kMaxChunks) ++fewest;
     return invalid_argument("max_splits",
-                            "1..16, and at least ceil(K / 1024) = " + std::to_string(ceil_div(top_k, kMaxRowsPerSplit)),
+                            "1.." + std::to_string(kSparseMlaWgmmaMaxSplits) + ", and at least " +
+                                std::to_string(fewest) + " at K = " + std::to_string(top_k) +
+                                " (at most 16 chunks of 64 entries per CTA)",
                             std::to_string(max_splits));
+  }
+  if (plan.clusters > 1) {
+    DSA_RETURN_IF_ERROR(
+        check_split_partials(a.split_partials, sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits)));
   }
   const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel);
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma"));
-  if (plan.splits > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla_wgmma"));
-  const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(a.q.size(0)));
+  const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(m));
   return launch_pdl_clustered(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
-                              unsigned(plan.splits), sparse_mla_params(a), plan.rows_per_split);
+                              unsigned(plan.cluster_size), sparse_mla_params(a), ceil_div(top_k, kChunkRows));
 }
 
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
-  return sparse_mla_wgmma_with_max_splits(a, kSparseMlaMaxSplits, stream);
+  return sparse_mla_wgmma_with_max_splits(a, kSparseMlaWgmmaDefaultSplits, stream);
 }
 
 }  // namespace dsa
