@@ -42,10 +42,11 @@
 // - split_counters: int32, sparse_mla_split_counter_count(m, H, K) of them,
 //   zeroed once at allocation; every launch that completes leaves them zero,
 //   so no per-call memset is needed. The 64-head kernel (H a multiple of 64)
-//   splits a token's entries over more CTAs than one thread-block cluster of
-//   8: each cluster combines its CTAs through distributed shared memory, and
-//   the last cluster to finish, found by these counters, combines the
-//   clusters' results in cluster order.
+//   can split a token's entries over several thread-block clusters: each
+//   cluster combines its CTAs through distributed shared memory, and the
+//   last CTA to finish each cluster rank, found by these counters, combines
+//   the clusters' results in cluster order. (Its default plan, one cluster
+//   of 16 CTAs, does not; docs/sparse_mla.md has the measured plans.)
 // - split_partials: f32, sparse_mla_split_partials_count(m, H, K) values (0
 //   when the plan has one cluster; the view may then be empty). Its contents
 //   on entry do not matter and are undefined after a launch.
@@ -105,10 +106,11 @@ struct SparseMlaArgs {
 int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
 
 // FP32 values of split_partials for m tokens, H heads, K entries per row: for H
-// a multiple of 64, m * H / 64 * clusters * (64 * 512 + 128), clusters the
-// 64-head kernel's (2 at K in 513..16384 today, 1 below); 0 for other H. At
-// glm5next TP1 (H = 64, K = 2176) that is 256.5 KiB per token. Non-decreasing
-// in m; callers must use this function, not the formula.
+// a multiple of 64, m * H / 64 * clusters * (64 * 512 + 128) when the
+// 64-head kernel's plan has more than one cluster (128.5 KiB per cluster,
+// token and 64 heads), else 0; 0 for other H. The default plan has one
+// cluster today (0 for every K). Non-decreasing in m; callers must use this
+// function, not the formula.
 int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k);
 
 // Checks every argument (dtypes, shapes, strides, alignment, ranges:
@@ -121,8 +123,8 @@ Status check_sparse_mla(const SparseMlaArgs& args);
 // multiple of 64) divides one token's work. It depends only on H and K, never
 // on m or the GPU: a token's bits do not change with the batch around it.
 // (When H is a multiple of 64, sparse_mla runs a 64-head kernel whose split,
-// at most 16 CTAs of whole 64-entry chunks per (token, 64 heads) in clusters
-// of 8, likewise depends on K only.)
+// at most 16 CTAs of whole 64-entry chunks per (token, 64 heads) in one
+// cluster, likewise depends on K only.)
 //   CTA (split, group, token) owns heads [8 group, 8 group + 8) of the token
 //   (one 8-wide MMA tile: H = 8 computes 8 heads, not vLLM's padded 64) and
 //   the entries [split * rows_per_split, ...) of its index row; the `splits`
@@ -144,14 +146,16 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k);
 // The fast path: FP8 codes converted exactly to FP16, both products on
 // tensor cores with FP32 accumulation, online softmax per 64-entry chunk,
 // split-K. H a multiple of 64 (TP1, TP2): 64 heads per CTA on warpgroup MMA
-// (wgmma), clusters of up to 8 CTAs that combine their partials pushed in
-// FP16 (O / sum), then the clusters' FP32 results combined by the last
-// cluster (split_counters, split_partials); other H: 8 heads per CTA on
-// mma.sync (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic and batch invariant (the kernel
-// choice depends on H only). docs/sparse_mla.md has the designs and the measured versions. Launches on `stream` with
-// PDL; neither allocates nor synchronizes. The 8-head kernel runs clusters of up to 16 CTAs (non-portable above 8);
-// where the GPU cannot schedule them (a MIG slice, a part with fewer SMs per
-// GPC), the launch returns the CUDA error as the Status. The plans do not
+// (wgmma), a cluster of up to 16 CTAs that combine their partials pushed in
+// FP16 (O / sum) (plans with several clusters combine those through
+// split_partials); other H: 8 heads per CTA on mma.sync
+// (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic and
+// batch invariant (the kernel choice depends on H only). docs/sparse_mla.md
+// has the designs and the measured versions. Launches on `stream` with PDL;
+// neither allocates nor synchronizes. Both kernels run clusters of up to 16
+// CTAs (non-portable above 8); where the GPU cannot schedule them (a MIG
+// slice, a part with fewer SMs per GPC), the launch returns the CUDA error as
+// the Status. The plans do not
 // fall back to smaller clusters, because a token's bits may not depend on the
 // device's shape either.
 Status sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);

@@ -15,7 +15,7 @@ int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t /*top_k
 
 int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k) {
   const int k = static_cast<int>(std::clamp<int64_t>(top_k, 1, kSparseMlaMaxTopK));
-  return sparse_mla_wgmma_partials_count(m, heads, k, kSparseMlaWgmmaDefaultSplits);
+  return sparse_mla_wgmma_partials_count(m, heads, k, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster);
 }
 
 namespace {

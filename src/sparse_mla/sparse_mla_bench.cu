@@ -63,12 +63,16 @@ struct Problem {
   int heads, m;
 };
 
-// The most splits of the 64-head kernel's plans timed here.
+// The most splits of the 64-head kernel's plans timed here (with clusters of 4 at the least).
 constexpr int kMaxSplitsTimed = 32;
 
+// A 64-head plan, with how many of its clusters the GPU runs at once.
 std::string describe(const SparseMlaWgmmaSplits& plan) {
+  int at_once = 0;
+  const Status s = sparse_mla_wgmma_max_active_clusters(plan.cluster_size, &at_once);
   return "splits " + std::to_string(plan.splits) + " (" + std::to_string(plan.clusters) + " clusters of " +
-         std::to_string(plan.cluster_size) + ", at most " + std::to_string(plan.max_chunks) + " chunks each)";
+         std::to_string(plan.cluster_size) + ", " + (s.ok() ? std::to_string(at_once) : "?") +
+         " clusters at once, at most " + std::to_string(plan.max_chunks) + " chunks each)";
 }
 
 // Bytes one launch must move at least: q, the index rows, K distinct cache rows
@@ -128,7 +132,7 @@ Status make_buffers(const Context& ctx, const Problem& p, Buffers* b) {
   DSA_RETURN_IF_ERROR(b->counters.allocate(size_t(counters) * 4));
   DSA_CUDA_RETURN(cudaMemsetAsync(b->counters.get(), 0, size_t(counters) * 4, ctx.stream));
   // For every plan timed here (the most clusters: kMaxSplitsTimed).
-  const int64_t partials = sparse_mla_wgmma_partials_count(p.m, p.heads, kTopK, kMaxSplitsTimed);
+  const int64_t partials = sparse_mla_wgmma_partials_count(p.m, p.heads, kTopK, kMaxSplitsTimed, 4);
   DSA_RETURN_IF_ERROR(b->partials.allocate(size_t(std::max<int64_t>(partials, 1)) * 4));
   DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
   return Status();
@@ -194,23 +198,30 @@ Status run(Context& ctx, Report& report) {
       }
       report.add(row);
     }
-    // Other plans than the default 16 splits: 32 (one chunk per CTA, four
-    // clusters), 24 (three clusters) and 8 (four chunks, one cluster: no
-    // level-2 combine).
-    for (const auto& [max_splits, name] : {std::pair<int, const char*>{kMaxSplitsTimed, "sparse_mla_wgmma (32 splits)"},
-                                           {24, "sparse_mla_wgmma (24 splits)"},
-                                           {8, "sparse_mla_wgmma (8 splits)"}}) {
+    // Other plans than the default (16 splits in one cluster of 16): 32
+    // (one chunk per CTA) in clusters of 16 and of 8, 16 in clusters of 8
+    // and of 4 (more of them run at once: the level-2 combine then joins
+    // the clusters), and 8 (four chunks, one cluster of 8).
+    struct OtherPlan {
+      int max_splits, max_cluster;
+      const char* name;
+    };
+    for (const OtherPlan& other : {OtherPlan{kMaxSplitsTimed, 16, "sparse_mla_wgmma (32 splits, clusters of 16)"},
+                                   OtherPlan{kMaxSplitsTimed, 8, "sparse_mla_wgmma (32 splits, clusters of 8)"},
+                                   OtherPlan{16, 8, "sparse_mla_wgmma (16 splits, clusters of 8)"},
+                                   OtherPlan{16, 4, "sparse_mla_wgmma (16 splits, clusters of 4)"},
+                                   OtherPlan{8, 8, "sparse_mla_wgmma (8 splits)"}}) {
       if (!wgmma) break;
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(
           ctx, p, b,
-          [&, max_splits = max_splits](const SparseMlaArgs& a, cudaStream_t stream) {
-            return sparse_mla_wgmma_with_max_splits(a, max_splits, stream);
+          [&](const SparseMlaArgs& a, cudaStream_t stream) {
+            return sparse_mla_wgmma_with_plan(a, other.max_splits, other.max_cluster, stream);
           },
           &us));
-      Row row{name, params, us, "sparse_mla_simple", simple_us, floor};
+      Row row{other.name, params, us, "sparse_mla_simple", simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = describe(sparse_mla_wgmma_splits(kTopK, max_splits)) + "; " + regions;
+      row.note = describe(sparse_mla_wgmma_splits(kTopK, other.max_splits, other.max_cluster)) + "; " + regions;
       report.add(row);
     }
     const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);

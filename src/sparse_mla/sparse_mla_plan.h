@@ -26,33 +26,40 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
 
 // The 64-head warpgroup-MMA kernel (src/sparse_mla/sparse_mla_wgmma.cu):
 // H a multiple of 64 (else an error naming q), each CTA owning 64 heads. Its
-// split of a token's C = ceil(K / 64) chunks of 64 entries, a function of K
-// only: splits = min(max_splits, C), rounded down to a multiple of 8 from 8
-// on and to a power of two below; split s takes chunks [s C / splits, (s + 1) C / splits) (at most
-// 16). The splits form clusters of min(splits, 8) CTAs, which combine
-// through distributed shared memory; with more than one cluster, the last
-// cluster to finish a 64-head group (a self-resetting counter per cluster
-// rank) combines the clusters' results through split_partials.
+// split of a token's C = ceil(K / 64) chunks of 64 entries is a function of K
+// only (and of the two limits, constants for sparse_mla): splits =
+// min(max_splits, C); the cluster size is the largest power of two <=
+// min(splits, max_cluster), and splits is rounded down to a multiple of it;
+// split s takes chunks [s C / splits, (s + 1) C / splits) (at most 16). Each
+// cluster combines its CTAs through distributed shared memory; with more than
+// one cluster, the last CTA of each cluster rank to finish (a self-resetting
+// counter) combines the clusters' results through split_partials.
 struct SparseMlaWgmmaSplits {
   int splits = 0;        // CTAs per (token, 64 heads)
-  int cluster_size = 0;  // 1..8; splits is a multiple of it
+  int cluster_size = 0;  // 1, 2, 4, 8 or 16; splits is a multiple of it
   int clusters = 0;      // splits / cluster_size
   int max_chunks = 0;    // the most chunks one split takes
 };
 inline constexpr int kSparseMlaWgmmaMaxSplits = 64;
 inline constexpr int kSparseMlaWgmmaDefaultSplits = 16;
-SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits = kSparseMlaWgmmaDefaultSplits);
-// The FP32 values split_partials must hold for the plan with at most
-// max_splits splits (0 when it has one cluster).
-int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits);
+// max_cluster: 4, 8 (portable) or 16 (non-portable: a whole GPC of a full
+// Hopper part). At most 16 clusters, so not 2 or 1.
+inline constexpr int kSparseMlaWgmmaDefaultCluster = 16;
+SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits = kSparseMlaWgmmaDefaultSplits,
+                                             int max_cluster = kSparseMlaWgmmaDefaultCluster);
+// The FP32 values split_partials must hold for that plan (0 with one cluster).
+int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits, int max_cluster);
+// The most clusters of cluster_size CTAs of the kernel the current device runs at once.
+Status sparse_mla_wgmma_max_active_clusters(int cluster_size, int* clusters);
 Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
 // The checks of split_partials against `count` values (check_sparse_mla's,
 // and the launcher's for plans with more clusters than the default).
 Status check_split_partials(const TensorView& partials, int64_t count);
-// The same kernel with at most `max_splits` (1..kSparseMlaWgmmaMaxSplits) CTAs
-// per (token, group), for the benchmark's comparison of plans; an error naming
-// max_splits when a split would take more than 16 chunks (1024 entries), and
-// one naming split_partials when it is smaller than the plan needs.
-Status sparse_mla_wgmma_with_max_splits(const SparseMlaArgs& args, int max_splits, cudaStream_t stream);
+// The same kernel with another plan, for the benchmark's comparison of plans
+// and the tests: max_splits 1..kSparseMlaWgmmaMaxSplits and max_cluster 4, 8
+// or 16, else an error naming them; an error naming max_splits when a split
+// would take more than 16 chunks (1024 entries), and one naming
+// split_partials when it is smaller than the plan needs.
+Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& args, int max_splits, int max_cluster, cudaStream_t stream);
 
 }  // namespace dsa

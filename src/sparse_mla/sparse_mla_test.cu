@@ -53,8 +53,9 @@ struct FakeArgs {
     args.lse = make_tensor(fake_device_pointer(0x70000), DType::kF32, {m, heads});
     args.split_counters = make_tensor(fake_device_pointer(0x80000), DType::kI32,
                                       {sparse_mla_split_counter_count(m, heads, top_k)});
+    // At least one value, so that a view given when none is needed is still checked.
     args.split_partials = make_tensor(fake_device_pointer(0x1000000), DType::kF32,
-                                      {sparse_mla_split_partials_count(m, heads, top_k)});
+                                      {std::max<int64_t>(1024, sparse_mla_split_partials_count(m, heads, top_k))});
   }
 };
 
@@ -133,17 +134,24 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
   rejected([](SparseMlaArgs& a) { a.split_counters = TensorView{}; }, "split_counters", "null");
   rejected([](SparseMlaArgs& a) { a.split_counters.dtype = DType::kU8; }, "split_counters", "i32");
   rejected([](SparseMlaArgs& a) { a.split_counters.shape[0] -= 1; }, "split_counters", "at least");
-  rejected([](SparseMlaArgs& a) { a.split_partials = TensorView{}; }, "split_partials", "null");
   rejected([](SparseMlaArgs& a) { a.split_partials.dtype = DType::kBF16; }, "split_partials", "f32");
-  rejected([](SparseMlaArgs& a) { a.split_partials.shape[0] -= 1; }, "split_partials", "at least");
   rejected([](SparseMlaArgs& a) { a.split_partials.data = static_cast<char*>(a.split_partials.data) + 4; },
            "split_partials", "aligned to 16");
   rejected([](SparseMlaArgs& a) { a.split_partials.data = a.latent.data; }, "latent", "disjoint from 'split_partials'");
 }
 
-// Below 513 entries the 64-head plan has one cluster: no partials, and the
-// view may be empty; a view that is given is still checked.
+// Below 513 entries the 64-head plan has one cluster (at most 8 splits):
+// no partials, and the view may be empty; a view that is given is still
+// checked. When the default plan needs partials, a short view is refused.
 TEST(SparseMlaChecks, SplitPartialsMayBeEmptyWhenThePlanHasOneCluster) {
+  const int64_t needed = sparse_mla_split_partials_count(4, 64, 2176);
+  if (needed > 0) {
+    FakeArgs short_view;
+    short_view.args.split_partials.shape[0] = needed - 1;
+    testing::expect_rejected(check_sparse_mla(short_view.args), "split_partials", "at least");
+    short_view.args.split_partials = TensorView{};
+    testing::expect_rejected(check_sparse_mla(short_view.args), "split_partials", "null");
+  }
   FakeArgs f;
   f.args.indices.shape[1] = 512;
   ASSERT_EQ(sparse_mla_split_partials_count(4, 64, 512), 0);
@@ -181,8 +189,10 @@ TEST(SparseMlaChecks, SplitPartialsCountGrowsWithTokens) {
       }
     }
   }
-  // glm5next TP1: two clusters of 64 x 512 sums and 2 x 64 statistics per token.
-  EXPECT_EQ(sparse_mla_split_partials_count(1, 64, 2176), 2 * (64 * 512 + 128));
+  // glm5next TP1: per cluster beyond one, 64 x 512 sums and 2 x 64 statistics per token.
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(2176);
+  EXPECT_EQ(sparse_mla_split_partials_count(1, 64, 2176), plan.clusters == 1 ? 0 : plan.clusters * (64 * 512 + 128));
+  EXPECT_EQ(sparse_mla_split_partials_count(3, 128, 2176), 6 * sparse_mla_split_partials_count(1, 64, 2176));
   EXPECT_EQ(sparse_mla_split_partials_count(1, 8, 2176), 0) << "the 8-head kernel combines in one cluster";
 }
 
@@ -205,34 +215,39 @@ TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
 }
 
 // Split s takes chunks [s C / splits, (s + 1) C / splits): every split has
-// at least one chunk and at most max_chunks <= 16 when splits <= C; the
-// clusters have 1, 2, 4 or 8 CTAs (their owners' units are whole heads).
+// at least one chunk and at most max_chunks <= 16 when splits >= 16; the
+// clusters have a power-of-two size <= max_cluster (their owners' units are
+// whole heads) and there are at most 16 of them.
 TEST(SparseMlaSplitPlan, WgmmaSplitsCoverEveryChunkInWholeHeadClusters) {
-  for (const int max_splits : {kSparseMlaWgmmaDefaultSplits, 8, 24, 32, kSparseMlaWgmmaMaxSplits}) {
-    for (int top_k = 1; top_k <= kSparseMlaMaxTopK; top_k += top_k < 4096 ? 1 : 61) {
-      const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits);
-      SCOPED_TRACE("K " + std::to_string(top_k) + " max_splits " + std::to_string(max_splits));
-      const int chunks = ceil_div(top_k, 64);
-      ASSERT_GE(plan.splits, 1);
-      ASSERT_LE(plan.splits, std::min(max_splits, chunks));
-      ASSERT_TRUE(plan.cluster_size == 1 || plan.cluster_size == 2 || plan.cluster_size == 4 ||
-                  plan.cluster_size == 8);
-      ASSERT_EQ(plan.splits, plan.cluster_size * plan.clusters);
-      ASSERT_TRUE(plan.clusters == 1 || plan.cluster_size == 8);
-      ASSERT_EQ(plan.max_chunks, ceil_div(chunks, plan.splits));
-      if (max_splits >= 16) ASSERT_LE(plan.max_chunks, 16) << "more entries than a CTA stages";
-      for (int split = 0; split < plan.splits; ++split) {
-        ASSERT_GT((split + 1) * chunks / plan.splits, split * chunks / plan.splits) << "an empty split";
+  for (const int max_cluster : {4, 8, 16}) {
+    for (const int max_splits : {kSparseMlaWgmmaDefaultSplits, 8, 24, 32, kSparseMlaWgmmaMaxSplits}) {
+      for (int top_k = 1; top_k <= kSparseMlaMaxTopK; top_k += top_k < 2200 ? 1 : 61) {
+        const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits, max_cluster);
+        SCOPED_TRACE("K " + std::to_string(top_k) + " max_splits " + std::to_string(max_splits) + " max_cluster " +
+                     std::to_string(max_cluster));
+        const int chunks = ceil_div(top_k, 64);
+        ASSERT_GE(plan.splits, 1);
+        ASSERT_LE(plan.splits, std::min(max_splits, chunks));
+        ASSERT_LE(plan.cluster_size, max_cluster);
+        ASSERT_EQ(plan.cluster_size & (plan.cluster_size - 1), 0) << "a power of two";
+        ASSERT_EQ(plan.splits, plan.cluster_size * plan.clusters);
+        ASSERT_LE(plan.clusters, 16);
+        ASSERT_TRUE(plan.clusters == 1 || plan.cluster_size == max_cluster);
+        ASSERT_EQ(plan.max_chunks, ceil_div(chunks, plan.splits));
+        if (max_splits >= 16) ASSERT_LE(plan.max_chunks, 16) << "more entries than a CTA stages";
+        for (int split = 0; split < plan.splits; ++split) {
+          ASSERT_GT((split + 1) * chunks / plan.splits, split * chunks / plan.splits) << "an empty split";
+        }
       }
     }
   }
-  EXPECT_EQ(sparse_mla_wgmma_splits(2048).splits, 16);  // two chunks per CTA at the served K
-  EXPECT_EQ(sparse_mla_wgmma_splits(2048).clusters, 2);
-  EXPECT_EQ(sparse_mla_wgmma_splits(2176).splits, 16);  // 34 chunks: two or three per CTA
-  EXPECT_EQ(sparse_mla_wgmma_splits(2176).max_chunks, 3);
-  EXPECT_EQ(sparse_mla_wgmma_splits(2048, 32).clusters, 4);
-  EXPECT_EQ(sparse_mla_wgmma_splits(300).splits, 4) << "5 chunks: the largest power of two below 8";
-  EXPECT_EQ(sparse_mla_wgmma_splits(300).clusters, 1);
+  EXPECT_EQ(sparse_mla_wgmma_splits(2048, 16, 16).splits, 16);  // two chunks per CTA at the served K
+  EXPECT_EQ(sparse_mla_wgmma_splits(2048, 16, 16).clusters, 1);
+  EXPECT_EQ(sparse_mla_wgmma_splits(2048, 16, 8).clusters, 2);
+  EXPECT_EQ(sparse_mla_wgmma_splits(2176, 16, 16).max_chunks, 3);  // 34 chunks: two or three per CTA
+  EXPECT_EQ(sparse_mla_wgmma_splits(2048, 32, 8).clusters, 4);
+  EXPECT_EQ(sparse_mla_wgmma_splits(300, 16, 16).splits, 4) << "5 chunks: the largest power of two below";
+  EXPECT_EQ(sparse_mla_wgmma_splits(300, 16, 16).clusters, 1);
 }
 
 TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
@@ -246,13 +261,15 @@ TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
 
 TEST(SparseMlaChecks, WgmmaMaxSplitsIsCheckedAgainstK) {
   FakeArgs f;  // K = 2176: 34 chunks, 16 at most per CTA: 3 CTAs, in a plan of 4
-  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 3, nullptr), "max_splits", "at least 4");
-  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 0, nullptr), "max_splits", "1..64");
-  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 65, nullptr), "max_splits", "1..64");
+  testing::expect_rejected(sparse_mla_wgmma_with_plan(f.args, 3, 16, nullptr), "max_splits", "at least 4");
+  testing::expect_rejected(sparse_mla_wgmma_with_plan(f.args, 0, 16, nullptr), "max_splits", "1..64");
+  testing::expect_rejected(sparse_mla_wgmma_with_plan(f.args, 65, 16, nullptr), "max_splits", "1..64");
+  testing::expect_rejected(sparse_mla_wgmma_with_plan(f.args, 16, 2, nullptr), "max_cluster", "4, 8 or 16");
   EXPECT_EQ(sparse_mla_wgmma_splits(2176, 3).max_chunks, 17) << "the plan itself exceeds 16 chunks; the launcher refuses it";
   EXPECT_EQ(sparse_mla_wgmma_splits(0).splits, 1) << "K below the contract's range: one split, no division by zero";
-  // More clusters than the default plan need more partials than sparse_mla_split_partials_count.
-  testing::expect_rejected(sparse_mla_wgmma_with_max_splits(f.args, 32, nullptr), "split_partials", "at least");
+  // A plan with more clusters than the default needs more partials than sparse_mla_split_partials_count.
+  ASSERT_GT(sparse_mla_wgmma_partials_count(4, 64, 2176, 64, 4), sparse_mla_split_partials_count(4, 64, 2176));
+  testing::expect_rejected(sparse_mla_wgmma_with_plan(f.args, 64, 4, nullptr), "split_partials", "at least");
 }
 
 TEST(SparseMlaSplitPlan, BadPlansAreRejectedByName) {
@@ -460,12 +477,29 @@ struct NamedKernel {
 const NamedKernel kKernels[] = {
     {"sparse_mla_simple", sparse_mla_simple}, {"sparse_mla", sparse_mla}, {"sparse_mla_mma", sparse_mla_mma}};
 
+// The 64-head kernel with an explicit plan.
+NamedKernel wgmma_plan(int max_splits, int max_cluster) {
+  return {"sparse_mla_wgmma, at most " + std::to_string(max_splits) + " splits in clusters of at most " +
+              std::to_string(max_cluster),
+          [max_splits, max_cluster](const SparseMlaArgs& a, cudaStream_t stream) {
+            return sparse_mla_wgmma_with_plan(a, max_splits, max_cluster, stream);
+          }};
+}
+// H a multiple of 64: the 64-head kernel with a two-level plan too (16
+// splits in two clusters of 8), so that the combine through split_partials
+// and the counters meets every case whatever the default plan is.
+std::vector<NamedKernel> kernels_for(int heads) {
+  std::vector<NamedKernel> kernels(std::begin(kKernels), std::end(kKernels));
+  if (heads % 64 == 0) kernels.push_back(wgmma_plan(16, 8));
+  return kernels;
+}
+
 constexpr int64_t kGuard = 64;  // poisoned elements on each side of each output (keeps 16-byte alignment)
 constexpr uint8_t kPoison = 0xFF;
 
 // split_partials for every plan of the 64-head kernel (the most clusters).
 int64_t largest_partials_count(int64_t m, int64_t heads, int top_k) {
-  return sparse_mla_wgmma_partials_count(m, heads, top_k, kSparseMlaWgmmaMaxSplits);
+  return sparse_mla_wgmma_partials_count(m, heads, top_k, kSparseMlaWgmmaMaxSplits, 4);
 }
 
 struct GpuResult {
@@ -719,7 +753,7 @@ TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
                                       : std::vector<Case>{{8, 16, 2176, 125}, {64, 8, 2176, 125}, {128, 4, 2048}};
   for (const Case& c : cases) {
     const Problem batch = random_problem(c, /*padded=*/false, 3.0f, rng);
-    for (const NamedKernel& kernel : kKernels) {
+    for (const NamedKernel& kernel : kernels_for(c.heads)) {
       SCOPED_TRACE(kernel.name + " " + describe(c));
       expect_same_bits_alone_and_in_batch(batch, c, kernel);
     }
@@ -787,21 +821,19 @@ TEST(SparseMlaGpu, OtherPlansLongRowsOddHeadsAndBlockSizes) {
   }
 }
 
-// The 64-head kernel with other plans than its default, at K = 2176 (34
-// chunks): 32 splits (4 clusters, 1-2 chunks each), 24 (3 clusters), 8 (one
-// cluster, no level 2, 4-5 chunks each) and 4 (a cluster of 4, 8-9 chunks,
-// the padding's chunks skipped), against the float64 reference.
-TEST(SparseMlaGpu, WgmmaKernelWithOtherSplits) {
+// The 64-head kernel with other plans, at K = 2176 (34 chunks): 32 splits
+// in 2 clusters of 16 and in 4 of 8 (1-2 chunks each), 24 in 3 of 8, 16 in 4
+// of 4, 64 (34) in 8 of 4, 8 in one cluster (no level 2, 4-5 chunks each)
+// and 4 (a cluster of 4, 8-9 chunks, the padding's chunks skipped), against
+// the float64 reference.
+TEST(SparseMlaGpu, WgmmaKernelWithOtherPlans) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 45);
   const Problem p = random_problem(Case{128, 2, 2176, 125}, /*padded=*/true, 3.0f, rng);
   const reference::SparseMlaResult want = reference::sparse_mla(p.host());
-  for (const int max_splits : {32, 24, 8, 4}) {
-    const NamedKernel kernel = {"sparse_mla_wgmma, at most " + std::to_string(max_splits) + " splits",
-                                [max_splits](const SparseMlaArgs& a, cudaStream_t stream) {
-                                  return sparse_mla_wgmma_with_max_splits(a, max_splits, stream);
-                                }};
-    expect_close_to_reference(p, run_gpu(p, kernel), want);
+  for (const auto& [max_splits, max_cluster] :
+       {std::pair{32, 16}, {32, 8}, {24, 8}, {16, 4}, {64, 4}, {8, 16}, {4, 16}}) {
+    expect_close_to_reference(p, run_gpu(p, wgmma_plan(max_splits, max_cluster)), want);
   }
 }
 
@@ -828,7 +860,7 @@ TEST(SparseMlaGpu, SpecialValuesAcrossSplitsAndChunks) {
     for (int j = 0; j < top_k; j += 7) p.index(3, j) = capacity;        // out of range, counted once (not per group)
     const reference::SparseMlaResult want = reference::sparse_mla(p.host());
     ASSERT_GT(want.out_of_range, top_k / 3);
-    for (const NamedKernel& kernel : kKernels) expect_close_to_reference(p, run_gpu(p, kernel), want);
+    for (const NamedKernel& kernel : kernels_for(heads)) expect_close_to_reference(p, run_gpu(p, kernel), want);
   }
 }
 
@@ -887,7 +919,7 @@ TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
 
   cudaStream_t stream;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (const NamedKernel& kernel : kKernels) {
+  for (const NamedKernel& kernel : kernels_for(p.heads)) {
     SCOPED_TRACE(kernel.name);
     expect_graph_replays_direct_launch(kernel, a, stream, latent_dev, lse_dev, counters_dev);
   }

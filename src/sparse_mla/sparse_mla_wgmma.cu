@@ -7,8 +7,9 @@
 // group, token) of two warpgroups owns heads 64 group..64 group + 63 of one
 // token and the chunks [split C / splits, (split + 1) C / splits) of the C =
 // ceil(K / 64) 64-entry chunks of its index row. The splits of a (token,
-// group) form clusters of cluster_size (<= 8) consecutive splits: cluster
-// split / cluster_size, rank split % cluster_size.
+// group) form clusters of cluster_size (a power of two <= 16) consecutive
+// splits: cluster split / cluster_size, rank split % cluster_size. The
+// default plan: 16 splits of two chunks at K = 2048 in one cluster.
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
 // 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
@@ -87,7 +88,8 @@ constexpr int kPanelBytes = 64 * 128;               // 64 rows x 64 FP16 dims
 constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
 constexpr int kMaxChunks = 16;                      // per split: K <= 16384 over 16 splits
 constexpr int kMaxRowsPerSplit = kMaxChunks * kChunkRows;
-constexpr int kMaxClusterSize = 8;                  // portable clusters: 16 fit on an H200 at once
+constexpr int kMaxClusterSize = 16;                 // Hopper's largest (non-portable above 8)
+constexpr int kMaxClusters = 16;                    // level 2's parts: coefficient rows, lanes of a warp
 constexpr int kChunkPieces = kChunkRows * (kLatent / 16);  // 16-byte FP8 pieces of a chunk (or of q)
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
@@ -121,8 +123,8 @@ struct alignas(1024) SharedStorage {
 static_assert(sizeof(SharedStorage::tiles) >= 2 * kUnitDims * kUnits, "the inbox");
 static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kMaxClusterSize * 3 * kHeads,
               "peer statistics and coefficients");
-static_assert(kSparseMlaWgmmaMaxSplits / kMaxClusterSize <= kMaxClusterSize,
-              "level 2's coefficients (one row per cluster) fit where level 1's were");
+static_assert(kMaxClusters <= kMaxClusterSize && kMaxClusters <= 32,
+              "level 2's coefficients (one row per cluster) fit where level 1's were, one lane each");
 static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 
@@ -624,40 +626,71 @@ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits) {
+int largest_power_of_two_at_most(int n) {
+  int power = 1;
+  while (power * 2 <= n) power *= 2;
+  return power;
+}
+
+bool valid_max_cluster(int max_cluster) { return max_cluster == 4 || max_cluster == 8 || max_cluster == 16; }
+
+SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits, int max_cluster) {
   SparseMlaWgmmaSplits plan;
   const int chunks = ceil_div(std::max(top_k, 1), kChunkRows);  // K below the contract's range: one chunk
-  // Clusters of 1, 2, 4 or 8 CTAs: the level-1 owners' units are whole heads.
-  int splits = std::max(1, std::min(max_splits, chunks));
-  if (splits >= kMaxClusterSize) {
-    splits -= splits % kMaxClusterSize;
-  } else {
-    while (splits & (splits - 1)) splits &= splits - 1;  // the largest power of two <= splits
-  }
-  plan.splits = splits;
-  plan.cluster_size = std::min(splits, kMaxClusterSize);
-  plan.clusters = splits / plan.cluster_size;
-  plan.max_chunks = ceil_div(chunks, splits);
+  const int splits = std::max(1, std::min(max_splits, chunks));
+  // A power of two: the level-1 owners' units are whole heads.
+  plan.cluster_size = largest_power_of_two_at_most(std::min(splits, std::clamp(max_cluster, 1, kMaxClusterSize)));
+  plan.splits = splits - splits % plan.cluster_size;
+  plan.clusters = plan.splits / plan.cluster_size;
+  plan.max_chunks = ceil_div(chunks, plan.splits);
   return plan;
 }
 
-int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits) {
+int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits, int max_cluster) {
   if (heads % kHeads != 0) return 0;
-  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits);
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits, max_cluster);
   return plan.clusters == 1 ? 0 : m * (heads / kHeads) * plan.clusters * kClusterPartialFloats;
 }
 
-Status sparse_mla_wgmma_with_max_splits(const SparseMlaArgs& a, int max_splits, cudaStream_t stream) {
+Status prepare_kernel(int cluster_size) {
+  const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel);
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma"));
+  if (cluster_size > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla_wgmma"));
+  return Status();
+}
+
+Status sparse_mla_wgmma_max_active_clusters(int cluster_size, int* clusters) {
+  if (cluster_size < 1 || cluster_size > kMaxClusterSize) {
+    return invalid_argument("cluster_size", "1..16", std::to_string(cluster_size));
+  }
+  DSA_RETURN_IF_ERROR(prepare_kernel(cluster_size));
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster_size;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cluster_size, 1, 1);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSharedBytes;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_wgmma_kernel, &config));
+  return Status();
+}
+
+Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   const int64_t m = a.q.size(0), heads = a.q.size(1);
   if (heads % kHeads != 0) {
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
   }
+  if (!valid_max_cluster(max_cluster)) return invalid_argument("max_cluster", "4, 8 or 16", std::to_string(max_cluster));
   const int top_k = static_cast<int>(a.indices.size(1));
-  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits);
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits, max_cluster);
   if (max_splits < 1 || max_splits > kSparseMlaWgmmaMaxSplits || plan.max_chunks > kMaxChunks) {
     int fewest = 1;  // the smallest max_splits whose plan stages at most 16 chunks per CTA
-    while (sparse_mla_wgmma_splits(top_k, fewest).max_chunks > kMaxChunks) ++fewest;
+    while (sparse_mla_wgmma_splits(top_k, fewest, max_cluster).max_chunks > kMaxChunks) ++fewest;
     return invalid_argument("max_splits",
                             "1.." + std::to_string(kSparseMlaWgmmaMaxSplits) + ", and at least " +
                                 std::to_string(fewest) + " at K = " + std::to_string(top_k) +
@@ -665,18 +698,17 @@ Status sparse_mla_wgmma_with_max_splits(const SparseMlaArgs& a, int max_splits, 
                             std::to_string(max_splits));
   }
   if (plan.clusters > 1) {
-    DSA_RETURN_IF_ERROR(
-        check_split_partials(a.split_partials, sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits)));
+    DSA_RETURN_IF_ERROR(check_split_partials(
+        a.split_partials, sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits, max_cluster)));
   }
-  const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel);
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma"));
+  DSA_RETURN_IF_ERROR(prepare_kernel(plan.cluster_size));
   const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(m));
   return launch_pdl_clustered(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
                               unsigned(plan.cluster_size), sparse_mla_params(a), ceil_div(top_k, kChunkRows));
 }
 
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
-  return sparse_mla_wgmma_with_max_splits(a, kSparseMlaWgmmaDefaultSplits, stream);
+  return sparse_mla_wgmma_with_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster, stream);
 }
 
 }  // namespace dsa
