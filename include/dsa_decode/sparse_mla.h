@@ -47,9 +47,10 @@
 //   last CTA to finish each cluster rank, found by these counters, combines
 //   the clusters' results in cluster order. (Its default plan, one cluster
 //   of 16 CTAs, does not; docs/sparse_mla.md has the measured plans.)
-// - split_partials: f32, sparse_mla_split_partials_count(m, H, K) values (0
-//   when the plan has one cluster; the view may then be empty). Its contents
-//   on entry do not matter and are undefined after a launch.
+// - split_partials: f32, sparse_mla_split_partials_count(m, H, K) values:
+//   the 64-head kernel's CTAs hand their partial results to the CTAs that
+//   combine them through it (0 for other H; the view may then be empty). Its
+//   contents on entry do not matter and are undefined after a launch.
 // One pair of buffers serves any number of launches in stream order, not two
 // launches that may run concurrently; after a launch that failed mid-way (a
 // CUDA error), zero the counters again. Both counts are non-decreasing in m.
@@ -106,11 +107,11 @@ struct SparseMlaArgs {
 int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
 
 // FP32 values of split_partials for m tokens, H heads, K entries per row: for H
-// a multiple of 64, m * H / 64 * clusters * (64 * 512 + 128) when the
-// 64-head kernel's plan has more than one cluster (128.5 KiB per cluster,
-// token and 64 heads), else 0; 0 for other H. The default plan has one
-// cluster today (0 for every K). Non-decreasing in m; callers must use this
-// function, not the formula.
+// a multiple of 64, m * H / 64 * (splits * (64 * 512 / 2 + 128) + (clusters
+// > 1 ? clusters * (64 * 512 + 128) : 0)) with the 64-head kernel's plan (16
+// splits in one cluster from K = 961 on: 1.03 MiB per token and 64 heads);
+// 0 for other H. Non-decreasing in m; callers must use this function, not
+// the formula.
 int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k);
 
 // Checks every argument (dtypes, shapes, strides, alignment, ranges:

@@ -140,28 +140,28 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
   rejected([](SparseMlaArgs& a) { a.split_partials.data = a.latent.data; }, "latent", "disjoint from 'split_partials'");
 }
 
-// Below 513 entries the 64-head plan has one cluster (at most 8 splits):
-// no partials, and the view may be empty; a view that is given is still
-// checked. When the default plan needs partials, a short view is refused.
-TEST(SparseMlaChecks, SplitPartialsMayBeEmptyWhenThePlanHasOneCluster) {
+// The 64-head kernel needs split_partials (a short or missing view is
+// refused); the 8-head kernel does not (the view may be empty), but a view
+// that is given is still checked.
+TEST(SparseMlaChecks, SplitPartialsAreCheckedWhereTheKernelNeedsThem) {
   const int64_t needed = sparse_mla_split_partials_count(4, 64, 2176);
-  if (needed > 0) {
-    FakeArgs short_view;
-    short_view.args.split_partials.shape[0] = needed - 1;
-    testing::expect_rejected(check_sparse_mla(short_view.args), "split_partials", "at least");
-    short_view.args.split_partials = TensorView{};
-    testing::expect_rejected(check_sparse_mla(short_view.args), "split_partials", "null");
-  }
-  FakeArgs f;
-  f.args.indices.shape[1] = 512;
-  ASSERT_EQ(sparse_mla_split_partials_count(4, 64, 512), 0);
-  EXPECT_TRUE(check_sparse_mla(f.args).ok()) << check_sparse_mla(f.args).to_string();
-  f.args.split_partials = TensorView{};
-  EXPECT_TRUE(check_sparse_mla(f.args).ok()) << check_sparse_mla(f.args).to_string();
-  FakeArgs given;
-  given.args.indices.shape[1] = 512;
-  given.args.split_partials.dtype = DType::kI32;
-  testing::expect_rejected(check_sparse_mla(given.args), "split_partials", "f32");
+  ASSERT_GT(needed, 0);
+  FakeArgs short_view;
+  short_view.args.split_partials.shape[0] = needed - 1;
+  testing::expect_rejected(check_sparse_mla(short_view.args), "split_partials", "at least");
+  short_view.args.split_partials = TensorView{};
+  testing::expect_rejected(check_sparse_mla(short_view.args), "split_partials", "null");
+
+  FakeArgs eight;  // H = 8
+  eight.args.q = make_tensor(eight.args.q.data, DType::kFP8E4M3, {4, 8, L});
+  eight.args.latent = make_tensor(eight.args.latent.data, DType::kBF16, {4, 8, L});
+  eight.args.lse = make_tensor(eight.args.lse.data, DType::kF32, {4, 8});
+  ASSERT_EQ(sparse_mla_split_partials_count(4, 8, 2176), 0);
+  EXPECT_TRUE(check_sparse_mla(eight.args).ok()) << check_sparse_mla(eight.args).to_string();
+  eight.args.split_partials = TensorView{};
+  EXPECT_TRUE(check_sparse_mla(eight.args).ok()) << check_sparse_mla(eight.args).to_string();
+  eight.args.split_partials = make_tensor(fake_device_pointer(0x1000000), DType::kI32, {16});
+  testing::expect_rejected(check_sparse_mla(eight.args), "split_partials", "f32");
 }
 
 TEST(SparseMlaChecks, SplitCounterCountGrowsWithTokens) {
@@ -189,9 +189,11 @@ TEST(SparseMlaChecks, SplitPartialsCountGrowsWithTokens) {
       }
     }
   }
-  // glm5next TP1: per cluster beyond one, 64 x 512 sums and 2 x 64 statistics per token.
+  // glm5next TP1: per split 64 x 512 FP16 values and 2 x 64 statistics, per
+  // cluster beyond one 64 x 512 FP32 sums and 2 x 64 statistics, per token.
   const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(2176);
-  EXPECT_EQ(sparse_mla_split_partials_count(1, 64, 2176), plan.clusters == 1 ? 0 : plan.clusters * (64 * 512 + 128));
+  EXPECT_EQ(sparse_mla_split_partials_count(1, 64, 2176),
+            plan.splits * (64 * 512 / 2 + 128) + (plan.clusters == 1 ? 0 : plan.clusters * (64 * 512 + 128)));
   EXPECT_EQ(sparse_mla_split_partials_count(3, 128, 2176), 6 * sparse_mla_split_partials_count(1, 64, 2176));
   EXPECT_EQ(sparse_mla_split_partials_count(1, 8, 2176), 0) << "the 8-head kernel combines in one cluster";
 }

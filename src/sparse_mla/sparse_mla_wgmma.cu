@@ -35,13 +35,13 @@
 //    (P from shared memory); while those run it converts chunk i + 1 from its
 //    registers into the other tile (warpgroup 0 is done with it) and loads
 //    chunk i + 2.
-// Combine, level 1 (push model, inside a cluster): after a cluster barrier
-// (every CTA has left its chunk loop, so its tiles are free), rank r stores
-// its partial O divided by its sum (FP16) and its (max, sum) per head into
-// the shared memory of the CTAs that combine them: rank k owns units
-// [k U / n, (k + 1) U / n) of the group's U = 256 quarter heads (128 dims
-// each), n the cluster size. After a second cluster barrier, one warp per
-// head turns the ranks' (max, sum) into one coefficient per rank,
+// Combine, level 1 (inside a cluster): each split stores its partial O
+// divided by its sum (FP16) and its (max, sum) per head into its slot of
+// split_partials (global memory, read back through L2); rank k of the
+// cluster owns units [k U / n, (k + 1) U / n) of the group's U = 256 quarter
+// heads (128 dims each), n the cluster size. After a cluster barrier
+// (release / acquire), one warp per head turns the ranks' (max, sum) into
+// one coefficient per rank,
 // 2^(max_r - max) sum_r / sum (fixed butterflies), and each thread adds its 8
 // dims over the ranks in rank order. With one cluster, that sum times k_scale
 // is the output: latent (BF16) and lse = max ln 2 + ln(sum).
@@ -97,7 +97,9 @@ constexpr int kUnits = kHeads * kLatent / kUnitDims;
 constexpr int kUnitSlots = kUnitDims * 2 / 16;      // 16-byte slots of a unit's FP16 values
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kClusterPartialFloats = kUnits * kUnitDims + 2 * kHeads;  // a cluster's slot of split_partials
+constexpr int kClusterPartialFloats = kUnits * kUnitDims + 2 * kHeads;  // a cluster's level-2 slot of split_partials
+// A split's level-1 slot: its FP16 O / sum as [unit][16-byte slot], then its (max, sum) per head.
+constexpr int kSplitPartialFloats = kUnits * kUnitSlots * 4 + 2 * kHeads;
 static_assert(kMaxRowsPerSplit * 16 >= kSparseMlaMaxTopK, "16 splits cover the largest K");
 
 struct alignas(1024) SharedStorage {
@@ -116,13 +118,8 @@ struct alignas(1024) SharedStorage {
   int chunk_list[kMaxChunks];                        // the chunks with a valid entry, in order
   int combines_clusters;                             // level 2: this CTA arrived last for its rank
 };
-// After the chunk loop (and a cluster barrier) the combine's inbox overlays
-// the tiles: incoming[r * share + i] = rank r's FP16 partial of this CTA's
-// unit i (share = U / n), and the peers' (max, sum) per head and the
-// combine's coefficients overlay the q tile.
-static_assert(sizeof(SharedStorage::tiles) >= 2 * kUnitDims * kUnits, "the inbox");
-static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kMaxClusterSize * 3 * kHeads,
-              "peer statistics and coefficients");
+// After the chunk loop the combine's coefficients overlay the q tile.
+static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kMaxClusterSize * kHeads, "coefficients");
 static_assert(kMaxClusters <= kMaxClusterSize && kMaxClusters <= 32,
               "level 2's coefficients (one row per cluster) fit where level 1's were, one lane each");
 static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
@@ -434,54 +431,58 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
 
-  // Every CTA of the cluster has left its loop: its tiles may take the inbox.
-  cluster_arrive_release();
-  cluster_wait();
-
-  // Level 1, push. The combine's unit is a quarter of a head's output (128
-  // dims): rank k owns units [k U / n, (k + 1) U / n) of the group's U = 256
-  // (n = cluster_size, a divisor of 64). A thread's accumulators cover 4
-  // units (2 heads x 2 quarters), 32 values each. It pushes them divided by
-  // its sum, in FP16 (|O / sum| <= 448, the largest code; relative rounding
-  // 2^-11), with 4 16-byte stores per unit into the owner: distributed shared
-  // memory moves only ~25 GB/s per SM, so the bytes are what the combine costs.
+  // Level 1, push through global memory (L2): measured faster than into the
+  // owners' shared memory (distributed shared memory moved ~25 GB/s per SM),
+  // and the CTA's tiles stay its own, so no barrier before the push. The
+  // combine's unit is a quarter of a head's output (128 dims): rank k owns
+  // units [k U / n, (k + 1) U / n) of the group's U = 256 (n = cluster_size,
+  // a power of two). A thread's accumulators cover 4 units (2 heads x 2
+  // quarters), 32 values each: divided by its sum, in FP16 (|O / sum| <= 448,
+  // the largest code; relative rounding 2^-11), 4 16-byte stores per unit
+  // into this split's slot of split_partials.
   const int share = kUnits / cluster_size;  // units per rank
-  float(*peer_max)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);  // [rank][head]
-  float(*peer_sum)[kHeads] = peer_max + kMaxClusterSize;                     // [rank][head]
-  float(*coefficient)[kHeads] = peer_sum + kMaxClusterSize;  // [rank or cluster][head - first_local_head]
-  uint4(*incoming)[kUnitSlots] = reinterpret_cast<uint4(*)[kUnitSlots]>(s.tiles);  // [rank * share + unit][slot]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float inverse_sum = run_sum[r] == 0.0f ? 0.0f : __frcp_rn(run_sum[r]);  // 0: no valid entry, O = 0
-    const int head = 16 * warp + g + 8 * r;
-#pragma unroll
-    for (int quarter = 0; quarter < 2; ++quarter) {
-      const int unit = head * (kLatent / kUnitDims) + warpgroup * 2 + quarter;
-      const int owner = unit / share;
-      uint4* target = cluster.map_shared_rank(incoming[rank * share + unit - owner * share], owner);
-#pragma unroll
-      for (int j = 0; j < kUnitDims / 8; j += 4) {  // 8-dim column groups j..j + 3 of the quarter
-        uint32_t pairs[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int e = 4 * (quarter * (kUnitDims / 8) + j + u) + 2 * r;  // dims 8 (j + u) + 2 c, + 1 of the head
-          const __half2 values = __floats2half2_rn(out[e] * inverse_sum, out[e + 1] * inverse_sum);
-          pairs[u] = *reinterpret_cast<const uint32_t*>(&values);
-        }
-        target[unit_slot(j, c)] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-      }
-    }
-  }
-  if (warpgroup == 0 && c == 0) {
+  const int64_t group_index = int64_t(token) * gridDim.y + group;
+  auto split_values = [&](int split_r) {  // [unit][slot] of split split_r of this (token, group)
+    return reinterpret_cast<uint4*>(p.split_partials + (group_index * splits + split_r) * kSplitPartialFloats);
+  };
+  auto split_stats = [&](int split_r) {  // [max, sum][head]
+    return p.split_partials + (group_index * splits + split_r) * kSplitPartialFloats + kUnits * kUnitSlots * 4;
+  };
+  float(*coefficient)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);  // [rank or cluster][head - first_local_head]
+  {
+    uint4* const values = split_values(split);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
+      const float inverse_sum = run_sum[r] == 0.0f ? 0.0f : __frcp_rn(run_sum[r]);  // 0: no valid entry, O = 0
       const int head = 16 * warp + g + 8 * r;
-      for (int k = 0; k < cluster_size; ++k) {
-        *cluster.map_shared_rank(&peer_max[rank][head], k) = run_max[r];
-        *cluster.map_shared_rank(&peer_sum[rank][head], k) = run_sum[r];
+#pragma unroll
+      for (int quarter = 0; quarter < 2; ++quarter) {
+        const int unit = head * (kLatent / kUnitDims) + warpgroup * 2 + quarter;
+        uint4* const target = values + unit * kUnitSlots;
+#pragma unroll
+        for (int j = 0; j < kUnitDims / 8; j += 4) {  // 8-dim column groups j..j + 3 of the quarter
+          uint32_t pairs[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int e = 4 * (quarter * (kUnitDims / 8) + j + u) + 2 * r;  // dims 8 (j + u) + 2 c, + 1 of the head
+            const __half2 halves = __floats2half2_rn(out[e] * inverse_sum, out[e + 1] * inverse_sum);
+            pairs[u] = *reinterpret_cast<const uint32_t*>(&halves);
+          }
+          target[unit_slot(j, c)] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+        }
+      }
+    }
+    if (warpgroup == 0 && c == 0) {
+      float* const stats = split_stats(split);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        stats[16 * warp + g + 8 * r] = run_max[r];
+        stats[kHeads + 16 * warp + g + 8 * r] = run_sum[r];
       }
     }
   }
+  // Every CTA of the cluster has pushed; the release / acquire at cluster
+  // scope makes the pushes visible (read below through L2, ld.global.cg).
   cluster_arrive_release();
   cluster_wait();
 
@@ -490,8 +491,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int first_local_head = first_unit / (kLatent / kUnitDims);
   // With more than one cluster: the cluster's slot of split_partials, [unit][slot][8 dims] sums then
   // [max, sum][head] statistics, and the counter of this rank.
-  const int64_t group_slot = (int64_t(token) * gridDim.y + group) * clusters;
-  float* const cluster_partials = p.split_partials + (group_slot + cluster_index) * kClusterPartialFloats;
+  // Level-2 slots follow every (token, group)'s level-1 slots.
+  float* const level2 = p.split_partials + int64_t(gridDim.z) * gridDim.y * splits * kSplitPartialFloats;
+  const int64_t group_slot = group_index * clusters;
+  float* const cluster_partials = level2 + (group_slot + cluster_index) * kClusterPartialFloats;
   float* const cluster_stats = cluster_partials + kUnits * kUnitDims;
 
   // Coefficients of `count` parts (ranks or clusters) whose (max, sum) of
@@ -545,8 +548,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   coefficients(
       cluster_size, single_cluster ? *p.k_scale : 1.0f,
       [&](int r, int h, float* part_max, float* part_sum) {
-        *part_max = peer_max[r][h];
-        *part_sum = peer_sum[r][h];
+        const float* stats = split_stats(cluster_index * cluster_size + r);
+        *part_max = __ldcg(stats + h);
+        *part_sum = __ldcg(stats + kHeads + h);
       },
       [&](int h, float total_max, float total_sum) {
         if (single_cluster) {
@@ -563,7 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < cluster_size; ++r) {
       const float weight = coefficient[r][h - first_local_head];
-      const uint4 x = incoming[r * share + i][slot];
+      const uint4 x = __ldcg(split_values(cluster_index * cluster_size + r) + (first_unit + i) * kUnitSlots + slot);
       const uint32_t pairs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
@@ -595,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (!s.combines_clusters) return;
-  const float* const group_partials = p.split_partials + group_slot * kClusterPartialFloats;
+  const float* const group_partials = level2 + group_slot * kClusterPartialFloats;
   coefficients(
       clusters, *p.k_scale,
       [&](int cluster_r, int h, float* part_max, float* part_sum) {
@@ -649,7 +653,8 @@ SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits, int max_
 int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits, int max_cluster) {
   if (heads % kHeads != 0) return 0;
   const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits, max_cluster);
-  return plan.clusters == 1 ? 0 : m * (heads / kHeads) * plan.clusters * kClusterPartialFloats;
+  return m * (heads / kHeads) *
+         (int64_t(plan.splits) * kSplitPartialFloats + (plan.clusters == 1 ? 0 : plan.clusters * kClusterPartialFloats));
 }
 
 Status prepare_kernel(int cluster_size) {
