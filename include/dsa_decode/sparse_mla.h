@@ -43,8 +43,8 @@
 //   zeroed once at allocation; every launch that completes leaves them zero,
 //   so no per-call memset is needed. The 64-head kernel (H a multiple of 64)
 //   can split a token's entries over several thread-block clusters: each
-//   cluster combines its CTAs through distributed shared memory, and the
-//   last CTA to finish each cluster rank, found by these counters, combines
+//   cluster combines its CTAs' partials (handed over through split_partials
+//   under a cluster barrier), and the last CTA to finish each cluster rank, found by these counters, combines
 //   the clusters' results in cluster order. (Its default plan, one cluster
 //   of 16 CTAs, does not; docs/sparse_mla.md has the measured plans.)
 // - split_partials: f32, sparse_mla_split_partials_count(m, H, K) values:
@@ -109,7 +109,7 @@ int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
 // FP32 values of split_partials for m tokens, H heads, K entries per row: for H
 // a multiple of 64, m * H / 64 * (splits * (64 * 512 / 2 + 128) + (clusters
 // > 1 ? clusters * (64 * 512 + 128) : 0)) with the 64-head kernel's plan (16
-// splits in one cluster from K = 961 on: 1.03 MiB per token and 64 heads);
+// splits in one cluster from K = 961 on: 1032 KiB per token and 64 heads);
 // 0 for other H. Non-decreasing in m; callers must use this function, not
 // the formula.
 int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k);

@@ -31,7 +31,8 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
 // min(max_splits, C); the cluster size is the largest power of two <=
 // min(splits, max_cluster), and splits is rounded down to a multiple of it;
 // split s takes chunks [s C / splits, (s + 1) C / splits) (at most 16). Each
-// cluster combines its CTAs through distributed shared memory; with more than
+// cluster combines its CTAs through split_partials (global memory, under a
+// cluster barrier); with more than
 // one cluster, the last CTA of each cluster rank to finish (a self-resetting
 // counter) combines the clusters' results through split_partials.
 struct SparseMlaWgmmaSplits {
