@@ -32,7 +32,8 @@
 //   whenever softmax_scale * q_scale * k_scale * 448^2 * 512 < 2.3e38.
 //
 // Buffers: latent, lse and the split counters share no memory with each other
-// or with any input (checked; error_count is a raw pointer and is not).
+// or with any input (checked; error_count is a raw pointer: only its
+// alignment is checked).
 // Scalars and counters are 4-byte aligned. Nothing is allocated or
 // synchronized on the run path (CUDA-graph capturable); every launch uses
 // programmatic dependent launch and waits (griddepcontrol.wait) before reading

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <set>
+#include <tuple>
 
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/numerics.h"
@@ -376,28 +378,69 @@ void run_case(const Case& c, std::mt19937_64& rng) {
     EXPECT_EQ(errors, 0u);
   }
   EXPECT_TRUE(cache_got == cache) << "cache bytes (incl. padding and guards) differ from the reference";
+  // Nothing written into the inputs.
+  EXPECT_TRUE(x_dev.download() == x) << "x changed";
+  EXPECT_TRUE(w_dev.download() == w) << "weight changed";
+  EXPECT_TRUE(kv_dev.download() == kv) << "kv changed";
+  EXPECT_TRUE(slots_dev.download() == std::vector<int64_t>(slots.begin(), slots.begin() + n_slots)) << "slots changed";
+  EXPECT_EQ(scale_dev.download()[0], scale) << "scale changed";
+  EXPECT_EQ(k_scale_dev.download()[0], k_scale) << "k_scale changed";
+}
+
+// The bitwise sweep's cases: every shape with every m in 1..16 (quick mode:
+// m = 1, 6, 11, 16, at most 8 heads). Over a shape's 16 token counts, every
+// head count meets every output variant (BF16; FP8; FP8 + cache write where
+// J is the absorb's 512): the head index steps by 2 mod 5, the variant by 1
+// mod 3.
+std::vector<Case> bitwise_sweep(bool quick) {
+  const std::vector<std::pair<int, int>> shapes = {{256, 512}, {512, 256}, {192, 512}, {128, 512}, {512, 128}};
+  const int head_counts[] = {1, 8, 16, 64, 128};
+  std::vector<Case> cases;
+  int case_index = 0;
+  for (auto [rows, cols] : shapes) {
+    for (int m = 1; m <= kHeadGemvMaxTokens; ++m) {
+      if (quick && m % 5 != 1) continue;
+      const int heads = head_counts[(m + case_index) % 5];
+      const int variant = case_index % 3;
+      Case c{heads, rows, cols, m, /*fp8=*/variant > 0, /*cache=*/variant == 2 && cols == 512};
+      c.x_pad = (m % 3 == 0) ? 8 : 0;
+      c.weight_pad = (m % 4 == 0) ? 16 : 0;
+      if (quick) c.heads = std::min(c.heads, 8);
+      cases.push_back(c);
+      ++case_index;
+    }
+  }
+  return cases;
+}
+
+// The sweep itself (an earlier version tied the dtype to the parity of m +
+// case index, which never changed: it ran BF16 only).
+TEST(HeadGemvSweep, CoversEveryHeadCountOutputVariantAndShape) {
+  std::set<std::tuple<int, int, int, bool, bool>> combos;  // rows, cols, heads, fp8, cache
+  std::set<std::pair<bool, int>> cache_parity;            // (cache, m % 2)
+  std::set<std::tuple<bool, int, int>> padding;           // (fp8, x_pad, weight_pad)
+  for (const Case& c : bitwise_sweep(/*quick=*/false)) {
+    combos.insert({c.rows, c.cols, c.heads, c.fp8, c.cache});
+    cache_parity.insert({c.cache, c.m % 2});
+    padding.insert({c.fp8, c.x_pad, c.weight_pad});
+  }
+  // 5 head counts x (BF16, FP8, FP8 + cache) for the three J = 512 shapes, x (BF16, FP8) for the two others.
+  EXPECT_EQ(combos.size(), 5u * (3 * 3 + 2 * 2));
+  EXPECT_EQ(cache_parity.size(), 4u) << "the cache write with even and odd m (the slot cases differ)";
+  EXPECT_EQ(padding.size(), 8u) << "both dtypes with every padding combination";
+  int quick_fp8 = 0, quick_cache = 0;
+  for (const Case& c : bitwise_sweep(/*quick=*/true)) {
+    quick_fp8 += c.fp8;
+    quick_cache += c.cache;
+  }
+  EXPECT_GT(quick_fp8, 0) << "the sanitizer runs (quick mode) meet FP8 out";
+  EXPECT_GT(quick_cache, 0) << "the sanitizer runs (quick mode) meet the cache write";
 }
 
 TEST(HeadGemvGpu, BitwiseEqualToReferenceOverShapesHeadsAndTokens) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed());
-  const std::vector<std::pair<int, int>> shapes = {{256, 512}, {512, 256}, {192, 512}, {128, 512}, {512, 128}};
-  const int head_counts[] = {1, 8, 16, 64, 128};
-  int case_index = 0;
-  for (auto [rows, cols] : shapes) {
-    for (int m = 1; m <= kHeadGemvMaxTokens; ++m) {
-      if (testing::quick_mode() && m % 5 != 1) continue;
-      // Every head count meets every shape and both dtypes over the sweep.
-      const int heads = head_counts[(m + case_index) % 5];
-      const bool fp8 = (m + case_index) % 2 == 0;
-      Case c{heads, rows, cols, m, fp8, /*cache=*/fp8 && cols == 512};
-      c.x_pad = (m % 3 == 0) ? 8 : 0;
-      c.weight_pad = (m % 4 == 0) ? 16 : 0;
-      if (testing::quick_mode()) c.heads = std::min(c.heads, 8);
-      run_case(c, rng);
-      ++case_index;
-    }
-  }
+  for (const Case& c : bitwise_sweep(testing::quick_mode())) run_case(c, rng);
 }
 
 TEST(HeadGemvGpu, EveryTacticAndTokenCapacityMatchesReference) {

@@ -105,7 +105,7 @@ Status run(Context& ctx, Report& report) {
                                 2.0 * kIndexerRowWidth * 4);
       Row row{"indexer", {{"m", m}, {"context", double(context)}}, fused_us,
               "logits + CUB segmented radix sort + expand + remap", baseline_us, floor_us(ctx, bytes)};
-      row.note = "v4: exact logits on FP64 tensor cores (DMMA 16x8x16, each K code converted once), 12/10/10-bit radix select over keys staged in shared memory, fused expand/remap";
+      row.note = "v4.2: exact logits on FP64 tensor cores (DMMA 16x8x16, each K code converted once), 12/10/10-bit radix select over keys staged in shared memory (stops once the 512th key's bin is taken whole), fused expand/remap";
       report.add(row);
       Row logits_row{"indexer logits kernel alone", {{"m", m}, {"context", double(context)}}, logits_us};
       logits_row.note = "step 6 only (the part of the indexer row that is not the select)";

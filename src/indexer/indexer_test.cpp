@@ -205,6 +205,14 @@ TEST(IndexerChecks, SelectAndPrefillErrorsNameTheArgument) {
     f.prefill.gate = f.prefill.index_k;
     expect_rejected(check_indexer_prefill(f.prefill), "index_k", "block_table width * block_size");
   }
+  {
+    FakeArgs f;  // the optional error counter, when given, is 4-byte aligned (atomicAdd)
+    unsigned int* misaligned = reinterpret_cast<unsigned int*>(static_cast<char*>(fake_device_pointer(0xA0000)) + 2);
+    f.prepare.error_count = f.select.error_count = f.prefill.error_count = misaligned;
+    expect_rejected(check_indexer_prepare(f.prepare), "error_count", "4-byte aligned");
+    expect_rejected(check_indexer_select(f.select), "error_count", "4-byte aligned");
+    expect_rejected(check_indexer_prefill(f.prefill), "error_count", "4-byte aligned");
+  }
 }
 
 TEST(IndexerChecks, BatchRulesNameTheToken) {

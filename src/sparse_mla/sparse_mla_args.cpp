@@ -2,6 +2,7 @@
 // (include/dsa_decode/sparse_mla.h), shared by every sparse MLA kernel.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -123,6 +124,10 @@ Status check_sparse_mla(const SparseMlaArgs& a) {
                             a.split_counters.describe());
   }
   DSA_RETURN_IF_ERROR(check_aligned(a.split_counters, "split_counters", 4));
+
+  if (reinterpret_cast<uintptr_t>(a.error_count) % alignof(unsigned int) != 0) {
+    return invalid_argument("error_count", "a 4-byte aligned device counter or null", "a misaligned pointer");
+  }
 
   const int64_t partials = sparse_mla_split_partials_count(m, heads, top_k);
   const bool has_partials = a.split_partials.data != nullptr;

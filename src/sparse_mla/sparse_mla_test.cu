@@ -138,6 +138,11 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
   rejected([](SparseMlaArgs& a) { a.split_partials.data = static_cast<char*>(a.split_partials.data) + 4; },
            "split_partials", "aligned to 16");
   rejected([](SparseMlaArgs& a) { a.split_partials.data = a.latent.data; }, "latent", "disjoint from 'split_partials'");
+  rejected(
+      [](SparseMlaArgs& a) {
+        a.error_count = reinterpret_cast<unsigned int*>(static_cast<char*>(fake_device_pointer(0x90000)) + 2);
+      },
+      "error_count", "4-byte aligned");
 }
 
 // The 64-head kernel needs split_partials (a short or missing view is
@@ -469,9 +474,15 @@ TEST(SparseMlaReference, AgreesWithTheContractFormula) {
 // GPU: the kernels against the reference.
 
 using Kernel = std::function<Status(const SparseMlaArgs&, cudaStream_t)>;
+using PartialsCount = std::function<int64_t(int64_t m, int64_t heads, int top_k)>;
 struct NamedKernel {
   std::string name;
   Kernel run;
+  // The split_partials the kernel needs: run_gpu passes exactly that many
+  // values between poisoned guard bands.
+  PartialsCount partials = [](int64_t m, int64_t heads, int top_k) {
+    return sparse_mla_split_partials_count(m, heads, top_k);
+  };
 };
 // sparse_mla runs sparse_mla_wgmma when H is a multiple of 64 and sparse_mla_mma
 // otherwise; the 8-head kernel is also run on its own, so that both fast
@@ -485,6 +496,9 @@ NamedKernel wgmma_plan(int max_splits, int max_cluster) {
               std::to_string(max_cluster),
           [max_splits, max_cluster](const SparseMlaArgs& a, cudaStream_t stream) {
             return sparse_mla_wgmma_with_plan(a, max_splits, max_cluster, stream);
+          },
+          [max_splits, max_cluster](int64_t m, int64_t heads, int top_k) {
+            return sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits, max_cluster);
           }};
 }
 // H a multiple of 64: the 64-head kernel with a two-level plan too (16
@@ -510,8 +524,9 @@ struct GpuResult {
   unsigned int out_of_range = 0;
 };
 
-// Runs `kernel` on `p` with poisoned outputs and guard bands; checks the
-// guards, the latent's token padding and the split counters (all zero after).
+// Runs `kernel` on `p` with poisoned outputs and guard bands (split_partials
+// too, at exactly the size the kernel asks for); checks the guards, the
+// latent's token padding and the split counters (all zero after).
 GpuResult run_gpu(const Problem& p, const NamedKernel& kernel) {
   SCOPED_TRACE(kernel.name);
   GpuResult result;
@@ -525,7 +540,8 @@ GpuResult run_gpu(const Problem& p, const NamedKernel& kernel) {
   lse_dev.fill_bytes(kPoison);
   const int64_t counters = sparse_mla_split_counter_count(p.m, p.heads, p.top_k);
   DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(counters, 0));
-  DeviceBuffer<float> partials_dev(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k)));
+  const int64_t partials = kernel.partials(p.m, p.heads, p.top_k);
+  DeviceBuffer<float> partials_dev(partials + 2 * kGuard);
   partials_dev.fill_bytes(kPoison);
   DeviceBuffer<unsigned int> errors_dev(std::vector<unsigned int>{0});
 
@@ -540,7 +556,7 @@ GpuResult run_gpu(const Problem& p, const NamedKernel& kernel) {
   a.latent = make_strided(latent_dev.get() + kGuard, DType::kBF16, {p.m, p.heads, L}, {p.latent_token_stride, L, 1});
   a.lse = make_tensor(lse_dev.get() + kGuard, DType::kF32, {p.m, p.heads});
   a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {counters});
-  a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
+  if (partials > 0) a.split_partials = make_tensor(partials_dev.get() + kGuard, DType::kF32, {partials});
   a.error_count = errors_dev.get();
   const Status s = kernel.run(a, nullptr);
   EXPECT_TRUE(s.ok()) << s.to_string();
@@ -567,6 +583,9 @@ GpuResult run_gpu(const Problem& p, const NamedKernel& kernel) {
   }
   result.lse.assign(lse_all.begin() + kGuard, lse_all.begin() + kGuard + p.m * p.heads);
   result.out_of_range = errors_dev.download()[0];
+  const std::vector<float> partials_all = partials_dev.download();
+  EXPECT_TRUE(poisoned(partials_all.data(), kGuard * 4)) << "write before split_partials";
+  EXPECT_TRUE(poisoned(partials_all.data() + kGuard + partials, kGuard * 4)) << "write past split_partials";
   const std::vector<int32_t> counters_after = counters_dev.download();
   EXPECT_TRUE(std::all_of(counters_after.begin(), counters_after.end(), [](int32_t c) { return c == 0; }))
       << "split counters not zero after the launch";
@@ -665,6 +684,7 @@ TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
       {64, 1, 2048},       {64, 2, 2176, 125}, {64, 7, 1},   {64, 16, 100},
       {16, 1, 1},          {16, 2, 100},   {16, 7, 2048},  {16, 16, 2176, 125},
       {8, 1, 100},         {8, 2, 1},      {8, 7, 2176, 125}, {8, 16, 2048}, {8, 64, 100}, {8, 256, 100},
+      {64, 64, 100},       {64, 128, 1024}, {128, 256, 1},  // the 64-head kernel above m = 16 (m = 128: many waves)
       {1, 1, 2048},        {1, 2, 2176, 125}, {1, 7, 100}, {1, 16, 1},   {1, 64, 2176, 125}, {1, 256, 2048},
   };
   const std::vector<Case> quick = {{4, 2, 100}, {8, 1, 2176, 125}};
