@@ -36,8 +36,8 @@ Status check_split_partials(const TensorView& partials, int64_t count) {
   DSA_RETURN_IF_ERROR(check_on_cuda(partials, "split_partials"));
   if (partials.size(0) < count || partials.stride(0) != 1) {
     return invalid_argument("split_partials",
-                            "a contiguous vector of at least sparse_mla_split_partials_count(m, H, K) = " +
-                                std::to_string(count) + " values",
+                            "a contiguous vector of at least " + std::to_string(count) +
+                                " values (sparse_mla_split_partials_count(m, H, K) for sparse_mla's plan)",
                             partials.describe());
   }
   return check_aligned(partials, "split_partials", 16);
@@ -49,7 +49,9 @@ std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".."
 
 }  // namespace
 
-Status check_sparse_mla(const SparseMlaArgs& a) {
+Status check_sparse_mla(const SparseMlaArgs& a) { return check_sparse_mla_with_partials(a, -1); }
+
+Status check_sparse_mla_with_partials(const SparseMlaArgs& a, int64_t partials) {
   constexpr int64_t L = kSparseMlaLatent;
 
   DSA_RETURN_IF_ERROR(check_dtype(a.q, "q", DType::kFP8E4M3));
@@ -129,7 +131,7 @@ Status check_sparse_mla(const SparseMlaArgs& a) {
     return invalid_argument("error_count", "a 4-byte aligned device counter or null", "a misaligned pointer");
   }
 
-  const int64_t partials = sparse_mla_split_partials_count(m, heads, top_k);
+  if (partials < 0) partials = sparse_mla_split_partials_count(m, heads, top_k);  // sparse_mla's plan
   const bool has_partials = a.split_partials.data != nullptr;
   if (partials > 0 || has_partials) {
     DSA_RETURN_IF_ERROR(check_split_partials(a.split_partials, partials));

@@ -685,7 +685,8 @@ Status sparse_mla_wgmma_max_active_clusters(int cluster_size, int* clusters) {
 }
 
 Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(check_sparse_mla(a));
+  // split_partials against this plan's count, not sparse_mla's.
+  DSA_RETURN_IF_ERROR(check_sparse_mla_with_partials(a, 0));
   const int64_t m = a.q.size(0), heads = a.q.size(1);
   if (heads % kHeads != 0) {
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
@@ -702,10 +703,8 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
                                 " (at most 16 chunks of 64 entries per CTA)",
                             std::to_string(max_splits));
   }
-  if (plan.clusters > 1) {
-    DSA_RETURN_IF_ERROR(check_split_partials(
-        a.split_partials, sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits, max_cluster)));
-  }
+  DSA_RETURN_IF_ERROR(
+      check_split_partials(a.split_partials, sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits, max_cluster)));
   DSA_RETURN_IF_ERROR(prepare_kernel(plan.cluster_size));
   const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(m));
   return launch_pdl_clustered(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
