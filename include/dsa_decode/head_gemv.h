@@ -80,7 +80,9 @@ Status check_head_gemv(const HeadGemvArgs& args);
 Status check_kv_cache_write(const KvCacheWrite& write, int64_t m);
 
 // Launches on `stream` with PDL; `tactic` null = the table's. Neither
-// allocates nor synchronizes (CUDA-graph capturable).
+// allocates nor synchronizes (CUDA-graph capturable: the first call with a
+// tactic on a device may raise the kernel's shared-memory limit, make it
+// outside a capture).
 Status head_gemv(const HeadGemvArgs& args, cudaStream_t stream, const HeadGemvTactic* tactic = nullptr);
 
 }  // namespace dsa

@@ -35,7 +35,9 @@
 // or with any input (checked; error_count is a raw pointer: only its
 // alignment is checked).
 // Scalars and counters are 4-byte aligned. Nothing is allocated or
-// synchronized on the run path (CUDA-graph capturable); every launch uses
+// synchronized on the run path (CUDA-graph capturable: the first call of a
+// kernel and plan on a device raises its shared-memory and cluster limits,
+// make it outside a capture, as the tests and dsa-decode do); every launch uses
 // programmatic dependent launch and waits (griddepcontrol.wait) before reading
 // q, the cache, the indices or the scales, all of which its predecessors write.
 //
