@@ -507,11 +507,26 @@ TEST(HeadGemvGpu, CapturedGraphReplaysTheSameResult) {
   a.weight = make_tensor(w_dev.get(), DType::kBF16, {heads, rows, cols});
   a.out = make_tensor(out_dev.get(), DType::kFP8E4M3, {m, heads, cols});
   a.scale = make_tensor(scale_dev.get(), DType::kF32, {1});
+  // With the fused cache write as a decode step captures it: a padding token
+  // (slot -1) and a slot mapping one shorter than m (CUDA-graph padding).
+  const int width = 512, block_size = 16, blocks = 2;
+  const std::vector<uint8_t> cache_before(size_t(blocks) * block_size * width, 0xA5);
+  DeviceBuffer<uint16_t> kv_dev(testing::random_bf16(m * width, 1.0f, rng));
+  DeviceBuffer<uint8_t> cache_dev(cache_before);
+  DeviceBuffer<int64_t> slots_dev(std::vector<int64_t>{5, 17, -1});
+  DeviceBuffer<float> k_scale_dev(std::vector<float>{0.02f});
+  KvCacheWrite write{make_tensor(kv_dev.get(), DType::kBF16, {m, width}),
+                     make_tensor(cache_dev.get(), DType::kFP8E4M3, {blocks, block_size, width}),
+                     make_tensor(slots_dev.get(), DType::kI64, {m - 1}), make_tensor(k_scale_dev.get(), DType::kF32, {1}),
+                     nullptr};
+  a.cache = &write;
   cudaStream_t stream;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   DSA_ASSERT_OK(head_gemv(a, stream));
   DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
   const std::vector<uint8_t> direct = out_dev.download();
+  const std::vector<uint8_t> direct_cache = cache_dev.download();
+  ASSERT_NE(direct_cache, cache_before) << "the direct launch wrote no cache entry";
 
   cudaGraph_t graph;
   cudaGraphExec_t exec;
@@ -521,9 +536,11 @@ TEST(HeadGemvGpu, CapturedGraphReplaysTheSameResult) {
   DSA_ASSERT_OK(captured);
   DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   out_dev.fill_bytes(kPoison);
+  cache_dev.upload(cache_before);
   for (int i = 0; i < 3; ++i) DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
   DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
   EXPECT_EQ(out_dev.download(), direct);
+  EXPECT_EQ(cache_dev.download(), direct_cache) << "the replays' cache bytes differ from the direct launch's";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

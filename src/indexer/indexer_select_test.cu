@@ -246,6 +246,48 @@ TEST(IndexerSelectGpu, MatchesReferenceAt128kAndAbove) {
   check_contexts({150001, 131072}, 256, "m 2 above 128k", false);
 }
 
+// Slots in rows with a padded token stride between poisoned guard bands, and
+// no topk_positions (the stage's call): the slots equal the reference's and
+// no byte outside the rows' 2176 columns is written.
+TEST(IndexerSelectGpu, PaddedSlotRowsWithoutPositionsStayInsideTheirColumns) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 7);
+  const std::vector<int64_t> contexts = testing::quick_mode() ? std::vector<int64_t>{2050, 0, 5001}
+                                                              : std::vector<int64_t>{2050, 0, 32768 + 1, 5001};
+  Scenario s(contexts, 256, rng);
+  s.fill_and_run_reference(rng);
+  if (::testing::Test::HasFatalFailure()) return;
+  DeviceStep d(s);
+  constexpr int64_t kGuard = 64, kStride = kWidth + 16;  // int32 elements
+  DeviceBuffer<int32_t> padded(size_t(s.m) * kStride + 2 * kGuard);
+  padded.fill_bytes(kPoison);
+  d.args.slots = make_strided(padded.get() + kGuard, DType::kI32, {s.m, kWidth}, {kStride, 1});
+  d.args.topk_positions = TensorView{};
+  d.errors.fill_bytes(0);
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DSA_ASSERT_OK(indexer_select(d.args, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
+  const std::vector<int32_t> got = padded.download();
+  int32_t poison;
+  std::memset(&poison, kPoison, sizeof(poison));
+  for (int64_t i = 0; i < kGuard; ++i) {
+    ASSERT_EQ(got[i], poison) << "write before the slots at guard element " << i;
+    ASSERT_EQ(got[got.size() - 1 - i], poison) << "write past the slots";
+  }
+  for (int t = 0; t < s.m; ++t) {
+    const int32_t* row = got.data() + kGuard + t * kStride;
+    for (int c = 0; c < kWidth; ++c) {
+      ASSERT_EQ(row[c], s.rows.slots[t * kWidth + c]) << "token " << t << " column " << c;
+    }
+    if (t + 1 < s.m) {
+      for (int64_t c = kWidth; c < kStride; ++c) ASSERT_EQ(row[c], poison) << "write into token " << t << "'s padding";
+    }
+  }
+  EXPECT_EQ(d.errors.download()[0], 0u);
+}
+
 // Ties at the 512th value, -0 against +0, NaN and untrusted pages: every pool
 // a copy of one entry (equal logits), a few with a larger scale, some with
 // scale 0 (logits +-0) or NaN (ranked -inf); rows equal the reference's.
