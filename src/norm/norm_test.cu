@@ -650,5 +650,42 @@ TEST(NormGpu, PdlChainMatchesSerializedLaunches) {
   EXPECT_EQ(chained, serialized);
 }
 
+// The run path allocates and synchronizes nothing: a captured launch replays
+// the direct launch's bits over poisoned outputs.
+TEST(NormGpu, CapturedGraphReplaysTheSameResult) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 5);
+  Stream stream;
+  constexpr int kQ = 1536, kKv = 512, kM = 4;
+  DeviceBuffer<uint16_t> qkv(testing::random_bf16(kM * (kQ + kKv), 3.0f, rng));
+  DeviceBuffer<uint16_t> q_weight(testing::random_bf16(kQ, 1.0f, rng)), kv_weight(testing::random_bf16(kKv, 1.0f, rng));
+  DeviceBuffer<uint16_t> q_out(kM * kQ), kv_out(kM * kKv);
+  auto launch = [&] {
+    return qkv_rmsnorm(make_tensor(qkv.get(), DType::kBF16, {kM, kQ + kKv}),
+                       make_tensor(q_weight.get(), DType::kBF16, {kQ}), make_tensor(kv_weight.get(), DType::kBF16, {kKv}),
+                       1e-6f, make_tensor(q_out.get(), DType::kBF16, {kM, kQ}),
+                       make_tensor(kv_out.get(), DType::kBF16, {kM, kKv}), stream.get());
+  };
+  DSA_ASSERT_OK(launch());
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
+  const std::vector<uint16_t> direct_q = q_out.download(), direct_kv = kv_out.download();
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  const Status captured = launch();
+  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream.get(), &graph));
+  DSA_ASSERT_OK(captured);
+  DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  q_out.fill_bytes(0xFF);
+  kv_out.fill_bytes(0xFF);
+  for (int i = 0; i < 3; ++i) DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream.get()));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
+  EXPECT_EQ(q_out.download(), direct_q);
+  EXPECT_EQ(kv_out.download(), direct_kv);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 }  // namespace
 }  // namespace dsa
