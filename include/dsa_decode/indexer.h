@@ -5,11 +5,12 @@
 // (src/indexer/indexer_reference.h), the GPU select step (steps 5-8:
 // indexer_select, and the benchmark's baseline indexer_select_baseline) and
 // the GPU prepare and prefill (steps 1-4 and 9: indexer_prepare,
-// indexer_prefill; bitwise equal to the reference on the H200).
-// docs/indexer.md has the plan.
+// indexer_prefill; bitwise equal to the reference on the H200). The
+// projections (indexer_project, cuBLASLt, with a float64 reference) are
+// written but have not yet run on a GPU. docs/indexer.md has the plan.
 //
 // Per DSA layer and decode step, m tokens (1..16), 32 index heads of 128,
-// pools of 4 tokens. The projections (cuBLASLt, run by the stage) give:
+// pools of 4 tokens. The projections (indexer_project, cuBLASLt) give:
 //
 //   index_q       [m, 32, 128] BF16   wq_b(q_c)
 //   index_k       [m, 128]     BF16   wk(x), before its LayerNorm
@@ -106,7 +107,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "dsa_decode/status.h"
 #include "dsa_decode/tensor.h"
@@ -158,6 +161,57 @@ struct IndexerState {
   // [blocks, block_size / 4 * 132] u8, dim 1 contiguous, page stride a
   // multiple of 16 (may be padded), data 16-byte aligned.
   TensorView k_cache;
+};
+
+// The projections before prepare (issue 5's step 1): four products
+// out[t, j] = sum_i in[t, i] * weight[j, i] of BF16 inputs, on the GPU through
+// cuBLASLt. Every view: dim 1 (dims 1-2 for index_q) contiguous, a row stride
+// of a multiple of 16 bytes (8 BF16 or 4 FP32 elements) and at least the row's
+// width, data 16-byte aligned, on CUDA; outputs share no memory with the
+// inputs or with each other. Q (q_lora_rank) and D (hidden) are any sizes >= 1
+// (glm5next: 1536 and 4096).
+struct IndexerProjectArgs {
+  IndexerPlan plan;          // m = q_c's rows must be in 1..plan.max_tokens
+  TensorView q_c;            // [m, Q] BF16, the normed query latent
+  TensorView x;              // [m, D] BF16, the hidden states the attention takes
+  TensorView wq_b;           // [32 * 128, Q] BF16, nn.Linear layout [out, in]
+  TensorView wk;             // [128, D] BF16
+  TensorView weights_proj;   // [32, D] BF16
+  TensorView compress_gate;  // [128, D] BF16
+  // Outputs, in the layouts indexer_prepare takes (index_q's token stride may
+  // be anything when m == 1, as there):
+  TensorView index_q;       // [m, 32, 128] BF16: q_c @ wq_b^T, head h = columns 128 h .. 128 h + 127
+  TensorView index_k;       // [m, 128] BF16: x @ wk^T, before its LayerNorm
+  TensorView head_weights;  // [m, 32] FP32: x @ weights_proj^T, the FP32 sum itself (no BF16 rounding)
+  TensorView gate;          // [m, 128] BF16: x @ compress_gate^T
+};
+
+// The caller-owned resources of indexer_project: a cuBLASLt handle and a
+// workspace allocated once by create() on the device current then (use it
+// on that device), and the matmul descriptors and algorithm of each shape
+// (m, Q, D, row strides), chosen by cuBLASLt's heuristic on the first call of
+// that shape and reused after (host memory). One stream at a time: every
+// call uses the same workspace. Not thread-safe.
+class IndexerProjectContext {
+ public:
+  static constexpr size_t kDefaultWorkspaceBytes = size_t{32} << 20;  // cuBLAS's advice for Hopper
+
+  // A context that holds nothing: create() makes a usable one.
+  IndexerProjectContext();
+  ~IndexerProjectContext();
+  IndexerProjectContext(IndexerProjectContext&&) noexcept;
+  IndexerProjectContext& operator=(IndexerProjectContext&&) noexcept;
+
+  // Replaces *context with a new handle and a workspace of workspace_bytes
+  // (cudaMalloc: call it outside a graph capture).
+  static Status create(IndexerProjectContext* context, size_t workspace_bytes = kDefaultWorkspaceBytes);
+  bool created() const { return state_ != nullptr; }
+
+ private:
+  friend Status indexer_project(const IndexerProjectArgs& args, IndexerProjectContext& context,
+                                cudaStream_t stream);
+  struct State;  // src/indexer/indexer_project.cpp
+  std::unique_ptr<State> state_;
 };
 
 // Steps 1-4: LayerNorm, q quant and weight fold, pool compression, ring.
@@ -215,6 +269,7 @@ struct IndexerPrefillArgs {
 Status check_indexer_prepare(const IndexerPrepareArgs& args);
 Status check_indexer_select(const IndexerSelectArgs& args);
 Status check_indexer_prefill(const IndexerPrefillArgs& args);
+Status check_indexer_project(const IndexerProjectArgs& args);
 
 // Host copies of a step's token-to-request map, checked against the
 // contract's rules for trusted callers (the CPU reference, the main job):
@@ -223,6 +278,28 @@ Status check_indexer_prefill(const IndexerPrefillArgs& args);
 // consecutive positions, at most RING - 3 of them. Errors name the token.
 Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positions, const int32_t* token_requests,
                            int64_t requests, int64_t block_table_width);
+
+// The projections on the GPU (src/indexer/indexer_project.cpp): four
+// cublasLtMatmul calls, BF16 inputs, FP32 compute and scale
+// (CUBLAS_COMPUTE_32F), each output written once from its FP32 sum (index_q,
+// index_k and gate rounded to BF16 to nearest even, head_weights stored as
+// FP32). The sums are cuBLASLt's: FP32 accumulation in an order it does not
+// specify (tensor-core blocks, maybe split over k), so the outputs match a
+// float64 reference within a tolerance, not bit for bit. The tests' bound
+// (src/indexer/indexer_reference.h says why): head_weights within 1e-5 *
+// sum_i |in[t, i] * weight[j, i]| of the exact sum; a BF16 output within one
+// BF16 ulp of the exact sum rounded to BF16, plus that term.
+// The same shape on the same device and library version gives the same bits
+// on every call (the algorithm is chosen once per shape and the workspace is
+// the context's own); a token's outputs may change with m (each m may get
+// another algorithm). No allocation, no synchronization, CUDA-graph
+// capturable once the shape has had a call outside the capture (the first
+// call of a shape builds its descriptors and asks the heuristic: host work
+// only, kept out of the capture as the other steps' first calls are). No PDL
+// attribute is set on cuBLASLt's launches, so the kernel after this call must
+// not count on overlapping it; launched with PDL, it must still wait
+// (griddepcontrol.wait) before reading the outputs, as indexer_prepare does.
+Status indexer_project(const IndexerProjectArgs& args, IndexerProjectContext& context, cudaStream_t stream);
 
 // Steps 1-4 on the GPU (src/indexer/indexer_prepare.cu), two PDL launches:
 // one warp per 128-value row of the step (each token's 32 q heads: Hadamard,

@@ -24,17 +24,18 @@ Status check_parameter(const TensorView& t, const char* name, std::initializer_l
   return check_aligned(t, name, 4);
 }
 
-// [m, width] rows of `dtype`, dim 1 contiguous, token stride a multiple of
-// `stride_multiple` and >= width, data 16-byte aligned.
+// [m, width] rows of `dtype`, dim 1 contiguous, the stride of dim 0 (a
+// `row_kind` stride in the message) a multiple of `stride_multiple` and
+// >= width, data 16-byte aligned.
 Status check_rows(const TensorView& t, const char* name, DType dtype, int64_t m, int64_t width,
-                  int64_t stride_multiple) {
+                  int64_t stride_multiple, const char* row_kind = "token") {
   DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
   DSA_RETURN_IF_ERROR(check_shape(t, name, {m, width}));
   DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
   DSA_RETURN_IF_ERROR(check_stride(t, name, 1, 1));
   if (t.stride(0) % stride_multiple != 0 || t.stride(0) < width) {
-    return invalid_argument(name, "a token stride that is a multiple of " + std::to_string(stride_multiple) +
-                                      " and at least " + std::to_string(width),
+    return invalid_argument(name, std::string("a ") + row_kind + " stride that is a multiple of " +
+                                      std::to_string(stride_multiple) + " and at least " + std::to_string(width),
                             t.describe());
   }
   return check_aligned(t, name, 16);
@@ -256,6 +257,36 @@ Status check_indexer_prefill(const IndexerPrefillArgs& a) {
                              {{&a.index_k, "index_k"}, {&a.gate, "gate"}, {&a.k_norm_weight, "k_norm_weight"},
                               {&a.k_norm_bias, "k_norm_bias"}, {&a.ape, "ape"}, {&a.state.block_table, "block_table"},
                               {&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}});
+}
+
+Status check_indexer_project(const IndexerProjectArgs& a) {
+  DSA_RETURN_IF_ERROR(check_indexer_plan(a.plan));
+  DSA_RETURN_IF_ERROR(check_dtype(a.q_c, "q_c", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(a.q_c, "q_c", {-1, -1}));
+  DSA_RETURN_IF_ERROR(check_token_count(a.q_c, "q_c", a.plan));
+  const int64_t m = a.q_c.size(0), q_lora = a.q_c.size(1);
+  if (q_lora < 1) return invalid_argument("q_c", "at least one column (Q = q_lora_rank)", a.q_c.describe());
+  DSA_RETURN_IF_ERROR(check_rows(a.q_c, "q_c", DType::kBF16, m, q_lora, 8));
+  DSA_RETURN_IF_ERROR(check_dtype(a.x, "x", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(a.x, "x", {m, -1}));
+  const int64_t hidden = a.x.size(1);
+  if (hidden < 1) return invalid_argument("x", "at least one column (D = hidden)", a.x.describe());
+  DSA_RETURN_IF_ERROR(check_rows(a.x, "x", DType::kBF16, m, hidden, 8));
+  // 16-byte row strides: cuBLASLt is asked for algorithms that need no more
+  // than 16-byte alignment of every column it reads or writes.
+  DSA_RETURN_IF_ERROR(check_rows(a.wq_b, "wq_b", DType::kBF16, kIndexerHeads * kIndexerDim, q_lora, 8, "row"));
+  DSA_RETURN_IF_ERROR(check_rows(a.wk, "wk", DType::kBF16, kIndexerDim, hidden, 8, "row"));
+  DSA_RETURN_IF_ERROR(check_rows(a.weights_proj, "weights_proj", DType::kBF16, kIndexerHeads, hidden, 8, "row"));
+  DSA_RETURN_IF_ERROR(check_rows(a.compress_gate, "compress_gate", DType::kBF16, kIndexerDim, hidden, 8, "row"));
+  DSA_RETURN_IF_ERROR(check_head_rows(a.index_q, "index_q", DType::kBF16, m, kIndexerHeads, kIndexerDim));
+  DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, m, kIndexerDim, 8));
+  DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, kIndexerHeads, 4));
+  DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));
+  return check_written_apart(
+      {{&a.index_q, "index_q"}, {&a.index_k, "index_k"}, {&a.head_weights, "head_weights"}, {&a.gate, "gate"}},
+      {{&a.q_c, "q_c"}, {&a.x, "x"}, {&a.wq_b, "wq_b"}, {&a.wk, "wk"}, {&a.weights_proj, "weights_proj"},
+       {&a.compress_gate, "compress_gate"}, {&a.index_q, "index_q"}, {&a.index_k, "index_k"},
+       {&a.head_weights, "head_weights"}, {&a.gate, "gate"}});
 }
 
 Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positions, const int32_t* token_requests,

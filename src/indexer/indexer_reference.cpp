@@ -254,4 +254,50 @@ Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, cons
   return Status();
 }
 
+ExactProduct exact_product(const uint16_t* input, int64_t m, int64_t k, const uint16_t* weight, int64_t n) {
+  ExactProduct out;
+  out.sum.assign(size_t(m) * n, 0.0);
+  out.magnitude.assign(size_t(m) * n, 0.0);
+  std::vector<double> row(k);
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t i = 0; i < k; ++i) row[i] = num::bf16_to_float(input[t * k + i]);
+    for (int64_t j = 0; j < n; ++j) {
+      const uint16_t* w = weight + j * k;
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double product = row[i] * num::bf16_to_float(w[i]);
+        sum += product;
+        magnitude += std::fabs(product);
+      }
+      out.sum[t * n + j] = sum;
+      out.magnitude[t * n + j] = magnitude;
+    }
+  }
+  return out;
+}
+
+IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& in) {
+  IndexerProjectionsHost out;
+  out.index_q = exact_product(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(kHeads) * kDim);
+  out.index_k = exact_product(in.x, in.m, in.hidden, in.wk, kDim);
+  out.head_weights = exact_product(in.x, in.m, in.hidden, in.weights_proj, kHeads);
+  out.gate = exact_product(in.x, in.m, in.hidden, in.compress_gate, kDim);
+  return out;
+}
+
+double projection_expected(double sum, DType output) {
+  return output == DType::kBF16 ? num::round_bf16(static_cast<float>(sum)) : sum;
+}
+
+double projection_tolerance(double got, double expected, double magnitude, DType output) {
+  const double sum_term = kProjectionSumTolerance * magnitude;
+  if (output != DType::kBF16) return sum_term;
+  // A BF16 value in [2^(e-1), 2^e) has an ulp of 2^(e-8); zero and the subnormals have 2^-133.
+  constexpr int kSmallestUlpExponent = -133;
+  const double larger = std::max(std::fabs(got), std::fabs(expected));
+  int exponent = kSmallestUlpExponent + 8;
+  if (larger != 0.0) std::frexp(larger, &exponent);
+  return std::ldexp(1.0, std::max(exponent - 8, kSmallestUlpExponent)) + sum_term;
+}
+
 }  // namespace dsa::reference

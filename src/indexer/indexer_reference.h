@@ -4,6 +4,8 @@
 // bytes are bitwise what the GPU kernels must produce (the arithmetic is the
 // host side of src/indexer/indexer_math.h). The logits are the contract's
 // FP32 order on exact head dots; GPU logits match them within a tolerance.
+// The projections (cuBLASLt on the GPU, no fixed order) are float64 sums,
+// matched within the tolerance below.
 #pragma once
 
 #include <cstdint>
@@ -93,5 +95,65 @@ int64_t remap_row(const IndexerPlan& plan, const IndexerStateHost& state, int64_
 // Steps 5-8 for every token; checks the batch first.
 Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerQueryHost& query,
                       const IndexerStateHost& state, IndexerRowsHost* rows);
+
+// The projections' inputs (indexer_project), BF16 bits, row-major and contiguous.
+struct IndexerProjectInputsHost {
+  int m;
+  int64_t q_lora, hidden;         // Q, D
+  const uint16_t* q_c;            // [m, Q]
+  const uint16_t* x;              // [m, D]
+  const uint16_t* wq_b;           // [32 * 128, Q]
+  const uint16_t* wk;             // [128, D]
+  const uint16_t* weights_proj;   // [32, D]
+  const uint16_t* compress_gate;  // [128, D]
+};
+
+// sum[t, j] = sum_i input[t, i] * weight[j, i] and magnitude[t, j] = sum_i
+// |input[t, i] * weight[j, i]|, both [m, n], in double. A product of two BF16
+// values is exact in double and k such products sum with an error below
+// k * 2^-53 * magnitude, negligible next to the FP32 bound below: the sums
+// count as exact.
+struct ExactProduct {
+  std::vector<double> sum, magnitude;
+};
+ExactProduct exact_product(const uint16_t* input, int64_t m, int64_t k, const uint16_t* weight, int64_t n);
+
+struct IndexerProjectionsHost {
+  ExactProduct index_q;       // [m, 32 * 128]
+  ExactProduct index_k;       // [m, 128]
+  ExactProduct head_weights;  // [m, 32]
+  ExactProduct gate;          // [m, 128]
+};
+IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& inputs);
+
+// The projections' tolerance, per output: |got - projection_expected(sum)| <=
+// projection_tolerance(got, expected, magnitude).
+//
+// Why 1e-5 * magnitude for an FP32 sum in an order cuBLASLt does not state:
+// every product of two BF16 values is exact in FP32, and each FP32 addition
+// errs by at most u = 2^-24 of a partial sum no larger than the magnitude, so
+// the error is at most u * magnitude times the number of roundings on the
+// longest path a product takes to the output. A serial sum has k - 1 of them
+// (2.4e-4 at k = 4096, a bound no order can exceed); the tensor-core kernels
+// add 16 or more products per MMA step, so about k / 16 + a few (a split-k
+// reduction adds log2 of its splits): <= 1.6e-5 * magnitude at k = 4096 even
+// if every rounding erred fully the same way. Data of random sign keeps the
+// partial sums far below the magnitude and the errors cancel in part, so the
+// expected error is under u * sqrt(k / 16) * magnitude, about 1e-6. 1e-5
+// leaves room above that and is still tight enough to catch a BF16 rounding
+// of head_weights (2^-9 of the value, about 5e-5 * magnitude for random data
+// at k = 4096, where the value is near 1.6 / sqrt(k) of the magnitude).
+inline constexpr double kProjectionSumTolerance = 1e-5;
+
+// The exact sum as the output stores it: rounded to BF16 (to nearest even,
+// through float: the double rounding adds at most 2^-24 |sum|, inside the
+// tolerance's magnitude term) for a BF16 output, unchanged for FP32.
+double projection_expected(double sum, DType output);
+
+// FP32: kProjectionSumTolerance * magnitude. BF16: the GPU rounds its FP32 sum
+// s, within that term of the exact sum, to BF16, and expected is the exact sum
+// rounded: each rounding moves half a BF16 ulp at its value's scale, so one
+// ulp at the larger of |got| and |expected| plus the term.
+double projection_tolerance(double got, double expected, double magnitude, DType output);
 
 }  // namespace dsa::reference
