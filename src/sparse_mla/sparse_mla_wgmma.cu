@@ -125,7 +125,7 @@ static_assert(kMaxClusters <= kMaxClusterSize && kMaxClusters <= 32,
 static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 
-// Where a unit of the inbox keeps its 128 dims (FP16): 16-byte slot
+// Where a unit's slot of split_partials keeps its 128 dims (FP16): 16-byte slot
 // unit_slot(j, c) holds dims 8 (j + u) + 2 c, + 1 for u = 0..3, j a multiple
 // of 4, so that lane c of a quad pushes 16 contiguous bytes and the quad 64.
 __host__ __device__ constexpr int unit_slot(int j, int c) { return (j / 4) * 4 + c; }
@@ -194,8 +194,7 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  //
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_wgmma_kernel(const SparseMlaParams p, const int total_chunks) {
   extern __shared__ uint8_t shared_raw[];
-  // Aligned up to 1024 bytes (the swizzle atoms); the same offset in every CTA
-  // of the cluster, so a peer's copy of a field is at the same address.
+  // Aligned up to 1024 bytes (the swizzle atoms).
   SharedStorage& s =
       *reinterpret_cast<SharedStorage*>(shared_raw + (1024 - shared_address(shared_raw) % 1024) % 1024);
   const cg::cluster_group cluster = cg::this_cluster();
