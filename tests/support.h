@@ -105,4 +105,21 @@ class DeviceBuffer {
 // BF16 bit patterns of normal(0, stddev) samples.
 std::vector<uint16_t> random_bf16(size_t count, float stddev, std::mt19937_64& rng);
 
+// normal(mean, stddev) samples.
+inline std::vector<float> normal_floats(size_t count, float mean, float stddev, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(mean, stddev);
+  std::vector<float> values(count);
+  for (float& v : values) v = normal(rng);
+  return values;
+}
+
+// rows [count, width] -> [count, stride] with `fill` in each row's padding.
+template <class T>
+std::vector<T> pad_rows(const std::vector<T>& rows, int64_t width, int64_t stride, T fill) {
+  const int64_t count = static_cast<int64_t>(rows.size()) / width;
+  std::vector<T> padded(count * stride, fill);
+  for (int64_t r = 0; r < count; ++r) std::copy_n(&rows[r * width], width, &padded[r * stride]);
+  return padded;
+}
+
 }  // namespace dsa::testing

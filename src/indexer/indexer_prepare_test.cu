@@ -24,6 +24,8 @@ namespace dsa {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::pad_rows;
+using testing::normal_floats;
 using HostState = testing::IndexerHostState;
 constexpr int kDim = kIndexerDim;
 constexpr int kHeads = kIndexerHeads;
@@ -37,22 +39,6 @@ std::vector<uint8_t> bytes_of(const std::vector<T>& values) {
   std::vector<uint8_t> bytes(values.size() * sizeof(T));
   std::memcpy(bytes.data(), values.data(), bytes.size());
   return bytes;
-}
-
-// rows [count, width] -> [count, stride] with `fill` in each row's padding.
-template <class T>
-std::vector<T> pad_rows(const std::vector<T>& rows, int64_t width, int64_t stride, T fill) {
-  const int64_t count = static_cast<int64_t>(rows.size()) / width;
-  std::vector<T> padded(count * stride, fill);
-  for (int64_t r = 0; r < count; ++r) std::copy_n(&rows[r * width], width, &padded[r * stride]);
-  return padded;
-}
-
-std::vector<float> normal_floats(size_t count, float mean, float stddev, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(mean, stddev);
-  std::vector<float> values(count);
-  for (float& v : values) v = normal(rng);
-  return values;
 }
 
 // Equal bytes, or one failure naming how many differ and the first.

@@ -26,6 +26,7 @@ namespace dsa {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::pad_rows;
 using testing::expect_rejected;
 constexpr int kDim = kIndexerDim;
 constexpr int kHeads = kIndexerHeads;
@@ -213,15 +214,6 @@ TEST(IndexerProjectReference, ToleranceIsOneBf16UlpPlusTheSumTerm) {
 
 // ---------------------------------------------------------------------------
 // GPU tests.
-
-// rows [count, width] -> [count, stride] with `fill` in each row's padding.
-template <class T>
-std::vector<T> pad_rows(const std::vector<T>& rows, int64_t width, int64_t stride, T fill) {
-  const int64_t count = static_cast<int64_t>(rows.size()) / width;
-  std::vector<T> padded(count * stride, fill);
-  for (int64_t r = 0; r < count; ++r) std::copy_n(&rows[r * width], width, &padded[r * stride]);
-  return padded;
-}
 
 // Elements after each row beyond its width, per view; 0 everywhere is tight.
 struct ProjectPadding {

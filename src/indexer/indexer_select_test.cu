@@ -23,17 +23,11 @@ namespace dsa {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::normal_floats;
 constexpr int kDim = kIndexerDim;
 constexpr int kHeads = kIndexerHeads;
 constexpr int kWidth = kIndexerRowWidth;
 constexpr uint8_t kPoison = 0xAB;
-
-std::vector<float> normal_floats(size_t count, float mean, float stddev, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(mean, stddev);
-  std::vector<float> values(count);
-  for (float& v : values) v = normal(rng);
-  return values;
-}
 
 // The plan of a scenario: one token per request, the largest context sized.
 IndexerPlan scenario_plan(const std::vector<int64_t>& contexts, int block_size) {
