@@ -28,8 +28,7 @@ Status check_scale(const TensorView& scale, const char* name) {
   return check_on_cuda(scale, name);
 }
 
-}  // namespace
-
+// split_partials for a plan that needs `count` values (none: it may be empty).
 Status check_split_partials(const TensorView& partials, int64_t count) {
   DSA_RETURN_IF_ERROR(check_dtype(partials, "split_partials", DType::kF32));
   DSA_RETURN_IF_ERROR(check_shape(partials, "split_partials", {-1}));
@@ -37,21 +36,21 @@ Status check_split_partials(const TensorView& partials, int64_t count) {
   if (partials.size(0) < count || partials.stride(0) != 1) {
     return invalid_argument("split_partials",
                             "a contiguous vector of at least " + std::to_string(count) +
-                                " values (sparse_mla_split_partials_count(m, H, K) for sparse_mla's plan)",
+                                " values (sparse_mla_split_partials_count(m, H, K) for sparse_mla)",
                             partials.describe());
   }
   return check_aligned(partials, "split_partials", 16);
 }
 
-namespace {
-
 std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".." + std::to_string(high); }
 
 }  // namespace
 
-Status check_sparse_mla(const SparseMlaArgs& a) { return check_sparse_mla_with_partials(a, -1); }
+Status check_sparse_mla(const SparseMlaArgs& a) {
+  return check_sparse_mla_for_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster);
+}
 
-Status check_sparse_mla_with_partials(const SparseMlaArgs& a, int64_t partials) {
+Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max_cluster) {
   constexpr int64_t L = kSparseMlaLatent;
 
   DSA_RETURN_IF_ERROR(check_dtype(a.q, "q", DType::kFP8E4M3));
@@ -131,7 +130,8 @@ Status check_sparse_mla_with_partials(const SparseMlaArgs& a, int64_t partials) 
     return invalid_argument("error_count", "a 4-byte aligned device counter or null", "a misaligned pointer");
   }
 
-  if (partials < 0) partials = sparse_mla_split_partials_count(m, heads, top_k);  // sparse_mla's plan
+  const int64_t partials =
+      sparse_mla_wgmma_partials_count(m, heads, static_cast<int>(top_k), max_splits, max_cluster);
   const bool has_partials = a.split_partials.data != nullptr;
   if (partials > 0 || has_partials) {
     DSA_RETURN_IF_ERROR(check_split_partials(a.split_partials, partials));

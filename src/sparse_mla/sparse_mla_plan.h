@@ -53,11 +53,9 @@ int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int
 // The most clusters of cluster_size CTAs of the kernel the current device runs at once.
 Status sparse_mla_wgmma_max_active_clusters(int cluster_size, int* clusters);
 Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
-// The checks of split_partials against `count` values.
-Status check_split_partials(const TensorView& partials, int64_t count);
-// check_sparse_mla with split_partials checked against `partials` values
-// (those of the plan about to run; -1: sparse_mla's plan, as check_sparse_mla).
-Status check_sparse_mla_with_partials(const SparseMlaArgs& args, int64_t partials);
+// check_sparse_mla with split_partials sized for the 64-head plan of these
+// limits (check_sparse_mla: sparse_mla's, the defaults).
+Status check_sparse_mla_for_plan(const SparseMlaArgs& args, int max_splits, int max_cluster);
 // The same kernel with another plan, for the benchmark's comparison of plans
 // and the tests: max_splits 1..kSparseMlaWgmmaMaxSplits and max_cluster 4, 8
 // or 16, else an error naming them; an error naming max_splits when a split

@@ -695,16 +695,19 @@ Status sparse_mla_wgmma_max_active_clusters(int cluster_size, int* clusters) {
 }
 
 Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster, cudaStream_t stream) {
+  if (!valid_max_cluster(max_cluster)) return invalid_argument("max_cluster", "4, 8 or 16", std::to_string(max_cluster));
+  if (max_splits < 1 || max_splits > kSparseMlaWgmmaMaxSplits) {
+    return invalid_argument("max_splits", "1.." + std::to_string(kSparseMlaWgmmaMaxSplits), std::to_string(max_splits));
+  }
   // split_partials against this plan's count, not sparse_mla's.
-  DSA_RETURN_IF_ERROR(check_sparse_mla_with_partials(a, 0));
+  DSA_RETURN_IF_ERROR(check_sparse_mla_for_plan(a, max_splits, max_cluster));
   const int64_t m = a.q.size(0), heads = a.q.size(1);
   if (heads % kHeads != 0) {
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
   }
-  if (!valid_max_cluster(max_cluster)) return invalid_argument("max_cluster", "4, 8 or 16", std::to_string(max_cluster));
   const int top_k = static_cast<int>(a.indices.size(1));
   const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits, max_cluster);
-  if (max_splits < 1 || max_splits > kSparseMlaWgmmaMaxSplits || plan.max_chunks > kMaxChunks) {
+  if (plan.max_chunks > kMaxChunks) {
     int fewest = 1;  // the smallest max_splits whose plan stages at most 16 chunks per CTA
     while (sparse_mla_wgmma_splits(top_k, fewest, max_cluster).max_chunks > kMaxChunks) ++fewest;
     return invalid_argument("max_splits",
@@ -713,8 +716,6 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
                                 " (at most 16 chunks of 64 entries per CTA)",
                             std::to_string(max_splits));
   }
-  DSA_RETURN_IF_ERROR(
-      check_split_partials(a.split_partials, sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits, max_cluster)));
   DSA_RETURN_IF_ERROR(prepare_kernel(plan.cluster_size));
   const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(m));
   return launch_pdl_clustered(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
