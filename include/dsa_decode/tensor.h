@@ -66,6 +66,8 @@ Status check_stride(const TensorView& t, const char* name, int dim, int64_t expe
 // data pointer aligned to `bytes`
 Status check_aligned(const TensorView& t, const char* name, size_t bytes);
 Status check_on_cuda(const TensorView& t, const char* name);
+// An optional device counter (atomicAdd): null or 4-byte aligned.
+Status check_error_counter(const unsigned int* counter, const char* name);
 // Per-head rows [m, heads, dim] of `dtype` as the kernels read them, 16 bytes at
 // a time: dims 1-2 packed (strides dim, 1), a token stride that is a multiple
 // of 8 elements and at least heads * dim (any when m == 1: a size-1 dimension's

@@ -186,6 +186,13 @@ Status check_aligned(const TensorView& t, const char* name, size_t bytes) {
   return Status();
 }
 
+Status check_error_counter(const unsigned int* counter, const char* name) {
+  if (reinterpret_cast<uintptr_t>(counter) % alignof(unsigned int) != 0) {
+    return invalid_argument(name, "a 4-byte aligned device counter or null", "a misaligned pointer");
+  }
+  return Status();
+}
+
 Status check_on_cuda(const TensorView& t, const char* name) {
   if (t.device.kind != DeviceKind::kCUDA) return invalid_argument(name, "a CUDA tensor", t.describe());
   return Status();

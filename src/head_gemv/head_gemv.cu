@@ -352,9 +352,7 @@ Status check_kv_cache_write(const KvCacheWrite& c, int64_t m) {
   DSA_RETURN_IF_ERROR(check_shape(c.k_scale, "cache.k_scale", {1}));
   DSA_RETURN_IF_ERROR(check_on_cuda(c.k_scale, "cache.k_scale"));
   DSA_RETURN_IF_ERROR(check_aligned(c.k_scale, "cache.k_scale", 4));
-  if (reinterpret_cast<uintptr_t>(c.error_count) % alignof(unsigned int) != 0) {
-    return invalid_argument("cache.error_count", "a 4-byte aligned device counter or null", "a misaligned pointer");
-  }
+  DSA_RETURN_IF_ERROR(check_error_counter(c.error_count, "cache.error_count"));
   for (const auto& [other, name] : {std::pair{&c.kv, "cache.kv"}, {&c.slot_mapping, "cache.slot_mapping"},
                                     {&c.k_scale, "cache.k_scale"}}) {
     DSA_RETURN_IF_ERROR(check_no_overlap(c.cache, "cache.cache", *other, name));

@@ -138,14 +138,6 @@ Status check_norm_parameters(const TensorView& weight, const TensorView& bias, c
 
 }  // namespace
 
-// The optional device error counter: null or 4-byte aligned (atomicAdd).
-Status check_error_count(const unsigned int* error_count) {
-  if (reinterpret_cast<uintptr_t>(error_count) % alignof(unsigned int) != 0) {
-    return invalid_argument("error_count", "a 4-byte aligned device counter or null", "a misaligned pointer");
-  }
-  return Status();
-}
-
 Status check_indexer_plan(const IndexerPlan& plan) {
   if (plan.max_tokens < 1 || plan.max_tokens > kIndexerMaxTokens) {
     return invalid_argument("plan.max_tokens", range(1, kIndexerMaxTokens), std::to_string(plan.max_tokens));
@@ -197,7 +189,7 @@ Status check_indexer_prepare(const IndexerPrepareArgs& a) {
   DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
   DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
   DSA_RETURN_IF_ERROR(check_workspace(a.workspace, a.plan));
-  DSA_RETURN_IF_ERROR(check_error_count(a.error_count));
+  DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
   return check_written_apart(
       {{&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}},
       {{&a.index_q, "index_q"}, {&a.index_k, "index_k"}, {&a.head_weights, "head_weights"}, {&a.gate, "gate"},
@@ -219,7 +211,7 @@ Status check_indexer_select(const IndexerSelectArgs& a) {
     DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
   }
   DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4));
-  DSA_RETURN_IF_ERROR(check_error_count(a.error_count));
+  DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
   // The rows are written while the logits in the workspace are still read.
   return check_written_apart(
       {{&a.slots, "slots"}, {&a.topk_positions, "topk_positions"}, {&a.workspace, "workspace"}},
@@ -252,7 +244,7 @@ Status check_indexer_prefill(const IndexerPrefillArgs& a) {
                                            " tokens",
                             a.index_k.describe());
   }
-  DSA_RETURN_IF_ERROR(check_error_count(a.error_count));
+  DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
   return check_written_apart({{&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}},
                              {{&a.index_k, "index_k"}, {&a.gate, "gate"}, {&a.k_norm_weight, "k_norm_weight"},
                               {&a.k_norm_bias, "k_norm_bias"}, {&a.ape, "ape"}, {&a.state.block_table, "block_table"},

@@ -126,9 +126,7 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max
   }
   DSA_RETURN_IF_ERROR(check_aligned(a.split_counters, "split_counters", 4));
 
-  if (reinterpret_cast<uintptr_t>(a.error_count) % alignof(unsigned int) != 0) {
-    return invalid_argument("error_count", "a 4-byte aligned device counter or null", "a misaligned pointer");
-  }
+  DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
 
   const int64_t partials =
       sparse_mla_wgmma_partials_count(m, heads, static_cast<int>(top_k), max_splits, max_cluster);
