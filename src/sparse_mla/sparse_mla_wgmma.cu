@@ -488,14 +488,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // This CTA's units are whole heads: [first_local_head, + local_heads).
   const int first_unit = rank * share, local_heads = share / (kLatent / kUnitDims);
   const int first_local_head = first_unit / (kLatent / kUnitDims);
-  // With more than one cluster, cluster c's level-2 slot of split_partials
-  // (after every (token, group)'s level-1 slots): [unit][slot][8 dims] sums,
-  // then [max, sum][head] statistics.
+  // With more than one cluster: the cluster's slot of split_partials, [unit][slot][8 dims] sums then
+  // [max, sum][head] statistics, and the counter of this rank.
+  // Level-2 slots follow every (token, group)'s level-1 slots.
   float* const level2 = p.split_partials + int64_t(gridDim.z) * gridDim.y * splits * kSplitPartialFloats;
-  auto cluster_sums = [&](int cluster_c) {
-    return level2 + (group_index * clusters + cluster_c) * kClusterPartialFloats;
-  };
-  auto cluster_stats = [&](int cluster_c) { return cluster_sums(cluster_c) + kUnits * kUnitDims; };
+  const int64_t group_slot = group_index * clusters;
+  float* const cluster_partials = level2 + (group_slot + cluster_index) * kClusterPartialFloats;
+  float* const cluster_stats = cluster_partials + kUnits * kUnitDims;
 
   // Coefficients of `count` parts (ranks or clusters) whose (max, sum) of
   // head h lane r < count reads with part_stats(r, h): one warp per local
@@ -529,22 +528,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         total_max == -INFINITY ? -INFINITY : total_max * kLn2 + logf(total_sum);
   };
   // Item i of this CTA: unit first_unit + i / kUnitSlots, 16-byte slot i % kUnitSlots, holding dims
-  // 8 (4 (slot / 4) + u) + 2 (slot % 4), + 1 for u = 0..3 of the unit. Its 8
-  // sums over `count` parts in part order: each part's values
-  // (part_values(part, unit, slot, values)) times the part's coefficient.
-  auto weighted_sum = [&](int item, int count, auto&& part_values, float (&total)[8]) {
-    const int unit = first_unit + item / kUnitSlots, slot = item % kUnitSlots;
-    const int local = unit / (kLatent / kUnitDims) - first_local_head;
-#pragma unroll
-    for (int d = 0; d < 8; ++d) total[d] = 0.0f;
-    for (int part = 0; part < count; ++part) {
-      const float weight = coefficient[part][local];
-      float values[8];
-      part_values(part, unit, slot, values);
-#pragma unroll
-      for (int d = 0; d < 8; ++d) total[d] = fmaf(values[d], weight, total[d]);
-    }
-  };
+  // 8 (4 (slot / 4) + u) + 2 (slot % 4), + 1 for u = 0..3 of the unit.
   auto write_latent = [&](int item, const float (&total)[8]) {
     const int unit = first_unit + item / kUnitSlots, slot = item % kUnitSlots, h = unit / (kLatent / kUnitDims);
     uint16_t* row = p.latent + token * p.latent_token_stride + int64_t(first_head + h) * kLatent +
@@ -571,29 +555,30 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (single_cluster) {
           write_lse(h, total_max, total_sum);
         } else {
-          cluster_stats(cluster_index)[h] = total_max;
-          cluster_stats(cluster_index)[kHeads + h] = total_sum;
+          cluster_stats[h] = total_max;
+          cluster_stats[kHeads + h] = total_sum;
         }
       });
   __syncthreads();
   for (int item = threadIdx.x; item < share * kUnitSlots; item += kThreads) {
-    float total[8];
-    weighted_sum(item, cluster_size,
-                 [&](int r, int unit, int slot, float (&values)[8]) {
-                   const uint4 x = __ldcg(split_values(cluster_index * cluster_size + r) + unit * kUnitSlots + slot);
-                   const uint32_t pairs[4] = {x.x, x.y, x.z, x.w};
+    const int i = item / kUnitSlots, slot = item % kUnitSlots;
+    const int h = (first_unit + i) / (kLatent / kUnitDims);
+    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int r = 0; r < cluster_size; ++r) {
+      const float weight = coefficient[r][h - first_local_head];
+      const uint4 x = __ldcg(split_values(cluster_index * cluster_size + r) + (first_unit + i) * kUnitSlots + slot);
+      const uint32_t pairs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-                   for (int u = 0; u < 4; ++u) {
-                     const float2 pair = __half22float2(*reinterpret_cast<const __half2*>(&pairs[u]));
-                     values[2 * u] = pair.x;
-                     values[2 * u + 1] = pair.y;
-                   }
-                 },
-                 total);
+      for (int u = 0; u < 4; ++u) {
+        const float2 values = __half22float2(*reinterpret_cast<const __half2*>(&pairs[u]));
+        total[2 * u] = fmaf(values.x, weight, total[2 * u]);
+        total[2 * u + 1] = fmaf(values.y, weight, total[2 * u + 1]);
+      }
+    }
     if (single_cluster) {
       write_latent(item, total);
     } else {
-      float4* target = reinterpret_cast<float4*>(cluster_sums(cluster_index) + (first_unit * kUnitSlots + item) * 8);
+      float4* target = reinterpret_cast<float4*>(cluster_partials + ((first_unit + i) * kUnitSlots + slot) * 8);
       target[0] = make_float4(total[0], total[1], total[2], total[3]);
       target[1] = make_float4(total[4], total[5], total[6], total[7]);
     }
@@ -613,25 +598,29 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (!s.combines_clusters) return;
+  const float* const group_partials = level2 + group_slot * kClusterPartialFloats;
   coefficients(
       clusters, *p.k_scale,
       [&](int cluster_r, int h, float* part_max, float* part_sum) {
-        *part_max = __ldcg(cluster_stats(cluster_r) + h);
-        *part_sum = __ldcg(cluster_stats(cluster_r) + kHeads + h);
+        const float* stats = group_partials + int64_t(cluster_r) * kClusterPartialFloats + kUnits * kUnitDims;
+        *part_max = __ldcg(stats + h);
+        *part_sum = __ldcg(stats + kHeads + h);
       },
       write_lse);
   __syncthreads();
   for (int item = threadIdx.x; item < share * kUnitSlots; item += kThreads) {
-    float total[8];
-    weighted_sum(item, clusters,
-                 [&](int cluster_r, int unit, int slot, float (&values)[8]) {
-                   const float4* source =
-                       reinterpret_cast<const float4*>(cluster_sums(cluster_r) + (unit * kUnitSlots + slot) * 8);
-                   const float4 low = __ldcg(source), high = __ldcg(source + 1);
-                   values[0] = low.x, values[1] = low.y, values[2] = low.z, values[3] = low.w;
-                   values[4] = high.x, values[5] = high.y, values[6] = high.z, values[7] = high.w;
-                 },
-                 total);
+    const int i = item / kUnitSlots, slot = item % kUnitSlots;
+    const int h = (first_unit + i) / (kLatent / kUnitDims);
+    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int cluster_r = 0; cluster_r < clusters; ++cluster_r) {
+      const float weight = coefficient[cluster_r][h - first_local_head];
+      const float4* source = reinterpret_cast<const float4*>(group_partials + int64_t(cluster_r) * kClusterPartialFloats +
+                                                             ((first_unit + i) * kUnitSlots + slot) * 8);
+      const float4 low = __ldcg(source), high = __ldcg(source + 1);
+      const float values[8] = {low.x, low.y, low.z, low.w, high.x, high.y, high.z, high.w};
+#pragma unroll
+      for (int d = 0; d < 8; ++d) total[d] = fmaf(values[d], weight, total[d]);
+    }
     write_latent(item, total);
   }
 }
