@@ -198,6 +198,14 @@ Status run(Context& ctx, Report& report) {
       }
       report.add(row);
     }
+    if (wgmma) {
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_launch_floor, &us));
+      Row row{"launch floor (empty kernel, sparse_mla's launch)", params, us, "", 0, 0};
+      row.note = "no work: the default plan's grid, cluster, 256 threads and shared memory, with PDL and one "
+                 "cluster barrier";
+      report.add(row);
+    }
     // Other plans than the default (16 splits in one cluster of 16): 32
     // (one chunk per CTA) in clusters of 16 and of 8, 16 in clusters of 8
     // and of 4 (more of them run at once: the level-2 combine then joins

@@ -62,5 +62,9 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& args, int max_splits, int 
 // would take more than 16 chunks (1024 entries), and one naming
 // split_partials when it is smaller than the plan needs.
 Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& args, int max_splits, int max_cluster, cudaStream_t stream);
+// For the benchmark: an empty kernel launched as sparse_mla_wgmma's default
+// plan is (grid, cluster, threads, shared memory, PDL), doing only the PDL
+// wait / release and one cluster barrier: the launch's share of the time.
+Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& args, cudaStream_t stream);
 
 }  // namespace dsa

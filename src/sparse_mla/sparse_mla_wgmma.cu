@@ -715,4 +715,33 @@ Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
   return sparse_mla_wgmma_with_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster, stream);
 }
 
+namespace {
+
+// The default plan's launch with none of its work: the PDL wait and release
+// and the one cluster barrier the kernel has, so that the benchmark can say
+// how much of a launch's time is the launch itself.
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_launch_floor_kernel() {
+  pdl_wait();
+  pdl_release_dependents();
+  cluster_arrive_release();
+  cluster_wait();
+}
+
+}  // namespace
+
+Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& a, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_sparse_mla(a));
+  const int64_t m = a.q.size(0), heads = a.q.size(1);
+  if (heads % kHeads != 0) {
+    return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
+  }
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)));
+  const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel);
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma_launch_floor"));
+  if (plan.cluster_size > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla_wgmma_launch_floor"));
+  const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(m));
+  return launch_pdl_clustered(sparse_mla_wgmma_launch_floor_kernel, grid, dim3(kThreads), kSharedBytes, stream,
+                              unsigned(plan.cluster_size));
+}
+
 }  // namespace dsa
