@@ -98,6 +98,10 @@ Status run(Context& ctx, Report& report) {
       DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
         return indexer_select_logits_only(select_args(b, i), stream);
       }, &logits_us, per_graph));
+      double launch_us = 0;  // the same two launches with empty kernels
+      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
+        return indexer_select_launch_floor(select_args(b, i), stream);
+      }, &launch_us, per_graph));
       // Floor: each token (its own request) reads its K cache (132 B per pool),
       // q_fp8 and weights, and writes two rows.
       const double pools = double(context / kIndexerPoolSize);
@@ -110,6 +114,10 @@ Status run(Context& ctx, Report& report) {
       Row logits_row{"indexer logits kernel alone", {{"m", m}, {"context", double(context)}}, logits_us};
       logits_row.note = "step 6 only (the part of the indexer row that is not the select)";
       report.add(logits_row);
+      Row launch_row{"launch floor (empty kernels, the indexer's two launches)", {{"m", m}, {"context", double(context)}},
+                     launch_us};
+      launch_row.note = "no work: the logits grid and the select's CTAs and shared memory, with PDL";
+      report.add(launch_row);
     }
   }
   return Status();

@@ -672,6 +672,29 @@ Status indexer_select_logits_only(const IndexerSelectArgs& args, cudaStream_t st
   return launch_logits(make_params(args), stream);
 }
 
+namespace {
+
+// A launch with none of its kernel's work: only the PDL wait and release.
+__global__ void empty_pdl_kernel() {
+  pdl_wait();
+  pdl_release_dependents();
+}
+
+}  // namespace
+
+Status indexer_select_launch_floor(const IndexerSelectArgs& args, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_indexer_select(args));
+  const Params p = make_params(args);
+  const int64_t chunks = (p.logits_stride + kLogitPools - 1) / kLogitPools;
+  DSA_RETURN_IF_ERROR(
+      launch_pdl(empty_pdl_kernel, dim3(static_cast<unsigned>(chunks), p.m), dim3(kLogitThreads), 0, stream));
+  const int staged = static_cast<int>(std::min<int64_t>(p.logits_stride, kStagedKeys));
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(empty_pdl_kernel),
+                                                kStagedKeys * static_cast<int>(sizeof(uint32_t)),
+                                                "indexer select launch floor"));
+  return launch_pdl(empty_pdl_kernel, dim3(p.m), dim3(kSelectThreads), staged * sizeof(uint32_t), stream);
+}
+
 Status indexer_select_baseline_workspace_bytes(const IndexerPlan& plan, int64_t* bytes) {
   BaselineLayout layout;
   DSA_RETURN_IF_ERROR(baseline_layout(plan, &layout));

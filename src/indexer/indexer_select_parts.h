@@ -15,4 +15,9 @@ namespace dsa {
 // splits the step's time between the two.
 Status indexer_select_logits_only(const IndexerSelectArgs& args, cudaStream_t stream);
 
+// indexer_select's two launches (logits grid, then one select CTA per token
+// with its shared memory) with empty kernels that only wait and release
+// (PDL): the launches' share of the step's time.
+Status indexer_select_launch_floor(const IndexerSelectArgs& args, cudaStream_t stream);
+
 }  // namespace dsa
