@@ -2,7 +2,8 @@
 // straightforward baseline (same logits kernel, CUB segmented radix sort,
 // separate expand and remap kernels), same run, H200: cold L2 (rotated K-cache
 // copies), graph replay. Rows "indexer" with params m, context; m distinct
-// requests, each with its own pages.
+// requests, each with its own pages; inputs with the prepare step's
+// distributions (make_buffers).
 #include <algorithm>
 #include <cstdint>
 #include <numeric>
@@ -11,6 +12,7 @@
 
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/indexer.h"
+#include "dsa_decode/numerics.h"
 #include "harness.h"
 #include "indexer/indexer_select_parts.h"
 
@@ -18,6 +20,47 @@ namespace dsa::bench {
 namespace {
 
 constexpr int kBlockSize = 256;
+constexpr int kPoolsPerPage = kBlockSize / kIndexerPoolSize;
+
+// A uniform in (0, 1] from (index, seed): splitmix64.
+__device__ float hashed_uniform(uint64_t index, uint64_t seed) {
+  uint64_t z = index * 0x9E3779B97F4A7C15ull + seed;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (static_cast<float>(z >> 40) + 1.0f) * (1.0f / 16777216.0f);
+}
+
+// Normal(0, sigma) samples (Box-Muller), as e4m3 codes when `codes`, else as
+// FP32 values.
+__global__ void fill_normal_kernel(void* data, size_t count, float sigma, uint64_t seed, bool codes) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
+    const float u1 = hashed_uniform(2 * i, seed), u2 = hashed_uniform(2 * i + 1, seed);
+    const float x = sigma * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    if (codes) {
+      static_cast<uint8_t*>(data)[i] = num::float_to_e4m3(x);
+    } else {
+      static_cast<float*>(data)[i] = x;
+    }
+  }
+}
+
+Status fill_normal(void* data, size_t count, float sigma, uint64_t seed, bool codes, cudaStream_t stream) {
+  fill_normal_kernel<<<1024, 256, 0, stream>>>(data, count, sigma, seed, codes);
+  DSA_CUDA_RETURN(cudaGetLastError());
+  return Status();
+}
+
+// Each page's P pool scales: powers of two 2^-9 .. 2^-7, as the prepare step
+// writes (2^ceil(log2(absmax / 448))).
+__global__ void fill_page_scales_kernel(uint8_t* cache, int64_t pages, int64_t page_bytes, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pages * kPoolsPerPage;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t page = i / kPoolsPerPage, pool = i % kPoolsPerPage;
+    const int exponent = -9 + static_cast<int>(hashed_uniform(i, seed) * 2.999f);
+    reinterpret_cast<float*>(cache + page * page_bytes + kPoolsPerPage * kIndexerDim)[pool] = ldexpf(1.0f, exponent);
+  }
+}
 
 struct Buffers {
   IndexerPlan plan;
@@ -37,11 +80,16 @@ Status make_buffers(const Context& ctx, int m, int64_t context, Buffers* b) {
   b->page_bytes = kBlockSize / 4 * kIndexerPoolBytes;
   b->cache_bytes = b->blocks * b->page_bytes;
   b->copies = cold_copies(ctx, size_t(b->cache_bytes));
-  // K cache copies: random bytes (BF16 values in [-1, 1)), so the scales
-  // are finite floats and the codes arbitrary (an e4m3 NaN code only zeroes a
-  // head's ReLU): fine for timing, never zeros.
+  // Inputs shaped like the prepare step's outputs, because the select's work
+  // depends on how the logits spread over the radix bins (random bytes,
+  // used up to 13a0ff9, spread them over many exponents and let the select
+  // stop after its first digit): K codes and q codes normal with sigma 128
+  // (row absmax near 448), pool scales powers of two, signed head weights.
   DSA_RETURN_IF_ERROR(b->k_cache.allocate(size_t(b->cache_bytes) * b->copies));
-  DSA_RETURN_IF_ERROR(fill_random_bf16(b->k_cache.get(), size_t(b->cache_bytes) * b->copies / 2, 11, 1.0f, ctx.stream));
+  DSA_RETURN_IF_ERROR(fill_normal(b->k_cache.get(), size_t(b->cache_bytes) * b->copies, 128.0f, 11, true, ctx.stream));
+  fill_page_scales_kernel<<<1024, 256, 0, ctx.stream>>>(b->k_cache.as<uint8_t>(), b->blocks * b->copies,
+                                                        b->page_bytes, 13);
+  DSA_CUDA_RETURN(cudaGetLastError());
   std::vector<int32_t> table(size_t(m) * b->width);
   std::iota(table.begin(), table.end(), 0);
   std::shuffle(table.begin(), table.end(), std::mt19937_64(5));
@@ -50,7 +98,11 @@ Status make_buffers(const Context& ctx, int m, int64_t context, Buffers* b) {
   DSA_RETURN_IF_ERROR(b->ring.allocate(size_t(m) * 2 * b->plan.ring * kIndexerDim * 2));
   const int64_t workspace_bytes = indexer_workspace_layout(b->plan).bytes;
   DSA_RETURN_IF_ERROR(b->workspace.allocate(size_t(workspace_bytes)));
-  DSA_RETURN_IF_ERROR(fill_random_bf16(b->workspace.get(), size_t(workspace_bytes) / 2, 12, 1.0f, ctx.stream));
+  const IndexerWorkspaceLayout layout = indexer_workspace_layout(b->plan);
+  DSA_RETURN_IF_ERROR(fill_normal(b->workspace.as<uint8_t>() + layout.q_fp8, size_t(m) * kIndexerHeads * kIndexerDim,
+                                  128.0f, 12, true, ctx.stream));
+  DSA_RETURN_IF_ERROR(fill_normal(b->workspace.as<uint8_t>() + layout.head_weights, size_t(m) * kIndexerHeads,
+                                  1.0f / 256, 14, false, ctx.stream));
   DSA_RETURN_IF_ERROR(indexer_select_baseline_workspace_bytes(b->plan, &b->baseline_bytes));
   DSA_RETURN_IF_ERROR(b->baseline_workspace.allocate(size_t(b->baseline_bytes)));
   std::vector<int64_t> positions(m, context - 1);
