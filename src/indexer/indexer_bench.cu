@@ -70,7 +70,9 @@ struct Buffers {
   int64_t baseline_bytes = 0;
 };
 
-Status make_buffers(const Context& ctx, int m, int64_t context, Buffers* b) {
+// m distinct requests at position context - 1, or with `drafts` the m tokens
+// of one request at positions context - m .. context - 1 (MTP draft tokens).
+Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buffers* b) {
   b->m = m;
   b->plan.max_tokens = m;
   b->plan.max_context = context;
@@ -106,8 +108,12 @@ Status make_buffers(const Context& ctx, int m, int64_t context, Buffers* b) {
   DSA_RETURN_IF_ERROR(indexer_select_baseline_workspace_bytes(b->plan, &b->baseline_bytes));
   DSA_RETURN_IF_ERROR(b->baseline_workspace.allocate(size_t(b->baseline_bytes)));
   std::vector<int64_t> positions(m, context - 1);
-  std::vector<int32_t> requests(m);
-  std::iota(requests.begin(), requests.end(), 0);
+  std::vector<int32_t> requests(m, 0);
+  if (drafts) {
+    std::iota(positions.begin(), positions.end(), context - m);
+  } else {
+    std::iota(requests.begin(), requests.end(), 0);
+  }
   DSA_RETURN_IF_ERROR(b->positions.allocate(size_t(m) * 8));
   DSA_CUDA_RETURN(cudaMemcpy(b->positions.get(), positions.data(), size_t(m) * 8, cudaMemcpyHostToDevice));
   DSA_RETURN_IF_ERROR(b->requests.allocate(size_t(m) * 4));
@@ -137,7 +143,7 @@ Status run(Context& ctx, Report& report) {
   for (int64_t context : {32768, 131072}) {
     for (int m : {1, 2, 4, 8, 16}) {
       Buffers b;
-      DSA_RETURN_IF_ERROR(make_buffers(ctx, m, context, &b));
+      DSA_RETURN_IF_ERROR(make_buffers(ctx, m, context, false, &b));
       const int per_graph = std::max(20, b.copies);
       double fused_us = 0, baseline_us = 0;
       DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
@@ -170,6 +176,24 @@ Status run(Context& ctx, Report& report) {
                      launch_us};
       launch_row.note = "no work: the logits grid and the select's CTAs and shared memory, with PDL";
       report.add(launch_row);
+    }
+    // MTP: one request's token and its draft tokens (dsa-decode's case).
+    for (int m : {2, 4}) {
+      Buffers b;
+      DSA_RETURN_IF_ERROR(make_buffers(ctx, m, context, true, &b));
+      const int per_graph = std::max(20, b.copies);
+      double fused_us = 0, logits_us = 0;
+      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
+        return indexer_select(select_args(b, i), stream);
+      }, &fused_us, per_graph));
+      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
+        return indexer_select_logits_only(select_args(b, i), stream);
+      }, &logits_us, per_graph));
+      Row row{"indexer (m tokens of one request: drafts)", {{"m", m}, {"context", double(context)}}, fused_us};
+      row.note = "positions context - m .. context - 1 of request 0";
+      report.add(row);
+      Row logits_row{"indexer logits kernel alone (drafts)", {{"m", m}, {"context", double(context)}}, logits_us};
+      report.add(logits_row);
     }
   }
   return Status();
