@@ -71,13 +71,15 @@ struct Buffers {
 };
 
 // m distinct requests at position context - 1, or with `drafts` the m tokens
-// of one request at positions context - m .. context - 1 (MTP draft tokens).
+// of one request at positions context .. context + m - 1 (MTP draft tokens
+// after `context` cached tokens, as dsa-decode runs them: the last ones score
+// one pool more than a multiple of 8192).
 Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buffers* b) {
   b->m = m;
   b->plan.max_tokens = m;
-  b->plan.max_context = context;
+  b->plan.max_context = drafts ? context + m : context;
   b->plan.block_size = kBlockSize;
-  b->width = (context + kBlockSize - 1) / kBlockSize;
+  b->width = (b->plan.max_context + kBlockSize - 1) / kBlockSize;
   b->blocks = m * b->width;
   b->page_bytes = kBlockSize / 4 * kIndexerPoolBytes;
   b->cache_bytes = b->blocks * b->page_bytes;
@@ -110,7 +112,7 @@ Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buf
   std::vector<int64_t> positions(m, context - 1);
   std::vector<int32_t> requests(m, 0);
   if (drafts) {
-    std::iota(positions.begin(), positions.end(), context - m);
+    std::iota(positions.begin(), positions.end(), context);
   } else {
     std::iota(requests.begin(), requests.end(), 0);
   }
@@ -190,7 +192,7 @@ Status run(Context& ctx, Report& report) {
         return indexer_select_logits_only(select_args(b, i), stream);
       }, &logits_us, per_graph));
       Row row{"indexer (m tokens of one request: drafts)", {{"m", m}, {"context", double(context)}}, fused_us};
-      row.note = "positions context - m .. context - 1 of request 0";
+      row.note = "positions context .. context + m - 1 of request 0";
       report.add(row);
       Row logits_row{"indexer logits kernel alone (drafts)", {{"m", m}, {"context", double(context)}}, logits_us};
       report.add(logits_row);
