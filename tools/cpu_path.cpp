@@ -129,7 +129,8 @@ int failed(const Status& status) {
 
 }  // namespace
 
-int run_cpu_path(const StepShape& s, uint64_t seed) {
+int run_cpu_path(const StepShape& s, const Options& options) {
+  const uint64_t seed = options.seed;
   HostWeights weights;
   HostStepInputs inputs;
   IndexerTokenRows indexer_history;
@@ -209,6 +210,9 @@ int run_cpu_path(const StepShape& s, uint64_t seed) {
               absorb.tile, absorb.rows_per_thread, value_up.tile, value_up.rows_per_thread,
               count_saturated_fp8(q_fp8), q_fp8.size(), skipped_slots,
               static_cast<long long>(prefill_errors + step_errors));
+  const ValueUpChoice value_up_choice = choose_value_up(options, s.H, s.m);
+  std::printf("value_up: the GPU's fused path would run %s; %s (the CPU sums in head_gemv's order)\n",
+              value_up_kernel_name(value_up_choice.kernel), value_up_choice.reason.c_str());
   std::printf("CPU reference chain: %.0f ms (the indexer's prefill, %.0f ms, not counted)\n",
               norm_ms + q_b_ms + absorb_ms + cache_ms + indexer_ms + attention_ms + value_up_ms, prefill_ms);
   return kExitOk;

@@ -3,13 +3,13 @@
 // checks against; it times nothing of the GPU's.
 #pragma once
 
-#include <cstdint>
-
+#include "options.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {
 
-// Runs and prints the chain; returns the process exit code.
-int run_cpu_path(const StepShape& shape, uint64_t seed);
+// Runs and prints the chain on the synthetic layer of options.seed; returns
+// the process exit code.
+int run_cpu_path(const StepShape& shape, const Options& options);
 
 }  // namespace dsa::cli

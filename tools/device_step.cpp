@@ -70,13 +70,14 @@ void* ReplicatedBuffer::copy(int i) const { return memory_.as<char>() + (i % cop
 
 Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const HostStepInputs& in,
                         const IndexerTokenRows& indexer_history, const HostCache& cache, int weight_copies,
-                        cublasHandle_t handle, cudaStream_t stream) {
+                        ValueUpKernel value_up, cublasHandle_t handle, cudaStream_t stream) {
   if (cache.first_block != 0 || cache.blocks != shape.cache_blocks()) {
     return invalid_argument("cache", "the whole cache (" + std::to_string(shape.cache_blocks()) + " blocks from 0)",
                             std::to_string(cache.blocks) + " blocks from " + std::to_string(cache.first_block));
   }
   s_ = shape;
   handle_ = handle;
+  value_up_ = value_up;
   eps_ = w.eps;
   DSA_RETURN_IF_ERROR(q_norm_gamma_.upload(w.q_norm_gamma.data(), bytes_of(w.q_norm_gamma), weight_copies, stream));
   DSA_RETURN_IF_ERROR(kv_norm_gamma_.upload(w.kv_norm_gamma.data(), bytes_of(w.kv_norm_gamma), weight_copies, stream));
@@ -318,7 +319,14 @@ Status DeviceStep::fused_attention(cudaStream_t stream, int /*copy: no weights*/
                    lse_fused_.get(), error_counter(kFusedAttention), stream);
 }
 
+Status DeviceStep::value_up_bmm(void* latent, void* out, cudaStream_t stream, int copy) const {
+  DSA_RETURN_IF_ERROR(check_cublas_stream(stream));
+  return cublas_head_bmm(handle_, bf16(latent, {s_.m, s_.H, s_.L}), bf16(w_uv_.copy(copy), {s_.H, s_.L, s_.V}),
+                         bf16(out, {s_.m, s_.H, s_.V}));
+}
+
 Status DeviceStep::fused_value_up(cudaStream_t stream, int copy) const {
+  if (value_up_ == ValueUpKernel::kCublasBmm) return value_up_bmm(latent_fused_.get(), out_fused_.get(), stream, copy);
   HeadGemvArgs args;
   args.x = bf16(latent_fused_.get(), {s_.m, s_.H, s_.L});
   args.weight = bf16(w_uv_.copy(copy), {s_.H, s_.L, s_.V});
@@ -356,10 +364,7 @@ Status DeviceStep::stock_attention(cudaStream_t stream, int /*copy: no weights*/
 }
 
 Status DeviceStep::stock_value_up_bmm(cudaStream_t stream, int copy) const {
-  DSA_RETURN_IF_ERROR(check_cublas_stream(stream));
-  return cublas_head_bmm(handle_, bf16(latent_stock_.get(), {s_.m, s_.H, s_.L}),
-                         bf16(w_uv_.copy(copy), {s_.H, s_.L, s_.V}),
-                         bf16(out_stock_.get(), {s_.m, s_.H, s_.V}));
+  return value_up_bmm(latent_stock_.get(), out_stock_.get(), stream, copy);
 }
 
 Status DeviceStep::download(cudaStream_t stream, StepOutputs* out) const {

@@ -1,7 +1,8 @@
 // The synthetic layer and one decode step's buffers on the GPU, and every
 // launch of the two chains:
 //   fused: norm -> q_b_proj -> head_gemv absorb (FP8 out + cache write) -> indexer_prepare -> indexer_select
-//          -> sparse_mla -> head_gemv value-up
+//          -> sparse_mla -> value-up (head_gemv, or for token counts outside --value-up-tokens the
+//          stock path's cuBLAS bmm into the fused path's output)
 //   stock: norm -> q_b_proj -> indexer_prepare -> indexer_select_baseline (CUB sort) -> concat_and_cache_mla
 //          -> cuBLAS bmm -> static FP8 quant -> counter memset -> sparse_mla -> cuBLAS bmm
 // norm, q_b_proj and indexer_prepare are shared (same buffers, same launches).
@@ -29,6 +30,7 @@
 #include "dsa_decode/status.h"
 #include "dsa_decode/tensor.h"
 #include "harness.h"
+#include "options.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {
@@ -70,10 +72,10 @@ class DeviceStep {
   // Uploads everything on `stream`, prefills the indexer's state with
   // `indexer_history` (make_indexer_history) and waits for it. `cache` is the
   // whole cache (first block 0); `handle` is bound to `stream`
-  // (bench::CublasHandle).
+  // (bench::CublasHandle). `value_up` is the kernel fused_value_up runs.
   Status init(const StepShape& shape, const HostWeights& weights, const HostStepInputs& inputs,
               const IndexerTokenRows& indexer_history, const HostCache& cache, int weight_copies,
-              cublasHandle_t handle, cudaStream_t stream);
+              ValueUpKernel value_up, cublasHandle_t handle, cudaStream_t stream);
 
   // The launches, on `stream` (the handle's), reading weight copy `copy % weight_copies`.
   Status norm(cudaStream_t stream, int copy) const;
@@ -104,6 +106,8 @@ class DeviceStep {
   Status attention(void* q_fp8, void* cache, void* topk_slots, void* latent, void* lse, unsigned int* error_count,
                    cudaStream_t stream) const;
   Status check_cublas_stream(cudaStream_t stream) const;
+  // latent [m, H, L] x W_UV into out [m, H, V] through cuBLAS, as the stock path runs it.
+  Status value_up_bmm(void* latent, void* out, cudaStream_t stream, int copy) const;
   Status prefill_indexer(const IndexerTokenRows& history, cudaStream_t stream);
 
   // Entries of error_counts_.
@@ -121,6 +125,7 @@ class DeviceStep {
 
   StepShape s_{};
   cublasHandle_t handle_ = nullptr;
+  ValueUpKernel value_up_ = ValueUpKernel::kHeadGemv;
   float eps_ = 0;
   ReplicatedBuffer q_norm_gamma_, kv_norm_gamma_, q_b_proj_, w_uk_t_, w_uv_;
   bench::DeviceMemory scales_;  // [q_scale, k_scale] f32

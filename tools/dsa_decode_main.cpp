@@ -75,5 +75,5 @@ int main(int argc, char** argv) {
   if (!options.json_path.empty()) {
     std::printf("(--json: the CPU path times no GPU kernels; no JSON written)\n");
   }
-  return dsa::cli::run_cpu_path(shape, options.seed);
+  return dsa::cli::run_cpu_path(shape, options);
 }

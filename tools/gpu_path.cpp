@@ -90,8 +90,9 @@ enum KernelId {
   kStockValueUpBmm,
 };
 
-// Every kernel of the two chains, indexed by KernelId.
-std::vector<Kernel> make_kernels(const StepShape& s) {
+// Every kernel of the two chains, indexed by KernelId; the fused value-up
+// named after the kernel it runs.
+std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up) {
   const double m = s.m, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V;
   const double bf16 = 2, fp8 = 1;
   const double w_uk = bf16 * H * P * L, w_uv = bf16 * H * L * V, q = bf16 * m * H * P;
@@ -120,6 +121,7 @@ std::vector<Kernel> make_kernels(const StepShape& s) {
   // q_fp8 and folded weights, positions and requests, the pools scored, the rows of slots written.
   const double top_k_rows = 4.0 * m * kTopKWidth;
   const double select = q_fp8_and_weights + 12.0 * m + pools_scored * kIndexerPoolBytes + top_k_rows;
+  const bool value_up_bmm = value_up == ValueUpKernel::kCublasBmm;
   return {
       {"norm", "norm (q and kv RMSNorm, one launch)", "shared", bf16 * (2 * m * (Q + L) + (Q + L)),
        &DeviceStep::norm},
@@ -130,8 +132,9 @@ std::vector<Kernel> make_kernels(const StepShape& s) {
       {"indexer_select", "indexer select (logits, top-512, slots)", "fused", select,
        &DeviceStep::fused_indexer_select},
       {"attention", "sparse attention (sparse_mla)", "fused", attention, &DeviceStep::fused_attention},
-      {"value_up", "value_up (head_gemv)", "fused", w_uv + bf16 * m * H * L + bf16 * m * H * V,
-       &DeviceStep::fused_value_up},
+      {value_up_bmm ? "value_up_bmm" : "value_up",
+       value_up_bmm ? "value_up (cuBLAS bmm, m not in --value-up-tokens)" : "value_up (head_gemv)", "fused",
+       w_uv + bf16 * m * H * L + bf16 * m * H * V, &DeviceStep::fused_value_up},
       {"stock_indexer_select", "indexer select baseline (CUB sort)", "stock", select + top_k_rows,
        &DeviceStep::stock_indexer_select},
       {"stock_cache_write", "concat_and_cache_mla", "stock", cache_write, &DeviceStep::stock_cache_write},
@@ -179,17 +182,24 @@ Check check_norm(const StepShape& s, const HostWeights& w, const HostStepInputs&
                        static_cast<long long>(worst), q.differing, cpu.q_c.size(), kv.differing, cpu.kv_c.size()));
 }
 
-// cuBLAS sums in its own order, so this is no bitwise check; it is what
-// catches a wrong GEMM mapping (transposed operands give errors of the
-// values' own size, hundreds of ulps), which the later checks, fed with the
-// GPU's own q, would not see.
-Check check_q_b_proj(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
-  constexpr double kTolerance = 2;
-  const double error = bf16_error_in_scale_ulps(gpu.q, reference_q_b_proj(s, w, gpu.q_c));
-  return judged("q_b_proj (cuBLAS) vs CPU FP32 loop", error <= kTolerance,
+// A cuBLAS product against a CPU reference that sums in another order: BF16
+// outputs within this many BF16 ulps at the values' scale
+// (bf16_error_in_scale_ulps). Not bitwise, but it catches a wrong GEMM
+// mapping (transposed operands give errors of the values' own size, hundreds
+// of ulps), which the later checks, fed with the GPU's own outputs, would not see.
+constexpr double kCublasToleranceUlps = 2;
+
+// `error` in BF16 ulps at the values' scale of a cuBLAS output fed with the GPU's `input`.
+Check cublas_check(const char* name, double error, const char* input) {
+  return judged(name, error <= kCublasToleranceUlps,
                 format("max error %.2f BF16 ulp at the values' scale (tolerance %.0f; summation order differs), on "
-                       "the GPU's q_c",
-                       error, kTolerance));
+                       "the GPU's %s",
+                       error, kCublasToleranceUlps, input));
+}
+
+Check check_q_b_proj(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
+  return cublas_check("q_b_proj (cuBLAS) vs CPU FP32 loop",
+                      bf16_error_in_scale_ulps(gpu.q, reference_q_b_proj(s, w, gpu.q_c)), "q_c");
 }
 
 // The indexer's state too: the stock run's prepare ran again at the fused
@@ -223,11 +233,17 @@ Check check_absorb(const StepShape& s, const HostWeights& w, const StepOutputs& 
                          "steps", tactic, "q");
 }
 
-Check check_value_up(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
+// Bitwise when the fused path ran head_gemv; cuBLAS's bmm sums in another
+// order than the reference (head_gemv's), so it is held to the tolerance.
+Check check_value_up(const StepShape& s, const HostWeights& w, ValueUpKernel kernel, const StepOutputs& gpu) {
   const HeadGemvTactic tactic = value_up_tactic(s);
   const std::vector<uint16_t> cpu = reference_value_up(s, w, gpu.latent_fused, tactic);
-  return head_gemv_check("value_up out vs CPU reference", bf16_difference(gpu.out_fused, cpu), cpu.size(), "BF16",
-                         "ulp", tactic, "latent");
+  if (kernel == ValueUpKernel::kCublasBmm) {
+    return cublas_check("value_up out (cuBLAS bmm, m not in --value-up-tokens) vs CPU reference",
+                        bf16_error_in_scale_ulps(gpu.out_fused, cpu), "latent");
+  }
+  return head_gemv_check("value_up out (head_gemv) vs CPU reference", bf16_difference(gpu.out_fused, cpu), cpu.size(),
+                         "BF16", "ulp", tactic, "latent");
 }
 
 // Elements that differ between two outputs of the same shape (a size
@@ -393,8 +409,9 @@ Check report_saturation(const StepShape& s, const StepOutputs& gpu) {
 // checks what they wrote; the indexer's CPU reference prefills from the same
 // `indexer_history`. Each check is printed as soon as it is known.
 Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
-                  const IndexerTokenRows& indexer_history, const HostCache& initial_cache, const DeviceStep& step,
-                  const std::vector<Kernel>& kernels, cudaStream_t stream, std::vector<Check>* checks) {
+                  const IndexerTokenRows& indexer_history, const HostCache& initial_cache, ValueUpKernel value_up,
+                  const DeviceStep& step, const std::vector<Kernel>& kernels, cudaStream_t stream,
+                  std::vector<Check>* checks) {
   StepOutputs after_fused, after_both;
   DSA_RETURN_IF_ERROR(run_chain(step, kernels, kFusedChain, stream, 0));
   DSA_RETURN_IF_ERROR(step.download(stream, &after_fused));
@@ -416,7 +433,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   add(check_indexer_state(indexer, after_fused));
   add(check_indexer_rows(s, indexer, after_fused));
   add(check_attention(s, w, after_fused));
-  add(check_value_up(s, w, after_fused));
+  add(check_value_up(s, w, value_up, after_fused));
   add(check_cache_fused_vs_stock(s, after_both));
   add(check_q_fp8_fused_vs_stock(after_both));
   add(check_indexer_fused_vs_stock(after_both));
@@ -491,15 +508,18 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   const IndexerTokenRows indexer_history = make_indexer_history(s, options.seed);
   const HostCache cache = make_cache(s, weights, options.seed, 0, s.cache_blocks());
   const int copies = weight_copies(ctx, s);
+  const ValueUpChoice value_up = choose_value_up(options, s.H, s.m);
   DeviceStep step;
-  DSA_RETURN_IF_ERROR(step.init(s, weights, inputs, indexer_history, cache, copies, cublas.get(), ctx.stream));
+  DSA_RETURN_IF_ERROR(
+      step.init(s, weights, inputs, indexer_history, cache, copies, value_up.kernel, cublas.get(), ctx.stream));
   std::printf("synthetic layer (seed %llu), %d weight copies; KV cache [%lld, %d, %d] FP8 e4m3, new tokens at slots "
               "%lld..%lld\n",
               static_cast<unsigned long long>(options.seed), copies, static_cast<long long>(s.cache_blocks()),
               kCacheBlockSize, s.L, static_cast<long long>(s.context), static_cast<long long>(s.context + s.m - 1));
   std::printf("%s\n", s.describe_indexer().c_str());
+  std::printf("value_up in the fused path: %s; %s\n", value_up_kernel_name(value_up.kernel), value_up.reason.c_str());
 
-  const std::vector<Kernel> kernels = make_kernels(s);
+  const std::vector<Kernel> kernels = make_kernels(s, value_up.kernel);
   report->gpu = ctx.gpu_name;
   report->commit = ctx.commit;
   report->date = ctx.date;
@@ -507,8 +527,10 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   report->shape = s;
   report->steps = options.steps;
   report->weight_copies = copies;
-  DSA_RETURN_IF_ERROR(
-      run_checks(s, weights, inputs, indexer_history, cache, step, kernels, ctx.stream, &report->checks));
+  report->value_up_kernel = value_up_kernel_name(value_up.kernel);
+  report->value_up_reason = value_up.reason;
+  DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, value_up.kernel, step, kernels, ctx.stream,
+                                 &report->checks));
   DSA_RETURN_IF_ERROR(time_all(ctx, step, kernels, copies, options.steps, &report->timings));
   print_timings(*report);
   return Status();

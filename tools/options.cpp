@@ -1,5 +1,6 @@
 #include "options.h"
 
+#include <algorithm>
 #include <charconv>
 #include <limits>
 #include <system_error>
@@ -8,10 +9,44 @@
 
 namespace dsa::cli {
 
+namespace {
+// The head counts bench/results/head_gemv_2026-11-30_54c2121.json has value-up rows of.
+bool value_up_measured(int heads) { return heads == 64 || heads == 8; }
+}  // namespace
+
+std::set<int> measured_value_up_tokens(int heads) {
+  if (heads == 8) return {1, 2, 3, 4};
+  return {1, 2};  // 64 heads, and (options.h says why) the head counts not measured
+}
+
+std::string token_list(const std::set<int>& counts) {
+  if (counts.empty()) return "none";
+  std::string text;
+  for (int m : counts) text += (text.empty() ? "" : ",") + std::to_string(m);
+  return text;
+}
+
+const char* value_up_kernel_name(ValueUpKernel kernel) {
+  return kernel == ValueUpKernel::kHeadGemv ? "head_gemv" : "cuBLAS bmm";
+}
+
+ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
+  const bool automatic = !options.value_up_tokens.has_value();
+  const std::set<int> counts = automatic ? measured_value_up_tokens(heads) : *options.value_up_tokens;
+  const bool head_gemv = counts.count(m) > 0;
+  std::string reason =
+      "m=" + std::to_string(m) + (head_gemv ? " in" : " not in") + " --value-up-tokens " + token_list(counts);
+  if (automatic) {
+    reason += std::string(" (auto: ") + (value_up_measured(heads) ? "measured" : "not measured") + " at " +
+              std::to_string(heads) + " heads)";
+  }
+  return ValueUpChoice{head_gemv ? ValueUpKernel::kHeadGemv : ValueUpKernel::kCublasBmm, reason};
+}
+
 void print_usage(FILE* to) {
   std::fprintf(to,
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
-               "                  [--json FILE] [--cpu] [--help]\n"
+               "                  [--value-up-tokens LIST] [--json FILE] [--cpu] [--help]\n"
                "Runs one decode step of a DSA layer's attention half on a synthetic layer, through the\n"
                "fused path and the stock path, checks they agree with each other and with the CPU\n"
                "reference, and times each kernel and each chain (CUDA-graph replay, cold L2).\n"
@@ -24,12 +59,19 @@ void print_usage(FILE* to) {
                "                 N..N+M-1 (default 32768)\n"
                "  --steps N      graph replays per timing, 1..%d (default 200)\n"
                "  --seed N       seed of the synthetic weights and inputs (default 1)\n"
+               "  --value-up-tokens LIST\n"
+               "                 token counts whose value-up the fused path runs as head_gemv, cuBLAS bmm\n"
+               "                 otherwise: comma-separated counts 1..%d (e.g. 1,2), none, or auto (default):\n"
+               "                 where head_gemv was faster on the H200, %s at 64 heads, %s at 8 heads,\n"
+               "                 %s at other head counts (not measured)\n"
                "  --json FILE    write the timings and checks as JSON (GPU path)\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
                "Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS call failed, 2 bad command line.\n",
-               preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps);
+               preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps,
+               kMaxDecodeTokens, token_list(measured_value_up_tokens(64)).c_str(),
+               token_list(measured_value_up_tokens(8)).c_str(), token_list(measured_value_up_tokens(1)).c_str());
 }
 
 namespace {
@@ -47,6 +89,10 @@ std::string expected_value(const std::string& option) {
   if (option == "--steps") return range_text(1, kMaxSteps);
   if (option == "--seed") return "an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
   if (option == "--json") return "a file name";
+  if (option == "--value-up-tokens") {
+    return "a comma-separated list of token counts from 1 to " + std::to_string(kMaxDecodeTokens) +
+           " (e.g. 1,2), none or auto";
+  }
   return "";  // a flag
 }
 
@@ -71,6 +117,36 @@ bool parse_integer(const std::string& option, const std::string& text, Int low, 
   return true;
 }
 
+// --value-up-tokens: "auto" (unset), "none" (empty) or distinct counts
+// separated by commas.
+bool parse_token_set(const std::string& option, const std::string& text, std::optional<std::set<int>>* tokens,
+                     std::string* error) {
+  if (text == "auto") {
+    tokens->reset();
+    return true;
+  }
+  std::set<int> counts;
+  if (text != "none") {
+    for (size_t start = 0; start <= text.size();) {
+      const size_t comma = std::min(text.find(',', start), text.size());
+      const std::string item = text.substr(start, comma - start);
+      int count = 0;
+      if (!parse_integer(option, item, 1, kMaxDecodeTokens, &count, error)) {
+        *error = bad_value(option, text) + " ('" + item + "' is not a token count from 1 to " +
+                 std::to_string(kMaxDecodeTokens) + ")";
+        return false;
+      }
+      if (!counts.insert(count).second) {
+        *error = bad_value(option, text) + " (" + item + " is listed twice)";
+        return false;
+      }
+      start = comma + 1;
+    }
+  }
+  *tokens = counts;
+  return true;
+}
+
 // Stores `value` into the option's field; false with a message when it is not
 // a valid value of that option.
 bool apply_value(const std::string& option, const std::string& value, Options* o, std::string* error) {
@@ -81,6 +157,7 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
   if (option == "--seed") {
     return parse_integer<uint64_t>(option, value, 0, std::numeric_limits<uint64_t>::max(), &o->seed, error);
   }
+  if (option == "--value-up-tokens") return parse_token_set(option, value, &o->value_up_tokens, error);
   if (value.empty()) {  // --preset (resolved against the preset table by the caller), --json
     *error = bad_value(option, value);
     return false;

@@ -3,6 +3,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
+#include <set>
 #include <string>
 
 namespace dsa::cli {
@@ -15,6 +17,10 @@ struct Options {
   int steps = 200;               // graph replays per timing
   uint64_t seed = 1;             // of the synthetic layer
   std::string json_path;         // empty: no JSON report
+  // --value-up-tokens: the token counts whose value-up the fused path runs as
+  // head_gemv, cuBLAS's bmm otherwise (the seed's value_up_tokens). Unset:
+  // auto, measured_value_up_tokens() of the step's head count.
+  std::optional<std::set<int>> value_up_tokens;
   bool force_cpu = false;
   bool help = false;
 };
@@ -26,6 +32,30 @@ inline constexpr int kMaxSteps = 10000;
 inline constexpr int kMaxTp = 1024;  // the preset's head count must also divide by it
 
 void print_usage(FILE* to);
+
+// The token counts at which value-up's head_gemv beat the cuBLAS bmm on the
+// H200 (bench/results/head_gemv_2026-11-30_54c2121.json, measured at m = 1, 2,
+// 4, 8, 16): at 64 heads m = 1, 2 (1.10x, 1.12x; 0.90x at m = 4); at 8 heads
+// m = 1, 2, 4 (1.54x, 1.47x, 1.18x; 0.81x at m = 8) and m = 3 between them
+// (head_gemv's time grows with m, cuBLAS's is flat: 3.3 us). Other head counts
+// were not measured: m = 1, 2, where head_gemv won at both.
+std::set<int> measured_value_up_tokens(int heads);
+
+// "1,2,4" (increasing), or "none" for an empty set: --value-up-tokens's syntax.
+std::string token_list(const std::set<int>& counts);
+
+// Which kernel the fused path's value-up runs.
+enum class ValueUpKernel { kHeadGemv, kCublasBmm };
+
+const char* value_up_kernel_name(ValueUpKernel kernel);  // "head_gemv", "cuBLAS bmm"
+
+struct ValueUpChoice {
+  ValueUpKernel kernel;
+  std::string reason;  // e.g. "m=4 not in --value-up-tokens 1,2 (auto: measured at 64 heads)"
+};
+
+// The choice for a step of m tokens on `heads` heads.
+ValueUpChoice choose_value_up(const Options& options, int heads, int m);
 
 // Fills `options` from argv ("--name VALUE" or "--name=VALUE"). On a bad
 // command line returns false and a message naming the option, what was given

@@ -30,8 +30,9 @@ double GBps(const Timing& t) { return t.bytes / (t.us * 1e3); }
 std::string json_row(const RunReport& r, const Timing& t) {
   const StepShape& s = r.shape;
   std::ostringstream row;
-  row << "{\"name\": " << json_string(t.name) << ", \"params\": {\"H\": " << s.H << ", \"m\": " << s.m
-      << ", \"context\": " << s.context << "}, \"path\": " << json_string(t.path) << ", \"us\": " << json_number(t.us);
+  row << "{\"name\": " << json_string(t.name) << ", \"label\": " << json_string(t.label)
+      << ", \"params\": {\"H\": " << s.H << ", \"m\": " << s.m << ", \"context\": " << s.context
+      << "}, \"path\": " << json_string(t.path) << ", \"us\": " << json_number(t.us);
   if (t.baseline >= 0) {
     const Timing& stock = r.timings[t.baseline];
     row << ", \"baseline\": " << json_string(stock.label) << ", \"baseline_us\": " << json_number(stock.us)
@@ -54,21 +55,21 @@ void print_timings(const RunReport& r) {
   std::printf("\ntimings: CUDA-graph replay, median of %d replays; weights rotated through %d copies (cold L2); "
               "floor = bytes / measured copy rate %.0f GB/s\n",
               r.steps, r.weight_copies, r.copy_GBps);
-  std::printf("%-46s %-6s %9s %9s %8s\n", "kernel, alone", "path", "us", "GB/s", "% floor");
+  std::printf("%-50s %-6s %9s %9s %8s\n", "kernel, alone", "path", "us", "GB/s", "% floor");
   double fused_sum = 0, stock_sum = 0;
   for (const Timing& t : r.timings) {
     if (!t.single_kernel) continue;
-    std::printf("%-46s %-6s %9.2f %9.0f %7.0f%%\n", t.label.c_str(), t.path.c_str(), t.us, GBps(t),
+    std::printf("%-50s %-6s %9.2f %9.0f %7.0f%%\n", t.label.c_str(), t.path.c_str(), t.us, GBps(t),
                 percent_of_floor(r, t));
     if (t.path != "stock") fused_sum += t.us;
     if (t.path != "fused") stock_sum += t.us;
   }
-  std::printf("\n%-46s %9s %8s %9s %8s %8s\n", "fused vs stock", "fused us", "% floor", "stock us", "% floor",
+  std::printf("\n%-50s %9s %8s %9s %8s %8s\n", "fused vs stock", "fused us", "% floor", "stock us", "% floor",
               "speedup");
   for (const Timing& t : r.timings) {
     if (t.baseline < 0) continue;
     const Timing& stock = r.timings[t.baseline];
-    std::printf("%-46s %9.2f %7.0f%% %9.2f %7.0f%% %7.2fx\n", t.label.c_str(), t.us, percent_of_floor(r, t), stock.us,
+    std::printf("%-50s %9.2f %7.0f%% %9.2f %7.0f%% %7.2fx\n", t.label.c_str(), t.us, percent_of_floor(r, t), stock.us,
                 percent_of_floor(r, stock), stock.us / t.us);
   }
   std::printf("kernels alone, summed: fused path %.2f us, stock path %.2f us (a chain runs them back to back, "
@@ -85,6 +86,8 @@ Status write_json(const RunReport& r, const std::string& path) {
        << ",\n \"preset\": " << json_string(s.preset) << ", \"tp\": " << s.tp << ", \"params\": {\"H\": " << s.H
        << ", \"m\": " << s.m << ", \"context\": " << s.context << "}, \"steps\": " << r.steps
        << ", \"weight_copies\": " << r.weight_copies
+       << ",\n \"value_up\": {\"fused_kernel\": " << json_string(r.value_up_kernel)
+       << ", \"reason\": " << json_string(r.value_up_reason) << "}"
        << ",\n \"note\": \"attention over the glm5next indexer's slots (indexer_prepare + indexer_select; stock: "
           "indexer_select_baseline, a CUB sort) on synthetic projection outputs, its state prefilled with the "
           "context's rows; the stock chain runs the same sparse_mla after a counter memset (no stock Hopper kernel "

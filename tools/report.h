@@ -34,6 +34,8 @@ struct RunReport {
   StepShape shape{};
   int steps = 0;
   int weight_copies = 0;
+  std::string value_up_kernel;  // what the fused path's value-up ran: "head_gemv" or "cuBLAS bmm"
+  std::string value_up_reason;  // why (choose_value_up)
   std::vector<Check> checks;
   std::vector<Timing> timings;
 };

@@ -1,0 +1,108 @@
+// dsa-decode's command line (tools/options.h): --value-up-tokens's parsing,
+// its errors, the measured default and the choice it makes per step.
+#include <gtest/gtest.h>
+
+#include <initializer_list>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tools/options.h"
+
+namespace dsa::cli {
+namespace {
+
+// parse_options over "dsa-decode" followed by `arguments`.
+bool parse(std::initializer_list<std::string> arguments, Options* options, std::string* error) {
+  std::vector<std::string> storage = {"dsa-decode"};
+  storage.insert(storage.end(), arguments);
+  std::vector<char*> argv;
+  for (std::string& argument : storage) argv.push_back(argument.data());
+  return parse_options(static_cast<int>(argv.size()), argv.data(), options, error);
+}
+
+// The set a valid --value-up-tokens value parses to (nullopt: auto).
+std::optional<std::set<int>> parsed_tokens(const std::string& value) {
+  Options options;
+  std::string error;
+  EXPECT_TRUE(parse({"--value-up-tokens", value}, &options, &error)) << value << ": " << error;
+  return options.value_up_tokens;
+}
+
+// The error a bad --value-up-tokens value gives.
+std::string rejection(const std::string& value) {
+  Options options;
+  std::string error;
+  EXPECT_FALSE(parse({"--value-up-tokens=" + value}, &options, &error)) << value;
+  return error;
+}
+
+TEST(DsaDecodeOptions, ValueUpTokensDefaultsToAuto) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--tokens", "8"}, &options, &error)) << error;
+  EXPECT_FALSE(options.value_up_tokens.has_value());
+  EXPECT_FALSE(parsed_tokens("auto").has_value());
+}
+
+TEST(DsaDecodeOptions, ValueUpTokensParsesListsAndNone) {
+  EXPECT_EQ(parsed_tokens("1,2"), std::set<int>({1, 2}));
+  EXPECT_EQ(parsed_tokens("16,4,1"), std::set<int>({1, 4, 16}));
+  EXPECT_EQ(parsed_tokens("7"), std::set<int>({7}));
+  EXPECT_EQ(parsed_tokens("none"), std::set<int>());
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--value-up-tokens=3,5"}, &options, &error)) << error;
+  EXPECT_EQ(options.value_up_tokens, std::set<int>({3, 5}));
+}
+
+TEST(DsaDecodeOptions, ValueUpTokensErrorsNameTheOptionAndTheBadItem) {
+  const std::string expected = "--value-up-tokens: got '";
+  const std::string syntax = "expected a comma-separated list of token counts from 1 to 16 (e.g. 1,2), none or auto";
+  for (const std::string value : {"0", "17", "1,,2", "1,2,", "", "x", "1;2", "-1", "2.0", "AUTO"}) {
+    const std::string error = rejection(value);
+    EXPECT_EQ(error.rfind(expected + value + "', " + syntax, 0), 0u) << error;
+  }
+  EXPECT_NE(rejection("1,17").find("('17' is not a token count from 1 to 16)"), std::string::npos);
+  EXPECT_NE(rejection("1,,2").find("('' is not a token count"), std::string::npos);
+  EXPECT_NE(rejection("2,4,2").find("(2 is listed twice)"), std::string::npos);
+  Options options;
+  std::string error;
+  EXPECT_FALSE(parse({"--value-up-tokens"}, &options, &error));
+  EXPECT_EQ(error, "--value-up-tokens: missing value, " + syntax);
+}
+
+// bench/results/head_gemv_2026-11-30_54c2121.json: head_gemv faster than the
+// cuBLAS bmm at m = 1, 2 for 64 heads and m <= 4 for 8 heads.
+TEST(DsaDecodeOptions, MeasuredValueUpTokens) {
+  EXPECT_EQ(measured_value_up_tokens(64), std::set<int>({1, 2}));
+  EXPECT_EQ(measured_value_up_tokens(8), std::set<int>({1, 2, 3, 4}));
+  EXPECT_EQ(measured_value_up_tokens(16), std::set<int>({1, 2}));
+}
+
+TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {
+  Options automatic;
+  EXPECT_EQ(choose_value_up(automatic, 64, 2).kernel, ValueUpKernel::kHeadGemv);
+  const ValueUpChoice tp1_m4 = choose_value_up(automatic, 64, 4);
+  EXPECT_EQ(tp1_m4.kernel, ValueUpKernel::kCublasBmm);
+  EXPECT_EQ(tp1_m4.reason, "m=4 not in --value-up-tokens 1,2 (auto: measured at 64 heads)");
+  EXPECT_EQ(choose_value_up(automatic, 8, 4).kernel, ValueUpKernel::kHeadGemv);
+  EXPECT_EQ(choose_value_up(automatic, 8, 8).kernel, ValueUpKernel::kCublasBmm);
+  EXPECT_EQ(choose_value_up(automatic, 32, 1).reason, "m=1 in --value-up-tokens 1,2 (auto: not measured at 32 heads)");
+
+  Options listed;
+  listed.value_up_tokens = std::set<int>{4, 16};
+  const ValueUpChoice m16 = choose_value_up(listed, 64, 16);
+  EXPECT_EQ(m16.kernel, ValueUpKernel::kHeadGemv);
+  EXPECT_EQ(m16.reason, "m=16 in --value-up-tokens 4,16");
+  EXPECT_EQ(choose_value_up(listed, 64, 1).kernel, ValueUpKernel::kCublasBmm);
+  Options none;
+  none.value_up_tokens = std::set<int>();
+  EXPECT_EQ(choose_value_up(none, 8, 1).reason, "m=1 not in --value-up-tokens none");
+  EXPECT_EQ(token_list({}), "none");
+  EXPECT_EQ(token_list({2, 1, 8}), "1,2,8");
+}
+
+}  // namespace
+}  // namespace dsa::cli
