@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -38,9 +39,22 @@ IndexerPlan scenario_plan(const std::vector<int64_t>& contexts, int block_size) 
   return plan;
 }
 
+// The plan of a step with draft tokens: RING 8 (up to 5 tokens of one
+// request), the largest position sized.
+IndexerPlan draft_plan(const std::vector<int64_t>& positions, int block_size) {
+  IndexerPlan plan;
+  plan.max_tokens = static_cast<int>(positions.size());
+  plan.block_size = block_size;
+  plan.ring = 8;
+  plan.max_context = *std::max_element(positions.begin(), positions.end()) + 1;
+  return plan;
+}
+
 // A step on the host: state after the reference's prefill and prepare, and
 // the reference's rows. contexts[t] = L of token t, 0 = a padding token; each
 // real token is its own request (RING 4: one token per request per step).
+// The second constructor takes the step's positions and token_requests as
+// given (draft tokens: several tokens of one request, RING 8).
 struct Scenario : testing::IndexerHostState {
   int m = 0;
   std::vector<int64_t> positions;
@@ -57,21 +71,33 @@ struct Scenario : testing::IndexerHostState {
       token_requests.push_back(contexts[t] > 0 ? t : -1);
     }
   }
+  Scenario(const std::vector<int64_t>& step_positions, const std::vector<int32_t>& step_requests, int block_size,
+           std::mt19937_64& rng)
+      : IndexerHostState(draft_plan(step_positions, block_size),
+                         *std::max_element(step_requests.begin(), step_requests.end()) + 1,
+                         (draft_plan(step_positions, block_size).max_context + block_size - 1) / block_size, rng),
+        m(static_cast<int>(step_positions.size())),
+        positions(step_positions),
+        token_requests(step_requests) {}
 
-  // Prefill of positions 0..L-2 of every real token's request, then the
-  // reference's prepare (completing the pool of tokens with L % 4 == 0) and
-  // select.
+  // Prefill of positions 0..pos-1 of every real request, pos the position of
+  // its first token in the step, then the reference's prepare (completing the
+  // pool of tokens with L % 4 == 0) and select.
   void fill_and_run_reference(std::mt19937_64& rng) {
     const std::vector<float> weight = normal_floats(kDim, 1.0f, 0.2f, rng), bias = normal_floats(kDim, 0.0f, 0.1f, rng),
                              ape = normal_floats(4 * kDim, 0.0f, 0.5f, rng);
     const reference::IndexerParamsHost params{weight.data(), bias.data(), ape.data()};
     for (int t = 0; t < m; ++t) {
-      const int64_t n = token_requests[t] < 0 ? 0 : positions[t];
+      const int32_t request = token_requests[t];
+      if (std::find(token_requests.begin(), token_requests.begin() + t, request) != token_requests.begin() + t) {
+        continue;  // a draft token: its request was prefilled at its first token
+      }
+      const int64_t n = request < 0 ? 0 : positions[t];
       if (n < 1) continue;
       const std::vector<uint16_t> k = testing::random_bf16(n * kDim, 1.0f, rng);
       const std::vector<uint16_t> gate = testing::random_bf16(n * kDim, 1.0f, rng);
       int64_t errors = -1;
-      DSA_ASSERT_OK(reference::indexer_prefill(plan, k.data(), gate.data(), n, t, params, view, &errors));
+      DSA_ASSERT_OK(reference::indexer_prefill(plan, k.data(), gate.data(), n, request, params, view, &errors));
       ASSERT_EQ(errors, 0);
     }
     const std::vector<uint16_t> index_q = testing::random_bf16(size_t(m) * kHeads * kDim, 1.0f, rng);
@@ -191,22 +217,28 @@ void expect_matches_reference(const Scenario& s, DeviceStep& d, const std::strin
   }
 }
 
-void check_contexts(const std::vector<int64_t>& contexts, int block_size, const std::string& what,
-                    bool with_baseline) {
-  std::mt19937_64 rng(testing::test_seed());
-  Scenario s(contexts, block_size, rng);
+// The reference's rows for `s`, then the fused select's (and the baseline's)
+// rows compared with them.
+void check_scenario(Scenario& s, std::mt19937_64& rng, const std::string& what, bool with_baseline,
+                    int logit_checks = 2) {
   s.fill_and_run_reference(rng);
   if (::testing::Test::HasFatalFailure()) return;
   DeviceStep d(s);
   cudaStream_t stream = nullptr;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   d.run(false, stream);
-  expect_matches_reference(s, d, what + " fused", 2);
+  expect_matches_reference(s, d, what + " fused", logit_checks);
   if (with_baseline && !::testing::Test::HasFatalFailure()) {
     d.run(true, stream);
     expect_matches_reference(s, d, what + " baseline", 1);
   }
   cudaStreamDestroy(stream);
+}
+
+void check_contexts(const std::vector<int64_t>& contexts, int block_size, const std::string& what, bool with_baseline) {
+  std::mt19937_64 rng(testing::test_seed());
+  Scenario s(contexts, block_size, rng);
+  check_scenario(s, rng, what, with_baseline);
 }
 
 // Short rows (L <= 2048, L = 2049..2051 with exactly 512 pools), every L % 4,
@@ -238,6 +270,81 @@ TEST(IndexerSelectGpu, MatchesReferenceAt128kAndAbove) {
   // 37500 pools: the select keeps 2^15 keys in shared memory and reads the
   // rest from the logits on every pass.
   check_contexts({150001, 131072}, 256, "m 2 above 128k", false);
+}
+
+// Draft tokens (MTP decoding): several tokens of one request in a step, at
+// positions pos, pos + 1, ... sharing the request's K cache and block table
+// (RING 8), once interleaved with another request's token (the contract asks
+// only that a request's tokens come in increasing consecutive positions). The
+// first draft's position is 2 mod 4, so its second token completes a pool:
+// the drafts score n and n + 1 pools and have tails of 3, 0, 1 and 2 tokens.
+// At 32k the pool counts straddle the select's 8192-pool round, around 2048
+// the short rows (L <= 2048) and the top-k path; the interleaved drafts also
+// cross a block boundary.
+struct DraftCase {
+  std::vector<int64_t> positions;
+  std::vector<int32_t> token_requests;  // request 0's tokens are the drafts
+  int block_size;
+  std::string what;
+};
+
+std::vector<DraftCase> draft_cases(bool quick) {
+  if (quick) {
+    return {{{2046, 2047, 2048, 2049}, {0, 0, 0, 0}, 128, "quick m 4 drafts at L 2047..2050"},
+            {{2558, 2559, 3000, 2560}, {0, 0, 1, 0}, 128, "quick m 4 drafts interleaved with another request"}};
+  }
+  return {{{32770, 32771, 32772, 32773}, {0, 0, 0, 0}, 256, "m 4 drafts at 32k (8192, then 8193 pools)"},
+          {{2046, 2047, 2048, 2049}, {0, 0, 0, 0}, 128, "m 4 drafts at L 2047..2050 (short rows, then top-k)"},
+          {{20478, 20479, 9001, 20480}, {0, 0, 1, 0}, 128, "m 4 drafts interleaved with another request"},
+          {{4094, 4095}, {0, 0}, 128, "m 2 drafts at 4k"}};
+}
+
+// The GPU test's premise, without a GPU: the reference accepts every draft
+// step (RING 8, interleaving), the first draft's position is 2 mod 4, and the
+// reference's rows give the drafts two pool counts and a different tail each
+// (as many tail tokens from column 2048 as L % 4; none in a short row).
+TEST(IndexerSelectReference, DraftCasesStraddleAPoolBoundary) {
+  for (bool quick : {true, false}) {
+    for (const DraftCase& c : draft_cases(quick)) {
+      SCOPED_TRACE(c.what);
+      ASSERT_EQ(c.positions[0] % 4, 2) << "the first draft must complete a pool at the second";
+      std::mt19937_64 rng(testing::test_seed());
+      Scenario s(c.positions, c.token_requests, c.block_size, rng);
+      s.fill_and_run_reference(rng);
+      if (HasFatalFailure()) return;
+      std::set<int64_t> pool_counts, tails;
+      for (int t = 0; t < s.m; ++t) {
+        if (s.token_requests[t] != 0) continue;
+        const int64_t L = s.positions[t] + 1;
+        const int32_t* row = &s.rows.topk_positions[size_t(t) * kWidth];
+        const int64_t tail = std::count_if(row + kIndexerPooledColumns, row + kWidth, [](int32_t p) { return p >= 0; });
+        if (L > kIndexerPooledColumns) {
+          EXPECT_EQ(tail, L % 4) << "token " << t;
+        } else {
+          EXPECT_EQ(tail, 0) << "token " << t << ": a short row has no tail";
+          EXPECT_EQ(row[L - 1], L - 1) << "token " << t;
+        }
+        pool_counts.insert(L / 4);
+        tails.insert(L % 4);
+      }
+      EXPECT_EQ(pool_counts.size(), 2u) << "the drafts score n and n + 1 pools";
+      EXPECT_EQ(tails.size(), std::min<size_t>(4, std::count(s.token_requests.begin(), s.token_requests.end(), 0)))
+          << "a different tail for each draft";
+    }
+  }
+}
+
+// The drafts' positions, slots and every long token's logits equal the
+// reference's bit for bit, for the fused select and the baseline.
+TEST(IndexerSelectGpu, DraftTokensOfOneRequestMatchTheReference) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 11);
+  for (const DraftCase& c : draft_cases(testing::quick_mode())) {
+    SCOPED_TRACE(c.what);
+    Scenario s(c.positions, c.token_requests, c.block_size, rng);
+    check_scenario(s, rng, c.what, /*with_baseline=*/true, /*logit_checks=*/s.m);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // Slots in rows with a padded token stride between poisoned guard bands, and
