@@ -144,13 +144,21 @@ int run_cpu_path(const StepShape& s, const Options& options) {
     indexer_history = make_indexer_history(s, seed);
     cache = make_cache(s, weights, seed, first_block, s.cache_blocks() - first_block);
   });
-  const double weight_mb = 2e-6 * double(weights.q_b_proj.size() + weights.w_uk_t.size() + weights.w_uv.size());
-  std::printf("synthetic layer (seed %llu): %.1f MB of BF16 weights (q_b_proj [%lld, %d], W_UK_T [%d, %d, %d], "
-              "W_UV [%d, %d, %d]), q_scale = k_scale = %.6g, eps %g; made in %.0f ms\n",
-              static_cast<unsigned long long>(seed), weight_mb, static_cast<long long>(s.q_width()), s.Q, s.H, s.P,
-              s.L, s.H, s.L, s.V, weights.q_scale, weights.eps, make_ms);
-  std::printf("attention: over the glm5next indexer's slots (its CPU reference: prefill of the context, prepare, "
-              "select) on synthetic projection outputs, float64 reference\n");
+  const double weight_mb =
+      2e-6 * double(weights.q_b_proj.size() + weights.w_uk_t.size() + weights.w_uv.size() + weights.index_wq_b.size() +
+                    weights.index_wk.size() + weights.index_weights_proj.size() + weights.index_compress_gate.size());
+  std::printf(
+      "synthetic layer (seed %llu): %.1f MB of BF16 weights (q_b_proj [%lld, %d], W_UK_T [%d, %d, %d], "
+      "W_UV [%d, %d, %d]; the indexer's wq_b [%d, %d], wk and compress_gate [%d, %d], weights_proj [%d, %d]), "
+      "q_scale = k_scale = %.6g, eps %g; made in %.0f ms\n",
+      static_cast<unsigned long long>(seed), weight_mb, static_cast<long long>(s.q_width()), s.Q, s.H, s.P, s.L, s.H,
+      s.L, s.V, kIndexerHeads * kIndexerDim, s.Q, kIndexerDim, s.D, kIndexerHeads, s.D, weights.q_scale, weights.eps,
+      make_ms);
+  std::printf(
+      "attention: over the glm5next indexer's slots (its CPU reference: prefill of the context from drawn "
+      "rows; the step's projections of q_c and synthetic hidden states [%d, %d], float64 sums stored as "
+      "the GPU stores them; prepare, select), float64 reference\n",
+      s.m, s.D);
   std::printf("%s\n", s.describe_indexer().c_str());
   std::printf("KV cache [%lld blocks, %d, %d] FP8 e4m3, new tokens at slots %lld..%lld; the CPU holds blocks "
               "%lld..%lld only\n\n",
@@ -169,6 +177,7 @@ int run_cpu_path(const StepShape& s, const Options& options) {
 
   NormOutputs normed;
   std::vector<uint16_t> q, out;
+  IndexerProjections projections;
   reference::IndexerRowsHost rows;
   reference::SparseMlaResult attended;
   std::vector<uint8_t> q_fp8;
@@ -179,8 +188,10 @@ int run_cpu_path(const StepShape& s, const Options& options) {
   const double absorb_ms = timed_ms([&] { q_fp8 = reference_absorb(s, weights, q, absorb); });
   const double cache_ms =
       timed_ms([&] { skipped_slots = reference_cache_write(s, weights, normed.kv_c, inputs.slot_mapping, &cache); });
-  const double indexer_ms =
-      timed_ms([&] { status = reference_indexer_step(s, weights, inputs, &indexer, &rows, &step_errors); });
+  const double project_ms = timed_ms(
+      [&] { projections = stored_projections(reference_indexer_project(s, weights, normed.q_c, inputs.hidden)); });
+  const double indexer_ms = timed_ms(
+      [&] { status = reference_indexer_step(s, weights, projections, inputs, &indexer, &rows, &step_errors); });
   if (!status.ok()) return failed(status);
   const double attention_ms = timed_ms([&] { attended = attend(s, weights, seed, cache, q_fp8, rows.slots); });
   const double value_up_ms = timed_ms([&] { out = reference_value_up(s, weights, attended.latent, value_up); });
@@ -198,6 +209,14 @@ int run_cpu_path(const StepShape& s, const Options& options) {
   const std::vector<uint8_t> written(cache.bytes.begin() + first_entry, cache.bytes.begin() + first_entry + size_t(s.m) * s.L);
   print_row("cache write", std::to_string(s.m) + " entries of " + std::to_string(s.L) + " e4m3", cache_ms,
             fingerprint(written), first_fp8(written.data(), written.size(), weights.k_scale) + " (dequantized)");
+  print_row("indexer proj", "index_q " + shape_text({s.m, kIndexerHeads, kIndexerDim}) + " BF16", project_ms,
+            fingerprint(projections.index_q), first_bf16(projections.index_q));
+  print_row("", "index_k " + shape_text({s.m, kIndexerDim}) + " BF16", -1, fingerprint(projections.index_k),
+            first_bf16(projections.index_k));
+  print_row("", "head_weights " + shape_text({s.m, kIndexerHeads}) + " f32", -1, fingerprint(projections.head_weights),
+            first_f32(projections.head_weights));
+  print_row("", "gate " + shape_text({s.m, kIndexerDim}) + " BF16", -1, fingerprint(projections.gate),
+            first_bf16(projections.gate));
   print_row("indexer", "slots " + shape_text({s.m, kTopKWidth}) + " int32", indexer_ms, fingerprint(rows.slots),
             first_i32(rows.slots));
   print_row("attention", "latent " + shape_text({s.m, s.H, s.L}) + " BF16", attention_ms, fingerprint(attended.latent),
@@ -214,7 +233,8 @@ int run_cpu_path(const StepShape& s, const Options& options) {
   std::printf("value_up: the GPU's fused path would run %s; %s (the CPU sums in head_gemv's order)\n",
               value_up_kernel_name(value_up_choice.kernel), value_up_choice.reason.c_str());
   std::printf("CPU reference chain: %.0f ms (the indexer's prefill, %.0f ms, not counted)\n",
-              norm_ms + q_b_ms + absorb_ms + cache_ms + indexer_ms + attention_ms + value_up_ms, prefill_ms);
+              norm_ms + q_b_ms + absorb_ms + cache_ms + project_ms + indexer_ms + attention_ms + value_up_ms,
+              prefill_ms);
   return kExitOk;
 }
 

@@ -116,10 +116,18 @@ Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const Host
   DSA_RETURN_IF_ERROR(copy_to_device(w.index_k_norm_weight, &index_k_norm_weight_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(w.index_k_norm_bias, &index_k_norm_bias_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(w.index_ape, &index_ape_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.index_q, &index_q_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.index_rows.index_k, &index_k_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.head_weights, &index_head_weights_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.index_rows.gate, &index_gate_, stream));
+  DSA_RETURN_IF_ERROR(index_wq_b_.upload(w.index_wq_b.data(), bytes_of(w.index_wq_b), weight_copies, stream));
+  DSA_RETURN_IF_ERROR(index_wk_.upload(w.index_wk.data(), bytes_of(w.index_wk), weight_copies, stream));
+  DSA_RETURN_IF_ERROR(
+      index_weights_proj_.upload(w.index_weights_proj.data(), bytes_of(w.index_weights_proj), weight_copies, stream));
+  DSA_RETURN_IF_ERROR(index_compress_gate_.upload(w.index_compress_gate.data(), bytes_of(w.index_compress_gate),
+                                                  weight_copies, stream));
+  DSA_RETURN_IF_ERROR(copy_to_device(in.hidden, &hidden_, stream));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * kIndexerHeads * kIndexerDim, &index_q_, stream));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * kIndexerDim, &index_k_, stream));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(4 * m * kIndexerHeads, &index_head_weights_, stream));
+  DSA_RETURN_IF_ERROR(allocate_poisoned(2 * m * kIndexerDim, &index_gate_, stream));
+  DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_project_context_));
   DSA_RETURN_IF_ERROR(copy_to_device(in.positions, &positions_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(in.token_requests, &token_requests_, stream));
   const std::vector<int32_t> block_table = make_indexer_block_table(shape);
@@ -248,6 +256,23 @@ Status DeviceStep::fused_absorb(cudaStream_t stream, int copy) const {
   return head_gemv(args, stream, &tactic);
 }
 
+// index_q, index_k, head_weights and gate of the step's q_c and hidden states.
+Status DeviceStep::indexer_project(cudaStream_t stream, int copy) const {
+  IndexerProjectArgs args;
+  args.plan = s_.indexer_plan();
+  args.q_c = bf16(q_c_.get(), {s_.m, s_.Q});
+  args.x = bf16(hidden_.get(), {s_.m, s_.D});
+  args.wq_b = bf16(index_wq_b_.copy(copy), {kIndexerHeads * kIndexerDim, s_.Q});
+  args.wk = bf16(index_wk_.copy(copy), {kIndexerDim, s_.D});
+  args.weights_proj = bf16(index_weights_proj_.copy(copy), {kIndexerHeads, s_.D});
+  args.compress_gate = bf16(index_compress_gate_.copy(copy), {kIndexerDim, s_.D});
+  args.index_q = bf16(index_q_.get(), {s_.m, kIndexerHeads, kIndexerDim});
+  args.index_k = bf16(index_k_.get(), {s_.m, kIndexerDim});
+  args.head_weights = make_tensor(index_head_weights_.get(), DType::kF32, {s_.m, kIndexerHeads});
+  args.gate = bf16(index_gate_.get(), {s_.m, kIndexerDim});
+  return dsa::indexer_project(args, indexer_project_context_, stream);
+}
+
 // Both chains run this launch at the same positions, and the timings replay
 // it many times, on one shared state. That is sound because prepare at
 // positions it already ran at rewrites the same bytes (the reference's steps
@@ -373,6 +398,10 @@ Status DeviceStep::download(cudaStream_t stream, StepOutputs* out) const {
   DSA_RETURN_IF_ERROR(copy_to_host(q_c_, &out->q_c, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(kv_c_, &out->kv_c, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(q_, &out->q, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(index_q_, &out->indexer_projections.index_q, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(index_k_, &out->indexer_projections.index_k, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(index_head_weights_, &out->indexer_projections.head_weights, stream));
+  DSA_RETURN_IF_ERROR(copy_to_host(index_gate_, &out->indexer_projections.gate, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(q_fp8_fused_, &out->q_fp8_fused, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(q_fp8_stock_, &out->q_fp8_stock, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(latent_fused_, &out->latent_fused, stream));

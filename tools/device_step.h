@@ -1,16 +1,19 @@
 // The synthetic layer and one decode step's buffers on the GPU, and every
 // launch of the two chains:
-//   fused: norm -> q_b_proj -> head_gemv absorb (FP8 out + cache write) -> indexer_prepare -> indexer_select
-//          -> sparse_mla -> value-up (head_gemv, or for token counts outside --value-up-tokens the
-//          stock path's cuBLAS bmm into the fused path's output)
-//   stock: norm -> q_b_proj -> indexer_prepare -> indexer_select_baseline (CUB sort) -> concat_and_cache_mla
-//          -> cuBLAS bmm -> static FP8 quant -> counter memset -> sparse_mla -> cuBLAS bmm
-// norm, q_b_proj and indexer_prepare are shared (same buffers, same launches).
-// The two paths write their own outputs and their own copy of the KV cache,
-// so they can be compared after both ran. The indexer
-// (include/dsa_decode/indexer.h) runs on synthetic projection outputs
-// (HostStepInputs) over a state that init prefills with the context's rows;
-// each path's select writes the top-k slots its attention reads. Both paths
+//   fused: norm -> q_b_proj -> head_gemv absorb (FP8 out + cache write) -> indexer_project -> indexer_prepare
+//          -> indexer_select -> sparse_mla -> value-up (head_gemv, or for token counts outside
+//          --value-up-tokens the stock path's cuBLAS bmm into the fused path's output)
+//   stock: norm -> q_b_proj -> indexer_project -> indexer_prepare -> indexer_select_baseline (CUB sort)
+//          -> concat_and_cache_mla -> cuBLAS bmm -> static FP8 quant -> counter memset -> sparse_mla -> cuBLAS bmm
+// norm, q_b_proj, indexer_project and indexer_prepare are shared (same
+// buffers, same launches). The two paths write their own outputs and their
+// own copy of the KV cache, so they can be compared after both ran. The
+// indexer (include/dsa_decode/indexer.h) runs where the seed's stage and
+// vLLM run it, after the absorb and after q_b_proj: its projections
+// (indexer_project, cuBLASLt) of the norm's q_c and the synthetic hidden
+// states, then prepare and select over a state that init prefills with the
+// context's drawn rows (StepShape); each path's select writes the top-k
+// slots its attention reads. Both paths
 // share the indexer's state: prepare run again at the same positions writes
 // the same bytes (DeviceStep::indexer_prepare says why), so the checks and
 // every timed replay see the same state. No stock Hopper kernel takes this
@@ -31,6 +34,7 @@
 #include "dsa_decode/tensor.h"
 #include "harness.h"
 #include "options.h"
+#include "reference_chain.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {
@@ -52,6 +56,7 @@ class ReplicatedBuffer {
 // What the checks read back after a run.
 struct StepOutputs {
   std::vector<uint16_t> q_c, kv_c, q;  // shared: [m, Q], [m, L], [m, H*P]
+  IndexerProjections indexer_projections;         // shared: indexer_project's
   std::vector<uint8_t> q_fp8_fused, q_fp8_stock;  // [m, H, L]
   std::vector<uint16_t> latent_fused, latent_stock;  // [m, H, L] BF16, the attention's outputs
   std::vector<float> lse_fused, lse_stock;            // [m, H]
@@ -81,6 +86,7 @@ class DeviceStep {
   Status norm(cudaStream_t stream, int copy) const;
   Status q_b_proj(cudaStream_t stream, int copy) const;
   Status fused_absorb(cudaStream_t stream, int copy) const;  // FP8 q + cache write, one launch
+  Status indexer_project(cudaStream_t stream, int copy) const;  // four cuBLASLt GEMMs
   Status indexer_prepare(cudaStream_t stream, int copy) const;
   Status fused_indexer_select(cudaStream_t stream, int copy) const;
   Status fused_attention(cudaStream_t stream, int copy) const;
@@ -137,7 +143,12 @@ class DeviceStep {
   bench::DeviceMemory error_counts_;    // [kErrorCounters] unsigned int
   // The indexer: parameters, the step's inputs, the shared state and workspace, each path's rows.
   bench::DeviceMemory index_k_norm_weight_, index_k_norm_bias_, index_ape_;
+  ReplicatedBuffer index_wq_b_, index_wk_, index_weights_proj_, index_compress_gate_;
+  bench::DeviceMemory hidden_;  // x [m, D], the projections' input
   bench::DeviceMemory index_q_, index_k_, index_head_weights_, index_gate_, positions_, token_requests_;
+  // Mutable: indexer_project keeps each shape's cuBLASLt plan in it (host
+  // memory, made on the first call), which the const launches may add to.
+  mutable IndexerProjectContext indexer_project_context_;
   bench::DeviceMemory indexer_block_table_, indexer_ring_, indexer_k_cache_, indexer_workspace_;
   bench::DeviceMemory select_baseline_workspace_;
   bench::DeviceMemory topk_slots_fused_, topk_slots_stock_, topk_positions_stock_;

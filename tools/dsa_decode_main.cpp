@@ -4,11 +4,11 @@
 // reference, and times every kernel and both chains. Without a usable GPU
 // (or with --cpu) it runs the CPU reference chain at the preset.
 //
-// Today's chain runs the glm5next indexer (prepare, then select: the top-k
-// slots) and the sparse attention over them between the absorb and the
-// value-up. The indexer's inputs are synthetic stand-ins for its projections,
-// as qkv stands in for fused_qkv_a_proj's output; the stage (issue 6) puts the
-// projections around it.
+// Today's chain runs the glm5next indexer (its projections of q_c and the
+// hidden states, prepare, then select: the top-k slots) and the sparse
+// attention over them between the absorb and the value-up. The hidden states
+// are synthetic and qkv stands in for fused_qkv_a_proj's output of them; the
+// stage (issue 6) puts the remaining projections around the chain.
 #include <cstdio>
 #include <string>
 

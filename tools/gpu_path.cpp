@@ -76,6 +76,7 @@ struct Kernel {
 enum KernelId {
   kNorm,
   kQBProj,
+  kIndexerProject,
   kIndexerPrepare,
   kFusedAbsorb,
   kFusedIndexerSelect,
@@ -93,7 +94,7 @@ enum KernelId {
 // Every kernel of the two chains, indexed by KernelId; the fused value-up
 // named after the kernel it runs.
 std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up) {
-  const double m = s.m, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V;
+  const double m = s.m, D = s.D, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V;
   const double bf16 = 2, fp8 = 1;
   const double w_uk = bf16 * H * P * L, w_uv = bf16 * H * L * V, q = bf16 * m * H * P;
   const double cache_write = bf16 * m * L + fp8 * m * L;  // kv_c read, the new entries written
@@ -108,6 +109,11 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up) {
   // the select finds it in L2, as the attention finds its cache rows; in the
   // chains the rotated weights stream through L2 between two selects.
   const double index_row = bf16 * m * kIndexerDim;  // index_k or gate [m, 128], or their ring rows
+  // The projections: their weights (wq_b [4096, Q]; wk, compress_gate [128, D]; weights_proj [32, D]), q_c and
+  // x read once, index_q, index_k, gate and head_weights written.
+  const double index_q = bf16 * m * kIndexerHeads * kIndexerDim;
+  const double project = bf16 * (double(kIndexerHeads) * kIndexerDim * Q + (2.0 * kIndexerDim + kIndexerHeads) * D) +
+                         bf16 * m * (Q + D) + index_q + 2 * index_row + 4.0 * m * kIndexerHeads;
   const double q_fp8_and_weights = fp8 * m * kIndexerHeads * kIndexerDim + 4.0 * m * kIndexerHeads;
   const int64_t last_context = s.context + s.m;
   const double pools_completed = double(last_context / kIndexerPoolSize - s.context / kIndexerPoolSize);
@@ -115,7 +121,7 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up) {
   // index_q, index_k, gate, head_weights, the parameters, positions and
   // requests; q_fp8, folded weights and ring rows written; per completed pool
   // the three earlier tokens' ring rows read and the pool written.
-  const double prepare = bf16 * m * kIndexerHeads * kIndexerDim + 2 * index_row + 4.0 * m * kIndexerHeads +
+  const double prepare = index_q + 2 * index_row + 4.0 * m * kIndexerHeads +
                          4.0 * (2 + kIndexerPoolSize) * kIndexerDim + 12.0 * m + q_fp8_and_weights + 2 * index_row +
                          pools_completed * (3 * 2 * bf16 * kIndexerDim + kIndexerPoolBytes);
   // q_fp8 and folded weights, positions and requests, the pools scored, the rows of slots written.
@@ -126,6 +132,7 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up) {
       {"norm", "norm (q and kv RMSNorm, one launch)", "shared", bf16 * (2 * m * (Q + L) + (Q + L)),
        &DeviceStep::norm},
       {"q_b_proj", "q_b_proj (cuBLAS GEMM)", "shared", bf16 * H * P * Q + bf16 * m * Q + q, &DeviceStep::q_b_proj},
+      {"indexer_project", "indexer projections (cuBLASLt, 4 GEMMs)", "shared", project, &DeviceStep::indexer_project},
       {"indexer_prepare", "indexer prepare (k norm, q quant, pools)", "shared", prepare, &DeviceStep::indexer_prepare},
       {"absorb", "absorb + FP8 quant + cache write (head_gemv)", "fused", w_uk + q + fp8 * m * H * L + cache_write,
        &DeviceStep::fused_absorb},
@@ -148,13 +155,15 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up) {
   };
 }
 
-const std::vector<KernelId> kFusedChain = {
-    kNorm, kQBProj, kFusedAbsorb, kIndexerPrepare, kFusedIndexerSelect, kFusedAttention, kFusedValueUp};
-// vLLM's order: the top-k right after q_b_proj; the cache write, the absorb
-// bmm and its quant after it.
+// The seed's order: the indexer (projections, prepare, select) after the absorb.
+const std::vector<KernelId> kFusedChain = {kNorm,           kQBProj,         kFusedAbsorb,
+                                           kIndexerProject, kIndexerPrepare, kFusedIndexerSelect,
+                                           kFusedAttention, kFusedValueUp};
+// vLLM's order: the indexer right after q_b_proj; the cache write, the absorb
+// bmm and its quant after its top-k.
 const std::vector<KernelId> kStockChain = {
-    kNorm,           kQBProj,        kIndexerPrepare,     kStockIndexerSelect, kStockCacheWrite,
-    kStockAbsorbBmm, kStockFp8Quant, kStockCounterMemset, kStockAttention,     kStockValueUpBmm};
+    kNorm,           kQBProj,        kIndexerProject,     kIndexerPrepare, kStockIndexerSelect, kStockCacheWrite,
+    kStockAbsorbBmm, kStockFp8Quant, kStockCounterMemset, kStockAttention, kStockValueUpBmm};
 const std::vector<KernelId> kStockAbsorb = {kStockCacheWrite, kStockAbsorbBmm, kStockFp8Quant};
 
 Status run_chain(const DeviceStep& step, const std::vector<Kernel>& kernels, const std::vector<KernelId>& chain,
@@ -207,13 +216,63 @@ Check check_q_b_proj(const StepShape& s, const HostWeights& w, const StepOutputs
 // (DeviceStep::indexer_prepare), or the fused and the stock rows would come
 // from different states (and every timed replay from yet another).
 Check check_shared_repeat(const StepOutputs& first, const StepOutputs& second) {
-  const bool same = first.q_c == second.q_c && first.kv_c == second.kv_c && first.q == second.q &&
+  const IndexerProjections &a = first.indexer_projections, &b = second.indexer_projections;
+  const bool same_projections =
+      a.index_q == b.index_q && a.index_k == b.index_k && a.head_weights == b.head_weights && a.gate == b.gate;
+  const bool same = first.q_c == second.q_c && first.kv_c == second.kv_c && first.q == second.q && same_projections &&
                     first.indexer_ring == second.indexer_ring && first.indexer_k_cache == second.indexer_k_cache;
-  return judged("norm, q_b_proj and indexer prepare repeat", same,
-                same ? "the fused and the stock run got the same q_c, kv_c and q bits and left the same indexer ring "
-                       "and K cache bytes (prepare run again at the same positions)"
-                     : "q_c, kv_c, q or the indexer state differ between the fused and the stock run: the "
-                       "comparisons below are void");
+  return judged("norm, q_b_proj, indexer projections and prepare repeat", same,
+                same ? "the fused and the stock run got the same q_c, kv_c, q and indexer projection bits and left the "
+                       "same indexer ring and K cache bytes (prepare run again at the same positions)"
+                     : "q_c, kv_c, q, the indexer projections or the indexer state differ between the fused and the "
+                       "stock run: the comparisons below are void");
+}
+
+double projection_value(uint16_t bf16) { return num::bf16_to_float(bf16); }
+double projection_value(float value) { return value; }
+
+// The worst |error| / tolerance of one projection output against the exact
+// sums, and how many values are outside the tolerance (NaN: outside, infinite).
+struct ProjectionError {
+  double worst = 0;
+  size_t outside = 0;
+};
+
+template <class T>
+ProjectionError projection_error(const std::vector<T>& got, const reference::ExactProduct& exact, DType dtype) {
+  if (got.size() != exact.sum.size()) return ProjectionError{INFINITY, std::max(got.size(), exact.sum.size())};
+  ProjectionError e;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double value = projection_value(got[i]);
+    const double expected = reference::projection_expected(exact.sum[i], dtype);
+    const double tolerance = reference::projection_tolerance(value, expected, exact.magnitude[i], dtype);
+    const double error = std::fabs(value - expected);
+    if (error <= tolerance) {  // false for a NaN error
+      e.worst = std::max(e.worst, error / tolerance);
+    } else {
+      e.worst = INFINITY;
+      ++e.outside;
+    }
+  }
+  return e;
+}
+
+// cuBLASLt's sums in an order it does not state, against the float64
+// reference with indexer_project's tolerance (src/indexer/indexer_reference.h).
+Check check_indexer_projections(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
+                                const StepOutputs& gpu) {
+  const reference::IndexerProjectionsHost exact = reference_indexer_project(s, w, gpu.q_c, in.hidden);
+  const IndexerProjections& p = gpu.indexer_projections;
+  const ProjectionError q = projection_error(p.index_q, exact.index_q, DType::kBF16);
+  const ProjectionError k = projection_error(p.index_k, exact.index_k, DType::kBF16);
+  const ProjectionError weights = projection_error(p.head_weights, exact.head_weights, DType::kF32);
+  const ProjectionError gate = projection_error(p.gate, exact.gate, DType::kBF16);
+  const size_t outside = q.outside + k.outside + weights.outside + gate.outside;
+  return judged("indexer projections (cuBLASLt) vs float64 reference", outside == 0,
+                format("worst |error| / tolerance: index_q %.3g, index_k %.3g, head_weights %.3g, gate %.3g (%zu "
+                       "values outside; tolerance %.0e x sum |products|, + 1 BF16 ulp for the BF16 outputs), on the "
+                       "GPU's q_c",
+                       q.worst, k.worst, weights.worst, gate.worst, outside, reference::kProjectionSumTolerance));
 }
 
 // A head_gemv output against its CPU reference, bitwise; `values` and `step`
@@ -264,8 +323,9 @@ Mismatches count_mismatches(const std::vector<T>& got, const std::vector<T>& wan
   return d;
 }
 
-// The indexer on the CPU from the same history and step inputs: the state
-// after the prefill and the step, and the step's rows.
+// The indexer on the CPU from the same history, the GPU's projections and
+// the step's positions: the state after the prefill and the step, and the
+// step's rows.
 struct IndexerReference {
   IndexerHostState state;
   reference::IndexerRowsHost rows;
@@ -273,13 +333,13 @@ struct IndexerReference {
   double ms = 0;       // CPU time
 };
 
-Status run_indexer_reference(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
-                             const IndexerTokenRows& history, IndexerReference* cpu) {
+Status run_indexer_reference(const StepShape& s, const HostWeights& w, const IndexerProjections& projections,
+                             const HostStepInputs& in, const IndexerTokenRows& history, IndexerReference* cpu) {
   const auto start = std::chrono::steady_clock::now();
   cpu->state = make_indexer_state(s);
   int64_t prefill_errors = 0;
   DSA_RETURN_IF_ERROR(reference_indexer_prefill(s, w, history, &cpu->state, &prefill_errors));
-  DSA_RETURN_IF_ERROR(reference_indexer_step(s, w, in, &cpu->state, &cpu->rows, &cpu->errors));
+  DSA_RETURN_IF_ERROR(reference_indexer_step(s, w, projections, in, &cpu->state, &cpu->rows, &cpu->errors));
   cpu->errors += prefill_errors;
   cpu->ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return Status();
@@ -418,7 +478,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   DSA_RETURN_IF_ERROR(run_chain(step, kernels, kStockChain, stream, 0));
   DSA_RETURN_IF_ERROR(step.download(stream, &after_both));
   IndexerReference indexer;
-  DSA_RETURN_IF_ERROR(run_indexer_reference(s, w, in, indexer_history, &indexer));
+  DSA_RETURN_IF_ERROR(run_indexer_reference(s, w, after_fused.indexer_projections, in, indexer_history, &indexer));
 
   std::printf("\nchecks (fused chain, then stock chain, once each):\n");
   auto add = [&](Check check) {
@@ -430,6 +490,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   add(check_shared_repeat(after_fused, after_both));
   add(check_absorb(s, w, after_fused));
   add(check_cache_reference(s, w, in, initial_cache, after_fused));
+  add(check_indexer_projections(s, w, in, after_fused));
   add(check_indexer_state(indexer, after_fused));
   add(check_indexer_rows(s, indexer, after_fused));
   add(check_attention(s, w, after_fused));
@@ -445,12 +506,16 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
 
 // ---------------------------------------------------------------- timing
 
-// Copies of every weight: enough that the smallest of the large ones (W_UK_T
-// or W_UV; q_b_proj is larger) rotates through more than twice the L2. The
-// norm's 4 KB of gammas rotate with them; alone, the norm still finds them in
-// L2, in the chains the other weights' traffic evicts them.
+// Copies of every weight: enough that the smallest of the large ones (W_UK_T,
+// W_UV or the indexer's wq_b, not split by TP; q_b_proj is larger) rotates
+// through more than twice the L2. The small ones rotate with them: the
+// norm's 4 KB of gammas (alone, the norm still finds them in L2, in the
+// chains the other weights' traffic evicts them) and the indexer's wk,
+// weights_proj and compress_gate (2.3 MB a copy at D = 4096, read in the same
+// launch as wq_b).
 int weight_copies(const bench::Context& ctx, const StepShape& s) {
-  const size_t smallest = 2 * std::min({size_t(s.q_width()) * s.Q, size_t(s.H) * s.P * s.L, size_t(s.H) * s.L * s.V});
+  const size_t smallest = 2 * std::min({size_t(s.q_width()) * s.Q, size_t(s.H) * s.P * s.L, size_t(s.H) * s.L * s.V,
+                                        size_t(kIndexerHeads) * kIndexerDim * s.Q});
   return bench::cold_copies(ctx, smallest);
 }
 
@@ -496,10 +561,11 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   DSA_RETURN_IF_ERROR(bench::open_context(stream.get(), /*quick=*/false, &ctx));
   std::printf("dsa-decode on %s (%d SMs, L2 %.0f MB, copy %.0f GB/s), commit %s: %s\n", ctx.gpu_name.c_str(),
               ctx.sm_count, ctx.l2_bytes / 1e6, ctx.copy_GBps, ctx.commit.c_str(), s.describe().c_str());
-  std::printf("attention: sparse_mla over the glm5next indexer's slots (indexer_prepare + indexer_select; stock: "
-              "indexer_select_baseline, a CUB sort) on synthetic projection outputs, its state prefilled with the "
-              "context's rows; no stock Hopper kernel takes this cache format, so the stock chain runs the same "
-              "sparse_mla after its counter memset\n");
+  std::printf(
+      "attention: sparse_mla over the glm5next indexer's slots (indexer_project of q_c and synthetic hidden "
+      "states, indexer_prepare, indexer_select; stock: indexer_select_baseline, a CUB sort), its state "
+      "prefilled with drawn rows of the context; no stock Hopper kernel takes this cache format, so the "
+      "stock chain runs the same sparse_mla after its counter memset\n");
   bench::CublasHandle cublas;
   DSA_RETURN_IF_ERROR(cublas.create(ctx.stream));
 

@@ -138,15 +138,45 @@ Status reference_indexer_prefill(const StepShape& s, const HostWeights& w, const
   return Status();
 }
 
-Status reference_indexer_step(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
-                              IndexerHostState* state, reference::IndexerRowsHost* rows, int64_t* errors) {
+reference::IndexerProjectionsHost reference_indexer_project(const StepShape& s, const HostWeights& w,
+                                                            const std::vector<uint16_t>& q_c,
+                                                            const std::vector<uint16_t>& hidden) {
+  return reference::indexer_project({s.m, s.Q, s.D, q_c.data(), hidden.data(), w.index_wq_b.data(), w.index_wk.data(),
+                                     w.index_weights_proj.data(), w.index_compress_gate.data()});
+}
+
+namespace {
+std::vector<uint16_t> stored_bf16(const reference::ExactProduct& exact) {
+  std::vector<uint16_t> values(exact.sum.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    values[i] = num::float_to_bf16(static_cast<float>(reference::projection_expected(exact.sum[i], DType::kBF16)));
+  }
+  return values;
+}
+}  // namespace
+
+IndexerProjections stored_projections(const reference::IndexerProjectionsHost& exact) {
+  IndexerProjections p;
+  p.index_q = stored_bf16(exact.index_q);
+  p.index_k = stored_bf16(exact.index_k);
+  p.gate = stored_bf16(exact.gate);
+  p.head_weights.resize(exact.head_weights.sum.size());
+  for (size_t i = 0; i < p.head_weights.size(); ++i) {
+    p.head_weights[i] = static_cast<float>(reference::projection_expected(exact.head_weights.sum[i], DType::kF32));
+  }
+  return p;
+}
+
+Status reference_indexer_step(const StepShape& s, const HostWeights& w, const IndexerProjections& projections,
+                              const HostStepInputs& in, IndexerHostState* state, reference::IndexerRowsHost* rows,
+                              int64_t* errors) {
   const IndexerPlan plan = s.indexer_plan();
   reference::IndexerStateHost view = state->view();
   const reference::IndexerStepHost step{s.m,
-                                        in.index_q.data(),
-                                        in.index_rows.index_k.data(),
-                                        in.head_weights.data(),
-                                        in.index_rows.gate.data(),
+                                        projections.index_q.data(),
+                                        projections.index_k.data(),
+                                        projections.head_weights.data(),
+                                        projections.gate.data(),
                                         in.positions.data(),
                                         in.token_requests.data()};
   reference::IndexerQueryHost query;

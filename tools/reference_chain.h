@@ -1,8 +1,9 @@
 // The decode step's chain on the CPU, kernel by kernel, in the kernels' own
 // summation orders where they have a fixed one (src/*/..._reference.h):
 // norm -> q_b_proj -> absorb (FP8) + cache write -> indexer (prefill of the
-// context, then prepare and select: bit-exact) -> sparse attention (float64)
-// -> value-up. The CPU path runs it whole; the GPU path runs each piece on the
+// context; the step's projections, float64 sums stored as the GPU stores
+// them; prepare and select: bit-exact) -> sparse attention (float64) ->
+// value-up. The CPU path runs it whole; the GPU path runs each piece on the
 // GPU's own inputs to check the kernel that made the same output.
 #pragma once
 
@@ -78,9 +79,30 @@ IndexerHostState make_indexer_state(const StepShape& s);
 Status reference_indexer_prefill(const StepShape& s, const HostWeights& w, const IndexerTokenRows& history,
                                  IndexerHostState* state, int64_t* errors);
 
-// indexer_prepare, then indexer_select, of the step on `state`: rows [m, 2176]
-// of request-local positions and of KV slots.
-Status reference_indexer_step(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
-                              IndexerHostState* state, reference::IndexerRowsHost* rows, int64_t* errors);
+// The indexer's projection outputs, as indexer_prepare takes them.
+struct IndexerProjections {
+  std::vector<uint16_t> index_q;    // [m, 32, 128] BF16
+  std::vector<uint16_t> index_k;    // [m, 128] BF16, before the LayerNorm
+  std::vector<float> head_weights;  // [m, 32]
+  std::vector<uint16_t> gate;       // [m, 128] BF16
+};
+
+// indexer_project's float64 reference of q_c [m, Q] and hidden [m, D]: the
+// exact sums and the sums of |products| the tolerance scales with
+// (src/indexer/indexer_reference.h).
+reference::IndexerProjectionsHost reference_indexer_project(const StepShape& s, const HostWeights& w,
+                                                            const std::vector<uint16_t>& q_c,
+                                                            const std::vector<uint16_t>& hidden);
+
+// The exact sums stored as indexer_project stores them (BF16 rounded to
+// nearest even, head_weights FP32): the CPU path's projections.
+IndexerProjections stored_projections(const reference::IndexerProjectionsHost& exact);
+
+// indexer_prepare, then indexer_select, of the step on `state` from its
+// `projections` and the positions and requests of `in`: rows [m, 2176] of
+// request-local positions and of KV slots.
+Status reference_indexer_step(const StepShape& s, const HostWeights& w, const IndexerProjections& projections,
+                              const HostStepInputs& in, IndexerHostState* state, reference::IndexerRowsHost* rows,
+                              int64_t* errors);
 
 }  // namespace dsa::cli

@@ -88,10 +88,10 @@ Status write_json(const RunReport& r, const std::string& path) {
        << ", \"weight_copies\": " << r.weight_copies
        << ",\n \"value_up\": {\"fused_kernel\": " << json_string(r.value_up_kernel)
        << ", \"reason\": " << json_string(r.value_up_reason) << "}"
-       << ",\n \"note\": \"attention over the glm5next indexer's slots (indexer_prepare + indexer_select; stock: "
-          "indexer_select_baseline, a CUB sort) on synthetic projection outputs, its state prefilled with the "
-          "context's rows; the stock chain runs the same sparse_mla after a counter memset (no stock Hopper kernel "
-          "takes this cache format)\",\n \"checks\": [";
+       << ",\n \"note\": \"attention over the glm5next indexer's slots (indexer_project of q_c and synthetic "
+          "hidden states, indexer_prepare, indexer_select; stock: indexer_select_baseline, a CUB sort), its state "
+          "prefilled with drawn rows of the context; the stock chain runs the same sparse_mla after a counter memset "
+          "(no stock Hopper kernel takes this cache format)\",\n \"checks\": [";
   for (size_t i = 0; i < r.checks.size(); ++i) {
     const Check& c = r.checks[i];
     json << (i ? ",\n  " : "\n  ") << "{\"name\": " << json_string(c.name)

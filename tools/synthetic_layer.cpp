@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "dsa_decode/numerics.h"
 
@@ -28,14 +29,24 @@ enum class Tensor : uint64_t {
   kWUv = 5,
   kQkv = 6,
   kCachedLatent = 8,
-  kIndexQ = 10,
   kIndexK = 11,
-  kIndexHeadWeights = 12,
   kIndexGate = 13,
   kIndexKNormWeight = 14,
   kIndexKNormBias = 15,
   kIndexApe = 16,
+  kHidden = 17,
+  kHiddenOutlierChannels = 18,
+  kIndexWqB = 19,
+  kIndexWk = 20,
+  kIndexWeightsProj = 21,
+  kIndexCompressGate = 22,
 };
+
+// Hidden states after a layer's input RMSNorm have unit scale but a few
+// channels far larger (the outlier channels of trained models); the
+// projection test's choice of 8 channels 20 times larger.
+constexpr int kHiddenOutliers = 8;
+constexpr float kHiddenOutlierScale = 20.0f;
 
 // splitmix64's output function: a well-mixed 64-bit hash.
 uint64_t mix64(uint64_t z) {
@@ -88,9 +99,9 @@ uint16_t unit_uniform_bf16(uint64_t bits) { return num::float_to_bf16(1.7320508f
 }  // namespace
 
 std::string StepShape::describe() const {
-  return preset + " TP" + std::to_string(tp) + " (H=" + std::to_string(H) + ", Q=" + std::to_string(Q) +
-         ", L=" + std::to_string(L) + ", P=" + std::to_string(P) + ", V=" + std::to_string(V) +
-         "), m=" + std::to_string(m) + ", context " + std::to_string(context);
+  return preset + " TP" + std::to_string(tp) + " (D=" + std::to_string(D) + ", H=" + std::to_string(H) +
+         ", Q=" + std::to_string(Q) + ", L=" + std::to_string(L) + ", P=" + std::to_string(P) +
+         ", V=" + std::to_string(V) + "), m=" + std::to_string(m) + ", context " + std::to_string(context);
 }
 
 std::string StepShape::describe_indexer() const {
@@ -119,8 +130,10 @@ IndexerPlan StepShape::indexer_plan() const {
 }
 
 StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context) {
-  return StepShape{per_rank.name, per_rank.tp,      per_rank.heads, per_rank.q_lora, per_rank.kv_lora,
-                   per_rank.qk_nope, per_rank.v_head, m,              context};
+  return StepShape{per_rank.name,    per_rank.tp,     per_rank.hidden,
+                   per_rank.heads,   per_rank.q_lora, per_rank.kv_lora,
+                   per_rank.qk_nope, per_rank.v_head, m,
+                   context};
 }
 
 std::vector<int64_t> HostCache::window_slots(const std::vector<int64_t>& slots) const {
@@ -148,6 +161,15 @@ HostWeights make_weights(const StepShape& s, uint64_t seed) {
   w.index_k_norm_bias = normal_bf16_as_float(kIndexerDim, 0.0f, 0.02f, ElementHash(seed, Tensor::kIndexKNormBias));
   w.index_ape = normal_bf16_as_float(size_t(kIndexerPoolSize) * kIndexerDim, 0.0f, 0.1f,
                                      ElementHash(seed, Tensor::kIndexApe));
+  // std 1/sqrt(fan-in), as the other projections: index_q, index_k, gate and
+  // the head weights come out near unit scale, as the prefill's drawn rows.
+  w.index_wq_b = normal_bf16(size_t(kIndexerHeads) * kIndexerDim * s.Q, 0.0f, inverse_sqrt(s.Q),
+                             ElementHash(seed, Tensor::kIndexWqB));
+  w.index_wk = normal_bf16(size_t(kIndexerDim) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexWk));
+  w.index_weights_proj =
+      normal_bf16(size_t(kIndexerHeads) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexWeightsProj));
+  w.index_compress_gate =
+      normal_bf16(size_t(kIndexerDim) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexCompressGate));
   return w;
 }
 
@@ -155,15 +177,20 @@ HostStepInputs make_step_inputs(const StepShape& s, uint64_t seed) {
   HostStepInputs in;
   // Not unit scale: the norm has something to normalize.
   in.qkv = normal_bf16(size_t(s.m) * s.qkv_width(), 0.0f, 3.0f, ElementHash(seed, Tensor::kQkv));
+  in.hidden = normal_bf16(size_t(s.m) * s.D, 0.0f, 1.0f, ElementHash(seed, Tensor::kHidden));
+  const ElementHash outlier_hash(seed, Tensor::kHiddenOutlierChannels);
+  std::set<size_t> outliers;  // distinct: no channel scaled twice
+  for (uint64_t i = 0; outliers.size() < size_t(std::min(kHiddenOutliers, s.D)); ++i) {
+    outliers.insert(outlier_hash(i) % size_t(s.D));
+  }
+  for (const size_t channel : outliers) {
+    for (int t = 0; t < s.m; ++t) {
+      uint16_t& x = in.hidden[size_t(t) * s.D + channel];
+      x = num::float_to_bf16(kHiddenOutlierScale * num::bf16_to_float(x));
+    }
+  }
   in.slot_mapping.resize(s.m);
   for (int t = 0; t < s.m; ++t) in.slot_mapping[t] = s.context + t;
-  // Unit scale, as projections of normed activations are: the logits spread
-  // over many values, so the top-512 is no tie-break of a few.
-  in.index_q = normal_bf16(size_t(s.m) * kIndexerHeads * kIndexerDim, 0.0f, 1.0f, ElementHash(seed, Tensor::kIndexQ));
-  in.index_rows = make_indexer_token_rows(seed, s.context, s.m);
-  const ElementHash head_weight_hash(seed, Tensor::kIndexHeadWeights);
-  in.head_weights.resize(size_t(s.m) * kIndexerHeads);
-  for (size_t i = 0; i < in.head_weights.size(); ++i) in.head_weights[i] = standard_normal(head_weight_hash(i));
   in.positions = in.slot_mapping;
   in.token_requests.resize(s.m);
   for (int t = 0; t < s.m; ++t) in.token_requests[t] = t / kIndexerTokensPerRequest;

@@ -37,13 +37,19 @@ inline constexpr int64_t kIndexerPageBytes = int64_t{kCacheBlockSize} / kIndexer
 // 0..indexer_prefill_tokens(r) - 1, those before its first token (for r >= 1
 // that includes the step's earlier tokens: a fork of request 0). Every
 // request's block table row is the identity, so all of them read and write the
-// same pages, and the bytes any of them writes for a pool are the bytes every
-// other would write (the pool's tokens' rows are the same): each token sees
-// the pools and rows that one request decoded token by token would give. For
-// m <= 5 there is exactly one request.
+// same pages. The prefill's rows are a synthetic draw per position
+// (make_indexer_history), the step's own rows come from its projections
+// (indexer_project), so for m > 5 a fork's prefill pools and stashes the
+// drawn rows of the step's earlier positions: request 0's prepare then
+// rewrites those pools from the projected rows, but request r >= 1 keeps the
+// drawn rows in its ring, and the first pool its tokens complete may mix the
+// two. The GPU and the CPU reference do the same, so the checks hold. For
+// m <= 5 there is exactly one request and every pool of the step's positions
+// is what one request decoded token by token would give.
 struct StepShape {
   std::string preset;
   int tp;
+  int D;  // hidden: the width of the hidden states the indexer's projections take
   int H;  // heads on this rank
   int Q;  // q_lora
   int L;  // kv_lora: latent width, KV-cache entry width
@@ -61,7 +67,7 @@ struct StepShape {
   }
   // max_tokens m, max_context context + m, RING kIndexerRing, block size kCacheBlockSize.
   IndexerPlan indexer_plan() const;
-  std::string describe() const;  // "glm5next TP1 (H=64, Q=1536, L=512, P=256, V=256), m=4, context 32768"
+  std::string describe() const;  // "glm5next TP1 (D=4096, H=64, Q=1536, L=512, P=256, V=256), m=4, context 32768"
   // "indexer: RING 8, one request prefilled with the 32768 context positions; block table [1, 129] ..."
   std::string describe_indexer() const;
 };
@@ -84,28 +90,32 @@ struct HostWeights {
   std::vector<float> index_k_norm_weight;  // [128]
   std::vector<float> index_k_norm_bias;    // [128]
   std::vector<float> index_ape;            // [4, 128]
+  // The indexer's projections (indexer_project), nn.Linear's [out, in].
+  std::vector<uint16_t> index_wq_b;           // [32 * 128, Q]
+  std::vector<uint16_t> index_wk;             // [128, D]
+  std::vector<uint16_t> index_weights_proj;   // [32, D]
+  std::vector<uint16_t> index_compress_gate;  // [128, D]
 };
 
 // Width of a top-k row: glm5next's 2048 pooled tokens, up to 3 tail tokens, -1 padding.
 inline constexpr int kTopKWidth = kIndexerRowWidth;
 
-// index_k and gate rows of consecutive positions. Each row is a function of
-// its position alone, so the context's rows (the prefill's) and the step's
-// own rows come from the same draw.
+// index_k and gate rows of consecutive positions, the indexer prefill's
+// stand-ins for the projections of the context's tokens. Each row is a
+// function of its position alone, so every request's prefill of a position
+// reads the same row.
 struct IndexerTokenRows {
   std::vector<uint16_t> index_k;  // [count, 128] BF16, before the indexer's LayerNorm
   std::vector<uint16_t> gate;     // [count, 128] BF16
 };
 
-// The step's inputs. qkv stands in for fused_qkv_a_proj's output; index_q,
-// index_k, head_weights and gate stand in for the indexer's projections
-// (wq_b(q_c), wk(x), weights_proj(x), compress_gate(x)), which the stage will run.
+// The step's inputs. qkv stands in for fused_qkv_a_proj's output of the
+// hidden states; the indexer's projections take the hidden states themselves
+// (an independent draw: nothing checks qkv against them).
 struct HostStepInputs {
   std::vector<uint16_t> qkv;           // [m, Q + L]
+  std::vector<uint16_t> hidden;        // [m, D] BF16: x, as the attention takes it (after the input RMSNorm)
   std::vector<int64_t> slot_mapping;   // [m]: context + t
-  std::vector<uint16_t> index_q;       // [m, 32, 128] BF16
-  IndexerTokenRows index_rows;         // index_k and gate [m, 128] of positions context..context+m-1
-  std::vector<float> head_weights;     // [m, 32] FP32
   std::vector<int64_t> positions;      // [m]: context + t (the indexer's; the block table is the identity)
   std::vector<int32_t> token_requests; // [m]: t / kIndexerTokensPerRequest (see StepShape)
 };
