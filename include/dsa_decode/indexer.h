@@ -301,6 +301,39 @@ Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positi
 // (griddepcontrol.wait) before reading the outputs, as indexer_prepare does.
 Status indexer_project(const IndexerProjectArgs& args, IndexerProjectContext& context, cudaStream_t stream);
 
+// The same four projections as one CUDA-core GEMV launch
+// (src/indexer/indexer_project_gemv.cu): same arguments, contract and checks
+// as indexer_project (check_indexer_project), plus Q and D multiples of 8
+// and a shared-memory bound (check_indexer_project_gemv); no context. m is
+// 1..16: kIndexerMaxTokens, which the plan already bounds (a larger m fails
+// check_indexer_project, naming plan.max_tokens or q_c).
+//
+// Fixed order, bit for bit the CPU reference's
+// (reference::indexer_project_gemv): every output
+// out[t, j] = sum_i in[t, i] * weight[j, i] is summed by the 32 lanes of one
+// warp. Lane l takes columns 8l..8l+7, then 8l+256..8l+263, and so on below
+// K (Q for index_q, D for the others), and chains them with fmaf in
+// ascending column order from +0 (each BF16 value converted to FP32
+// exactly). The 32 lane sums are then added by an xor butterfly over the
+// lane distances 1, 2, 4, 8, 16 in that order (s[l] <- s[l] + s[l ^ d]);
+// lane 0's final sum is the output: rounded to BF16 to nearest even for
+// index_q, index_k and gate, stored as FP32 for head_weights. A token's
+// outputs depend only on its own row of q_c or x: the same bits alone or in
+// any batch, at any m and row strides, on every call (for finite sums; a
+// NaN's payload is not specified).
+//
+// Error: a product passes at most K / 32 + 4 FP32 roundings on its way to
+// the output (132 at K = 4096), each of at most 2^-24 of the sum of
+// |products|: under the 1e-5 of indexer_project's tolerance
+// (reference::projection_tolerance) for K <= 5200.
+//
+// One launch with PDL (its weight stream starts before griddepcontrol.wait;
+// q_c and x are read after it), no allocation, no synchronization, CUDA-graph
+// capturable (the first call on a device raises the kernel's shared-memory
+// limit: make it outside a capture).
+Status check_indexer_project_gemv(const IndexerProjectArgs& args);
+Status indexer_project_gemv(const IndexerProjectArgs& args, cudaStream_t stream);
+
 // Steps 1-4 on the GPU (src/indexer/indexer_prepare.cu), two PDL launches:
 // one warp per 128-value row of the step (each token's 32 q heads: Hadamard,
 // FP8 quant and folded weight into the workspace, for padding tokens too;

@@ -3,8 +3,14 @@
 // shapes (Q = 1536, D = 4096) at m = 1, 4, 16, outputs between poisoned guard
 // bands with their row padding checked untouched, padded row strides, the
 // same bits on a second run and from a CUDA-graph replay.
-// GPU tests: IndexerProjectGpu.*; without a GPU: IndexerProjectChecks.*,
-// IndexerProjectReference.*.
+// The one-launch GEMV (indexer_project_gemv) bit for bit against its CPU
+// reference at every m of 1..16 (quick mode: 1, 5, 16) and within the same
+// float64 tolerance, with the same guard bands and padded strides, inputs
+// unchanged, a token's bits alone and in batches, a CUDA-graph replay and
+// inputs written by the kernel before it while its weights stream (PDL).
+// GPU tests: IndexerProjectGpu.*, IndexerProjectGemvGpu.*; without a GPU:
+// IndexerProjectChecks.*, IndexerProjectReference.*, IndexerProjectGemvChecks.*,
+// IndexerProjectGemvReference.*.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "core/launch.cuh"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 #include "indexer/indexer_reference.h"
@@ -509,6 +516,371 @@ TEST(IndexerProjectGpu, GraphReplayGivesTheDirectRunsBits) {
   expect_matches_reference(device, reference_projections(step, weights), "m 16 graph replay");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// ---------------------------------------------------------------------------
+// indexer_project_gemv: argument checks and its CPU reference (no GPU needed).
+
+// fake_args(m) with Q and D columns (every weight's width follows), row
+// strides rounded up to a multiple of 8.
+IndexerProjectArgs fake_args_with_columns(int64_t m, int64_t q_lora, int64_t hidden) {
+  IndexerProjectArgs a = fake_args(m);
+  const int64_t q_stride = (q_lora + 7) / 8 * 8, x_stride = (hidden + 7) / 8 * 8;
+  a.q_c = make_strided(a.q_c.data, DType::kBF16, {m, q_lora}, {q_stride, 1});
+  a.x = make_strided(a.x.data, DType::kBF16, {m, hidden}, {x_stride, 1});
+  a.wq_b = make_strided(a.wq_b.data, DType::kBF16, {kQWidth, q_lora}, {q_stride, 1});
+  a.wk = make_strided(a.wk.data, DType::kBF16, {kDim, hidden}, {x_stride, 1});
+  a.weights_proj = make_strided(a.weights_proj.data, DType::kBF16, {kHeads, hidden}, {x_stride, 1});
+  a.compress_gate = make_strided(a.compress_gate.data, DType::kBF16, {kDim, hidden}, {x_stride, 1});
+  return a;
+}
+
+TEST(IndexerProjectGemvChecks, AcceptsGlm5NextShapesAtEveryTokenCount) {
+  for (int64_t m = 1; m <= kIndexerMaxTokens; ++m) {
+    const Status s = check_indexer_project_gemv(fake_args(m));
+    EXPECT_TRUE(s.ok()) << "m " << m << ": " << s.to_string();
+  }
+  IndexerProjectArgs padded = fake_args(16);
+  padded.q_c = make_strided(padded.q_c.data, DType::kBF16, {16, kQLora}, {kQLora + 8, 1});
+  padded.wq_b = make_strided(padded.wq_b.data, DType::kBF16, {kQWidth, kQLora}, {kQLora + 16, 1});
+  padded.index_q = make_strided(padded.index_q.data, DType::kBF16, {16, kHeads, kDim}, {kQWidth + 8, kDim, 1});
+  padded.head_weights = make_strided(padded.head_weights.data, DType::kF32, {16, kHeads}, {kHeads + 4, 1});
+  const Status s = check_indexer_project_gemv(padded);
+  EXPECT_TRUE(s.ok()) << "padded row strides: " << s.to_string();
+}
+
+// m is 1..16: the plan bounds it (kIndexerMaxTokens), and the launcher checks
+// before it touches the device.
+TEST(IndexerProjectGemvChecks, RejectsMoreThan16Tokens) {
+  IndexerProjectArgs a = fake_args(17);  // the default plan's max_tokens is 16
+  expect_rejected(check_indexer_project_gemv(a), "q_c", "1..16 tokens");
+  expect_rejected(indexer_project_gemv(a, nullptr), "q_c", "1..16 tokens");
+  a.plan.max_tokens = 17;
+  expect_rejected(check_indexer_project_gemv(a), "plan.max_tokens", "1..16");
+  expect_rejected(indexer_project_gemv(a, nullptr), "plan.max_tokens", "1..16");
+}
+
+// Q and D: multiples of 8 (16-byte loads), and a CTA's staged input rows (m
+// rounded up to a power of two) with one warp's weight rows within 227 KiB.
+TEST(IndexerProjectGemvChecks, NamesItsColumnLimits) {
+  expect_rejected(check_indexer_project_gemv(fake_args_with_columns(4, 1540, kHidden)), "q_c",
+                  "a column count Q that is a multiple of 8");
+  expect_rejected(check_indexer_project_gemv(fake_args_with_columns(4, kQLora, 4100)), "x",
+                  "a column count D that is a multiple of 8");
+  const Status one_token = check_indexer_project_gemv(fake_args_with_columns(1, kQLora, 8192));
+  EXPECT_TRUE(one_token.ok()) << "D = 8192 at m = 1: " << one_token.to_string();
+  expect_rejected(check_indexer_project_gemv(fake_args_with_columns(16, kQLora, 8192)), "x", "at most 6832 at m = 16");
+  expect_rejected(check_indexer_project_gemv(fake_args_with_columns(16, 6144, kHidden)), "q_c",
+                  "at most 5808 at m = 16");
+  // check_indexer_project's checks come first, in the launcher too.
+  IndexerProjectArgs bad = fake_args(4);
+  bad.gate.dtype = DType::kF32;
+  expect_rejected(check_indexer_project_gemv(bad), "gate", "dtype bf16");
+  expect_rejected(indexer_project_gemv(bad, nullptr), "gate", "dtype bf16");
+}
+
+// The order on a hand example where it shows: D = 272, so lane 0 owns
+// columns 0..7 and 256..263 and lane 1 owns 8..15 and 264..271. x is all
+// ones; the weight row holds 2^24 at column 0 and ones at 8..15 and 256..263.
+// Lane 0: 2^24, then each + 1 is a tie that rounds back to 2^24 (even);
+// lane 1: 8; the butterfly adds them exactly: 2^24 + 8. (The exact sum is
+// 2^24 + 16; a serial chain over ascending columns would give 2^24.)
+TEST(IndexerProjectGemvReference, SumsInTheDocumentedOrder) {
+  constexpr int64_t kColumns = 272;
+  std::vector<float> row(kColumns, 0.0f);
+  row[0] = 16777216.0f;
+  for (int i = 8; i < 16; ++i) row[i] = 1.0f;
+  for (int i = 256; i < 264; ++i) row[i] = 1.0f;
+  const std::vector<uint16_t> ones = bf16_bits(std::vector<float>(kColumns, 1.0f)), weight = bf16_bits(row);
+  EXPECT_EQ(reference::gemv_sum(ones.data(), weight.data(), kColumns), 16777224.0f);
+
+  // Through the four products: the row as weights_proj row 5 (FP32 out) and
+  // compress_gate row 3 (BF16 out: 2^24 + 8 rounds to 2^24); Q = 8.
+  std::vector<float> weights_proj(kHeads * kColumns, 0.0f), compress_gate(kDim * kColumns, 0.0f);
+  std::copy(row.begin(), row.end(), weights_proj.begin() + 5 * kColumns);
+  std::copy(row.begin(), row.end(), compress_gate.begin() + 3 * kColumns);
+  const std::vector<uint16_t> q_c = bf16_bits(std::vector<float>(8, 1.0f));
+  const std::vector<uint16_t> wq_b(kQWidth * 8, 0), wk(kDim * kColumns, 0);
+  const std::vector<uint16_t> weights_proj_bits = bf16_bits(weights_proj),
+                              compress_gate_bits = bf16_bits(compress_gate);
+  const reference::IndexerProjectionBitsHost out =
+      reference::indexer_project_gemv({1, 8, kColumns, q_c.data(), ones.data(), wq_b.data(), wk.data(),
+                                       weights_proj_bits.data(), compress_gate_bits.data()});
+  EXPECT_EQ(out.head_weights[5], 16777224.0f);
+  EXPECT_EQ(out.gate[3], num::float_to_bf16(16777216.0f));
+  EXPECT_EQ(out.head_weights[4], 0.0f);
+  EXPECT_EQ(out.gate[2], 0);
+  EXPECT_EQ(std::count(out.index_q.begin(), out.index_q.end(), 0), kQWidth);
+}
+
+reference::IndexerProjectionBitsHost reference_bits(const HostStep& s, const HostWeights& w) {
+  return reference::indexer_project_gemv({s.m, kQLora, kHidden, s.q_c.data(), s.x.data(), w.wq_b.data(), w.wk.data(),
+                                          w.weights_proj.data(), w.compress_gate.data()});
+}
+
+// The fixed order is within the float64 tolerance that indexer_project meets.
+TEST(IndexerProjectGemvReference, WithinTheFloat64Tolerance) {
+  std::mt19937_64 rng(testing::test_seed());
+  const HostWeights weights(rng);
+  const HostStep step = random_step(3, rng);
+  const reference::IndexerProjectionBitsHost bits = reference_bits(step, weights);
+  const reference::IndexerProjectionsHost exact = reference_projections(step, weights);
+  const double q = worst_tolerance_fraction(bits.index_q, exact.index_q, DType::kBF16, "index_q");
+  const double k = worst_tolerance_fraction(bits.index_k, exact.index_k, DType::kBF16, "index_k");
+  const double w = worst_tolerance_fraction(bits.head_weights, exact.head_weights, DType::kF32, "head_weights");
+  const double g = worst_tolerance_fraction(bits.gate, exact.gate, DType::kBF16, "gate");
+  std::printf(
+      "[indexer_project_gemv reference] m 3: worst |error| / tolerance: index_q %.3g, index_k %.3g, "
+      "head_weights %.3g, gate %.3g\n",
+      q, k, w, g);
+}
+
+// ---------------------------------------------------------------------------
+// indexer_project_gemv on the GPU.
+
+// Rows [first, first + count) of a row-major [*, width] vector.
+template <class T>
+std::vector<T> rows_of(const std::vector<T>& all, int64_t width, int first, int count) {
+  return std::vector<T>(all.begin() + first * width, all.begin() + (first + count) * width);
+}
+
+HostStep step_rows(const HostStep& s, int first, int count) {
+  return {count, rows_of(s.q_c, kQLora, first, count), rows_of(s.x, kHidden, first, count)};
+}
+
+reference::IndexerProjectionBitsHost output_rows(const reference::IndexerProjectionBitsHost& o, int first, int count) {
+  return {rows_of(o.index_q, kQWidth, first, count), rows_of(o.index_k, kDim, first, count),
+          rows_of(o.head_weights, kHeads, first, count), rows_of(o.gate, kDim, first, count)};
+}
+
+// The four written outputs of a run; fails the test if anything outside them changed.
+reference::IndexerProjectionBitsHost device_outputs(const DeviceStep& device, const std::string& what) {
+  return {device.index_q.written(what + " index_q"), device.index_k.written(what + " index_k"),
+          device.head_weights.written(what + " head_weights"), device.gate.written(what + " gate")};
+}
+
+// Bitwise equality (FP32 compared as bits); reports the count and the first difference.
+template <class T>
+void expect_same_bits(const std::vector<T>& got, const std::vector<T>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t differ = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0 && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << got.size() << " differ; the first at " << first << ": "
+                        << output_value(got[first]) << " instead of " << output_value(want[first]);
+}
+
+void expect_same_outputs(const reference::IndexerProjectionBitsHost& got,
+                         const reference::IndexerProjectionBitsHost& want, const std::string& what) {
+  expect_same_bits(got.index_q, want.index_q, what + " index_q");
+  expect_same_bits(got.index_k, want.index_k, what + " index_k");
+  expect_same_bits(got.head_weights, want.head_weights, what + " head_weights");
+  expect_same_bits(got.gate, want.gate, what + " gate");
+}
+
+// indexer_project_gemv, then a wait for the stream; a CUDA error fails the test.
+Status gemv_and_wait(const IndexerProjectArgs& args, cudaStream_t stream) {
+  const Status launched = indexer_project_gemv(args, stream);
+  testing::expect_cuda(cudaStreamSynchronize(stream), "indexer_project_gemv");
+  testing::expect_cuda(cudaGetLastError(), "indexer_project_gemv");
+  return launched;
+}
+
+// q_c and x on the device still hold the step's bytes, row padding included.
+void expect_inputs_unchanged(const DeviceStep& device, const HostStep& step, const std::string& what) {
+  const int64_t padding = device.padding.input;
+  EXPECT_TRUE(device.q_c.download() == pad_rows(step.q_c, kQLora, kQLora + padding, kBf16Padding))
+      << what << ": q_c changed";
+  EXPECT_TRUE(device.x.download() == pad_rows(step.x, kHidden, kHidden + padding, kBf16Padding))
+      << what << ": x changed";
+}
+
+void expect_weights_unchanged(const DeviceWeights& device, const HostWeights& host) {
+  const int64_t padding = device.padding;
+  EXPECT_TRUE(device.wq_b.download() == pad_rows(host.wq_b, kQLora, kQLora + padding, kBf16Padding));
+  EXPECT_TRUE(device.wk.download() == pad_rows(host.wk, kHidden, kHidden + padding, kBf16Padding));
+  EXPECT_TRUE(device.weights_proj.download() == pad_rows(host.weights_proj, kHidden, kHidden + padding, kBf16Padding));
+  EXPECT_TRUE(device.compress_gate.download() ==
+              pad_rows(host.compress_gate, kHidden, kHidden + padding, kBf16Padding));
+}
+
+// m tokens: the reference's bits and within the float64 tolerance, nothing
+// written outside the outputs, the inputs unchanged, and a second run (outputs
+// poisoned again) gives the same bytes.
+void check_gemv(int m, const ProjectPadding& padding, const HostWeights& weights, const DeviceWeights& device_weights,
+                std::mt19937_64& rng, const std::string& what) {
+  const HostStep step = random_step(m, rng);
+  DeviceStep device(step, padding);
+  IndexerProjectArgs args;
+  device.set_views(&args);
+  device_weights.set_views(&args);
+  cudaStream_t stream = new_stream();
+
+  device.poison();
+  DSA_ASSERT_OK(gemv_and_wait(args, stream));
+  expect_same_outputs(device_outputs(device, what), reference_bits(step, weights), what);
+  expect_matches_reference(device, reference_projections(step, weights), what);
+  expect_inputs_unchanged(device, step, what);
+  const std::vector<uint8_t> first = device.all_bytes();
+  device.poison();
+  DSA_ASSERT_OK(gemv_and_wait(args, stream));
+  EXPECT_TRUE(device.all_bytes() == first) << what << ": the second run gave other bytes";
+  cudaStreamDestroy(stream);
+}
+
+TEST(IndexerProjectGemvGpu, BitwiseEqualToTheReferenceAtEveryTokenCount) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  const HostWeights weights(rng);
+  const DeviceWeights device_weights(weights, 0);
+  std::vector<int> counts = {1, 5, 16};
+  if (!testing::quick_mode()) {
+    counts.clear();
+    for (int m = 1; m <= kIndexerMaxTokens; ++m) counts.push_back(m);
+  }
+  for (int m : counts) {
+    check_gemv(m, kTight, weights, device_weights, rng, "gemv m " + std::to_string(m));
+    if (HasFailure()) return;
+  }
+  expect_weights_unchanged(device_weights, weights);
+}
+
+// Every view with padded rows (NaN in the inputs' and weights' padding, poison
+// in the outputs'): nothing reads or writes the padding.
+TEST(IndexerProjectGemvGpu, PaddedRowStrides) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  const HostWeights weights(rng);
+  const DeviceWeights device_weights(weights, kPadded.weight);
+  for (int m : testing::quick_mode() ? std::vector<int>{5} : std::vector<int>{1, 5, 16}) {
+    check_gemv(m, kPadded, weights, device_weights, rng, "gemv m " + std::to_string(m) + " padded");
+    if (HasFailure()) return;
+  }
+  expect_weights_unchanged(device_weights, weights);
+}
+
+// Batch invariance: each token's outputs depend only on its own q_c and x
+// rows, so a token gives the same bits alone (m = 1, one accumulator per row),
+// in a batch of 6 (8 per row) and in a batch of 16 (16 per row).
+TEST(IndexerProjectGemvGpu, ATokensBitsDoNotDependOnItsBatch) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  const HostWeights weights(rng);
+  const DeviceWeights device_weights(weights, 0);
+  const HostStep batch = random_step(16, rng);
+  cudaStream_t stream = new_stream();
+  const auto run = [&](const HostStep& step, const std::string& what) {
+    DeviceStep device(step, kTight);
+    IndexerProjectArgs args;
+    device.set_views(&args);
+    device_weights.set_views(&args);
+    device.poison();
+    const Status s = gemv_and_wait(args, stream);
+    EXPECT_TRUE(s.ok()) << what << ": " << s.to_string();
+    return device_outputs(device, what);
+  };
+  const reference::IndexerProjectionBitsHost whole = run(batch, "batch of 16");
+  // The batch is the reference's bits, so equal runs cannot be two unwritten outputs.
+  expect_same_outputs(whole, reference_bits(batch, weights), "batch of 16");
+  const reference::IndexerProjectionBitsHost six = run(step_rows(batch, 5, 6), "tokens 5..10");
+  expect_same_outputs(six, output_rows(whole, 5, 6), "tokens 5..10 as a batch of 6");
+  for (int t : {0, 6, 15}) {
+    const std::string what = "token " + std::to_string(t) + " alone";
+    expect_same_outputs(run(step_rows(batch, t, 1), what), output_rows(whole, t, 1), what);
+  }
+  cudaStreamDestroy(stream);
+}
+
+// Captured in a CUDA graph after a direct call (which raises the kernel's
+// shared-memory limit): each replay gives the direct run's bytes.
+TEST(IndexerProjectGemvGpu, GraphReplayGivesTheDirectRunsBits) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  const HostWeights weights(rng);
+  const DeviceWeights device_weights(weights, 0);
+  const HostStep step = random_step(7, rng);
+  DeviceStep device(step, kTight);
+  IndexerProjectArgs args;
+  device.set_views(&args);
+  device_weights.set_views(&args);
+  cudaStream_t stream = new_stream();
+
+  device.poison();
+  DSA_ASSERT_OK(gemv_and_wait(args, stream));
+  const std::vector<uint8_t> direct = device.all_bytes();
+
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = indexer_project_gemv(args, stream);
+  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  DSA_ASSERT_OK(captured);
+  DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    device.poison();
+    DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(device.all_bytes() == direct) << "replay " << replay << " gave other bytes than the direct run";
+  }
+  expect_same_outputs(device_outputs(device, "m 7 graph replay"), reference_bits(step, weights), "m 7 graph replay");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// The GEMV's producer in a chain: releases the PDL kernel after it at once,
+// spins for `spin_cycles`, then copies the step's q_c and x (vectors of 8 BF16)
+// from the sources over the old ones. A GEMV that read q_c or x before its
+// griddepcontrol.wait would see the old values.
+__global__ void late_inputs_kernel(const uint4* q_c_source, uint4* q_c, int q_c_vectors, const uint4* x_source,
+                                   uint4* x, int x_vectors, long long spin_cycles) {
+  pdl_release_dependents();
+  if (threadIdx.x == 0) {
+    const long long start = clock64();
+    while (clock64() - start < spin_cycles) {
+    }
+  }
+  __syncthreads();
+  const int stride = gridDim.x * blockDim.x;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < q_c_vectors; i += stride) q_c[i] = q_c_source[i];
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < x_vectors; i += stride) x[i] = x_source[i];
+}
+
+// PDL: the GEMV launched right after a kernel that writes its inputs late
+// (its weight stream may start while that kernel spins) gives the bits of the
+// new inputs. Two rounds: the first launch of each kernel loads its module,
+// which synchronizes, so only the second can overlap.
+TEST(IndexerProjectGemvGpu, ReadsInputsThatThePreviousKernelWrites) {
+  DSA_REQUIRE_GPU();
+  constexpr long long kSpinCycles = 200000;  // about 100 us at the H200's clocks
+  constexpr int m = 4;
+  std::mt19937_64 rng(testing::test_seed());
+  const HostWeights weights(rng);
+  const DeviceWeights device_weights(weights, 0);
+  const HostStep old_step = random_step(m, rng), new_step = random_step(m, rng);
+  DeviceStep device(old_step, kTight);
+  DeviceBuffer<uint16_t> q_c_source(new_step.q_c), x_source(new_step.x);
+  IndexerProjectArgs args;
+  device.set_views(&args);
+  device_weights.set_views(&args);
+  const reference::IndexerProjectionBitsHost want = reference_bits(new_step, weights);
+  cudaStream_t stream = nullptr;  // blocking: it orders after the uploads on the legacy stream
+  DSA_ASSERT_CUDA(cudaStreamCreate(&stream));
+  for (int round = 0; round < 2; ++round) {
+    const std::string what = "round " + std::to_string(round);
+    device.q_c.upload(old_step.q_c);
+    device.x.upload(old_step.x);
+    device.poison();
+    late_inputs_kernel<<<8, 256, 0, stream>>>(
+        reinterpret_cast<const uint4*>(q_c_source.get()), reinterpret_cast<uint4*>(device.q_c.get()),
+        int(m * kQLora / 8), reinterpret_cast<const uint4*>(x_source.get()), reinterpret_cast<uint4*>(device.x.get()),
+        int(m * kHidden / 8), kSpinCycles);
+    DSA_ASSERT_CUDA(cudaGetLastError());
+    DSA_ASSERT_OK(gemv_and_wait(args, stream));
+    expect_same_outputs(device_outputs(device, what), want, what);
+  }
   cudaStreamDestroy(stream);
 }
 

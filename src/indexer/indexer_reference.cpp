@@ -285,6 +285,52 @@ IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& in) {
   return out;
 }
 
+float gemv_sum(const uint16_t* input, const uint16_t* weight, int64_t k) {
+  constexpr int kLanes = 32, kLaneColumns = 8;
+  float lane_sums[kLanes];
+  for (int lane = 0; lane < kLanes; ++lane) {
+    float sum = 0.0f;
+    for (int64_t first = lane * kLaneColumns; first < k; first += kLanes * kLaneColumns) {
+      for (int i = 0; i < kLaneColumns; ++i) {
+        sum = std::fma(num::bf16_to_float(input[first + i]), num::bf16_to_float(weight[first + i]), sum);
+      }
+    }
+    lane_sums[lane] = sum;
+  }
+  for (int distance = 1; distance < kLanes; distance *= 2) {
+    float next[kLanes];
+    for (int lane = 0; lane < kLanes; ++lane) next[lane] = lane_sums[lane] + lane_sums[lane ^ distance];
+    std::copy(next, next + kLanes, lane_sums);
+  }
+  return lane_sums[0];
+}
+
+namespace {
+
+// out[t, j] = gemv_sum(input row t, weight row j) for input [m, k] and weight [n, k], as `store` keeps it.
+template <class T, class Store>
+std::vector<T> gemv_product(const uint16_t* input, int64_t m, int64_t k, const uint16_t* weight, int64_t n,
+                            Store store) {
+  std::vector<T> out(size_t(m * n));
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < n; ++j) out[size_t(t * n + j)] = store(gemv_sum(input + t * k, weight + j * k, k));
+  }
+  return out;
+}
+
+}  // namespace
+
+IndexerProjectionBitsHost indexer_project_gemv(const IndexerProjectInputsHost& in) {
+  const auto bf16 = [](float sum) { return num::float_to_bf16(sum); };
+  const auto fp32 = [](float sum) { return sum; };
+  IndexerProjectionBitsHost out;
+  out.index_q = gemv_product<uint16_t>(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(kHeads) * kDim, bf16);
+  out.index_k = gemv_product<uint16_t>(in.x, in.m, in.hidden, in.wk, kDim, bf16);
+  out.head_weights = gemv_product<float>(in.x, in.m, in.hidden, in.weights_proj, kHeads, fp32);
+  out.gate = gemv_product<uint16_t>(in.x, in.m, in.hidden, in.compress_gate, kDim, bf16);
+  return out;
+}
+
 double projection_expected(double sum, DType output) {
   return output == DType::kBF16 ? num::round_bf16(static_cast<float>(sum)) : sum;
 }

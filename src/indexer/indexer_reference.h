@@ -5,7 +5,8 @@
 // host side of src/indexer/indexer_math.h). The logits are the contract's
 // FP32 order on exact head dots; GPU logits match them within a tolerance.
 // The projections (cuBLASLt on the GPU, no fixed order) are float64 sums,
-// matched within the tolerance below.
+// matched within the tolerance below; indexer_project_gemv's fixed order is
+// reproduced bit for bit (reference::indexer_project_gemv).
 #pragma once
 
 #include <cstdint>
@@ -125,6 +126,24 @@ struct IndexerProjectionsHost {
   ExactProduct gate;          // [m, 128]
 };
 IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& inputs);
+
+// indexer_project_gemv's outputs, bit for bit (the order is documented in
+// include/dsa_decode/indexer.h), row-major and contiguous.
+struct IndexerProjectionBitsHost {
+  std::vector<uint16_t> index_q;    // [m, 32 * 128] BF16 bits
+  std::vector<uint16_t> index_k;    // [m, 128] BF16 bits
+  std::vector<float> head_weights;  // [m, 32]
+  std::vector<uint16_t> gate;       // [m, 128] BF16 bits
+};
+
+// One output of indexer_project_gemv before its rounding: the FP32 sum of
+// input[i] * weight[i] over i < k (both [k] BF16 bits, k a multiple of 8) as
+// the 32 lanes of a warp add it: lane l chains columns 8l..8l+7, 8l+256.. with
+// fmaf from +0, then the xor butterfly over lane distances 1, 2, 4, 8, 16.
+float gemv_sum(const uint16_t* input, const uint16_t* weight, int64_t k);
+
+// Q and D multiples of 8.
+IndexerProjectionBitsHost indexer_project_gemv(const IndexerProjectInputsHost& inputs);
 
 // The projections' tolerance, per output: |got - projection_expected(sum)| <=
 // projection_tolerance(got, expected, magnitude).
