@@ -303,8 +303,9 @@ Status indexer_project(const IndexerProjectArgs& args, IndexerProjectContext& co
 
 // The same four projections as one CUDA-core GEMV launch
 // (src/indexer/indexer_project_gemv.cu): same arguments, contract and checks
-// as indexer_project (check_indexer_project), plus Q and D multiples of 8
-// and a shared-memory bound (check_indexer_project_gemv); no context. m is
+// as indexer_project (check_indexer_project), plus Q and D multiples of 8,
+// at most 16384 (64 steps of 256 columns) and a shared-memory bound
+// (check_indexer_project_gemv); no context. m is
 // 1..16: kIndexerMaxTokens, which the plan already bounds (a larger m fails
 // check_indexer_project, naming plan.max_tokens or q_c).
 //
@@ -329,8 +330,10 @@ Status indexer_project(const IndexerProjectArgs& args, IndexerProjectContext& co
 //
 // One launch with PDL (its weight stream starts before griddepcontrol.wait;
 // q_c and x are read after it), no allocation, no synchronization, CUDA-graph
-// capturable (the first call on a device raises the kernel's shared-memory
-// limit: make it outside a capture).
+// capturable: the kernel has one instantiation per m rounded up to a power of
+// two (1, 2, 4, 8, 16), and the first call of each on a device raises its
+// shared-memory limit, so capture only after an uncaptured call at the same
+// m rounded up to a power of two on that device.
 Status check_indexer_project_gemv(const IndexerProjectArgs& args);
 Status indexer_project_gemv(const IndexerProjectArgs& args, cudaStream_t stream);
 

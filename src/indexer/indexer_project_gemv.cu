@@ -13,13 +13,14 @@
 // 29 x CTAs).
 //
 // Weights: each lane copies exactly the 16-byte pieces it will read itself
-// (cp.async, one commit group per 256-column step) into its warp's slab,
-// before griddepcontrol.wait, so the whole weight stream (14.9 MB at glm5next)
-// is requested at once and overlaps the previous kernel under PDL; no
-// barrier orders the slab, as a thread sees its own async copies after
-// cp.async.wait_group. Direct ld.global.nc would have to hold the same bytes
-// in registers (96 registers per lane for a q item's 12 KB at Q = 1536) to
-// keep as many loads in flight, which the accumulators leave no room for.
+// (cp.async, one commit group per 256-column step, at most kMaxSteps = 64)
+// into its warp's slab, before griddepcontrol.wait, so the whole weight
+// stream (14.9 MB at glm5next) is requested at once and overlaps the
+// previous kernel under PDL; no barrier orders the slab, as a thread sees
+// its own async copies after cp.async.wait_group. Direct ld.global.nc would
+// have to hold the same bytes in registers (96 registers per lane for a q
+// item's 12 KB at Q = 1536) to keep as many loads in flight, which the
+// accumulators leave no room for.
 //
 // Inputs: after the wait, the CTA copies rows 0..m-1 of q_c or x into shared
 // memory as BF16 (rows m..T-1 zero, T = m rounded up to a power of two). BF16,
@@ -60,6 +61,11 @@ constexpr size_t kMaxSharedBytes = 227 * 1024;
 // of L2 latency for 320 threads.
 constexpr int kStageBatch = 16;
 constexpr int kMaxTokens = 16;
+// At most 64 steps of 256 columns (Q, D <= 16384): each step is one cp.async
+// commit group, all committed before the first wait, so this bounds a
+// thread's outstanding groups.
+constexpr int kMaxSteps = 64;
+constexpr int64_t kMaxColumns = int64_t(kMaxSteps) * kStepColumns;
 static_assert(kIndexerMaxTokens <= kMaxTokens, "tokens_for covers every m the plan allows");
 
 struct GemvParams {
@@ -313,23 +319,34 @@ int64_t max_columns(int tokens, int rows_per_warp) {
   return int64_t(kMaxSharedBytes / (size_t(tokens + rows_per_warp) * 2)) / kLaneColumns * kLaneColumns;
 }
 
+// The column limit of a part and its reason: the shared memory at `tokens`,
+// or kMaxColumns (kMaxSteps commit groups), whichever is lower.
+std::string column_limit(int tokens, int rows_per_warp, int64_t m, int64_t* limit) {
+  const int64_t by_shared = max_columns(tokens, rows_per_warp);
+  *limit = std::min(by_shared, kMaxColumns);
+  if (by_shared < kMaxColumns) {
+    return std::to_string(*limit) + " at m = " + std::to_string(m) +
+           " (staged in shared memory with one warp's weight rows)";
+  }
+  return std::to_string(*limit) + " (" + std::to_string(kMaxSteps) + " steps of " + std::to_string(kStepColumns) +
+         " columns, one cp.async commit group each)";
+}
+
 }  // namespace
 
 Status check_indexer_project_gemv(const IndexerProjectArgs& a) {
   DSA_RETURN_IF_ERROR(check_indexer_project(a));
   const int64_t m = a.q_c.size(0), q_lora = a.q_c.size(1), hidden = a.x.size(1);
   const int tokens = tokens_for(m);
-  const std::string at_m = " at m = " + std::to_string(m) + " (staged in shared memory with one warp's weight rows)";
-  if (q_lora % kLaneColumns != 0 || q_lora > max_columns(tokens, kQRowsPerItem)) {
-    return invalid_argument("q_c",
-                            "a column count Q that is a multiple of 8 and at most " +
-                                std::to_string(max_columns(tokens, kQRowsPerItem)) + at_m,
+  int64_t q_limit = 0, x_limit = 0;
+  const std::string q_reason = column_limit(tokens, kQRowsPerItem, m, &q_limit);
+  const std::string x_reason = column_limit(tokens, 1, m, &x_limit);
+  if (q_lora % kLaneColumns != 0 || q_lora > q_limit) {
+    return invalid_argument("q_c", "a column count Q that is a multiple of 8 and at most " + q_reason,
                             a.q_c.describe());
   }
-  if (hidden % kLaneColumns != 0 || hidden > max_columns(tokens, 1)) {
-    return invalid_argument(
-        "x", "a column count D that is a multiple of 8 and at most " + std::to_string(max_columns(tokens, 1)) + at_m,
-        a.x.describe());
+  if (hidden % kLaneColumns != 0 || hidden > x_limit) {
+    return invalid_argument("x", "a column count D that is a multiple of 8 and at most " + x_reason, a.x.describe());
   }
   return Status();
 }

@@ -5,9 +5,10 @@
 // same bits on a second run and from a CUDA-graph replay.
 // The one-launch GEMV (indexer_project_gemv) bit for bit against its CPU
 // reference at every m of 1..16 (quick mode: 1, 5, 16) and within the same
-// float64 tolerance, with the same guard bands and padded strides, inputs
-// unchanged, a token's bits alone and in batches, a CUDA-graph replay and
-// inputs written by the kernel before it while its weights stream (PDL).
+// float64 tolerance, with the same guard bands and padded strides, Q = 1544
+// and D = 4104 (a last step of 8 columns), inputs unchanged, a token's bits
+// alone and in batches, a CUDA-graph replay and inputs written by the kernel
+// before it while its weights stream (PDL).
 // GPU tests: IndexerProjectGpu.*, IndexerProjectGemvGpu.*; without a GPU:
 // IndexerProjectChecks.*, IndexerProjectReference.*, IndexerProjectGemvChecks.*,
 // IndexerProjectGemvReference.*.
@@ -274,32 +275,38 @@ class PoisonedRows {
   DeviceBuffer<T> buffer_;
 };
 
-// A glm5next layer's projection weights, BF16 bits [out, in], at the scale of
-// nn.Linear's initialization (1 / sqrt(in) standard deviation).
+// A glm5next layer's projection weights (or Q and D columns), BF16 bits
+// [out, in], at the scale of nn.Linear's initialization (1 / sqrt(in)
+// standard deviation).
 struct HostWeights {
+  int64_t q_lora, hidden;
   std::vector<uint16_t> wq_b, wk, weights_proj, compress_gate;
-  explicit HostWeights(std::mt19937_64& rng)
-      : wq_b(testing::random_bf16(size_t(kQWidth * kQLora), 1.0f / std::sqrt(float(kQLora)), rng)),
-        wk(testing::random_bf16(size_t(kDim * kHidden), 1.0f / std::sqrt(float(kHidden)), rng)),
-        weights_proj(testing::random_bf16(size_t(kHeads * kHidden), 1.0f / std::sqrt(float(kHidden)), rng)),
-        compress_gate(testing::random_bf16(size_t(kDim * kHidden), 1.0f / std::sqrt(float(kHidden)), rng)) {}
+  explicit HostWeights(std::mt19937_64& rng, int64_t q = kQLora, int64_t d = kHidden)
+      : q_lora(q),
+        hidden(d),
+        wq_b(testing::random_bf16(size_t(kQWidth * q), 1.0f / std::sqrt(float(q)), rng)),
+        wk(testing::random_bf16(size_t(kDim * d), 1.0f / std::sqrt(float(d)), rng)),
+        weights_proj(testing::random_bf16(size_t(kHeads * d), 1.0f / std::sqrt(float(d)), rng)),
+        compress_gate(testing::random_bf16(size_t(kDim * d), 1.0f / std::sqrt(float(d)), rng)) {}
 };
 
 // The weights on the device, each row followed by `padding` NaN elements.
 struct DeviceWeights {
-  int64_t padding;
+  int64_t padding, q_lora, hidden;
   DeviceBuffer<uint16_t> wq_b, wk, weights_proj, compress_gate;
   DeviceWeights(const HostWeights& w, int64_t row_padding)
       : padding(row_padding),
-        wq_b(pad_rows(w.wq_b, kQLora, kQLora + padding, kBf16Padding)),
-        wk(pad_rows(w.wk, kHidden, kHidden + padding, kBf16Padding)),
-        weights_proj(pad_rows(w.weights_proj, kHidden, kHidden + padding, kBf16Padding)),
-        compress_gate(pad_rows(w.compress_gate, kHidden, kHidden + padding, kBf16Padding)) {}
+        q_lora(w.q_lora),
+        hidden(w.hidden),
+        wq_b(pad_rows(w.wq_b, q_lora, q_lora + padding, kBf16Padding)),
+        wk(pad_rows(w.wk, hidden, hidden + padding, kBf16Padding)),
+        weights_proj(pad_rows(w.weights_proj, hidden, hidden + padding, kBf16Padding)),
+        compress_gate(pad_rows(w.compress_gate, hidden, hidden + padding, kBf16Padding)) {}
   void set_views(IndexerProjectArgs* a) const {
-    a->wq_b = make_strided(wq_b.get(), DType::kBF16, {kQWidth, kQLora}, {kQLora + padding, 1});
-    a->wk = make_strided(wk.get(), DType::kBF16, {kDim, kHidden}, {kHidden + padding, 1});
-    a->weights_proj = make_strided(weights_proj.get(), DType::kBF16, {kHeads, kHidden}, {kHidden + padding, 1});
-    a->compress_gate = make_strided(compress_gate.get(), DType::kBF16, {kDim, kHidden}, {kHidden + padding, 1});
+    a->wq_b = make_strided(wq_b.get(), DType::kBF16, {kQWidth, q_lora}, {q_lora + padding, 1});
+    a->wk = make_strided(wk.get(), DType::kBF16, {kDim, hidden}, {hidden + padding, 1});
+    a->weights_proj = make_strided(weights_proj.get(), DType::kBF16, {kHeads, hidden}, {hidden + padding, 1});
+    a->compress_gate = make_strided(compress_gate.get(), DType::kBF16, {kDim, hidden}, {hidden + padding, 1});
   }
 };
 
@@ -309,16 +316,17 @@ struct DeviceWeights {
 struct HostStep {
   int m;
   std::vector<uint16_t> q_c, x;
+  int64_t q_lora = kQLora, hidden = kHidden;
 };
 
-HostStep random_step(int m, std::mt19937_64& rng) {
-  HostStep s{m, testing::random_bf16(size_t(m * kQLora), 1.0f, rng),
-             testing::random_bf16(size_t(m * kHidden), 1.0f, rng)};
-  std::uniform_int_distribution<int64_t> channel(0, kHidden - 1);
+HostStep random_step(int m, std::mt19937_64& rng, int64_t q_lora = kQLora, int64_t hidden = kHidden) {
+  HostStep s{m, testing::random_bf16(size_t(m * q_lora), 1.0f, rng),
+             testing::random_bf16(size_t(m * hidden), 1.0f, rng), q_lora, hidden};
+  std::uniform_int_distribution<int64_t> channel(0, hidden - 1);
   for (int outlier = 0; outlier < 8; ++outlier) {
     const int64_t c = channel(rng);
     for (int t = 0; t < m; ++t) {
-      uint16_t& v = s.x[t * kHidden + c];
+      uint16_t& v = s.x[t * hidden + c];
       v = num::float_to_bf16(num::bf16_to_float(v) * 20.0f);
     }
   }
@@ -328,6 +336,7 @@ HostStep random_step(int m, std::mt19937_64& rng) {
 // A step's inputs on the device and its four outputs between guard bands.
 struct DeviceStep {
   int m;
+  int64_t q_lora, hidden;
   ProjectPadding padding;
   DeviceBuffer<uint16_t> q_c, x;
   PoisonedRows<uint16_t> index_q, index_k, gate;
@@ -335,17 +344,19 @@ struct DeviceStep {
 
   DeviceStep(const HostStep& s, const ProjectPadding& p)
       : m(s.m),
+        q_lora(s.q_lora),
+        hidden(s.hidden),
         padding(p),
-        q_c(pad_rows(s.q_c, kQLora, kQLora + p.input, kBf16Padding)),
-        x(pad_rows(s.x, kHidden, kHidden + p.input, kBf16Padding)),
+        q_c(pad_rows(s.q_c, q_lora, q_lora + p.input, kBf16Padding)),
+        x(pad_rows(s.x, hidden, hidden + p.input, kBf16Padding)),
         index_q(m, kQWidth, kQWidth + p.index_q),
         index_k(m, kDim, kDim + p.row),
         gate(m, kDim, kDim + p.row),
         head_weights(m, kHeads, kHeads + p.head_weights) {}
 
   void set_views(IndexerProjectArgs* a) const {
-    a->q_c = make_strided(q_c.get(), DType::kBF16, {m, kQLora}, {kQLora + padding.input, 1});
-    a->x = make_strided(x.get(), DType::kBF16, {m, kHidden}, {kHidden + padding.input, 1});
+    a->q_c = make_strided(q_c.get(), DType::kBF16, {m, q_lora}, {q_lora + padding.input, 1});
+    a->x = make_strided(x.get(), DType::kBF16, {m, hidden}, {hidden + padding.input, 1});
     a->index_q = make_strided(index_q.data(), DType::kBF16, {m, kHeads, kDim}, {index_q.stride(), kDim, 1});
     a->index_k = make_strided(index_k.data(), DType::kBF16, {m, kDim}, {index_k.stride(), 1});
     a->head_weights = make_strided(head_weights.data(), DType::kF32, {m, kHeads}, {head_weights.stride(), 1});
@@ -368,7 +379,7 @@ struct DeviceStep {
 };
 
 reference::IndexerProjectionsHost reference_projections(const HostStep& s, const HostWeights& w) {
-  return reference::indexer_project({s.m, kQLora, kHidden, s.q_c.data(), s.x.data(), w.wq_b.data(), w.wk.data(),
+  return reference::indexer_project({s.m, s.q_lora, s.hidden, s.q_c.data(), s.x.data(), w.wq_b.data(), w.wk.data(),
                                      w.weights_proj.data(), w.compress_gate.data()});
 }
 
@@ -403,7 +414,7 @@ double worst_tolerance_fraction(const std::vector<T>& got, const reference::Exac
 // The four outputs within the tolerance of the reference, nothing written
 // outside them; prints the worst |error| / tolerance of each.
 void expect_matches_reference(const DeviceStep& device, const reference::IndexerProjectionsHost& expected,
-                              const std::string& what) {
+                              const std::string& what, const char* label = "indexer_project") {
   const double q = worst_tolerance_fraction(device.index_q.written(what + " index_q"), expected.index_q,
                                             DType::kBF16, what + " index_q");
   const double k = worst_tolerance_fraction(device.index_k.written(what + " index_k"), expected.index_k,
@@ -412,8 +423,7 @@ void expect_matches_reference(const DeviceStep& device, const reference::Indexer
                                             expected.head_weights, DType::kF32, what + " head_weights");
   const double g =
       worst_tolerance_fraction(device.gate.written(what + " gate"), expected.gate, DType::kBF16, what + " gate");
-  std::printf("[indexer_project] %s: worst |error| / tolerance: index_q %.3g, index_k %.3g, head_weights %.3g, "
-              "gate %.3g\n",
+  std::printf("[%s] %s: worst |error| / tolerance: index_q %.3g, index_k %.3g, head_weights %.3g, gate %.3g\n", label,
               what.c_str(), q, k, w, g);
 }
 
@@ -573,6 +583,14 @@ TEST(IndexerProjectGemvChecks, NamesItsColumnLimits) {
   expect_rejected(check_indexer_project_gemv(fake_args_with_columns(16, kQLora, 8192)), "x", "at most 6832 at m = 16");
   expect_rejected(check_indexer_project_gemv(fake_args_with_columns(16, 6144, kHidden)), "q_c",
                   "at most 5808 at m = 16");
+  // At most 64 steps of 256 columns (one cp.async commit group each) where
+  // the shared memory would allow more (m = 1, 2).
+  const Status most_steps = check_indexer_project_gemv(fake_args_with_columns(1, 16384, 16384));
+  EXPECT_TRUE(most_steps.ok()) << "Q = D = 16384 at m = 1: " << most_steps.to_string();
+  expect_rejected(check_indexer_project_gemv(fake_args_with_columns(1, kQLora, 16392)), "x",
+                  "at most 16384 (64 steps of 256 columns");
+  expect_rejected(check_indexer_project_gemv(fake_args_with_columns(2, 16392, kHidden)), "q_c",
+                  "at most 16384 (64 steps of 256 columns");
   // check_indexer_project's checks come first, in the launcher too.
   IndexerProjectArgs bad = fake_args(4);
   bad.gate.dtype = DType::kF32;
@@ -615,7 +633,7 @@ TEST(IndexerProjectGemvReference, SumsInTheDocumentedOrder) {
 }
 
 reference::IndexerProjectionBitsHost reference_bits(const HostStep& s, const HostWeights& w) {
-  return reference::indexer_project_gemv({s.m, kQLora, kHidden, s.q_c.data(), s.x.data(), w.wq_b.data(), w.wk.data(),
+  return reference::indexer_project_gemv({s.m, s.q_lora, s.hidden, s.q_c.data(), s.x.data(), w.wq_b.data(), w.wk.data(),
                                           w.weights_proj.data(), w.compress_gate.data()});
 }
 
@@ -646,7 +664,7 @@ std::vector<T> rows_of(const std::vector<T>& all, int64_t width, int first, int 
 }
 
 HostStep step_rows(const HostStep& s, int first, int count) {
-  return {count, rows_of(s.q_c, kQLora, first, count), rows_of(s.x, kHidden, first, count)};
+  return {count, rows_of(s.q_c, s.q_lora, first, count), rows_of(s.x, s.hidden, first, count), s.q_lora, s.hidden};
 }
 
 reference::IndexerProjectionBitsHost output_rows(const reference::IndexerProjectionBitsHost& o, int first, int count) {
@@ -691,19 +709,18 @@ Status gemv_and_wait(const IndexerProjectArgs& args, cudaStream_t stream) {
 // q_c and x on the device still hold the step's bytes, row padding included.
 void expect_inputs_unchanged(const DeviceStep& device, const HostStep& step, const std::string& what) {
   const int64_t padding = device.padding.input;
-  EXPECT_TRUE(device.q_c.download() == pad_rows(step.q_c, kQLora, kQLora + padding, kBf16Padding))
+  EXPECT_TRUE(device.q_c.download() == pad_rows(step.q_c, step.q_lora, step.q_lora + padding, kBf16Padding))
       << what << ": q_c changed";
-  EXPECT_TRUE(device.x.download() == pad_rows(step.x, kHidden, kHidden + padding, kBf16Padding))
+  EXPECT_TRUE(device.x.download() == pad_rows(step.x, step.hidden, step.hidden + padding, kBf16Padding))
       << what << ": x changed";
 }
 
 void expect_weights_unchanged(const DeviceWeights& device, const HostWeights& host) {
-  const int64_t padding = device.padding;
-  EXPECT_TRUE(device.wq_b.download() == pad_rows(host.wq_b, kQLora, kQLora + padding, kBf16Padding));
-  EXPECT_TRUE(device.wk.download() == pad_rows(host.wk, kHidden, kHidden + padding, kBf16Padding));
-  EXPECT_TRUE(device.weights_proj.download() == pad_rows(host.weights_proj, kHidden, kHidden + padding, kBf16Padding));
-  EXPECT_TRUE(device.compress_gate.download() ==
-              pad_rows(host.compress_gate, kHidden, kHidden + padding, kBf16Padding));
+  const int64_t padding = device.padding, q = host.q_lora, d = host.hidden;
+  EXPECT_TRUE(device.wq_b.download() == pad_rows(host.wq_b, q, q + padding, kBf16Padding));
+  EXPECT_TRUE(device.wk.download() == pad_rows(host.wk, d, d + padding, kBf16Padding));
+  EXPECT_TRUE(device.weights_proj.download() == pad_rows(host.weights_proj, d, d + padding, kBf16Padding));
+  EXPECT_TRUE(device.compress_gate.download() == pad_rows(host.compress_gate, d, d + padding, kBf16Padding));
 }
 
 // m tokens: the reference's bits and within the float64 tolerance, nothing
@@ -711,7 +728,7 @@ void expect_weights_unchanged(const DeviceWeights& device, const HostWeights& ho
 // poisoned again) gives the same bytes.
 void check_gemv(int m, const ProjectPadding& padding, const HostWeights& weights, const DeviceWeights& device_weights,
                 std::mt19937_64& rng, const std::string& what) {
-  const HostStep step = random_step(m, rng);
+  const HostStep step = random_step(m, rng, weights.q_lora, weights.hidden);
   DeviceStep device(step, padding);
   IndexerProjectArgs args;
   device.set_views(&args);
@@ -721,7 +738,7 @@ void check_gemv(int m, const ProjectPadding& padding, const HostWeights& weights
   device.poison();
   DSA_ASSERT_OK(gemv_and_wait(args, stream));
   expect_same_outputs(device_outputs(device, what), reference_bits(step, weights), what);
-  expect_matches_reference(device, reference_projections(step, weights), what);
+  expect_matches_reference(device, reference_projections(step, weights), what, "indexer_project_gemv");
   expect_inputs_unchanged(device, step, what);
   const std::vector<uint8_t> first = device.all_bytes();
   device.poison();
@@ -756,6 +773,21 @@ TEST(IndexerProjectGemvGpu, PaddedRowStrides) {
   const DeviceWeights device_weights(weights, kPadded.weight);
   for (int m : testing::quick_mode() ? std::vector<int>{5} : std::vector<int>{1, 5, 16}) {
     check_gemv(m, kPadded, weights, device_weights, rng, "gemv m " + std::to_string(m) + " padded");
+    if (HasFailure()) return;
+  }
+  expect_weights_unchanged(device_weights, weights);
+}
+
+// Q = 1544 and D = 4104, multiples of 8 but not of 256: in the last step
+// only lane 0 has columns (8 of them), the other lanes none.
+TEST(IndexerProjectGemvGpu, ColumnsNotAMultipleOf256) {
+  DSA_REQUIRE_GPU();
+  constexpr int64_t kQ = 1544, kD = 4104;
+  std::mt19937_64 rng(testing::test_seed());
+  const HostWeights weights(rng, kQ, kD);
+  const DeviceWeights device_weights(weights, 0);
+  for (int m : testing::quick_mode() ? std::vector<int>{5} : std::vector<int>{5, 16}) {
+    check_gemv(m, kTight, weights, device_weights, rng, "gemv m " + std::to_string(m) + " Q 1544 D 4104");
     if (HasFailure()) return;
   }
   expect_weights_unchanged(device_weights, weights);
