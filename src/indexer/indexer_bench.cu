@@ -266,27 +266,31 @@ Status run_projections(Context& ctx, Report& report) {
   return Status();
 }
 
+// One timed configuration of the select step: `launch(args, stream)` runs
+// rotation i's arguments.
+template <class Launch>
+Status time_select(const Context& ctx, const Buffers& b, Launch&& launch, double* us) {
+  return time_graph(
+      ctx, [&](cudaStream_t stream, int i) { return launch(select_args(b, i), stream); }, us, std::max(20, b.copies));
+}
+
 Status run(Context& ctx, Report& report) {
   for (int64_t context : {32768, 131072}) {
     for (int m : {1, 2, 4, 8, 16}) {
       Buffers b;
       DSA_RETURN_IF_ERROR(make_buffers(ctx, m, context, false, &b));
-      const int per_graph = std::max(20, b.copies);
       double fused_us = 0, baseline_us = 0;
-      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
-        return indexer_select(select_args(b, i), stream);
-      }, &fused_us, per_graph));
-      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
-        return indexer_select_baseline(select_args(b, i), b.baseline_workspace.get(), b.baseline_bytes, stream);
-      }, &baseline_us, per_graph));
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select, &fused_us));
+      DSA_RETURN_IF_ERROR(time_select(
+          ctx, b,
+          [&](const IndexerSelectArgs& args, cudaStream_t stream) {
+            return indexer_select_baseline(args, b.baseline_workspace.get(), b.baseline_bytes, stream);
+          },
+          &baseline_us));
       double logits_us = 0;  // the logits kernel alone: the rest of the step is the select
-      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
-        return indexer_select_logits_only(select_args(b, i), stream);
-      }, &logits_us, per_graph));
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select_logits_only, &logits_us));
       double launch_us = 0;  // the same two launches with empty kernels
-      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
-        return indexer_select_launch_floor(select_args(b, i), stream);
-      }, &launch_us, per_graph));
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select_launch_floor, &launch_us));
       // Floor: each token (its own request) reads its K cache (132 B per pool),
       // q_fp8 and weights, and writes two rows.
       const double pools = double(context / kIndexerPoolSize);
@@ -308,14 +312,9 @@ Status run(Context& ctx, Report& report) {
     for (int m : {2, 4}) {
       Buffers b;
       DSA_RETURN_IF_ERROR(make_buffers(ctx, m, context, true, &b));
-      const int per_graph = std::max(20, b.copies);
       double fused_us = 0, logits_us = 0;
-      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
-        return indexer_select(select_args(b, i), stream);
-      }, &fused_us, per_graph));
-      DSA_RETURN_IF_ERROR(time_graph(ctx, [&](cudaStream_t stream, int i) {
-        return indexer_select_logits_only(select_args(b, i), stream);
-      }, &logits_us, per_graph));
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select, &fused_us));
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select_logits_only, &logits_us));
       Row row{"indexer (m tokens of one request: drafts)", {{"m", m}, {"context", double(context)}}, fused_us};
       row.note = "positions context .. context + m - 1 of request 0";
       report.add(row);

@@ -619,9 +619,14 @@ Params make_params(const IndexerSelectArgs& a) {
   return p;
 }
 
-Status launch_logits(const Params& p, cudaStream_t stream) {
+// The logits kernel's grid: one CTA per 64 pools of a token row, per token.
+dim3 logits_grid(const Params& p) {
   const int64_t chunks = (p.logits_stride + kLogitPools - 1) / kLogitPools;
-  return launch_pdl(logits_kernel, dim3(static_cast<unsigned>(chunks), p.m), dim3(kLogitThreads), 0, stream, p);
+  return dim3(static_cast<unsigned>(chunks), p.m);
+}
+
+Status launch_logits(const Params& p, cudaStream_t stream) {
+  return launch_pdl(logits_kernel, logits_grid(p), dim3(kLogitThreads), 0, stream, p);
 }
 
 // Baseline workspace: keys in/out, values in/out [max_tokens, stride] each,
@@ -685,9 +690,7 @@ __global__ void empty_pdl_kernel() {
 Status indexer_select_launch_floor(const IndexerSelectArgs& args, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_select(args));
   const Params p = make_params(args);
-  const int64_t chunks = (p.logits_stride + kLogitPools - 1) / kLogitPools;
-  DSA_RETURN_IF_ERROR(
-      launch_pdl(empty_pdl_kernel, dim3(static_cast<unsigned>(chunks), p.m), dim3(kLogitThreads), 0, stream));
+  DSA_RETURN_IF_ERROR(launch_pdl(empty_pdl_kernel, logits_grid(p), dim3(kLogitThreads), 0, stream));
   const int staged = static_cast<int>(std::min<int64_t>(p.logits_stride, kStagedKeys));
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(empty_pdl_kernel),
                                                 kStagedKeys * static_cast<int>(sizeof(uint32_t)),

@@ -656,10 +656,12 @@ int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int
          (int64_t(plan.splits) * kSplitPartialFloats + (plan.clusters == 1 ? 0 : plan.clusters * kClusterPartialFloats));
 }
 
-Status prepare_kernel(int cluster_size) {
-  const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel);
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma"));
-  if (cluster_size > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla_wgmma"));
+// The shared-memory limit and, above 8 CTAs, non-portable clusters for
+// `kernel` (sparse_mla_wgmma's or its launch floor's).
+Status prepare_kernel(int cluster_size, const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel),
+                      const char* name = "sparse_mla_wgmma") {
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, name));
+  if (cluster_size > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, name));
   return Status();
 }
 
@@ -736,9 +738,9 @@ Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& a, cudaStream_t stream
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
   }
   const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)));
-  const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel);
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_wgmma_launch_floor"));
-  if (plan.cluster_size > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, "sparse_mla_wgmma_launch_floor"));
+  DSA_RETURN_IF_ERROR(prepare_kernel(plan.cluster_size,
+                                     reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
+                                     "sparse_mla_wgmma_launch_floor"));
   const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(m));
   return launch_pdl_clustered(sparse_mla_wgmma_launch_floor_kernel, grid, dim3(kThreads), kSharedBytes, stream,
                               unsigned(plan.cluster_size));
