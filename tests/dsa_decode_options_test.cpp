@@ -1,5 +1,6 @@
 // dsa-decode's command line (tools/options.h): --value-up-tokens's parsing,
-// its errors, the measured default and the choice it makes per step.
+// its errors, the measured default and the choice it makes per step;
+// --indexer-projections.
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -102,6 +103,21 @@ TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {
   EXPECT_EQ(choose_value_up(none, 8, 1).reason, "m=1 not in --value-up-tokens none");
   EXPECT_EQ(token_list({}), "none");
   EXPECT_EQ(token_list({2, 1, 8}), "1,2,8");
+}
+
+TEST(DsaDecodeOptions, IndexerProjectionsDefaultsToTheGemvAndTakesOnlyItsTwoKernels) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
+  EXPECT_FALSE(options.projections_cublaslt);
+  ASSERT_TRUE(parse({"--indexer-projections", "cublaslt"}, &options, &error)) << error;
+  EXPECT_TRUE(options.projections_cublaslt);
+  ASSERT_TRUE(parse({"--indexer-projections=gemv"}, &options, &error)) << error;
+  EXPECT_FALSE(options.projections_cublaslt);
+  for (const std::string value : {"", "GEMV", "cublas", "gemv,cublaslt"}) {
+    EXPECT_FALSE(parse({"--indexer-projections=" + value}, &options, &error)) << value;
+    EXPECT_EQ(error, "--indexer-projections: got '" + value + "', expected gemv or cublaslt");
+  }
 }
 
 }  // namespace

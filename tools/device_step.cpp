@@ -70,7 +70,8 @@ void* ReplicatedBuffer::copy(int i) const { return memory_.as<char>() + (i % cop
 
 Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const HostStepInputs& in,
                         const IndexerTokenRows& indexer_history, const HostCache& cache, int weight_copies,
-                        ValueUpKernel value_up, cublasHandle_t handle, cudaStream_t stream) {
+                        ValueUpKernel value_up, bool projections_cublaslt, cublasHandle_t handle,
+                        cudaStream_t stream) {
   if (cache.first_block != 0 || cache.blocks != shape.cache_blocks()) {
     return invalid_argument("cache", "the whole cache (" + std::to_string(shape.cache_blocks()) + " blocks from 0)",
                             std::to_string(cache.blocks) + " blocks from " + std::to_string(cache.first_block));
@@ -78,6 +79,7 @@ Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const Host
   s_ = shape;
   handle_ = handle;
   value_up_ = value_up;
+  projections_cublaslt_ = projections_cublaslt;
   eps_ = w.eps;
   DSA_RETURN_IF_ERROR(q_norm_gamma_.upload(w.q_norm_gamma.data(), bytes_of(w.q_norm_gamma), weight_copies, stream));
   DSA_RETURN_IF_ERROR(kv_norm_gamma_.upload(w.kv_norm_gamma.data(), bytes_of(w.kv_norm_gamma), weight_copies, stream));
@@ -270,7 +272,8 @@ Status DeviceStep::indexer_project(cudaStream_t stream, int copy) const {
   args.index_k = bf16(index_k_.get(), {s_.m, kIndexerDim});
   args.head_weights = make_tensor(index_head_weights_.get(), DType::kF32, {s_.m, kIndexerHeads});
   args.gate = bf16(index_gate_.get(), {s_.m, kIndexerDim});
-  return dsa::indexer_project(args, indexer_project_context_, stream);
+  if (projections_cublaslt_) return dsa::indexer_project(args, indexer_project_context_, stream);
+  return indexer_project_gemv(args, stream);
 }
 
 // Both chains run this launch at the same positions, and the timings replay

@@ -10,7 +10,7 @@
 // own copy of the KV cache, so they can be compared after both ran. The
 // indexer (include/dsa_decode/indexer.h) runs where the seed's stage and
 // vLLM run it, after the absorb and after q_b_proj: its projections
-// (indexer_project, cuBLASLt) of the norm's q_c and the synthetic hidden
+// (indexer_project_gemv, or indexer_project's cuBLASLt GEMMs) of the norm's q_c and the synthetic hidden
 // states, then prepare and select over a state that init prefills with the
 // context's drawn rows (StepShape); each path's select writes the top-k
 // slots its attention reads. Both paths
@@ -77,16 +77,18 @@ class DeviceStep {
   // Uploads everything on `stream`, prefills the indexer's state with
   // `indexer_history` (make_indexer_history) and waits for it. `cache` is the
   // whole cache (first block 0); `handle` is bound to `stream`
-  // (bench::CublasHandle). `value_up` is the kernel fused_value_up runs.
+  // (bench::CublasHandle). `value_up` is the kernel fused_value_up runs;
+  // `projections_cublaslt` makes indexer_project run the four cuBLASLt GEMMs
+  // instead of the one GEMV launch.
   Status init(const StepShape& shape, const HostWeights& weights, const HostStepInputs& inputs,
               const IndexerTokenRows& indexer_history, const HostCache& cache, int weight_copies,
-              ValueUpKernel value_up, cublasHandle_t handle, cudaStream_t stream);
+              ValueUpKernel value_up, bool projections_cublaslt, cublasHandle_t handle, cudaStream_t stream);
 
   // The launches, on `stream` (the handle's), reading weight copy `copy % weight_copies`.
   Status norm(cudaStream_t stream, int copy) const;
   Status q_b_proj(cudaStream_t stream, int copy) const;
   Status fused_absorb(cudaStream_t stream, int copy) const;  // FP8 q + cache write, one launch
-  Status indexer_project(cudaStream_t stream, int copy) const;  // four cuBLASLt GEMMs
+  Status indexer_project(cudaStream_t stream, int copy) const;  // one GEMV launch, or four cuBLASLt GEMMs
   Status indexer_prepare(cudaStream_t stream, int copy) const;
   Status fused_indexer_select(cudaStream_t stream, int copy) const;
   Status fused_attention(cudaStream_t stream, int copy) const;
@@ -132,6 +134,7 @@ class DeviceStep {
   StepShape s_{};
   cublasHandle_t handle_ = nullptr;
   ValueUpKernel value_up_ = ValueUpKernel::kHeadGemv;
+  bool projections_cublaslt_ = false;
   float eps_ = 0;
   ReplicatedBuffer q_norm_gamma_, kv_norm_gamma_, q_b_proj_, w_uk_t_, w_uv_;
   bench::DeviceMemory scales_;  // [q_scale, k_scale] f32

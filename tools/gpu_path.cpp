@@ -8,6 +8,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <utility>
 #include <vector>
@@ -93,7 +94,7 @@ enum KernelId {
 
 // Every kernel of the two chains, indexed by KernelId; the fused value-up
 // named after the kernel it runs.
-std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up) {
+std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, bool projections_cublaslt) {
   const double m = s.m, D = s.D, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V;
   const double bf16 = 2, fp8 = 1;
   const double w_uk = bf16 * H * P * L, w_uv = bf16 * H * L * V, q = bf16 * m * H * P;
@@ -132,7 +133,9 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up) {
       {"norm", "norm (q and kv RMSNorm, one launch)", "shared", bf16 * (2 * m * (Q + L) + (Q + L)),
        &DeviceStep::norm},
       {"q_b_proj", "q_b_proj (cuBLAS GEMM)", "shared", bf16 * H * P * Q + bf16 * m * Q + q, &DeviceStep::q_b_proj},
-      {"indexer_project", "indexer projections (cuBLASLt, 4 GEMMs)", "shared", project, &DeviceStep::indexer_project},
+      {projections_cublaslt ? "indexer_project" : "indexer_project_gemv",
+       projections_cublaslt ? "indexer projections (cuBLASLt, 4 GEMMs)" : "indexer projections (GEMV, one launch)",
+       "shared", project, &DeviceStep::indexer_project},
       {"indexer_prepare", "indexer prepare (k norm, q quant, pools)", "shared", prepare, &DeviceStep::indexer_prepare},
       {"absorb", "absorb + FP8 quant + cache write (head_gemv)", "fused", w_uk + q + fp8 * m * H * L + cache_write,
        &DeviceStep::fused_absorb},
@@ -257,10 +260,11 @@ ProjectionError projection_error(const std::vector<T>& got, const reference::Exa
   return e;
 }
 
-// cuBLASLt's sums in an order it does not state, against the float64
-// reference with indexer_project's tolerance (src/indexer/indexer_reference.h).
+// Either kernel's sums against the float64 reference with indexer_project's
+// tolerance (src/indexer/indexer_reference.h): cuBLASLt sums in an order it
+// does not state, the GEMV is also checked bit for bit below.
 Check check_indexer_projections(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
-                                const StepOutputs& gpu) {
+                                const char* kernel, const StepOutputs& gpu) {
   const reference::IndexerProjectionsHost exact = reference_indexer_project(s, w, gpu.q_c, in.hidden);
   const IndexerProjections& p = gpu.indexer_projections;
   const ProjectionError q = projection_error(p.index_q, exact.index_q, DType::kBF16);
@@ -268,11 +272,27 @@ Check check_indexer_projections(const StepShape& s, const HostWeights& w, const 
   const ProjectionError weights = projection_error(p.head_weights, exact.head_weights, DType::kF32);
   const ProjectionError gate = projection_error(p.gate, exact.gate, DType::kBF16);
   const size_t outside = q.outside + k.outside + weights.outside + gate.outside;
-  return judged("indexer projections (cuBLASLt) vs float64 reference", outside == 0,
+  return judged(std::string("indexer projections (") + kernel + ") vs float64 reference", outside == 0,
                 format("worst |error| / tolerance: index_q %.3g, index_k %.3g, head_weights %.3g, gate %.3g (%zu "
                        "values outside; tolerance %.0e x sum |products|, + 1 BF16 ulp for the BF16 outputs), on the "
                        "GPU's q_c",
                        q.worst, k.worst, weights.worst, gate.worst, outside, reference::kProjectionSumTolerance));
+}
+
+// indexer_project_gemv's fixed order, reproduced bit for bit by its CPU reference.
+Check check_indexer_projections_gemv(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
+                                     const StepOutputs& gpu) {
+  const reference::IndexerProjectionBitsHost cpu = reference_indexer_project_gemv(s, w, gpu.q_c, in.hidden);
+  const IndexerProjections& p = gpu.indexer_projections;
+  const size_t bf16_differing = bf16_difference(p.index_q, cpu.index_q).differing +
+                                bf16_difference(p.index_k, cpu.index_k).differing +
+                                bf16_difference(p.gate, cpu.gate).differing;
+  const bool weights_equal = p.head_weights.size() == cpu.head_weights.size() &&
+                             std::memcmp(p.head_weights.data(), cpu.head_weights.data(),
+                                         sizeof(float) * cpu.head_weights.size()) == 0;
+  return judged("indexer projections (GEMV) vs CPU reference", bf16_differing == 0 && weights_equal,
+                format("bitwise: %zu BF16 values of index_q, index_k and gate differ; head_weights %s; on the GPU's q_c",
+                       bf16_differing, weights_equal ? "equal" : "differ"));
 }
 
 // A head_gemv output against its CPU reference, bitwise; `values` and `step`
@@ -470,7 +490,7 @@ Check report_saturation(const StepShape& s, const StepOutputs& gpu) {
 // `indexer_history`. Each check is printed as soon as it is known.
 Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
                   const IndexerTokenRows& indexer_history, const HostCache& initial_cache, ValueUpKernel value_up,
-                  const DeviceStep& step, const std::vector<Kernel>& kernels, cudaStream_t stream,
+                  bool projections_cublaslt, const DeviceStep& step, const std::vector<Kernel>& kernels, cudaStream_t stream,
                   std::vector<Check>* checks) {
   StepOutputs after_fused, after_both;
   DSA_RETURN_IF_ERROR(run_chain(step, kernels, kFusedChain, stream, 0));
@@ -490,7 +510,8 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   add(check_shared_repeat(after_fused, after_both));
   add(check_absorb(s, w, after_fused));
   add(check_cache_reference(s, w, in, initial_cache, after_fused));
-  add(check_indexer_projections(s, w, in, after_fused));
+  add(check_indexer_projections(s, w, in, projections_cublaslt ? "cuBLASLt" : "GEMV", after_fused));
+  if (!projections_cublaslt) add(check_indexer_projections_gemv(s, w, in, after_fused));
   add(check_indexer_state(indexer, after_fused));
   add(check_indexer_rows(s, indexer, after_fused));
   add(check_attention(s, w, after_fused));
@@ -577,15 +598,18 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   const ValueUpChoice value_up = choose_value_up(options, s.H, s.m);
   DeviceStep step;
   DSA_RETURN_IF_ERROR(
-      step.init(s, weights, inputs, indexer_history, cache, copies, value_up.kernel, cublas.get(), ctx.stream));
+      step.init(s, weights, inputs, indexer_history, cache, copies, value_up.kernel, options.projections_cublaslt,
+                cublas.get(), ctx.stream));
   std::printf("synthetic layer (seed %llu), %d weight copies; KV cache [%lld, %d, %d] FP8 e4m3, new tokens at slots "
               "%lld..%lld\n",
               static_cast<unsigned long long>(options.seed), copies, static_cast<long long>(s.cache_blocks()),
               kCacheBlockSize, s.L, static_cast<long long>(s.context), static_cast<long long>(s.context + s.m - 1));
   std::printf("%s\n", s.describe_indexer().c_str());
   std::printf("value_up in the fused path: %s; %s\n", value_up_kernel_name(value_up.kernel), value_up.reason.c_str());
+  std::printf("indexer projections (both paths): %s\n",
+              options.projections_cublaslt ? "indexer_project (cuBLASLt)" : "indexer_project_gemv");
 
-  const std::vector<Kernel> kernels = make_kernels(s, value_up.kernel);
+  const std::vector<Kernel> kernels = make_kernels(s, value_up.kernel, options.projections_cublaslt);
   report->gpu = ctx.gpu_name;
   report->commit = ctx.commit;
   report->date = ctx.date;
@@ -595,8 +619,9 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   report->weight_copies = copies;
   report->value_up_kernel = value_up_kernel_name(value_up.kernel);
   report->value_up_reason = value_up.reason;
-  DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, value_up.kernel, step, kernels, ctx.stream,
-                                 &report->checks));
+  report->indexer_projections_kernel = options.projections_cublaslt ? "indexer_project" : "indexer_project_gemv";
+  DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, value_up.kernel,
+                                 options.projections_cublaslt, step, kernels, ctx.stream, &report->checks));
   DSA_RETURN_IF_ERROR(time_all(ctx, step, kernels, copies, options.steps, &report->timings));
   print_timings(*report);
   return Status();

@@ -46,7 +46,8 @@ ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
 void print_usage(FILE* to) {
   std::fprintf(to,
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
-               "                  [--value-up-tokens LIST] [--json FILE] [--cpu] [--help]\n"
+               "                  [--value-up-tokens LIST] [--indexer-projections KERNEL] [--json FILE] [--cpu]\n"
+               "                  [--help]\n"
                "Runs one decode step of a DSA layer's attention half on a synthetic layer, through the\n"
                "fused path and the stock path, checks they agree with each other and with the CPU\n"
                "reference, and times each kernel and each chain (CUDA-graph replay, cold L2).\n"
@@ -64,6 +65,9 @@ void print_usage(FILE* to) {
                "                 otherwise: comma-separated counts 1..%d (e.g. 1,2), none, or auto (default):\n"
                "                 where head_gemv was faster on the H200, %s at 64 heads, %s at 8 heads,\n"
                "                 %s at other head counts (not measured)\n"
+               "  --indexer-projections KERNEL\n"
+               "                 the indexer's four projections (a step both paths share): gemv (default;\n"
+               "                 indexer_project_gemv, one launch) or cublaslt (indexer_project, four GEMMs)\n"
                "  --json FILE    write the timings and checks as JSON (GPU path)\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
@@ -89,6 +93,7 @@ std::string expected_value(const std::string& option) {
   if (option == "--steps") return range_text(1, kMaxSteps);
   if (option == "--seed") return "an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
   if (option == "--json") return "a file name";
+  if (option == "--indexer-projections") return "gemv or cublaslt";
   if (option == "--value-up-tokens") {
     return "a comma-separated list of token counts from 1 to " + std::to_string(kMaxDecodeTokens) +
            " (e.g. 1,2), none or auto";
@@ -158,6 +163,14 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
     return parse_integer<uint64_t>(option, value, 0, std::numeric_limits<uint64_t>::max(), &o->seed, error);
   }
   if (option == "--value-up-tokens") return parse_token_set(option, value, &o->value_up_tokens, error);
+  if (option == "--indexer-projections") {
+    if (value != "gemv" && value != "cublaslt") {
+      *error = bad_value(option, value);
+      return false;
+    }
+    o->projections_cublaslt = value == "cublaslt";
+    return true;
+  }
   if (value.empty()) {  // --preset (resolved against the preset table by the caller), --json
     *error = bad_value(option, value);
     return false;

@@ -21,6 +21,10 @@ struct Options {
   // head_gemv, cuBLAS's bmm otherwise (the seed's value_up_tokens). Unset:
   // auto, measured_value_up_tokens() of the step's head count.
   std::optional<std::set<int>> value_up_tokens;
+  // --indexer-projections: the kernel of the indexer's four projections, a
+  // step both paths share ("gemv": indexer_project_gemv; "cublaslt":
+  // indexer_project).
+  bool projections_cublaslt = false;
   bool force_cpu = false;
   bool help = false;
 };

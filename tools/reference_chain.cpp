@@ -138,11 +138,32 @@ Status reference_indexer_prefill(const StepShape& s, const HostWeights& w, const
   return Status();
 }
 
+namespace {
+reference::IndexerProjectInputsHost projection_inputs(const StepShape& s, const HostWeights& w,
+                                                      const std::vector<uint16_t>& q_c,
+                                                      const std::vector<uint16_t>& hidden) {
+  return {s.m,
+          s.Q,
+          s.D,
+          q_c.data(),
+          hidden.data(),
+          w.index_wq_b.data(),
+          w.index_wk.data(),
+          w.index_weights_proj.data(),
+          w.index_compress_gate.data()};
+}
+}  // namespace
+
 reference::IndexerProjectionsHost reference_indexer_project(const StepShape& s, const HostWeights& w,
                                                             const std::vector<uint16_t>& q_c,
                                                             const std::vector<uint16_t>& hidden) {
-  return reference::indexer_project({s.m, s.Q, s.D, q_c.data(), hidden.data(), w.index_wq_b.data(), w.index_wk.data(),
-                                     w.index_weights_proj.data(), w.index_compress_gate.data()});
+  return reference::indexer_project(projection_inputs(s, w, q_c, hidden));
+}
+
+reference::IndexerProjectionBitsHost reference_indexer_project_gemv(const StepShape& s, const HostWeights& w,
+                                                                    const std::vector<uint16_t>& q_c,
+                                                                    const std::vector<uint16_t>& hidden) {
+  return reference::indexer_project_gemv(projection_inputs(s, w, q_c, hidden));
 }
 
 namespace {

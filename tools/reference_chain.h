@@ -94,6 +94,11 @@ reference::IndexerProjectionsHost reference_indexer_project(const StepShape& s, 
                                                             const std::vector<uint16_t>& q_c,
                                                             const std::vector<uint16_t>& hidden);
 
+// indexer_project_gemv's outputs of q_c [m, Q] and hidden [m, D], bit for bit.
+reference::IndexerProjectionBitsHost reference_indexer_project_gemv(const StepShape& s, const HostWeights& w,
+                                                                    const std::vector<uint16_t>& q_c,
+                                                                    const std::vector<uint16_t>& hidden);
+
 // The exact sums stored as indexer_project stores them (BF16 rounded to
 // nearest even, head_weights FP32): the CPU path's projections.
 IndexerProjections stored_projections(const reference::IndexerProjectionsHost& exact);
