@@ -3,11 +3,11 @@
 //
 // STATE: contract, plan, argument checks, the bit-exact CPU reference
 // (src/indexer/indexer_reference.h), the GPU select step (steps 5-8:
-// indexer_select, and the benchmark's baseline indexer_select_baseline) and
-// the GPU prepare and prefill (steps 1-4 and 9: indexer_prepare,
-// indexer_prefill; bitwise equal to the reference on the H200). The
-// projections (indexer_project, cuBLASLt, with a float64 reference) are
-// written but have not yet run on a GPU. docs/indexer.md has the plan.
+// indexer_select, and the benchmark's baseline indexer_select_baseline), the
+// GPU prepare and prefill (steps 1-4 and 9: indexer_prepare,
+// indexer_prefill) and the projections (indexer_project_gemv, bitwise
+// reproducible; indexer_project, cuBLASLt, within a float64 tolerance): all
+// measured on the H200 (docs/indexer.md).
 //
 // Per DSA layer and decode step, m tokens (1..16), 32 index heads of 128,
 // pools of 4 tokens. The projections (indexer_project, cuBLASLt) give:
@@ -79,7 +79,16 @@
 //      kscale). The GPU select computes each head's dot exactly too (FP64
 //      tensor-core MMA: every partial sum of e4m3 products is a multiple of
 //      2^-18 below 2^25, exact in double in any order), so its logits, and
-//      hence its rows, equal the reference's bit for bit.
+//      hence its rows, equal the reference's bit for bit. Opt-in
+//      (plan.logits = IndexerLogits::kFp32Accumulation, as stock engines
+//      score with FP8 tensor cores): each dot on the FP16 tensor cores (every
+//      e4m3 value is an FP16 value) with FP32 accumulation in the hardware's
+//      order, then the same FP32 chain; each logit within
+//      kscale[p] * sum_h |w'[h]| * (2^-10 * sum_i |q[h, i] k[p, i]| +
+//      70 * 2^-24 * |exact dot|) of the reference's
+//      (reference::indexer_logit_bounds), and the rows are step 7's
+//      selection over the logits the GPU computed (the same bits on every
+//      run; a near-tie may pick another pool than the exact logits would).
 //   7. The 512 pools of largest logit; ties go to the lower pool index; NaN
 //      counts as -inf and -0 equals +0. Columns [0, 2048): the chosen pools in
 //      increasing pool index, pool p as tokens 4p, 4p+1, 4p+2, 4p+3. Then the
@@ -130,12 +139,19 @@ inline constexpr int kIndexerMaxTokens = 16;
 inline constexpr int64_t kIndexerMaxContext = int64_t(1) << 22;
 inline constexpr float kIndexerNormEps = 1e-6f;
 
+// How step 6 computes each head's dot (see step 6 above).
+enum class IndexerLogits : int {
+  kExact = 0,             // FP64 tensor cores, exact: logits and rows bitwise the reference's
+  kFp32Accumulation = 1,  // FP16 tensor cores, FP32 accumulation: logits within a bound, faster
+};
+
 // Shapes fixed once per layer configuration; the workspace is sized from them.
 struct IndexerPlan {
   int max_tokens = kIndexerMaxTokens;  // largest m of a step, 1..16
   int64_t max_context = 131072;        // largest L = pos + 1, 1..kIndexerMaxContext
   int ring = 4;                        // RING: 4, or 8 with draft tokens
   int block_size = 256;                // tokens per KV block: a positive multiple of 128
+  IndexerLogits logits = IndexerLogits::kExact;  // select's dots (indexer_select and its baseline)
 };
 
 // Byte offsets into the caller's workspace (each 256-byte aligned) and its size.

@@ -153,6 +153,10 @@ Status check_indexer_plan(const IndexerPlan& plan) {
     return invalid_argument("plan.block_size", "a positive multiple of 128 tokens (pages of 32 pools of 4)",
                             std::to_string(plan.block_size));
   }
+  if (plan.logits != IndexerLogits::kExact && plan.logits != IndexerLogits::kFp32Accumulation) {
+    return invalid_argument("plan.logits", "IndexerLogits::kExact (0) or IndexerLogits::kFp32Accumulation (1)",
+                            std::to_string(static_cast<int>(plan.logits)));
+  }
   return Status();
 }
 

@@ -274,6 +274,15 @@ Status time_select(const Context& ctx, const Buffers& b, Launch&& launch, double
       ctx, [&](cudaStream_t stream, int i) { return launch(select_args(b, i), stream); }, us, std::max(20, b.copies));
 }
 
+// `launch` with the plan's opt-in FP32-accumulated logits.
+template <class Launch>
+auto with_fp32_accumulation(Launch launch) {
+  return [launch](IndexerSelectArgs args, cudaStream_t stream) {
+    args.plan.logits = IndexerLogits::kFp32Accumulation;
+    return launch(args, stream);
+  };
+}
+
 Status run(Context& ctx, Report& report) {
   for (int64_t context : {32768, 131072}) {
     for (int m : {1, 2, 4, 8, 16}) {
@@ -307,6 +316,15 @@ Status run(Context& ctx, Report& report) {
                      launch_us};
       launch_row.note = "no work: the logits grid and the select's CTAs and shared memory, with PDL";
       report.add(launch_row);
+      double fast_us = 0, fast_logits_us = 0;
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, with_fp32_accumulation(indexer_select), &fast_us));
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, with_fp32_accumulation(indexer_select_logits_only), &fast_logits_us));
+      Row fast_row{"indexer (FP32-accumulated logits)", row.params, fast_us, "indexer", fused_us, row.floor_us};
+      fast_row.note = "plan.logits = kFp32Accumulation: each head dot on the FP16 tensor cores (mma 16x8x16, e4m3 -> FP16 exact, FP32 accumulators), the same select";
+      report.add(fast_row);
+      Row fast_logits_row{"indexer logits kernel alone (FP32 accumulation)", row.params, fast_logits_us,
+                          "indexer logits kernel alone", logits_us};
+      report.add(fast_logits_row);
     }
     // MTP: one request's token and its draft tokens (dsa-decode's case).
     for (int m : {2, 4}) {

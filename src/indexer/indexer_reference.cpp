@@ -180,6 +180,34 @@ std::vector<float> indexer_logits(const IndexerPlan& plan, const IndexerStateHos
   return logits;
 }
 
+std::vector<double> indexer_logit_bounds(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
+                                         int64_t n_pools, const uint8_t* q_fp8, const float* head_weights) {
+  const Fp8Table& table = fp8_table();
+  std::vector<float> q(kHeads * kDim), q_magnitude(kHeads * kDim);  // [32, 128] decoded, and |q|
+  for (int i = 0; i < kHeads * kDim; ++i) {
+    q[i] = table.value[q_fp8[i]];
+    q_magnitude[i] = std::fabs(q[i]);
+  }
+  std::vector<double> bounds(n_pools, 0.0);
+  float k[kDim], k_magnitude[kDim];
+  for (int64_t pool = 0; pool < n_pools; ++pool) {
+    const PoolEntry entry = read_pool(plan, state, request, pool);
+    if (entry.codes == nullptr) continue;
+    for (int d = 0; d < kDim; ++d) {
+      k[d] = table.value[entry.codes[d]];
+      k_magnitude[d] = std::fabs(k[d]);
+    }
+    double bound = 0;
+    for (int h = 0; h < kHeads; ++h) {
+      const double magnitude = exact_dot(&q_magnitude[h * kDim], k_magnitude);
+      const double dot = std::fabs(exact_dot(&q[h * kDim], k));
+      bound += std::fabs(double(head_weights[h])) * (std::ldexp(magnitude, -10) + 70 * std::ldexp(dot, -24));
+    }
+    bounds[pool] = std::fabs(double(entry.scale)) * bound;
+  }
+  return bounds;
+}
+
 std::vector<int32_t> select_top_pools(const std::vector<float>& logits, int count) {
   std::vector<int32_t> order(logits.size());
   std::iota(order.begin(), order.end(), 0);
@@ -229,8 +257,12 @@ int64_t remap_row(const IndexerPlan& plan, const IndexerStateHost& state, int64_
   return errors;
 }
 
-Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerQueryHost& query,
-                      const IndexerStateHost& state, IndexerRowsHost* rows) {
+namespace {
+
+// Steps 5, 7 and 8 with token t's logits from logits_of(t, request, n_pools).
+template <class LogitsOf>
+Status select_rows(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerStateHost& state,
+                   const LogitsOf& logits_of, IndexerRowsHost* rows) {
   DSA_RETURN_IF_ERROR(check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests,
                                           state.block_table_width));
   rows->topk_positions.assign(size_t(step.m) * kIndexerRowWidth, -1);
@@ -242,16 +274,42 @@ Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, cons
     const int64_t context = step.positions[t] + 1;
     std::vector<int32_t> top_pools;
     if (context > kIndexerPooledColumns) {
-      const size_t row = size_t(t) * kHeads;
-      const std::vector<float> logits = indexer_logits(plan, state, request, context / kIndexerPoolSize,
-                                                       &query.q_fp8[row * kDim], &query.head_weights[row]);
-      top_pools = select_top_pools(logits, kIndexerTopPools);
+      top_pools = select_top_pools(logits_of(t, request, context / kIndexerPoolSize), kIndexerTopPools);
     }
     int32_t* positions = &rows->topk_positions[size_t(t) * kIndexerRowWidth];
     expand_row(context, top_pools, positions);
     rows->errors += remap_row(plan, state, request, positions, kIndexerRowWidth, &rows->slots[size_t(t) * kIndexerRowWidth]);
   }
   return Status();
+}
+
+}  // namespace
+
+Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerQueryHost& query,
+                      const IndexerStateHost& state, IndexerRowsHost* rows) {
+  return select_rows(plan, step, state,
+                     [&](int t, int64_t request, int64_t n_pools) {
+                       const size_t row = size_t(t) * kHeads;
+                       return indexer_logits(plan, state, request, n_pools, &query.q_fp8[row * kDim],
+                                             &query.head_weights[row]);
+                     },
+                     rows);
+}
+
+Status indexer_select_on_logits(const IndexerPlan& plan, const IndexerStepHost& step,
+                                const std::vector<std::vector<float>>& logits, const IndexerStateHost& state,
+                                IndexerRowsHost* rows) {
+  if (logits.size() != size_t(step.m)) {
+    return invalid_argument("logits", std::to_string(step.m) + " rows (one per token)", std::to_string(logits.size()));
+  }
+  for (int t = 0; t < step.m; ++t) {
+    const int64_t context = step.token_requests[t] < 0 ? 0 : step.positions[t] + 1;
+    if (context > kIndexerPooledColumns && logits[t].size() != size_t(context / kIndexerPoolSize)) {
+      return invalid_argument("logits[" + std::to_string(t) + "]", std::to_string(context / kIndexerPoolSize) +
+                              " pools (L / 4)", std::to_string(logits[t].size()));
+    }
+  }
+  return select_rows(plan, step, state, [&](int t, int64_t, int64_t) { return logits[t]; }, rows);
 }
 
 ExactProduct exact_product(const uint16_t* input, int64_t m, int64_t k, const uint16_t* weight, int64_t n) {

@@ -81,6 +81,22 @@ Status indexer_prefill(const IndexerPlan& plan, const uint16_t* index_k, const u
 std::vector<float> indexer_logits(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
                                   int64_t n_pools, const uint8_t* q_fp8, const float* head_weights);
 
+// Step 6's bound under IndexerLogits::kFp32Accumulation, per pool of
+// indexer_logits's arguments: |GPU logit - reference logit| <= bound[p] =
+// |kscale[p]| * sum_h |w'[h]| * (2^-10 * sum_i |q[h, i] k[p, i]| + 70 * 2^-24 *
+// |exact dot[h, p]|) (0 for a pool on an untrusted page: both are -inf).
+// Why: a product of two e4m3 values is exact in FP32, so the FP16 MMA's
+// error is its FP32 accumulation's, 8 steps of 16 products each: 2^-10 of
+// the sum of |products| leaves a wide margin over the 2^-19 or so such
+// accumulation can lose even when it truncates, and is still a thousand
+// times below what a wrong fragment layout gives (errors of the dots' own
+// size). ReLU does not grow an error; the two FP32 chains over 32 heads
+// (the GPU's on inexact inputs, the reference's) and the final scaling add
+// at most 66 roundings of at most 2^-24 of sum_h |w'[h] relu[h]| <= sum_h
+// |w'[h]| |dot[h]|.
+std::vector<double> indexer_logit_bounds(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
+                                         int64_t n_pools, const uint8_t* q_fp8, const float* head_weights);
+
 // Step 7's selection: the `count` largest logits (ties to the lower index, NaN
 // as -inf, -0 equal to +0), returned in increasing index order.
 std::vector<int32_t> select_top_pools(const std::vector<float>& logits, int count);
@@ -96,6 +112,14 @@ int64_t remap_row(const IndexerPlan& plan, const IndexerStateHost& state, int64_
 // Steps 5-8 for every token; checks the batch first.
 Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerQueryHost& query,
                       const IndexerStateHost& state, IndexerRowsHost* rows);
+
+// Steps 5, 7 and 8 for every token over given logits: logits[t] holds token
+// t's logits of pools 0..L / 4 - 1 when L > 2048 (otherwise unused; may be
+// empty), e.g. the GPU's under IndexerLogits::kFp32Accumulation, whose rows
+// must be this selection over its own logits. Checks the batch first.
+Status indexer_select_on_logits(const IndexerPlan& plan, const IndexerStepHost& step,
+                                const std::vector<std::vector<float>>& logits, const IndexerStateHost& state,
+                                IndexerRowsHost* rows);
 
 // The projections' inputs (indexer_project), BF16 bits, row-major and contiguous.
 struct IndexerProjectInputsHost {

@@ -9,7 +9,9 @@
 //      of 2^-18 below 2^25, exact in double in any order), rounded to FP32
 //      once, then the reference's FP32 order: ReLU, acc = fma(w'[h], relu,
 //      acc) for h = 0..31 from +0, times the pool's scale. So the logits equal
-//      the reference's.
+//      the reference's. With plan.logits = kFp32Accumulation the dots run on
+//      the FP16 tensor cores instead (e4m3 -> FP16 exactly, FP32
+//      accumulators), the rest unchanged.
 //   2. select_rows_kernel: one CTA per token. Radix select on the order key of
 //      the logits (NaN -> -inf, -0 -> +0, order-preserving bits), digits of
 //      12, 10 and 10 bits (the digit found by one block scan over the
@@ -46,7 +48,8 @@ constexpr int kDim = kIndexerDim;
 constexpr int kHeads = kIndexerHeads;
 
 // Logits kernel shape: CTA (chunk, t) scores 64 pools of token t on the FP64
-// tensor cores (mma.m16n8k16.f64: M = 16 pools, N = 8 heads, K = 16 dims).
+// tensor cores (mma.m16n8k16.f64: M = 16 pools, N = 8 heads, K = 16 dims), or
+// with the same M, N and K on the FP16 ones (mma.m16n8k16.f16, FP32 accumulators).
 constexpr int kLogitPools = 64;                                 // pools per CTA
 constexpr int kPoolTile = 16;                                   // MMA M: pools
 constexpr int kHeadTile = 8;                                    // MMA N: heads
@@ -58,12 +61,22 @@ constexpr int kDimSteps = kDim / 16;                            // MMA k steps p
 static_assert(kDimsPerLane == 32 && kDimSteps * 4 == kDimsPerLane, "a lane's dims are two uint4 of codes");
 static_assert(kLogitThreads == kHeads * 4, "one thread per (head, 32-dim quarter) decodes q");
 
+// q as the MMAs' B fragments, decoded once per CTA.
+template <IndexerLogits kDots>
+struct QFragments {
+  // [head tile][k step][half][lane]: b[2 half] and b[2 half + 1] of the lane;
+  // each half is one 16-byte load per lane over 512 contiguous bytes (a
+  // lane's 32 bytes together would meet twice in half of the banks).
+  double2 b[kHeadTiles][kDimSteps][2][32];
+};
+template <>
+struct QFragments<IndexerLogits::kFp32Accumulation> {
+  uint2 b[kHeadTiles][kDimSteps][32];  // [head tile][k step][lane]: b0, b1 as FP16x2
+};
+
+template <IndexerLogits kDots>
 struct LogitsShared {
-  // q as the MMAs' B fragments: [head tile][k step][half][lane], b[2 half]
-  // and b[2 half + 1] of the lane; each half is one 16-byte load per lane over
-  // 512 contiguous bytes (a lane's 32 bytes together would meet twice in half
-  // of the banks).
-  double2 q_fragments[kHeadTiles][kDimSteps][2][32];
+  QFragments<kDots> q;
   float relu[kLogitPools * (kHeads + 1)];  // [pool][head] ReLU(dot) rounded to FP32; + 1: no bank conflicts
   float weight[kHeads];                    // folded head weights w'
   int64_t block[kLogitPools];              // page of the pool, -1: untrusted, -2: past n
@@ -190,6 +203,18 @@ __device__ __forceinline__ void mma_f64(double (&d)[4], const double (&a)[8], co
         "d"(b[2]), "d"(b[3]));
 }
 
+// d += a * b on the FP16 tensor cores, FP32 accumulators: the same shape and
+// lanes as mma_f64, two k values per register: lane (g, c) supplies
+// A[g][2c, 2c + 1] (a[0]), A[g + 8][2c, 2c + 1] (a[1]), A[g][2c + 8, 2c + 9]
+// (a[2]), A[g + 8][2c + 8, 2c + 9] (a[3]), B[2c, 2c + 1][g] (b[0]) and
+// B[2c + 8, 2c + 9][g] (b[1]); D as mma_f64's.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], const uint2 b) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+}
+
 // Four e4m3 codes (lowest byte first) as doubles, exactly; NaN stays NaN.
 __device__ __forceinline__ void decode_e4m3x4(uint32_t codes, double (&out)[4]) {
 #pragma unroll
@@ -206,6 +231,74 @@ __device__ __forceinline__ uint32_t code_word(const uint4 (&codes)[2], int w) {
   return w % 4 == 0 ? v.x : w % 4 == 1 ? v.y : w % 4 == 2 ? v.z : v.w;
 }
 
+// Lane (g, c)'s q fragments, decoded by thread (head, quarter) = (8 tile + g,
+// c) from its 32 codes of dims 32c .. 32c + 31: k step s takes dims 32c + 4s ..
+// 32c + 4s + 3 (the permutation of the dims that A shares, see logits_kernel).
+template <IndexerLogits kDots>
+__device__ __forceinline__ void store_q_fragments(QFragments<kDots>& q, const uint4 (&codes)[2], int head,
+                                                  int quarter) {
+  const int tile = head / kHeadTile, lane_of_fragment = 4 * (head % kHeadTile) + quarter;
+#pragma unroll
+  for (int step = 0; step < kDimSteps; ++step) {
+    const uint32_t word = code_word(codes, step);
+    if constexpr (kDots == IndexerLogits::kExact) {
+      double values[4];
+      decode_e4m3x4(word, values);
+      q.b[tile][step][0][lane_of_fragment] = make_double2(values[0], values[1]);
+      q.b[tile][step][1][lane_of_fragment] = make_double2(values[2], values[3]);
+    } else {
+      q.b[tile][step][lane_of_fragment] = make_uint2(e4m3x2_to_f16x2(word), e4m3x2_to_f16x2(word >> 16));
+    }
+  }
+}
+
+// The lane's D fragments of its M tile against the four head tiles, rounded
+// to FP32: dot[tile][e] is pool 8 (e / 2) + g of the tile, head 8 tile + 2c +
+// e % 2. rows[r] are the lane's 32 codes of pools g (r = 0) and g + 8.
+template <IndexerLogits kDots>
+__device__ __forceinline__ void head_dots(const QFragments<kDots>& q, const uint4 (&rows)[2][2], int lane,
+                                          float (&dot)[kHeadTiles][4]) {
+  if constexpr (kDots == IndexerLogits::kExact) {
+    double sums[kHeadTiles][4] = {};  // +0: an all -0 sum stays +0, as in the reference's chain
+#pragma unroll
+    for (int step = 0; step < kDimSteps; ++step) {
+      double values[2][4], a[8];
+      decode_e4m3x4(code_word(rows[0], step), values[0]);
+      decode_e4m3x4(code_word(rows[1], step), values[1]);
+#pragma unroll
+      for (int slot = 0; slot < 4; ++slot) {
+        a[2 * slot] = values[0][slot];
+        a[2 * slot + 1] = values[1][slot];
+      }
+#pragma unroll
+      for (int tile = 0; tile < kHeadTiles; ++tile) {
+        const double2 low = q.b[tile][step][0][lane], high = q.b[tile][step][1][lane];
+        const double b[4] = {low.x, low.y, high.x, high.y};
+        mma_f64(sums[tile], a, b);
+      }
+    }
+#pragma unroll
+    for (int tile = 0; tile < kHeadTiles; ++tile) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dot[tile][e] = static_cast<float>(sums[tile][e]);
+    }
+  } else {
+#pragma unroll
+    for (int tile = 0; tile < kHeadTiles; ++tile) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dot[tile][e] = 0.0f;
+    }
+#pragma unroll
+    for (int step = 0; step < kDimSteps; ++step) {
+      const uint32_t pool_g = code_word(rows[0], step), pool_g8 = code_word(rows[1], step);
+      const uint32_t a[4] = {e4m3x2_to_f16x2(pool_g), e4m3x2_to_f16x2(pool_g8), e4m3x2_to_f16x2(pool_g >> 16),
+                             e4m3x2_to_f16x2(pool_g8 >> 16)};
+#pragma unroll
+      for (int tile = 0; tile < kHeadTiles; ++tile) mma_f16(dot[tile], a, q.b[tile][step][lane]);
+    }
+  }
+}
+
 // Logits of pools 64 chunk .. 64 chunk + 63 of token t (CTA (chunk, t)).
 //
 // Warp w owns pools 16 w .. + 15 (one MMA M tile) and all 32 heads (four N
@@ -217,13 +310,15 @@ __device__ __forceinline__ uint32_t code_word(const uint4 (&codes)[2], int w) {
 // g and g + 8 straight from the K cache page (one 32-byte sector per lane and
 // pool); q is decoded once per CTA into shared memory in fragment order
 // while those loads are in flight.
-// Every product of two e4m3 values is a multiple of 2^-18 and every partial
-// sum of 128 of them lies below 2^25, so each is exact in double: the MMA's
-// result is the exact dot whatever order the tensor core adds in. Rounded to
-// FP32 once and ReLU'd into shared memory; then one thread per pool runs the
-// reference's FP32 chain over the heads.
+// kExact: every product of two e4m3 values is a multiple of 2^-18 and every
+// partial sum of 128 of them lies below 2^25, so each is exact in double: the
+// MMA's result is the exact dot whatever order the tensor core adds in,
+// rounded to FP32 once. kFp32Accumulation: the FP16 MMA's FP32 sums, in the
+// hardware's order. ReLU'd into shared memory; then one thread per pool runs
+// the reference's FP32 chain over the heads.
+template <IndexerLogits kDots>
 __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_constant__ Params p) {
-  __shared__ LogitsShared s;
+  __shared__ LogitsShared<kDots> s;
   pdl_wait();  // q_fp8, head weights and the K cache come from the prepare step
   pdl_release_dependents();
   const int t = blockIdx.y;
@@ -280,41 +375,18 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
       k_codes[r][1] = codes[1];
     }
   }
-#pragma unroll
-  for (int step = 0; step < kDimSteps; ++step) {
-    double q[4];
-    decode_e4m3x4(code_word(q_codes, step), q);
-    const int lane_of_fragment = 4 * (q_head % kHeadTile) + q_quarter;
-    s.q_fragments[q_head / kHeadTile][step][0][lane_of_fragment] = make_double2(q[0], q[1]);
-    s.q_fragments[q_head / kHeadTile][step][1][lane_of_fragment] = make_double2(q[2], q[3]);
-  }
+  store_q_fragments<kDots>(s.q, q_codes, q_head, q_quarter);
   __syncthreads();
 
-  double dot[kHeadTiles][4] = {};  // +0: an all -0 sum stays +0, as in the reference's chain
-#pragma unroll
-  for (int step = 0; step < kDimSteps; ++step) {
-    double rows[2][4], a[8];
-    decode_e4m3x4(code_word(k_codes[0], step), rows[0]);
-    decode_e4m3x4(code_word(k_codes[1], step), rows[1]);
-#pragma unroll
-    for (int slot = 0; slot < 4; ++slot) {
-      a[2 * slot] = rows[0][slot];
-      a[2 * slot + 1] = rows[1][slot];
-    }
-#pragma unroll
-    for (int tile = 0; tile < kHeadTiles; ++tile) {
-      const double2 low = s.q_fragments[tile][step][0][lane], high = s.q_fragments[tile][step][1][lane];
-      const double b[4] = {low.x, low.y, high.x, high.y};
-      mma_f64(dot[tile], a, b);
-    }
-  }
+  float dot[kHeadTiles][4];
+  head_dots<kDots>(s.q, k_codes, lane, dot);
 #pragma unroll
   for (int tile = 0; tile < kHeadTiles; ++tile) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = first_tile_pool + 8 * (e / 2) + g, head = kHeadTile * tile + 2 * c + e % 2;
       // fmaxf(x, 0) as the reference's std::fmax: NaN gives 0.
-      s.relu[i * (kHeads + 1) + head] = fmaxf(static_cast<float>(dot[tile][e]), 0.0f);
+      s.relu[i * (kHeads + 1) + head] = fmaxf(dot[tile][e], 0.0f);
     }
   }
   __syncthreads();
@@ -625,8 +697,12 @@ dim3 logits_grid(const Params& p) {
   return dim3(static_cast<unsigned>(chunks), p.m);
 }
 
-Status launch_logits(const Params& p, cudaStream_t stream) {
-  return launch_pdl(logits_kernel, logits_grid(p), dim3(kLogitThreads), 0, stream, p);
+Status launch_logits(const Params& p, IndexerLogits dots, cudaStream_t stream) {
+  if (dots == IndexerLogits::kFp32Accumulation) {
+    return launch_pdl(logits_kernel<IndexerLogits::kFp32Accumulation>, logits_grid(p), dim3(kLogitThreads), 0, stream,
+                      p);
+  }
+  return launch_pdl(logits_kernel<IndexerLogits::kExact>, logits_grid(p), dim3(kLogitThreads), 0, stream, p);
 }
 
 // Baseline workspace: keys in/out, values in/out [max_tokens, stride] each,
@@ -663,7 +739,7 @@ Status baseline_layout(const IndexerPlan& plan, BaselineLayout* layout) {
 Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_select(args));
   const Params p = make_params(args);
-  DSA_RETURN_IF_ERROR(launch_logits(p, stream));
+  DSA_RETURN_IF_ERROR(launch_logits(p, args.plan.logits, stream));
   // The token's keys stay in shared memory up to 2^15 pools (128 KiB); the
   // limit is raised to that once per device, whatever this plan needs.
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(select_rows_kernel),
@@ -674,7 +750,7 @@ Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream) {
 
 Status indexer_select_logits_only(const IndexerSelectArgs& args, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_select(args));
-  return launch_logits(make_params(args), stream);
+  return launch_logits(make_params(args), args.plan.logits, stream);
 }
 
 namespace {
@@ -734,7 +810,7 @@ Status indexer_select_baseline(const IndexerSelectArgs& args, void* baseline_wor
   p.values_out = reinterpret_cast<int32_t*>(w + layout.values_out);
   p.segment_begin = reinterpret_cast<int*>(w + layout.begin);
   p.segment_end = reinterpret_cast<int*>(w + layout.end);
-  DSA_RETURN_IF_ERROR(launch_logits(p, stream));
+  DSA_RETURN_IF_ERROR(launch_logits(p, args.plan.logits, stream));
   const unsigned key_blocks = static_cast<unsigned>((p.logits_stride + 255) / 256);
   DSA_RETURN_IF_ERROR(launch_pdl(baseline_keys_kernel, dim3(key_blocks, p.m), dim3(256), 0, stream, p));
   size_t temp_bytes = layout.temp_bytes;

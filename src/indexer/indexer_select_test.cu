@@ -1,11 +1,15 @@
 // The GPU select step (indexer_select, indexer_select_baseline) against the
 // CPU reference: K caches filled by the reference's prefill, a decode step
 // prepared by the reference, then the GPU rows, slots and logits compared bit
-// for bit (the logits kernel's head dots are exact, as the reference's).
+// for bit (the logits kernel's head dots are exact, as the reference's); with
+// plan.logits = kFp32Accumulation the logits within their bound and the rows
+// bitwise the reference's selection over the GPU's own logits.
 // GPU tests: IndexerSelectGpu.*; argument checks without a GPU: IndexerSelectChecks.*.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -215,6 +219,59 @@ void expect_matches_reference(const Scenario& s, DeviceStep& d, const std::strin
                                                                       << ": " << value << " vs " << expected[p];
     }
   }
+}
+
+// Under IndexerLogits::kFp32Accumulation: every long token's GPU logits
+// within reference::indexer_logit_bounds of the exact ones, and the GPU rows,
+// slots and error count bitwise the reference's selection over those GPU
+// logits. Returns the worst |error| / bound and, through `moved`, how many
+// pools the rows choose that the exact logits would not.
+double expect_follows_own_logits(const Scenario& s, DeviceStep& d, const std::string& what, int64_t* moved) {
+  const std::vector<uint8_t> workspace = d.workspace.download();
+  const int64_t stride = (s.plan.max_context + 3) / 4;
+  std::vector<std::vector<float>> logits(s.m);
+  double worst = 0;
+  int64_t outside = 0;
+  for (int t = 0; t < s.m; ++t) {
+    const int64_t L = s.positions[t] + 1;
+    if (s.token_requests[t] < 0 || L <= kIndexerPooledColumns) continue;
+    const uint8_t* q = &s.query.q_fp8[size_t(t) * kHeads * kDim];
+    const float* w = &s.query.head_weights[size_t(t) * kHeads];
+    const std::vector<float> exact = reference::indexer_logits(s.plan, s.view, s.token_requests[t], L / 4, q, w);
+    const std::vector<double> bounds =
+        reference::indexer_logit_bounds(s.plan, s.view, s.token_requests[t], L / 4, q, w);
+    logits[t].resize(L / 4);
+    std::memcpy(logits[t].data(), &workspace[d.layout.logits + size_t(t) * stride * 4], logits[t].size() * 4);
+    for (int64_t p = 0; p < L / 4; ++p) {
+      const float got = logits[t][p];
+      if (std::isinf(exact[p]) || (got != got && exact[p] != exact[p])) {  // untrusted page; NaN scale
+        EXPECT_EQ(num::float_bits(got), num::float_bits(exact[p])) << what << " token " << t << " pool " << p;
+        continue;
+      }
+      const double error = std::fabs(double(got) - double(exact[p]));
+      if (!(error <= bounds[p])) ++outside;
+      if (bounds[p] > 0) worst = std::max(worst, error / bounds[p]);
+      if (bounds[p] == 0 && error != 0) ++outside;
+    }
+  }
+  EXPECT_EQ(outside, 0) << what << ": logits outside their bound (worst |error| / bound " << worst << ")";
+  reference::IndexerRowsHost own;
+  const reference::IndexerStepHost step{s.m, nullptr, nullptr, nullptr, nullptr, s.positions.data(),
+                                        s.token_requests.data()};
+  const Status selected = reference::indexer_select_on_logits(s.plan, step, logits, s.view, &own);
+  EXPECT_TRUE(selected.ok()) << selected.to_string();
+  EXPECT_TRUE(d.topk_positions.download() == own.topk_positions) << what << ": rows";
+  EXPECT_TRUE(d.slots.download() == own.slots) << what << ": slots";
+  EXPECT_EQ(int64_t(d.errors.download()[0]) > 0, own.errors > 0) << what;
+  *moved = 0;
+  for (size_t c = 0; c < own.topk_positions.size(); c += kIndexerPoolSize) {
+    const int32_t position = own.topk_positions[c];
+    if (position < 0 || c % kWidth >= size_t(kIndexerPooledColumns)) continue;
+    const size_t row = c / kWidth * kWidth;
+    const auto begin = s.rows.topk_positions.begin() + row, end = begin + kIndexerPooledColumns;
+    if (!std::binary_search(begin, std::find(begin, end, -1), position)) ++*moved;
+  }
+  return worst;
 }
 
 // The reference's rows for `s`, then the fused select's (and the baseline's)
@@ -438,6 +495,49 @@ TEST(IndexerSelectGpu, TiesSignedZerosAndNaNFollowTheReference) {
     expect_matches_reference(s, d, "ties baseline", 0);
     cudaStreamDestroy(stream);
   }
+}
+
+// The opt-in FP32-accumulated logits (plan.logits = kFp32Accumulation) at
+// m = 16 around 4k (short rows, every L % 4, a padding token) and m = 4 at 32k
+// and 128k: logits within their bound, rows the reference's selection over the
+// GPU's logits, for the fused select and the baseline; the same bits again on
+// a second run. The worst |error| / bound and the pools chosen differently
+// from the exact logits are printed.
+TEST(IndexerSelectGpu, Fp32AccumulatedLogitsStayWithinTheirBoundAndRowsFollowThem) {
+  DSA_REQUIRE_GPU();
+  const std::vector<std::vector<int64_t>> cases =
+      testing::quick_mode()
+          ? std::vector<std::vector<int64_t>>{{1, 2049, 0, 4097}}
+          : std::vector<std::vector<int64_t>>{{1, 5, 2047, 2048, 2049, 2050, 2051, 0, 2052, 4093, 4094, 4095, 4096,
+                                               4097, 5000, 6143},
+                                              {32768, 32768 + 1, 0, 32768 + 3},
+                                              {131072 + 2}};
+  std::mt19937_64 rng(testing::test_seed());
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const std::vector<int64_t>& contexts : cases) {
+    const std::string what = "m " + std::to_string(contexts.size()) + " up to L " +
+                             std::to_string(*std::max_element(contexts.begin(), contexts.end()));
+    Scenario s(contexts, 256, rng);
+    s.plan.logits = IndexerLogits::kFp32Accumulation;
+    s.fill_and_run_reference(rng);
+    if (HasFatalFailure()) break;
+    DeviceStep d(s);
+    for (bool baseline : {false, true}) {
+      const std::string path = what + (baseline ? " baseline" : " fused");
+      d.run(baseline, stream);
+      if (HasFatalFailure()) break;
+      int64_t moved = 0;
+      const double worst = expect_follows_own_logits(s, d, path, &moved);
+      std::printf("[fp32 accumulation] %s: worst |logit error| / bound %.3g; %lld chosen pools differ from the exact "
+                  "logits' choice\n",
+                  path.c_str(), worst, static_cast<long long>(moved));
+      const std::vector<int32_t> first = d.slots.download();
+      d.run(baseline, stream);
+      EXPECT_TRUE(d.slots.download() == first) << path << ": a second run";
+    }
+  }
+  cudaStreamDestroy(stream);
 }
 
 // The same inputs give the same bits on every run, direct and from a CUDA

@@ -100,6 +100,11 @@ TEST(IndexerChecks, PlanErrorsNameTheField) {
   plan = IndexerPlan();
   plan.max_context = kIndexerMaxContext + 1;
   expect_rejected(check_indexer_plan(plan), "plan.max_context", "1..");
+  plan = IndexerPlan();
+  plan.logits = static_cast<IndexerLogits>(2);
+  expect_rejected(check_indexer_plan(plan), "plan.logits", "IndexerLogits::kExact (0) or");
+  plan.logits = IndexerLogits::kFp32Accumulation;
+  EXPECT_TRUE(check_indexer_plan(plan).ok());
 }
 
 TEST(IndexerChecks, WorkspaceLayoutIsAlignedAndSizedByTheShapes) {
@@ -640,6 +645,113 @@ TEST(IndexerReference, LogitsMatchFloat64) {
   }
   EXPECT_GT(positive, 0);
   EXPECT_LT(positive, n_pools);
+}
+
+// reference::indexer_logit_bounds, the bound the GPU's FP32-accumulated
+// logits are held to: FP32 sums of the head dots in two orders (serial, and
+// eight blocks of 16 products as the MMA's k steps) stay well inside it, while
+// the error of a wrong fragment layout (two dims of q swapped) does not.
+TEST(IndexerReference, LogitBoundsCoverFp32AccumulationAndCatchAWrongLayout) {
+  std::mt19937_64 rng(testing::test_seed());
+  IndexerPlan plan;
+  plan.block_size = 256;
+  HostState state(plan, 1, 4, rng);
+  fill_random_pools(state, rng);
+  const StepInputs step = random_step({0}, {0}, rng);
+  std::vector<uint8_t> q(kHeads * kDim);
+  std::vector<float> w(kHeads);
+  for (int h = 0; h < kHeads; ++h) {
+    w[h] = fold_head_weight(step.head_weights[h], hadamard_quantize(&step.index_q[h * kDim], &q[h * kDim]));
+  }
+  const int64_t n_pools = 4 * 64;
+  const std::vector<float> exact = reference::indexer_logits(plan, state.view, 0, n_pools, q.data(), w.data());
+  const std::vector<double> bounds = reference::indexer_logit_bounds(plan, state.view, 0, n_pools, q.data(), w.data());
+  // The logits with each head dot summed in FP32 by `dot`, then the reference's chain.
+  const auto logits_with = [&](auto dot) {
+    std::vector<float> logits(n_pools);
+    for (int64_t p = 0; p < n_pools; ++p) {
+      const reference::PoolEntry entry = reference::read_pool(plan, state.view, 0, p);
+      float sum = 0.0f;
+      for (int h = 0; h < kHeads; ++h) sum = std::fma(w[h], std::fmax(dot(&q[h * kDim], entry.codes), 0.0f), sum);
+      logits[p] = sum * entry.scale;
+    }
+    return logits;
+  };
+  const auto value = [](uint8_t code) { return num::e4m3_to_float(code); };
+  const std::vector<float> serial = logits_with([&](const uint8_t* a, const uint8_t* b) {
+    float sum = 0.0f;
+    for (int i = 0; i < kDim; ++i) sum += value(a[i]) * value(b[i]);
+    return sum;
+  });
+  const std::vector<float> blocked = logits_with([&](const uint8_t* a, const uint8_t* b) {
+    float sum = 0.0f;
+    for (int step = 0; step < kDim / 16; ++step) {
+      double block = 0;  // 16 exact products, one rounding into the accumulator
+      for (int i = 16 * step; i < 16 * step + 16; ++i) block += double(value(a[i])) * value(b[i]);
+      sum = static_cast<float>(double(sum) + block);
+    }
+    return sum;
+  });
+  const std::vector<float> swapped = logits_with([&](const uint8_t* a, const uint8_t* b) {
+    float sum = 0.0f;
+    for (int i = 0; i < kDim; ++i) sum += value(a[i ^ 1]) * value(b[i]);
+    return sum;
+  });
+  double worst_serial = 0, worst_blocked = 0;
+  int64_t wrong_outside = 0;
+  for (int64_t p = 0; p < n_pools; ++p) {
+    ASSERT_GT(bounds[p], 0.0) << "pool " << p;
+    worst_serial = std::max(worst_serial, std::fabs(double(serial[p]) - exact[p]) / bounds[p]);
+    worst_blocked = std::max(worst_blocked, std::fabs(double(blocked[p]) - exact[p]) / bounds[p]);
+    wrong_outside += std::fabs(double(swapped[p]) - exact[p]) > bounds[p];
+  }
+  EXPECT_LT(worst_serial, 0.1);
+  EXPECT_LT(worst_blocked, 0.1);
+  EXPECT_GT(wrong_outside, n_pools * 9 / 10);
+}
+
+// indexer_select_on_logits over the reference's own logits gives indexer_select's
+// rows; logits of the wrong length are rejected with the token named.
+TEST(IndexerReference, SelectOnLogitsFollowsTheGivenLogits) {
+  std::mt19937_64 rng(testing::test_seed());
+  IndexerPlan plan;
+  plan.block_size = 256;
+  plan.max_context = 8192 + 3;
+  const std::vector<int64_t> positions = {8192 + 1, 100, 4096 + 2};
+  const std::vector<int32_t> requests = {0, 1, 2};
+  HostState state(plan, 3, plan.max_context / 256 + 1, rng);
+  fill_random_pools(state, rng);
+  const StepInputs step = random_step(positions, requests, rng);
+  LayerParams params(rng);
+  reference::IndexerQueryHost query;
+  int64_t errors = -1;
+  DSA_ASSERT_OK(reference::indexer_prepare(plan, step.view(), params.view, state.view, &query, &errors));
+  reference::IndexerRowsHost expected, got;
+  DSA_ASSERT_OK(reference::indexer_select(plan, step.view(), query, state.view, &expected));
+  std::vector<std::vector<float>> logits(3);
+  for (int t : {0, 2}) {
+    logits[t] = reference::indexer_logits(plan, state.view, t, (positions[t] + 1) / 4, &query.q_fp8[t * kHeads * kDim],
+                                          &query.head_weights[t * kHeads]);
+  }
+  DSA_ASSERT_OK(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got));
+  EXPECT_EQ(got.topk_positions, expected.topk_positions);
+  EXPECT_EQ(got.slots, expected.slots);
+  // Raising the logit of a pool the exact selection left out puts it in the rows.
+  int32_t left_out = 0;
+  while (std::binary_search(expected.topk_positions.begin(), expected.topk_positions.begin() + kIndexerPooledColumns,
+                            4 * left_out)) {
+    ++left_out;
+  }
+  logits[0][left_out] = std::numeric_limits<float>::max();
+  DSA_ASSERT_OK(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got));
+  EXPECT_TRUE(std::binary_search(got.topk_positions.begin(), got.topk_positions.begin() + kIndexerPooledColumns,
+                                 4 * left_out));
+  logits[2].pop_back();
+  expect_rejected(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got), "logits[2]",
+                  "1024 pools");
+  logits.pop_back();
+  expect_rejected(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got), "logits",
+                  "3 rows");
 }
 
 TEST(IndexerReference, RowsForShortContexts) {
