@@ -1,6 +1,6 @@
 // dsa-decode's command line (tools/options.h): --value-up-tokens's parsing,
 // its errors, the measured default and the choice it makes per step;
-// --indexer-projections.
+// --indexer-projections and --indexer-logits.
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -117,6 +117,21 @@ TEST(DsaDecodeOptions, IndexerProjectionsDefaultsToTheGemvAndTakesOnlyItsTwoKern
   for (const std::string value : {"", "GEMV", "cublas", "gemv,cublaslt"}) {
     EXPECT_FALSE(parse({"--indexer-projections=" + value}, &options, &error)) << value;
     EXPECT_EQ(error, "--indexer-projections: got '" + value + "', expected gemv or cublaslt");
+  }
+}
+
+TEST(DsaDecodeOptions, IndexerLogitsDefaultsToExactAndTakesOnlyItsTwoValues) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
+  EXPECT_FALSE(options.indexer_logits_fp32);
+  ASSERT_TRUE(parse({"--indexer-logits", "fp32-accumulation"}, &options, &error)) << error;
+  EXPECT_TRUE(options.indexer_logits_fp32);
+  ASSERT_TRUE(parse({"--indexer-logits=exact"}, &options, &error)) << error;
+  EXPECT_FALSE(options.indexer_logits_fp32);
+  for (const std::string value : {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"}) {
+    EXPECT_FALSE(parse({"--indexer-logits=" + value}, &options, &error)) << value;
+    EXPECT_EQ(error, "--indexer-logits: got '" + value + "', expected exact or fp32-accumulation");
   }
 }
 

@@ -129,7 +129,13 @@ int failed(const Status& status) {
 
 }  // namespace
 
-int run_cpu_path(const StepShape& s, const Options& options) {
+int run_cpu_path(const StepShape& shape, const Options& options) {
+  // The reference's logits are exact: --indexer-logits chooses the GPU's dots.
+  StepShape s = shape;
+  if (s.indexer_logits != IndexerLogits::kExact) {
+    std::printf("--indexer-logits fp32-accumulation applies to the GPU path; the CPU reference's logits are exact\n");
+    s.indexer_logits = IndexerLogits::kExact;
+  }
   const uint64_t seed = options.seed;
   HostWeights weights;
   HostStepInputs inputs;

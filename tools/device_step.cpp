@@ -417,6 +417,10 @@ Status DeviceStep::download(cudaStream_t stream, StepOutputs* out) const {
   DSA_RETURN_IF_ERROR(copy_to_host(cache_stock_, &out->cache_stock, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(topk_slots_fused_, &out->topk_slots_fused, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(topk_slots_stock_, &out->topk_slots_stock, stream));
+  const IndexerWorkspaceLayout layout = indexer_workspace_layout(s_.indexer_plan());
+  out->indexer_logits.resize(size_t(s_.m) * layout.logits_stride);
+  DSA_CUDA_RETURN(cudaMemcpyAsync(out->indexer_logits.data(), indexer_workspace_.as<char>() + layout.logits,
+                                  bytes_of(out->indexer_logits), cudaMemcpyDeviceToHost, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(indexer_ring_, &out->indexer_ring, stream));
   DSA_RETURN_IF_ERROR(copy_to_host(indexer_k_cache_, &out->indexer_k_cache, stream));
   std::vector<unsigned int> counts;

@@ -43,6 +43,7 @@ bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape,
     return false;
   }
   *shape = dsa::cli::make_step_shape(rank, options.tokens, options.context);
+  if (options.indexer_logits_fp32) shape->indexer_logits = dsa::IndexerLogits::kFp32Accumulation;
   return true;
 }
 

@@ -139,7 +139,10 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
       {"indexer_prepare", "indexer prepare (k norm, q quant, pools)", "shared", prepare, &DeviceStep::indexer_prepare},
       {"absorb", "absorb + FP8 quant + cache write (head_gemv)", "fused", w_uk + q + fp8 * m * H * L + cache_write,
        &DeviceStep::fused_absorb},
-      {"indexer_select", "indexer select (logits, top-512, slots)", "fused", select,
+      {"indexer_select",
+       s.indexer_logits == IndexerLogits::kExact ? "indexer select (logits, top-512, slots)"
+                                                 : "indexer select (FP32-acc. logits, top-512, slots)",
+       "fused", select,
        &DeviceStep::fused_indexer_select},
       {"attention", "sparse attention (sparse_mla)", "fused", attention, &DeviceStep::fused_attention},
       {value_up_bmm ? "value_up_bmm" : "value_up",
@@ -349,17 +352,22 @@ Mismatches count_mismatches(const std::vector<T>& got, const std::vector<T>& wan
 struct IndexerReference {
   IndexerHostState state;
   reference::IndexerRowsHost rows;
+  GpuIndexerLogits logits;  // under FP32-accumulated logits: the GPU's, judged against the exact ones
   int64_t errors = 0;  // untrusted block table entries met by the prefill and the step
   double ms = 0;       // CPU time
 };
 
 Status run_indexer_reference(const StepShape& s, const HostWeights& w, const IndexerProjections& projections,
-                             const HostStepInputs& in, const IndexerTokenRows& history, IndexerReference* cpu) {
+                             const HostStepInputs& in, const IndexerTokenRows& history,
+                             const std::vector<float>& gpu_logits, IndexerReference* cpu) {
   const auto start = std::chrono::steady_clock::now();
   cpu->state = make_indexer_state(s);
   int64_t prefill_errors = 0;
   DSA_RETURN_IF_ERROR(reference_indexer_prefill(s, w, history, &cpu->state, &prefill_errors));
-  DSA_RETURN_IF_ERROR(reference_indexer_step(s, w, projections, in, &cpu->state, &cpu->rows, &cpu->errors));
+  cpu->logits.logits = &gpu_logits;
+  cpu->logits.stride = indexer_workspace_layout(s.indexer_plan()).logits_stride;
+  DSA_RETURN_IF_ERROR(
+      reference_indexer_step(s, w, projections, in, &cpu->state, &cpu->rows, &cpu->errors, &cpu->logits));
   cpu->errors += prefill_errors;
   cpu->ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return Status();
@@ -372,7 +380,10 @@ Check check_indexer_rows(const StepShape& s, const IndexerReference& cpu, const 
   const bool pass = d.count == 0 && gpu.indexer_state_errors == 0 && gpu.indexer_select_errors_fused == 0 &&
                     cpu.errors == 0;
   const int64_t last_context = s.context + s.m;
-  return judged("indexer slots (select) vs CPU reference", pass,
+  const bool own_logits = s.indexer_logits == IndexerLogits::kFp32Accumulation;
+  return judged(own_logits ? "indexer slots (select) vs CPU selection over the GPU's logits"
+                           : "indexer slots (select) vs CPU reference",
+                pass,
                 format("bitwise: %zu of %zu slots differ (first: token %zu, column %zu); %d indexer request(s), up "
                        "to %lld pools scored; error counters: prefill and prepare %u, select %u, CPU %lld; CPU "
                        "prefill and step %.0f ms",
@@ -386,6 +397,16 @@ Check check_indexer_rows(const StepShape& s, const IndexerReference& cpu, const 
 
 // What the GPU prefill and prepare left: the whole ring and every K cache
 // page, unwritten entries included.
+// Under FP32-accumulated logits, the GPU's logits of every scored pool
+// against the exact ones, within reference::indexer_logit_bounds.
+Check check_indexer_logits(const IndexerReference& cpu) {
+  const GpuIndexerLogits& l = cpu.logits;
+  return judged("indexer logits (FP32 accumulation) vs exact", l.outside == 0,
+                format("%lld of %lld pools outside their bound (reference::indexer_logit_bounds); worst |error| / "
+                       "bound %.3g",
+                       static_cast<long long>(l.outside), static_cast<long long>(l.scored), l.worst));
+}
+
 Check check_indexer_state(const IndexerReference& cpu, const StepOutputs& gpu) {
   const Mismatches ring = count_mismatches(gpu.indexer_ring, cpu.state.ring);
   const Mismatches pages = count_mismatches(gpu.indexer_k_cache, cpu.state.k_cache);
@@ -498,7 +519,8 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   DSA_RETURN_IF_ERROR(run_chain(step, kernels, kStockChain, stream, 0));
   DSA_RETURN_IF_ERROR(step.download(stream, &after_both));
   IndexerReference indexer;
-  DSA_RETURN_IF_ERROR(run_indexer_reference(s, w, after_fused.indexer_projections, in, indexer_history, &indexer));
+  DSA_RETURN_IF_ERROR(run_indexer_reference(s, w, after_fused.indexer_projections, in, indexer_history,
+                                            after_fused.indexer_logits, &indexer));
 
   std::printf("\nchecks (fused chain, then stock chain, once each):\n");
   auto add = [&](Check check) {
@@ -513,6 +535,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   add(check_indexer_projections(s, w, in, projections_cublaslt ? "cuBLASLt" : "GEMV", after_fused));
   if (!projections_cublaslt) add(check_indexer_projections_gemv(s, w, in, after_fused));
   add(check_indexer_state(indexer, after_fused));
+  if (s.indexer_logits == IndexerLogits::kFp32Accumulation) add(check_indexer_logits(indexer));
   add(check_indexer_rows(s, indexer, after_fused));
   add(check_attention(s, w, after_fused));
   add(check_value_up(s, w, value_up, after_fused));
@@ -606,6 +629,8 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
               kCacheBlockSize, s.L, static_cast<long long>(s.context), static_cast<long long>(s.context + s.m - 1));
   std::printf("%s\n", s.describe_indexer().c_str());
   std::printf("value_up in the fused path: %s; %s\n", value_up_kernel_name(value_up.kernel), value_up.reason.c_str());
+  std::printf("indexer logits (both paths' selects): %s\n",
+              s.indexer_logits == IndexerLogits::kExact ? "exact" : "FP32 accumulation");
   std::printf("indexer projections (both paths): %s\n",
               options.projections_cublaslt ? "indexer_project (cuBLASLt)" : "indexer_project_gemv");
 
@@ -620,6 +645,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   report->value_up_kernel = value_up_kernel_name(value_up.kernel);
   report->value_up_reason = value_up.reason;
   report->indexer_projections_kernel = options.projections_cublaslt ? "indexer_project" : "indexer_project_gemv";
+  report->indexer_logits = s.indexer_logits == IndexerLogits::kExact ? "exact" : "fp32_accumulation";
   DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, value_up.kernel,
                                  options.projections_cublaslt, step, kernels, ctx.stream, &report->checks));
   DSA_RETURN_IF_ERROR(time_all(ctx, step, kernels, copies, options.steps, &report->timings));

@@ -46,8 +46,8 @@ ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
 void print_usage(FILE* to) {
   std::fprintf(to,
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
-               "                  [--value-up-tokens LIST] [--indexer-projections KERNEL] [--json FILE] [--cpu]\n"
-               "                  [--help]\n"
+               "                  [--value-up-tokens LIST] [--indexer-projections KERNEL] [--indexer-logits DOTS]\n"
+               "                  [--json FILE] [--cpu] [--help]\n"
                "Runs one decode step of a DSA layer's attention half on a synthetic layer, through the\n"
                "fused path and the stock path, checks they agree with each other and with the CPU\n"
                "reference, and times each kernel and each chain (CUDA-graph replay, cold L2).\n"
@@ -68,6 +68,10 @@ void print_usage(FILE* to) {
                "  --indexer-projections KERNEL\n"
                "                 the indexer's four projections (a step both paths share): gemv (default;\n"
                "                 indexer_project_gemv, one launch) or cublaslt (indexer_project, four GEMMs)\n"
+               "  --indexer-logits DOTS\n"
+               "                 the indexer select's head dots (both paths): exact (default; FP64 tensor\n"
+               "                 cores, rows bitwise the reference's) or fp32-accumulation (FP16 tensor cores,\n"
+               "                 logits within a stated bound, rows the selection over the GPU's logits)\n"
                "  --json FILE    write the timings and checks as JSON (GPU path)\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
@@ -94,6 +98,7 @@ std::string expected_value(const std::string& option) {
   if (option == "--seed") return "an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
   if (option == "--json") return "a file name";
   if (option == "--indexer-projections") return "gemv or cublaslt";
+  if (option == "--indexer-logits") return "exact or fp32-accumulation";
   if (option == "--value-up-tokens") {
     return "a comma-separated list of token counts from 1 to " + std::to_string(kMaxDecodeTokens) +
            " (e.g. 1,2), none or auto";
@@ -169,6 +174,14 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
       return false;
     }
     o->projections_cublaslt = value == "cublaslt";
+    return true;
+  }
+  if (option == "--indexer-logits") {
+    if (value != "exact" && value != "fp32-accumulation") {
+      *error = bad_value(option, value);
+      return false;
+    }
+    o->indexer_logits_fp32 = value == "fp32-accumulation";
     return true;
   }
   if (value.empty()) {  // --preset (resolved against the preset table by the caller), --json

@@ -25,6 +25,9 @@ struct Options {
   // step both paths share ("gemv": indexer_project_gemv; "cublaslt":
   // indexer_project).
   bool projections_cublaslt = false;
+  // --indexer-logits: the select's dots in both paths (IndexerPlan::logits):
+  // exact (default) or fp32-accumulation.
+  bool indexer_logits_fp32 = false;
   bool force_cpu = false;
   bool help = false;
 };

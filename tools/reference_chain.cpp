@@ -1,5 +1,6 @@
 #include "reference_chain.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "dsa_decode/numerics.h"
@@ -190,7 +191,7 @@ IndexerProjections stored_projections(const reference::IndexerProjectionsHost& e
 
 Status reference_indexer_step(const StepShape& s, const HostWeights& w, const IndexerProjections& projections,
                               const HostStepInputs& in, IndexerHostState* state, reference::IndexerRowsHost* rows,
-                              int64_t* errors) {
+                              int64_t* errors, GpuIndexerLogits* gpu_logits) {
   const IndexerPlan plan = s.indexer_plan();
   reference::IndexerStateHost view = state->view();
   const reference::IndexerStepHost step{s.m,
@@ -202,7 +203,38 @@ Status reference_indexer_step(const StepShape& s, const HostWeights& w, const In
                                         in.token_requests.data()};
   reference::IndexerQueryHost query;
   DSA_RETURN_IF_ERROR(reference::indexer_prepare(plan, step, indexer_params(w), view, &query, errors));
-  DSA_RETURN_IF_ERROR(reference::indexer_select(plan, step, query, view, rows));
+  if (plan.logits == IndexerLogits::kExact) {
+    DSA_RETURN_IF_ERROR(reference::indexer_select(plan, step, query, view, rows));
+  } else {
+    if (gpu_logits == nullptr || gpu_logits->logits == nullptr ||
+        gpu_logits->logits->size() < size_t(s.m) * size_t(gpu_logits->stride)) {
+      return invalid_argument("gpu_logits", "the GPU select's logits [m, stride] (FP32-accumulated logits)",
+                              "none or fewer");
+    }
+    std::vector<std::vector<float>> logits(s.m);
+    for (int t = 0; t < s.m; ++t) {
+      const int64_t request = in.token_requests[t], context = in.positions[t] + 1;
+      if (request < 0 || context <= kIndexerPooledColumns) continue;
+      const int64_t pools = context / kIndexerPoolSize;
+      const float* row = gpu_logits->logits->data() + size_t(t) * gpu_logits->stride;
+      logits[t].assign(row, row + pools);
+      const uint8_t* q = &query.q_fp8[size_t(t) * kIndexerHeads * kIndexerDim];
+      const float* weights = &query.head_weights[size_t(t) * kIndexerHeads];
+      const std::vector<float> exact = reference::indexer_logits(plan, view, request, pools, q, weights);
+      const std::vector<double> bounds = reference::indexer_logit_bounds(plan, view, request, pools, q, weights);
+      for (int64_t p = 0; p < pools; ++p) {
+        ++gpu_logits->scored;
+        if (std::isinf(exact[p])) {  // an untrusted page: -inf on both sides
+          gpu_logits->outside += row[p] != exact[p];
+          continue;
+        }
+        const double error = std::fabs(double(row[p]) - double(exact[p]));
+        gpu_logits->outside += !(error <= bounds[p]);
+        if (bounds[p] > 0) gpu_logits->worst = std::max(gpu_logits->worst, error / bounds[p]);
+      }
+    }
+    DSA_RETURN_IF_ERROR(reference::indexer_select_on_logits(plan, step, logits, view, rows));
+  }
   *errors += rows->errors;
   return Status();
 }

@@ -103,11 +103,23 @@ reference::IndexerProjectionBitsHost reference_indexer_project_gemv(const StepSh
 // nearest even, head_weights FP32): the CPU path's projections.
 IndexerProjections stored_projections(const reference::IndexerProjectionsHost& exact);
 
+// The GPU select's logits under IndexerLogits::kFp32Accumulation, and what
+// reference_indexer_step found of them.
+struct GpuIndexerLogits {
+  const std::vector<float>* logits = nullptr;  // [m, stride]: StepOutputs::indexer_logits
+  int64_t stride = 0;                          // indexer_workspace_layout(plan).logits_stride
+  double worst = 0;     // out: the largest |GPU - exact| / bound (reference::indexer_logit_bounds)
+  int64_t outside = 0;  // out: pools outside their bound
+  int64_t scored = 0;   // out: pools compared
+};
+
 // indexer_prepare, then indexer_select, of the step on `state` from its
 // `projections` and the positions and requests of `in`: rows [m, 2176] of
-// request-local positions and of KV slots.
+// request-local positions and of KV slots. Under the plan's
+// kFp32Accumulation the rows are the selection over the GPU's logits
+// (`gpu_logits`, required then), which are compared with the exact ones.
 Status reference_indexer_step(const StepShape& s, const HostWeights& w, const IndexerProjections& projections,
                               const HostStepInputs& in, IndexerHostState* state, reference::IndexerRowsHost* rows,
-                              int64_t* errors);
+                              int64_t* errors, GpuIndexerLogits* gpu_logits = nullptr);
 
 }  // namespace dsa::cli

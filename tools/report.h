@@ -37,6 +37,7 @@ struct RunReport {
   std::string value_up_kernel;  // what the fused path's value-up ran: "head_gemv" or "cuBLAS bmm"
   std::string value_up_reason;  // why (choose_value_up)
   std::string indexer_projections_kernel;  // both paths': "indexer_project_gemv" or "indexer_project"
+  std::string indexer_logits;              // both selects': "exact" or "fp32_accumulation"
   std::vector<Check> checks;
   std::vector<Timing> timings;
 };

@@ -126,6 +126,7 @@ IndexerPlan StepShape::indexer_plan() const {
   plan.max_context = context + m;
   plan.ring = kIndexerRing;
   plan.block_size = kCacheBlockSize;
+  plan.logits = indexer_logits;
   return plan;
 }
 

@@ -57,6 +57,7 @@ struct StepShape {
   int V;  // v_head
   int m;  // decode tokens
   int64_t context;  // tokens already cached; the new ones go to slots context..context+m-1
+  IndexerLogits indexer_logits = IndexerLogits::kExact;  // the select's dots (--indexer-logits)
 
   int64_t q_width() const { return int64_t{H} * P; }  // q_b_proj's out features
   int qkv_width() const { return Q + L; }
@@ -65,7 +66,7 @@ struct StepShape {
   int64_t indexer_prefill_tokens(int request) const {
     return context + int64_t{request} * kIndexerTokensPerRequest;
   }
-  // max_tokens m, max_context context + m, RING kIndexerRing, block size kCacheBlockSize.
+  // max_tokens m, max_context context + m, RING kIndexerRing, block size kCacheBlockSize, indexer_logits.
   IndexerPlan indexer_plan() const;
   std::string describe() const;  // "glm5next TP1 (D=4096, H=64, Q=1536, L=512, P=256, V=256), m=4, context 32768"
   // "indexer: RING 8, one request prefilled with the 32768 context positions; block table [1, 129] ..."
