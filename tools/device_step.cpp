@@ -70,8 +70,7 @@ void* ReplicatedBuffer::copy(int i) const { return memory_.as<char>() + (i % cop
 
 Status DeviceStep::init(const StepShape& shape, const HostWeights& w, const HostStepInputs& in,
                         const IndexerTokenRows& indexer_history, const HostCache& cache, int weight_copies,
-                        ValueUpKernel value_up, bool projections_cublaslt, cublasHandle_t handle,
-                        cudaStream_t stream) {
+                        ValueUpKernel value_up, bool projections_cublaslt, cublasHandle_t handle, cudaStream_t stream) {
   if (cache.first_block != 0 || cache.blocks != shape.cache_blocks()) {
     return invalid_argument("cache", "the whole cache (" + std::to_string(shape.cache_blocks()) + " blocks from 0)",
                             std::to_string(cache.blocks) + " blocks from " + std::to_string(cache.first_block));

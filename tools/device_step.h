@@ -63,7 +63,7 @@ struct StepOutputs {
   std::vector<uint16_t> out_fused, out_stock;     // [m, H, V]
   std::vector<uint8_t> cache_fused, cache_stock;  // whole caches
   std::vector<int32_t> topk_slots_fused, topk_slots_stock;  // [m, 2176] the selects' rows of KV slots
-  std::vector<float> indexer_logits;  // [m, logits_stride] the last select's workspace logits
+  std::vector<float> indexer_logits;                        // [m, logits_stride] the last select's workspace logits
   std::vector<uint16_t> indexer_ring;    // [indexer requests, 2, kIndexerRing, 128] BF16
   std::vector<uint8_t> indexer_k_cache;  // [cache blocks, kIndexerPageBytes]
   unsigned int skipped_slots_fused = 0, skipped_slots_stock = 0;  // the cache writes' error counters

@@ -130,8 +130,7 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
   const double select = q_fp8_and_weights + 12.0 * m + pools_scored * kIndexerPoolBytes + top_k_rows;
   const bool value_up_bmm = value_up == ValueUpKernel::kCublasBmm;
   return {
-      {"norm", "norm (q and kv RMSNorm, one launch)", "shared", bf16 * (2 * m * (Q + L) + (Q + L)),
-       &DeviceStep::norm},
+      {"norm", "norm (q and kv RMSNorm, one launch)", "shared", bf16 * (2 * m * (Q + L) + (Q + L)), &DeviceStep::norm},
       {"q_b_proj", "q_b_proj (cuBLAS GEMM)", "shared", bf16 * H * P * Q + bf16 * m * Q + q, &DeviceStep::q_b_proj},
       {projections_cublaslt ? "indexer_project" : "indexer_project_gemv",
        projections_cublaslt ? "indexer projections (cuBLASLt, 4 GEMMs)" : "indexer projections (GEMV, one launch)",
@@ -142,8 +141,7 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
       {"indexer_select",
        s.indexer_logits == IndexerLogits::kExact ? "indexer select (logits, top-512, slots)"
                                                  : "indexer select (FP32-acc. logits, top-512, slots)",
-       "fused", select,
-       &DeviceStep::fused_indexer_select},
+       "fused", select, &DeviceStep::fused_indexer_select},
       {"attention", "sparse attention (sparse_mla)", "fused", attention, &DeviceStep::fused_attention},
       {value_up_bmm ? "value_up_bmm" : "value_up",
        value_up_bmm ? "value_up (cuBLAS bmm, m not in --value-up-tokens)" : "value_up (head_gemv)", "fused",
@@ -152,7 +150,8 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
        &DeviceStep::stock_indexer_select},
       {"stock_cache_write", "concat_and_cache_mla", "stock", cache_write, &DeviceStep::stock_cache_write},
       {"stock_absorb_bmm", "absorb bmm (cuBLAS)", "stock", w_uk + q + bf16 * m * H * L, &DeviceStep::stock_absorb_bmm},
-      {"stock_fp8_quant", "static FP8 quant", "stock", bf16 * m * H * L + fp8 * m * H * L, &DeviceStep::stock_fp8_quant},
+      {"stock_fp8_quant", "static FP8 quant", "stock", bf16 * m * H * L + fp8 * m * H * L,
+       &DeviceStep::stock_fp8_quant},
       {"stock_counter_memset", "split counters memset", "stock", counters, &DeviceStep::stock_counter_memset},
       {"stock_attention", "sparse attention (sparse_mla, stock inputs)", "stock", attention,
        &DeviceStep::stock_attention},
@@ -266,8 +265,8 @@ ProjectionError projection_error(const std::vector<T>& got, const reference::Exa
 // Either kernel's sums against the float64 reference with indexer_project's
 // tolerance (src/indexer/indexer_reference.h): cuBLASLt sums in an order it
 // does not state, the GEMV is also checked bit for bit below.
-Check check_indexer_projections(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
-                                const char* kernel, const StepOutputs& gpu) {
+Check check_indexer_projections(const StepShape& s, const HostWeights& w, const HostStepInputs& in, const char* kernel,
+                                const StepOutputs& gpu) {
   const reference::IndexerProjectionsHost exact = reference_indexer_project(s, w, gpu.q_c, in.hidden);
   const IndexerProjections& p = gpu.indexer_projections;
   const ProjectionError q = projection_error(p.index_q, exact.index_q, DType::kBF16);
@@ -290,12 +289,13 @@ Check check_indexer_projections_gemv(const StepShape& s, const HostWeights& w, c
   const size_t bf16_differing = bf16_difference(p.index_q, cpu.index_q).differing +
                                 bf16_difference(p.index_k, cpu.index_k).differing +
                                 bf16_difference(p.gate, cpu.gate).differing;
-  const bool weights_equal = p.head_weights.size() == cpu.head_weights.size() &&
-                             std::memcmp(p.head_weights.data(), cpu.head_weights.data(),
-                                         sizeof(float) * cpu.head_weights.size()) == 0;
-  return judged("indexer projections (GEMV) vs CPU reference", bf16_differing == 0 && weights_equal,
-                format("bitwise: %zu BF16 values of index_q, index_k and gate differ; head_weights %s; on the GPU's q_c",
-                       bf16_differing, weights_equal ? "equal" : "differ"));
+  const bool weights_equal =
+      p.head_weights.size() == cpu.head_weights.size() &&
+      std::memcmp(p.head_weights.data(), cpu.head_weights.data(), sizeof(float) * cpu.head_weights.size()) == 0;
+  return judged(
+      "indexer projections (GEMV) vs CPU reference", bf16_differing == 0 && weights_equal,
+      format("bitwise: %zu BF16 values of index_q, index_k and gate differ; head_weights %s; on the GPU's q_c",
+             bf16_differing, weights_equal ? "equal" : "differ"));
 }
 
 // A head_gemv output against its CPU reference, bitwise; `values` and `step`
@@ -381,18 +381,16 @@ Check check_indexer_rows(const StepShape& s, const IndexerReference& cpu, const 
                     cpu.errors == 0;
   const int64_t last_context = s.context + s.m;
   const bool own_logits = s.indexer_logits == IndexerLogits::kFp32Accumulation;
-  return judged(own_logits ? "indexer slots (select) vs CPU selection over the GPU's logits"
-                           : "indexer slots (select) vs CPU reference",
-                pass,
-                format("bitwise: %zu of %zu slots differ (first: token %zu, column %zu); %d indexer request(s), up "
-                       "to %lld pools scored; error counters: prefill and prepare %u, select %u, CPU %lld; CPU "
-                       "prefill and step %.0f ms",
-                       d.count, cpu.rows.slots.size(), d.first / kTopKWidth, d.first % kTopKWidth,
-                       s.indexer_requests(),
-                       static_cast<long long>(last_context > kIndexerPooledColumns ? last_context / kIndexerPoolSize
-                                                                                   : 0),
-                       gpu.indexer_state_errors, gpu.indexer_select_errors_fused, static_cast<long long>(cpu.errors),
-                       cpu.ms));
+  return judged(
+      own_logits ? "indexer slots (select) vs CPU selection over the GPU's logits"
+                 : "indexer slots (select) vs CPU reference",
+      pass,
+      format("bitwise: %zu of %zu slots differ (first: token %zu, column %zu); %d indexer request(s), up "
+             "to %lld pools scored; error counters: prefill and prepare %u, select %u, CPU %lld; CPU "
+             "prefill and step %.0f ms",
+             d.count, cpu.rows.slots.size(), d.first / kTopKWidth, d.first % kTopKWidth, s.indexer_requests(),
+             static_cast<long long>(last_context > kIndexerPooledColumns ? last_context / kIndexerPoolSize : 0),
+             gpu.indexer_state_errors, gpu.indexer_select_errors_fused, static_cast<long long>(cpu.errors), cpu.ms));
 }
 
 // What the GPU prefill and prepare left: the whole ring and every K cache
@@ -511,8 +509,8 @@ Check report_saturation(const StepShape& s, const StepOutputs& gpu) {
 // `indexer_history`. Each check is printed as soon as it is known.
 Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
                   const IndexerTokenRows& indexer_history, const HostCache& initial_cache, ValueUpKernel value_up,
-                  bool projections_cublaslt, const DeviceStep& step, const std::vector<Kernel>& kernels, cudaStream_t stream,
-                  std::vector<Check>* checks) {
+                  bool projections_cublaslt, const DeviceStep& step, const std::vector<Kernel>& kernels,
+                  cudaStream_t stream, std::vector<Check>* checks) {
   StepOutputs after_fused, after_both;
   DSA_RETURN_IF_ERROR(run_chain(step, kernels, kFusedChain, stream, 0));
   DSA_RETURN_IF_ERROR(step.download(stream, &after_fused));
@@ -620,9 +618,8 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   const int copies = weight_copies(ctx, s);
   const ValueUpChoice value_up = choose_value_up(options, s.H, s.m);
   DeviceStep step;
-  DSA_RETURN_IF_ERROR(
-      step.init(s, weights, inputs, indexer_history, cache, copies, value_up.kernel, options.projections_cublaslt,
-                cublas.get(), ctx.stream));
+  DSA_RETURN_IF_ERROR(step.init(s, weights, inputs, indexer_history, cache, copies, value_up.kernel,
+                                options.projections_cublaslt, cublas.get(), ctx.stream));
   std::printf("synthetic layer (seed %llu), %d weight copies; KV cache [%lld, %d, %d] FP8 e4m3, new tokens at slots "
               "%lld..%lld\n",
               static_cast<unsigned long long>(options.seed), copies, static_cast<long long>(s.cache_blocks()),

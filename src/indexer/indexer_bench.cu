@@ -320,7 +320,9 @@ Status run(Context& ctx, Report& report) {
       DSA_RETURN_IF_ERROR(time_select(ctx, b, with_fp32_accumulation(indexer_select), &fast_us));
       DSA_RETURN_IF_ERROR(time_select(ctx, b, with_fp32_accumulation(indexer_select_logits_only), &fast_logits_us));
       Row fast_row{"indexer (FP32-accumulated logits)", row.params, fast_us, "indexer", fused_us, row.floor_us};
-      fast_row.note = "plan.logits = kFp32Accumulation: each head dot on the FP16 tensor cores (mma 16x8x16, e4m3 -> FP16 exact, FP32 accumulators), the same select";
+      fast_row.note =
+          "plan.logits = kFp32Accumulation: each head dot on the FP16 tensor cores (mma 16x8x16, e4m3 -> FP16 exact, "
+          "FP32 accumulators), the same select";
       report.add(fast_row);
       Row fast_logits_row{"indexer logits kernel alone (FP32 accumulation)", row.params, fast_logits_us,
                           "indexer logits kernel alone", logits_us};

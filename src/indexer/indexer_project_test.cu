@@ -747,6 +747,17 @@ void check_gemv(int m, const ProjectPadding& padding, const HostWeights& weights
   cudaStreamDestroy(stream);
 }
 
+// check_gemv at each token count of `counts` (until the first failure), then
+// the weights unchanged; `what` names the case.
+void check_gemv_counts(const std::vector<int>& counts, const ProjectPadding& padding, const HostWeights& weights,
+                       const DeviceWeights& device_weights, std::mt19937_64& rng, const std::string& what) {
+  for (int m : counts) {
+    check_gemv(m, padding, weights, device_weights, rng, "gemv m " + std::to_string(m) + what);
+    if (::testing::Test::HasFailure()) return;
+  }
+  expect_weights_unchanged(device_weights, weights);
+}
+
 TEST(IndexerProjectGemvGpu, BitwiseEqualToTheReferenceAtEveryTokenCount) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed());
@@ -757,11 +768,7 @@ TEST(IndexerProjectGemvGpu, BitwiseEqualToTheReferenceAtEveryTokenCount) {
     counts.clear();
     for (int m = 1; m <= kIndexerMaxTokens; ++m) counts.push_back(m);
   }
-  for (int m : counts) {
-    check_gemv(m, kTight, weights, device_weights, rng, "gemv m " + std::to_string(m));
-    if (HasFailure()) return;
-  }
-  expect_weights_unchanged(device_weights, weights);
+  check_gemv_counts(counts, kTight, weights, device_weights, rng, "");
 }
 
 // Every view with padded rows (NaN in the inputs' and weights' padding, poison
@@ -771,11 +778,8 @@ TEST(IndexerProjectGemvGpu, PaddedRowStrides) {
   std::mt19937_64 rng(testing::test_seed());
   const HostWeights weights(rng);
   const DeviceWeights device_weights(weights, kPadded.weight);
-  for (int m : testing::quick_mode() ? std::vector<int>{5} : std::vector<int>{1, 5, 16}) {
-    check_gemv(m, kPadded, weights, device_weights, rng, "gemv m " + std::to_string(m) + " padded");
-    if (HasFailure()) return;
-  }
-  expect_weights_unchanged(device_weights, weights);
+  check_gemv_counts(testing::quick_mode() ? std::vector<int>{5} : std::vector<int>{1, 5, 16}, kPadded, weights,
+                    device_weights, rng, " padded");
 }
 
 // Q = 1544 and D = 4104, multiples of 8 but not of 256: in the last step
@@ -786,11 +790,8 @@ TEST(IndexerProjectGemvGpu, ColumnsNotAMultipleOf256) {
   std::mt19937_64 rng(testing::test_seed());
   const HostWeights weights(rng, kQ, kD);
   const DeviceWeights device_weights(weights, 0);
-  for (int m : testing::quick_mode() ? std::vector<int>{5} : std::vector<int>{5, 16}) {
-    check_gemv(m, kTight, weights, device_weights, rng, "gemv m " + std::to_string(m) + " Q 1544 D 4104");
-    if (HasFailure()) return;
-  }
-  expect_weights_unchanged(device_weights, weights);
+  check_gemv_counts(testing::quick_mode() ? std::vector<int>{5} : std::vector<int>{5, 16}, kTight, weights,
+                    device_weights, rng, " Q 1544 D 4104");
 }
 
 // Batch invariance: each token's outputs depend only on its own q_c and x

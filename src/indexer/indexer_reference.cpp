@@ -287,13 +287,13 @@ Status select_rows(const IndexerPlan& plan, const IndexerStepHost& step, const I
 
 Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerQueryHost& query,
                       const IndexerStateHost& state, IndexerRowsHost* rows) {
-  return select_rows(plan, step, state,
-                     [&](int t, int64_t request, int64_t n_pools) {
-                       const size_t row = size_t(t) * kHeads;
-                       return indexer_logits(plan, state, request, n_pools, &query.q_fp8[row * kDim],
-                                             &query.head_weights[row]);
-                     },
-                     rows);
+  return select_rows(
+      plan, step, state,
+      [&](int t, int64_t request, int64_t n_pools) {
+        const size_t row = size_t(t) * kHeads;
+        return indexer_logits(plan, state, request, n_pools, &query.q_fp8[row * kDim], &query.head_weights[row]);
+      },
+      rows);
 }
 
 Status indexer_select_on_logits(const IndexerPlan& plan, const IndexerStepHost& step,
@@ -305,11 +305,13 @@ Status indexer_select_on_logits(const IndexerPlan& plan, const IndexerStepHost& 
   for (int t = 0; t < step.m; ++t) {
     const int64_t context = step.token_requests[t] < 0 ? 0 : step.positions[t] + 1;
     if (context > kIndexerPooledColumns && logits[t].size() != size_t(context / kIndexerPoolSize)) {
-      return invalid_argument("logits[" + std::to_string(t) + "]", std::to_string(context / kIndexerPoolSize) +
-                              " pools (L / 4)", std::to_string(logits[t].size()));
+      return invalid_argument("logits[" + std::to_string(t) + "]",
+                              std::to_string(context / kIndexerPoolSize) + " pools (L / 4)",
+                              std::to_string(logits[t].size()));
     }
   }
-  return select_rows(plan, step, state, [&](int t, int64_t, int64_t) { return logits[t]; }, rows);
+  return select_rows(
+      plan, step, state, [&](int t, int64_t, int64_t) { return logits[t]; }, rows);
 }
 
 ExactProduct exact_product(const uint16_t* input, int64_t m, int64_t k, const uint16_t* weight, int64_t n) {

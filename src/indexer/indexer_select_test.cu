@@ -256,8 +256,8 @@ double expect_follows_own_logits(const Scenario& s, DeviceStep& d, const std::st
   }
   EXPECT_EQ(outside, 0) << what << ": logits outside their bound (worst |error| / bound " << worst << ")";
   reference::IndexerRowsHost own;
-  const reference::IndexerStepHost step{s.m, nullptr, nullptr, nullptr, nullptr, s.positions.data(),
-                                        s.token_requests.data()};
+  const reference::IndexerStepHost step{
+      s.m, nullptr, nullptr, nullptr, nullptr, s.positions.data(), s.token_requests.data()};
   const Status selected = reference::indexer_select_on_logits(s.plan, step, logits, s.view, &own);
   EXPECT_TRUE(selected.ok()) << selected.to_string();
   EXPECT_TRUE(d.topk_positions.download() == own.topk_positions) << what << ": rows";
@@ -506,12 +506,11 @@ TEST(IndexerSelectGpu, TiesSignedZerosAndNaNFollowTheReference) {
 TEST(IndexerSelectGpu, Fp32AccumulatedLogitsStayWithinTheirBoundAndRowsFollowThem) {
   DSA_REQUIRE_GPU();
   const std::vector<std::vector<int64_t>> cases =
-      testing::quick_mode()
-          ? std::vector<std::vector<int64_t>>{{1, 2049, 0, 4097}}
-          : std::vector<std::vector<int64_t>>{{1, 5, 2047, 2048, 2049, 2050, 2051, 0, 2052, 4093, 4094, 4095, 4096,
-                                               4097, 5000, 6143},
-                                              {32768, 32768 + 1, 0, 32768 + 3},
-                                              {131072 + 2}};
+      testing::quick_mode() ? std::vector<std::vector<int64_t>>{{1, 2049, 0, 4097}}
+                            : std::vector<std::vector<int64_t>>{{1, 5, 2047, 2048, 2049, 2050, 2051, 0, 2052, 4093,
+                                                                 4094, 4095, 4096, 4097, 5000, 6143},
+                                                                {32768, 32768 + 1, 0, 32768 + 3},
+                                                                {131072 + 2}};
   std::mt19937_64 rng(testing::test_seed());
   cudaStream_t stream = nullptr;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -529,9 +528,10 @@ TEST(IndexerSelectGpu, Fp32AccumulatedLogitsStayWithinTheirBoundAndRowsFollowThe
       if (HasFatalFailure()) break;
       int64_t moved = 0;
       const double worst = expect_follows_own_logits(s, d, path, &moved);
-      std::printf("[fp32 accumulation] %s: worst |logit error| / bound %.3g; %lld chosen pools differ from the exact "
-                  "logits' choice\n",
-                  path.c_str(), worst, static_cast<long long>(moved));
+      std::printf(
+          "[fp32 accumulation] %s: worst |logit error| / bound %.3g; %lld chosen pools differ from the exact "
+          "logits' choice\n",
+          path.c_str(), worst, static_cast<long long>(moved));
       const std::vector<int32_t> first = d.slots.download();
       d.run(baseline, stream);
       EXPECT_TRUE(d.slots.download() == first) << path << ": a second run";

@@ -621,30 +621,46 @@ void fill_random_pools(HostState& state, std::mt19937_64& rng) {
   }
 }
 
+// One request's 256 pools of random codes and scales (one page of 64 pools
+// each), and one token's quantized q and folded head weights.
+struct OneTokenPools {
+  static constexpr int64_t n_pools = 4 * 64;
+  IndexerPlan plan;
+  HostState state;
+  std::vector<uint8_t> q = std::vector<uint8_t>(kHeads * kDim);
+  std::vector<float> w = std::vector<float>(kHeads);
+
+  static IndexerPlan make_plan() {
+    IndexerPlan p;
+    p.block_size = 256;
+    return p;
+  }
+  explicit OneTokenPools(std::mt19937_64& rng) : plan(make_plan()), state(plan, 1, 4, rng) {
+    fill_random_pools(state, rng);
+    const StepInputs step = random_step({0}, {0}, rng);
+    for (int h = 0; h < kHeads; ++h) {
+      w[h] = fold_head_weight(step.head_weights[h], hadamard_quantize(&step.index_q[h * kDim], &q[h * kDim]));
+    }
+  }
+};
+
 TEST(IndexerReference, LogitsMatchFloat64) {
   std::mt19937_64 rng(testing::test_seed());
-  IndexerPlan plan;
-  plan.block_size = 256;
-  HostState state(plan, 1, 4, rng);
-  fill_random_pools(state, rng);
-  const StepInputs step = random_step({0}, {0}, rng);
-  std::vector<uint8_t> q(kHeads * kDim);
-  std::vector<float> w(kHeads);
-  for (int h = 0; h < kHeads; ++h) {
-    w[h] = fold_head_weight(step.head_weights[h], hadamard_quantize(&step.index_q[h * kDim], &q[h * kDim]));
-  }
-  const int64_t n_pools = 4 * 64;
-  const std::vector<float> logits = reference::indexer_logits(plan, state.view, 0, n_pools, q.data(), w.data());
+  const OneTokenPools token(rng);
+  constexpr int64_t kPools = OneTokenPools::n_pools;
+  const std::vector<float> logits =
+      reference::indexer_logits(token.plan, token.state.view, 0, kPools, token.q.data(), token.w.data());
   std::vector<double> magnitude;
-  const std::vector<double> exact = float64_logits(plan, state.view, 0, n_pools, q.data(), w.data(), &magnitude);
+  const std::vector<double> exact =
+      float64_logits(token.plan, token.state.view, 0, kPools, token.q.data(), token.w.data(), &magnitude);
   int positive = 0;
-  for (int64_t p = 0; p < n_pools; ++p) {
+  for (int64_t p = 0; p < kPools; ++p) {
     // One rounding per head dot and per fma of 32 terms: well inside 64 FP32 ulp of the magnitude.
     EXPECT_NEAR(logits[p], exact[p], 64 * std::ldexp(magnitude[p], -24)) << "pool " << p;
     positive += logits[p] > 0;
   }
   EXPECT_GT(positive, 0);
-  EXPECT_LT(positive, n_pools);
+  EXPECT_LT(positive, kPools);
 }
 
 // reference::indexer_logit_bounds, the bound the GPU's FP32-accumulated
@@ -653,26 +669,20 @@ TEST(IndexerReference, LogitsMatchFloat64) {
 // the error of a wrong fragment layout (two dims of q swapped) does not.
 TEST(IndexerReference, LogitBoundsCoverFp32AccumulationAndCatchAWrongLayout) {
   std::mt19937_64 rng(testing::test_seed());
-  IndexerPlan plan;
-  plan.block_size = 256;
-  HostState state(plan, 1, 4, rng);
-  fill_random_pools(state, rng);
-  const StepInputs step = random_step({0}, {0}, rng);
-  std::vector<uint8_t> q(kHeads * kDim);
-  std::vector<float> w(kHeads);
-  for (int h = 0; h < kHeads; ++h) {
-    w[h] = fold_head_weight(step.head_weights[h], hadamard_quantize(&step.index_q[h * kDim], &q[h * kDim]));
-  }
-  const int64_t n_pools = 4 * 64;
-  const std::vector<float> exact = reference::indexer_logits(plan, state.view, 0, n_pools, q.data(), w.data());
-  const std::vector<double> bounds = reference::indexer_logit_bounds(plan, state.view, 0, n_pools, q.data(), w.data());
+  const OneTokenPools token(rng);
+  constexpr int64_t kPools = OneTokenPools::n_pools;
+  const std::vector<float> exact =
+      reference::indexer_logits(token.plan, token.state.view, 0, kPools, token.q.data(), token.w.data());
+  const std::vector<double> bounds =
+      reference::indexer_logit_bounds(token.plan, token.state.view, 0, kPools, token.q.data(), token.w.data());
   // The logits with each head dot summed in FP32 by `dot`, then the reference's chain.
   const auto logits_with = [&](auto dot) {
-    std::vector<float> logits(n_pools);
-    for (int64_t p = 0; p < n_pools; ++p) {
-      const reference::PoolEntry entry = reference::read_pool(plan, state.view, 0, p);
+    std::vector<float> logits(kPools);
+    for (int64_t p = 0; p < kPools; ++p) {
+      const reference::PoolEntry entry = reference::read_pool(token.plan, token.state.view, 0, p);
       float sum = 0.0f;
-      for (int h = 0; h < kHeads; ++h) sum = std::fma(w[h], std::fmax(dot(&q[h * kDim], entry.codes), 0.0f), sum);
+      for (int h = 0; h < kHeads; ++h)
+        sum = std::fma(token.w[h], std::fmax(dot(&token.q[h * kDim], entry.codes), 0.0f), sum);
       logits[p] = sum * entry.scale;
     }
     return logits;
@@ -699,7 +709,7 @@ TEST(IndexerReference, LogitBoundsCoverFp32AccumulationAndCatchAWrongLayout) {
   });
   double worst_serial = 0, worst_blocked = 0;
   int64_t wrong_outside = 0;
-  for (int64_t p = 0; p < n_pools; ++p) {
+  for (int64_t p = 0; p < kPools; ++p) {
     ASSERT_GT(bounds[p], 0.0) << "pool " << p;
     worst_serial = std::max(worst_serial, std::fabs(double(serial[p]) - exact[p]) / bounds[p]);
     worst_blocked = std::max(worst_blocked, std::fabs(double(blocked[p]) - exact[p]) / bounds[p]);
@@ -707,7 +717,7 @@ TEST(IndexerReference, LogitBoundsCoverFp32AccumulationAndCatchAWrongLayout) {
   }
   EXPECT_LT(worst_serial, 0.1);
   EXPECT_LT(worst_blocked, 0.1);
-  EXPECT_GT(wrong_outside, n_pools * 9 / 10);
+  EXPECT_GT(wrong_outside, kPools * 9 / 10);
 }
 
 // indexer_select_on_logits over the reference's own logits gives indexer_select's
@@ -744,14 +754,13 @@ TEST(IndexerReference, SelectOnLogitsFollowsTheGivenLogits) {
   }
   logits[0][left_out] = std::numeric_limits<float>::max();
   DSA_ASSERT_OK(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got));
-  EXPECT_TRUE(std::binary_search(got.topk_positions.begin(), got.topk_positions.begin() + kIndexerPooledColumns,
-                                 4 * left_out));
+  EXPECT_TRUE(
+      std::binary_search(got.topk_positions.begin(), got.topk_positions.begin() + kIndexerPooledColumns, 4 * left_out));
   logits[2].pop_back();
   expect_rejected(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got), "logits[2]",
                   "1024 pools");
   logits.pop_back();
-  expect_rejected(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got), "logits",
-                  "3 rows");
+  expect_rejected(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got), "logits", "3 rows");
 }
 
 TEST(IndexerReference, RowsForShortContexts) {
