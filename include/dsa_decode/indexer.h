@@ -367,14 +367,15 @@ Status indexer_project_gemv(const IndexerProjectArgs& args, cudaStream_t stream)
 Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream);
 
 // Steps 5-8 on the GPU (src/indexer/indexer_select.cu): a logits kernel (one
-// CTA per token and 64 pools, exact per-head dots, the reference's FP32
-// order) writing the workspace's logits, then one CTA per token that finds the
+// CTA per token and 64 pools, exact per-head dots, or FP32-accumulated ones
+// under plan.logits, then the reference's FP32 order) writing the
+// workspace's logits, then one CTA per token that finds the
 // 512th key by a 3-digit radix select, compacts the chosen pools in pool-index
 // order and writes the expanded, remapped rows (tail, -1 padding). Two PDL
 // launches; no allocation, no synchronization, CUDA-graph capturable (the
 // first call on a device raises the select kernel's shared-memory limit: make
 // it outside a capture). Rows equal indexer_select of the CPU reference bit
-// for bit.
+// for bit (under kFp32Accumulation: its selection over the GPU's logits, step 6).
 Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream);
 
 // The benchmark's straightforward baseline of the same step, same rows: the
