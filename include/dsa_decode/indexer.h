@@ -112,6 +112,15 @@
 //
 // Nothing on the run path allocates or synchronizes (CUDA-graph capturable):
 // the caller sizes the workspace with indexer_workspace_layout().
+//
+// PDL: indexer_select's kernels read the step's inputs (positions,
+// token_requests and the block table) before griddepcontrol.wait, while the
+// kernel before them may still run. Those inputs must be complete when the
+// step's first kernel starts: written by host copies or by kernels that
+// finish before it (any kernel that does not trigger its dependents early,
+// which is every kernel not written for PDL), never by a kernel of the same
+// PDL chain. Everything the prepare step writes (q_fp8, folded weights, ring,
+// K cache) is read after the wait.
 #pragma once
 
 #include <cuda_runtime.h>

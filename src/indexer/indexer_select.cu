@@ -319,12 +319,21 @@ __device__ __forceinline__ void head_dots(const QFragments<kDots>& q, const uint
 template <IndexerLogits kDots>
 __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_constant__ Params p) {
   __shared__ LogitsShared<kDots> s;
-  pdl_wait();  // q_fp8, head weights and the K cache come from the prepare step
-  pdl_release_dependents();
+  // The step's inputs (positions, token_requests, the block table) are
+  // complete before the step's first kernel starts (include/dsa_decode/
+  // indexer.h): the token's context and its pools' pages are looked up while
+  // the previous kernel still runs. Thread i < 64 holds pool first_pool + i's
+  // page (-1 untrusted, -2 past n).
   const int t = blockIdx.y;
   int64_t request = 0;
   const int64_t n = scored_pools(token_context(p, t, &request, false));
   const int64_t first_pool = int64_t(blockIdx.x) * kLogitPools;
+  int64_t block = -2;
+  if (threadIdx.x < kLogitPools && first_pool + threadIdx.x < n) {
+    block = indexer_pool_block(p.state, request, first_pool + threadIdx.x);
+  }
+  pdl_wait();  // q_fp8, head weights and the K cache come from the prepare step
+  pdl_release_dependents();
   if (first_pool >= n) return;  // uniform over the CTA
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -340,21 +349,16 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     q_codes[1] = q_row[1];
   }
 
-  // Pool pages; the pool's scale is loaded now by the thread that uses it last.
+  // The pool's scale (the prepare step may have just written it) is loaded
+  // now by the thread that uses it last.
   float scale = 0.0f;
   if (threadIdx.x < kLogitPools) {
-    const int i = threadIdx.x;
-    const int64_t pool = first_pool + i;
-    int64_t block = -2;
-    if (pool < n) {
-      block = indexer_pool_block(p.state, request, pool);
-      if (block >= 0) {
-        const int64_t entry = pool % p.state.pools_per_page;
-        scale = *reinterpret_cast<const float*>(p.state.k_cache + block * p.state.page_stride +
-                                                int64_t(p.state.pools_per_page) * kDim + entry * 4);
-      }
+    if (block >= 0) {
+      const int64_t entry = (first_pool + threadIdx.x) % p.state.pools_per_page;
+      scale = *reinterpret_cast<const float*>(p.state.k_cache + block * p.state.page_stride +
+                                              int64_t(p.state.pools_per_page) * kDim + entry * 4);
     }
-    s.block[i] = block;
+    s.block[threadIdx.x] = block;
   }
   if (threadIdx.x < kHeads) s.weight[threadIdx.x] = p.head_weights[t * kHeads + threadIdx.x];
   __syncthreads();
@@ -513,11 +517,14 @@ __device__ void select_digit(SelectShared& s, const TokenKeys& keys, int n, int 
 __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __grid_constant__ Params p, int staged) {
   __shared__ SelectShared s;
   extern __shared__ __align__(16) uint32_t staged_keys[];  // 16-byte aligned: the compaction reads uint4
-  pdl_wait();  // the logits
-  pdl_release_dependents();
+  // The token's context from the step's inputs, complete before the step's
+  // first kernel (as in logits_kernel), while the logits are still computed.
   const int t = blockIdx.x;
   int64_t request = 0;
-  const int64_t context = token_context(p, t, &request, true);
+  const int64_t context = token_context(p, t, &request, false);
+  pdl_wait();  // the logits
+  pdl_release_dependents();
+  if (threadIdx.x == 0 && context == 0 && request >= 0) count_error(p);  // an untrusted token
   const int n = static_cast<int>(scored_pools(context));  // < 2^20: max_context <= 2^22
   if (n == 0) {
     write_short_row(p, t, request, context);
