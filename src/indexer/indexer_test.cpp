@@ -677,8 +677,8 @@ TEST(IndexerReference, LogitBoundsCoverFp32AccumulationAndCatchAWrongLayout) {
   for (int64_t p = 0; p < kPools; ++p) ASSERT_GT(bounds[p], 0.0) << "pool " << p;
   // How far `logits` lie from the exact ones, against the bounds.
   const auto deviation = [&](const std::vector<float>& logits) {
-    return reference::indexer_logit_deviation(token.plan, token.state.view, 0, kPools, token.q.data(),
-                                              token.w.data(), logits.data());
+    return reference::indexer_logit_deviation(token.plan, token.state.view, 0, kPools, token.q.data(), token.w.data(),
+                                              logits.data());
   };
   // The logits with each head dot summed in FP32 by `dot`, then the reference's chain.
   const auto logits_with = [&](auto dot) {
