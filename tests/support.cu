@@ -1,8 +1,35 @@
 #include "support.h"
 
+#include "core/launch.cuh"
 #include "dsa_decode/numerics.h"
 
 namespace dsa::testing {
+
+namespace {
+__global__ void late_writer_kernel(const uint4* first_source, uint4* first, int first_vectors,
+                                   const uint4* second_source, uint4* second, int second_vectors,
+                                   long long spin_cycles) {
+  pdl_release_dependents();
+  if (threadIdx.x == 0) {
+    const long long start = clock64();
+    while (clock64() - start < spin_cycles) {
+    }
+  }
+  __syncthreads();
+  const int stride = gridDim.x * blockDim.x;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < first_vectors; i += stride) first[i] = first_source[i];
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < second_vectors; i += stride) second[i] = second_source[i];
+}
+}  // namespace
+
+cudaError_t launch_late_writer(const void* first_source, void* first, int first_vectors, const void* second_source,
+                               void* second, int second_vectors, long long spin_cycles, int ctas, int threads,
+                               cudaStream_t stream) {
+  late_writer_kernel<<<ctas, threads, 0, stream>>>(static_cast<const uint4*>(first_source), static_cast<uint4*>(first),
+                                                   first_vectors, static_cast<const uint4*>(second_source),
+                                                   static_cast<uint4*>(second), second_vectors, spin_cycles);
+  return cudaGetLastError();
+}
 
 namespace {
 struct GpuProbe {

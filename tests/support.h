@@ -16,6 +16,18 @@
 
 namespace dsa::testing {
 
+// The producer of a PDL chain in the GPU tests (`ctas` x `threads` on
+// `stream`, no PDL attribute of its own): it releases the kernel launched
+// after it at once (griddepcontrol.launch_dependents before anything else),
+// spins for about `spin_cycles` clocks, then copies `first_vectors` 16-byte
+// vectors from `first_source` over `first` and `second_vectors` from
+// `second_source` over `second` (a count of 0 copies nothing). A kernel after
+// it that read `first` or `second` before its griddepcontrol.wait would see
+// the old values. Returns the launch's error.
+cudaError_t launch_late_writer(const void* first_source, void* first, int first_vectors, const void* second_source,
+                               void* second, int second_vectors, long long spin_cycles, int ctas, int threads,
+                               cudaStream_t stream);
+
 // True when a CUDA device of compute capability 9.0 (the sm_90a build's target) is usable.
 bool gpu_available();
 // Why GPU tests are skipped, e.g. "no CUDA device (cudaGetDeviceCount: ...)".

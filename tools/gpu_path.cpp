@@ -365,7 +365,6 @@ Status run_indexer_reference(const StepShape& s, const HostWeights& w, const Ind
   int64_t prefill_errors = 0;
   DSA_RETURN_IF_ERROR(reference_indexer_prefill(s, w, history, &cpu->state, &prefill_errors));
   cpu->logits.logits = &gpu_logits;
-  cpu->logits.stride = indexer_workspace_layout(s.indexer_plan()).logits_stride;
   DSA_RETURN_IF_ERROR(
       reference_indexer_step(s, w, projections, in, &cpu->state, &cpu->rows, &cpu->errors, &cpu->logits));
   cpu->errors += prefill_errors;

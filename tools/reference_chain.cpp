@@ -206,8 +206,9 @@ Status reference_indexer_step(const StepShape& s, const HostWeights& w, const In
   if (plan.logits == IndexerLogits::kExact) {
     DSA_RETURN_IF_ERROR(reference::indexer_select(plan, step, query, view, rows));
   } else {
+    const int64_t stride = indexer_workspace_layout(plan).logits_stride;
     if (gpu_logits == nullptr || gpu_logits->logits == nullptr ||
-        gpu_logits->logits->size() < size_t(s.m) * size_t(gpu_logits->stride)) {
+        gpu_logits->logits->size() < size_t(s.m) * size_t(stride)) {
       return invalid_argument("gpu_logits", "the GPU select's logits [m, stride] (FP32-accumulated logits)",
                               "none or fewer");
     }
@@ -216,22 +217,14 @@ Status reference_indexer_step(const StepShape& s, const HostWeights& w, const In
       const int64_t request = in.token_requests[t], context = in.positions[t] + 1;
       if (request < 0 || context <= kIndexerPooledColumns) continue;
       const int64_t pools = context / kIndexerPoolSize;
-      const float* row = gpu_logits->logits->data() + size_t(t) * gpu_logits->stride;
+      const float* row = gpu_logits->logits->data() + size_t(t) * stride;
       logits[t].assign(row, row + pools);
-      const uint8_t* q = &query.q_fp8[size_t(t) * kIndexerHeads * kIndexerDim];
-      const float* weights = &query.head_weights[size_t(t) * kIndexerHeads];
-      const std::vector<float> exact = reference::indexer_logits(plan, view, request, pools, q, weights);
-      const std::vector<double> bounds = reference::indexer_logit_bounds(plan, view, request, pools, q, weights);
-      for (int64_t p = 0; p < pools; ++p) {
-        ++gpu_logits->scored;
-        if (std::isinf(exact[p])) {  // an untrusted page: -inf on both sides
-          gpu_logits->outside += row[p] != exact[p];
-          continue;
-        }
-        const double error = std::fabs(double(row[p]) - double(exact[p]));
-        gpu_logits->outside += !(error <= bounds[p]);
-        if (bounds[p] > 0) gpu_logits->worst = std::max(gpu_logits->worst, error / bounds[p]);
-      }
+      const reference::LogitDeviation deviation = reference::indexer_logit_deviation(
+          plan, view, request, pools, &query.q_fp8[size_t(t) * kIndexerHeads * kIndexerDim],
+          &query.head_weights[size_t(t) * kIndexerHeads], row);
+      gpu_logits->scored += pools;
+      gpu_logits->outside += deviation.outside;
+      gpu_logits->worst = std::max(gpu_logits->worst, deviation.worst);
     }
     DSA_RETURN_IF_ERROR(reference::indexer_select_on_logits(plan, step, logits, view, rows));
   }

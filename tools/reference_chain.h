@@ -106,8 +106,8 @@ IndexerProjections stored_projections(const reference::IndexerProjectionsHost& e
 // The GPU select's logits under IndexerLogits::kFp32Accumulation, and what
 // reference_indexer_step found of them.
 struct GpuIndexerLogits {
-  const std::vector<float>* logits = nullptr;  // [m, stride]: StepOutputs::indexer_logits
-  int64_t stride = 0;                          // indexer_workspace_layout(plan).logits_stride
+  // [m, indexer_workspace_layout(plan).logits_stride]: StepOutputs::indexer_logits
+  const std::vector<float>* logits = nullptr;
   double worst = 0;     // out: the largest |GPU - exact| / bound (reference::indexer_logit_bounds)
   int64_t outside = 0;  // out: pools outside their bound
   int64_t scored = 0;   // out: pools compared

@@ -549,24 +549,9 @@ TEST(HeadGemvGpu, CapturedGraphReplaysTheSameResult) {
 
 // ---------------------------------------------------------------- PDL chain
 
-// The chain's producer: releases the PDL kernel after it at once
-// (griddepcontrol.launch_dependents before anything else), spins for
-// `spin_cycles`, then copies the step's new x and kv over the old ones. A
-// kernel after it that read x or kv before its griddepcontrol.wait would see
-// the old values.
-__global__ void slow_producer_kernel(const uint4* x_source, uint4* x, int x_vectors, const uint4* kv_source, uint4* kv,
-                                     int kv_vectors, long long spin_cycles) {
-  pdl_release_dependents();
-  if (threadIdx.x == 0) {
-    const long long start = clock64();
-    while (clock64() - start < spin_cycles) {
-    }
-  }
-  __syncthreads();
-  const int stride = gridDim.x * blockDim.x;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < x_vectors; i += stride) x[i] = x_source[i];
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < kv_vectors; i += stride) kv[i] = kv_source[i];
-}
+// The chain's producer is testing::launch_late_writer: it releases the PDL
+// kernel after it at once, spins, then copies the step's new x and kv over
+// the old ones.
 
 // The chain's consumer, launched with PDL: after its wait, copies the step's
 // q and z into the step's snapshots.
@@ -647,10 +632,8 @@ TEST(HeadGemvGpu, PdlChainMatchesSerializedLaunchesAndItsGraphReplays) {
     for (int round = 0; round < 2; ++round) {
       x_dev.upload(old_x);
       seen_dev.fill_bytes(kPoison);
-      slow_producer_kernel<<<kProducerCtas, kThreads, 0, stream.get()>>>(
-          reinterpret_cast<const uint4*>(source_dev.get()), reinterpret_cast<uint4*>(x_dev.get()), count / 8, nullptr,
-          nullptr, 0, kSpinCycles);
-      DSA_ASSERT_CUDA(cudaGetLastError());
+      DSA_ASSERT_CUDA(testing::launch_late_writer(source_dev.get(), x_dev.get(), count / 8, nullptr, nullptr, 0,
+                                                  kSpinCycles, kProducerCtas, kThreads, stream.get()));
       DSA_ASSERT_OK(launch_pdl(early_reader_kernel, dim3(1), dim3(kThreads), 0, stream.get(),
                                reinterpret_cast<const uint4*>(x_dev.get()), reinterpret_cast<uint4*>(seen_dev.get()),
                                count / 8));
@@ -715,11 +698,9 @@ TEST(HeadGemvGpu, PdlChainMatchesSerializedLaunchesAndItsGraphReplays) {
         return Status();
       };
       for (int s = 0; s < steps; ++s) {
-        slow_producer_kernel<<<kProducerCtas, kThreads, 0, stream.get()>>>(
-            reinterpret_cast<const uint4*>(x_source.get() + s * x_count), reinterpret_cast<uint4*>(x.get()),
-            static_cast<int>(x_count / 8), reinterpret_cast<const uint4*>(kv_source.get() + s * kv_count),
-            reinterpret_cast<uint4*>(kv.get()), static_cast<int>(kv_count / 8), kSpinCycles);
-        DSA_CUDA_RETURN(cudaGetLastError());
+        DSA_CUDA_RETURN(testing::launch_late_writer(
+            x_source.get() + s * x_count, x.get(), static_cast<int>(x_count / 8), kv_source.get() + s * kv_count,
+            kv.get(), static_cast<int>(kv_count / 8), kSpinCycles, kProducerCtas, kThreads, stream.get()));
         DSA_RETURN_IF_ERROR(after_launch());
         a.cache = &writes[s];
         for (const HeadGemvArgs* launch :

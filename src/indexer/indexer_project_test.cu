@@ -427,6 +427,14 @@ void expect_matches_reference(const DeviceStep& device, const reference::Indexer
               what.c_str(), q, k, w, g);
 }
 
+// The step's and the weights' views in one argument set.
+IndexerProjectArgs project_args(const DeviceStep& device, const DeviceWeights& weights) {
+  IndexerProjectArgs args;
+  device.set_views(&args);
+  weights.set_views(&args);
+  return args;
+}
+
 cudaStream_t new_stream() {
   cudaStream_t stream = nullptr;
   testing::expect_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
@@ -449,9 +457,7 @@ void check_projection(int m, const ProjectPadding& padding, const HostWeights& w
                       const std::string& what) {
   const HostStep step = random_step(m, rng);
   DeviceStep device(step, padding);
-  IndexerProjectArgs args;
-  device.set_views(&args);
-  device_weights.set_views(&args);
+  const IndexerProjectArgs args = project_args(device, device_weights);
   cudaStream_t stream = new_stream();
 
   device.poison();
@@ -499,9 +505,7 @@ TEST(IndexerProjectGpu, GraphReplayGivesTheDirectRunsBits) {
   const DeviceWeights device_weights(weights, 0);
   const HostStep step = random_step(16, rng);
   DeviceStep device(step, kTight);
-  IndexerProjectArgs args;
-  device.set_views(&args);
-  device_weights.set_views(&args);
+  const IndexerProjectArgs args = project_args(device, device_weights);
   IndexerProjectContext context;
   DSA_ASSERT_OK(IndexerProjectContext::create(&context));
   cudaStream_t stream = new_stream();
@@ -730,9 +734,7 @@ void check_gemv(int m, const ProjectPadding& padding, const HostWeights& weights
                 std::mt19937_64& rng, const std::string& what) {
   const HostStep step = random_step(m, rng, weights.q_lora, weights.hidden);
   DeviceStep device(step, padding);
-  IndexerProjectArgs args;
-  device.set_views(&args);
-  device_weights.set_views(&args);
+  const IndexerProjectArgs args = project_args(device, device_weights);
   cudaStream_t stream = new_stream();
 
   device.poison();
@@ -806,9 +808,7 @@ TEST(IndexerProjectGemvGpu, ATokensBitsDoNotDependOnItsBatch) {
   cudaStream_t stream = new_stream();
   const auto run = [&](const HostStep& step, const std::string& what) {
     DeviceStep device(step, kTight);
-    IndexerProjectArgs args;
-    device.set_views(&args);
-    device_weights.set_views(&args);
+    const IndexerProjectArgs args = project_args(device, device_weights);
     device.poison();
     const Status s = gemv_and_wait(args, stream);
     EXPECT_TRUE(s.ok()) << what << ": " << s.to_string();
@@ -835,9 +835,7 @@ TEST(IndexerProjectGemvGpu, GraphReplayGivesTheDirectRunsBits) {
   const DeviceWeights device_weights(weights, 0);
   const HostStep step = random_step(7, rng);
   DeviceStep device(step, kTight);
-  IndexerProjectArgs args;
-  device.set_views(&args);
-  device_weights.set_views(&args);
+  const IndexerProjectArgs args = project_args(device, device_weights);
   cudaStream_t stream = new_stream();
 
   device.poison();
@@ -863,24 +861,6 @@ TEST(IndexerProjectGemvGpu, GraphReplayGivesTheDirectRunsBits) {
   cudaStreamDestroy(stream);
 }
 
-// The GEMV's producer in a chain: releases the PDL kernel after it at once,
-// spins for `spin_cycles`, then copies the step's q_c and x (vectors of 8 BF16)
-// from the sources over the old ones. A GEMV that read q_c or x before its
-// griddepcontrol.wait would see the old values.
-__global__ void late_inputs_kernel(const uint4* q_c_source, uint4* q_c, int q_c_vectors, const uint4* x_source,
-                                   uint4* x, int x_vectors, long long spin_cycles) {
-  pdl_release_dependents();
-  if (threadIdx.x == 0) {
-    const long long start = clock64();
-    while (clock64() - start < spin_cycles) {
-    }
-  }
-  __syncthreads();
-  const int stride = gridDim.x * blockDim.x;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < q_c_vectors; i += stride) q_c[i] = q_c_source[i];
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < x_vectors; i += stride) x[i] = x_source[i];
-}
-
 // PDL: the GEMV launched right after a kernel that writes its inputs late
 // (its weight stream may start while that kernel spins) gives the bits of the
 // new inputs. Two rounds: the first launch of each kernel loads its module,
@@ -895,9 +875,7 @@ TEST(IndexerProjectGemvGpu, ReadsInputsThatThePreviousKernelWrites) {
   const HostStep old_step = random_step(m, rng), new_step = random_step(m, rng);
   DeviceStep device(old_step, kTight);
   DeviceBuffer<uint16_t> q_c_source(new_step.q_c), x_source(new_step.x);
-  IndexerProjectArgs args;
-  device.set_views(&args);
-  device_weights.set_views(&args);
+  const IndexerProjectArgs args = project_args(device, device_weights);
   const reference::IndexerProjectionBitsHost want = reference_bits(new_step, weights);
   cudaStream_t stream = nullptr;  // blocking: it orders after the uploads on the legacy stream
   DSA_ASSERT_CUDA(cudaStreamCreate(&stream));
@@ -906,11 +884,10 @@ TEST(IndexerProjectGemvGpu, ReadsInputsThatThePreviousKernelWrites) {
     device.q_c.upload(old_step.q_c);
     device.x.upload(old_step.x);
     device.poison();
-    late_inputs_kernel<<<8, 256, 0, stream>>>(
-        reinterpret_cast<const uint4*>(q_c_source.get()), reinterpret_cast<uint4*>(device.q_c.get()),
-        int(m * kQLora / 8), reinterpret_cast<const uint4*>(x_source.get()), reinterpret_cast<uint4*>(device.x.get()),
-        int(m * kHidden / 8), kSpinCycles);
-    DSA_ASSERT_CUDA(cudaGetLastError());
+    // testing::launch_late_writer: releases the GEMV at once, spins, then
+    // copies the new q_c and x over the old ones.
+    DSA_ASSERT_CUDA(testing::launch_late_writer(q_c_source.get(), device.q_c.get(), int(m * kQLora / 8), x_source.get(),
+                                                device.x.get(), int(m * kHidden / 8), kSpinCycles, 8, 256, stream));
     DSA_ASSERT_OK(gemv_and_wait(args, stream));
     expect_same_outputs(device_outputs(device, what), want, what);
   }

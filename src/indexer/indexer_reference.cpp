@@ -208,6 +208,25 @@ std::vector<double> indexer_logit_bounds(const IndexerPlan& plan, const IndexerS
   return bounds;
 }
 
+LogitDeviation indexer_logit_deviation(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
+                                       int64_t n_pools, const uint8_t* q_fp8, const float* head_weights,
+                                       const float* got) {
+  const std::vector<float> exact = indexer_logits(plan, state, request, n_pools, q_fp8, head_weights);
+  const std::vector<double> bounds = indexer_logit_bounds(plan, state, request, n_pools, q_fp8, head_weights);
+  LogitDeviation deviation;
+  for (int64_t p = 0; p < n_pools; ++p) {
+    if (std::isnan(got[p]) && std::isnan(exact[p])) continue;
+    if (std::isinf(exact[p])) {
+      deviation.outside += got[p] != exact[p];
+      continue;
+    }
+    const double error = std::fabs(double(got[p]) - double(exact[p]));
+    deviation.outside += !(error <= bounds[p]);
+    if (bounds[p] > 0) deviation.worst = std::max(deviation.worst, error / bounds[p]);
+  }
+  return deviation;
+}
+
 std::vector<int32_t> select_top_pools(const std::vector<float>& logits, int count) {
   std::vector<int32_t> order(logits.size());
   std::iota(order.begin(), order.end(), 0);

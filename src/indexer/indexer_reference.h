@@ -97,6 +97,19 @@ std::vector<float> indexer_logits(const IndexerPlan& plan, const IndexerStateHos
 std::vector<double> indexer_logit_bounds(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
                                          int64_t n_pools, const uint8_t* q_fp8, const float* head_weights);
 
+// How far a token's logits `got` [n_pools] (the GPU's FP32-accumulated ones)
+// lie from indexer_logits of the same arguments, against indexer_logit_bounds:
+// the largest |error| / bound, and the pools outside their bound. A pool on
+// an untrusted page (exact -inf) is outside unless it is -inf too; a NaN
+// where the exact logit is NaN (a NaN scale) is not outside.
+struct LogitDeviation {
+  double worst = 0;
+  int64_t outside = 0;
+};
+LogitDeviation indexer_logit_deviation(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
+                                       int64_t n_pools, const uint8_t* q_fp8, const float* head_weights,
+                                       const float* got);
+
 // Step 7's selection: the `count` largest logits (ties to the lower index, NaN
 // as -inf, -0 equal to +0), returned in increasing index order.
 std::vector<int32_t> select_top_pools(const std::vector<float>& logits, int count);

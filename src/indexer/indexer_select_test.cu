@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <limits>
@@ -235,24 +234,13 @@ double expect_follows_own_logits(const Scenario& s, DeviceStep& d, const std::st
   for (int t = 0; t < s.m; ++t) {
     const int64_t L = s.positions[t] + 1;
     if (s.token_requests[t] < 0 || L <= kIndexerPooledColumns) continue;
-    const uint8_t* q = &s.query.q_fp8[size_t(t) * kHeads * kDim];
-    const float* w = &s.query.head_weights[size_t(t) * kHeads];
-    const std::vector<float> exact = reference::indexer_logits(s.plan, s.view, s.token_requests[t], L / 4, q, w);
-    const std::vector<double> bounds =
-        reference::indexer_logit_bounds(s.plan, s.view, s.token_requests[t], L / 4, q, w);
     logits[t].resize(L / 4);
     std::memcpy(logits[t].data(), &workspace[d.layout.logits + size_t(t) * stride * 4], logits[t].size() * 4);
-    for (int64_t p = 0; p < L / 4; ++p) {
-      const float got = logits[t][p];
-      if (std::isinf(exact[p]) || (got != got && exact[p] != exact[p])) {  // untrusted page; NaN scale
-        EXPECT_EQ(num::float_bits(got), num::float_bits(exact[p])) << what << " token " << t << " pool " << p;
-        continue;
-      }
-      const double error = std::fabs(double(got) - double(exact[p]));
-      if (!(error <= bounds[p])) ++outside;
-      if (bounds[p] > 0) worst = std::max(worst, error / bounds[p]);
-      if (bounds[p] == 0 && error != 0) ++outside;
-    }
+    const reference::LogitDeviation deviation = reference::indexer_logit_deviation(
+        s.plan, s.view, s.token_requests[t], L / 4, &s.query.q_fp8[size_t(t) * kHeads * kDim],
+        &s.query.head_weights[size_t(t) * kHeads], logits[t].data());
+    outside += deviation.outside;
+    worst = std::max(worst, deviation.worst);
   }
   EXPECT_EQ(outside, 0) << what << ": logits outside their bound (worst |error| / bound " << worst << ")";
   reference::IndexerRowsHost own;
