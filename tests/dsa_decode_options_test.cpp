@@ -1,6 +1,6 @@
 // dsa-decode's command line (tools/options.h): --value-up-tokens's parsing,
 // its errors, the measured default and the choice it makes per step;
-// --indexer-projections and --indexer-logits.
+// --indexer-projections, --indexer-logits and --head-gemv-sums.
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -101,6 +101,13 @@ TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {
   Options none;
   none.value_up_tokens = std::set<int>();
   EXPECT_EQ(choose_value_up(none, 8, 1).reason, "m=1 not in --value-up-tokens none");
+  Options tensor_cores;
+  tensor_cores.head_gemv_tensor_cores = true;
+  const ValueUpChoice tc_m16 = choose_value_up(tensor_cores, 64, 16);
+  EXPECT_EQ(tc_m16.kernel, ValueUpKernel::kHeadGemv);
+  EXPECT_EQ(tc_m16.reason, "m=16 in --value-up-tokens 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 (auto: tensor-core sums, every m)");
+  tensor_cores.value_up_tokens = std::set<int>{1};
+  EXPECT_EQ(choose_value_up(tensor_cores, 8, 2).kernel, ValueUpKernel::kCublasBmm) << "a given list wins over auto";
   EXPECT_EQ(token_list({}), "none");
   EXPECT_EQ(token_list({2, 1, 8}), "1,2,8");
 }
@@ -132,6 +139,21 @@ TEST(DsaDecodeOptions, IndexerLogitsDefaultsToExactAndTakesOnlyItsTwoValues) {
   for (const std::string value : {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"}) {
     EXPECT_FALSE(parse({"--indexer-logits=" + value}, &options, &error)) << value;
     EXPECT_EQ(error, "--indexer-logits: got '" + value + "', expected exact or fp32-accumulation");
+  }
+}
+
+TEST(DsaDecodeOptions, HeadGemvSumsDefaultsToTheSeedOrderAndTakesOnlyItsTwoValues) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
+  EXPECT_FALSE(options.head_gemv_tensor_cores);
+  ASSERT_TRUE(parse({"--head-gemv-sums", "tensor-cores"}, &options, &error)) << error;
+  EXPECT_TRUE(options.head_gemv_tensor_cores);
+  ASSERT_TRUE(parse({"--head-gemv-sums=seed-order"}, &options, &error)) << error;
+  EXPECT_FALSE(options.head_gemv_tensor_cores);
+  for (const std::string value : {"", "tc", "Tensor-Cores", "seed-order,tensor-cores"}) {
+    EXPECT_FALSE(parse({"--head-gemv-sums=" + value}, &options, &error)) << value;
+    EXPECT_EQ(error, "--head-gemv-sums: got '" + value + "', expected seed-order or tensor-cores");
   }
 }
 

@@ -136,6 +136,10 @@ int run_cpu_path(const StepShape& shape, const Options& options) {
     std::printf("--indexer-logits fp32-accumulation applies to the GPU path; the CPU reference's logits are exact\n");
     s.indexer_logits = IndexerLogits::kExact;
   }
+  if (s.head_gemv_sums != HeadGemvSums::kSeedOrder) {
+    std::printf("--head-gemv-sums tensor-cores applies to the GPU path; the CPU reference sums in the seed's order\n");
+    s.head_gemv_sums = HeadGemvSums::kSeedOrder;
+  }
   const uint64_t seed = options.seed;
   HostWeights weights;
   HostStepInputs inputs;

@@ -253,6 +253,8 @@ Status DeviceStep::fused_absorb(cudaStream_t stream, int copy) const {
   args.out = fp8(q_fp8_fused_.get(), {s_.m, s_.H, s_.L});
   args.scale = make_tensor(scales_.get(), DType::kF32, {1});
   args.cache = &write;
+  args.sums = s_.head_gemv_sums;
+  if (args.sums == HeadGemvSums::kTensorCores) return head_gemv(args, stream);
   const HeadGemvTactic tactic = absorb_tactic(s_);
   return head_gemv(args, stream, &tactic);
 }
@@ -358,6 +360,8 @@ Status DeviceStep::fused_value_up(cudaStream_t stream, int copy) const {
   args.x = bf16(latent_fused_.get(), {s_.m, s_.H, s_.L});
   args.weight = bf16(w_uv_.copy(copy), {s_.H, s_.L, s_.V});
   args.out = bf16(out_fused_.get(), {s_.m, s_.H, s_.V});
+  args.sums = s_.head_gemv_sums;
+  if (args.sums == HeadGemvSums::kTensorCores) return head_gemv(args, stream);
   const HeadGemvTactic tactic = value_up_tactic(s_);
   return head_gemv(args, stream, &tactic);
 }

@@ -129,6 +129,7 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
   const double top_k_rows = 4.0 * m * kTopKWidth;
   const double select = q_fp8_and_weights + 12.0 * m + pools_scored * kIndexerPoolBytes + top_k_rows;
   const bool value_up_bmm = value_up == ValueUpKernel::kCublasBmm;
+  const bool tensor_cores = s.head_gemv_sums == HeadGemvSums::kTensorCores;
   return {
       {"norm", "norm (q and kv RMSNorm, one launch)", "shared", bf16 * (2 * m * (Q + L) + (Q + L)), &DeviceStep::norm},
       {"q_b_proj", "q_b_proj (cuBLAS GEMM)", "shared", bf16 * H * P * Q + bf16 * m * Q + q, &DeviceStep::q_b_proj},
@@ -136,7 +137,9 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
        projections_cublaslt ? "indexer projections (cuBLASLt, 4 GEMMs)" : "indexer projections (GEMV, one launch)",
        "shared", project, &DeviceStep::indexer_project},
       {"indexer_prepare", "indexer prepare (k norm, q quant, pools)", "shared", prepare, &DeviceStep::indexer_prepare},
-      {"absorb", "absorb + FP8 quant + cache write (head_gemv)", "fused", w_uk + q + fp8 * m * H * L + cache_write,
+      {"absorb",
+       tensor_cores ? "absorb + FP8 quant + cache write (head_gemv TC)" : "absorb + FP8 quant + cache write (head_gemv)",
+       "fused", w_uk + q + fp8 * m * H * L + cache_write,
        &DeviceStep::fused_absorb},
       {"indexer_select",
        s.indexer_logits == IndexerLogits::kExact ? "indexer select (logits, top-512, slots)"
@@ -144,7 +147,10 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
        "fused", select, &DeviceStep::fused_indexer_select},
       {"attention", "sparse attention (sparse_mla)", "fused", attention, &DeviceStep::fused_attention},
       {value_up_bmm ? "value_up_bmm" : "value_up",
-       value_up_bmm ? "value_up (cuBLAS bmm, m not in --value-up-tokens)" : "value_up (head_gemv)", "fused",
+       value_up_bmm   ? "value_up (cuBLAS bmm, m not in --value-up-tokens)"
+       : tensor_cores ? "value_up (head_gemv TC)"
+                      : "value_up (head_gemv)",
+       "fused",
        w_uv + bf16 * m * H * L + bf16 * m * H * V, &DeviceStep::fused_value_up},
       {"stock_indexer_select", "indexer select baseline (CUB sort)", "stock", select + top_k_rows,
        &DeviceStep::stock_indexer_select},
@@ -308,7 +314,21 @@ Check head_gemv_check(const char* name, const Difference& d, size_t count, const
                        tactic.tile, tactic.rows_per_thread, input));
 }
 
+// A head_gemv output under the tensor-core sums against the contract's bound.
+Check head_gemv_bound_check(const char* name, const reference::HeadGemvDeviation& d, const char* values,
+                            const char* step, const char* input) {
+  return judged(name, d.outside == 0,
+                format("tensor-core sums: %lld of %lld %s values outside the bound (2^-14 x sum |products|); %lld "
+                       "differ from the rounding of the exact sum, by at most %d %s; on the GPU's %s",
+                       static_cast<long long>(d.outside), static_cast<long long>(d.compared), values,
+                       static_cast<long long>(d.differing), d.max_steps, step, input));
+}
+
 Check check_absorb(const StepShape& s, const HostWeights& w, const StepOutputs& gpu) {
+  if (s.head_gemv_sums == HeadGemvSums::kTensorCores) {
+    return head_gemv_bound_check("absorb q_fp8 (tensor cores) vs float64 reference",
+                                 absorb_deviation(s, w, gpu.q, gpu.q_fp8_fused), "FP8", "steps", "q");
+  }
   const HeadGemvTactic tactic = absorb_tactic(s);
   const std::vector<uint8_t> cpu = reference_absorb(s, w, gpu.q, tactic);
   return head_gemv_check("absorb q_fp8 vs CPU reference", fp8_difference(gpu.q_fp8_fused, cpu), cpu.size(), "FP8",
@@ -323,6 +343,10 @@ Check check_value_up(const StepShape& s, const HostWeights& w, ValueUpKernel ker
   if (kernel == ValueUpKernel::kCublasBmm) {
     return cublas_check("value_up out (cuBLAS bmm, m not in --value-up-tokens) vs CPU reference",
                         bf16_error_in_scale_ulps(gpu.out_fused, cpu), "latent");
+  }
+  if (s.head_gemv_sums == HeadGemvSums::kTensorCores) {
+    return head_gemv_bound_check("value_up out (head_gemv, tensor cores) vs float64 reference",
+                                 value_up_deviation(s, w, gpu.latent_fused, gpu.out_fused), "BF16", "ulp", "latent");
   }
   return head_gemv_check("value_up out (head_gemv) vs CPU reference", bf16_difference(gpu.out_fused, cpu), cpu.size(),
                          "BF16", "ulp", tactic, "latent");
@@ -625,6 +649,8 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
               kCacheBlockSize, s.L, static_cast<long long>(s.context), static_cast<long long>(s.context + s.m - 1));
   std::printf("%s\n", s.describe_indexer().c_str());
   std::printf("value_up in the fused path: %s; %s\n", value_up_kernel_name(value_up.kernel), value_up.reason.c_str());
+  std::printf("head_gemv sums in the fused path: %s\n",
+              s.head_gemv_sums == HeadGemvSums::kTensorCores ? "tensor cores (opt-in)" : "seed order");
   std::printf("indexer logits (both paths' selects): %s\n",
               s.indexer_logits == IndexerLogits::kExact ? "exact" : "FP32 accumulation");
   std::printf("indexer projections (both paths): %s\n",
@@ -642,6 +668,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   report->value_up_reason = value_up.reason;
   report->indexer_projections_kernel = options.projections_cublaslt ? "indexer_project" : "indexer_project_gemv";
   report->indexer_logits = s.indexer_logits == IndexerLogits::kExact ? "exact" : "fp32_accumulation";
+  report->head_gemv_sums = s.head_gemv_sums == HeadGemvSums::kTensorCores ? "tensor_cores" : "seed_order";
   DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, value_up.kernel,
                                  options.projections_cublaslt, step, kernels, ctx.stream, &report->checks));
   DSA_RETURN_IF_ERROR(time_all(ctx, step, kernels, copies, options.steps, &report->timings));

@@ -19,6 +19,12 @@ std::set<int> measured_value_up_tokens(int heads) {
   return {1, 2};  // 64 heads, and (options.h says why) the head counts not measured
 }
 
+std::set<int> measured_value_up_tokens_tensor_cores(int /*heads*/) {
+  std::set<int> every;
+  for (int m = 1; m <= kMaxDecodeTokens; ++m) every.insert(m);
+  return every;
+}
+
 std::string token_list(const std::set<int>& counts) {
   if (counts.empty()) return "none";
   std::string text;
@@ -32,13 +38,17 @@ const char* value_up_kernel_name(ValueUpKernel kernel) {
 
 ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
   const bool automatic = !options.value_up_tokens.has_value();
-  const std::set<int> counts = automatic ? measured_value_up_tokens(heads) : *options.value_up_tokens;
+  const std::set<int> counts = !automatic                         ? *options.value_up_tokens
+                               : options.head_gemv_tensor_cores ? measured_value_up_tokens_tensor_cores(heads)
+                                                                : measured_value_up_tokens(heads);
   const bool head_gemv = counts.count(m) > 0;
   std::string reason =
       "m=" + std::to_string(m) + (head_gemv ? " in" : " not in") + " --value-up-tokens " + token_list(counts);
   if (automatic) {
-    reason += std::string(" (auto: ") + (value_up_measured(heads) ? "measured" : "not measured") + " at " +
-              std::to_string(heads) + " heads)";
+    reason += options.head_gemv_tensor_cores
+                  ? std::string(" (auto: tensor-core sums, every m)")
+                  : std::string(" (auto: ") + (value_up_measured(heads) ? "measured" : "not measured") + " at " +
+                        std::to_string(heads) + " heads)";
   }
   return ValueUpChoice{head_gemv ? ValueUpKernel::kHeadGemv : ValueUpKernel::kCublasBmm, reason};
 }
@@ -46,8 +56,8 @@ ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
 void print_usage(FILE* to) {
   std::fprintf(to,
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
-               "                  [--value-up-tokens LIST] [--indexer-projections KERNEL] [--indexer-logits DOTS]\n"
-               "                  [--json FILE] [--cpu] [--help]\n"
+               "                  [--value-up-tokens LIST] [--head-gemv-sums SUMS] [--indexer-projections KERNEL]\n"
+               "                  [--indexer-logits DOTS] [--json FILE] [--cpu] [--help]\n"
                "Runs one decode step of a DSA layer's attention half on a synthetic layer, through the\n"
                "fused path and the stock path, checks they agree with each other and with the CPU\n"
                "reference, and times each kernel and each chain (CUDA-graph replay, cold L2).\n"
@@ -64,7 +74,12 @@ void print_usage(FILE* to) {
                "                 token counts whose value-up the fused path runs as head_gemv, cuBLAS bmm\n"
                "                 otherwise: comma-separated counts 1..%d (e.g. 1,2), none, or auto (default):\n"
                "                 where head_gemv was faster on the H200, %s at 64 heads, %s at 8 heads,\n"
-               "                 %s at other head counts (not measured)\n"
+               "                 %s at other head counts (not measured); every m with --head-gemv-sums\n"
+               "                 tensor-cores\n"
+               "  --head-gemv-sums SUMS\n"
+               "                 how the fused path's head_gemv (absorb, value-up) adds its products:\n"
+               "                 seed-order (default; FP32 FMAs in the seed's order, bitwise the reference's)\n"
+               "                 or tensor-cores (BF16 tensor cores, FP32 accumulators, within a stated bound)\n"
                "  --indexer-projections KERNEL\n"
                "                 the indexer's four projections (a step both paths share): gemv (default;\n"
                "                 indexer_project_gemv, one launch) or cublaslt (indexer_project, four GEMMs)\n"
@@ -99,6 +114,7 @@ std::string expected_value(const std::string& option) {
   if (option == "--json") return "a file name";
   if (option == "--indexer-projections") return "gemv or cublaslt";
   if (option == "--indexer-logits") return "exact or fp32-accumulation";
+  if (option == "--head-gemv-sums") return "seed-order or tensor-cores";
   if (option == "--value-up-tokens") {
     return "a comma-separated list of token counts from 1 to " + std::to_string(kMaxDecodeTokens) +
            " (e.g. 1,2), none or auto";
@@ -182,6 +198,14 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
       return false;
     }
     o->indexer_logits_fp32 = value == "fp32-accumulation";
+    return true;
+  }
+  if (option == "--head-gemv-sums") {
+    if (value != "seed-order" && value != "tensor-cores") {
+      *error = bad_value(option, value);
+      return false;
+    }
+    o->head_gemv_tensor_cores = value == "tensor-cores";
     return true;
   }
   if (value.empty()) {  // --preset (resolved against the preset table by the caller), --json

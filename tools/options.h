@@ -28,6 +28,11 @@ struct Options {
   // --indexer-logits: the select's dots in both paths (IndexerPlan::logits):
   // exact (default) or fp32-accumulation.
   bool indexer_logits_fp32 = false;
+  // --head-gemv-sums: how the fused path's head_gemv launches (absorb, and
+  // value-up where it runs head_gemv) add their products: seed-order
+  // (default; bitwise the CPU reference's) or tensor-cores (opt-in
+  // HeadGemvSums::kTensorCores, within its stated bound).
+  bool head_gemv_tensor_cores = false;
   bool force_cpu = false;
   bool help = false;
 };
@@ -40,13 +45,15 @@ inline constexpr int kMaxTp = 1024;  // the preset's head count must also divide
 
 void print_usage(FILE* to);
 
-// The token counts at which value-up's head_gemv beat the cuBLAS bmm on the
+// The token counts at which value-up's head_gemv (seed order) beat the cuBLAS bmm on the
 // H200 (bench/results/head_gemv_2026-11-30_54c2121.json, measured at m = 1, 2,
 // 4, 8, 16): at 64 heads m = 1, 2 (1.10x, 1.12x; 0.90x at m = 4); at 8 heads
 // m = 1, 2, 4 (1.54x, 1.47x, 1.18x; 0.81x at m = 8) and m = 3 between them
 // (head_gemv's time grows with m, cuBLAS's is flat: 3.3 us). Other head counts
 // were not measured: m = 1, 2, where head_gemv won at both.
 std::set<int> measured_value_up_tokens(int heads);
+// The same for head_gemv with tensor-core sums (--head-gemv-sums tensor-cores).
+std::set<int> measured_value_up_tokens_tensor_cores(int heads);
 
 // "1,2,4" (increasing), or "none" for an empty set: --value-up-tokens's syntax.
 std::string token_list(const std::set<int>& counts);

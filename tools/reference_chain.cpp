@@ -84,6 +84,17 @@ std::vector<uint8_t> reference_absorb(const StepShape& s, const HostWeights& w, 
   return reference::head_gemv_fp8(dense_head_gemv(q, w.w_uk_t, s.m, s.H, s.P, s.L), tactic, w.q_scale);
 }
 
+reference::HeadGemvDeviation absorb_deviation(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
+                                              const std::vector<uint8_t>& q_fp8) {
+  return reference::head_gemv_deviation(dense_head_gemv(q, w.w_uk_t, s.m, s.H, s.P, s.L), q_fp8.data(), true,
+                                        w.q_scale);
+}
+
+reference::HeadGemvDeviation value_up_deviation(const StepShape& s, const HostWeights& w,
+                                                const std::vector<uint16_t>& latent, const std::vector<uint16_t>& out) {
+  return reference::head_gemv_deviation(dense_head_gemv(latent, w.w_uv, s.m, s.H, s.L, s.V), out.data(), false, 1.0f);
+}
+
 std::vector<uint16_t> reference_value_up(const StepShape& s, const HostWeights& w,
                                          const std::vector<uint16_t>& latent, HeadGemvTactic tactic) {
   return reference::head_gemv_bf16(dense_head_gemv(latent, w.w_uv, s.m, s.H, s.L, s.V), tactic);

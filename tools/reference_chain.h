@@ -12,6 +12,7 @@
 
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/status.h"
+#include "head_gemv/head_gemv_reference.h"
 #include "indexer/indexer_reference.h"
 #include "sparse_mla/sparse_mla_reference.h"
 #include "synthetic_layer.h"
@@ -39,6 +40,14 @@ std::vector<uint16_t> reference_q_b_proj(const StepShape& s, const HostWeights& 
 // q_fp8 [m, H, L] = static FP8 quant of q [m, H, P] x W_UK_T, head_gemv's order.
 std::vector<uint8_t> reference_absorb(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
                                       HeadGemvTactic tactic);
+
+// Under --head-gemv-sums tensor-cores: where the GPU's absorb q_fp8 and
+// value-up out lie against the tensor-core contract's bound, on the GPU's
+// inputs (reference::head_gemv_deviation).
+reference::HeadGemvDeviation absorb_deviation(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
+                                              const std::vector<uint8_t>& q_fp8);
+reference::HeadGemvDeviation value_up_deviation(const StepShape& s, const HostWeights& w,
+                                                const std::vector<uint16_t>& latent, const std::vector<uint16_t>& out);
 
 // The attention's softmax scale: qk_nope^-0.5 (the absorbed query keeps the
 // scale of the per-head q.k product).

@@ -38,6 +38,7 @@ struct RunReport {
   std::string value_up_reason;  // why (choose_value_up)
   std::string indexer_projections_kernel;  // both paths': "indexer_project_gemv" or "indexer_project"
   std::string indexer_logits;              // both selects': "exact" or "fp32_accumulation"
+  std::string head_gemv_sums;              // the fused path's head_gemv: "seed_order" or "tensor_cores"
   std::vector<Check> checks;
   std::vector<Timing> timings;
 };

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dsa_decode/head_gemv.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/presets.h"
 
@@ -58,6 +59,7 @@ struct StepShape {
   int m;  // decode tokens
   int64_t context;  // tokens already cached; the new ones go to slots context..context+m-1
   IndexerLogits indexer_logits = IndexerLogits::kExact;  // the select's dots (--indexer-logits)
+  HeadGemvSums head_gemv_sums = HeadGemvSums::kSeedOrder;  // the fused path's head_gemv sums (--head-gemv-sums)
 
   int64_t q_width() const { return int64_t{H} * P; }  // q_b_proj's out features
   int qkv_width() const { return Q + L; }

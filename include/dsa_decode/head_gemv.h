@@ -24,6 +24,23 @@
 // Rounding: BF16 out = RNE(total). FP8 out = e4m3_satfinite(clamp(RNE_bf16(total)
 // * (1 / scale), +-448)) with 1/scale a rounded division: the stock static quant.
 //
+// Opt-in tensor-core sums (args.sums = HeadGemvSums::kTensorCores): the
+// products on the BF16 tensor cores (mma.sync m16n8k16, FP32 accumulators),
+// for I a multiple of 64 up to 1024 and J a multiple of 16; no tactic. CTA
+// (h, c) owns `tile` columns (64, 32 or 16, from H * J alone); warp w owns
+// rows 64w..64w+63 of every column of the tile: one accumulator per column
+// and token, four chained k16 steps from 0; total = 0 + warp 0 + warp 1 + ...
+// in order. The order inside one MMA is the hardware's (unspecified), so the
+// totals are not the CPU reference's bits; the contract is
+//   |total - exact| <= 2^-14 * sum_i |x[i] * w[i][j]|
+// (reference::head_gemv_deviation checks each output against the roundings
+// of the two ends of that interval). The bits still depend on nothing but the
+// token's own x and the weights: the same on every run, for every m and
+// every batch around the token. Why opt-in: from m = 4 on at H = 64 the seed
+// order's FP32 FMAs on CUDA cores cannot keep up with the weight stream
+// (docs/head_gemv.md); the tensor cores can, at the cost of bitwise equality
+// with the seed.
+//
 // Fused KV-cache write (concat_and_cache_mla, FP8 cache): m more CTAs; CTA t
 // stores kv[t, :] / k_scale (rounded division, saturating e4m3) at cache slot
 // slot_mapping[t] = block * block_size + offset. Negative slots and tokens
@@ -39,6 +56,12 @@
 namespace dsa {
 
 inline constexpr int kHeadGemvMaxTokens = 16;
+
+// How head_gemv adds its products (see above).
+enum class HeadGemvSums : int {
+  kSeedOrder = 0,    // FP32 FMA chains in the seed's order: bitwise the CPU reference's
+  kTensorCores = 1,  // BF16 tensor cores, FP32 accumulators: within a stated bound, faster from m = 4
+};
 
 struct HeadGemvTactic {
   int tile = 64;            // columns per CTA: 16, 32, 64, 128 or 256
@@ -60,6 +83,7 @@ struct HeadGemvArgs {
   TensorView out;     // [m, H, J] BF16 or FP8 e4m3, contiguous
   TensorView scale;   // [1] f32: required when out is FP8, absent otherwise
   const KvCacheWrite* cache = nullptr;  // optional
+  HeadGemvSums sums = HeadGemvSums::kSeedOrder;
 };
 
 // The table's tactic for these shapes and token count (src/head_gemv/tactics.cpp;
@@ -79,7 +103,9 @@ Status check_head_gemv(const HeadGemvArgs& args);
 // The cache-write part of the checks, shared with stock_concat_and_cache_mla.
 Status check_kv_cache_write(const KvCacheWrite& write, int64_t m);
 
-// Launches on `stream` with PDL; `tactic` null = the table's. Neither
+// Launches on `stream` with PDL; `tactic` null = the table's (kSeedOrder
+// only: kTensorCores takes no tactic, and a shape it cannot run, I not a
+// multiple of 64 up to 1024 or J not of 16, is kUnsupported). Neither
 // allocates nor synchronizes (CUDA-graph capturable: the first call with a
 // tactic on a device may raise the kernel's shared-memory limit, make it
 // outside a capture).

@@ -9,35 +9,10 @@
 #include "core/shared_memory.h"
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/numerics.h"
+#include "head_gemv/head_gemv_kernels.h"
 
 namespace dsa {
 namespace {
-
-struct HeadGemvParams {
-  const uint16_t* x;  // [m, H, I] BF16 bits
-  int64_t x_token_stride;
-  const uint16_t* weight;  // [H, I, J] BF16 bits
-  int64_t weight_head_stride;
-  int64_t weight_row_stride;
-  void* out;           // [m, H, J] BF16 or FP8, contiguous
-  const float* scale;  // [1]; null: BF16 out
-  int m, heads, rows, cols;
-  int tile, rows_per_thread;  // the tactic
-
-  // Fused cache write; cache == null: none.
-  const uint16_t* kv;  // [m, L] BF16
-  int64_t kv_token_stride;
-  uint8_t* cache;  // [blocks, block_size, L] FP8
-  int64_t cache_block_stride;
-  int64_t cache_entry_stride;
-  int64_t cache_capacity;  // blocks * block_size
-  int block_size;
-  int cache_width;        // L
-  const int64_t* slots;   // [n_slots]
-  int tokens_with_slot;   // min(n_slots, m)
-  const float* k_scale;   // [1]
-  unsigned int* error_count;
-};
 
 __device__ __forceinline__ float low_bf16(uint32_t pair) { return __uint_as_float(pair << 16); }
 __device__ __forceinline__ float high_bf16(uint32_t pair) { return __uint_as_float(pair & 0xFFFF0000u); }
@@ -46,35 +21,6 @@ __device__ __forceinline__ float high_bf16(uint32_t pair) { return __uint_as_flo
 __device__ __forceinline__ float bf16_element(const uint4& v, int k) {
   const uint32_t pair = k < 2 ? v.x : k < 4 ? v.y : k < 6 ? v.z : v.w;
   return (k & 1) ? high_bf16(pair) : low_bf16(pair);
-}
-
-// concat_and_cache_mla for token t: CTA t of the cache part.
-__device__ void write_cache_row(const HeadGemvParams& p, int t) {
-  pdl_wait();
-  pdl_release_dependents();
-  if (t >= p.tokens_with_slot) return;  // CUDA-graph padding rows
-  const int64_t slot = p.slots[t];
-  if (slot < 0) return;  // padding slot
-  if (slot >= p.cache_capacity) {
-    if (threadIdx.x == 0 && p.error_count != nullptr) atomicAdd(p.error_count, 1u);
-    return;
-  }
-  const float k_scale = *p.k_scale;
-  const int64_t block = slot / p.block_size;
-  const int64_t offset = slot - block * p.block_size;
-  uint8_t* entry = p.cache + block * p.cache_block_stride + offset * p.cache_entry_stride;
-  const uint16_t* kv = p.kv + t * p.kv_token_stride;
-  for (int i = threadIdx.x; i < p.cache_width / 8; i += blockDim.x) {
-    const uint4 v = *reinterpret_cast<const uint4*>(kv + i * 8);
-    const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
-    uint32_t packed[2] = {0, 0};
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint16_t value = static_cast<uint16_t>(pairs[k / 2] >> (16 * (k & 1)));
-      packed[k / 4] |= static_cast<uint32_t>(num::cache_fp8(value, k_scale)) << (8 * (k % 4));
-    }
-    *reinterpret_cast<uint2*>(entry + i * 8) = make_uint2(packed[0], packed[1]);
-  }
 }
 
 constexpr int kRowsPerChunk = 8;  // rows of each thread in one async-copy group
@@ -361,6 +307,10 @@ Status check_kv_cache_write(const KvCacheWrite& c, int64_t m) {
 }
 
 Status check_head_gemv(const HeadGemvArgs& a) {
+  if (a.sums != HeadGemvSums::kSeedOrder && a.sums != HeadGemvSums::kTensorCores) {
+    return invalid_argument("sums", "HeadGemvSums::kSeedOrder or kTensorCores",
+                            std::to_string(static_cast<int>(a.sums)));
+  }
   DSA_RETURN_IF_ERROR(check_dtype(a.x, "x", DType::kBF16));
   DSA_RETURN_IF_ERROR(check_shape(a.x, "x", {-1, -1, -1}));
   DSA_RETURN_IF_ERROR(check_on_cuda(a.x, "x"));
@@ -420,19 +370,35 @@ Status check_head_gemv(const HeadGemvArgs& a) {
   return Status();
 }
 
-Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTactic* requested) {
+namespace {
+
+// head_gemv with, for kTensorCores, the column tile `mma_tile` (0: the rule's).
+Status run_head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTactic* requested, int mma_tile) {
   DSA_RETURN_IF_ERROR(check_head_gemv(a));
   const int m = static_cast<int>(a.x.size(0)), heads = static_cast<int>(a.x.size(1));
   const int rows = static_cast<int>(a.x.size(2)), cols = static_cast<int>(a.weight.size(2));
-  const HeadGemvTactic tactic = requested ? *requested : head_gemv_tactic(heads, rows, cols, m);
-  const Status runnable = check_head_gemv_tactic(rows, cols, m, tactic);
-  if (!runnable.ok() && requested == nullptr) {
-    return unsupported("head_gemv: no tactic runs H = " + std::to_string(heads) + ", I = " + std::to_string(rows) +
-                       ", J = " + std::to_string(cols) + " at m = " + std::to_string(m) +
-                       " (I a multiple of 8 rows per thread, J of a 16..256 column tile)");
+  const bool tensor_cores = a.sums == HeadGemvSums::kTensorCores;
+  HeadGemvTactic tactic;
+  if (tensor_cores) {
+    if (requested != nullptr) {
+      return invalid_argument("tactic", "none with sums = kTensorCores (its work split is fixed)",
+                              tactic_string(*requested));
+    }
+    if (!head_gemv_mma_supports(rows, cols)) {
+      return unsupported("head_gemv (tensor cores): I = " + std::to_string(rows) + ", J = " + std::to_string(cols) +
+                         " (it runs I a multiple of 64 up to 1024 and J a multiple of 16)");
+    }
+    tactic.tile = mma_tile != 0 ? mma_tile : head_gemv_mma_tile(heads, cols);
+  } else {
+    tactic = requested ? *requested : head_gemv_tactic(heads, rows, cols, m);
+    const Status runnable = check_head_gemv_tactic(rows, cols, m, tactic);
+    if (!runnable.ok() && requested == nullptr) {
+      return unsupported("head_gemv: no tactic runs H = " + std::to_string(heads) + ", I = " + std::to_string(rows) +
+                         ", J = " + std::to_string(cols) + " at m = " + std::to_string(m) +
+                         " (I a multiple of 8 rows per thread, J of a 16..256 column tile)");
+    }
+    DSA_RETURN_IF_ERROR(runnable);
   }
-  DSA_RETURN_IF_ERROR(runnable);
-  const size_t shared_bytes = shared_bytes_for(rows, m, tactic);
 
   HeadGemvParams p = {};
   p.x = static_cast<const uint16_t*>(a.x.data);
@@ -466,12 +432,27 @@ Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTacti
 
   p.tile = tactic.tile;
   p.rows_per_thread = tactic.rows_per_thread;
+  if (tensor_cores) return launch_head_gemv_mma(p, cache_ctas, stream);
+  const size_t shared_bytes = shared_bytes_for(rows, m, tactic);
   const KernelFn kernel = kernel_for(m);
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(kernel),
                                                 static_cast<int>(kMaxSharedBytes), "head_gemv"));
   const dim3 grid(heads * (cols / tactic.tile) + cache_ctas);
   const dim3 block(group_threads_for(rows, tactic) * token_groups_for(m));
   return launch_pdl(kernel, grid, block, shared_bytes, stream, p);
+}
+
+}  // namespace
+
+Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTactic* tactic) {
+  return run_head_gemv(a, stream, tactic, 0);
+}
+
+Status head_gemv_tensor_cores_with_tile(const HeadGemvArgs& a, int tile, cudaStream_t stream) {
+  if (a.sums != HeadGemvSums::kTensorCores) {
+    return invalid_argument("sums", "kTensorCores (the tile is the tensor-core kernel's)", "kSeedOrder");
+  }
+  return run_head_gemv(a, stream, nullptr, tile);
 }
 
 }  // namespace dsa

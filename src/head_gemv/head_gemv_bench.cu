@@ -3,7 +3,9 @@
 //   absorb:   q [m, H, 256] x W_UK_T [H, 256, 512] -> FP8, + the latent's cache write;
 //             stock = cuBLAS bmm + static FP8 quant + concat_and_cache_mla (3 launches)
 //   value_up: latent [m, H, 512] x W_UV [H, 512, 256] -> BF16; stock = cuBLAS bmm
-// and a sweep of every valid tactic (rows *_tactic) that the tactic table is chosen from.
+// and a sweep of every valid tactic (rows *_tactic) that the tactic table is chosen from;
+// the opt-in tensor-core sums beside them (rows "* (tensor cores)", against the
+// same stock time) and their column tiles (rows "* (tensor cores)_tile").
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/stock.h"
 #include "harness.h"
+#include "head_gemv/head_gemv_kernels.h"
 
 namespace dsa::bench {
 namespace {
@@ -93,6 +96,16 @@ Status time_fused(const Context& ctx, const Problem& p, const Buffers& b, const 
   }, us, std::max(20, b.copies));
 }
 
+// The opt-in tensor-core sums; tile 0: the kernel's rule (head_gemv_mma_tile).
+Status time_tensor_cores(const Context& ctx, const Problem& p, const Buffers& b, int tile, double* us) {
+  return time_graph(ctx, [&](cudaStream_t stream, int i) {
+    Views v = views(p, b, i);
+    if (p.absorb) v.args.cache = &v.cache;
+    v.args.sums = HeadGemvSums::kTensorCores;
+    return tile == 0 ? head_gemv(v.args, stream) : head_gemv_tensor_cores_with_tile(v.args, tile, stream);
+  }, us, std::max(20, b.copies));
+}
+
 Status time_stock(const Context& ctx, const Problem& p, const Buffers& b, cublasHandle_t handle, double* us) {
   return time_graph(ctx, [&](cudaStream_t stream, int i) {
     Views v = views(p, b, i);
@@ -124,6 +137,18 @@ Status run(Context& ctx, Report& report) {
                 floor_us(ctx, floor_bytes(p))};
         row.note = "tactic " + std::to_string(table.tile) + "/" + std::to_string(table.rows_per_thread);
         report.add(row);
+        double tensor_us = 0;
+        DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, 0, &tensor_us));
+        Row tensor{name + " (tensor cores)", params, tensor_us, row.baseline, stock_us, row.floor_us};
+        tensor.note = "opt-in HeadGemvSums::kTensorCores: BF16 mma.sync, FP32 accumulators, column tile " +
+                      std::to_string(head_gemv_mma_tile(p.heads, p.cols));
+        report.add(tensor);
+        for (int tile : {16, 32, 64}) {
+          double us = 0;
+          DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, tile, &us));
+          report.add(Row{name + " (tensor cores)_tile", {{"H", heads}, {"m", m}, {"tile", tile}}, us, "", 0,
+                         row.floor_us});
+        }
         // The sweep behind the tactic table.
         for (int tile : {16, 32, 64, 128, 256}) {
           for (int rows_per_thread : {8, 16, 32, 64}) {

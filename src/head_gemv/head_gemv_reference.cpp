@@ -65,6 +65,67 @@ std::vector<uint8_t> head_gemv_fp8(const HeadGemvHost& a, HeadGemvTactic tactic,
   return out;
 }
 
+namespace {
+
+// The largest float <= v, and the smallest float >= v: the interval's ends
+// in float without narrowing it.
+float float_below(double v) {
+  float f = static_cast<float>(v);
+  return static_cast<double>(f) > v ? std::nextafter(f, -INFINITY) : f;
+}
+float float_above(double v) {
+  float f = static_cast<float>(v);
+  return static_cast<double>(f) < v ? std::nextafter(f, INFINITY) : f;
+}
+
+// Codes in value order (sign-magnitude: +0 and -0 are 0 apart).
+int ordered_bf16(uint16_t v) { return (v & 0x8000) ? -static_cast<int>(v & 0x7FFF) : static_cast<int>(v); }
+int ordered_fp8(uint8_t v) { return (v & 0x80) ? -static_cast<int>(v & 0x7F) : static_cast<int>(v); }
+
+}  // namespace
+
+HeadGemvDeviation head_gemv_deviation(const HeadGemvHost& a, const void* out, bool fp8, float scale) {
+  const float inverse = num::div_rn(1.0f, scale);
+  // The kernel's rounding of a total, as an ordered code.
+  auto rounded = [&](float total) {
+    return fp8 ? ordered_fp8(num::quant_fp8_static(num::round_bf16(total), inverse))
+               : ordered_bf16(num::float_to_bf16(total));
+  };
+  HeadGemvDeviation deviation;
+  std::vector<double> exact(a.cols), magnitude(a.cols);
+  for (int t = 0; t < a.m; ++t) {
+    for (int h = 0; h < a.heads; ++h) {
+      const uint16_t* x = a.x + t * a.x_token_stride + static_cast<int64_t>(h) * a.rows;
+      const uint16_t* w = a.weight + h * a.weight_head_stride;
+      std::fill(exact.begin(), exact.end(), 0.0);
+      std::fill(magnitude.begin(), magnitude.end(), 0.0);
+      for (int r = 0; r < a.rows; ++r) {
+        const double xr = num::bf16_to_float(x[r]);
+        for (int j = 0; j < a.cols; ++j) {
+          const double product = xr * num::bf16_to_float(w[r * a.weight_row_stride + j]);  // exact in double
+          exact[j] += product;
+          magnitude[j] += std::fabs(product);
+        }
+      }
+      for (int j = 0; j < a.cols; ++j) {
+        const size_t index = (static_cast<size_t>(t) * a.heads + h) * a.cols + j;
+        const int got = fp8 ? ordered_fp8(static_cast<const uint8_t*>(out)[index])
+                            : ordered_bf16(static_cast<const uint16_t*>(out)[index]);
+        const double bound = std::ldexp(magnitude[j], -14);
+        const int low = rounded(float_below(exact[j] - bound)), high = rounded(float_above(exact[j] + bound));
+        const int nearest = rounded(static_cast<float>(exact[j]));
+        deviation.outside += got < low || got > high;
+        if (got != nearest) {
+          ++deviation.differing;
+          deviation.max_steps = std::max(deviation.max_steps, std::abs(got - nearest));
+        }
+        ++deviation.compared;
+      }
+    }
+  }
+  return deviation;
+}
+
 int cache_write(const uint16_t* kv, int64_t kv_token_stride, int m, int width, const int64_t* slots, int n_slots,
                 float k_scale, uint8_t* cache, int64_t blocks, int block_size, int64_t block_stride,
                 int64_t entry_stride) {

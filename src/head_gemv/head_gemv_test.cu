@@ -14,6 +14,7 @@
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/stock.h"
+#include "head_gemv/head_gemv_kernels.h"
 #include "head_gemv/head_gemv_reference.h"
 #include "support.h"
 
@@ -65,6 +66,32 @@ TEST(HeadGemvChecks, ShapesWithoutATacticAreUnsupportedNotMisnamed) {
   Status s = head_gemv(f.args(), nullptr);
   EXPECT_EQ(s.code(), ErrorCode::kUnsupported) << s.to_string();
   EXPECT_NE(s.message().find("I = 200"), std::string::npos) << s.message();
+}
+
+TEST(HeadGemvChecks, TensorCoreSumsTakeNoTacticAndNameUnsupportedShapes) {
+  {
+    FakeArgs f;
+    HeadGemvArgs a = f.args();
+    a.sums = HeadGemvSums::kTensorCores;
+    const HeadGemvTactic tactic{64, 8};
+    testing::expect_rejected(head_gemv(a, nullptr, &tactic), "tactic", "none with sums = kTensorCores");
+    a.sums = static_cast<HeadGemvSums>(7);
+    testing::expect_rejected(check_head_gemv(a), "sums", "kSeedOrder or kTensorCores");
+    testing::expect_rejected(head_gemv_tensor_cores_with_tile(f.args(), 64, nullptr), "sums", "kTensorCores");
+  }
+  {
+    FakeArgs f;  // I = 200: a seed-order tactic would not run it either, but the message names the sums' limits
+    f.x.shape[2] = f.weight.shape[1] = 200;
+    f.x.strides[1] = 200;
+    f.x.strides[0] = 4 * 200;
+    f.weight.strides[1] = 512;
+    f.weight.strides[0] = 200 * 512;
+    HeadGemvArgs a = f.args();
+    a.sums = HeadGemvSums::kTensorCores;
+    const Status s = head_gemv(a, nullptr);
+    EXPECT_EQ(s.code(), ErrorCode::kUnsupported) << s.to_string();
+    EXPECT_NE(s.message().find("I a multiple of 64"), std::string::npos) << s.message();
+  }
 }
 
 TEST(HeadGemvChecks, StockEntryPointsNameTheirArguments) {
@@ -233,6 +260,35 @@ TEST(HeadGemvReference, AgreesWithFloat64) {
   }
 }
 
+// The tensor-core contract's check: the seed order's outputs lie within the
+// bound (its FP32 error is far below 2^-14 of the sum of |products|), and an
+// output moved by three BF16 ulps or FP8 steps does not.
+TEST(HeadGemvReference, DeviationAcceptsTheSeedOrderAndFlagsAMovedOutput) {
+  std::mt19937_64 rng(testing::test_seed());
+  const int m = 2, heads = 3, rows = 256, cols = 64;
+  std::vector<uint16_t> x = testing::random_bf16(m * heads * rows, 1.0f, rng);
+  std::vector<uint16_t> w = testing::random_bf16(heads * rows * cols, 0.05f, rng);
+  const reference::HeadGemvHost a{x.data(), heads * rows, w.data(), rows * cols, cols, m, heads, rows, cols};
+  const HeadGemvTactic tactic{64, 8};
+  std::vector<uint16_t> bf16 = reference::head_gemv_bf16(a, tactic);
+  reference::HeadGemvDeviation d = reference::head_gemv_deviation(a, bf16.data(), false, 1.0f);
+  EXPECT_EQ(d.outside, 0);
+  EXPECT_EQ(d.compared, int64_t(m) * heads * cols);
+  EXPECT_LE(d.max_steps, 1);
+  bf16[77] = static_cast<uint16_t>(bf16[77] + ((bf16[77] & 0x8000) ? -3 : 3));  // away from zero by 3 ulps
+  d = reference::head_gemv_deviation(a, bf16.data(), false, 1.0f);
+  EXPECT_EQ(d.outside, 1);
+  EXPECT_GE(d.max_steps, 2);
+
+  const float scale = 0.0125f;
+  std::vector<uint8_t> fp8 = reference::head_gemv_fp8(a, tactic, scale);
+  EXPECT_EQ(reference::head_gemv_deviation(a, fp8.data(), true, scale).outside, 0);
+  size_t moved = 0;  // an output far below the saturated code, so that 3 steps up stay a finite code
+  while ((fp8[moved] & 0x7F) >= 0x70) ++moved;
+  fp8[moved] = static_cast<uint8_t>(fp8[moved] + 3);
+  EXPECT_EQ(reference::head_gemv_deviation(a, fp8.data(), true, scale).outside, 1);
+}
+
 TEST(HeadGemvReference, CacheWriteSkipsPaddingAndCountsOutOfRange) {
   const int width = 16, blocks = 2, block_size = 4;
   std::vector<uint16_t> kv(3 * width);
@@ -267,20 +323,24 @@ struct Case {
   int x_pad = 0;       // extra elements per token row of x
   int weight_pad = 0;  // extra elements per weight row
   std::optional<HeadGemvTactic> tactic;
+  HeadGemvSums sums = HeadGemvSums::kSeedOrder;  // kTensorCores: checked against the bound, not bitwise
 };
 
 std::string describe(const Case& c) {
   std::string s = "H " + std::to_string(c.heads) + " I " + std::to_string(c.rows) + " J " + std::to_string(c.cols) +
                   " m " + std::to_string(c.m) + (c.fp8 ? " fp8" : " bf16") + (c.cache ? " +cache" : "");
   if (c.tactic) s += " tactic " + std::to_string(c.tactic->tile) + "/" + std::to_string(c.tactic->rows_per_thread);
+  if (c.sums == HeadGemvSums::kTensorCores) s += " tensor cores";
   return s;
 }
 
 constexpr size_t kGuard = 256;  // poisoned bytes on each side of every output
 constexpr uint8_t kPoison = 0xFF;
 
-// Runs one case on the GPU and checks it bitwise against the reference.
-void run_case(const Case& c, std::mt19937_64& rng) {
+// Runs one case on the GPU and checks it against the reference: bitwise for
+// the seed order, within the contract's bound for the tensor-core sums (whose
+// deviation, when given, is added up there).
+void run_case(const Case& c, std::mt19937_64& rng, reference::HeadGemvDeviation* total_deviation = nullptr) {
   SCOPED_TRACE(describe(c));
   const HeadGemvTactic tactic = c.tactic ? *c.tactic : head_gemv_tactic(c.heads, c.rows, c.cols, c.m);
   const int64_t x_stride = int64_t(c.heads) * c.rows + c.x_pad;
@@ -333,6 +393,7 @@ void run_case(const Case& c, std::mt19937_64& rng) {
                      make_tensor(slots_dev.get(), DType::kI64, {n_slots}), make_tensor(k_scale_dev.get(), DType::kF32, {1}),
                      count_errors ? errors_dev.get() : nullptr};
   if (c.cache) args.cache = &write;
+  args.sums = c.sums;
 
   Status s = head_gemv(args, nullptr, c.tactic ? &*c.tactic : nullptr);
   EXPECT_TRUE(s.ok()) << s.to_string();
@@ -340,16 +401,25 @@ void run_case(const Case& c, std::mt19937_64& rng) {
   if (!s.ok()) return;
 
   reference::HeadGemvHost host{x.data(), x_stride, w.data(), w_head_stride, w_row_stride, c.m, c.heads, c.rows, c.cols};
+  const std::vector<uint8_t> got = out_dev.download();
+  const uint8_t* out = got.data() + kGuard;
   std::vector<uint8_t> expected;
-  if (c.fp8) {
+  if (c.sums == HeadGemvSums::kTensorCores) {
+    const reference::HeadGemvDeviation d = reference::head_gemv_deviation(host, out, c.fp8, scale);
+    EXPECT_EQ(d.outside, 0) << d.outside << " of " << d.compared << " outputs outside the bound";
+    if (total_deviation != nullptr) {
+      total_deviation->outside += d.outside;
+      total_deviation->differing += d.differing;
+      total_deviation->compared += d.compared;
+      total_deviation->max_steps = std::max(total_deviation->max_steps, d.max_steps);
+    }
+  } else if (c.fp8) {
     expected = reference::head_gemv_fp8(host, tactic, scale);
   } else {
     std::vector<uint16_t> bf16 = reference::head_gemv_bf16(host, tactic);
     expected.resize(bf16.size() * 2);
     std::memcpy(expected.data(), bf16.data(), expected.size());
   }
-  const std::vector<uint8_t> got = out_dev.download();
-  const uint8_t* out = got.data() + kGuard;
   size_t mismatches = 0, first = 0;
   for (size_t i = 0; i < expected.size(); ++i) {
     if (out[i] != expected[i] && mismatches++ == 0) first = i;
@@ -493,6 +563,94 @@ TEST(HeadGemvGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
     EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batch.begin() + size_t(t) * heads * cols))
         << "token " << t << " alone differs from the same token in a batch of 16";
   }
+}
+
+// The tensor-core sums (opt-in): every output within the contract's bound on
+// the bitwise sweep's cases (shapes the kernel runs: I a multiple of 64), with
+// the same guard bands, cache writes and untouched inputs.
+TEST(HeadGemvGpu, TensorCoreSumsStayWithinTheBound) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 3);
+  reference::HeadGemvDeviation total;
+  for (Case c : bitwise_sweep(testing::quick_mode())) {
+    c.sums = HeadGemvSums::kTensorCores;
+    run_case(c, rng, &total);
+  }
+  // The largest I the kernel runs, with a padded weight row.
+  run_case(Case{8, 1024, 64, 5, false, false, 8, 16, std::nullopt, HeadGemvSums::kTensorCores}, rng, &total);
+  EXPECT_EQ(total.outside, 0);
+  std::printf("[head_gemv tensor cores] %lld outputs: %lld outside the bound, %lld differ from the rounding of the "
+              "exact sum, by at most %d step(s)\n",
+              static_cast<long long>(total.compared), static_cast<long long>(total.outside),
+              static_cast<long long>(total.differing), total.max_steps);
+}
+
+// The tensor-core sums' other promises: the same bits on every run, for a token
+// alone and inside a batch of 16, whatever the column tile, and from a graph.
+TEST(HeadGemvGpu, TensorCoreSumsAreRepeatableBatchInvariantAndTileInvariant) {
+  DSA_REQUIRE_GPU();
+  const int heads = 8, rows = 512, cols = 256;
+  std::mt19937_64 rng(testing::test_seed() + 4);
+  const std::vector<uint16_t> x = testing::random_bf16(16 * heads * rows, 1.0f, rng);
+  const std::vector<uint16_t> w = testing::random_bf16(heads * rows * cols, 0.05f, rng);
+  DeviceBuffer<uint16_t> x_dev(x), w_dev(w);
+  DeviceBuffer<uint16_t> out_dev(16 * heads * cols);
+  auto args_for = [&](int first_token, int m) {
+    HeadGemvArgs a;
+    a.x = make_tensor(x_dev.get() + first_token * heads * rows, DType::kBF16, {m, heads, rows});
+    a.weight = make_tensor(w_dev.get(), DType::kBF16, {heads, rows, cols});
+    a.out = make_tensor(out_dev.get(), DType::kBF16, {m, heads, cols});
+    a.sums = HeadGemvSums::kTensorCores;
+    return a;
+  };
+  auto result = [&](int m) {
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint16_t> out = out_dev.download();
+    out.resize(size_t(m) * heads * cols);
+    return out;
+  };
+  auto run = [&](int first_token, int m, int tile) {
+    out_dev.fill_bytes(kPoison);
+    const HeadGemvArgs a = args_for(first_token, m);
+    const Status launched = tile == 0 ? head_gemv(a, nullptr) : head_gemv_tensor_cores_with_tile(a, tile, nullptr);
+    EXPECT_TRUE(launched.ok()) << launched.to_string();
+    return result(m);
+  };
+  const std::vector<uint16_t> batch = run(0, 16, 0);
+  const reference::HeadGemvHost host{x.data(), heads * rows, w.data(), rows * cols, cols, 16, heads, rows, cols};
+  EXPECT_EQ(reference::head_gemv_deviation(host, batch.data(), false, 1.0f).outside, 0)
+      << "the batch of 16 is outside the bound";
+  EXPECT_EQ(run(0, 16, 0), batch);
+  for (int tile : {16, 32, 64}) EXPECT_EQ(run(0, 16, tile), batch) << "column tile " << tile;
+  for (int t : {0, 5, 8, 15}) {
+    for (int m : {1, 3}) {
+      if (t + m > 16) continue;
+      const std::vector<uint16_t> alone = run(t, m, 0);
+      EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batch.begin() + size_t(t) * heads * cols))
+          << "tokens " << t << ".." << t + m - 1 << " alone differ from the same tokens in a batch of 16";
+    }
+  }
+  // Captured into a CUDA graph and replayed twice.
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  DSA_ASSERT_OK(head_gemv(args_for(0, 16), stream));  // outside the capture: raises the shared-memory limit
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status captured = head_gemv(args_for(0, 16), stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  DSA_ASSERT_OK(captured);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) {
+    out_dev.fill_bytes(kPoison);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(result(16), batch) << "graph replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 TEST(HeadGemvGpu, CapturedGraphReplaysTheSameResult) {
