@@ -27,7 +27,8 @@
 // Opt-in tensor-core sums (args.sums = HeadGemvSums::kTensorCores): the
 // products on the BF16 tensor cores (mma.sync m16n8k16, FP32 accumulators),
 // for I a multiple of 64 up to 1024 and J a multiple of 16; no tactic. CTA
-// (h, c) owns `tile` columns (64, 32 or 16, from H * J alone); warp w owns
+// (h, c) owns `tile` columns (64, 32 or 16, from the shape and m; the bits do
+// not depend on it); out must be 8-byte aligned. Warp w owns
 // rows 64w..64w+63 of every column of the tile: one accumulator per column
 // and token, four chained k16 steps from 0; total = 0 + warp 0 + warp 1 + ...
 // in order. The order inside one MMA is the hardware's (unspecified), so the

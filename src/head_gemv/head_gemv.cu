@@ -352,6 +352,9 @@ Status check_head_gemv(const HeadGemvArgs& a) {
   } else if (a.scale.data != nullptr) {
     return invalid_argument("scale", "no scale with a BF16 out (a scale means FP8 out)", a.scale.describe());
   }
+  if (a.sums == HeadGemvSums::kTensorCores) {
+    DSA_RETURN_IF_ERROR(check_aligned(a.out, "out", 8));  // its epilogue stores four columns at once
+  }
   DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.x, "x"));
   DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.weight, "weight"));
   DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.scale, "scale"));
@@ -388,7 +391,7 @@ Status run_head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvT
       return unsupported("head_gemv (tensor cores): I = " + std::to_string(rows) + ", J = " + std::to_string(cols) +
                          " (it runs I a multiple of 64 up to 1024 and J a multiple of 16)");
     }
-    tactic.tile = mma_tile != 0 ? mma_tile : head_gemv_mma_tile(heads, cols);
+    tactic.tile = mma_tile != 0 ? mma_tile : head_gemv_mma_tile(heads, rows, cols, m);
   } else {
     tactic = requested ? *requested : head_gemv_tactic(heads, rows, cols, m);
     const Status runnable = check_head_gemv_tactic(rows, cols, m, tactic);

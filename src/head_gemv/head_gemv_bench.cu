@@ -141,7 +141,7 @@ Status run(Context& ctx, Report& report) {
         DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, 0, &tensor_us));
         Row tensor{name + " (tensor cores)", params, tensor_us, row.baseline, stock_us, row.floor_us};
         tensor.note = "opt-in HeadGemvSums::kTensorCores: BF16 mma.sync, FP32 accumulators, column tile " +
-                      std::to_string(head_gemv_mma_tile(p.heads, p.cols));
+                      std::to_string(head_gemv_mma_tile(p.heads, p.rows, p.cols, m));
         report.add(tensor);
         for (int tile : {16, 32, 64}) {
           double us = 0;

@@ -68,9 +68,9 @@ __device__ inline void write_cache_row(const HeadGemvParams& p, int t) {
 }
 
 // The tensor-core kernel (kTensorCores). Its column tile: 64, 32 or 16 columns
-// per CTA, the widest that still gives at least two CTAs per SM of an H200
-// (the bits do not depend on it).
-int head_gemv_mma_tile(int heads, int cols);
+// per CTA, the widest that still gives the warps in flight the H200 needed
+// at m tokens (the bits do not depend on the tile, so it may follow m).
+int head_gemv_mma_tile(int heads, int rows, int cols, int m);
 // Whether the tensor-core kernel runs rows x cols (I a multiple of 64 up to
 // 1024, J a multiple of 16).
 bool head_gemv_mma_supports(int rows, int cols);

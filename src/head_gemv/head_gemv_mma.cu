@@ -140,20 +140,32 @@ __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32) head_gemv_mma_ke
   }
   __syncthreads();
 
+  // Four adjacent columns per thread and pass: the epilogue runs after the
+  // last weights arrive, so its instruction count is on the critical path
+  // (one column per thread cost about 1 us at m = 16).
   const int warps = p.rows / kRowsPerWarp;
   const bool fp8_out = p.scale != nullptr;
   const float inverse_scale = fp8_out ? num::div_rn(1.0f, *p.scale) : 1.0f;
-  for (int e = threadIdx.x; e < p.m * kTile; e += blockDim.x) {
-    const int token = e / kTile, column = e % kTile;
-    float total = 0.0f;
+  for (int e = threadIdx.x; e < p.m * kTile / 4; e += blockDim.x) {
+    const int token = e / (kTile / 4), column = e % (kTile / 4) * 4;
+    float total[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int w = 0; w < warps; ++w) {
-      total += reinterpret_cast<const float*>(shared + w * kRowsPerWarp * kPitch)[token * kTile + column];
+      const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(shared + w * kRowsPerWarp * kPitch) +
+                                                        token * kTile + column);
+      total[0] += v.x, total[1] += v.y, total[2] += v.z, total[3] += v.w;
     }
     const int64_t index = (static_cast<int64_t>(token) * p.heads + head) * p.cols + first_col + column;
     if (fp8_out) {
-      static_cast<uint8_t*>(p.out)[index] = num::quant_fp8_static(num::round_bf16(total), inverse_scale);
+      uint32_t packed = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        packed |= uint32_t(num::quant_fp8_static(num::round_bf16(total[k]), inverse_scale)) << (8 * k);
+      }
+      *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(p.out) + index) = packed;
     } else {
-      static_cast<uint16_t*>(p.out)[index] = num::float_to_bf16(total);
+      const uint32_t low = num::float_to_bf16(total[0]) | uint32_t(num::float_to_bf16(total[1])) << 16;
+      const uint32_t high = num::float_to_bf16(total[2]) | uint32_t(num::float_to_bf16(total[3])) << 16;
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + index) = make_uint2(low, high);
     }
   }
 }
@@ -167,10 +179,13 @@ KernelFn kernel_for(int m) {
 
 }  // namespace
 
-int head_gemv_mma_tile(int heads, int cols) {
-  constexpr int kEnoughCtas = 2 * 132;  // two per SM of an H200
+int head_gemv_mma_tile(int heads, int rows, int cols, int m) {
+  // Warps the H200 needed in flight (bench rows "* (tensor cores)_tile" of
+  // bench/results/head_gemv_2026-12-01_0a6fd12.json): more tokens, more warps
+  // to spread the products and the epilogue over.
+  const int64_t enough_warps = m <= 4 ? 256 : m <= 8 ? 512 : 1024;
   for (int tile : {64, 32}) {
-    if (cols % tile == 0 && int64_t(heads) * (cols / tile) >= kEnoughCtas) return tile;
+    if (cols % tile == 0 && int64_t(heads) * (cols / tile) * (rows / kRowsPerWarp) >= enough_warps) return tile;
   }
   return 16;
 }

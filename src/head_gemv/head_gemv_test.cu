@@ -78,6 +78,11 @@ TEST(HeadGemvChecks, TensorCoreSumsTakeNoTacticAndNameUnsupportedShapes) {
     a.sums = static_cast<HeadGemvSums>(7);
     testing::expect_rejected(check_head_gemv(a), "sums", "kSeedOrder or kTensorCores");
     testing::expect_rejected(head_gemv_tensor_cores_with_tile(f.args(), 64, nullptr), "sums", "kTensorCores");
+    a.sums = HeadGemvSums::kTensorCores;
+    a.out.data = static_cast<char*>(a.out.data) + 4;  // fine for the seed order, not for the four-column stores
+    testing::expect_rejected(check_head_gemv(a), "out", "aligned to 8 bytes");
+    a.sums = HeadGemvSums::kSeedOrder;
+    EXPECT_TRUE(check_head_gemv(a).ok()) << check_head_gemv(a).to_string();
   }
   {
     FakeArgs f;  // I = 200: a seed-order tactic would not run it either, but the message names the sums' limits
