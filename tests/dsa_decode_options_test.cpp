@@ -104,8 +104,10 @@ TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {
   Options tensor_cores;
   tensor_cores.head_gemv_tensor_cores = true;
   const ValueUpChoice tc_m16 = choose_value_up(tensor_cores, 64, 16);
-  EXPECT_EQ(tc_m16.kernel, ValueUpKernel::kHeadGemv);
-  EXPECT_EQ(tc_m16.reason, "m=16 in --value-up-tokens 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 (auto: tensor-core sums, every m)");
+  EXPECT_EQ(tc_m16.kernel, ValueUpKernel::kCublasBmm);
+  EXPECT_EQ(tc_m16.reason, "m=16 not in --value-up-tokens 1,2,3,4,5,6,7,8 (auto: tensor-core sums, measured at 64 heads)");
+  EXPECT_EQ(choose_value_up(tensor_cores, 64, 8).kernel, ValueUpKernel::kHeadGemv);
+  EXPECT_EQ(choose_value_up(tensor_cores, 8, 16).kernel, ValueUpKernel::kHeadGemv);
   tensor_cores.value_up_tokens = std::set<int>{1};
   EXPECT_EQ(choose_value_up(tensor_cores, 8, 2).kernel, ValueUpKernel::kCublasBmm) << "a given list wins over auto";
   EXPECT_EQ(token_list({}), "none");

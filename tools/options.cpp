@@ -19,10 +19,10 @@ std::set<int> measured_value_up_tokens(int heads) {
   return {1, 2};  // 64 heads, and (options.h says why) the head counts not measured
 }
 
-std::set<int> measured_value_up_tokens_tensor_cores(int /*heads*/) {
-  std::set<int> every;
-  for (int m = 1; m <= kMaxDecodeTokens; ++m) every.insert(m);
-  return every;
+std::set<int> measured_value_up_tokens_tensor_cores(int heads) {
+  std::set<int> counts;
+  for (int m = 1; m <= (heads == 8 ? kMaxDecodeTokens : 8); ++m) counts.insert(m);
+  return counts;
 }
 
 std::string token_list(const std::set<int>& counts) {
@@ -45,10 +45,8 @@ ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
   std::string reason =
       "m=" + std::to_string(m) + (head_gemv ? " in" : " not in") + " --value-up-tokens " + token_list(counts);
   if (automatic) {
-    reason += options.head_gemv_tensor_cores
-                  ? std::string(" (auto: tensor-core sums, every m)")
-                  : std::string(" (auto: ") + (value_up_measured(heads) ? "measured" : "not measured") + " at " +
-                        std::to_string(heads) + " heads)";
+    reason += std::string(" (auto: ") + (options.head_gemv_tensor_cores ? "tensor-core sums, " : "") +
+              (value_up_measured(heads) ? "measured" : "not measured") + " at " + std::to_string(heads) + " heads)";
   }
   return ValueUpChoice{head_gemv ? ValueUpKernel::kHeadGemv : ValueUpKernel::kCublasBmm, reason};
 }
@@ -74,8 +72,8 @@ void print_usage(FILE* to) {
                "                 token counts whose value-up the fused path runs as head_gemv, cuBLAS bmm\n"
                "                 otherwise: comma-separated counts 1..%d (e.g. 1,2), none, or auto (default):\n"
                "                 where head_gemv was faster on the H200, %s at 64 heads, %s at 8 heads,\n"
-               "                 %s at other head counts (not measured); every m with --head-gemv-sums\n"
-               "                 tensor-cores\n"
+               "                 %s at other head counts (not measured); with --head-gemv-sums\n"
+               "                 tensor-cores %s at 64 heads, %s at 8 heads\n"
                "  --head-gemv-sums SUMS\n"
                "                 how the fused path's head_gemv (absorb, value-up) adds its products:\n"
                "                 seed-order (default; FP32 FMAs in the seed's order, bitwise the reference's)\n"
@@ -94,7 +92,9 @@ void print_usage(FILE* to) {
                "Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS call failed, 2 bad command line.\n",
                preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps,
                kMaxDecodeTokens, token_list(measured_value_up_tokens(64)).c_str(),
-               token_list(measured_value_up_tokens(8)).c_str(), token_list(measured_value_up_tokens(1)).c_str());
+               token_list(measured_value_up_tokens(8)).c_str(), token_list(measured_value_up_tokens(1)).c_str(),
+               token_list(measured_value_up_tokens_tensor_cores(64)).c_str(),
+               token_list(measured_value_up_tokens_tensor_cores(8)).c_str());
 }
 
 namespace {

@@ -52,7 +52,11 @@ void print_usage(FILE* to);
 // (head_gemv's time grows with m, cuBLAS's is flat: 3.3 us). Other head counts
 // were not measured: m = 1, 2, where head_gemv won at both.
 std::set<int> measured_value_up_tokens(int heads);
-// The same for head_gemv with tensor-core sums (--head-gemv-sums tensor-cores).
+// The same for head_gemv with tensor-core sums (--head-gemv-sums tensor-cores;
+// bench/results/head_gemv_2026-12-01_c2fd745.json): at 64 heads m = 1..8
+// (1.17x / 1.13x / 1.08x / 1.09x at m = 1, 2, 4, 8; 0.97x at m = 16), at 8
+// heads every m (1.81x at m = 1 .. 1.44x at m = 16); other head counts, not
+// measured: m = 1..8.
 std::set<int> measured_value_up_tokens_tensor_cores(int heads);
 
 // "1,2,4" (increasing), or "none" for an empty set: --value-up-tokens's syntax.

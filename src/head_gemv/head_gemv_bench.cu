@@ -143,7 +143,7 @@ Status run(Context& ctx, Report& report) {
         tensor.note = "opt-in HeadGemvSums::kTensorCores: BF16 mma.sync, FP32 accumulators, column tile " +
                       std::to_string(head_gemv_mma_tile(p.heads, p.rows, p.cols, m));
         report.add(tensor);
-        for (int tile : {16, 32, 64}) {
+        for (int tile : {16, 32, 64, 128}) {
           double us = 0;
           DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, tile, &us));
           report.add(Row{name + " (tensor cores)_tile", {{"H", heads}, {"m", m}, {"tile", tile}}, us, "", 0,

@@ -78,8 +78,9 @@ bool head_gemv_mma_supports(int rows, int cols);
 // with `cache_ctas` cache-write CTAs after the product CTAs.
 Status launch_head_gemv_mma(const HeadGemvParams& p, int cache_ctas, cudaStream_t stream);
 
-// head_gemv under kTensorCores with the column tile forced to `tile` (16, 32
-// or 64): the benchmark's sweep behind head_gemv_mma_tile.
+// head_gemv under kTensorCores with the column tile forced to `tile` (16, 32,
+// 64 or 128; 1024 rows at 128 exceed the shared memory): the benchmark's sweep
+// behind head_gemv_mma_tile.
 Status head_gemv_tensor_cores_with_tile(const HeadGemvArgs& args, int tile, cudaStream_t stream);
 
 }  // namespace dsa

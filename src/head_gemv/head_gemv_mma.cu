@@ -54,7 +54,7 @@ __device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], const uint32_t (
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// kTile: columns per CTA (16, 32 or 64); kTokenTiles: 8-token MMA columns (1 for m <= 8, 2 up to 16).
+// kTile: columns per CTA (16, 32, 64 or 128); kTokenTiles: 8-token MMA columns (1 for m <= 8, 2 up to 16).
 template <int kTile, int kTokenTiles>
 __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32) head_gemv_mma_kernel(const __grid_constant__ HeadGemvParams p) {
   extern __shared__ __align__(16) unsigned char shared[];
@@ -195,16 +195,23 @@ bool head_gemv_mma_supports(int rows, int cols) {
 }
 
 Status launch_head_gemv_mma(const HeadGemvParams& p, int cache_ctas, cudaStream_t stream) {
-  if (!head_gemv_mma_supports(p.rows, p.cols) || (p.tile != 16 && p.tile != 32 && p.tile != 64) ||
+  if (!head_gemv_mma_supports(p.rows, p.cols) || (p.tile != 16 && p.tile != 32 && p.tile != 64 && p.tile != 128) ||
       p.cols % p.tile != 0 || p.m < 1 || p.m > kHeadGemvMaxTokens) {
-    return invalid_argument("tile", "16, 32 or 64 dividing J, with I a multiple of 64 up to 1024 and m in 1..16",
+    return invalid_argument("tile", "16, 32, 64 or 128 dividing J, with I a multiple of 64 up to 1024 and m in 1..16",
                             "tile " + std::to_string(p.tile) + " for I = " + std::to_string(p.rows) +
                                 ", J = " + std::to_string(p.cols) + ", m = " + std::to_string(p.m));
   }
-  const KernelFn kernel = p.tile == 64 ? kernel_for<64>(p.m) : p.tile == 32 ? kernel_for<32>(p.m) : kernel_for<16>(p.m);
+  const size_t shared_bytes = size_t(p.rows) * slab_pitch_bytes(p.tile);
+  if (shared_bytes > kMaxSharedBytes) {
+    return invalid_argument("tile", "a slab of I x (2 tile + 16) bytes within 227 KiB of shared memory",
+                            "tile " + std::to_string(p.tile) + " for I = " + std::to_string(p.rows));
+  }
+  const KernelFn kernel = p.tile == 128  ? kernel_for<128>(p.m)
+                          : p.tile == 64 ? kernel_for<64>(p.m)
+                          : p.tile == 32 ? kernel_for<32>(p.m)
+                                         : kernel_for<16>(p.m);
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(kernel),
                                                 static_cast<int>(kMaxSharedBytes), "head_gemv (tensor cores)"));
-  const size_t shared_bytes = size_t(p.rows) * slab_pitch_bytes(p.tile);
   const dim3 grid(p.heads * (p.cols / p.tile) + cache_ctas);
   const dim3 block(p.rows / kRowsPerWarp * 32);
   return launch_pdl(kernel, grid, block, shared_bytes, stream, p);
