@@ -129,9 +129,17 @@ __device__ __forceinline__ int64_t scored_pools(int64_t context) {
   return context > kIndexerPooledColumns ? context / kIndexerPoolSize : 0;
 }
 
+// The first pages of a token's block table row, copied to shared memory by
+// the select CTA before its PDL wait (the step's inputs may be read then), so
+// that the row writes after the selection read no global memory.
+struct StagedBlocks {
+  const int32_t* blocks = nullptr;  // [pages] or null
+  int pages = 0;
+};
+
 // Global slot of a request-local position; -1 stays -1, an untrusted block
-// gives -1 and is counted.
-__device__ int32_t slot_of(const Params& p, int64_t request, int32_t position) {
+// gives -1 and is counted. Pages below table.pages come from shared memory.
+__device__ int32_t slot_of(const Params& p, int64_t request, int32_t position, StagedBlocks table = {}) {
   if (position < 0) return -1;
   const IndexerStateParams& s = p.state;
   const int64_t page = position / s.block_size;
@@ -139,7 +147,8 @@ __device__ int32_t slot_of(const Params& p, int64_t request, int32_t position) {
     count_error(p);
     return -1;
   }
-  const int64_t block = s.block_table[request * s.block_table_stride + page];
+  const int64_t block =
+      page < table.pages ? table.blocks[page] : s.block_table[request * s.block_table_stride + page];
   if (block < 0 || block >= s.blocks) {
     count_error(p);
     return -1;
@@ -157,29 +166,29 @@ __device__ __forceinline__ uint32_t order_key(float x) {
 }
 
 // Row of a token with no logits: padding (context 0) or L <= 2048.
-__device__ void write_short_row(const Params& p, int t, int64_t request, int64_t context) {
+__device__ void write_short_row(const Params& p, int t, int64_t request, int64_t context, StagedBlocks table = {}) {
   for (int c = threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) {
     const int32_t position = c < context ? c : -1;
     if (p.topk_positions != nullptr) p.topk_positions[t * p.topk_stride + c] = position;
-    p.slots[t * p.slots_stride + c] = context > 0 ? slot_of(p, request, position) : -1;
+    p.slots[t * p.slots_stride + c] = context > 0 ? slot_of(p, request, position, table) : -1;
   }
 }
 
 // Columns [2048, 2176): the tail tokens 4n..L-1, then -1.
-__device__ void write_tail(const Params& p, int t, int64_t request, int64_t context) {
+__device__ void write_tail(const Params& p, int t, int64_t request, int64_t context, StagedBlocks table) {
   const int64_t tail_start = context / kIndexerPoolSize * kIndexerPoolSize;
   for (int c = kIndexerPooledColumns + threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) {
     const int64_t position = tail_start + (c - kIndexerPooledColumns);
     const int32_t value = position < context ? static_cast<int32_t>(position) : -1;
     if (p.topk_positions != nullptr) p.topk_positions[t * p.topk_stride + c] = value;
-    p.slots[t * p.slots_stride + c] = slot_of(p, request, value);
+    p.slots[t * p.slots_stride + c] = slot_of(p, request, value, table);
   }
 }
 
 // Pool `pool` of the row at output index `index`: columns 4 index .. 4 index + 3.
-__device__ void write_pool(const Params& p, int t, int64_t request, int32_t pool, int index) {
+__device__ void write_pool(const Params& p, int t, int64_t request, int32_t pool, int index, StagedBlocks table) {
   const int32_t first = pool * kIndexerPoolSize;
-  const int32_t slot = slot_of(p, request, first);  // a pool never straddles a block
+  const int32_t slot = slot_of(p, request, first, table);  // a pool never straddles a block
   const int4 positions = make_int4(first, first + 1, first + 2, first + 3);
   const int4 slots = slot < 0 ? make_int4(-1, -1, -1, -1) : make_int4(slot, slot + 1, slot + 2, slot + 3);
   if (p.topk_positions != nullptr) {
@@ -425,6 +434,7 @@ static_assert(kMaxBins % kSelectThreads == 0 && (1 << 10) % kSelectThreads == 0,
 constexpr int kPassItems = 8;          // pools per thread and round of a histogram pass
 constexpr int kCompactItems = 8;       // consecutive pools per thread and round of the compaction (two uint4)
 constexpr int kStagedKeys = 1 << 15;   // keys kept in shared memory: every pool up to 128k context
+constexpr int kStagedPages = 1024;     // block table entries kept in shared memory: 128k context at 128 tokens a block
 
 struct SelectShared {
   using Scan = cub::BlockScan<int, kSelectThreads>;
@@ -522,12 +532,23 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
   const int t = blockIdx.x;
   int64_t request = 0;
   const int64_t context = token_context(p, t, &request, false);
+  __shared__ int32_t table_pages[kStagedPages];
+  StagedBlocks table{table_pages, 0};
+  if (context > 0) {
+    int64_t pages = (context + p.state.block_size - 1) / p.state.block_size;
+    if (pages > p.state.block_table_width) pages = p.state.block_table_width;
+    table.pages = static_cast<int>(pages < kStagedPages ? pages : kStagedPages);
+    for (int i = threadIdx.x; i < table.pages; i += kSelectThreads) {
+      table_pages[i] = p.state.block_table[request * p.state.block_table_stride + i];
+    }
+  }
   pdl_wait();  // the logits
   pdl_release_dependents();
   if (threadIdx.x == 0 && context == 0 && request >= 0) count_error(p);  // an untrusted token
   const int n = static_cast<int>(scored_pools(context));  // < 2^20: max_context <= 2^22
   if (n == 0) {
-    write_short_row(p, t, request, context);
+    __syncthreads();  // the staged pages
+    write_short_row(p, t, request, context, table);
     return;
   }
   const TokenKeys keys{p.logits + t * p.logits_stride, staged_keys, staged};
@@ -605,8 +626,10 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
   }
   __syncthreads();
   // Exactly 512 pools are taken (n >= 512 here).
-  for (int i = threadIdx.x; i < kIndexerTopPools; i += kSelectThreads) write_pool(p, t, request, s.chosen[i], i);
-  write_tail(p, t, request, context);
+  for (int i = threadIdx.x; i < kIndexerTopPools; i += kSelectThreads) {
+    write_pool(p, t, request, s.chosen[i], i, table);
+  }
+  write_tail(p, t, request, context, table);
 }
 
 // ---------------------------------------------------------------------------
