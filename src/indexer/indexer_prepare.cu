@@ -318,16 +318,18 @@ __device__ void normalize_and_stash(const PrepareParams& p, int t, const float (
 __device__ void compress_token_pool(const PrepareParams& p, int t, const float (&weight)[kLaneValues],
                                     const float (&bias)[kLaneValues],
                                     const float (&ape_columns)[kLaneValues][kPoolSize], int lane) {
+  // Lane u holds token u's request and position (m <= 32), all loaded at
+  // once: a search token by token would chain m dependent loads per position.
+  const int32_t lane_request = lane < p.m ? p.token_requests[lane] : -1;
+  const int64_t lane_position = lane < p.m ? p.positions[lane] : -1;
   const TokenTarget target = token_target(p, t);  // an untrusted token is counted by its k row
   if (target.request < 0 || target.position % kPoolSize != kPoolSize - 1) return;
   uint2 k[kPoolSize], gate[kPoolSize];
 #pragma unroll
   for (int j = 0; j < kPoolSize; ++j) {
     const int64_t position = target.position - (kPoolSize - 1) + j;
-    int holder = -1;  // the step's token at (request, position), if any
-    for (int u = 0; u < p.m && holder < 0; ++u) {
-      if (p.token_requests[u] == target.request && p.positions[u] == position) holder = u;
-    }
+    const unsigned holders = __ballot_sync(kFullMask, lane_request == target.request && lane_position == position);
+    const int holder = holders != 0 ? __ffs(holders) - 1 : -1;  // the step's first token at (request, position)
     if (holder >= 0) {
       k[j] = layernorm_lane(load_lane_bf16(p.keys.index_k + holder * p.keys.k_token_stride, lane), weight, bias);
       gate[j] = load_lane_bf16(p.keys.gate + holder * p.keys.gate_token_stride, lane);
