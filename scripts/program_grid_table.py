@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Merges dsa-decode --json reports (one per run of the grid in scripts/gpu-check)
 into one JSON list and prints the fused-vs-stock table of issue 6's benchmark:
-per (TP, context, m) the chain norm .. value_up of both paths, its speedup, and
-whether every check passed.
+per (TP, context, m) the chain norm .. value_up of both paths, its speedup,
+the opt-ins the run used (head_gemv sums, indexer logits) and whether every
+check passed.
 
 usage: program_grid_table.py OUT_JSON REPORT.json...
 """
@@ -16,16 +17,19 @@ def main() -> int:
     for path in paths:
         with open(path) as f:
             reports.append(json.load(f))
-    reports.sort(key=lambda r: (r["tp"], r["params"]["context"], r["params"]["m"]))
+    reports.sort(key=lambda r: (r["tp"], r["params"]["context"], r["params"]["m"], r.get("head_gemv_sums", ""),
+                                r.get("indexer_logits", "")))
     with open(out_path, "w") as f:
         json.dump(reports, f, indent=1)
-    print(f"{'TP':>3} {'H':>4} {'context':>8} {'m':>3} {'fused us':>9} {'stock us':>9} {'speedup':>8}  checks")
+    print(f"{'TP':>3} {'H':>4} {'context':>8} {'m':>3} {'head_gemv':>12} {'logits':>17} {'fused us':>9} "
+          f"{'stock us':>9} {'speedup':>8}  checks")
     for r in reports:
         rows = {row["name"]: row for row in r["rows"]}
         fused, stock = rows.get("chain"), rows.get("stock_chain")
         failed = [c["name"] for c in r["checks"] if c["result"] == "FAIL"]
         p = r["params"]
         print(f"{r['tp']:>3} {p['H']:>4} {p['context']:>8} {p['m']:>3} "
+              f"{r.get('head_gemv_sums', 'seed_order'):>12} {r.get('indexer_logits', 'exact'):>17} "
               f"{fused['us'] if fused else float('nan'):>9.2f} {stock['us'] if stock else float('nan'):>9.2f} "
               f"{fused['speedup'] if fused else float('nan'):>7.2f}x  {'FAIL: ' + ', '.join(failed) if failed else 'all pass'}")
     return 0

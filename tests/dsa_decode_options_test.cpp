@@ -105,7 +105,8 @@ TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {
   tensor_cores.head_gemv_tensor_cores = true;
   const ValueUpChoice tc_m16 = choose_value_up(tensor_cores, 64, 16);
   EXPECT_EQ(tc_m16.kernel, ValueUpKernel::kCublasBmm);
-  EXPECT_EQ(tc_m16.reason, "m=16 not in --value-up-tokens 1,2,3,4,5,6,7,8 (auto: tensor-core sums, measured at 64 heads)");
+  EXPECT_EQ(tc_m16.reason,
+            "m=16 not in --value-up-tokens 1,2,3,4,5,6,7,8 (auto: tensor-core sums, measured at 64 heads)");
   EXPECT_EQ(choose_value_up(tensor_cores, 64, 8).kernel, ValueUpKernel::kHeadGemv);
   EXPECT_EQ(choose_value_up(tensor_cores, 8, 16).kernel, ValueUpKernel::kHeadGemv);
   tensor_cores.value_up_tokens = std::set<int>{1};

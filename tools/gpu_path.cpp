@@ -138,9 +138,9 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
        "shared", project, &DeviceStep::indexer_project},
       {"indexer_prepare", "indexer prepare (k norm, q quant, pools)", "shared", prepare, &DeviceStep::indexer_prepare},
       {"absorb",
-       tensor_cores ? "absorb + FP8 quant + cache write (head_gemv TC)" : "absorb + FP8 quant + cache write (head_gemv)",
-       "fused", w_uk + q + fp8 * m * H * L + cache_write,
-       &DeviceStep::fused_absorb},
+       tensor_cores ? "absorb + FP8 quant + cache write (head_gemv TC)"
+                    : "absorb + FP8 quant + cache write (head_gemv)",
+       "fused", w_uk + q + fp8 * m * H * L + cache_write, &DeviceStep::fused_absorb},
       {"indexer_select",
        s.indexer_logits == IndexerLogits::kExact ? "indexer select (logits, top-512, slots)"
                                                  : "indexer select (FP32-acc. logits, top-512, slots)",
@@ -150,8 +150,7 @@ std::vector<Kernel> make_kernels(const StepShape& s, ValueUpKernel value_up, boo
        value_up_bmm   ? "value_up (cuBLAS bmm, m not in --value-up-tokens)"
        : tensor_cores ? "value_up (head_gemv TC)"
                       : "value_up (head_gemv)",
-       "fused",
-       w_uv + bf16 * m * H * L + bf16 * m * H * V, &DeviceStep::fused_value_up},
+       "fused", w_uv + bf16 * m * H * L + bf16 * m * H * V, &DeviceStep::fused_value_up},
       {"stock_indexer_select", "indexer select baseline (CUB sort)", "stock", select + top_k_rows,
        &DeviceStep::stock_indexer_select},
       {"stock_cache_write", "concat_and_cache_mla", "stock", cache_write, &DeviceStep::stock_cache_write},

@@ -38,7 +38,7 @@ const char* value_up_kernel_name(ValueUpKernel kernel) {
 
 ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
   const bool automatic = !options.value_up_tokens.has_value();
-  const std::set<int> counts = !automatic                         ? *options.value_up_tokens
+  const std::set<int> counts = !automatic                       ? *options.value_up_tokens
                                : options.head_gemv_tensor_cores ? measured_value_up_tokens_tensor_cores(heads)
                                                                 : measured_value_up_tokens(heads);
   const bool head_gemv = counts.count(m) > 0;

@@ -98,12 +98,15 @@ Status time_fused(const Context& ctx, const Problem& p, const Buffers& b, const 
 
 // The opt-in tensor-core sums; tile 0: the kernel's rule (head_gemv_mma_tile).
 Status time_tensor_cores(const Context& ctx, const Problem& p, const Buffers& b, int tile, double* us) {
-  return time_graph(ctx, [&](cudaStream_t stream, int i) {
-    Views v = views(p, b, i);
-    if (p.absorb) v.args.cache = &v.cache;
-    v.args.sums = HeadGemvSums::kTensorCores;
-    return tile == 0 ? head_gemv(v.args, stream) : head_gemv_tensor_cores_with_tile(v.args, tile, stream);
-  }, us, std::max(20, b.copies));
+  return time_graph(
+      ctx,
+      [&](cudaStream_t stream, int i) {
+        Views v = views(p, b, i);
+        if (p.absorb) v.args.cache = &v.cache;
+        v.args.sums = HeadGemvSums::kTensorCores;
+        return tile == 0 ? head_gemv(v.args, stream) : head_gemv_tensor_cores_with_tile(v.args, tile, stream);
+      },
+      us, std::max(20, b.copies));
 }
 
 Status time_stock(const Context& ctx, const Problem& p, const Buffers& b, cublasHandle_t handle, double* us) {
@@ -146,8 +149,8 @@ Status run(Context& ctx, Report& report) {
         for (int tile : {16, 32, 64, 128}) {
           double us = 0;
           DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, tile, &us));
-          report.add(Row{name + " (tensor cores)_tile", {{"H", heads}, {"m", m}, {"tile", tile}}, us, "", 0,
-                         row.floor_us});
+          report.add(
+              Row{name + " (tensor cores)_tile", {{"H", heads}, {"m", m}, {"tile", tile}}, us, "", 0, row.floor_us});
         }
         // The sweep behind the tactic table.
         for (int tile : {16, 32, 64, 128, 256}) {

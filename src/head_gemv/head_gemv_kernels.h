@@ -31,10 +31,10 @@ struct HeadGemvParams {
   int64_t cache_entry_stride;
   int64_t cache_capacity;  // blocks * block_size
   int block_size;
-  int cache_width;        // L
-  const int64_t* slots;   // [n_slots]
-  int tokens_with_slot;   // min(n_slots, m)
-  const float* k_scale;   // [1]
+  int cache_width;       // L
+  const int64_t* slots;  // [n_slots]
+  int tokens_with_slot;  // min(n_slots, m)
+  const float* k_scale;  // [1]
   unsigned int* error_count;
 };
 

@@ -22,6 +22,7 @@
 
 #include "core/async_copy.cuh"
 #include "core/launch.cuh"
+#include "core/mma.cuh"
 #include "core/shared_memory.h"
 #include "head_gemv/head_gemv_kernels.h"
 
@@ -31,36 +32,20 @@ namespace {
 constexpr int kRowsPerWarp = 64;  // four k16 steps
 constexpr int kStepRows = 16;     // rows of one MMA k step, and of one async-copy group
 constexpr int kSteps = kRowsPerWarp / kStepRows;
-constexpr int kMaxRows = 1024;    // 32 warps
+constexpr int kMaxRows = 1024;  // 32 warps
 constexpr size_t kMaxSharedBytes = 227 * 1024;
 
 // Bytes of one slab row: the tile's BF16 columns plus 16 bytes of padding.
 __host__ __device__ constexpr int slab_pitch_bytes(int tile) { return tile * 2 + 16; }
 
-// Four 8x8 BF16 matrices, transposed, from shared memory: lane l gives the
-// address of row l % 8 of matrix l / 8 and receives A fragments a0..a3.
-__device__ __forceinline__ void load_matrix_x4_transposed(uint32_t address, uint32_t (&a)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-               : "r"(address));
-}
-
-// d += A (16 x 16, row-major fragments) * B (16 x 8, column fragments), BF16 in, FP32 accumulators.
-__device__ __forceinline__ void mma_bf16_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // kTile: columns per CTA (16, 32, 64 or 128); kTokenTiles: 8-token MMA columns (1 for m <= 8, 2 up to 16).
 template <int kTile, int kTokenTiles>
-__global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32) head_gemv_mma_kernel(const __grid_constant__ HeadGemvParams p) {
+__global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32)
+    head_gemv_mma_kernel(const __grid_constant__ HeadGemvParams p) {
   extern __shared__ __align__(16) unsigned char shared[];
   constexpr int kColumnTiles = kTile / 16;
   constexpr int kPitch = slab_pitch_bytes(kTile);
-  constexpr int kChunksPerRow = kTile / 8;                          // 16-byte async copies per slab row
+  constexpr int kChunksPerRow = kTile / 8;                        // 16-byte async copies per slab row
   constexpr int kCopiesPerLane = kStepRows * kChunksPerRow / 32;  // per k step
   const int tiles = p.cols / kTile;
   if (static_cast<int>(blockIdx.x) >= p.heads * tiles) {
@@ -75,7 +60,8 @@ __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32) head_gemv_mma_ke
 
   // The warp's 64 weight rows, one async-copy group per k step; the weights do
   // not depend on the predecessor kernel, so they stream before the wait.
-  const uint16_t* weight = p.weight + head * p.weight_head_stride + int64_t(first_row) * p.weight_row_stride + first_col;
+  const uint16_t* weight =
+      p.weight + head * p.weight_head_stride + int64_t(first_row) * p.weight_row_stride + first_col;
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
 #pragma unroll
@@ -108,8 +94,7 @@ __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32) head_gemv_mma_ke
   float acc[kColumnTiles][kTokenTiles][4] = {};
   // ldmatrix rows: lane l reads row l % 8 (+ 8 for matrices 2 and 3) at column 8 * (matrix 1 and 3).
   const int matrix = lane / 8;
-  const uint32_t lane_address =
-      shared_address(warp_slab + (lane % 8 + matrix / 2 * 8) * kPitch + (matrix % 2) * 8 * 2);
+  const uint32_t lane_address = shared_address(warp_slab + (lane % 8 + matrix / 2 * 8) * kPitch + (matrix % 2) * 8 * 2);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     async_copy_wait(kSteps - 1 - s);
@@ -117,9 +102,9 @@ __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32) head_gemv_mma_ke
 #pragma unroll
     for (int t = 0; t < kColumnTiles; ++t) {
       uint32_t a[4];
-      load_matrix_x4_transposed(lane_address + s * kStepRows * kPitch + t * 16 * 2, a);
+      ldmatrix_x4_trans(a, lane_address + s * kStepRows * kPitch + t * 16 * 2);
 #pragma unroll
-      for (int n = 0; n < kTokenTiles; ++n) mma_bf16_16x8x16(acc[t][n], a, b[s][n][0], b[s][n][1]);
+      for (int n = 0; n < kTokenTiles; ++n) mma_bf16(acc[t][n], a, b[s][n][0], b[s][n][1]);
     }
   }
 
@@ -150,8 +135,8 @@ __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32) head_gemv_mma_ke
     const int token = e / (kTile / 4), column = e % (kTile / 4) * 4;
     float total[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (int w = 0; w < warps; ++w) {
-      const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(shared + w * kRowsPerWarp * kPitch) +
-                                                        token * kTile + column);
+      const float4 v = *reinterpret_cast<const float4*>(
+          reinterpret_cast<const float*>(shared + w * kRowsPerWarp * kPitch) + token * kTile + column);
       total[0] += v.x, total[1] += v.y, total[2] += v.z, total[3] += v.w;
     }
     const int64_t index = (static_cast<int64_t>(token) * p.heads + head) * p.cols + first_col + column;

@@ -584,10 +584,11 @@ TEST(HeadGemvGpu, TensorCoreSumsStayWithinTheBound) {
   // The largest I the kernel runs, with a padded weight row.
   run_case(Case{8, 1024, 64, 5, false, false, 8, 16, std::nullopt, HeadGemvSums::kTensorCores}, rng, &total);
   EXPECT_EQ(total.outside, 0);
-  std::printf("[head_gemv tensor cores] %lld outputs: %lld outside the bound, %lld differ from the rounding of the "
-              "exact sum, by at most %d step(s)\n",
-              static_cast<long long>(total.compared), static_cast<long long>(total.outside),
-              static_cast<long long>(total.differing), total.max_steps);
+  std::printf(
+      "[head_gemv tensor cores] %lld outputs: %lld outside the bound, %lld differ from the rounding of the "
+      "exact sum, by at most %d step(s)\n",
+      static_cast<long long>(total.compared), static_cast<long long>(total.outside),
+      static_cast<long long>(total.differing), total.max_steps);
 }
 
 // The tensor-core sums' other promises: the same bits on every run, for a token

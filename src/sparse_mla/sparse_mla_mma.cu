@@ -58,6 +58,7 @@
 #include "core/cluster.cuh"
 #include "core/fp8.cuh"
 #include "core/launch.cuh"
+#include "core/mma.cuh"
 #include "core/shared_memory.h"
 #include "dsa_decode/numerics.h"
 #include "sparse_mla/sparse_mla_params.h"
@@ -112,31 +113,6 @@ static_assert(sizeof(float) * kHeads * kLatent <= sizeof(SharedStorage::tile), "
 // Byte address of 16-byte unit `unit` (0..63) of tile row `row`.
 __device__ __forceinline__ uint32_t tile_unit(uint32_t tile, int row, int unit) {
   return tile + row * (kLatent * 2) + ((unit ^ (row % 8)) * 16);
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-__device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(address));
-}
-
-// d += a * b, m16n8k16, FP16 inputs, FP32 accumulators.
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMlaParams p, const int rows_per_split) {
