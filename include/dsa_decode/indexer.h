@@ -362,13 +362,14 @@ Status indexer_project(const IndexerProjectArgs& args, IndexerProjectContext& co
 Status check_indexer_project_gemv(const IndexerProjectArgs& args);
 Status indexer_project_gemv(const IndexerProjectArgs& args, cudaStream_t stream);
 
-// Steps 1-4 on the GPU (src/indexer/indexer_prepare.cu), two PDL launches:
+// Steps 1-4 on the GPU (src/indexer/indexer_prepare.cu), one PDL launch:
 // one warp per 128-value row of the step (each token's 32 q heads: Hadamard,
 // FP8 quant and folded weight into the workspace, for padding tokens too;
-// each token's k: LayerNorm, then k and gate stashed in the ring), then one
-// warp per token, which compresses its pool from the ring into the K cache
-// when pos % 4 == 3. Under the ring rule, stashing every token before any
-// pool is read gives the token-by-token order's result. The error counter
+// each token's k: LayerNorm, then k and gate stashed in the ring) and one
+// warp per token, which compresses its pool into the K cache when pos % 4 ==
+// 3, taking the k and gate of the step's own tokens from their inputs and
+// the earlier ones from the ring. Under the ring rule this gives the
+// token-by-token order's result. The error counter
 // gets one count per untrusted token and one per pool whose page is
 // untrusted. No allocation, no synchronization, CUDA-graph capturable. Ring,
 // K cache, q_fp8 and folded weights equal indexer_prepare of the CPU

@@ -14,20 +14,26 @@
 //    codes stored as one 32-bit word;
 //  - pool softmax: each dim in the lane that holds it.
 //
-// indexer_prepare, two PDL launches:
-//  1. prepare_rows_kernel: one warp per row of the step. Rows [0, 32 m): head
-//     h of token t (row 32 t + h) is quantized into the workspace's q_fp8 and
-//     its folded weight written, for every token (padding and untrusted too:
-//     they read only the token's own rows, as the reference does for
-//     padding). Rows [32 m, 33 m): token t's k is LayerNormed and stashed with
-//     its gate in ring slot pos % RING.
-//  2. prepare_pools_kernel: one warp per token; a token at pos % 4 == 3
-//     compresses pool pos / 4 from the ring rows of positions pos - 3..pos.
-//  A step's tokens of one request plus the three before the first of them
-//  occupy distinct ring slots (the ring rule), so once every token is stashed
-//  the ring holds exactly the rows the reference's token-by-token order reads
-//  for each pool: the three earlier tokens' (this step's or an earlier
-//  step's) and the completing token's own, the same BF16 bits.
+// indexer_prepare, one PDL launch (prepare_kernel), one warp per row of the
+// step:
+//  - rows [0, 32 m): head h of token t (row 32 t + h) is quantized into the
+//    workspace's q_fp8 and its folded weight written, for every token
+//    (padding and untrusted too: they read only the token's own rows, as the
+//    reference does for padding);
+//  - rows [32 m, 33 m): token t's k is LayerNormed and stashed with its gate
+//    in ring slot pos % RING;
+//  - rows [33 m, 34 m): token t, when at pos % 4 == 3, compresses pool
+//    pos / 4 from the k and gate of positions pos - 3..pos: a position that
+//    a token of this step holds (same request) is LayerNormed from that
+//    token's index_k by the warp itself (the LayerNorm is deterministic: the
+//    same bits as the stashed row), any other from the ring, where an
+//    earlier step's launch stashed it.
+//  The ring rule (a step's tokens of one request plus the three before the
+//  first of them occupy distinct ring slots) keeps the slots the pool warps
+//  read apart from the slots this launch writes, so the result is the
+//  reference's token-by-token order's, bit for bit. (Until 2026-12-01 the
+//  pools were a second launch reading the ring after the stash; one launch
+//  is one dependent launch less in the chain.)
 //
 // indexer_prefill, one PDL launch: prefill_kernel, one warp per item. Items
 // [0, n / 4) are the complete pools: the warp LayerNorms the pool's 4 tokens
@@ -305,48 +311,59 @@ __device__ void normalize_and_stash(const PrepareParams& p, int t, const float (
   store_lane_bf16(ring_row(p.state, target.request, 1, target.position), lane, gate);
 }
 
-// Steps 1, 2 and 4: warp w of CTA c takes row 8 c + w of the 33 m rows (32 m
-// q heads, then m k rows); grid ceil(33 m / 8), kThreads threads.
-__global__ void __launch_bounds__(kThreads) prepare_rows_kernel(const __grid_constant__ PrepareParams p) {
+// Step 3 for token t (a pool row of prepare_kernel): pool pos / 4 when t is
+// trusted and at pos % 4 == 3. Its 4 tokens' k and gate come from the step's
+// own tokens where one holds the position (the first such token), from the
+// ring otherwise.
+__device__ void compress_token_pool(const PrepareParams& p, int t, const float (&weight)[kLaneValues],
+                                    const float (&bias)[kLaneValues],
+                                    const float (&ape_columns)[kLaneValues][kPoolSize], int lane) {
+  // Lane u holds token u's request and position (m <= 32), all loaded at
+  // once: a search token by token would chain m dependent loads per position.
+  const int32_t lane_request = lane < p.m ? p.token_requests[lane] : -1;
+  const int64_t lane_position = lane < p.m ? p.positions[lane] : -1;
+  const TokenTarget target = token_target(p, t);  // an untrusted token is counted by its k row
+  if (target.request < 0 || target.position % kPoolSize != kPoolSize - 1) return;
+  uint2 k[kPoolSize], gate[kPoolSize];
+#pragma unroll
+  for (int j = 0; j < kPoolSize; ++j) {
+    const int64_t position = target.position - (kPoolSize - 1) + j;
+    const unsigned holders = __ballot_sync(kFullMask, lane_request == target.request && lane_position == position);
+    const int holder = holders != 0 ? __ffs(holders) - 1 : -1;  // the step's first token at (request, position)
+    if (holder >= 0) {
+      k[j] = layernorm_lane(load_lane_bf16(p.keys.index_k + holder * p.keys.k_token_stride, lane), weight, bias);
+      gate[j] = load_lane_bf16(p.keys.gate + holder * p.keys.gate_token_stride, lane);
+    } else {
+      k[j] = load_lane_bf16(ring_row(p.state, target.request, 0, position), lane);
+      gate[j] = load_lane_bf16(ring_row(p.state, target.request, 1, position), lane);
+    }
+  }
+  compress_pool(p.state, target.request, target.position / kPoolSize, k, gate, ape_columns, p.error_count, lane);
+}
+
+// Steps 1-4: warp w of CTA c takes row 8 c + w of the 34 m rows (32 m q heads,
+// m k rows, m pool rows); grid ceil(34 m / 8), kThreads threads.
+__global__ void __launch_bounds__(kThreads) prepare_kernel(const __grid_constant__ PrepareParams p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
   const int q_rows = p.m * kHeads;
   const bool k_row = row >= q_rows && row < q_rows + p.m;
-  float weight[kLaneValues] = {}, bias[kLaneValues] = {};
-  if (k_row) {  // layer parameters: no kernel in flight writes them
+  const bool pool_row = row >= q_rows + p.m && row < q_rows + 2 * p.m;
+  float weight[kLaneValues] = {}, bias[kLaneValues] = {}, ape_columns[kLaneValues][kPoolSize] = {};
+  if (k_row || pool_row) {  // layer parameters: no kernel in flight writes them
     load_lane_floats(p.keys.k_norm_weight, lane, weight);
     load_lane_floats(p.keys.k_norm_bias, lane, bias);
   }
+  if (pool_row) load_ape_columns(p.keys.ape, lane, ape_columns);
   pdl_wait();  // the projections, positions and state come from earlier kernels
   pdl_release_dependents();
   if (row < q_rows) {
     quantize_head(p, row / kHeads, row % kHeads, lane);
   } else if (k_row) {
     normalize_and_stash(p, row - q_rows, weight, bias, lane);
+  } else if (pool_row) {
+    compress_token_pool(p, row - q_rows - p.m, weight, bias, ape_columns, lane);
   }
-}
-
-// Step 3: warp w of CTA c takes token 8 c + w; a trusted token at pos % 4 == 3
-// compresses its pool from the ring, which prepare_rows_kernel has filled
-// (read after pdl_wait: that kernel has completed). Grid ceil(m / 8).
-__global__ void __launch_bounds__(kThreads) prepare_pools_kernel(const __grid_constant__ PrepareParams p) {
-  const int lane = threadIdx.x % 32;
-  const int t = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
-  float ape_columns[kLaneValues][kPoolSize];
-  load_ape_columns(p.keys.ape, lane, ape_columns);  // a layer parameter: before the wait
-  pdl_wait();
-  pdl_release_dependents();
-  if (t >= p.m) return;
-  const TokenTarget target = token_target(p, t);  // an untrusted token was counted by prepare_rows_kernel
-  if (target.request < 0 || target.position % kPoolSize != kPoolSize - 1) return;
-  uint2 k[kPoolSize], gate[kPoolSize];
-#pragma unroll
-  for (int j = 0; j < kPoolSize; ++j) {
-    const int64_t position = target.position - (kPoolSize - 1) + j;
-    k[j] = load_lane_bf16(ring_row(p.state, target.request, 0, position), lane);
-    gate[j] = load_lane_bf16(ring_row(p.state, target.request, 1, position), lane);
-  }
-  compress_pool(p.state, target.request, target.position / kPoolSize, k, gate, ape_columns, p.error_count, lane);
 }
 
 // ---------------------------------------------------------------------------
@@ -413,9 +430,7 @@ unsigned ctas_for_warps(int64_t warps) { return static_cast<unsigned>((warps + k
 Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_prepare(args));
   const PrepareParams p = make_prepare_params(args);
-  DSA_RETURN_IF_ERROR(launch_pdl(prepare_rows_kernel, dim3(ctas_for_warps(int64_t(p.m) * (kHeads + 1))),
-                                 dim3(kThreads), 0, stream, p));
-  return launch_pdl(prepare_pools_kernel, dim3(ctas_for_warps(p.m)), dim3(kThreads), 0, stream, p);
+  return launch_pdl(prepare_kernel, dim3(ctas_for_warps(int64_t(p.m) * (kHeads + 2))), dim3(kThreads), 0, stream, p);
 }
 
 Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream) {
