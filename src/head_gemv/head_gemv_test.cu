@@ -581,8 +581,10 @@ TEST(HeadGemvGpu, TensorCoreSumsStayWithinTheBound) {
     c.sums = HeadGemvSums::kTensorCores;
     run_case(c, rng, &total);
   }
-  // The largest I the kernel runs, with a padded weight row.
+  // The largest I the kernel runs, with a padded weight row; the smallest (one
+  // warp per CTA) with J = 48 (column tile 16), FP8 out and the cache write.
   run_case(Case{8, 1024, 64, 5, false, false, 8, 16, std::nullopt, HeadGemvSums::kTensorCores}, rng, &total);
+  run_case(Case{3, 64, 48, 7, true, true, 8, 16, std::nullopt, HeadGemvSums::kTensorCores}, rng, &total);
   EXPECT_EQ(total.outside, 0);
   std::printf(
       "[head_gemv tensor cores] %lld outputs: %lld outside the bound, %lld differ from the rounding of the "
