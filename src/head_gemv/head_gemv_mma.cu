@@ -15,8 +15,8 @@
 //            (16 rows x 8 tokens, straight from global memory), D in FP32
 //            accumulators: [tile / 16 column tiles][token tiles][4]
 //   partials [16 tokens][tile] FP32 per warp, in the warp's own slab rows
-//            once it is done with them; then one thread per (token, column)
-//            adds 0 + warp 0 + warp 1 + ... in order
+//            once it is done with them; then each thread takes four adjacent
+//            columns of one token and adds 0 + warp 0 + warp 1 + ... in order
 #include <cstdint>
 #include <string>
 

@@ -64,6 +64,12 @@ struct Scenario : testing::IndexerHostState {
   std::vector<int32_t> token_requests;
   reference::IndexerQueryHost query;
   reference::IndexerRowsHost rows;
+  // The step's prepare inputs and the state before the prepare (for the GPU
+  // prepare chained with the select).
+  std::vector<float> norm_weight, norm_bias, ape, head_weights;
+  std::vector<uint16_t> index_q, index_k, gate;
+  std::vector<uint16_t> ring_before_prepare;
+  std::vector<uint8_t> k_cache_before_prepare;
 
   Scenario(const std::vector<int64_t>& contexts, int block_size, std::mt19937_64& rng)
       : IndexerHostState(scenario_plan(contexts, block_size), static_cast<int64_t>(contexts.size()),
@@ -87,9 +93,10 @@ struct Scenario : testing::IndexerHostState {
   // its first token in the step, then the reference's prepare (completing the
   // pool of tokens with L % 4 == 0) and select.
   void fill_and_run_reference(std::mt19937_64& rng) {
-    const std::vector<float> weight = normal_floats(kDim, 1.0f, 0.2f, rng), bias = normal_floats(kDim, 0.0f, 0.1f, rng),
-                             ape = normal_floats(4 * kDim, 0.0f, 0.5f, rng);
-    const reference::IndexerParamsHost params{weight.data(), bias.data(), ape.data()};
+    norm_weight = normal_floats(kDim, 1.0f, 0.2f, rng);
+    norm_bias = normal_floats(kDim, 0.0f, 0.1f, rng);
+    ape = normal_floats(4 * kDim, 0.0f, 0.5f, rng);
+    const reference::IndexerParamsHost params{norm_weight.data(), norm_bias.data(), ape.data()};
     for (int t = 0; t < m; ++t) {
       const int32_t request = token_requests[t];
       if (std::find(token_requests.begin(), token_requests.begin() + t, request) != token_requests.begin() + t) {
@@ -103,10 +110,12 @@ struct Scenario : testing::IndexerHostState {
       DSA_ASSERT_OK(reference::indexer_prefill(plan, k.data(), gate.data(), n, request, params, view, &errors));
       ASSERT_EQ(errors, 0);
     }
-    const std::vector<uint16_t> index_q = testing::random_bf16(size_t(m) * kHeads * kDim, 1.0f, rng);
-    const std::vector<uint16_t> index_k = testing::random_bf16(size_t(m) * kDim, 1.0f, rng);
-    const std::vector<uint16_t> gate = testing::random_bf16(size_t(m) * kDim, 1.0f, rng);
-    const std::vector<float> head_weights = normal_floats(size_t(m) * kHeads, 0.0f, 1.0f, rng);
+    index_q = testing::random_bf16(size_t(m) * kHeads * kDim, 1.0f, rng);
+    index_k = testing::random_bf16(size_t(m) * kDim, 1.0f, rng);
+    gate = testing::random_bf16(size_t(m) * kDim, 1.0f, rng);
+    head_weights = normal_floats(size_t(m) * kHeads, 0.0f, 1.0f, rng);
+    ring_before_prepare = ring;
+    k_cache_before_prepare = k_cache;
     const reference::IndexerStepHost step{m, index_q.data(), index_k.data(), head_weights.data(), gate.data(),
                                           positions.data(), token_requests.data()};
     int64_t errors = -1;
@@ -395,6 +404,56 @@ TEST(IndexerSelectGpu, DraftTokensOfOneRequestMatchTheReference) {
 // Slots in rows with a padded token stride between poisoned guard bands, and
 // no topk_positions (the stage's call): the slots equal the reference's and
 // no byte outside the rows' 2176 columns is written.
+// The step as a decode chain runs it: the GPU prepare, then the select in
+// the same stream with PDL and no synchronization between them, from the
+// state before the prepare. The step completes pools (draft tokens of one
+// request, one completing pool 1023; another request's token completing pool
+// 1535): the select must score them as the prepare wrote them, so their
+// logits are compared bit for bit (before the step their K cache entries are
+// zero, a stale read would give another logit).
+TEST(IndexerSelectGpu, ChainedAfterTheGpuPrepareScoresThePoolsTheStepCompletes) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 5);
+  Scenario s({4094, 4095, 4096, 6143}, {0, 0, 0, 1}, 128, rng);
+  s.fill_and_run_reference(rng);
+  if (::testing::Test::HasFatalFailure()) return;
+  DeviceStep d(s);
+  d.ring.upload(s.ring_before_prepare);
+  d.k_cache.upload(s.k_cache_before_prepare);
+  DeviceBuffer<uint16_t> index_q(s.index_q), index_k(s.index_k), gate(s.gate);
+  DeviceBuffer<float> head_weights(s.head_weights), norm_weight(s.norm_weight), norm_bias(s.norm_bias), ape(s.ape);
+  IndexerPrepareArgs prepare;
+  prepare.plan = s.plan;
+  prepare.index_q = make_tensor(index_q.get(), DType::kBF16, {s.m, kHeads, kDim});
+  prepare.index_k = make_tensor(index_k.get(), DType::kBF16, {s.m, kDim});
+  prepare.head_weights = make_tensor(head_weights.get(), DType::kF32, {s.m, kHeads});
+  prepare.gate = make_tensor(gate.get(), DType::kBF16, {s.m, kDim});
+  prepare.k_norm_weight = make_tensor(norm_weight.get(), DType::kF32, {kDim});
+  prepare.k_norm_bias = make_tensor(norm_bias.get(), DType::kF32, {kDim});
+  prepare.ape = make_tensor(ape.get(), DType::kF32, {4, kDim});
+  prepare.positions = d.args.positions;
+  prepare.token_requests = d.args.token_requests;
+  prepare.state = d.args.state;
+  prepare.workspace = d.args.workspace;
+  prepare.error_count = d.args.error_count;
+  // The workspace as the prepare must write it: poisoned first, so the select reads the GPU prepare's q.
+  d.workspace.fill_bytes(kPoison);
+  d.topk_positions.fill_bytes(kPoison);
+  d.slots.fill_bytes(kPoison);
+  d.errors.fill_bytes(0);  // synchronizes the device: the uploads are complete
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const Status prepared = indexer_prepare(prepare, stream);
+  const Status selected = indexer_select(d.args, stream);
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
+  DSA_ASSERT_OK(prepared);
+  DSA_ASSERT_OK(selected);
+  EXPECT_TRUE(d.k_cache.download() == s.k_cache) << "the GPU prepare's K cache differs from the reference's";
+  EXPECT_TRUE(d.ring.download() == s.ring) << "the GPU prepare's ring differs from the reference's";
+  expect_matches_reference(s, d, "prepare then select", /*logit_checks=*/4);
+}
+
 TEST(IndexerSelectGpu, PaddedSlotRowsWithoutPositionsStayInsideTheirColumns) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 7);
