@@ -115,49 +115,37 @@ TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {
   EXPECT_EQ(token_list({2, 1, 8}), "1,2,8");
 }
 
-TEST(DsaDecodeOptions, IndexerProjectionsDefaultsToTheGemvAndTakesOnlyItsTwoKernels) {
+// An option of two values: unset means `off`, `on` sets `field`, `off` clears
+// it again, anything else is refused with the option's two values named.
+void expect_two_values(const std::string& option, const std::string& off, const std::string& on, bool Options::*field,
+                       const std::vector<std::string>& bad_values) {
   Options options;
   std::string error;
   ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
-  EXPECT_FALSE(options.projections_cublaslt);
-  ASSERT_TRUE(parse({"--indexer-projections", "cublaslt"}, &options, &error)) << error;
-  EXPECT_TRUE(options.projections_cublaslt);
-  ASSERT_TRUE(parse({"--indexer-projections=gemv"}, &options, &error)) << error;
-  EXPECT_FALSE(options.projections_cublaslt);
-  for (const std::string value : {"", "GEMV", "cublas", "gemv,cublaslt"}) {
-    EXPECT_FALSE(parse({"--indexer-projections=" + value}, &options, &error)) << value;
-    EXPECT_EQ(error, "--indexer-projections: got '" + value + "', expected gemv or cublaslt");
+  EXPECT_FALSE(options.*field) << option;
+  ASSERT_TRUE(parse({option, on}, &options, &error)) << error;
+  EXPECT_TRUE(options.*field) << option;
+  ASSERT_TRUE(parse({option + "=" + off}, &options, &error)) << error;
+  EXPECT_FALSE(options.*field) << option;
+  for (const std::string& value : bad_values) {
+    EXPECT_FALSE(parse({option + "=" + value}, &options, &error)) << value;
+    EXPECT_EQ(error, option + ": got '" + value + "', expected " + off + " or " + on);
   }
+}
+
+TEST(DsaDecodeOptions, IndexerProjectionsDefaultsToTheGemvAndTakesOnlyItsTwoKernels) {
+  expect_two_values("--indexer-projections", "gemv", "cublaslt", &Options::projections_cublaslt,
+                    {"", "GEMV", "cublas", "gemv,cublaslt"});
 }
 
 TEST(DsaDecodeOptions, IndexerLogitsDefaultsToExactAndTakesOnlyItsTwoValues) {
-  Options options;
-  std::string error;
-  ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
-  EXPECT_FALSE(options.indexer_logits_fp32);
-  ASSERT_TRUE(parse({"--indexer-logits", "fp32-accumulation"}, &options, &error)) << error;
-  EXPECT_TRUE(options.indexer_logits_fp32);
-  ASSERT_TRUE(parse({"--indexer-logits=exact"}, &options, &error)) << error;
-  EXPECT_FALSE(options.indexer_logits_fp32);
-  for (const std::string value : {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"}) {
-    EXPECT_FALSE(parse({"--indexer-logits=" + value}, &options, &error)) << value;
-    EXPECT_EQ(error, "--indexer-logits: got '" + value + "', expected exact or fp32-accumulation");
-  }
+  expect_two_values("--indexer-logits", "exact", "fp32-accumulation", &Options::indexer_logits_fp32,
+                    {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"});
 }
 
 TEST(DsaDecodeOptions, HeadGemvSumsDefaultsToTheSeedOrderAndTakesOnlyItsTwoValues) {
-  Options options;
-  std::string error;
-  ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
-  EXPECT_FALSE(options.head_gemv_tensor_cores);
-  ASSERT_TRUE(parse({"--head-gemv-sums", "tensor-cores"}, &options, &error)) << error;
-  EXPECT_TRUE(options.head_gemv_tensor_cores);
-  ASSERT_TRUE(parse({"--head-gemv-sums=seed-order"}, &options, &error)) << error;
-  EXPECT_FALSE(options.head_gemv_tensor_cores);
-  for (const std::string value : {"", "tc", "Tensor-Cores", "seed-order,tensor-cores"}) {
-    EXPECT_FALSE(parse({"--head-gemv-sums=" + value}, &options, &error)) << value;
-    EXPECT_EQ(error, "--head-gemv-sums: got '" + value + "', expected seed-order or tensor-cores");
-  }
+  expect_two_values("--head-gemv-sums", "seed-order", "tensor-cores", &Options::head_gemv_tensor_cores,
+                    {"", "tc", "Tensor-Cores", "seed-order,tensor-cores"});
 }
 
 }  // namespace

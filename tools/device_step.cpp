@@ -254,9 +254,7 @@ Status DeviceStep::fused_absorb(cudaStream_t stream, int copy) const {
   args.scale = make_tensor(scales_.get(), DType::kF32, {1});
   args.cache = &write;
   args.sums = s_.head_gemv_sums;
-  if (args.sums == HeadGemvSums::kTensorCores) return head_gemv(args, stream);
-  const HeadGemvTactic tactic = absorb_tactic(s_);
-  return head_gemv(args, stream, &tactic);
+  return head_gemv(args, stream);  // the table's tactic, absorb_tactic(s_), which the check's reference takes
 }
 
 // index_q, index_k, head_weights and gate of the step's q_c and hidden states.
@@ -361,9 +359,7 @@ Status DeviceStep::fused_value_up(cudaStream_t stream, int copy) const {
   args.weight = bf16(w_uv_.copy(copy), {s_.H, s_.L, s_.V});
   args.out = bf16(out_fused_.get(), {s_.m, s_.H, s_.V});
   args.sums = s_.head_gemv_sums;
-  if (args.sums == HeadGemvSums::kTensorCores) return head_gemv(args, stream);
-  const HeadGemvTactic tactic = value_up_tactic(s_);
-  return head_gemv(args, stream, &tactic);
+  return head_gemv(args, stream);  // the table's tactic, value_up_tactic(s_)
 }
 
 Status DeviceStep::stock_cache_write(cudaStream_t stream, int /*copy: no weights*/) const {

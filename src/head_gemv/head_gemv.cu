@@ -375,34 +375,9 @@ Status check_head_gemv(const HeadGemvArgs& a) {
 
 namespace {
 
-// head_gemv with, for kTensorCores, the column tile `mma_tile` (0: the rule's).
-Status run_head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTactic* requested, int mma_tile) {
-  DSA_RETURN_IF_ERROR(check_head_gemv(a));
-  const int m = static_cast<int>(a.x.size(0)), heads = static_cast<int>(a.x.size(1));
-  const int rows = static_cast<int>(a.x.size(2)), cols = static_cast<int>(a.weight.size(2));
-  const bool tensor_cores = a.sums == HeadGemvSums::kTensorCores;
-  HeadGemvTactic tactic;
-  if (tensor_cores) {
-    if (requested != nullptr) {
-      return invalid_argument("tactic", "none with sums = kTensorCores (its work split is fixed)",
-                              tactic_string(*requested));
-    }
-    if (!head_gemv_mma_supports(rows, cols)) {
-      return unsupported("head_gemv (tensor cores): I = " + std::to_string(rows) + ", J = " + std::to_string(cols) +
-                         " (it runs I a multiple of 64 up to 1024 and J a multiple of 16)");
-    }
-    tactic.tile = mma_tile != 0 ? mma_tile : head_gemv_mma_tile(heads, rows, cols, m);
-  } else {
-    tactic = requested ? *requested : head_gemv_tactic(heads, rows, cols, m);
-    const Status runnable = check_head_gemv_tactic(rows, cols, m, tactic);
-    if (!runnable.ok() && requested == nullptr) {
-      return unsupported("head_gemv: no tactic runs H = " + std::to_string(heads) + ", I = " + std::to_string(rows) +
-                         ", J = " + std::to_string(cols) + " at m = " + std::to_string(m) +
-                         " (I a multiple of 8 rows per thread, J of a 16..256 column tile)");
-    }
-    DSA_RETURN_IF_ERROR(runnable);
-  }
-
+// The launch parameters of checked arguments, but the work split (tile,
+// rows_per_thread); the cache-write CTAs the launch adds in *cache_ctas.
+HeadGemvParams make_params(const HeadGemvArgs& a, int* cache_ctas) {
   HeadGemvParams p = {};
   p.x = static_cast<const uint16_t*>(a.x.data);
   p.x_token_stride = a.x.stride(0);
@@ -411,11 +386,11 @@ Status run_head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvT
   p.weight_row_stride = a.weight.stride(1);
   p.out = a.out.data;
   p.scale = a.out.dtype == DType::kFP8E4M3 ? static_cast<const float*>(a.scale.data) : nullptr;
-  p.m = m;
-  p.heads = heads;
-  p.rows = rows;
-  p.cols = cols;
-  int cache_ctas = 0;
+  p.m = static_cast<int>(a.x.size(0));
+  p.heads = static_cast<int>(a.x.size(1));
+  p.rows = static_cast<int>(a.x.size(2));
+  p.cols = static_cast<int>(a.weight.size(2));
+  *cache_ctas = 0;
   if (a.cache != nullptr) {
     const KvCacheWrite& c = *a.cache;
     p.kv = static_cast<const uint16_t*>(c.kv.data);
@@ -427,35 +402,63 @@ Status run_head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvT
     p.block_size = static_cast<int>(c.cache.size(1));
     p.cache_width = static_cast<int>(c.cache.size(2));
     p.slots = static_cast<const int64_t*>(c.slot_mapping.data);
-    p.tokens_with_slot = static_cast<int>(std::min<int64_t>(c.slot_mapping.size(0), m));
+    p.tokens_with_slot = static_cast<int>(std::min<int64_t>(c.slot_mapping.size(0), p.m));
     p.k_scale = static_cast<const float*>(c.k_scale.data);
     p.error_count = c.error_count;
-    cache_ctas = m;
+    *cache_ctas = p.m;
   }
+  return p;
+}
 
-  p.tile = tactic.tile;
-  p.rows_per_thread = tactic.rows_per_thread;
-  if (tensor_cores) return launch_head_gemv_mma(p, cache_ctas, stream);
-  const size_t shared_bytes = shared_bytes_for(rows, m, tactic);
-  const KernelFn kernel = kernel_for(m);
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(kernel),
-                                                static_cast<int>(kMaxSharedBytes), "head_gemv"));
-  const dim3 grid(heads * (cols / tactic.tile) + cache_ctas);
-  const dim3 block(group_threads_for(rows, tactic) * token_groups_for(m));
-  return launch_pdl(kernel, grid, block, shared_bytes, stream, p);
+// The tensor-core kernel with column tile `tile` (0: head_gemv_mma_tile's).
+Status run_tensor_cores(const HeadGemvArgs& a, int tile, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_head_gemv(a));
+  int cache_ctas = 0;
+  HeadGemvParams p = make_params(a, &cache_ctas);
+  if (!head_gemv_mma_supports(p.rows, p.cols)) {
+    return unsupported("head_gemv (tensor cores): I = " + std::to_string(p.rows) + ", J = " + std::to_string(p.cols) +
+                       " (it runs I a multiple of 64 up to 1024 and J a multiple of 16)");
+  }
+  p.tile = tile != 0 ? tile : head_gemv_mma_tile(p.heads, p.rows, p.cols, p.m);
+  return launch_head_gemv_mma(p, cache_ctas, stream);
 }
 
 }  // namespace
 
-Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTactic* tactic) {
-  return run_head_gemv(a, stream, tactic, 0);
+Status head_gemv(const HeadGemvArgs& a, cudaStream_t stream, const HeadGemvTactic* requested) {
+  if (a.sums == HeadGemvSums::kTensorCores) {
+    if (requested != nullptr) {
+      return invalid_argument("tactic", "none with sums = kTensorCores (its work split is fixed)",
+                              tactic_string(*requested));
+    }
+    return run_tensor_cores(a, 0, stream);
+  }
+  DSA_RETURN_IF_ERROR(check_head_gemv(a));
+  int cache_ctas = 0;
+  HeadGemvParams p = make_params(a, &cache_ctas);
+  const HeadGemvTactic tactic = requested ? *requested : head_gemv_tactic(p.heads, p.rows, p.cols, p.m);
+  const Status runnable = check_head_gemv_tactic(p.rows, p.cols, p.m, tactic);
+  if (!runnable.ok() && requested == nullptr) {
+    return unsupported("head_gemv: no tactic runs H = " + std::to_string(p.heads) + ", I = " + std::to_string(p.rows) +
+                       ", J = " + std::to_string(p.cols) + " at m = " + std::to_string(p.m) +
+                       " (I a multiple of 8 rows per thread, J of a 16..256 column tile)");
+  }
+  DSA_RETURN_IF_ERROR(runnable);
+  p.tile = tactic.tile;
+  p.rows_per_thread = tactic.rows_per_thread;
+  const KernelFn kernel = kernel_for(p.m);
+  DSA_RETURN_IF_ERROR(
+      raise_shared_memory_limit(reinterpret_cast<const void*>(kernel), static_cast<int>(kMaxSharedBytes), "head_gemv"));
+  const dim3 grid(p.heads * (p.cols / tactic.tile) + cache_ctas);
+  const dim3 block(group_threads_for(p.rows, tactic) * token_groups_for(p.m));
+  return launch_pdl(kernel, grid, block, shared_bytes_for(p.rows, p.m, tactic), stream, p);
 }
 
 Status head_gemv_tensor_cores_with_tile(const HeadGemvArgs& a, int tile, cudaStream_t stream) {
   if (a.sums != HeadGemvSums::kTensorCores) {
     return invalid_argument("sums", "kTensorCores (the tile is the tensor-core kernel's)", "kSeedOrder");
   }
-  return run_head_gemv(a, stream, nullptr, tile);
+  return run_tensor_cores(a, tile, stream);
 }
 
 }  // namespace dsa

@@ -74,8 +74,9 @@ int head_gemv_mma_tile(int heads, int rows, int cols, int m);
 // Whether the tensor-core kernel runs rows x cols (I a multiple of 64 up to
 // 1024, J a multiple of 16).
 bool head_gemv_mma_supports(int rows, int cols);
-// Launches it on `p` (p.tile = the column tile; p.rows_per_thread unused)
-// with `cache_ctas` cache-write CTAs after the product CTAs.
+// Launches it on `p` (checked arguments of a shape it supports; p.tile = the
+// column tile, p.rows_per_thread unused) with `cache_ctas` cache-write CTAs
+// after the product CTAs.
 Status launch_head_gemv_mma(const HeadGemvParams& p, int cache_ctas, cudaStream_t stream);
 
 // head_gemv under kTensorCores with the column tile forced to `tile` (16, 32,

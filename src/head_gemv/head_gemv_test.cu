@@ -536,36 +536,61 @@ TEST(HeadGemvGpu, EveryTacticAndTokenCapacityMatchesReference) {
   }
 }
 
-TEST(HeadGemvGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
-  DSA_REQUIRE_GPU();
-  // One tactic for every m: a token's bits must not depend on the batch.
-  const HeadGemvTactic tactic{64, 16};
-  const int heads = 8, rows = 256, cols = 512;
-  std::mt19937_64 rng(testing::test_seed() + 2);
-  const std::vector<uint16_t> x = testing::random_bf16(16 * heads * rows, 1.0f, rng);
-  const std::vector<uint16_t> w = testing::random_bf16(heads * rows * cols, 0.05f, rng);
-  DeviceBuffer<uint16_t> x_dev(x), w_dev(w);
-  DeviceBuffer<uint16_t> out_dev(16 * heads * cols);
-  auto run = [&](int first_token, int m) {
+// The batch-invariance tests' setup: x of 16 tokens and the weights on the
+// device (fresh random values), and BF16 out views of m tokens from any first token.
+struct SixteenTokens {
+  int heads, rows, cols;
+  std::vector<uint16_t> x, w;
+  DeviceBuffer<uint16_t> x_dev, w_dev, out_dev;
+
+  SixteenTokens(int heads_, int rows_, int cols_, std::mt19937_64& rng)
+      : heads(heads_),
+        rows(rows_),
+        cols(cols_),
+        x(testing::random_bf16(16 * heads_ * rows_, 1.0f, rng)),
+        w(testing::random_bf16(heads_ * rows_ * cols_, 0.05f, rng)),
+        x_dev(x),
+        w_dev(w),
+        out_dev(16 * heads_ * cols_) {}
+  // Tokens first_token .. first_token + m - 1 into out's first m rows.
+  HeadGemvArgs args(int first_token, int m, HeadGemvSums sums) const {
     HeadGemvArgs a;
     a.x = make_tensor(x_dev.get() + first_token * heads * rows, DType::kBF16, {m, heads, rows});
     a.weight = make_tensor(w_dev.get(), DType::kBF16, {heads, rows, cols});
     a.out = make_tensor(out_dev.get(), DType::kBF16, {m, heads, cols});
-    out_dev.fill_bytes(kPoison);
-    EXPECT_TRUE(head_gemv(a, nullptr, &tactic).ok());
+    a.sums = sums;
+    return a;
+  }
+  // out's first m rows, after the device finished.
+  std::vector<uint16_t> out(int m) const {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<uint16_t> out = out_dev.download();
-    out.resize(size_t(m) * heads * cols);
-    return out;
+    std::vector<uint16_t> host = out_dev.download();
+    host.resize(size_t(m) * heads * cols);
+    return host;
+  }
+  reference::HeadGemvHost host() const {
+    return reference::HeadGemvHost{x.data(), heads * rows, w.data(), rows * cols, cols, 16, heads, rows, cols};
+  }
+};
+
+TEST(HeadGemvGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
+  DSA_REQUIRE_GPU();
+  // One tactic for every m: a token's bits must not depend on the batch.
+  const HeadGemvTactic tactic{64, 16};
+  std::mt19937_64 rng(testing::test_seed() + 2);
+  SixteenTokens d(8, 256, 512, rng);
+  auto run = [&](int first_token, int m) {
+    d.out_dev.fill_bytes(kPoison);
+    EXPECT_TRUE(head_gemv(d.args(first_token, m, HeadGemvSums::kSeedOrder), nullptr, &tactic).ok());
+    return d.out(m);
   };
   const std::vector<uint16_t> batch = run(0, 16);
   // The batch itself is the reference's bits (so equal runs cannot be two unwritten outputs).
-  const reference::HeadGemvHost host{x.data(), heads * rows, w.data(), rows * cols, cols, 16, heads, rows, cols};
-  EXPECT_TRUE(batch == reference::head_gemv_bf16(host, tactic)) << "the batch of 16 differs from the reference";
+  EXPECT_TRUE(batch == reference::head_gemv_bf16(d.host(), tactic)) << "the batch of 16 differs from the reference";
   EXPECT_EQ(run(0, 16), batch);
   for (int t : {0, 5, 15}) {
     const std::vector<uint16_t> alone = run(t, 1);
-    EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batch.begin() + size_t(t) * heads * cols))
+    EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batch.begin() + size_t(t) * d.heads * d.cols))
         << "token " << t << " alone differs from the same token in a batch of 16";
   }
 }
@@ -597,36 +622,18 @@ TEST(HeadGemvGpu, TensorCoreSumsStayWithinTheBound) {
 // alone and inside a batch of 16, whatever the column tile, and from a graph.
 TEST(HeadGemvGpu, TensorCoreSumsAreRepeatableBatchInvariantAndTileInvariant) {
   DSA_REQUIRE_GPU();
-  const int heads = 8, rows = 512, cols = 256;
   std::mt19937_64 rng(testing::test_seed() + 4);
-  const std::vector<uint16_t> x = testing::random_bf16(16 * heads * rows, 1.0f, rng);
-  const std::vector<uint16_t> w = testing::random_bf16(heads * rows * cols, 0.05f, rng);
-  DeviceBuffer<uint16_t> x_dev(x), w_dev(w);
-  DeviceBuffer<uint16_t> out_dev(16 * heads * cols);
-  auto args_for = [&](int first_token, int m) {
-    HeadGemvArgs a;
-    a.x = make_tensor(x_dev.get() + first_token * heads * rows, DType::kBF16, {m, heads, rows});
-    a.weight = make_tensor(w_dev.get(), DType::kBF16, {heads, rows, cols});
-    a.out = make_tensor(out_dev.get(), DType::kBF16, {m, heads, cols});
-    a.sums = HeadGemvSums::kTensorCores;
-    return a;
-  };
-  auto result = [&](int m) {
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    std::vector<uint16_t> out = out_dev.download();
-    out.resize(size_t(m) * heads * cols);
-    return out;
-  };
+  SixteenTokens d(8, 512, 256, rng);
+  auto args_for = [&](int first_token, int m) { return d.args(first_token, m, HeadGemvSums::kTensorCores); };
   auto run = [&](int first_token, int m, int tile) {
-    out_dev.fill_bytes(kPoison);
+    d.out_dev.fill_bytes(kPoison);
     const HeadGemvArgs a = args_for(first_token, m);
     const Status launched = tile == 0 ? head_gemv(a, nullptr) : head_gemv_tensor_cores_with_tile(a, tile, nullptr);
     EXPECT_TRUE(launched.ok()) << launched.to_string();
-    return result(m);
+    return d.out(m);
   };
   const std::vector<uint16_t> batch = run(0, 16, 0);
-  const reference::HeadGemvHost host{x.data(), heads * rows, w.data(), rows * cols, cols, 16, heads, rows, cols};
-  EXPECT_EQ(reference::head_gemv_deviation(host, batch.data(), false, 1.0f).outside, 0)
+  EXPECT_EQ(reference::head_gemv_deviation(d.host(), batch.data(), false, 1.0f).outside, 0)
       << "the batch of 16 is outside the bound";
   EXPECT_EQ(run(0, 16, 0), batch);
   for (int tile : {16, 32, 64, 128}) EXPECT_EQ(run(0, 16, tile), batch) << "column tile " << tile;
@@ -634,7 +641,7 @@ TEST(HeadGemvGpu, TensorCoreSumsAreRepeatableBatchInvariantAndTileInvariant) {
     for (int m : {1, 3}) {
       if (t + m > 16) continue;
       const std::vector<uint16_t> alone = run(t, m, 0);
-      EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batch.begin() + size_t(t) * heads * cols))
+      EXPECT_TRUE(std::equal(alone.begin(), alone.end(), batch.begin() + size_t(t) * d.heads * d.cols))
           << "tokens " << t << ".." << t + m - 1 << " alone differ from the same tokens in a batch of 16";
     }
   }
@@ -651,10 +658,10 @@ TEST(HeadGemvGpu, TensorCoreSumsAreRepeatableBatchInvariantAndTileInvariant) {
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (int replay = 0; replay < 2; ++replay) {
-    out_dev.fill_bytes(kPoison);
+    d.out_dev.fill_bytes(kPoison);
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    EXPECT_EQ(result(16), batch) << "graph replay " << replay;
+    EXPECT_EQ(d.out(16), batch) << "graph replay " << replay;
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
