@@ -119,8 +119,16 @@
 // step's first kernel starts: written by host copies or by kernels that
 // finish before it (any kernel that does not trigger its dependents early,
 // which is every kernel not written for PDL), never by a kernel of the same
-// PDL chain. Everything the prepare step writes (q_fp8, folded weights, ring,
-// K cache) is read after the wait.
+// PDL chain. The logits kernel also reads, before the wait, the K cache
+// entries of the pools no token of the step completes: pool q of request r
+// with 4q + 3 below the smallest position of the step's tokens of r (the
+// prepare step writes only the pools its tokens complete; an earlier step's
+// entries are complete). So no kernel of the chain may write those entries:
+// the pages of a request's complete pools are not written by a step of
+// another request (a page shared between requests, as prefix caching shares
+// them, is complete and read-only). Everything else the prepare step writes
+// (q_fp8, folded weights, ring, the pools it completes) is read after the
+// wait.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -124,6 +124,22 @@ __device__ int64_t token_context(const Params& p, int t, int64_t* request, bool 
   return position + 1;
 }
 
+// The pools of `request` that no token of the step completes, so that no
+// kernel of the step writes them (include/dsa_decode/indexer.h, PDL): those
+// below floor(p_min / 4), p_min the smallest position of the step's tokens of
+// the request. Every lane of the warp computes it (m <= 32: one token per
+// lane, then a warp minimum); the step's inputs may be read before the wait.
+__device__ int64_t pools_before_step(const Params& p, int64_t request) {
+  const int lane = threadIdx.x % 32;
+  int64_t position = INT64_MAX;
+  if (lane < p.m && p.token_requests[lane] == request) position = p.positions[lane];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    position = min(position, __shfl_xor_sync(0xFFFFFFFFu, position, offset));
+  }
+  return position == INT64_MAX ? 0 : position / kIndexerPoolSize;
+}
+
 // The pools whose logits the step computes for context L: none for L <= 2048.
 __device__ __forceinline__ int64_t scored_pools(int64_t context) {
   return context > kIndexerPooledColumns ? context / kIndexerPoolSize : 0;
@@ -234,6 +250,23 @@ __device__ __forceinline__ void decode_e4m3x4(uint32_t codes, double (&out)[4]) 
   }
 }
 
+// Dims 32 quarter .. 32 quarter + 31 of pool `pool`'s codes in page `block`.
+__device__ __forceinline__ void load_pool_codes(const IndexerStateParams& s, int64_t block, int64_t pool, int quarter,
+                                                uint4 (&codes)[2]) {
+  const int64_t entry = pool % s.pools_per_page;
+  const uint4* row = reinterpret_cast<const uint4*>(s.k_cache + block * s.page_stride + entry * kDim +
+                                                    kDimsPerLane * quarter);
+  codes[0] = row[0];
+  codes[1] = row[1];
+}
+
+// Pool `pool`'s scale in page `block` (after the page's codes).
+__device__ __forceinline__ float pool_scale(const IndexerStateParams& s, int64_t block, int64_t pool) {
+  const int64_t entry = pool % s.pools_per_page;
+  return *reinterpret_cast<const float*>(s.k_cache + block * s.page_stride + int64_t(s.pools_per_page) * kDim +
+                                         entry * 4);
+}
+
 // Word `w` (0..7) of a lane's 32 codes.
 __device__ __forceinline__ uint32_t code_word(const uint4 (&codes)[2], int w) {
   const uint4 v = codes[w / 4];
@@ -330,22 +363,41 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   __shared__ LogitsShared<kDots> s;
   // The step's inputs (positions, token_requests, the block table) are
   // complete before the step's first kernel starts (include/dsa_decode/
-  // indexer.h): the token's context and its pools' pages are looked up while
-  // the previous kernel still runs. Thread i < 64 holds pool first_pool + i's
+  // indexer.h): the token's context, its pools' pages and, for the pools no
+  // token of the step completes, their K codes and scales are read while the
+  // previous kernel still runs. Thread i < 64 holds pool first_pool + i's
   // page (-1 untrusted, -2 past n).
   const int t = blockIdx.y;
   int64_t request = 0;
   const int64_t n = scored_pools(token_context(p, t, &request, false));
   const int64_t first_pool = int64_t(blockIdx.x) * kLogitPools;
+  const int64_t settled = first_pool < n ? pools_before_step(p, request) : 0;  // pools < settled: not written now
   int64_t block = -2;
+  float scale = 0.0f;
   if (threadIdx.x < kLogitPools && first_pool + threadIdx.x < n) {
     block = indexer_pool_block(p.state, request, first_pool + threadIdx.x);
   }
-  pdl_wait();  // q_fp8, head weights and the K cache come from the prepare step
+  // This thread's pool scale (loaded by the thread that uses it last).
+  const bool settled_scale = block >= 0 && first_pool + threadIdx.x < settled;
+  if (settled_scale) scale = pool_scale(p.state, block, first_pool + threadIdx.x);
+
+  // The lane's 32 dims of pools g and g + 8 of its M tile (zeros for absent pools).
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int first_tile_pool = kPoolTile * warp;
+  uint4 k_codes[2][2];  // [row g, g + 8][16-byte half]
+  int64_t row_block[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t pool = first_pool + first_tile_pool + 8 * r + g;
+    row_block[r] = pool < n ? indexer_pool_block(p.state, request, pool) : -2;
+    k_codes[r][0] = k_codes[r][1] = make_uint4(0, 0, 0, 0);
+    if (row_block[r] >= 0 && pool < settled) load_pool_codes(p.state, row_block[r], pool, c, k_codes[r]);
+  }
+
+  pdl_wait();  // q_fp8, head weights and the pools this step completes come from the prepare step
   pdl_release_dependents();
   if (first_pool >= n) return;  // uniform over the CTA
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   // Thread (head, quarter) decodes dims 32 quarter .. + 31 of its head into
   // the fragment of lane (head % 8, quarter) of head tile head / 8 (below,
   // while the K codes are in flight).
@@ -357,37 +409,19 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     q_codes[0] = q_row[0];
     q_codes[1] = q_row[1];
   }
-
-  // The pool's scale (the prepare step may have just written it) is loaded
-  // now by the thread that uses it last.
-  float scale = 0.0f;
+  // The pools this step may have just completed.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t pool = first_pool + first_tile_pool + 8 * r + g;
+    if (row_block[r] >= 0 && pool >= settled) load_pool_codes(p.state, row_block[r], pool, c, k_codes[r]);
+  }
   if (threadIdx.x < kLogitPools) {
-    if (block >= 0) {
-      const int64_t entry = (first_pool + threadIdx.x) % p.state.pools_per_page;
-      scale = *reinterpret_cast<const float*>(p.state.k_cache + block * p.state.page_stride +
-                                              int64_t(p.state.pools_per_page) * kDim + entry * 4);
-    }
+    if (block >= 0 && !settled_scale) scale = pool_scale(p.state, block, first_pool + threadIdx.x);
     s.block[threadIdx.x] = block;
   }
   if (threadIdx.x < kHeads) s.weight[threadIdx.x] = p.head_weights[t * kHeads + threadIdx.x];
   __syncthreads();
 
-  // The lane's 32 dims of pools g and g + 8 of its M tile (zeros for absent pools).
-  const int first_tile_pool = kPoolTile * warp;
-  uint4 k_codes[2][2];  // [row g, g + 8][16-byte half]
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = first_tile_pool + 8 * r + g;
-    const int64_t block = s.block[i];
-    k_codes[r][0] = k_codes[r][1] = make_uint4(0, 0, 0, 0);
-    if (block >= 0) {
-      const int64_t entry = (first_pool + i) % p.state.pools_per_page;
-      const uint4* codes = reinterpret_cast<const uint4*>(p.state.k_cache + block * p.state.page_stride +
-                                                          entry * kDim + kDimsPerLane * c);
-      k_codes[r][0] = codes[0];
-      k_codes[r][1] = codes[1];
-    }
-  }
   store_q_fragments<kDots>(s.q, q_codes, q_head, q_quarter);
   __syncthreads();
 
