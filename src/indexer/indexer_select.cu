@@ -374,24 +374,25 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   const int64_t settled = first_pool < n ? pools_before_step(p, request) : 0;  // pools < settled: not written now
   int64_t block = -2;
   float scale = 0.0f;
-  if (threadIdx.x < kLogitPools && first_pool + threadIdx.x < n) {
-    block = indexer_pool_block(p.state, request, first_pool + threadIdx.x);
+  if (threadIdx.x < kLogitPools) {
+    if (first_pool + threadIdx.x < n) block = indexer_pool_block(p.state, request, first_pool + threadIdx.x);
+    s.block[threadIdx.x] = block;
   }
   // This thread's pool scale (loaded by the thread that uses it last).
   const bool settled_scale = block >= 0 && first_pool + threadIdx.x < settled;
   if (settled_scale) scale = pool_scale(p.state, block, first_pool + threadIdx.x);
+  __syncthreads();  // the pages, each looked up once
 
   // The lane's 32 dims of pools g and g + 8 of its M tile (zeros for absent pools).
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int first_tile_pool = kPoolTile * warp;
   uint4 k_codes[2][2];  // [row g, g + 8][16-byte half]
-  int64_t row_block[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t pool = first_pool + first_tile_pool + 8 * r + g;
-    row_block[r] = pool < n ? indexer_pool_block(p.state, request, pool) : -2;
+    const int i = first_tile_pool + 8 * r + g;
     k_codes[r][0] = k_codes[r][1] = make_uint4(0, 0, 0, 0);
-    if (row_block[r] >= 0 && pool < settled) load_pool_codes(p.state, row_block[r], pool, c, k_codes[r]);
+    if (s.block[i] >= 0 && first_pool + i < settled)
+      load_pool_codes(p.state, s.block[i], first_pool + i, c, k_codes[r]);
   }
 
   pdl_wait();  // q_fp8, head weights and the pools this step completes come from the prepare step
@@ -412,12 +413,12 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   // The pools this step may have just completed.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int64_t pool = first_pool + first_tile_pool + 8 * r + g;
-    if (row_block[r] >= 0 && pool >= settled) load_pool_codes(p.state, row_block[r], pool, c, k_codes[r]);
+    const int i = first_tile_pool + 8 * r + g;
+    if (s.block[i] >= 0 && first_pool + i >= settled)
+      load_pool_codes(p.state, s.block[i], first_pool + i, c, k_codes[r]);
   }
-  if (threadIdx.x < kLogitPools) {
-    if (block >= 0 && !settled_scale) scale = pool_scale(p.state, block, first_pool + threadIdx.x);
-    s.block[threadIdx.x] = block;
+  if (threadIdx.x < kLogitPools && block >= 0 && !settled_scale) {
+    scale = pool_scale(p.state, block, first_pool + threadIdx.x);
   }
   if (threadIdx.x < kHeads) s.weight[threadIdx.x] = p.head_weights[t * kHeads + threadIdx.x];
   __syncthreads();
