@@ -98,6 +98,7 @@ struct Params {
   int32_t* slots;              // [m, stride]
   int64_t slots_stride;
   unsigned int* error_count;   // optional
+  bool preload_settled_pools;  // logits kernel: K codes of pools the step cannot write read before the PDL wait
   // Baseline only.
   uint32_t* keys_in;
   int32_t* values_in;
@@ -371,7 +372,8 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   int64_t request = 0;
   const int64_t n = scored_pools(token_context(p, t, &request, false));
   const int64_t first_pool = int64_t(blockIdx.x) * kLogitPools;
-  const int64_t settled = first_pool < n ? pools_before_step(p, request) : 0;  // pools < settled: not written now
+  // Pools < settled: not written by this step.
+  const int64_t settled = p.preload_settled_pools && first_pool < n ? pools_before_step(p, request) : 0;
   int64_t block = -2;
   float scale = 0.0f;
   if (threadIdx.x < kLogitPools) {
@@ -762,12 +764,20 @@ dim3 logits_grid(const Params& p) {
   return dim3(static_cast<unsigned>(chunks), p.m);
 }
 
-Status launch_logits(const Params& p, IndexerLogits dots, cudaStream_t stream) {
+// Largest logits grid that reads the settled pools' K codes before the PDL
+// wait. H200, both logits variants: 0.6-1.5 us faster up to 2048 CTAs (32k
+// context m <= 16, 128k m <= 4), 0.9-5.4 us slower at 4096 and 8192 (128k m
+// = 8, 16), where most CTAs start after the wait anyway (docs/indexer.md).
+constexpr int64_t kPreloadMaxCtas = 2048;
+
+Status launch_logits(const Params& params, IndexerLogits dots, cudaStream_t stream) {
+  const dim3 grid = logits_grid(params);
+  Params p = params;
+  p.preload_settled_pools = int64_t(grid.x) * grid.y <= kPreloadMaxCtas;
   if (dots == IndexerLogits::kFp32Accumulation) {
-    return launch_pdl(logits_kernel<IndexerLogits::kFp32Accumulation>, logits_grid(p), dim3(kLogitThreads), 0, stream,
-                      p);
+    return launch_pdl(logits_kernel<IndexerLogits::kFp32Accumulation>, grid, dim3(kLogitThreads), 0, stream, p);
   }
-  return launch_pdl(logits_kernel<IndexerLogits::kExact>, logits_grid(p), dim3(kLogitThreads), 0, stream, p);
+  return launch_pdl(logits_kernel<IndexerLogits::kExact>, grid, dim3(kLogitThreads), 0, stream, p);
 }
 
 // Baseline workspace: keys in/out, values in/out [max_tokens, stride] each,
