@@ -113,9 +113,9 @@
 // Nothing on the run path allocates or synchronizes (CUDA-graph capturable):
 // the caller sizes the workspace with indexer_workspace_layout().
 //
-// PDL: indexer_select's kernels read the step's inputs (positions,
-// token_requests and the block table) before griddepcontrol.wait, while the
-// kernel before them may still run. Those inputs must be complete when the
+// PDL: indexer_prepare's and indexer_select's kernels read the step's inputs
+// (positions, token_requests and the block table) before
+// griddepcontrol.wait, while the kernel before them may still run. Those inputs must be complete when the
 // step's first kernel starts: written by host copies or by kernels that
 // finish before it (any kernel that does not trigger its dependents early,
 // which is every kernel not written for PDL), never by a kernel of the same

@@ -240,10 +240,9 @@ __device__ __forceinline__ uint16_t* ring_row(const IndexerStateParams& s, int64
 // (k[j], gate[j]: the lane's elements of token 4 pool + j) into its page
 // entry: codes at byte 128 e, scale at byte 128 P + 4 e. An untrusted page is
 // skipped and counted once. ape_columns: load_ape_columns.
-__device__ void compress_pool(const IndexerStateParams& s, int64_t request, int64_t pool, const uint2 (&k)[kPoolSize],
+__device__ void compress_pool(const IndexerStateParams& s, int64_t block, int64_t pool, const uint2 (&k)[kPoolSize],
                               const uint2 (&gate)[kPoolSize], const float (&ape_columns)[kLaneValues][kPoolSize],
                               unsigned int* error_count, int lane) {
-  const int64_t block = indexer_pool_block(s, request, pool);  // the same for every lane
   if (block < 0) {
     if (lane == 0) count_error(error_count);
     return;
@@ -299,10 +298,35 @@ __device__ void quantize_head(const PrepareParams& p, int t, int h, int lane) {
   if (lane == 0) p.folded_weights[row] = im::fold_head_weight(p.head_weights[t * p.weights_token_stride + h], scale);
 }
 
-// Steps 1 and 4 for token t: LayerNorm, then k and gate into the ring.
-__device__ void normalize_and_stash(const PrepareParams& p, int t, const float (&weight)[kLaneValues],
-                                    const float (&bias)[kLaneValues], int lane) {
-  const TokenTarget target = token_target(p, t);
+// What a k row or pool row reads of the step's inputs (positions, requests,
+// block table) before the PDL wait: they are complete before the step's
+// first kernel starts (include/dsa_decode/indexer.h).
+struct RowInputs {
+  TokenTarget target;
+  int32_t lane_request = -1;  // pool rows: token `lane`'s request and position (m <= 32), -1 past m
+  int64_t lane_position = -1;
+  int64_t block = -1;  // pool rows completing a pool: its page (-1 untrusted)
+};
+
+__device__ RowInputs read_row_inputs(const PrepareParams& p, int t, bool pool_row, int lane) {
+  RowInputs in;
+  in.target = token_target(p, t);
+  if (!pool_row) return in;
+  // All the step's tokens at once: a search token by token would chain m
+  // dependent loads per position.
+  if (lane < p.m) {
+    in.lane_request = p.token_requests[lane];
+    in.lane_position = p.positions[lane];
+  }
+  if (in.target.request >= 0 && in.target.position % kPoolSize == kPoolSize - 1) {
+    in.block = indexer_pool_block(p.state, in.target.request, in.target.position / kPoolSize);
+  }
+  return in;
+}
+
+// Steps 1 and 4 for a token: LayerNorm, then k and gate into the ring.
+__device__ void normalize_and_stash(const PrepareParams& p, int t, const TokenTarget& target,
+                                    const float (&weight)[kLaneValues], const float (&bias)[kLaneValues], int lane) {
   if (target.untrusted && lane == 0) count_error(p.error_count);
   if (target.request < 0) return;
   const uint2 k = layernorm_lane(load_lane_bf16(p.keys.index_k + t * p.keys.k_token_stride, lane), weight, bias);
@@ -311,24 +335,21 @@ __device__ void normalize_and_stash(const PrepareParams& p, int t, const float (
   store_lane_bf16(ring_row(p.state, target.request, 1, target.position), lane, gate);
 }
 
-// Step 3 for token t (a pool row of prepare_kernel): pool pos / 4 when t is
-// trusted and at pos % 4 == 3. Its 4 tokens' k and gate come from the step's
-// own tokens where one holds the position (the first such token), from the
-// ring otherwise.
-__device__ void compress_token_pool(const PrepareParams& p, int t, const float (&weight)[kLaneValues],
+// Step 3 for a token (a pool row of prepare_kernel): pool pos / 4 when the
+// token is trusted and at pos % 4 == 3. Its 4 tokens' k and gate come from
+// the step's own tokens where one holds the position (the first such token),
+// from the ring otherwise. An untrusted token is counted by its k row.
+__device__ void compress_token_pool(const PrepareParams& p, const RowInputs& in, const float (&weight)[kLaneValues],
                                     const float (&bias)[kLaneValues],
                                     const float (&ape_columns)[kLaneValues][kPoolSize], int lane) {
-  // Lane u holds token u's request and position (m <= 32), all loaded at
-  // once: a search token by token would chain m dependent loads per position.
-  const int32_t lane_request = lane < p.m ? p.token_requests[lane] : -1;
-  const int64_t lane_position = lane < p.m ? p.positions[lane] : -1;
-  const TokenTarget target = token_target(p, t);  // an untrusted token is counted by its k row
+  const TokenTarget& target = in.target;
   if (target.request < 0 || target.position % kPoolSize != kPoolSize - 1) return;
   uint2 k[kPoolSize], gate[kPoolSize];
 #pragma unroll
   for (int j = 0; j < kPoolSize; ++j) {
     const int64_t position = target.position - (kPoolSize - 1) + j;
-    const unsigned holders = __ballot_sync(kFullMask, lane_request == target.request && lane_position == position);
+    const unsigned holders =
+        __ballot_sync(kFullMask, in.lane_request == target.request && in.lane_position == position);
     const int holder = holders != 0 ? __ffs(holders) - 1 : -1;  // the step's first token at (request, position)
     if (holder >= 0) {
       k[j] = layernorm_lane(load_lane_bf16(p.keys.index_k + holder * p.keys.k_token_stride, lane), weight, bias);
@@ -338,7 +359,7 @@ __device__ void compress_token_pool(const PrepareParams& p, int t, const float (
       gate[j] = load_lane_bf16(ring_row(p.state, target.request, 1, position), lane);
     }
   }
-  compress_pool(p.state, target.request, target.position / kPoolSize, k, gate, ape_columns, p.error_count, lane);
+  compress_pool(p.state, in.block, target.position / kPoolSize, k, gate, ape_columns, p.error_count, lane);
 }
 
 // Steps 1-4: warp w of CTA c takes row 8 c + w of the 34 m rows (32 m q heads,
@@ -355,14 +376,17 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const __grid_constant
     load_lane_floats(p.keys.k_norm_bias, lane, bias);
   }
   if (pool_row) load_ape_columns(p.keys.ape, lane, ape_columns);
-  pdl_wait();  // the projections, positions and state come from earlier kernels
+  const int t = k_row ? row - q_rows : row - q_rows - p.m;
+  RowInputs in;
+  if (k_row || pool_row) in = read_row_inputs(p, t, pool_row, lane);
+  pdl_wait();  // the projections, the ring and the K cache come from earlier kernels
   pdl_release_dependents();
   if (row < q_rows) {
     quantize_head(p, row / kHeads, row % kHeads, lane);
   } else if (k_row) {
-    normalize_and_stash(p, row - q_rows, weight, bias, lane);
+    normalize_and_stash(p, t, in.target, weight, bias, lane);
   } else if (pool_row) {
-    compress_token_pool(p, row - q_rows - p.m, weight, bias, ape_columns, lane);
+    compress_token_pool(p, in, weight, bias, ape_columns, lane);
   }
 }
 
@@ -390,7 +414,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const __grid_constant
       k[j] = layernorm_lane(load_lane_bf16(p.keys.index_k + token * p.keys.k_token_stride, lane), weight, bias);
       gate[j] = load_lane_bf16(p.keys.gate + token * p.keys.gate_token_stride, lane);
     }
-    compress_pool(p.state, p.request, item, k, gate, ape_columns, p.error_count, lane);
+    compress_pool(p.state, indexer_pool_block(p.state, p.request, item), item, k, gate, ape_columns, p.error_count,
+                  lane);
     return;
   }
   const int64_t position = p.first_stashed + (item - pools);
