@@ -97,8 +97,7 @@ struct Params {
   int64_t topk_stride;
   int32_t* slots;              // [m, stride]
   int64_t slots_stride;
-  unsigned int* error_count;   // optional
-  bool preload_settled_pools;  // logits kernel: K codes of pools the step cannot write read before the PDL wait
+  unsigned int* error_count;  // optional
   // Baseline only.
   uint32_t* keys_in;
   int32_t* values_in;
@@ -359,7 +358,9 @@ __device__ __forceinline__ void head_dots(const QFragments<kDots>& q, const uint
 // rounded to FP32 once. kFp32Accumulation: the FP16 MMA's FP32 sums, in the
 // hardware's order. ReLU'd into shared memory; then one thread per pool runs
 // the reference's FP32 chain over the heads.
-template <IndexerLogits kDots>
+// kPreload: the settled pools' K codes and scales are read before the PDL
+// wait (launch_logits: grids of at most kPreloadMaxCtas CTAs).
+template <IndexerLogits kDots, bool kPreload>
 __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_constant__ Params p) {
   __shared__ LogitsShared<kDots> s;
   // The step's inputs (positions, token_requests, the block table) are
@@ -372,29 +373,29 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   int64_t request = 0;
   const int64_t n = scored_pools(token_context(p, t, &request, false));
   const int64_t first_pool = int64_t(blockIdx.x) * kLogitPools;
-  // Pools < settled: not written by this step.
-  const int64_t settled = p.preload_settled_pools && first_pool < n ? pools_before_step(p, request) : 0;
   int64_t block = -2;
   float scale = 0.0f;
-  if (threadIdx.x < kLogitPools) {
-    if (first_pool + threadIdx.x < n) block = indexer_pool_block(p.state, request, first_pool + threadIdx.x);
-    s.block[threadIdx.x] = block;
+  if (threadIdx.x < kLogitPools && first_pool + threadIdx.x < n) {
+    block = indexer_pool_block(p.state, request, first_pool + threadIdx.x);
   }
-  // This thread's pool scale (loaded by the thread that uses it last).
-  const bool settled_scale = block >= 0 && first_pool + threadIdx.x < settled;
-  if (settled_scale) scale = pool_scale(p.state, block, first_pool + threadIdx.x);
-  __syncthreads();  // the pages, each looked up once
-
   // The lane's 32 dims of pools g and g + 8 of its M tile (zeros for absent pools).
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int first_tile_pool = kPoolTile * warp;
-  uint4 k_codes[2][2];  // [row g, g + 8][16-byte half]
+  uint4 k_codes[2][2] = {};  // [row g, g + 8][16-byte half]
+  int64_t settled = 0;       // kPreload: pools < settled are not written by this step
+  if constexpr (kPreload) {
+    settled = first_pool < n ? pools_before_step(p, request) : 0;
+    if (threadIdx.x < kLogitPools) s.block[threadIdx.x] = block;
+    // This thread's pool scale (loaded by the thread that uses it last).
+    if (block >= 0 && first_pool + threadIdx.x < settled) scale = pool_scale(p.state, block, first_pool + threadIdx.x);
+    __syncthreads();  // the pages
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = first_tile_pool + 8 * r + g;
-    k_codes[r][0] = k_codes[r][1] = make_uint4(0, 0, 0, 0);
-    if (s.block[i] >= 0 && first_pool + i < settled)
-      load_pool_codes(p.state, s.block[i], first_pool + i, c, k_codes[r]);
+    for (int r = 0; r < 2; ++r) {
+      const int i = first_tile_pool + 8 * r + g;
+      if (s.block[i] >= 0 && first_pool + i < settled) {
+        load_pool_codes(p.state, s.block[i], first_pool + i, c, k_codes[r]);
+      }
+    }
   }
 
   pdl_wait();  // q_fp8, head weights and the pools this step completes come from the prepare step
@@ -412,18 +413,23 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     q_codes[0] = q_row[0];
     q_codes[1] = q_row[1];
   }
-  // The pools this step may have just completed.
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = first_tile_pool + 8 * r + g;
-    if (s.block[i] >= 0 && first_pool + i >= settled)
-      load_pool_codes(p.state, s.block[i], first_pool + i, c, k_codes[r]);
-  }
-  if (threadIdx.x < kLogitPools && block >= 0 && !settled_scale) {
-    scale = pool_scale(p.state, block, first_pool + threadIdx.x);
+  // The scales and codes of the pools this step may have just completed
+  // (every pool without kPreload).
+  if (threadIdx.x < kLogitPools) {
+    if (block >= 0 && first_pool + threadIdx.x >= settled) {
+      scale = pool_scale(p.state, block, first_pool + threadIdx.x);
+    }
+    if constexpr (!kPreload) s.block[threadIdx.x] = block;
   }
   if (threadIdx.x < kHeads) s.weight[threadIdx.x] = p.head_weights[t * kHeads + threadIdx.x];
   __syncthreads();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = first_tile_pool + 8 * r + g;
+    if (s.block[i] >= 0 && first_pool + i >= settled) {
+      load_pool_codes(p.state, s.block[i], first_pool + i, c, k_codes[r]);
+    }
+  }
 
   store_q_fragments<kDots>(s.q, q_codes, q_head, q_quarter);
   __syncthreads();
@@ -770,14 +776,15 @@ dim3 logits_grid(const Params& p) {
 // = 8, 16), where most CTAs start after the wait anyway (docs/indexer.md).
 constexpr int64_t kPreloadMaxCtas = 2048;
 
-Status launch_logits(const Params& params, IndexerLogits dots, cudaStream_t stream) {
-  const dim3 grid = logits_grid(params);
-  Params p = params;
-  p.preload_settled_pools = int64_t(grid.x) * grid.y <= kPreloadMaxCtas;
-  if (dots == IndexerLogits::kFp32Accumulation) {
-    return launch_pdl(logits_kernel<IndexerLogits::kFp32Accumulation>, grid, dim3(kLogitThreads), 0, stream, p);
-  }
-  return launch_pdl(logits_kernel<IndexerLogits::kExact>, grid, dim3(kLogitThreads), 0, stream, p);
+Status launch_logits(const Params& p, IndexerLogits dots, cudaStream_t stream) {
+  const dim3 grid = logits_grid(p);
+  const bool preload = int64_t(grid.x) * grid.y <= kPreloadMaxCtas;
+  const bool exact = dots == IndexerLogits::kExact;
+  auto* kernel =
+      exact ? (preload ? logits_kernel<IndexerLogits::kExact, true> : logits_kernel<IndexerLogits::kExact, false>)
+            : (preload ? logits_kernel<IndexerLogits::kFp32Accumulation, true>
+                       : logits_kernel<IndexerLogits::kFp32Accumulation, false>);
+  return launch_pdl(kernel, grid, dim3(kLogitThreads), 0, stream, p);
 }
 
 // Baseline workspace: keys in/out, values in/out [max_tokens, stride] each,
