@@ -365,10 +365,10 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   __shared__ LogitsShared<kDots> s;
   // The step's inputs (positions, token_requests, the block table) are
   // complete before the step's first kernel starts (include/dsa_decode/
-  // indexer.h): the token's context, its pools' pages and, for the pools no
-  // token of the step completes, their K codes and scales are read while the
-  // previous kernel still runs. Thread i < 64 holds pool first_pool + i's
-  // page (-1 untrusted, -2 past n).
+  // indexer.h): the token's context, its pools' pages and (kPreload) the K
+  // codes and scales of the pools no token of the step completes are read
+  // while the previous kernel still runs. Thread i < 64 holds pool
+  // first_pool + i's page (-1 untrusted, -2 past n).
   const int t = blockIdx.y;
   int64_t request = 0;
   const int64_t n = scored_pools(token_context(p, t, &request, false));
