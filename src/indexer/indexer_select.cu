@@ -182,7 +182,7 @@ __device__ __forceinline__ uint32_t order_key(float x) {
 }
 
 // Row of a token with no logits: padding (context 0) or L <= 2048.
-__device__ void write_short_row(const Params& p, int t, int64_t request, int64_t context, StagedBlocks table = {}) {
+__device__ void write_short_row(const Params& p, int t, int64_t request, int64_t context, StagedBlocks table) {
   for (int c = threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) {
     const int32_t position = c < context ? c : -1;
     if (p.topk_positions != nullptr) p.topk_positions[t * p.topk_stride + c] = position;
