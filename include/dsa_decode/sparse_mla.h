@@ -45,11 +45,14 @@
 // - split_counters: int32, sparse_mla_split_counter_count(m, H, K) of them,
 //   zeroed once at allocation; every launch that completes leaves them zero,
 //   so no per-call memset is needed. The 64-head kernel (H a multiple of 64)
-//   can split a token's entries over several thread-block clusters: each
-//   cluster combines its CTAs' partials (handed over through split_partials
-//   under a cluster barrier), and the last CTA to finish each cluster rank, found by these counters, combines
-//   the clusters' results in cluster order. (Its default plan, one cluster
-//   of 16 CTAs, does not; docs/sparse_mla.md has the measured plans.)
+//   splits a token's entries over clusters of CTAs: the CTAs of a cluster
+//   meet at one of these counters, then combine their partials (handed over
+//   through split_partials); with several clusters (not the default plan),
+//   the last CTA to finish each cluster rank, found by these counters,
+//   combines the clusters' results in cluster order (docs/sparse_mla.md has
+//   the measured plans). Its launch is cooperative (all CTAs resident at
+//   once, at most one per SM), so the device must not be shared so tightly
+//   that it cannot hold one token's splits (16 CTAs) at once.
 // - split_partials: f32, sparse_mla_split_partials_count(m, H, K) values:
 //   the 64-head kernel's CTAs hand their partial results to the CTAs that
 //   combine them through it (0 for other H; the view may then be empty). Its

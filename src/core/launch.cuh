@@ -51,6 +51,28 @@ Status launch_pdl_clustered(void (*kernel)(KernelArgs...), dim3 grid, dim3 block
   return Status();
 }
 
+// cudaLaunchKernelEx with the programmatic-stream-serialization and the
+// cooperative attributes: the launch fails unless all of its CTAs can be
+// resident at once, so CTAs may wait for each other.
+template <class... KernelArgs, class... Args>
+Status launch_pdl_cooperative(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                              cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  attribute[1].id = cudaLaunchAttributeCooperative;
+  attribute[1].val.cooperative = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 2;
+  DSA_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  return Status();
+}
+
 // cudaLaunchKernelEx with the programmatic-stream-serialization attribute.
 template <class... KernelArgs, class... Args>
 Status launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,

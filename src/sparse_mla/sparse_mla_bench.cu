@@ -66,13 +66,13 @@ struct Problem {
 // The most splits of the 64-head kernel's plans timed here (with clusters of 4 at the least).
 constexpr int kMaxSplitsTimed = 32;
 
-// A 64-head plan, with how many of its clusters the GPU runs at once.
+// A 64-head plan, with how many (token, group) items the GPU runs at once.
 std::string describe(const SparseMlaWgmmaSplits& plan) {
-  int at_once = 0;
-  const Status s = sparse_mla_wgmma_max_active_clusters(plan.cluster_size, &at_once);
+  int resident = 0;
+  const Status s = sparse_mla_wgmma_resident_ctas(&resident);
   return "splits " + std::to_string(plan.splits) + " (" + std::to_string(plan.clusters) + " clusters of " +
-         std::to_string(plan.cluster_size) + ", " + (s.ok() ? std::to_string(at_once) : "?") +
-         " clusters at once, at most " + std::to_string(plan.max_chunks) + " chunks each)";
+         std::to_string(plan.cluster_size) + ", " + (s.ok() ? std::to_string(resident / plan.splits) : "?") +
+         " items at once, at most " + std::to_string(plan.max_chunks) + " chunks each)";
 }
 
 // Bytes one launch must move at least: q, the index rows, K distinct cache rows
@@ -202,8 +202,7 @@ Status run(Context& ctx, Report& report) {
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_launch_floor, &us));
       Row row{"launch floor (empty kernel, sparse_mla's launch)", params, us, "", 0, 0};
-      row.note = "no work: the default plan's grid, cluster, 256 threads and shared memory, with PDL and one "
-                 "cluster barrier";
+      row.note = "no work: the default plan's grid, 256 threads and shared memory, with PDL, cooperative";
       report.add(row);
     }
     // Other plans than the default (16 splits in one cluster of 16): 32

@@ -30,11 +30,14 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
 // only (and of the two limits, constants for sparse_mla): splits =
 // min(max_splits, C); the cluster size is the largest power of two <=
 // min(splits, max_cluster), and splits is rounded down to a multiple of it;
-// split s takes chunks [s C / splits, (s + 1) C / splits) (at most 16). Each
-// cluster combines its CTAs through split_partials (global memory, under a
-// cluster barrier); with more than
-// one cluster, the last CTA of each cluster rank to finish (a self-resetting
-// counter) combines the clusters' results through split_partials.
+// split s takes chunks [s C / splits, (s + 1) C / splits) (at most 16). A
+// cluster here is not a hardware cluster: its CTAs meet through a counter in
+// split_counters and combine their partials through split_partials. With
+// more than one cluster, the last CTA of each cluster rank to finish (a
+// self-resetting counter) combines the clusters' results through
+// split_partials. The launch is persistent and cooperative: as many (token,
+// group) items at once as the GPU holds all splits of, each CTA running its
+// split of a fixed sequence of items.
 struct SparseMlaWgmmaSplits {
   int splits = 0;        // CTAs per (token, 64 heads)
   int cluster_size = 0;  // 1, 2, 4, 8 or 16; splits is a multiple of it
@@ -50,8 +53,9 @@ SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits = kSparse
                                              int max_cluster = kSparseMlaWgmmaDefaultCluster);
 // The FP32 values split_partials must hold for that plan (0 with one cluster).
 int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits, int max_cluster);
-// The most clusters of cluster_size CTAs of the kernel the current device runs at once.
-Status sparse_mla_wgmma_max_active_clusters(int cluster_size, int* clusters);
+// How many of the kernel's CTAs the current device holds at once (one per SM):
+// a launch runs resident_ctas / splits items (token, group) at once.
+Status sparse_mla_wgmma_resident_ctas(int* ctas);
 Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
 // check_sparse_mla with split_partials sized for the 64-head plan of these
 // limits (check_sparse_mla: sparse_mla's, the defaults).
@@ -63,8 +67,8 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& args, int max_splits, int 
 // split_partials when it is smaller than the plan needs.
 Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& args, int max_splits, int max_cluster, cudaStream_t stream);
 // For the benchmark: an empty kernel launched as sparse_mla_wgmma's default
-// plan is (grid, cluster, threads, shared memory, PDL), doing only the PDL
-// wait / release and one cluster barrier: the launch's share of the time.
+// plan is (grid, threads, shared memory, PDL, cooperative), doing only the
+// PDL wait / release: the launch's share of the time.
 Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& args, cudaStream_t stream);
 
 }  // namespace dsa

@@ -3,13 +3,21 @@
 // TP2). The contract is in include/dsa_decode/sparse_mla.h; the design and
 // the measurements in docs/sparse_mla.md ("v7").
 //
-// Work split (a function of K only, sparse_mla_wgmma_splits): CTA (split,
-// group, token) of two warpgroups owns heads 64 group..64 group + 63 of one
-// token and the chunks [split C / splits, (split + 1) C / splits) of the C =
-// ceil(K / 64) 64-entry chunks of its index row. The splits of a (token,
-// group) form clusters of cluster_size (a power of two <= 16) consecutive
-// splits: cluster split / cluster_size, rank split % cluster_size. The
-// default plan: 16 splits of two chunks at K = 2048 in one cluster.
+// Work split (a function of K only, sparse_mla_wgmma_splits): split `split`
+// of item (token, group) owns heads 64 group..64 group + 63 of one token and
+// the chunks [split C / splits, (split + 1) C / splits) of the C = ceil(K /
+// 64) 64-entry chunks of its index row. The splits of an item form clusters
+// of cluster_size (a power of two <= 16) consecutive splits: cluster split /
+// cluster_size, rank split % cluster_size. A cluster is not a hardware
+// cluster: its CTAs meet at a counter in split_counters (meet below), so a
+// launch is not held to the 7 clusters of 16 a 132-SM H200 places at once.
+// The default plan: 16 splits of two chunks at K = 2048 in one cluster.
+//
+// Launch (persistent, cooperative: every CTA resident at once, one per SM):
+// grid = the items the GPU holds whole at once (8 on the H200: 128 CTAs),
+// at most all; CTA b runs split b % splits of items b / splits, + grid /
+// splits, ... in that order, so a cluster's CTAs meet on the same item and
+// each item is computed by the same instructions whatever m is.
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
 // 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
@@ -39,8 +47,8 @@
 // divided by its sum (FP16) and its (max, sum) per head into its slot of
 // split_partials (global memory, read back through L2); rank k of the
 // cluster owns units [k U / n, (k + 1) U / n) of the group's U = 256 quarter
-// heads (128 dims each), n the cluster size. After a cluster barrier
-// (release / acquire), one warp per head turns the ranks' (max, sum) into
+// heads (128 dims each), n the cluster size. After the cluster's meeting
+// (release / acquire at GPU scope), one warp per head turns the ranks' (max, sum) into
 // one coefficient per rank,
 // 2^(max_r - max) sum_r / sum (fixed butterflies), and each thread adds its 8
 // dims over the ranks in rank order. With one cluster, that sum times k_scale
@@ -55,7 +63,6 @@
 //
 // Every sum has a fixed order that depends only on K, H and the entry
 // positions: the same inputs give the same bits, for any m.
-#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -65,7 +72,6 @@
 #include <string>
 
 #include "core/async_copy.cuh"
-#include "core/cluster.cuh"
 #include "core/fp8.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
@@ -76,8 +82,6 @@
 
 namespace dsa {
 namespace {
-
-namespace cg = cooperative_groups;
 
 constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;                          // heads per CTA: the M of every wgmma
@@ -90,6 +94,9 @@ constexpr int kMaxChunks = 16;                      // per split: K <= 16384 ove
 constexpr int kMaxRowsPerSplit = kMaxChunks * kChunkRows;
 constexpr int kMaxClusterSize = 16;                 // Hopper's largest (non-portable above 8)
 constexpr int kMaxClusters = 16;                    // level 2's parts: coefficient rows, lanes of a warp
+// split_counters per (token, group): level 2's, one per rank, then level 1's meetings, one per cluster.
+constexpr int kCountersPerGroup = kMaxClusterSize + kMaxClusters;
+static_assert(kCountersPerGroup <= kHeads, "sparse_mla_split_counter_count gives H per token: 64 per group");
 constexpr int kChunkPieces = kChunkRows * (kLatent / 16);  // 16-byte FP8 pieces of a chunk (or of q)
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
@@ -191,17 +198,49 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  //
       : "memory");
 }
 
-__global__ void __launch_bounds__(kThreads, 1)
-    sparse_mla_wgmma_kernel(const SparseMlaParams p, const int total_chunks) {
-  extern __shared__ uint8_t shared_raw[];
-  // Aligned up to 1024 bytes (the swizzle atoms).
-  SharedStorage& s =
-      *reinterpret_cast<SharedStorage*>(shared_raw + (1024 - shared_address(shared_raw) % 1024) % 1024);
-  const cg::cluster_group cluster = cg::this_cluster();
+// What a launch's CTAs share: the plan and the work.
+struct WgmmaLaunch {
+  int total_chunks;  // C = ceil(K / 64)
+  int splits;        // CTAs per (token, group): the plan's
+  int cluster_size;  // CTAs that combine their partials together (level 1)
+  int groups;        // head groups of 64
+  int items;         // (token, group) pairs: m * groups
+};
 
-  const int split = blockIdx.x, splits = gridDim.x, group = blockIdx.y, token = blockIdx.z;
-  const int rank = int(cluster.block_rank()), cluster_size = int(cluster.num_blocks());
-  const int cluster_index = split / cluster_size, clusters = splits / cluster_size;
+// Level 1's meeting of the cluster_size CTAs of one cluster, through its
+// counter in split_counters: each arrives (releasing its partials, which all
+// its threads have stored before the barrier), waits for all to arrive, and
+// departs; the last to depart finds the counter at 2 cluster_size - 1 and
+// returns it to zero (CTAs that have departed no longer read it). The CTAs
+// of a cluster are resident together (a cooperative launch of at most the
+// CTAs the GPU holds at once), so the wait ends. Returns (to thread 0) the
+// counter before this CTA's departure, for reset_meeting.
+__device__ __forceinline__ int meet(int* counter, int cluster_size) {
+  __syncthreads();  // this CTA's partials are stored
+  int before_departure = 0;
+  if (threadIdx.x == 0) {
+    __threadfence();  // releases what the barrier above ordered before it
+    atomicAdd(counter, 1);
+    int arrived;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(arrived) : "l"(counter) : "memory");
+    } while (arrived < cluster_size);
+    before_departure = atomicAdd(counter, 1);
+  }
+  __syncthreads();  // the peers' partials, acquired by thread 0, for every thread
+  return before_departure;
+}
+__device__ __forceinline__ void reset_meeting(int* counter, int cluster_size, int before_departure) {
+  if (threadIdx.x == 0 && before_departure == 2 * cluster_size - 1) atomicExch(counter, 0);
+}
+
+// Work item (token, group) of split `split`; chunks_done counts the chunks
+// this CTA ran before it (the handover barriers' phases continue across items).
+__device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const SparseMlaParams& p,
+                                                      const WgmmaLaunch& launch, int split, int token, int group,
+                                                      int& chunks_done) {
+  const int splits = launch.splits, total_chunks = launch.total_chunks, cluster_size = launch.cluster_size;
+  const int rank = split % cluster_size, cluster_index = split / cluster_size, clusters = splits / cluster_size;
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
   // Accumulator coordinates (wgmma::accumulator_row / _column): element e of
   // an m64nN result is head 16 warp + g + 8 ((e / 2) % 2), column 8 (e / 4) + 2 c + e % 2.
@@ -209,10 +248,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int g = lane / 4, c = lane % 4;                    // accumulator row group and column pair
   const int first_head = group * kHeads;
   const uint32_t q_tile = shared_address(s.q_tile), tiles = shared_address(s.tiles);
-
-  // Every input is written by a predecessor in the decode chain (absorb, cache write, indexer).
-  pdl_wait();
-  pdl_release_dependents();
 
   constexpr int kPieces = kChunkPieces / kThreads;  // per thread, when all threads convert
   uint4 q_codes[kPieces];  // this thread's FP8 pieces of q, in flight while the indices are read
@@ -227,12 +262,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int row_begin = split * total_chunks / splits * kChunkRows;
   const int rows = min(p.top_k, (split + 1) * total_chunks / splits * kChunkRows) - row_begin;
   const int chunks = (rows + kChunkRows - 1) / kChunkRows;
-  if (threadIdx.x < kMaxChunks) s.valid_rows[threadIdx.x] = 0;
+  if (threadIdx.x < kMaxChunks) s.valid_rows[threadIdx.x] = 0;  // the last item's are read before its loop's end
   const uint32_t p_ready = shared_address(&s.p_ready), tile_ready = shared_address(&s.tile_ready);
-  if (threadIdx.x == 0) {
-    mbarrier_init(p_ready, kThreads / 2);
-    mbarrier_init(tile_ready, kThreads / 2);
-  }
   __syncthreads();
   unsigned int out_of_range = 0;
   for (int j = threadIdx.x; j < chunks * kChunkRows; j += kThreads) {  // whole warps: chunks * 64 % 32 == 0
@@ -304,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warpgroup == 0) {
     // Warpgroup 0: S, the softmax, P (registers and shared memory), O_left.
     for (int i = 0; i < chunk_count; ++i) {
-      if (i > 0) mbarrier_wait(tile_ready, i - 1);  // tile i converted by warpgroup 1 (tile 0: above)
+      if (i > 0) mbarrier_wait(tile_ready, chunks_done + i - 1);  // tile i converted by warpgroup 1 (tile 0: above)
       const int chunk = s.chunk_list[i];
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
       // S = Q K^T over the chunk's 64 entries: 16-dim steps along the 128-byte rows of each panel.
@@ -397,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Warpgroup 1: converts the next chunk while warpgroup 0 computes S, then
     // O_right += P V[:, 256:512] with P from shared memory.
     for (int i = 0; i < chunk_count; ++i) {
-      mbarrier_wait(p_ready, i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
+      mbarrier_wait(p_ready, chunks_done + i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
       const float rescale0 = s.rescale[i % 2][16 * warp + g], rescale1 = s.rescale[i % 2][16 * warp + g + 8];
 #pragma unroll
@@ -421,6 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::wait_group<0>();
     }
   }
+  chunks_done += chunk_count;
   __syncthreads();  // warpgroup 0's statistics
   if (warpgroup == 1) {
 #pragma unroll
@@ -440,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the largest code; relative rounding 2^-11), 4 16-byte stores per unit
   // into this split's slot of split_partials.
   const int share = kUnits / cluster_size;  // units per rank
-  const int64_t group_index = int64_t(token) * gridDim.y + group;
+  const int64_t group_index = int64_t(token) * launch.groups + group;
   auto split_values = [&](int split_r) {  // [unit][slot] of split split_r of this (token, group)
     return reinterpret_cast<uint4*>(p.split_partials + (group_index * splits + split_r) * kSplitPartialFloats);
   };
@@ -480,10 +512,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  // Every CTA of the cluster has pushed; the release / acquire at cluster
-  // scope makes the pushes visible (read below through L2, ld.global.cg).
-  cluster_arrive_release();
-  cluster_wait();
+  // Every CTA of the cluster has pushed; the meeting's release / acquire
+  // makes the pushes visible (read below through L2, ld.global.cg).
+  int* const counters = p.split_counters + group_index * kCountersPerGroup;  // [level 2 ranks | level 1 clusters]
+  int* const meeting = counters + kMaxClusterSize + cluster_index;
+  const int before_departure = meet(meeting, cluster_size);
 
   // This CTA's units are whole heads: [first_local_head, + local_heads).
   const int first_unit = rank * share, local_heads = share / (kLatent / kUnitDims);
@@ -491,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // With more than one cluster: the cluster's slot of split_partials, [unit][slot][8 dims] sums then
   // [max, sum][head] statistics, and the counter of this rank.
   // Level-2 slots follow every (token, group)'s level-1 slots.
-  float* const level2 = p.split_partials + int64_t(gridDim.z) * gridDim.y * splits * kSplitPartialFloats;
+  float* const level2 = p.split_partials + int64_t(launch.items) * splits * kSplitPartialFloats;
   const int64_t group_slot = group_index * clusters;
   float* const cluster_partials = level2 + (group_slot + cluster_index) * kClusterPartialFloats;
   float* const cluster_stats = cluster_partials + kUnits * kUnitDims;
@@ -583,6 +616,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       target[1] = make_float4(total[4], total[5], total[6], total[7]);
     }
   }
+  reset_meeting(meeting, cluster_size, before_departure);
   if (single_cluster) return;
 
   // Level 2. Count this CTA in its rank's counter once all its writes are
@@ -591,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    int32_t* counter = p.split_counters + (int64_t(token) * gridDim.y + group) * kMaxClusterSize + rank;
+    int32_t* counter = counters + rank;
     s.combines_clusters = atomicAdd(counter, 1) == clusters - 1;
     if (s.combines_clusters) *counter = 0;
     __threadfence();
@@ -622,6 +656,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int d = 0; d < 8; ++d) total[d] = fmaf(values[d], weight, total[d]);
     }
     write_latent(item, total);
+  }
+}
+
+// Persistent: CTA b runs split b % splits of the items (token, group) =
+// b / splits, + gridDim.x / splits, ...: a fixed sequence per CTA, so the
+// cluster_size CTAs of a cluster meet on the same item.
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_mla_wgmma_kernel(const SparseMlaParams p, const WgmmaLaunch launch) {
+  extern __shared__ uint8_t shared_raw[];
+  // Aligned up to 1024 bytes (the swizzle atoms).
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>(shared_raw + (1024 - shared_address(shared_raw) % 1024) % 1024);
+  // Every input is written by a predecessor in the decode chain (absorb, cache write, indexer).
+  pdl_wait();
+  pdl_release_dependents();
+  if (threadIdx.x == 0) {  // made visible by the item's first barrier
+    mbarrier_init(shared_address(&s.p_ready), kThreads / 2);
+    mbarrier_init(shared_address(&s.tile_ready), kThreads / 2);
+  }
+  const int split = blockIdx.x % launch.splits, items_at_once = gridDim.x / launch.splits;
+  int chunks_done = 0;
+  for (int item = blockIdx.x / launch.splits; item < launch.items; item += items_at_once) {
+    sparse_mla_wgmma_item(s, p, launch, split, item / launch.groups, item % launch.groups, chunks_done);
   }
 }
 
@@ -656,32 +712,34 @@ int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int
          (int64_t(plan.splits) * kSplitPartialFloats + (plan.clusters == 1 ? 0 : plan.clusters * kClusterPartialFloats));
 }
 
-// The shared-memory limit and, above 8 CTAs, non-portable clusters for
-// `kernel` (sparse_mla_wgmma's or its launch floor's).
-Status prepare_kernel(int cluster_size, const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel),
+// The shared-memory limit of `kernel` (sparse_mla_wgmma's or its launch floor's).
+Status prepare_kernel(const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel),
                       const char* name = "sparse_mla_wgmma") {
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, name));
-  if (cluster_size > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(kernel, name));
+  return raise_shared_memory_limit(kernel, kSharedBytes, name);
+}
+
+Status sparse_mla_wgmma_resident_ctas(int* ctas) {
+  DSA_RETURN_IF_ERROR(prepare_kernel());
+  int device = 0, sms = 0, per_sm = 0;
+  DSA_CUDA_RETURN(cudaGetDevice(&device));
+  DSA_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  DSA_CUDA_RETURN(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_mla_wgmma_kernel, kThreads, kSharedBytes));
+  *ctas = sms * per_sm;
   return Status();
 }
 
-Status sparse_mla_wgmma_max_active_clusters(int cluster_size, int* clusters) {
-  if (cluster_size < 1 || cluster_size > kMaxClusterSize) {
-    return invalid_argument("cluster_size", "1..16", std::to_string(cluster_size));
+// The grid of a launch: as many items (token, group) at once as the GPU
+// holds whole (all splits of each), at most all of them.
+Status wgmma_grid(int64_t items, int splits, dim3* grid) {
+  int resident = 0;
+  DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
+  if (resident < splits) {
+    return unsupported("sparse_mla_wgmma: the device holds " + std::to_string(resident) +
+                       " of its CTAs at once, fewer than the plan's " + std::to_string(splits) +
+                       " splits of one token, which must run together");
   }
-  DSA_RETURN_IF_ERROR(prepare_kernel(cluster_size));
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster_size;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cluster_size, 1, 1);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSharedBytes;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_wgmma_kernel, &config));
+  *grid = dim3(static_cast<unsigned>(std::min<int64_t>(items, resident / splits) * splits));
   return Status();
 }
 
@@ -707,10 +765,12 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
                                 " (at most 16 chunks of 64 entries per CTA)",
                             std::to_string(max_splits));
   }
-  DSA_RETURN_IF_ERROR(prepare_kernel(plan.cluster_size));
-  const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(m));
-  return launch_pdl_clustered(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
-                              unsigned(plan.cluster_size), sparse_mla_params(a), ceil_div(top_k, kChunkRows));
+  const WgmmaLaunch launch{ceil_div(top_k, kChunkRows), plan.splits, plan.cluster_size,
+                           static_cast<int>(heads / kHeads), static_cast<int>(m * (heads / kHeads))};
+  dim3 grid;
+  DSA_RETURN_IF_ERROR(wgmma_grid(launch.items, plan.splits, &grid));
+  return launch_pdl_cooperative(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
+                                sparse_mla_params(a), launch);
 }
 
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
@@ -719,14 +779,12 @@ Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
 
 namespace {
 
-// The default plan's launch with none of its work: the PDL wait and release
-// and the one cluster barrier the kernel has, so that the benchmark can say
-// how much of a launch's time is the launch itself.
+// The default plan's launch with none of its work (the PDL wait and
+// release only), so that the benchmark can say how much of a launch's time
+// is the launch itself.
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_launch_floor_kernel() {
   pdl_wait();
   pdl_release_dependents();
-  cluster_arrive_release();
-  cluster_wait();
 }
 
 }  // namespace
@@ -738,12 +796,11 @@ Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& a, cudaStream_t stream
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
   }
   const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)));
-  DSA_RETURN_IF_ERROR(prepare_kernel(plan.cluster_size,
-                                     reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
+  DSA_RETURN_IF_ERROR(prepare_kernel(reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
                                      "sparse_mla_wgmma_launch_floor"));
-  const dim3 grid(plan.splits, static_cast<unsigned>(heads / kHeads), static_cast<unsigned>(m));
-  return launch_pdl_clustered(sparse_mla_wgmma_launch_floor_kernel, grid, dim3(kThreads), kSharedBytes, stream,
-                              unsigned(plan.cluster_size));
+  dim3 grid;
+  DSA_RETURN_IF_ERROR(wgmma_grid(m * (heads / kHeads), plan.splits, &grid));
+  return launch_pdl_cooperative(sparse_mla_wgmma_launch_floor_kernel, grid, dim3(kThreads), kSharedBytes, stream);
 }
 
 }  // namespace dsa
