@@ -66,12 +66,14 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
 #include "core/async_copy.cuh"
+#include "core/cluster.cuh"
 #include "core/fp8.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
@@ -205,6 +207,9 @@ struct WgmmaLaunch {
   int cluster_size;  // CTAs that combine their partials together (level 1)
   int groups;        // head groups of 64
   int items;         // (token, group) pairs: m * groups
+  // 1: every item at once, a cluster a hardware cluster meeting at a cluster
+  // barrier; 0: persistent and cooperative, clusters meeting at counters.
+  int hardware_clusters;
 };
 
 // Level 1's meeting of the cluster_size CTAs of one cluster, through its
@@ -219,8 +224,8 @@ __device__ __forceinline__ int meet(int* counter, int cluster_size) {
   __syncthreads();  // this CTA's partials are stored
   int before_departure = 0;
   if (threadIdx.x == 0) {
-    __threadfence();  // releases what the barrier above ordered before it
-    atomicAdd(counter, 1);
+    // Releases what the barrier above ordered before it (cumulative).
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
     int arrived;
     do {
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(arrived) : "l"(counter) : "memory");
@@ -516,7 +521,13 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   // makes the pushes visible (read below through L2, ld.global.cg).
   int* const counters = p.split_counters + group_index * kCountersPerGroup;  // [level 2 ranks | level 1 clusters]
   int* const meeting = counters + kMaxClusterSize + cluster_index;
-  const int before_departure = meet(meeting, cluster_size);
+  int before_departure = 0;
+  if (launch.hardware_clusters) {
+    cluster_arrive_release();
+    cluster_wait();
+  } else {
+    before_departure = meet(meeting, cluster_size);
+  }
 
   // This CTA's units are whole heads: [first_local_head, + local_heads).
   const int first_unit = rank * share, local_heads = share / (kLatent / kUnitDims);
@@ -616,7 +627,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       target[1] = make_float4(total[4], total[5], total[6], total[7]);
     }
   }
-  reset_meeting(meeting, cluster_size, before_departure);
+  if (!launch.hardware_clusters) reset_meeting(meeting, cluster_size, before_departure);
   if (single_cluster) return;
 
   // Level 2. Count this CTA in its rank's counter once all its writes are
@@ -712,36 +723,114 @@ int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int
          (int64_t(plan.splits) * kSplitPartialFloats + (plan.clusters == 1 ? 0 : plan.clusters * kClusterPartialFloats));
 }
 
+namespace {
+
 // The shared-memory limit of `kernel` (sparse_mla_wgmma's or its launch floor's).
 Status prepare_kernel(const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel),
                       const char* name = "sparse_mla_wgmma") {
   return raise_shared_memory_limit(kernel, kSharedBytes, name);
 }
 
-Status sparse_mla_wgmma_resident_ctas(int* ctas) {
+// Occupancy answers per device, asked once (they depend only on the kernel's
+// fixed resources): the CTAs the device holds at once, and the hardware
+// clusters of 2^i CTAs it holds at once (0: not asked yet).
+constexpr int kMaxDevices = 64;
+std::atomic<int> resident_ctas_cache[kMaxDevices];
+std::atomic<int> resident_clusters_cache[kMaxDevices][5];
+
+Status current_device(int* device) {
+  DSA_CUDA_RETURN(cudaGetDevice(device));
+  if (*device >= kMaxDevices) return unsupported("sparse_mla_wgmma: devices beyond the 64th");
+  return Status();
+}
+
+Status resident_clusters(int cluster_size, int* clusters) {
+  int device = 0;
+  DSA_RETURN_IF_ERROR(current_device(&device));
+  const int log2_size = __builtin_ctz(unsigned(cluster_size));
+  std::atomic<int>& cached = resident_clusters_cache[device][log2_size];
+  if (cached.load() > 0) {
+    *clusters = cached.load();
+    return Status();
+  }
   DSA_RETURN_IF_ERROR(prepare_kernel());
-  int device = 0, sms = 0, per_sm = 0;
-  DSA_CUDA_RETURN(cudaGetDevice(&device));
+  if (cluster_size > 8) {
+    DSA_RETURN_IF_ERROR(
+        allow_non_portable_clusters(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel), "sparse_mla_wgmma"));
+  }
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster_size;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cluster_size, 1, 1);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kSharedBytes;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_wgmma_kernel, &config));
+  cached.store(*clusters);
+  return Status();
+}
+
+}  // namespace
+
+Status sparse_mla_wgmma_resident_ctas(int* ctas) {
+  int device = 0;
+  DSA_RETURN_IF_ERROR(current_device(&device));
+  if (resident_ctas_cache[device].load() > 0) {
+    *ctas = resident_ctas_cache[device].load();
+    return Status();
+  }
+  DSA_RETURN_IF_ERROR(prepare_kernel());
+  int sms = 0, per_sm = 0;
   DSA_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   DSA_CUDA_RETURN(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_mla_wgmma_kernel, kThreads, kSharedBytes));
   *ctas = sms * per_sm;
+  resident_ctas_cache[device].store(*ctas);
   return Status();
 }
 
-// The grid of a launch: as many items (token, group) at once as the GPU
-// holds whole (all splits of each), at most all of them.
-Status wgmma_grid(int64_t items, int splits, dim3* grid) {
+namespace {
+
+// How a launch runs: when the device holds every item's hardware clusters at
+// once, one CTA per (item, split) in hardware clusters (their barrier is
+// about 1 us faster than a meeting at a counter, measured at m = 1..4);
+// otherwise persistent and cooperative, as many items at once as the device
+// holds all splits of. The bits are the same either way.
+Status wgmma_launch_shape(int64_t items, const SparseMlaWgmmaSplits& plan, dim3* grid, bool* hardware_clusters) {
+  int clusters = 0;
+  DSA_RETURN_IF_ERROR(resident_clusters(plan.cluster_size, &clusters));
+  *hardware_clusters = items * plan.clusters <= clusters;
+  if (*hardware_clusters) {
+    *grid = dim3(static_cast<unsigned>(items * plan.splits));
+    return Status();
+  }
   int resident = 0;
   DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
-  if (resident < splits) {
+  if (resident < plan.splits) {
     return unsupported("sparse_mla_wgmma: the device holds " + std::to_string(resident) +
-                       " of its CTAs at once, fewer than the plan's " + std::to_string(splits) +
+                       " of its CTAs at once, fewer than the plan's " + std::to_string(plan.splits) +
                        " splits of one token, which must run together");
   }
-  *grid = dim3(static_cast<unsigned>(std::min<int64_t>(items, resident / splits) * splits));
+  *grid = dim3(static_cast<unsigned>(std::min<int64_t>(items, resident / plan.splits) * plan.splits));
   return Status();
 }
+
+// Launches `kernel` (sparse_mla_wgmma's or its launch floor's) as wgmma_launch_shape says.
+template <class... KernelArgs, class... Args>
+Status launch_wgmma(void (*kernel)(KernelArgs...), dim3 grid, bool hardware_clusters, int cluster_size,
+                    cudaStream_t stream, Args&&... args) {
+  if (hardware_clusters) {
+    return launch_pdl_clustered(kernel, grid, dim3(kThreads), kSharedBytes, stream, unsigned(cluster_size),
+                                std::forward<Args>(args)...);
+  }
+  return launch_pdl_cooperative(kernel, grid, dim3(kThreads), kSharedBytes, stream, std::forward<Args>(args)...);
+}
+
+}  // namespace
 
 Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster, cudaStream_t stream) {
   if (!valid_max_cluster(max_cluster)) return invalid_argument("max_cluster", "4, 8 or 16", std::to_string(max_cluster));
@@ -765,12 +854,18 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
                                 " (at most 16 chunks of 64 entries per CTA)",
                             std::to_string(max_splits));
   }
-  const WgmmaLaunch launch{ceil_div(top_k, kChunkRows), plan.splits, plan.cluster_size,
-                           static_cast<int>(heads / kHeads), static_cast<int>(m * (heads / kHeads))};
+  WgmmaLaunch launch{ceil_div(top_k, kChunkRows),
+                     plan.splits,
+                     plan.cluster_size,
+                     static_cast<int>(heads / kHeads),
+                     static_cast<int>(m * (heads / kHeads)),
+                     0};
   dim3 grid;
-  DSA_RETURN_IF_ERROR(wgmma_grid(launch.items, plan.splits, &grid));
-  return launch_pdl_cooperative(sparse_mla_wgmma_kernel, grid, dim3(kThreads), kSharedBytes, stream,
-                                sparse_mla_params(a), launch);
+  bool hardware_clusters = false;
+  DSA_RETURN_IF_ERROR(wgmma_launch_shape(launch.items, plan, &grid, &hardware_clusters));
+  launch.hardware_clusters = hardware_clusters;
+  return launch_wgmma(sparse_mla_wgmma_kernel, grid, hardware_clusters, plan.cluster_size, stream, sparse_mla_params(a),
+                      launch);
 }
 
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
@@ -798,9 +893,14 @@ Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& a, cudaStream_t stream
   const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)));
   DSA_RETURN_IF_ERROR(prepare_kernel(reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
                                      "sparse_mla_wgmma_launch_floor"));
+  if (plan.cluster_size > 8) {
+    DSA_RETURN_IF_ERROR(allow_non_portable_clusters(reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
+                                                    "sparse_mla_wgmma_launch_floor"));
+  }
   dim3 grid;
-  DSA_RETURN_IF_ERROR(wgmma_grid(m * (heads / kHeads), plan.splits, &grid));
-  return launch_pdl_cooperative(sparse_mla_wgmma_launch_floor_kernel, grid, dim3(kThreads), kSharedBytes, stream);
+  bool hardware_clusters = false;
+  DSA_RETURN_IF_ERROR(wgmma_launch_shape(m * (heads / kHeads), plan, &grid, &hardware_clusters));
+  return launch_wgmma(sparse_mla_wgmma_launch_floor_kernel, grid, hardware_clusters, plan.cluster_size, stream);
 }
 
 }  // namespace dsa
