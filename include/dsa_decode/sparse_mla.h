@@ -50,9 +50,10 @@
 //   through split_partials); with several clusters (not the default plan),
 //   the last CTA to finish each cluster rank, found by these counters,
 //   combines the clusters' results in cluster order (docs/sparse_mla.md has
-//   the measured plans). Its launch is cooperative (all CTAs resident at
-//   once, at most one per SM), so the device must not be shared so tightly
-//   that it cannot hold one token's splits (16 CTAs) at once.
+//   the measured plans). When the device cannot hold all the launch's
+//   clusters at once, it runs persistent and cooperative (all CTAs resident
+//   at once, one per SM), so it must be able to hold one token's splits (16
+//   CTAs at K = 2048) at once (else an error, kUnsupported).
 // - split_partials: f32, sparse_mla_split_partials_count(m, H, K) values:
 //   the 64-head kernel's CTAs hand their partial results to the CTAs that
 //   combine them through it (0 for other H; the view may then be empty). Its

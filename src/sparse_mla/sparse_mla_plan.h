@@ -30,14 +30,15 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
 // only (and of the two limits, constants for sparse_mla): splits =
 // min(max_splits, C); the cluster size is the largest power of two <=
 // min(splits, max_cluster), and splits is rounded down to a multiple of it;
-// split s takes chunks [s C / splits, (s + 1) C / splits) (at most 16). A
-// cluster here is not a hardware cluster: its CTAs meet through a counter in
-// split_counters and combine their partials through split_partials. With
+// split s takes chunks [s C / splits, (s + 1) C / splits) (at most 16).
+// The CTAs of a cluster combine their partials through split_partials; with
 // more than one cluster, the last CTA of each cluster rank to finish (a
 // self-resetting counter) combines the clusters' results through
-// split_partials. The launch is persistent and cooperative: as many (token,
-// group) items at once as the GPU holds all splits of, each CTA running its
-// split of a fixed sequence of items.
+// split_partials. When the device holds every (token, group) item's clusters
+// at once, they are hardware clusters; otherwise the launch is persistent and
+// cooperative (as many items at once as the device holds all splits of, each
+// CTA running its split of a fixed sequence of items) and a cluster's CTAs
+// meet at a counter in split_counters. Both give the same bits.
 struct SparseMlaWgmmaSplits {
   int splits = 0;        // CTAs per (token, 64 heads)
   int cluster_size = 0;  // 1, 2, 4, 8 or 16; splits is a multiple of it

@@ -8,16 +8,21 @@
 // the chunks [split C / splits, (split + 1) C / splits) of the C = ceil(K /
 // 64) 64-entry chunks of its index row. The splits of an item form clusters
 // of cluster_size (a power of two <= 16) consecutive splits: cluster split /
-// cluster_size, rank split % cluster_size. A cluster is not a hardware
-// cluster: its CTAs meet at a counter in split_counters (meet below), so a
-// launch is not held to the 7 clusters of 16 a 132-SM H200 places at once.
-// The default plan: 16 splits of two chunks at K = 2048 in one cluster.
+// cluster_size, rank split % cluster_size. The default plan: 16 splits of two
+// chunks at K = 2048 in one cluster.
 //
-// Launch (persistent, cooperative: every CTA resident at once, one per SM):
-// grid = the items the GPU holds whole at once (8 on the H200: 128 CTAs),
-// at most all; CTA b runs split b % splits of items b / splits, + grid /
-// splits, ... in that order, so a cluster's CTAs meet on the same item and
-// each item is computed by the same instructions whatever m is.
+// Launch, two instances of one kernel with the same instructions per item
+// (so the same bits):
+//  - when the GPU holds every item's clusters at once as hardware clusters
+//    (7 of 16 CTAs on a 132-SM H200: m <= 7 at H = 64), grid (splits, groups,
+//    m) in hardware clusters, one item per CTA, the clusters meeting at the
+//    cluster barrier;
+//  - otherwise persistent and cooperative (every CTA resident at once, one
+//    per SM): as many items at once as the GPU holds all splits of (8 on the
+//    H200: 128 CTAs), CTA b running split b % splits of items b / splits, +
+//    grid / splits, ...; a cluster's CTAs meet at a counter in
+//    split_counters (meet below). Not held to the 7 hardware clusters: m = 8
+//    at H = 64 runs in one round instead of two waves.
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
 // 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
@@ -207,9 +212,6 @@ struct WgmmaLaunch {
   int cluster_size;  // CTAs that combine their partials together (level 1)
   int groups;        // head groups of 64
   int items;         // (token, group) pairs: m * groups
-  // 1: every item at once, a cluster a hardware cluster meeting at a cluster
-  // barrier; 0: persistent and cooperative, clusters meeting at counters.
-  int hardware_clusters;
 };
 
 // Level 1's meeting of the cluster_size CTAs of one cluster, through its
@@ -240,7 +242,10 @@ __device__ __forceinline__ void reset_meeting(int* counter, int cluster_size, in
 }
 
 // Work item (token, group) of split `split`; chunks_done counts the chunks
-// this CTA ran before it (the handover barriers' phases continue across items).
+// this CTA ran before it (the handover barriers' phases continue across
+// items). kPersistent: the clusters meet at counters, else at the hardware
+// cluster's barrier.
+template <bool kPersistent>
 __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const SparseMlaParams& p,
                                                       const WgmmaLaunch& launch, int split, int token, int group,
                                                       int& chunks_done) {
@@ -522,11 +527,11 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   int* const counters = p.split_counters + group_index * kCountersPerGroup;  // [level 2 ranks | level 1 clusters]
   int* const meeting = counters + kMaxClusterSize + cluster_index;
   int before_departure = 0;
-  if (launch.hardware_clusters) {
+  if constexpr (kPersistent) {
+    before_departure = meet(meeting, cluster_size);
+  } else {
     cluster_arrive_release();
     cluster_wait();
-  } else {
-    before_departure = meet(meeting, cluster_size);
   }
 
   // This CTA's units are whole heads: [first_local_head, + local_heads).
@@ -627,7 +632,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       target[1] = make_float4(total[4], total[5], total[6], total[7]);
     }
   }
-  if (!launch.hardware_clusters) reset_meeting(meeting, cluster_size, before_departure);
+  if constexpr (kPersistent) reset_meeting(meeting, cluster_size, before_departure);
   if (single_cluster) return;
 
   // Level 2. Count this CTA in its rank's counter once all its writes are
@@ -670,9 +675,12 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
 }
 
-// Persistent: CTA b runs split b % splits of the items (token, group) =
-// b / splits, + gridDim.x / splits, ...: a fixed sequence per CTA, so the
-// cluster_size CTAs of a cluster meet on the same item.
+// kPersistent (cooperative launch): CTA b runs split b % splits of the items
+// (token, group) = b / splits, + gridDim.x / splits, ...: a fixed sequence
+// per CTA, so the cluster_size CTAs of a cluster meet on the same item. Else
+// (grid (splits, groups, m) in hardware clusters of cluster_size CTAs along
+// x): CTA (split, group, token) runs that one item.
+template <bool kPersistent>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_wgmma_kernel(const SparseMlaParams p, const WgmmaLaunch launch) {
   extern __shared__ uint8_t shared_raw[];
@@ -685,10 +693,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbarrier_init(shared_address(&s.p_ready), kThreads / 2);
     mbarrier_init(shared_address(&s.tile_ready), kThreads / 2);
   }
-  const int split = blockIdx.x % launch.splits, items_at_once = gridDim.x / launch.splits;
   int chunks_done = 0;
-  for (int item = blockIdx.x / launch.splits; item < launch.items; item += items_at_once) {
-    sparse_mla_wgmma_item(s, p, launch, split, item / launch.groups, item % launch.groups, chunks_done);
+  if constexpr (kPersistent) {
+    const int split = blockIdx.x % launch.splits, items_at_once = gridDim.x / launch.splits;
+    for (int item = blockIdx.x / launch.splits; item < launch.items; item += items_at_once) {
+      sparse_mla_wgmma_item<true>(s, p, launch, split, item / launch.groups, item % launch.groups, chunks_done);
+    }
+  } else {
+    sparse_mla_wgmma_item<false>(s, p, launch, blockIdx.x, blockIdx.z, blockIdx.y, chunks_done);
   }
 }
 
@@ -725,10 +737,12 @@ int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int
 
 namespace {
 
-// The shared-memory limit of `kernel` (sparse_mla_wgmma's or its launch floor's).
-Status prepare_kernel(const void* kernel = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel),
-                      const char* name = "sparse_mla_wgmma") {
-  return raise_shared_memory_limit(kernel, kSharedBytes, name);
+// The shared-memory limit of both instances of sparse_mla_wgmma's kernel.
+Status prepare_kernels() {
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<false>),
+                                                kSharedBytes, "sparse_mla_wgmma"));
+  return raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<true>), kSharedBytes,
+                                   "sparse_mla_wgmma (persistent)");
 }
 
 // Occupancy answers per device, asked once (they depend only on the kernel's
@@ -753,10 +767,10 @@ Status resident_clusters(int cluster_size, int* clusters) {
     *clusters = cached.load();
     return Status();
   }
-  DSA_RETURN_IF_ERROR(prepare_kernel());
+  DSA_RETURN_IF_ERROR(prepare_kernels());
   if (cluster_size > 8) {
     DSA_RETURN_IF_ERROR(
-        allow_non_portable_clusters(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel), "sparse_mla_wgmma"));
+        allow_non_portable_clusters(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<false>), "sparse_mla_wgmma"));
   }
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -769,7 +783,7 @@ Status resident_clusters(int cluster_size, int* clusters) {
   config.dynamicSmemBytes = kSharedBytes;
   config.attrs = attribute;
   config.numAttrs = 1;
-  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_wgmma_kernel, &config));
+  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_wgmma_kernel<false>, &config));
   cached.store(*clusters);
   return Status();
 }
@@ -783,11 +797,11 @@ Status sparse_mla_wgmma_resident_ctas(int* ctas) {
     *ctas = resident_ctas_cache[device].load();
     return Status();
   }
-  DSA_RETURN_IF_ERROR(prepare_kernel());
+  DSA_RETURN_IF_ERROR(prepare_kernels());
   int sms = 0, per_sm = 0;
   DSA_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   DSA_CUDA_RETURN(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_mla_wgmma_kernel, kThreads, kSharedBytes));
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_mla_wgmma_kernel<true>, kThreads, kSharedBytes));
   *ctas = sms * per_sm;
   resident_ctas_cache[device].store(*ctas);
   return Status();
@@ -800,12 +814,14 @@ namespace {
 // about 1 us faster than a meeting at a counter, measured at m = 1..4);
 // otherwise persistent and cooperative, as many items at once as the device
 // holds all splits of. The bits are the same either way.
-Status wgmma_launch_shape(int64_t items, const SparseMlaWgmmaSplits& plan, dim3* grid, bool* hardware_clusters) {
+Status wgmma_launch_shape(int64_t m, int64_t groups, const SparseMlaWgmmaSplits& plan, dim3* grid,
+                          bool* hardware_clusters) {
+  const int64_t items = m * groups;
   int clusters = 0;
   DSA_RETURN_IF_ERROR(resident_clusters(plan.cluster_size, &clusters));
   *hardware_clusters = items * plan.clusters <= clusters;
   if (*hardware_clusters) {
-    *grid = dim3(static_cast<unsigned>(items * plan.splits));
+    *grid = dim3(plan.splits, static_cast<unsigned>(groups), static_cast<unsigned>(m));
     return Status();
   }
   int resident = 0;
@@ -819,15 +835,17 @@ Status wgmma_launch_shape(int64_t items, const SparseMlaWgmmaSplits& plan, dim3*
   return Status();
 }
 
-// Launches `kernel` (sparse_mla_wgmma's or its launch floor's) as wgmma_launch_shape says.
+// Launches as wgmma_launch_shape says: `clustered` in hardware clusters or
+// `persistent` cooperatively (sparse_mla_wgmma's two instances, or the launch
+// floor's one kernel twice).
 template <class... KernelArgs, class... Args>
-Status launch_wgmma(void (*kernel)(KernelArgs...), dim3 grid, bool hardware_clusters, int cluster_size,
-                    cudaStream_t stream, Args&&... args) {
+Status launch_wgmma(void (*clustered)(KernelArgs...), void (*persistent)(KernelArgs...), dim3 grid,
+                    bool hardware_clusters, int cluster_size, cudaStream_t stream, Args&&... args) {
   if (hardware_clusters) {
-    return launch_pdl_clustered(kernel, grid, dim3(kThreads), kSharedBytes, stream, unsigned(cluster_size),
+    return launch_pdl_clustered(clustered, grid, dim3(kThreads), kSharedBytes, stream, unsigned(cluster_size),
                                 std::forward<Args>(args)...);
   }
-  return launch_pdl_cooperative(kernel, grid, dim3(kThreads), kSharedBytes, stream, std::forward<Args>(args)...);
+  return launch_pdl_cooperative(persistent, grid, dim3(kThreads), kSharedBytes, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace
@@ -854,18 +872,13 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
                                 " (at most 16 chunks of 64 entries per CTA)",
                             std::to_string(max_splits));
   }
-  WgmmaLaunch launch{ceil_div(top_k, kChunkRows),
-                     plan.splits,
-                     plan.cluster_size,
-                     static_cast<int>(heads / kHeads),
-                     static_cast<int>(m * (heads / kHeads)),
-                     0};
+  const WgmmaLaunch launch{ceil_div(top_k, kChunkRows), plan.splits, plan.cluster_size,
+                           static_cast<int>(heads / kHeads), static_cast<int>(m * (heads / kHeads))};
   dim3 grid;
   bool hardware_clusters = false;
-  DSA_RETURN_IF_ERROR(wgmma_launch_shape(launch.items, plan, &grid, &hardware_clusters));
-  launch.hardware_clusters = hardware_clusters;
-  return launch_wgmma(sparse_mla_wgmma_kernel, grid, hardware_clusters, plan.cluster_size, stream, sparse_mla_params(a),
-                      launch);
+  DSA_RETURN_IF_ERROR(wgmma_launch_shape(m, launch.groups, plan, &grid, &hardware_clusters));
+  return launch_wgmma(sparse_mla_wgmma_kernel<false>, sparse_mla_wgmma_kernel<true>, grid, hardware_clusters,
+                      plan.cluster_size, stream, sparse_mla_params(a), launch);
 }
 
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
@@ -891,16 +904,17 @@ Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& a, cudaStream_t stream
     return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
   }
   const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)));
-  DSA_RETURN_IF_ERROR(prepare_kernel(reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
-                                     "sparse_mla_wgmma_launch_floor"));
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
+                                                kSharedBytes, "sparse_mla_wgmma_launch_floor"));
   if (plan.cluster_size > 8) {
     DSA_RETURN_IF_ERROR(allow_non_portable_clusters(reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
                                                     "sparse_mla_wgmma_launch_floor"));
   }
   dim3 grid;
   bool hardware_clusters = false;
-  DSA_RETURN_IF_ERROR(wgmma_launch_shape(m * (heads / kHeads), plan, &grid, &hardware_clusters));
-  return launch_wgmma(sparse_mla_wgmma_launch_floor_kernel, grid, hardware_clusters, plan.cluster_size, stream);
+  DSA_RETURN_IF_ERROR(wgmma_launch_shape(m, heads / kHeads, plan, &grid, &hardware_clusters));
+  return launch_wgmma(sparse_mla_wgmma_launch_floor_kernel, sparse_mla_wgmma_launch_floor_kernel, grid,
+                      hardware_clusters, plan.cluster_size, stream);
 }
 
 }  // namespace dsa
