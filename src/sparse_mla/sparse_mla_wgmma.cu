@@ -241,14 +241,19 @@ __device__ __forceinline__ void reset_meeting(int* counter, int cluster_size, in
   if (threadIdx.x == 0 && before_departure == 2 * cluster_size - 1) atomicExch(counter, 0);
 }
 
-// Work item (token, group) of split `split`; chunks_done counts the chunks
-// this CTA ran before it (the handover barriers' phases continue across
-// items). kPersistent: the clusters meet at counters, else at the hardware
-// cluster's barrier.
+// The phases each handover barrier has completed in this CTA before the
+// current item (they continue across a persistent CTA's items): p_ready one
+// per chunk, tile_ready one per chunk after an item's first.
+struct HandoverPhases {
+  int p_ready = 0, tile_ready = 0;
+};
+
+// Work item (token, group) of split `split`. kPersistent: the clusters meet
+// at counters, else at the hardware cluster's barrier.
 template <bool kPersistent>
 __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const SparseMlaParams& p,
                                                       const WgmmaLaunch& launch, int split, int token, int group,
-                                                      int& chunks_done) {
+                                                      HandoverPhases& phases) {
   const int splits = launch.splits, total_chunks = launch.total_chunks, cluster_size = launch.cluster_size;
   const int rank = split % cluster_size, cluster_index = split / cluster_size, clusters = splits / cluster_size;
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
@@ -345,7 +350,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   if (warpgroup == 0) {
     // Warpgroup 0: S, the softmax, P (registers and shared memory), O_left.
     for (int i = 0; i < chunk_count; ++i) {
-      if (i > 0) mbarrier_wait(tile_ready, chunks_done + i - 1);  // tile i converted by warpgroup 1 (tile 0: above)
+      if (i > 0)
+        mbarrier_wait(tile_ready, phases.tile_ready + i - 1);  // tile i converted by warpgroup 1 (tile 0: above)
       const int chunk = s.chunk_list[i];
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
       // S = Q K^T over the chunk's 64 entries: 16-dim steps along the 128-byte rows of each panel.
@@ -438,7 +444,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     // Warpgroup 1: converts the next chunk while warpgroup 0 computes S, then
     // O_right += P V[:, 256:512] with P from shared memory.
     for (int i = 0; i < chunk_count; ++i) {
-      mbarrier_wait(p_ready, chunks_done + i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
+      mbarrier_wait(p_ready, phases.p_ready + i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
       const float rescale0 = s.rescale[i % 2][16 * warp + g], rescale1 = s.rescale[i % 2][16 * warp + g + 8];
 #pragma unroll
@@ -462,7 +468,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       wgmma::wait_group<0>();
     }
   }
-  chunks_done += chunk_count;
+  phases.p_ready += chunk_count;                 // warpgroup 0 arrives once per chunk
+  phases.tile_ready += max(chunk_count - 1, 0);  // warpgroup 1 once per chunk after the first
   __syncthreads();  // warpgroup 0's statistics
   if (warpgroup == 1) {
 #pragma unroll
@@ -693,14 +700,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbarrier_init(shared_address(&s.p_ready), kThreads / 2);
     mbarrier_init(shared_address(&s.tile_ready), kThreads / 2);
   }
-  int chunks_done = 0;
+  HandoverPhases phases;
   if constexpr (kPersistent) {
     const int split = blockIdx.x % launch.splits, items_at_once = gridDim.x / launch.splits;
     for (int item = blockIdx.x / launch.splits; item < launch.items; item += items_at_once) {
-      sparse_mla_wgmma_item<true>(s, p, launch, split, item / launch.groups, item % launch.groups, chunks_done);
+      sparse_mla_wgmma_item<true>(s, p, launch, split, item / launch.groups, item % launch.groups, phases);
     }
   } else {
-    sparse_mla_wgmma_item<false>(s, p, launch, blockIdx.x, blockIdx.z, blockIdx.y, chunks_done);
+    sparse_mla_wgmma_item<false>(s, p, launch, blockIdx.x, blockIdx.z, blockIdx.y, phases);
   }
 }
 
