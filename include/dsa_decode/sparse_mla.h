@@ -36,7 +36,8 @@
 // alignment is checked).
 // Scalars and counters are 4-byte aligned. Nothing is allocated or
 // synchronized on the run path (CUDA-graph capturable: the first call of a
-// kernel and plan on a device raises its shared-memory and cluster limits,
+// kernel and plan on a device raises its shared-memory and cluster limits
+// and asks the device how many CTAs and clusters it holds at once,
 // make it outside a capture, as the tests and dsa-decode do); every launch uses
 // programmatic dependent launch and waits (griddepcontrol.wait) before reading
 // q, the cache, the indices or the scales, all of which its predecessors write.
