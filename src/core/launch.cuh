@@ -27,57 +27,57 @@ __device__ __forceinline__ void pdl_release_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// cudaLaunchKernelEx with the programmatic-stream-serialization attribute and,
-// when cluster_x > 0, thread-block clusters of cluster_x CTAs along x (grid.x
-// must be a multiple of it; 1 still launches as clusters, of one CTA).
+// cudaLaunchKernelEx with the programmatic-stream-serialization attribute
+// and, when `extra` is not null, that attribute too.
 template <class... KernelArgs, class... Args>
-Status launch_pdl_clustered(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
-                            cudaStream_t stream, unsigned cluster_x, Args&&... args) {
+Status launch_pdl_with(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t stream,
+                       const cudaLaunchAttribute* extra, Args&&... args) {
   cudaLaunchAttribute attribute[2];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  attribute[1].id = cudaLaunchAttributeClusterDimension;
-  attribute[1].val.clusterDim.x = cluster_x;
-  attribute[1].val.clusterDim.y = 1;
-  attribute[1].val.clusterDim.z = 1;
+  if (extra != nullptr) attribute[1] = *extra;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = stream;
   config.attrs = attribute;
-  config.numAttrs = cluster_x > 0 ? 2 : 1;
+  config.numAttrs = extra != nullptr ? 2 : 1;
   DSA_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   return Status();
 }
 
-// cudaLaunchKernelEx with the programmatic-stream-serialization and the
-// cooperative attributes: the launch fails unless all of its CTAs can be
+// With PDL and, when cluster_x > 0, thread-block clusters of cluster_x CTAs
+// along x (grid.x must be a multiple of it; 1 still launches as clusters, of
+// one CTA).
+template <class... KernelArgs, class... Args>
+Status launch_pdl_clustered(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                            cudaStream_t stream, unsigned cluster_x, Args&&... args) {
+  cudaLaunchAttribute cluster = {};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cluster_x;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  return launch_pdl_with(kernel, grid, block, shared_bytes, stream, cluster_x > 0 ? &cluster : nullptr,
+                         std::forward<Args>(args)...);
+}
+
+// With PDL, cooperative: the launch fails unless all of its CTAs can be
 // resident at once, so CTAs may wait for each other.
 template <class... KernelArgs, class... Args>
 Status launch_pdl_cooperative(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
                               cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attribute[2];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  attribute[1].id = cudaLaunchAttributeCooperative;
-  attribute[1].val.cooperative = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 2;
-  DSA_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-  return Status();
+  cudaLaunchAttribute cooperative = {};
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  return launch_pdl_with(kernel, grid, block, shared_bytes, stream, &cooperative, std::forward<Args>(args)...);
 }
 
-// cudaLaunchKernelEx with the programmatic-stream-serialization attribute.
+// With PDL alone.
 template <class... KernelArgs, class... Args>
 Status launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
                   cudaStream_t stream, Args&&... args) {
-  return launch_pdl_clustered(kernel, grid, block, shared_bytes, stream, 0u, std::forward<Args>(args)...);
+  return launch_pdl_with(kernel, grid, block, shared_bytes, stream, nullptr, std::forward<Args>(args)...);
 }
 
 }  // namespace dsa

@@ -221,7 +221,8 @@ struct WgmmaLaunch {
 // returns it to zero (CTAs that have departed no longer read it). The CTAs
 // of a cluster are resident together (a cooperative launch of at most the
 // CTAs the GPU holds at once), so the wait ends. Returns (to thread 0) the
-// counter before this CTA's departure, for reset_meeting.
+// counter before this CTA's departure, for reset_meeting after the combine:
+// reading it here would put the add's round trip before the combine.
 __device__ __forceinline__ int meet(int* counter, int cluster_size) {
   __syncthreads();  // this CTA's partials are stored
   int before_departure = 0;
