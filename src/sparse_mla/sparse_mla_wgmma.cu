@@ -265,6 +265,10 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   const int first_head = group * kHeads;
   const uint32_t q_tile = shared_address(s.q_tile), tiles = shared_address(s.tiles);
 
+  // Needed only after the first S, but a load issued there stalls it (the
+  // scales may be out of L2 by then: measured ~1.6 us at the first S):
+  // requested here, with q, under the index reads.
+  const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
   constexpr int kPieces = kChunkPieces / kThreads;  // per thread, when all threads convert
   uint4 q_codes[kPieces];  // this thread's FP8 pieces of q, in flight while the indices are read
   const int piece = threadIdx.x % 32;
@@ -342,7 +346,6 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   wgmma::fence_shared_for_async_proxy();  // this thread's q and tile stores, before the wgmmas read them
   __syncthreads();                        // q, tile 0 and the chunk list
 
-  const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
   float out[128];  // O_w [64 heads x 256 dims 256 w..]: head 16 warp + g + 8 ((e / 2) % 2), dim 256 w + 8 (e / 4) + 2 c + e % 2
 #pragma unroll
   for (int e = 0; e < 128; ++e) out[e] = 0.0f;
@@ -443,7 +446,17 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     }
   } else {
     // Warpgroup 1: converts the next chunk while warpgroup 0 computes S, then
-    // O_right += P V[:, 256:512] with P from shared memory.
+    // O_right += P V[:, 256:512] with P from shared memory. Tile 1 is free
+    // from the start, so chunk 1 is converted under chunk 0's S; chunk i + 1
+    // (i >= 1) goes into the tile of chunk i - 1 once warpgroup 0 is done
+    // with it (P of chunk i ready).
+    auto convert_next = [&](int i) {  // chunk i + 1, from the registers, into the other tile
+      store_pieces_as_f16<kConverters>(codes, tiles + ((i + 1) % 2) * kTileBytes);
+      wgmma::fence_shared_for_async_proxy();
+      mbarrier_arrive(tile_ready);
+      if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
+    };
+    if (chunk_count > 1) convert_next(0);
     for (int i = 0; i < chunk_count; ++i) {
       mbarrier_wait(p_ready, phases.p_ready + i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
@@ -460,12 +473,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
             true);
       }
       wgmma::commit_group();
-      if (i + 1 < chunk_count) {  // overlaps the tensor cores
-        store_pieces_as_f16<kConverters>(codes, tiles + ((i + 1) % 2) * kTileBytes);
-        wgmma::fence_shared_for_async_proxy();
-        mbarrier_arrive(tile_ready);
-        if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
-      }
+      if (i >= 1 && i + 1 < chunk_count) convert_next(i);  // overlaps the tensor cores
       wgmma::wait_group<0>();
     }
   }
@@ -532,6 +540,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
   // Every CTA of the cluster has pushed; the meeting's release / acquire
   // makes the pushes visible (read below through L2, ld.global.cg).
+  const float k_scale = *p.k_scale;  // in L2 since the item's start; read under the meeting
   int* const counters = p.split_counters + group_index * kCountersPerGroup;  // [level 2 ranks | level 1 clusters]
   int* const meeting = counters + kMaxClusterSize + cluster_index;
   int before_departure = 0;
@@ -602,7 +611,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   // otherwise they are this cluster's O / sum, for level 2.
   const bool single_cluster = clusters == 1;
   coefficients(
-      cluster_size, single_cluster ? *p.k_scale : 1.0f,
+      cluster_size, single_cluster ? k_scale : 1.0f,
       [&](int r, int h, float* part_max, float* part_sum) {
         const float* stats = split_stats(cluster_index * cluster_size + r);
         *part_max = __ldcg(stats + h);
@@ -658,7 +667,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   if (!s.combines_clusters) return;
   const float* const group_partials = level2 + group_slot * kClusterPartialFloats;
   coefficients(
-      clusters, *p.k_scale,
+      clusters, k_scale,
       [&](int cluster_r, int h, float* part_max, float* part_sum) {
         const float* stats = group_partials + int64_t(cluster_r) * kClusterPartialFloats + kUnits * kUnitDims;
         *part_max = __ldcg(stats + h);
