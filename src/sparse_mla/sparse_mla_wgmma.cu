@@ -47,7 +47,8 @@
 //  - warpgroup 1: once P is ready, O_right = O_right * rescale + P V[:, 256:512]
 //    (P from shared memory); while those run it converts chunk i + 1 from its
 //    registers into the other tile (warpgroup 0 is done with it) and loads
-//    chunk i + 2.
+//    chunk i + 2. Chunk 1 goes into tile 1, free from the start, under chunk
+//    0's S.
 // Combine, level 1 (inside a cluster): each split stores its partial O
 // divided by its sum (FP16) and its (max, sum) per head into its slot of
 // split_partials (global memory, read back through L2); rank k of the
@@ -265,9 +266,9 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   const int first_head = group * kHeads;
   const uint32_t q_tile = shared_address(s.q_tile), tiles = shared_address(s.tiles);
 
-  // Needed only after the first S, but a load issued there stalls it (the
-  // scales may be out of L2 by then: measured ~1.6 us at the first S):
-  // requested here, with q, under the index reads.
+  // Needed only after the first S, but loaded after the prologue's last
+  // barrier the first wgmma waited for them (the compiler computes the
+  // product before it): requested here, with q, under the index reads.
   const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
   constexpr int kPieces = kChunkPieces / kThreads;  // per thread, when all threads convert
   uint4 q_codes[kPieces];  // this thread's FP8 pieces of q, in flight while the indices are read
@@ -540,7 +541,9 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
   // Every CTA of the cluster has pushed; the meeting's release / acquire
   // makes the pushes visible (read below through L2, ld.global.cg).
-  const float k_scale = *p.k_scale;  // in L2 since the item's start; read under the meeting
+  // Read again (in L2 since the item's start) under the meeting: held through
+  // the item, it spilled in the persistent instance.
+  const float k_scale = *p.k_scale;
   int* const counters = p.split_counters + group_index * kCountersPerGroup;  // [level 2 ranks | level 1 clusters]
   int* const meeting = counters + kMaxClusterSize + cluster_index;
   int before_departure = 0;
