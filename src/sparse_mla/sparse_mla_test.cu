@@ -849,11 +849,13 @@ TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
   // m = 4 (8 items) persistent, meeting at counters, and the tokens alone in
   // hardware clusters: the bits must not depend on which. H = 64 at m = 40
   // runs 5 items per persistent CTA, of 2 or 3 chunks (K = 2176): the
-  // handover barriers' phases carry from item to item.
+  // handover barriers' phases carry from item to item. H = 128 at m = 64
+  // (128 items) runs one CTA per item, every split in turn.
   const std::vector<Case> cases =
       testing::quick_mode()
           ? std::vector<Case>{{4, 4, 300}}
-          : std::vector<Case>{{8, 16, 2176, 125}, {64, 8, 2176, 125}, {128, 4, 2048}, {64, 40, 2176, 125}};
+          : std::vector<Case>{
+                {8, 16, 2176, 125}, {64, 8, 2176, 125}, {128, 4, 2048}, {64, 40, 2176, 125}, {128, 64, 2176, 125}};
   for (const Case& c : cases) {
     const Problem batch = random_problem(c, /*padded=*/false, 3.0f, rng);
     for (const NamedKernel& kernel : kernels_for(c.heads)) {

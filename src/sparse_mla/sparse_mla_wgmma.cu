@@ -23,6 +23,11 @@
 //    grid / splits, ...; a cluster's CTAs meet at a counter in
 //    split_counters (meet below). Not held to the 7 hardware clusters: m = 8
 //    at H = 64 runs in one round instead of two waves.
+//  - with many items (at least 3/4 of the CTAs the GPU holds at once) and a
+//    plan of one cluster, one CTA per item runs the item's splits in turn,
+//    storing each split's partials, and combines them itself after the last
+//    (docs/sparse_mla_next.md section 6): no meeting, and m = 128 at H = 64 in
+//    one round instead of 16 rounds of 8 items.
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
 // 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
@@ -250,12 +255,18 @@ struct HandoverPhases {
   int p_ready = 0, tile_ready = 0;
 };
 
-// Work item (token, group) of split `split`. kPersistent: the clusters meet
-// at counters, else at the hardware cluster's barrier.
-template <bool kPersistent>
+// How the CTAs of one (token, group) item reach its combine: the hardware
+// cluster's barrier, a counter in split_counters (persistent launch), or not
+// at all: one CTA runs every split of the item (one cluster), storing each
+// split's partials, and combines them itself after the last.
+enum class Meeting { kClusterBarrier, kCounter, kWholeItem };
+
+// Work item (token, group) of split `split`, the CTAs meeting as kMeeting says.
+template <Meeting kMeeting>
 __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const SparseMlaParams& p,
                                                       const WgmmaLaunch& launch, int split, int token, int group,
                                                       HandoverPhases& phases) {
+  constexpr bool kPersistent = kMeeting == Meeting::kCounter;
   const int splits = launch.splits, total_chunks = launch.total_chunks, cluster_size = launch.cluster_size;
   const int rank = split % cluster_size, cluster_index = split / cluster_size, clusters = splits / cluster_size;
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
@@ -498,7 +509,9 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   // quarters), 32 values each: divided by its sum, in FP16 (|O / sum| <= 448,
   // the largest code; relative rounding 2^-11), 4 16-byte stores per unit
   // into this split's slot of split_partials.
-  const int share = kUnits / cluster_size;  // units per rank
+  // Units per CTA that combines: one rank's share, or all of them when one
+  // CTA runs the whole item.
+  const int share = kMeeting == Meeting::kWholeItem ? kUnits : kUnits / cluster_size;
   const int64_t group_index = int64_t(token) * launch.groups + group;
   auto split_values = [&](int split_r) {  // [unit][slot] of split split_r of this (token, group)
     return reinterpret_cast<uint4*>(p.split_partials + (group_index * splits + split_r) * kSplitPartialFloats);
@@ -547,15 +560,20 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   int* const counters = p.split_counters + group_index * kCountersPerGroup;  // [level 2 ranks | level 1 clusters]
   int* const meeting = counters + kMaxClusterSize + cluster_index;
   int before_departure = 0;
-  if constexpr (kPersistent) {
+  if constexpr (kMeeting == Meeting::kCounter) {
     before_departure = meet(meeting, cluster_size);
-  } else {
+  } else if constexpr (kMeeting == Meeting::kClusterBarrier) {
     cluster_arrive_release();
     cluster_wait();
+  } else {
+    if (split + 1 < splits) return;  // the last split combines them all
+    __threadfence();                 // every split's partials, stored by this CTA, in L2 (read with ld.global.cg)
+    __syncthreads();
   }
 
   // This CTA's units are whole heads: [first_local_head, + local_heads).
-  const int first_unit = rank * share, local_heads = share / (kLatent / kUnitDims);
+  const int first_unit = kMeeting == Meeting::kWholeItem ? 0 : rank * share;
+  const int local_heads = share / (kLatent / kUnitDims);
   const int first_local_head = first_unit / (kLatent / kUnitDims);
   // With more than one cluster: the cluster's slot of split_partials, [unit][slot][8 dims] sums then
   // [max, sum][head] statistics, and the counter of this rank.
@@ -695,12 +713,14 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
 }
 
-// kPersistent (cooperative launch): CTA b runs split b % splits of the items
-// (token, group) = b / splits, + gridDim.x / splits, ...: a fixed sequence
-// per CTA, so the cluster_size CTAs of a cluster meet on the same item. Else
-// (grid (splits, groups, m) in hardware clusters of cluster_size CTAs along
-// x): CTA (split, group, token) runs that one item.
-template <bool kPersistent>
+// Meeting::kCounter (cooperative launch): CTA b runs split b % splits of the
+// items (token, group) = b / splits, + gridDim.x / splits, ...: a fixed
+// sequence per CTA, so the cluster_size CTAs of a cluster meet on the same
+// item. kClusterBarrier (grid (splits, groups, m) in hardware clusters of
+// cluster_size CTAs along x): CTA (split, group, token) runs that one item.
+// kWholeItem (grid: one CTA per item, one cluster plans): CTA b runs every
+// split of item b in order, then combines.
+template <Meeting kMeeting>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_wgmma_kernel(const SparseMlaParams p, const WgmmaLaunch launch) {
   extern __shared__ uint8_t shared_raw[];
@@ -714,13 +734,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbarrier_init(shared_address(&s.tile_ready), kThreads / 2);
   }
   HandoverPhases phases;
-  if constexpr (kPersistent) {
+  if constexpr (kMeeting == Meeting::kCounter) {
     const int split = blockIdx.x % launch.splits, items_at_once = gridDim.x / launch.splits;
     for (int item = blockIdx.x / launch.splits; item < launch.items; item += items_at_once) {
-      sparse_mla_wgmma_item<true>(s, p, launch, split, item / launch.groups, item % launch.groups, phases);
+      sparse_mla_wgmma_item<kMeeting>(s, p, launch, split, item / launch.groups, item % launch.groups, phases);
+    }
+  } else if constexpr (kMeeting == Meeting::kWholeItem) {
+    const int item = blockIdx.x;
+    for (int split = 0; split < launch.splits; ++split) {
+      sparse_mla_wgmma_item<kMeeting>(s, p, launch, split, item / launch.groups, item % launch.groups, phases);
     }
   } else {
-    sparse_mla_wgmma_item<false>(s, p, launch, blockIdx.x, blockIdx.z, blockIdx.y, phases);
+    sparse_mla_wgmma_item<kMeeting>(s, p, launch, blockIdx.x, blockIdx.z, blockIdx.y, phases);
   }
 }
 
@@ -757,12 +782,16 @@ int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int
 
 namespace {
 
-// The shared-memory limit of both instances of sparse_mla_wgmma's kernel.
+// The shared-memory limit of the three instances of sparse_mla_wgmma's kernel.
 Status prepare_kernels() {
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<false>),
-                                                kSharedBytes, "sparse_mla_wgmma"));
-  return raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<true>), kSharedBytes,
-                                   "sparse_mla_wgmma (persistent)");
+  DSA_RETURN_IF_ERROR(
+      raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>),
+                                kSharedBytes, "sparse_mla_wgmma"));
+  DSA_RETURN_IF_ERROR(
+      raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<Meeting::kWholeItem>),
+                                kSharedBytes, "sparse_mla_wgmma (whole items)"));
+  return raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<Meeting::kCounter>),
+                                   kSharedBytes, "sparse_mla_wgmma (persistent)");
 }
 
 // Occupancy answers per device, asked once (they depend only on the kernel's
@@ -793,12 +822,12 @@ Status residency(int cluster_size, int* ctas, int* clusters) {
   DSA_RETURN_IF_ERROR(prepare_kernels());
   int sms = 0, per_sm = 0;
   DSA_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  DSA_CUDA_RETURN(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_mla_wgmma_kernel<true>, kThreads, kSharedBytes));
+  DSA_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_mla_wgmma_kernel<Meeting::kCounter>,
+                                                                kThreads, kSharedBytes));
   *ctas = sms * per_sm;
   if (cluster_size > 8) {
-    DSA_RETURN_IF_ERROR(
-        allow_non_portable_clusters(reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<false>), "sparse_mla_wgmma"));
+    DSA_RETURN_IF_ERROR(allow_non_portable_clusters(
+        reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>), "sparse_mla_wgmma"));
   }
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
@@ -811,7 +840,7 @@ Status residency(int cluster_size, int* ctas, int* clusters) {
   config.dynamicSmemBytes = kSharedBytes;
   config.attrs = attribute;
   config.numAttrs = 1;
-  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_wgmma_kernel<false>, &config));
+  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>, &config));
   cached_ctas.store(*ctas + 1);
   cached_clusters.store(*clusters + 1);
   return Status();
@@ -889,11 +918,19 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
   }
   const WgmmaLaunch launch{ceil_div(top_k, kChunkRows), plan.splits, plan.cluster_size,
                            static_cast<int>(heads / kHeads), static_cast<int>(m * (heads / kHeads))};
+  // Many items, one cluster each: one CTA per item runs its splits in order
+  // and combines them (no meeting; about one round of CTAs).
+  int resident = 0, clusters_at_once = 0;
+  DSA_RETURN_IF_ERROR(residency(plan.cluster_size, &resident, &clusters_at_once));
+  if (plan.clusters == 1 && int64_t(launch.items) * 4 >= int64_t(resident) * 3) {
+    return launch_pdl(sparse_mla_wgmma_kernel<Meeting::kWholeItem>, dim3(launch.items), dim3(kThreads), kSharedBytes,
+                      stream, sparse_mla_params(a), launch);
+  }
   dim3 grid;
   bool hardware_clusters = false;
   DSA_RETURN_IF_ERROR(wgmma_launch_shape(m, launch.groups, plan, &grid, &hardware_clusters));
-  return launch_wgmma(sparse_mla_wgmma_kernel<false>, sparse_mla_wgmma_kernel<true>, grid, hardware_clusters,
-                      plan.cluster_size, stream, sparse_mla_params(a), launch);
+  return launch_wgmma(sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>, sparse_mla_wgmma_kernel<Meeting::kCounter>,
+                      grid, hardware_clusters, plan.cluster_size, stream, sparse_mla_params(a), launch);
 }
 
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
