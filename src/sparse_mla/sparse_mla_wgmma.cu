@@ -23,11 +23,14 @@
 //    grid / splits, ...; a cluster's CTAs meet at a counter in
 //    split_counters (meet below). Not held to the 7 hardware clusters: m = 8
 //    at H = 64 runs in one round instead of two waves.
-//  - with many items (at least 3/4 of the CTAs the GPU holds at once) and a
-//    plan of one cluster, one CTA per item runs the item's splits in turn,
-//    storing each split's partials, and combines them itself after the last
-//    (docs/sparse_mla_next.md section 6): no meeting, and m = 128 at H = 64 in
-//    one round instead of 16 rounds of 8 items.
+//  - with many items (at least 3/4 of the CTAs the GPU holds at once), a
+//    plan of one cluster and K <= 2304, one CTA per item streams all its
+//    splits' chunks through the same pipeline (one prologue), stores each
+//    split's partials at the split's last chunk and resets its accumulators,
+//    and combines them itself after the last (docs/sparse_mla_next.md
+//    section 6): no meeting, and m = 128 at H = 64 in one round instead of
+//    16 rounds of 8 items. Each split's partial is computed by the same
+//    instructions from the same fresh state: the same bits.
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
 // 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
@@ -105,6 +108,10 @@ constexpr int kPanelBytes = 64 * 128;               // 64 rows x 64 FP16 dims
 constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
 constexpr int kMaxChunks = 16;                      // per split: K <= 16384 over 16 splits
 constexpr int kMaxRowsPerSplit = kMaxChunks * kChunkRows;
+// A whole item streamed by one CTA (Meeting::kWholeItem): K <= 2304.
+constexpr int kMaxStreamChunks = 36;
+constexpr int kMaxStreamRows = kMaxStreamChunks * kChunkRows;
+constexpr uint32_t kNoRow = 0xFFFFFFFFu;            // row_offset16 of an invalid entry
 constexpr int kMaxClusterSize = 16;                 // Hopper's largest (non-portable above 8)
 constexpr int kMaxClusters = 16;                    // level 2's parts: coefficient rows, lanes of a warp
 // split_counters per (token, group): level 2's, one per rank, then level 1's meetings, one per cluster.
@@ -133,9 +140,17 @@ struct alignas(1024) SharedStorage {
   // so neither runs two phases ahead and a parity names one phase.
   uint64_t p_ready;     // warpgroup 0 has written P and the rescale factors of the chunk
   uint64_t tile_ready;  // warpgroup 1 has converted the chunk after it into the other tile
-  int64_t row_offset[kMaxRowsPerSplit];              // byte offset of each entry's cache row, -1 when invalid
-  uint64_t valid_rows[kMaxChunks];                   // bit r: row r of chunk c is a valid entry
-  int chunk_list[kMaxChunks];                        // the chunks with a valid entry, in order
+  union {
+    int64_t row_offset[kMaxRowsPerSplit];   // a split's: byte offset of each entry's cache row, -1 when invalid
+    uint32_t row_offset16[kMaxStreamRows];  // a whole item's (kWholeItem): byte offset / 16, kNoRow when invalid
+  };
+  uint64_t valid_rows[kMaxStreamChunks];  // bit r: row r of chunk c is a valid entry
+  int chunk_list[kMaxStreamChunks];       // the chunks with a valid entry, in order
+  // kWholeItem: the split of chunk_list[i], whether it is its split's last
+  // valid chunk, and the running (max, sum) per head after it ([i % 2]).
+  int chunk_split[kMaxStreamChunks];
+  int ends_split[kMaxStreamChunks];
+  float split_max[2][kHeads], split_sum[2][kHeads];
   int combines_clusters;                             // level 2: this CTA arrived last for its rank
 };
 // After the chunk loop the combine's coefficients overlay the q tile.
@@ -144,6 +159,7 @@ static_assert(kMaxClusters <= kMaxClusterSize && kMaxClusters <= 32,
               "level 2's coefficients (one row per cluster) fit where level 1's were, one lane each");
 static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
+static_assert(kSharedBytes <= 227 * 1024, "Hopper's largest shared memory per CTA");
 
 // Where a unit's slot of split_partials keeps its 128 dims (FP16): 16-byte slot
 // unit_slot(j, c) holds dims 8 (j + u) + 2 c, + 1 for u = 0..3, j a multiple
@@ -261,12 +277,15 @@ struct HandoverPhases {
 // split's partials, and combines them itself after the last.
 enum class Meeting { kClusterBarrier, kCounter, kWholeItem };
 
-// Work item (token, group) of split `split`, the CTAs meeting as kMeeting says.
+// Work item (token, group) of split `split`, the CTAs meeting as kMeeting
+// says. kWholeItem: one call streams every split's chunks (split 0 passed),
+// storing each split's partials at its last chunk, then combines them all.
 template <Meeting kMeeting>
 __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const SparseMlaParams& p,
                                                       const WgmmaLaunch& launch, int split, int token, int group,
                                                       HandoverPhases& phases) {
   constexpr bool kPersistent = kMeeting == Meeting::kCounter;
+  constexpr bool kStream = kMeeting == Meeting::kWholeItem;
   const int splits = launch.splits, total_chunks = launch.total_chunks, cluster_size = launch.cluster_size;
   const int rank = split % cluster_size, cluster_index = split / cluster_size, clusters = splits / cluster_size;
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
@@ -291,10 +310,10 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
 
   const int32_t* index_row = p.indices + token * p.indices_token_stride;
-  const int row_begin = split * total_chunks / splits * kChunkRows;
-  const int rows = min(p.top_k, (split + 1) * total_chunks / splits * kChunkRows) - row_begin;
+  const int row_begin = kStream ? 0 : split * total_chunks / splits * kChunkRows;
+  const int rows = kStream ? p.top_k : min(p.top_k, (split + 1) * total_chunks / splits * kChunkRows) - row_begin;
   const int chunks = (rows + kChunkRows - 1) / kChunkRows;
-  if (threadIdx.x < kMaxChunks) s.valid_rows[threadIdx.x] = 0;  // the last item's are read before its loop's end
+  if (threadIdx.x < kMaxStreamChunks) s.valid_rows[threadIdx.x] = 0;  // the last item's are read before its loop's end
   const uint32_t p_ready = shared_address(&s.p_ready), tile_ready = shared_address(&s.tile_ready);
   __syncthreads();
   unsigned int out_of_range = 0;
@@ -308,7 +327,11 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       }
       out_of_range += slot >= p.capacity;
     }
-    s.row_offset[j] = offset;
+    if constexpr (kStream) {
+      s.row_offset16[j] = offset >= 0 ? static_cast<uint32_t>(offset >> 4) : kNoRow;  // the launch checked the span
+    } else {
+      s.row_offset[j] = offset;
+    }
     const unsigned int valid = __ballot_sync(0xFFFFFFFFu, offset >= 0);
     if (lane == 0 && valid != 0) {
       atomicOr(reinterpret_cast<unsigned long long*>(&s.valid_rows[j / kChunkRows]),
@@ -323,12 +346,25 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   __syncthreads();  // row offsets and masks
   // Every thread walks the masks for the first two chunks with a valid entry
   // (its first loads); thread 0 lists them all for the loop.
+  // kWholeItem: thread 0 also notes each listed chunk's split (chunk c is
+  // in split ((c + 1) S - 1) / C: splits take chunks [s C / S, (s + 1) C / S))
+  // and whether it is the last listed chunk of that split.
+  auto split_of = [&](int chunk) { return ((chunk + 1) * splits - 1) / total_chunks; };
   int chunk_count = 0, first_chunk = 0, second_chunk = 0;
   for (int chunk = 0; chunk < chunks; ++chunk) {
     if (s.valid_rows[chunk] == 0) continue;
     if (chunk_count == 0) first_chunk = chunk;
     if (chunk_count == 1) second_chunk = chunk;
-    if (threadIdx.x == 0) s.chunk_list[chunk_count] = chunk;
+    if (threadIdx.x == 0) {
+      s.chunk_list[chunk_count] = chunk;
+      if constexpr (kStream) {
+        s.chunk_split[chunk_count] = split_of(chunk);
+        s.ends_split[chunk_count] = 1;
+        if (chunk_count > 0 && s.chunk_split[chunk_count - 1] == s.chunk_split[chunk_count]) {
+          s.ends_split[chunk_count - 1] = 0;
+        }
+      }
+    }
     ++chunk_count;
   }
   // This thread's pieces of `chunk` (zeros for invalid rows: a NaN code left
@@ -338,8 +374,15 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     constexpr int kConverters = kChunkPieces / (sizeof(pieces) / sizeof(pieces[0]));
 #pragma unroll
     for (int k = 0; k < kChunkPieces / kConverters; ++k) {
-      const int64_t offset = s.row_offset[chunk * kChunkRows + piece_row<kConverters>(k)];
-      pieces[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
+      const int row = chunk * kChunkRows + piece_row<kConverters>(k);
+      if constexpr (kStream) {
+        const uint32_t offset16 = s.row_offset16[row];
+        pieces[k] =
+            offset16 != kNoRow ? load_streaming(p.cache + int64_t(offset16) * 16 + piece * 16) : make_uint4(0, 0, 0, 0);
+      } else {
+        const int64_t offset = s.row_offset[row];
+        pieces[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
+      }
     }
   };
   // Warpgroup 1's pieces of the next chunk, held from here to its conversion
@@ -362,6 +405,69 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
 #pragma unroll
   for (int e = 0; e < 128; ++e) out[e] = 0.0f;
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // heads 16 warp + g + 8 r
+
+  // Level 1, push through global memory (L2): measured faster than into the
+  // owners' shared memory (distributed shared memory moved ~25 GB/s per SM),
+  // and the CTA's tiles stay its own, so no barrier before the push. The
+  // combine's unit is a quarter of a head's output (128 dims): rank k owns
+  // units [k U / n, (k + 1) U / n) of the group's U = 256 (n = cluster_size,
+  // a power of two). A thread's accumulators cover 4 units (2 heads x 2
+  // quarters), 32 values each: divided by its sum, in FP16 (|O / sum| <= 448,
+  // the largest code; relative rounding 2^-11), 4 16-byte stores per unit
+  // into this split's slot of split_partials.
+  // Units per CTA that combines: one rank's share, or all of them when one
+  // CTA runs the whole item.
+  const int share = kMeeting == Meeting::kWholeItem ? kUnits : kUnits / cluster_size;
+  auto group_index = [&] { return int64_t(token) * launch.groups + group; };
+  auto split_values = [&](int split_r) {  // [unit][slot] of split split_r of this (token, group)
+    return reinterpret_cast<uint4*>(p.split_partials + (group_index() * splits + split_r) * kSplitPartialFloats);
+  };
+  auto split_stats = [&](int split_r) {  // [max, sum][head]
+    return p.split_partials + (group_index() * splits + split_r) * kSplitPartialFloats + kUnits * kUnitSlots * 4;
+  };
+  float(*coefficient)[kHeads] =
+      reinterpret_cast<float(*)[kHeads]>(s.q_tile);  // [rank or cluster][head - first_local_head]
+  // This warpgroup's half of split split_r's partials (warpgroup 0 also its
+  // statistics), from its accumulators and the split's final (max, sum).
+  auto store_partials = [&](int split_r, const float(&final_max)[2], const float(&final_sum)[2]) {
+    // kWholeItem calls this at split ends inside the chunk loop: there the
+    // thread's coordinates are read again (asm volatile), else the 16 store
+    // addresses derived from threadIdx.x are hoisted out of the loop and held,
+    // or spilled, through it.
+    uint32_t tid = threadIdx.x;
+    if constexpr (kStream) asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+    const int warp = (tid % 128) / 32, g = (tid % 32) / 4, c = tid % 4;
+    uint4* const values = split_values(split_r);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float inverse_sum = final_sum[r] == 0.0f ? 0.0f : __frcp_rn(final_sum[r]);  // 0: no valid entry, O = 0
+      const int head = 16 * warp + g + 8 * r;
+#pragma unroll
+      for (int quarter = 0; quarter < 2; ++quarter) {
+        const int unit = head * (kLatent / kUnitDims) + warpgroup * 2 + quarter;
+        uint4* const target = values + unit * kUnitSlots;
+#pragma unroll
+        for (int j = 0; j < kUnitDims / 8; j += 4) {  // 8-dim column groups j..j + 3 of the quarter
+          uint32_t pairs[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int e = 4 * (quarter * (kUnitDims / 8) + j + u) + 2 * r;  // dims 8 (j + u) + 2 c, + 1 of the head
+            const __half2 halves = __floats2half2_rn(out[e] * inverse_sum, out[e + 1] * inverse_sum);
+            pairs[u] = *reinterpret_cast<const uint32_t*>(&halves);
+          }
+          target[unit_slot(j, c)] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+        }
+      }
+    }
+    if (warpgroup == 0 && c == 0) {
+      float* const stats = split_stats(split_r);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        stats[16 * warp + g + 8 * r] = final_max[r];
+        stats[kHeads + 16 * warp + g + 8 * r] = final_sum[r];
+      }
+    }
+  };
 
   if (warpgroup == 0) {
     // Warpgroup 0: S, the softmax, P (registers and shared memory), O_left.
@@ -434,6 +540,10 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
         for (int offset = 1; offset <= 2; offset *= 2) chunk_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum[r], offset);
         run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
         if (c == 0) s.rescale[i % 2][16 * warp + g + 8 * r] = rescale[r];
+        if (kStream && c == 0 && s.ends_split[i]) {  // the split's statistics, for warpgroup 1's stores
+          s.split_max[i % 2][16 * warp + g + 8 * r] = run_max[r];
+          s.split_sum[i % 2][16 * warp + g + 8 * r] = run_sum[r];
+        }
       }
       wgmma::fence_shared_for_async_proxy();  // P, before warpgroup 1's wgmmas read it
       mbarrier_arrive(p_ready);
@@ -448,6 +558,13 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       }
       wgmma::commit_group();
       wgmma::wait_group<0>();
+      if (kStream && s.ends_split[i]) {  // the split is done: its partials, then a fresh start
+        store_partials(s.chunk_split[i], run_max, run_sum);
+#pragma unroll
+        for (int e = 0; e < 128; ++e) out[e] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) run_max[r] = -INFINITY, run_sum[r] = 0.0f;
+      }
     }
     if (c == 0) {
 #pragma unroll
@@ -466,9 +583,15 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       store_pieces_as_f16<kConverters>(codes, tiles + ((i + 1) % 2) * kTileBytes);
       wgmma::fence_shared_for_async_proxy();
       mbarrier_arrive(tile_ready);
+    };
+    auto load_ahead = [&](int i) {  // chunk i + 2 into the registers, once chunk i + 1 has left them
       if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
     };
+    // kWholeItem: at a split's last chunk the next rows are requested only
+    // after the split's partials are stored (both need registers).
+    auto ends_split = [&](int i) { return kStream && i < chunk_count && s.ends_split[i] != 0; };
     if (chunk_count > 1) convert_next(0);
+    if (!ends_split(0)) load_ahead(0);
     for (int i = 0; i < chunk_count; ++i) {
       mbarrier_wait(p_ready, phases.p_ready + i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
@@ -485,79 +608,61 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
             true);
       }
       wgmma::commit_group();
-      if (i >= 1 && i + 1 < chunk_count) convert_next(i);  // overlaps the tensor cores
+      if (i >= 1 && i + 1 < chunk_count) {  // overlaps the tensor cores
+        convert_next(i);
+        if (!ends_split(i)) load_ahead(i);
+      }
       wgmma::wait_group<0>();
+      if (ends_split(i)) {  // the split is done: its partials, then a fresh start
+        float split_max[2], split_sum[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          split_max[r] = s.split_max[i % 2][16 * warp + g + 8 * r];
+          split_sum[r] = s.split_sum[i % 2][16 * warp + g + 8 * r];
+        }
+        store_partials(s.chunk_split[i], split_max, split_sum);
+#pragma unroll
+        for (int e = 0; e < 128; ++e) out[e] = 0.0f;
+        load_ahead(i);
+      }
     }
   }
   phases.p_ready += chunk_count;                 // warpgroup 0 arrives once per chunk
   phases.tile_ready += max(chunk_count - 1, 0);  // warpgroup 1 once per chunk after the first
-  __syncthreads();  // warpgroup 0's statistics
-  if (warpgroup == 1) {
+  if constexpr (!kStream) {
+    __syncthreads();  // warpgroup 0's statistics
+    if (warpgroup == 1) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      run_max[r] = s.final_max[16 * warp + g + 8 * r];
-      run_sum[r] = s.final_sum[16 * warp + g + 8 * r];
+      for (int r = 0; r < 2; ++r) {
+        run_max[r] = s.final_max[16 * warp + g + 8 * r];
+        run_sum[r] = s.final_sum[16 * warp + g + 8 * r];
+      }
+    }
+    store_partials(split, run_max, run_sum);
+  } else {
+    // Splits without a valid entry: the partials their own CTA would store
+    // (zeros, max -inf, sum 0).
+    for (int empty = 0; empty < splits; ++empty) {
+      bool has_rows = false;
+      for (int chunk = empty * total_chunks / splits; chunk < (empty + 1) * total_chunks / splits; ++chunk) {
+        has_rows |= s.valid_rows[chunk] != 0;
+      }
+      if (has_rows) continue;
+      uint4* const values = split_values(empty);
+      for (int k = threadIdx.x; k < kUnits * kUnitSlots; k += kThreads) values[k] = make_uint4(0, 0, 0, 0);
+      if (threadIdx.x < kHeads) {
+        split_stats(empty)[threadIdx.x] = -INFINITY;
+        split_stats(empty)[kHeads + threadIdx.x] = 0.0f;
+      }
     }
   }
 
-  // Level 1, push through global memory (L2): measured faster than into the
-  // owners' shared memory (distributed shared memory moved ~25 GB/s per SM),
-  // and the CTA's tiles stay its own, so no barrier before the push. The
-  // combine's unit is a quarter of a head's output (128 dims): rank k owns
-  // units [k U / n, (k + 1) U / n) of the group's U = 256 (n = cluster_size,
-  // a power of two). A thread's accumulators cover 4 units (2 heads x 2
-  // quarters), 32 values each: divided by its sum, in FP16 (|O / sum| <= 448,
-  // the largest code; relative rounding 2^-11), 4 16-byte stores per unit
-  // into this split's slot of split_partials.
-  // Units per CTA that combines: one rank's share, or all of them when one
-  // CTA runs the whole item.
-  const int share = kMeeting == Meeting::kWholeItem ? kUnits : kUnits / cluster_size;
-  const int64_t group_index = int64_t(token) * launch.groups + group;
-  auto split_values = [&](int split_r) {  // [unit][slot] of split split_r of this (token, group)
-    return reinterpret_cast<uint4*>(p.split_partials + (group_index * splits + split_r) * kSplitPartialFloats);
-  };
-  auto split_stats = [&](int split_r) {  // [max, sum][head]
-    return p.split_partials + (group_index * splits + split_r) * kSplitPartialFloats + kUnits * kUnitSlots * 4;
-  };
-  float(*coefficient)[kHeads] = reinterpret_cast<float(*)[kHeads]>(s.q_tile);  // [rank or cluster][head - first_local_head]
-  {
-    uint4* const values = split_values(split);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float inverse_sum = run_sum[r] == 0.0f ? 0.0f : __frcp_rn(run_sum[r]);  // 0: no valid entry, O = 0
-      const int head = 16 * warp + g + 8 * r;
-#pragma unroll
-      for (int quarter = 0; quarter < 2; ++quarter) {
-        const int unit = head * (kLatent / kUnitDims) + warpgroup * 2 + quarter;
-        uint4* const target = values + unit * kUnitSlots;
-#pragma unroll
-        for (int j = 0; j < kUnitDims / 8; j += 4) {  // 8-dim column groups j..j + 3 of the quarter
-          uint32_t pairs[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const int e = 4 * (quarter * (kUnitDims / 8) + j + u) + 2 * r;  // dims 8 (j + u) + 2 c, + 1 of the head
-            const __half2 halves = __floats2half2_rn(out[e] * inverse_sum, out[e + 1] * inverse_sum);
-            pairs[u] = *reinterpret_cast<const uint32_t*>(&halves);
-          }
-          target[unit_slot(j, c)] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-        }
-      }
-    }
-    if (warpgroup == 0 && c == 0) {
-      float* const stats = split_stats(split);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        stats[16 * warp + g + 8 * r] = run_max[r];
-        stats[kHeads + 16 * warp + g + 8 * r] = run_sum[r];
-      }
-    }
-  }
   // Every CTA of the cluster has pushed; the meeting's release / acquire
   // makes the pushes visible (read below through L2, ld.global.cg).
   // Read again (in L2 since the item's start) under the meeting: held through
   // the item, it spilled in the persistent instance.
   const float k_scale = *p.k_scale;
-  int* const counters = p.split_counters + group_index * kCountersPerGroup;  // [level 2 ranks | level 1 clusters]
+  int* const counters = p.split_counters + group_index() * kCountersPerGroup;  // [level 2 ranks | level 1 clusters]
   int* const meeting = counters + kMaxClusterSize + cluster_index;
   int before_departure = 0;
   if constexpr (kMeeting == Meeting::kCounter) {
@@ -566,8 +671,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     cluster_arrive_release();
     cluster_wait();
   } else {
-    if (split + 1 < splits) return;  // the last split combines them all
-    __threadfence();                 // every split's partials, stored by this CTA, in L2 (read with ld.global.cg)
+    __threadfence();  // every split's partials, stored by this CTA, in L2 (read with ld.global.cg)
     __syncthreads();
   }
 
@@ -579,7 +683,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   // [max, sum][head] statistics, and the counter of this rank.
   // Level-2 slots follow every (token, group)'s level-1 slots.
   float* const level2 = p.split_partials + int64_t(launch.items) * splits * kSplitPartialFloats;
-  const int64_t group_slot = group_index * clusters;
+  const int64_t group_slot = group_index() * clusters;
   float* const cluster_partials = level2 + (group_slot + cluster_index) * kClusterPartialFloats;
   float* const cluster_stats = cluster_partials + kUnits * kUnitDims;
 
@@ -718,8 +822,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
 // sequence per CTA, so the cluster_size CTAs of a cluster meet on the same
 // item. kClusterBarrier (grid (splits, groups, m) in hardware clusters of
 // cluster_size CTAs along x): CTA (split, group, token) runs that one item.
-// kWholeItem (grid: one CTA per item, one cluster plans): CTA b runs every
-// split of item b in order, then combines.
+// kWholeItem (grid: one CTA per item, one-cluster plans): CTA b streams
+// every split's chunks of item b, then combines.
 template <Meeting kMeeting>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_wgmma_kernel(const SparseMlaParams p, const WgmmaLaunch launch) {
@@ -740,10 +844,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       sparse_mla_wgmma_item<kMeeting>(s, p, launch, split, item / launch.groups, item % launch.groups, phases);
     }
   } else if constexpr (kMeeting == Meeting::kWholeItem) {
-    const int item = blockIdx.x;
-    for (int split = 0; split < launch.splits; ++split) {
-      sparse_mla_wgmma_item<kMeeting>(s, p, launch, split, item / launch.groups, item % launch.groups, phases);
-    }
+    sparse_mla_wgmma_item<kMeeting>(s, p, launch, 0, blockIdx.x / launch.groups, blockIdx.x % launch.groups, phases);
   } else {
     sparse_mla_wgmma_item<kMeeting>(s, p, launch, blockIdx.x, blockIdx.z, blockIdx.y, phases);
   }
@@ -918,11 +1019,16 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
   }
   const WgmmaLaunch launch{ceil_div(top_k, kChunkRows), plan.splits, plan.cluster_size,
                            static_cast<int>(heads / kHeads), static_cast<int>(m * (heads / kHeads))};
-  // Many items, one cluster each: one CTA per item runs its splits in order
-  // and combines them (no meeting; about one round of CTAs).
+  // Many items, one cluster each: one CTA per item streams every split's
+  // chunks (one prologue), stores each split's partials at its last chunk and
+  // combines them itself (no meeting; about one round of CTAs at m = 128).
+  // The whole item's row offsets are kept as 32-bit multiples of 16 bytes.
+  const int64_t cache_span =
+      (a.kv_cache.size(0) - 1) * a.kv_cache.stride(0) + (a.kv_cache.size(1) - 1) * a.kv_cache.stride(1) + kLatent;
+  const bool streamable = launch.total_chunks <= kMaxStreamChunks && cache_span / 16 < int64_t(kNoRow);
   int resident = 0, clusters_at_once = 0;
   DSA_RETURN_IF_ERROR(residency(plan.cluster_size, &resident, &clusters_at_once));
-  if (plan.clusters == 1 && int64_t(launch.items) * 4 >= int64_t(resident) * 3) {
+  if (plan.clusters == 1 && streamable && int64_t(launch.items) * 4 >= int64_t(resident) * 3) {
     return launch_pdl(sparse_mla_wgmma_kernel<Meeting::kWholeItem>, dim3(launch.items), dim3(kThreads), kSharedBytes,
                       stream, sparse_mla_params(a), launch);
   }
