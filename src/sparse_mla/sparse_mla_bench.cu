@@ -198,6 +198,14 @@ Status run(Context& ctx, Report& report) {
       }
       report.add(row);
     }
+    if (wgmma) {  // one CTA per item at every m: where it starts to pay
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_whole_items, &us));
+      Row row{"sparse_mla_wgmma (one CTA per item)", params, us, "sparse_mla_simple", simple_us, floor};
+      row.tflops = flops(p) / (us * 1e-6) / 1e12;
+      row.note = "every split of a (token, group) streamed by one CTA, then its combine; " + regions;
+      report.add(row);
+    }
     if (wgmma) {
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_launch_floor, &us));

@@ -67,6 +67,12 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& args, int max_splits, int 
 // would take more than 16 chunks (1024 entries), and one naming
 // split_partials when it is smaller than the plan needs.
 Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& args, int max_splits, int max_cluster, cudaStream_t stream);
+// The default plan with one CTA per (token, group) item streaming all its
+// splits at any m (sparse_mla_wgmma takes that launch shape only with many
+// items), where K <= 2304 and the cache spans less than 64 GiB; else as
+// sparse_mla_wgmma. The same bits either way: for the benchmark's crossover
+// and the tests.
+Status sparse_mla_wgmma_whole_items(const SparseMlaArgs& args, cudaStream_t stream);
 // For the benchmark: an empty kernel launched as sparse_mla_wgmma's default
 // plan is (grid, threads, shared memory, PDL, cooperative), doing only the
 // PDL wait / release: the launch's share of the time.

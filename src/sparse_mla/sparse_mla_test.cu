@@ -513,12 +513,23 @@ NamedKernel wgmma_plan(int max_splits, int max_cluster) {
             return sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits, max_cluster);
           }};
 }
+// The 64-head kernel's default plan with one CTA per item at every m.
+NamedKernel wgmma_whole_items() {
+  return {"sparse_mla_wgmma, one CTA per item", sparse_mla_wgmma_whole_items, [](int64_t m, int64_t heads, int top_k) {
+            return sparse_mla_wgmma_partials_count(m, heads, top_k, kSparseMlaWgmmaDefaultSplits,
+                                                   kSparseMlaWgmmaDefaultCluster);
+          }};
+}
 // H a multiple of 64: the 64-head kernel with a two-level plan too (16
 // splits in two clusters of 8), so that the combine through split_partials
-// and the counters meets every case whatever the default plan is.
+// and the counters meets every case whatever the default plan is, and the
+// default plan with one CTA per item at every m.
 std::vector<NamedKernel> kernels_for(int heads) {
   std::vector<NamedKernel> kernels(std::begin(kKernels), std::end(kKernels));
-  if (heads % 64 == 0) kernels.push_back(wgmma_plan(16, 8));
+  if (heads % 64 == 0) {
+    kernels.push_back(wgmma_plan(16, 8));
+    kernels.push_back(wgmma_whole_items());
+  }
   return kernels;
 }
 

@@ -995,7 +995,14 @@ Status launch_wgmma(void (*clustered)(KernelArgs...), void (*persistent)(KernelA
 
 }  // namespace
 
-Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster, cudaStream_t stream) {
+namespace {
+
+// When one CTA per item streams the item (Meeting::kWholeItem): kAuto by the
+// item count, kAlways wherever the plan and shapes allow it (benchmark, tests).
+enum class WholeItems { kAuto, kAlways };
+
+Status launch_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster, WholeItems whole_items,
+                        cudaStream_t stream) {
   if (!valid_max_cluster(max_cluster)) return invalid_argument("max_cluster", "4, 8 or 16", std::to_string(max_cluster));
   if (max_splits < 1 || max_splits > kSparseMlaWgmmaMaxSplits) {
     return invalid_argument("max_splits", "1.." + std::to_string(kSparseMlaWgmmaMaxSplits), std::to_string(max_splits));
@@ -1028,7 +1035,8 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
   const bool streamable = launch.total_chunks <= kMaxStreamChunks && cache_span / 16 < int64_t(kNoRow);
   int resident = 0, clusters_at_once = 0;
   DSA_RETURN_IF_ERROR(residency(plan.cluster_size, &resident, &clusters_at_once));
-  if (plan.clusters == 1 && streamable && int64_t(launch.items) * 4 >= int64_t(resident) * 3) {
+  const bool many_items = int64_t(launch.items) * 4 >= int64_t(resident) * 3;
+  if (plan.clusters == 1 && streamable && (many_items || whole_items == WholeItems::kAlways)) {
     return launch_pdl(sparse_mla_wgmma_kernel<Meeting::kWholeItem>, dim3(launch.items), dim3(kThreads), kSharedBytes,
                       stream, sparse_mla_params(a), launch);
   }
@@ -1037,6 +1045,16 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
   DSA_RETURN_IF_ERROR(wgmma_launch_shape(m, launch.groups, plan, &grid, &hardware_clusters));
   return launch_wgmma(sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>, sparse_mla_wgmma_kernel<Meeting::kCounter>,
                       grid, hardware_clusters, plan.cluster_size, stream, sparse_mla_params(a), launch);
+}
+
+}  // namespace
+
+Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster, cudaStream_t stream) {
+  return launch_with_plan(a, max_splits, max_cluster, WholeItems::kAuto, stream);
+}
+
+Status sparse_mla_wgmma_whole_items(const SparseMlaArgs& a, cudaStream_t stream) {
+  return launch_with_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster, WholeItems::kAlways, stream);
 }
 
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
