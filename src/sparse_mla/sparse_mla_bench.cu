@@ -163,10 +163,11 @@ Status time_rows(Context& ctx, const Problem& p, const Buffers& b, Launch&& laun
 }
 
 Status run(Context& ctx, Report& report) {
-  // Latency shapes (H in {8, 64}, m <= 16) and throughput shapes (m = 128: 64
-  // requests x 2 draft tokens, H in {64, 128}).
-  const Problem problems[] = {{8, 1},  {8, 2},  {8, 4},  {8, 8},   {8, 16},   {64, 1},  {64, 2},
-                              {64, 4}, {64, 8}, {64, 16}, {64, 128}, {128, 128}};
+  // Latency shapes (H in {8, 64}, m <= 16), throughput shapes (m = 128: 64
+  // requests x 2 draft tokens, H in {64, 128}) and, between them, m = 32 and
+  // 64 at H = 64, where the launch changes shape.
+  const Problem problems[] = {{8, 1},  {8, 2},  {8, 4},   {8, 8},   {8, 16},  {64, 1},   {64, 2},
+                              {64, 4}, {64, 8}, {64, 16}, {64, 32}, {64, 64}, {64, 128}, {128, 128}};
   for (const Problem& p : problems) {
     Buffers b;
     DSA_RETURN_IF_ERROR(make_buffers(ctx, p, &b));

@@ -112,6 +112,7 @@ constexpr int kMaxRowsPerSplit = kMaxChunks * kChunkRows;
 constexpr int kMaxStreamChunks = 36;
 constexpr int kMaxStreamRows = kMaxStreamChunks * kChunkRows;
 constexpr uint32_t kNoRow = 0xFFFFFFFFu;            // row_offset16 of an invalid entry
+constexpr int kMaxRowsPerThread = kMaxStreamRows / kThreads;  // a CTA's entries per thread (a split's fewer)
 constexpr int kMaxClusterSize = 16;                 // Hopper's largest (non-portable above 8)
 constexpr int kMaxClusters = 16;                    // level 2's parts: coefficient rows, lanes of a warp
 // split_counters per (token, group): level 2's, one per rank, then level 1's meetings, one per cluster.
@@ -317,10 +318,21 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   const uint32_t p_ready = shared_address(&s.p_ready), tile_ready = shared_address(&s.tile_ready);
   __syncthreads();
   unsigned int out_of_range = 0;
-  for (int j = threadIdx.x; j < chunks * kChunkRows; j += kThreads) {  // whole warps: chunks * 64 % 32 == 0
+  // Every entry of this thread requested at once: a whole item's 2304 rows
+  // are 9 per thread, and one read per round trip took ~1 us each.
+  int32_t slots[kMaxRowsPerThread];
+#pragma unroll
+  for (int k = 0; k < kMaxRowsPerThread; ++k) {
+    const int j = threadIdx.x + k * kThreads;
+    slots[k] = j < rows ? index_row[row_begin + j] : -1;
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxRowsPerThread; ++k) {
+    const int j = threadIdx.x + k * kThreads;
+    if (j >= chunks * kChunkRows) break;  // whole warps: chunks * 64 % 32 == 0
     int64_t offset = -1;
     if (j < rows) {
-      const int32_t slot = index_row[row_begin + j];
+      const int32_t slot = slots[k];
       if (slot >= 0 && slot < p.capacity) {
         const int32_t block = sparse_mla_block_of(p, slot);
         offset = block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
@@ -694,16 +706,27 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   // scale 2^(max_r - max) sum_r / sum. Returns per head (lane 0 of its warp
   // calls `statistics(h, max, sum)`) the combined max and sum.
   auto coefficients = [&](int count, float scale, auto&& part_stats, auto&& statistics) {
-    for (int local = threadIdx.x / 32; local < local_heads; local += kThreads / 32) {
+    // A warp's heads (8 when one CTA combines the whole item) read at once:
+    // one L2 round trip instead of one per head.
+    constexpr int kMaxHeadsPerWarp = kHeads / (kThreads / 32);
+    float part_max[kMaxHeadsPerWarp], part_sum[kMaxHeadsPerWarp];
+#pragma unroll
+    for (int k = 0; k < kMaxHeadsPerWarp; ++k) {
+      const int local = threadIdx.x / 32 + k * (kThreads / 32);
+      part_max[k] = -INFINITY, part_sum[k] = 0.0f;
+      if (local < local_heads && lane < count) part_stats(lane, first_local_head + local, &part_max[k], &part_sum[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxHeadsPerWarp; ++k) {
+      const int local = threadIdx.x / 32 + k * (kThreads / 32);
+      if (local >= local_heads) break;
       const int h = first_local_head + local;
-      float part_max = -INFINITY, part_sum = 0.0f;
-      if (lane < count) part_stats(lane, h, &part_max, &part_sum);
-      float total_max = part_max;
+      float total_max = part_max[k];
 #pragma unroll
       for (int offset = 16; offset >= 1; offset /= 2) {
         total_max = max_propagating_nan(total_max, __shfl_xor_sync(0xFFFFFFFFu, total_max, offset));
       }
-      const float weighted = total_max == -INFINITY ? 0.0f : part_sum * exp2f(part_max - total_max);
+      const float weighted = total_max == -INFINITY ? 0.0f : part_sum[k] * exp2f(part_max[k] - total_max);
       float total_sum = weighted;
 #pragma unroll
       for (int offset = 16; offset >= 1; offset /= 2) total_sum += __shfl_xor_sync(0xFFFFFFFFu, total_sum, offset);
@@ -751,7 +774,43 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
         }
       });
   __syncthreads();
-  for (int item = threadIdx.x; item < share * kUnitSlots; item += kThreads) {
+  if constexpr (kStream) {
+    // One CTA combines the whole item, 16 items per thread: two at a time,
+    // every rank of both requested at once (the loop below keeps four reads
+    // in flight: 64 L2 round trips per thread here, against 8).
+    constexpr int kAtOnce = 2;
+    static_assert(kUnits * kUnitSlots % (kAtOnce * kThreads) == 0, "whole rounds");
+    for (int first_item = threadIdx.x; first_item < kUnits * kUnitSlots; first_item += kAtOnce * kThreads) {
+      uint4 values[kAtOnce][kMaxClusterSize];
+#pragma unroll
+      for (int a = 0; a < kAtOnce; ++a) {
+#pragma unroll
+        for (int r = 0; r < kMaxClusterSize; ++r) {
+          if (r < cluster_size) values[a][r] = __ldcg(split_values(r) + first_item + a * kThreads);
+        }
+      }
+#pragma unroll
+      for (int a = 0; a < kAtOnce; ++a) {
+        const int item = first_item + a * kThreads;
+        const int h = item / kUnitSlots / (kLatent / kUnitDims);
+        float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int r = 0; r < kMaxClusterSize; ++r) {
+          if (r >= cluster_size) break;
+          const float weight = coefficient[r][h];
+          const uint32_t pairs[4] = {values[a][r].x, values[a][r].y, values[a][r].z, values[a][r].w};
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const float2 halves = __half22float2(*reinterpret_cast<const __half2*>(&pairs[u]));
+            total[2 * u] = fmaf(halves.x, weight, total[2 * u]);
+            total[2 * u + 1] = fmaf(halves.y, weight, total[2 * u + 1]);
+          }
+        }
+        write_latent(item, total);
+      }
+    }
+  }
+  for (int item = threadIdx.x; !kStream && item < share * kUnitSlots; item += kThreads) {
     const int i = item / kUnitSlots, slot = item % kUnitSlots;
     const int h = (first_unit + i) / (kLatent / kUnitDims);
     float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -775,7 +834,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     }
   }
   if constexpr (kPersistent) reset_meeting(meeting, cluster_size, before_departure);
-  if (single_cluster) return;
+  if (kStream || single_cluster) return;
 
   // Level 2. Count this CTA in its rank's counter once all its writes are
   // visible device-wide (each thread fences its own); the last to arrive
