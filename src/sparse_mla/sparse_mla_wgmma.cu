@@ -318,8 +318,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   const uint32_t p_ready = shared_address(&s.p_ready), tile_ready = shared_address(&s.tile_ready);
   __syncthreads();
   unsigned int out_of_range = 0;
-  // Every entry of this thread requested at once: a whole item's 2304 rows
-  // are 9 per thread, and one read per round trip took ~1 us each.
+  // Every entry of this thread requested at once: a whole item's up to 2304
+  // rows are 9 per thread, which a loop would read one round trip at a time.
   int32_t slots[kMaxRowsPerThread];
 #pragma unroll
   for (int k = 0; k < kMaxRowsPerThread; ++k) {
