@@ -82,6 +82,23 @@ inline constexpr int kSparseMlaMaxTopK = 16384;
 // Tokens run on a grid dimension of at most 65535 CTAs; decode steps are far smaller.
 inline constexpr int kSparseMlaMaxTokens = 65535;
 
+// Which split plan the fast kernels use. Either way a token's split points,
+// and so its output bits, depend only on H, K and this choice, never on m or
+// the GPU (batch invariant); the two choices give different bits (another
+// division of the sums). kThroughput halves the splits: more entries per CTA
+// and half the partials to store and combine, slower for small batches and
+// faster for large ones. H200, K = 2048, H = 64 (f0fc1d2, graph replay):
+// kLatency 13.69 / 15.45 / 29.84 / 118.16 / 184.83 us at m = 1 / 8 / 16 /
+// 64 / 128, kThroughput 17.72 / 18.98 / 21.11 / 80.45 / 143.05 (240 TFLOPS
+// at m = 128 against 186); H = 8 (the 8-head kernel): kLatency 14.17 /
+// 15.01 / 28.96 us at m = 1 / 8 / 16, kThroughput 22.89 / 23.31 / 23.59
+// (docs/sparse_mla.md). An engine that serves large batches chooses
+// kThroughput once, for all its steps.
+enum class SparseMlaSplits : int32_t {
+  kLatency = 0,     // the default: the most splits that pay at m = 1 (16 per 64 heads at K = 2048, 8 per 8 heads)
+  kThroughput = 1,  // half of those (at least what the kernels' per-CTA limits need)
+};
+
 struct SparseMlaArgs {
   // [m, H, 512] FP8 e4m3; dim 2 contiguous, head and token strides multiples
   // of 16 (16-byte rows, for vector and TMA loads), data 16-byte aligned.
@@ -106,6 +123,7 @@ struct SparseMlaArgs {
   // 16-byte aligned; may be empty (null) when that count is 0.
   TensorView split_partials;
   unsigned int* error_count = nullptr;  // optional device counter of entries >= capacity
+  SparseMlaSplits splits = SparseMlaSplits::kLatency;  // the split plan (see SparseMlaSplits)
 };
 
 // Counters the split-K combine needs for m tokens, H heads, K entries per row:
@@ -118,8 +136,8 @@ int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
 // a multiple of 64, m * H / 64 * (splits * (64 * 512 / 2 + 128) + (clusters
 // > 1 ? clusters * (64 * 512 + 128) : 0)) with the 64-head kernel's plan (16
 // splits in one cluster from K = 961 on: 1032 KiB per token and 64 heads);
-// 0 for other H. Non-decreasing in m; callers must use this function, not
-// the formula.
+// 0 for other H. Enough for either SparseMlaSplits choice. Non-decreasing in
+// m; callers must use this function, not the formula.
 int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k);
 
 // Checks every argument (dtypes, shapes, strides, alignment, ranges:
@@ -149,8 +167,8 @@ struct SparseMlaSplitPlan {
 inline constexpr int kSparseMlaMaxSplits = 16;
 
 // The plan sparse_mla uses for H heads and K entries per row (H, K in the
-// ranges check_sparse_mla accepts).
-SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k);
+// ranges check_sparse_mla accepts) and the args' split choice.
+SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits splits = SparseMlaSplits::kLatency);
 
 // The fast path: FP8 codes converted exactly to FP16, both products on
 // tensor cores with FP32 accumulation, online softmax per 64-entry chunk,

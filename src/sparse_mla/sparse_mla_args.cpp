@@ -105,6 +105,11 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max
     return invalid_argument("softmax_scale", "a finite value > 0", std::to_string(a.softmax_scale));
   }
 
+  if (a.splits != SparseMlaSplits::kLatency && a.splits != SparseMlaSplits::kThroughput) {
+    return invalid_argument("splits", "SparseMlaSplits::kLatency (0) or kThroughput (1)",
+                            std::to_string(static_cast<int32_t>(a.splits)));
+  }
+
   // The layout head_gemv's x takes, so that the latent feeds W_UV directly.
   DSA_RETURN_IF_ERROR(check_head_rows(a.latent, "latent", DType::kBF16, m, heads, L));
 

@@ -199,6 +199,20 @@ Status run(Context& ctx, Report& report) {
       }
       report.add(row);
     }
+    {  // the other split plan, as engines choose it (SparseMlaSplits::kThroughput)
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_rows(
+          ctx, p, b,
+          [](SparseMlaArgs a, cudaStream_t stream) {
+            a.splits = SparseMlaSplits::kThroughput;
+            return sparse_mla(a, stream);
+          },
+          &us));
+      Row row{"sparse_mla (throughput splits)", params, us, "sparse_mla_simple", simple_us, floor};
+      row.tflops = flops(p) / (us * 1e-6) / 1e12;
+      row.note = "SparseMlaSplits::kThroughput: half the splits; " + regions;
+      report.add(row);
+    }
     if (wgmma) {  // one CTA per item at every m: where it starts to pay
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_whole_items, &us));

@@ -433,13 +433,15 @@ Status launch(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream
 
 }  // namespace
 
-SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k) {
+SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits choice) {
   // Eight splits (the portable cluster size: any Hopper part schedules it)
-  // of whole 64-entry chunks: at m = 1, 8 CTAs per head group.
-  constexpr int kPlanMaxSplits = 8;
+  // of whole 64-entry chunks: at m = 1, 8 CTAs per head group. kThroughput:
+  // four, or as many as keep a CTA's entries within what it stages.
+  const int plan_max_splits = choice == SparseMlaSplits::kThroughput ? 4 : 8;
   SparseMlaSplitPlan plan;
   plan.head_groups = ceil_div(heads, kHeads);
-  const int splits = std::min(kPlanMaxSplits, ceil_div(top_k, kChunkRows));
+  const int splits =
+      std::max(std::min(plan_max_splits, ceil_div(top_k, kChunkRows)), ceil_div(top_k, kSparseMlaMaxTopK / 8));
   plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
   plan.splits = ceil_div(top_k, plan.rows_per_split);
   return plan;
@@ -476,7 +478,8 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
 
 Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
-  return launch(a, sparse_mla_split_plan(static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1))), stream);
+  return launch(a, sparse_mla_split_plan(static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1)), a.splits),
+                stream);
 }
 
 Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {

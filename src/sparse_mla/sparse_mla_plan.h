@@ -57,6 +57,9 @@ int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int
 // How many of the kernel's CTAs the current device holds at once (one per SM):
 // a launch runs resident_ctas / splits items (token, group) at once.
 Status sparse_mla_wgmma_resident_ctas(int* ctas);
+// The max_splits sparse_mla_wgmma takes for args.splits: the default, or
+// half of it for kThroughput while 8 splits cover K (K <= 8192).
+int sparse_mla_wgmma_max_splits(int top_k, SparseMlaSplits splits);
 Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
 // check_sparse_mla with split_partials sized for the 64-head plan of these
 // limits (check_sparse_mla: sparse_mla's, the defaults).

@@ -144,6 +144,7 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
         a.error_count = reinterpret_cast<unsigned int*>(static_cast<char*>(fake_device_pointer(0x90000)) + 2);
       },
       "error_count", "4-byte aligned");
+  rejected([](SparseMlaArgs& a) { a.splits = static_cast<SparseMlaSplits>(2); }, "splits", "kThroughput");
 }
 
 // The 64-head kernel needs split_partials (a short or missing view is
@@ -210,7 +211,17 @@ TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
   for (int heads = 1; heads <= kSparseMlaMaxHeads; ++heads) {
     for (int top_k : {1, 63, 64, 65, 100, 511, 2048, 2176, 5000, kSparseMlaMaxTopK}) {
       const SparseMlaSplitPlan plan = sparse_mla_split_plan(heads, top_k);
+      const SparseMlaSplitPlan throughput = sparse_mla_split_plan(heads, top_k, SparseMlaSplits::kThroughput);
       SCOPED_TRACE("H " + std::to_string(heads) + " K " + std::to_string(top_k));
+      // kThroughput: half the splits, rounded up, where a CTA's entries allow it (K <= 8192); never more.
+      EXPECT_LE(throughput.splits, plan.splits);
+      EXPECT_LE(throughput.splits, std::max(4, ceil_div(top_k, kSparseMlaMaxTopK / 8)));
+      if (top_k >= 449 && top_k <= 8192) EXPECT_EQ(throughput.splits, (plan.splits + 1) / 2);
+      EXPECT_EQ(throughput.head_groups, plan.head_groups);
+      EXPECT_EQ(throughput.rows_per_split % 64, 0);
+      EXPECT_LE(throughput.rows_per_split, kSparseMlaMaxTopK / 8);
+      EXPECT_GE(int64_t(throughput.splits) * throughput.rows_per_split, top_k);
+      EXPECT_LT(int64_t(throughput.splits - 1) * throughput.rows_per_split, top_k);
       EXPECT_EQ(plan.head_groups, ceil_div(heads, 8));  // TP8 computes 8 heads, not vLLM's padded 64
       EXPECT_GE(plan.splits, 1);
       EXPECT_LE(plan.splits, kSparseMlaMaxSplits);
@@ -256,6 +267,18 @@ TEST(SparseMlaSplitPlan, WgmmaSplitsCoverEveryChunkInWholeHeadClusters) {
   EXPECT_EQ(sparse_mla_wgmma_splits(2048, 32, 8).clusters, 4);
   EXPECT_EQ(sparse_mla_wgmma_splits(300, 16, 16).splits, 4) << "5 chunks: the largest power of two below";
   EXPECT_EQ(sparse_mla_wgmma_splits(300, 16, 16).clusters, 1);
+}
+
+// kThroughput: half the 64-head kernel's splits while 8 cover K, and a plan
+// the launcher accepts (at most 16 chunks per split) at every K.
+TEST(SparseMlaSplitPlan, WgmmaThroughputSplitsHalveTheDefaultWhereTheyCoverK) {
+  for (int top_k = 1; top_k <= kSparseMlaMaxTopK; top_k += top_k < 2200 ? 1 : 61) {
+    SCOPED_TRACE("K " + std::to_string(top_k));
+    EXPECT_EQ(sparse_mla_wgmma_max_splits(top_k, SparseMlaSplits::kLatency), kSparseMlaWgmmaDefaultSplits);
+    const int max_splits = sparse_mla_wgmma_max_splits(top_k, SparseMlaSplits::kThroughput);
+    EXPECT_EQ(max_splits, top_k <= 8192 ? kSparseMlaWgmmaDefaultSplits / 2 : kSparseMlaWgmmaDefaultSplits);
+    EXPECT_LE(sparse_mla_wgmma_splits(top_k, max_splits).max_chunks, 16);
+  }
 }
 
 TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
@@ -496,11 +519,21 @@ struct NamedKernel {
     return sparse_mla_split_partials_count(m, heads, top_k);
   };
 };
+// sparse_mla with SparseMlaSplits::kThroughput (half the splits): the same
+// contract, other bits.
+Status sparse_mla_throughput(const SparseMlaArgs& a, cudaStream_t stream) {
+  SparseMlaArgs throughput = a;
+  throughput.splits = SparseMlaSplits::kThroughput;
+  return sparse_mla(throughput, stream);
+}
 // sparse_mla runs sparse_mla_wgmma when H is a multiple of 64 and sparse_mla_mma
 // otherwise; the 8-head kernel is also run on its own, so that both fast
-// kernels meet every shape of every test.
-const NamedKernel kKernels[] = {
-    {"sparse_mla_simple", sparse_mla_simple}, {"sparse_mla", sparse_mla}, {"sparse_mla_mma", sparse_mla_mma}};
+// kernels meet every shape of every test, and sparse_mla with the other
+// split plan too.
+const NamedKernel kKernels[] = {{"sparse_mla_simple", sparse_mla_simple},
+                                {"sparse_mla", sparse_mla},
+                                {"sparse_mla_mma", sparse_mla_mma},
+                                {"sparse_mla, throughput splits", sparse_mla_throughput}};
 
 // The 64-head kernel with an explicit plan.
 NamedKernel wgmma_plan(int max_splits, int max_cluster) {
@@ -775,7 +808,8 @@ TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
   };
   const std::vector<Case> quick = {{4, 2, 100}, {8, 1, 2176, 125}};
   const float spreads[] = {1.0f, 3.0f, 10.0f};
-  double worst[2] = {0, 0};
+  const NamedKernel* const kernels[] = {&kKernels[0], &kKernels[1], &kKernels[3]};  // simple, both split plans
+  double worst[3] = {0, 0, 0};
   int index = 0;
   for (const Case& c : testing::quick_mode() ? quick : full) {
     const bool padded = index % 2 == 1;
@@ -783,14 +817,14 @@ TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
     SCOPED_TRACE(describe(c) + (padded ? " padded strides" : "") + " score spread " + std::to_string(spread));
     const Problem p = random_problem(c, padded, spread, rng);
     const reference::SparseMlaResult want = reference::sparse_mla(p.host());
-    for (int k = 0; k < 2; ++k) {
-      worst[k] = std::max(worst[k], expect_close_to_reference(p, run_gpu(p, kKernels[k]), want));
+    for (int k = 0; k < 3; ++k) {
+      worst[k] = std::max(worst[k], expect_close_to_reference(p, run_gpu(p, *kernels[k]), want));
     }
     ++index;
   }
-  for (int k = 0; k < 2; ++k) {
-    std::printf("[%s vs float64] worst relative Frobenius error %.3g over %d cases\n", kKernels[k].name.c_str(), worst[k],
-                index);
+  for (int k = 0; k < 3; ++k) {
+    std::printf("[%s vs float64] worst relative Frobenius error %.3g over %d cases\n", kernels[k]->name.c_str(),
+                worst[k], index);
   }
 }
 

@@ -1116,8 +1116,16 @@ Status sparse_mla_wgmma_whole_items(const SparseMlaArgs& a, cudaStream_t stream)
   return launch_with_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster, WholeItems::kAlways, stream);
 }
 
+int sparse_mla_wgmma_max_splits(int top_k, SparseMlaSplits splits) {
+  constexpr int kHalf = kSparseMlaWgmmaDefaultSplits / 2;
+  const bool half = splits == SparseMlaSplits::kThroughput && top_k <= kHalf * kMaxRowsPerSplit;
+  return half ? kHalf : kSparseMlaWgmmaDefaultSplits;
+}
+
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
-  return sparse_mla_wgmma_with_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster, stream);
+  const int top_k = a.indices.ndim == 2 ? static_cast<int>(a.indices.size(1)) : 0;  // checked by the launch
+  return sparse_mla_wgmma_with_plan(a, sparse_mla_wgmma_max_splits(top_k, a.splits), kSparseMlaWgmmaDefaultCluster,
+                                    stream);
 }
 
 namespace {
