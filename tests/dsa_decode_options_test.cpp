@@ -143,6 +143,11 @@ TEST(DsaDecodeOptions, IndexerLogitsDefaultsToExactAndTakesOnlyItsTwoValues) {
                     {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"});
 }
 
+TEST(DsaDecodeOptions, AttentionSplitsDefaultsToLatencyAndTakesOnlyItsTwoValues) {
+  expect_two_values("--attention-splits", "latency", "throughput", &Options::attention_throughput,
+                    {"", "8", "Throughput", "latency,throughput"});
+}
+
 TEST(DsaDecodeOptions, HeadGemvSumsDefaultsToTheSeedOrderAndTakesOnlyItsTwoValues) {
   expect_two_values("--head-gemv-sums", "seed-order", "tensor-cores", &Options::head_gemv_tensor_cores,
                     {"", "tc", "Tensor-Cores", "seed-order,tensor-cores"});

@@ -338,6 +338,7 @@ Status DeviceStep::attention(void* q_fp8, void* cache, void* topk_slots, void* l
                                       {int64_t(split_partials_.bytes() / sizeof(float))});
   }
   args.error_count = error_count;
+  args.splits = s_.attention_splits;
   return sparse_mla(args, stream);
 }
 

@@ -55,7 +55,7 @@ void print_usage(FILE* to) {
   std::fprintf(to,
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
                "                  [--value-up-tokens LIST] [--head-gemv-sums SUMS] [--indexer-projections KERNEL]\n"
-               "                  [--indexer-logits DOTS] [--json FILE] [--cpu] [--help]\n"
+               "                  [--indexer-logits DOTS] [--attention-splits PLAN] [--json FILE] [--cpu] [--help]\n"
                "Runs one decode step of a DSA layer's attention half on a synthetic layer, through the\n"
                "fused path and the stock path, checks they agree with each other and with the CPU\n"
                "reference, and times each kernel and each chain (CUDA-graph replay, cold L2).\n"
@@ -85,6 +85,9 @@ void print_usage(FILE* to) {
                "                 the indexer select's head dots (both paths): exact (default; FP64 tensor\n"
                "                 cores, rows bitwise the reference's) or fp32-accumulation (FP16 tensor cores,\n"
                "                 logits within a stated bound, rows the selection over the GPU's logits)\n"
+               "  --attention-splits PLAN\n"
+               "                 sparse attention's split plan (both paths): latency (default; the most splits\n"
+               "                 that pay at m = 1) or throughput (half of them: faster from m = 16 on the H200)\n"
                "  --json FILE    write the timings and checks as JSON (GPU path)\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
@@ -115,6 +118,7 @@ std::string expected_value(const std::string& option) {
   if (option == "--indexer-projections") return "gemv or cublaslt";
   if (option == "--indexer-logits") return "exact or fp32-accumulation";
   if (option == "--head-gemv-sums") return "seed-order or tensor-cores";
+  if (option == "--attention-splits") return "latency or throughput";
   if (option == "--value-up-tokens") {
     return "a comma-separated list of token counts from 1 to " + std::to_string(kMaxDecodeTokens) +
            " (e.g. 1,2), none or auto";
@@ -206,6 +210,14 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
       return false;
     }
     o->head_gemv_tensor_cores = value == "tensor-cores";
+    return true;
+  }
+  if (option == "--attention-splits") {
+    if (value != "latency" && value != "throughput") {
+      *error = bad_value(option, value);
+      return false;
+    }
+    o->attention_throughput = value == "throughput";
     return true;
   }
   if (value.empty()) {  // --preset (resolved against the preset table by the caller), --json

@@ -33,6 +33,9 @@ struct Options {
   // (default; bitwise the CPU reference's) or tensor-cores (opt-in
   // HeadGemvSums::kTensorCores, within its stated bound).
   bool head_gemv_tensor_cores = false;
+  // --attention-splits: sparse_mla's split plan in both paths
+  // (SparseMlaArgs::splits): latency (default) or throughput.
+  bool attention_throughput = false;
   bool force_cpu = false;
   bool help = false;
 };

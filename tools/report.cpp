@@ -91,6 +91,7 @@ Status write_json(const RunReport& r, const std::string& path) {
        << ",\n \"indexer_projections\": " << json_string(r.indexer_projections_kernel)
        << ",\n \"indexer_logits\": " << json_string(r.indexer_logits)
        << ",\n \"head_gemv_sums\": " << json_string(r.head_gemv_sums)
+       << ",\n \"attention_splits\": " << json_string(r.attention_splits)
        << ",\n \"note\": \"attention over the glm5next indexer's slots (indexer_project of q_c and synthetic "
           "hidden states, indexer_prepare, indexer_select; stock: indexer_select_baseline, a CUB sort), its state "
           "prefilled with drawn rows of the context; the stock chain runs the same sparse_mla after a counter memset "

@@ -13,6 +13,7 @@
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/presets.h"
+#include "dsa_decode/sparse_mla.h"
 
 namespace dsa::cli {
 
@@ -60,6 +61,7 @@ struct StepShape {
   int64_t context;  // tokens already cached; the new ones go to slots context..context+m-1
   IndexerLogits indexer_logits = IndexerLogits::kExact;  // the select's dots (--indexer-logits)
   HeadGemvSums head_gemv_sums = HeadGemvSums::kSeedOrder;  // the fused path's head_gemv sums (--head-gemv-sums)
+  SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' sparse_mla plan (--attention-splits)
 
   int64_t q_width() const { return int64_t{H} * P; }  // q_b_proj's out features
   int qkv_width() const { return Q + L; }
