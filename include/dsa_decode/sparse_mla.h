@@ -147,11 +147,12 @@ int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k)
 Status check_sparse_mla(const SparseMlaArgs& args);
 
 // How the 8-head tensor-core kernel (what sparse_mla runs when H is not a
-// multiple of 64) divides one token's work. It depends only on H and K, never
-// on m or the GPU: a token's bits do not change with the batch around it.
-// (When H is a multiple of 64, sparse_mla runs a 64-head kernel whose split,
-// at most 16 CTAs of whole 64-entry chunks per (token, 64 heads) in one
-// cluster, likewise depends on K only.)
+// multiple of 64) divides one token's work. It depends only on H, K and
+// SparseMlaArgs::splits, never on m or the GPU: a token's bits do not change
+// with the batch around it. (When H is a multiple of 64, sparse_mla runs a
+// 64-head kernel whose split, at most 16 CTAs of whole 64-entry chunks per
+// (token, 64 heads) in one cluster, likewise depends on K and that choice
+// only.)
 //   CTA (split, group, token) owns heads [8 group, 8 group + 8) of the token
 //   (one 8-wide MMA tile: H = 8 computes 8 heads, not vLLM's padded 64) and
 //   the entries [split * rows_per_split, ...) of its index row; the `splits`
