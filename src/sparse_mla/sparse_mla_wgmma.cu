@@ -774,6 +774,17 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
         }
       });
   __syncthreads();
+  // total += weight * a rank's 16-byte slot (8 FP16 values), one fmaf each:
+  // the level-1 sum's step, in rank order by both loops below.
+  auto add_rank = [](float(&total)[8], float weight, const uint4& x) {
+    const uint32_t pairs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float2 values = __half22float2(*reinterpret_cast<const __half2*>(&pairs[u]));
+      total[2 * u] = fmaf(values.x, weight, total[2 * u]);
+      total[2 * u + 1] = fmaf(values.y, weight, total[2 * u + 1]);
+    }
+  };
   if constexpr (kStream) {
     // One CTA combines the whole item, 16 items per thread: two at a time,
     // every rank of both requested at once (the loop below keeps four reads
@@ -797,14 +808,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
 #pragma unroll
         for (int r = 0; r < kMaxClusterSize; ++r) {
           if (r >= cluster_size) break;
-          const float weight = coefficient[r][h];
-          const uint32_t pairs[4] = {values[a][r].x, values[a][r].y, values[a][r].z, values[a][r].w};
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const float2 halves = __half22float2(*reinterpret_cast<const __half2*>(&pairs[u]));
-            total[2 * u] = fmaf(halves.x, weight, total[2 * u]);
-            total[2 * u + 1] = fmaf(halves.y, weight, total[2 * u + 1]);
-          }
+          add_rank(total, coefficient[r][h], values[a][r]);
         }
         write_latent(item, total);
       }
@@ -815,15 +819,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     const int h = (first_unit + i) / (kLatent / kUnitDims);
     float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for (int r = 0; r < cluster_size; ++r) {
-      const float weight = coefficient[r][h - first_local_head];
-      const uint4 x = __ldcg(split_values(cluster_index * cluster_size + r) + (first_unit + i) * kUnitSlots + slot);
-      const uint32_t pairs[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float2 values = __half22float2(*reinterpret_cast<const __half2*>(&pairs[u]));
-        total[2 * u] = fmaf(values.x, weight, total[2 * u]);
-        total[2 * u + 1] = fmaf(values.y, weight, total[2 * u + 1]);
-      }
+      add_rank(total, coefficient[r][h - first_local_head],
+               __ldcg(split_values(cluster_index * cluster_size + r) + (first_unit + i) * kUnitSlots + slot));
     }
     if (single_cluster) {
       write_latent(item, total);
@@ -1089,9 +1086,8 @@ Status launch_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster,
   // chunks (one prologue), stores each split's partials at its last chunk and
   // combines them itself (no meeting; about one round of CTAs at m = 128).
   // The whole item's row offsets are kept as 32-bit multiples of 16 bytes.
-  const int64_t cache_span =
-      (a.kv_cache.size(0) - 1) * a.kv_cache.stride(0) + (a.kv_cache.size(1) - 1) * a.kv_cache.stride(1) + kLatent;
-  const bool streamable = launch.total_chunks <= kMaxStreamChunks && cache_span / 16 < int64_t(kNoRow);
+  const int64_t cache_bytes = a.kv_cache.span_elements();  // FP8: one byte each
+  const bool streamable = launch.total_chunks <= kMaxStreamChunks && cache_bytes / 16 < int64_t(kNoRow);
   int resident = 0, clusters_at_once = 0;
   DSA_RETURN_IF_ERROR(residency(plan.cluster_size, &resident, &clusters_at_once));
   const bool many_items = int64_t(launch.items) * 4 >= int64_t(resident) * 3;
