@@ -599,11 +599,9 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     auto load_ahead = [&](int i) {  // chunk i + 2 into the registers, once chunk i + 1 has left them
       if (i + 2 < chunk_count) load_chunk(s.chunk_list[i + 2], codes);
     };
-    // kWholeItem: at a split's last chunk the next rows are requested only
-    // after the split's partials are stored (both need registers).
     auto ends_split = [&](int i) { return kStream && i < chunk_count && s.ends_split[i] != 0; };
     if (chunk_count > 1) convert_next(0);
-    if (!ends_split(0)) load_ahead(0);
+    load_ahead(0);
     for (int i = 0; i < chunk_count; ++i) {
       mbarrier_wait(p_ready, phases.p_ready + i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
@@ -622,7 +620,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       wgmma::commit_group();
       if (i >= 1 && i + 1 < chunk_count) {  // overlaps the tensor cores
         convert_next(i);
-        if (!ends_split(i)) load_ahead(i);
+        load_ahead(i);
       }
       wgmma::wait_group<0>();
       if (ends_split(i)) {  // the split is done: its partials, then a fresh start
@@ -635,7 +633,6 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
         store_partials(s.chunk_split[i], split_max, split_sum);
 #pragma unroll
         for (int e = 0; e < 128; ++e) out[e] = 0.0f;
-        load_ahead(i);
       }
     }
   }
