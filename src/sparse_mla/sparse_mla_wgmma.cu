@@ -136,10 +136,14 @@ struct alignas(1024) SharedStorage {
   uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the i-th chunk in p_tiles[i % 2]
   float rescale[2][kHeads];          // [i % 2][head]: the i-th chunk's rescale of the running O
   float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
-  // The warpgroups' handover, 128 arrivals a phase (phase i: chunk i). Each
-  // waits on every phase of the other's barrier (tile_ready from chunk 1 on),
-  // so neither runs two phases ahead and a parity names one phase.
-  uint64_t p_ready;     // warpgroup 0 has written P and the rescale factors of the chunk
+  // The warpgroups' handover, 128 arrivals a phase. A parity wait names one
+  // phase only while the waiter is at most one phase behind. Warpgroup 0 can
+  // finish two chunks' P before warpgroup 1 waits for the first (tile 1 is
+  // converted before the loop), so P alternates between two barriers, as the
+  // P tiles do: the CTA's n-th chunk (over its items) is phase n / 2 of
+  // p_ready[n % 2]. Warpgroup 1 converts chunk n + 1 only after P of chunk
+  // n, so it is never two tile_ready phases ahead (phase n: chunk n + 1).
+  uint64_t p_ready[2];  // warpgroup 0 has written P and the rescale factors of the chunk
   uint64_t tile_ready;  // warpgroup 1 has converted the chunk after it into the other tile
   union {
     int64_t row_offset[kMaxRowsPerSplit];   // a split's: byte offset of each entry's cache row, -1 when invalid
@@ -265,9 +269,9 @@ __device__ __forceinline__ void reset_meeting(int* counter, int cluster_size, in
   if (threadIdx.x == 0 && before_departure == 2 * cluster_size - 1) atomicExch(counter, 0);
 }
 
-// The phases each handover barrier has completed in this CTA before the
-// current item (they continue across a persistent CTA's items): p_ready one
-// per chunk, tile_ready one per chunk after an item's first.
+// The handover's counts in this CTA before the current item (they continue
+// across a persistent CTA's items): p_ready counts chunks (both barriers
+// together), tile_ready one phase per chunk after an item's first.
 struct HandoverPhases {
   int p_ready = 0, tile_ready = 0;
 };
@@ -315,7 +319,10 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   const int rows = kStream ? p.top_k : min(p.top_k, (split + 1) * total_chunks / splits * kChunkRows) - row_begin;
   const int chunks = (rows + kChunkRows - 1) / kChunkRows;
   if (threadIdx.x < kMaxStreamChunks) s.valid_rows[threadIdx.x] = 0;  // the last item's are read before its loop's end
-  const uint32_t p_ready = shared_address(&s.p_ready), tile_ready = shared_address(&s.tile_ready);
+  const uint32_t tile_ready = shared_address(&s.tile_ready);
+  // The barrier and phase of P of the item's chunk i (the CTA's chunk phases.p_ready + i).
+  auto p_ready = [&](int i) { return shared_address(&s.p_ready[(phases.p_ready + i) % 2]); };
+  auto p_ready_phase = [&](int i) { return (phases.p_ready + i) / 2; };
   __syncthreads();
   unsigned int out_of_range = 0;
   // Every entry of this thread requested at once: a whole item's up to 2304
@@ -558,7 +565,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
         }
       }
       wgmma::fence_shared_for_async_proxy();  // P, before warpgroup 1's wgmmas read it
-      mbarrier_arrive(p_ready);
+      mbarrier_arrive(p_ready(i));
 #pragma unroll
       for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
       // O_left += P V[:, 0:256]: V is the tile read N-major.
@@ -603,7 +610,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     if (chunk_count > 1) convert_next(0);
     load_ahead(0);
     for (int i = 0; i < chunk_count; ++i) {
-      mbarrier_wait(p_ready, phases.p_ready + i);  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
+      mbarrier_wait(p_ready(i), p_ready_phase(i));  // P and the rescale of chunk i; warpgroup 0 is done with tile i - 1
       const uint32_t tile = tiles + (i % 2) * kTileBytes;
       const float rescale0 = s.rescale[i % 2][16 * warp + g], rescale1 = s.rescale[i % 2][16 * warp + g + 8];
 #pragma unroll
@@ -887,7 +894,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   pdl_wait();
   pdl_release_dependents();
   if (threadIdx.x == 0) {  // made visible by the item's first barrier
-    mbarrier_init(shared_address(&s.p_ready), kThreads / 2);
+    mbarrier_init(shared_address(&s.p_ready[0]), kThreads / 2);
+    mbarrier_init(shared_address(&s.p_ready[1]), kThreads / 2);
     mbarrier_init(shared_address(&s.tile_ready), kThreads / 2);
   }
   HandoverPhases phases;
