@@ -44,7 +44,8 @@
 // converted into their tiles by all threads; warpgroup 1 requests the second.
 //
 // Per chunk i (tile i % 2), two roles (FlashMLA's split), handing over
-// through two shared-memory barriers (mbarriers):
+// through shared-memory barriers (mbarriers: P alternates between two,
+// tile_ready is one; SharedStorage says why):
 //  - warpgroup 0: S [64 heads][64 entries] = Q K^T by 32 wgmma m64n64k16 (q
 //    read once per chunk); scores = S * softmax_scale * q_scale * k_scale *
 //    log2(e), -inf for invalid entries; the running max per head (NaN
