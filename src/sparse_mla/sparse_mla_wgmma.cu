@@ -45,7 +45,7 @@
 //
 // Per chunk i (tile i % 2), two roles (FlashMLA's split), handing over
 // through shared-memory barriers (mbarriers: P alternates between two,
-// tile_ready is one; SharedStorage says why):
+// tile_ready is one; sparse_mla_handover.h says why):
 //  - warpgroup 0: S [64 heads][64 entries] = Q K^T by 32 wgmma m64n64k16 (q
 //    read once per chunk); scores = S * softmax_scale * q_scale * k_scale *
 //    log2(e), -inf for invalid entries; the running max per head (NaN
@@ -94,6 +94,7 @@
 #include "core/shared_memory.h"
 #include "core/wgmma.cuh"
 #include "dsa_decode/numerics.h"
+#include "sparse_mla/sparse_mla_handover.h"
 #include "sparse_mla/sparse_mla_params.h"
 #include "sparse_mla/sparse_mla_plan.h"
 
@@ -137,13 +138,10 @@ struct alignas(1024) SharedStorage {
   uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the i-th chunk in p_tiles[i % 2]
   float rescale[2][kHeads];          // [i % 2][head]: the i-th chunk's rescale of the running O
   float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
-  // The warpgroups' handover, 128 arrivals a phase. A parity wait names one
-  // phase only while the waiter is at most one phase behind. Warpgroup 0 can
-  // finish two chunks' P before warpgroup 1 waits for the first (tile 1 is
-  // converted before the loop), so P alternates between two barriers, as the
-  // P tiles do: the CTA's n-th chunk (over its items) is phase n / 2 of
-  // p_ready[n % 2]. Warpgroup 1 converts chunk n + 1 only after P of chunk
-  // n, so it is never two tile_ready phases ahead (phase n: chunk n + 1).
+  // The warpgroups' handover, 128 arrivals a phase (sparse_mla_handover.h):
+  // P of the CTA's n-th chunk on p_ready_phase_of_chunk(n); warpgroup 1
+  // converts chunk n + 1 only after P of chunk n, so it is never two
+  // tile_ready phases ahead (phase n: chunk n + 1).
   uint64_t p_ready[2];  // warpgroup 0 has written P and the rescale factors of the chunk
   uint64_t tile_ready;  // warpgroup 1 has converted the chunk after it into the other tile
   union {
@@ -322,8 +320,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   if (threadIdx.x < kMaxStreamChunks) s.valid_rows[threadIdx.x] = 0;  // the last item's are read before its loop's end
   const uint32_t tile_ready = shared_address(&s.tile_ready);
   // The barrier and phase of P of the item's chunk i (the CTA's chunk phases.p_ready + i).
-  auto p_ready = [&](int i) { return shared_address(&s.p_ready[(phases.p_ready + i) % 2]); };
-  auto p_ready_phase = [&](int i) { return (phases.p_ready + i) / 2; };
+  auto p_ready = [&](int i) { return shared_address(&s.p_ready[p_ready_phase_of_chunk(phases.p_ready + i).barrier]); };
+  auto p_ready_phase = [&](int i) { return p_ready_phase_of_chunk(phases.p_ready + i).phase; };
   __syncthreads();
   unsigned int out_of_range = 0;
   // Every entry of this thread requested at once: a whole item's up to 2304
