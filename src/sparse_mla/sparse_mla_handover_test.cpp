@@ -1,15 +1,17 @@
 // The handover between sparse_mla_wgmma's two warpgroups, as barrier steps:
 // every interleaving of the two warpgroups' steps is explored for CTAs that
-// run several items of 0 to 5 chunks, checking that a parity wait is never
-// pending on a barrier two phases past the one it waits for (the hardware
-// would then take a completed phase for an open one) and that the CTA never
-// deadlocks. The steps mirror the chunk loops of sparse_mla_wgmma_item
+// run several items of 0 to 7 chunks, checking that a parity wait for phase
+// k is only ever pending while the barrier has completed k or k + 1 phases
+// (with k + 2 the hardware takes the completed phase for an open one and
+// waits forever; with k - 1 it takes the open phase for a completed one and
+// does not wait) and that the CTA never deadlocks. The steps mirror the chunk loops of sparse_mla_wgmma_item
 // (sparse_mla_wgmma.cu); the P barriers come from the kernel's own mapping.
 #include "sparse_mla/sparse_mla_handover.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <set>
 #include <string>
@@ -28,10 +30,14 @@ struct Step {
 };
 using Program = std::vector<Step>;
 using PMapping = std::function<HandoverPhase(int chunk)>;
+// How the CTA counts tile_ready's phases from item to item: one per chunk
+// after an item's first (the kernel), or one per chunk (1532db7's bug).
+enum class TilePhases { kPerChunkAfterFirst, kPerChunk };
 
 // Warpgroup 0 (S, softmax, P, O_left) and warpgroup 1 (conversion, O_right)
 // over items of the given chunk counts; items end at a CTA barrier.
-std::pair<Program, Program> handover_programs(const std::vector<int>& chunks_per_item, const PMapping& p_of) {
+std::pair<Program, Program> handover_programs(const std::vector<int>& chunks_per_item, const PMapping& p_of,
+                                              TilePhases tile_phases = TilePhases::kPerChunkAfterFirst) {
   Program wg0, wg1;
   int chunks_before = 0, tile_phases_before = 0;
   for (const int chunks : chunks_per_item) {
@@ -49,13 +55,13 @@ std::pair<Program, Program> handover_programs(const std::vector<int>& chunks_per
     wg0.push_back({Step::kItemEnd});
     wg1.push_back({Step::kItemEnd});
     chunks_before += chunks;
-    tile_phases_before += std::max(chunks - 1, 0);
+    tile_phases_before += tile_phases == TilePhases::kPerChunk ? chunks : std::max(chunks - 1, 0);
   }
   return {wg0, wg1};
 }
 
 struct Exploration {
-  std::string aliased;  // the first wait found pending two phases behind, if any
+  std::string aliased;  // the first wait found pending outside its two phases, if any
   bool deadlock = false;
 };
 
@@ -63,14 +69,17 @@ struct Exploration {
 // phases of each barrier follow from the arrivals before the positions.
 Exploration explore(const Program& wg0, const Program& wg1) {
   const Program* programs[2] = {&wg0, &wg1};
-  auto completed = [&](int barrier, const int(&at)[2]) {
-    int count = 0;
-    for (int w = 0; w < 2; ++w) {
-      for (int k = 0; k < at[w]; ++k) {
-        count += (*programs[w])[k].kind == Step::kArrive && (*programs[w])[k].barrier == barrier;
-      }
+  // arrivals[w][k][b]: warpgroup w's arrivals on barrier b in its first k steps.
+  std::vector<std::vector<std::array<int, 3>>> arrivals(2);
+  for (int w = 0; w < 2; ++w) {
+    arrivals[w].assign(programs[w]->size() + 1, {0, 0, 0});
+    for (size_t k = 0; k < programs[w]->size(); ++k) {
+      arrivals[w][k + 1] = arrivals[w][k];
+      if ((*programs[w])[k].kind == Step::kArrive) ++arrivals[w][k + 1][(*programs[w])[k].barrier];
     }
-    return count;
+  }
+  auto completed = [&](int barrier, const int(&at)[2]) {
+    return arrivals[0][at[0]][barrier] + arrivals[1][at[1]][barrier];
   };
   Exploration result;
   std::set<std::pair<int, int>> seen;
@@ -89,13 +98,13 @@ Exploration explore(const Program& wg0, const Program& wg1) {
       ++next[w];
       if (step.kind == Step::kWait) {
         const int phases = completed(step.barrier, at);
-        if (phases > step.phase + 1) {
+        if (phases > step.phase + 1 || phases < step.phase) {
           result.aliased = "warpgroup " + std::to_string(w) + " waits for phase " + std::to_string(step.phase) +
                            " of barrier " + std::to_string(step.barrier) + ", which has completed " +
                            std::to_string(phases);
           break;
         }
-        if (phases <= step.phase) continue;  // not complete yet (parity and count agree here)
+        if (phases == step.phase) continue;  // not complete yet (parity and count agree here)
       } else if (step.kind == Step::kItemEnd) {
         const int other = 1 - w;
         if (at[other] == int(programs[other]->size()) || (*programs[other])[at[other]].kind != Step::kItemEnd) continue;
@@ -109,22 +118,22 @@ Exploration explore(const Program& wg0, const Program& wg1) {
   return result;
 }
 
-// Every CTA of up to three items of 0..5 chunks each (2 chunks: the default
+// Every CTA of up to three items of 0..7 chunks each (2 chunks: the default
 // split CTA; more: the throughput plan's 4 and the whole-item stream's 32,
 // whose steps repeat with the same period).
 std::vector<std::vector<int>> item_sequences() {
   std::vector<std::vector<int>> sequences;
-  for (int a = 0; a <= 5; ++a) {
+  for (int a = 0; a <= 7; ++a) {
     sequences.push_back({a});
-    for (int b = 0; b <= 5; ++b) {
+    for (int b = 0; b <= 7; ++b) {
       sequences.push_back({a, b});
-      for (int c = 0; c <= 5; ++c) sequences.push_back({a, b, c});
+      for (int c = 0; c <= 7; ++c) sequences.push_back({a, b, c});
     }
   }
   return sequences;
 }
 
-TEST(SparseMlaHandover, ParityWaitsNeverFallTwoPhasesBehindAndNeverDeadlock) {
+TEST(SparseMlaHandover, ParityWaitsStayWithinOnePhaseOfTheBarrierAndNeverDeadlock) {
   for (const std::vector<int>& items : item_sequences()) {
     const auto [wg0, wg1] = handover_programs(items, [](int chunk) { return p_ready_phase_of_chunk(chunk); });
     const Exploration e = explore(wg0, wg1);
@@ -143,6 +152,17 @@ TEST(SparseMlaHandover, OneSharedPBarrierAliasesAsInV10_1) {
   const auto [wg0, wg1] = handover_programs({2}, one_barrier);
   const Exploration e = explore(wg0, wg1);
   EXPECT_NE(e.aliased.find("warpgroup 1 waits for phase 0 of barrier 0, which has completed 2"), std::string::npos)
+      << e.aliased;
+}
+
+// And the other way: 1532db7 counted tile_ready's phases by chunks, so from
+// a persistent CTA's second item on warpgroup 0 waited for a phase the
+// barrier had not reached, whose parity was that of a completed one.
+TEST(SparseMlaHandover, TilePhasesCountedByChunksRunAheadAsIn1532db7) {
+  const auto [wg0, wg1] = handover_programs(
+      {2, 2}, [](int chunk) { return p_ready_phase_of_chunk(chunk); }, TilePhases::kPerChunk);
+  const Exploration e = explore(wg0, wg1);
+  EXPECT_NE(e.aliased.find("warpgroup 0 waits for phase 2 of barrier 2, which has completed 1"), std::string::npos)
       << e.aliased;
 }
 
