@@ -1,33 +1,35 @@
 // The 64-head warpgroup-MMA sparse MLA decode kernel (sparse_mla_wgmma), what
 // sparse_mla runs when H is a multiple of 64 (the served models at TP1 and
 // TP2). The contract is in include/dsa_decode/sparse_mla.h; the design and
-// the measurements in docs/sparse_mla.md ("v7").
+// the measurements in docs/sparse_mla.md ("The 64-head kernel", then "v10"
+// to "v11.1").
 //
-// Work split (a function of K only, sparse_mla_wgmma_splits): split `split`
+// Work split (a function of K and SparseMlaArgs::splits only, never of m:
+// sparse_mla_wgmma_splits of sparse_mla_wgmma_max_splits): split `split`
 // of item (token, group) owns heads 64 group..64 group + 63 of one token and
 // the chunks [split C / splits, (split + 1) C / splits) of the C = ceil(K /
 // 64) 64-entry chunks of its index row. The splits of an item form clusters
 // of cluster_size (a power of two <= 16) consecutive splits: cluster split /
-// cluster_size, rank split % cluster_size. The default plan: 16 splits of two
-// chunks at K = 2048 in one cluster.
+// cluster_size, rank split % cluster_size. The default plan (kLatency): 16
+// splits of two chunks at K = 2048 in one cluster (kThroughput: 8 of four).
 //
-// Launch, two instances of one kernel with the same instructions per item
-// (so the same bits):
-//  - when the GPU holds every item's clusters at once as hardware clusters
-//    (7 of 16 CTAs on a 132-SM H200: m <= 7 at H = 64), grid (splits, groups,
-//    m) in hardware clusters, one item per CTA, the clusters meeting at the
-//    cluster barrier;
-//  - otherwise persistent and cooperative (every CTA resident at once, one
-//    per SM): as many items at once as the GPU holds all splits of (8 on the
-//    H200: 128 CTAs), CTA b running split b % splits of items b / splits, +
-//    grid / splits, ...; a cluster's CTAs meet at a counter in
-//    split_counters (meet below). Not held to the 7 hardware clusters: m = 8
-//    at H = 64 runs in one round instead of two waves.
-//  - with many items (at least 3/4 of the CTAs the GPU holds at once), a
-//    plan of one cluster and K <= 2304, one CTA per item streams all its
-//    splits' chunks through the same pipeline (one prologue), stores each
-//    split's partials at the split's last chunk and resets its accumulators,
-//    and combines them itself after the last (docs/sparse_mla_next.md
+// Launch, three instances of one kernel by Meeting, all giving the same bits:
+//  - kClusterBarrier: when the GPU holds every item's clusters at once as
+//    hardware clusters (7 clusters of 16 CTAs on a 132-SM H200: m <= 7 at
+//    H = 64), grid (splits, groups, m) in hardware clusters, one item per
+//    CTA, the clusters meeting at the cluster barrier;
+//  - kCounter: otherwise persistent and cooperative (every CTA resident at
+//    once, one per SM): as many items at once as the GPU holds all splits of
+//    (8 on the H200 at 16 splits: 128 CTAs), CTA b running split b % splits
+//    of items b / splits, + grid / splits, ...; a cluster's CTAs meet at a
+//    counter in split_counters (meet below). Not held to the 7 hardware
+//    clusters: m = 8 at H = 64 runs in one round instead of two waves.
+//  - kWholeItem, taken first: with many items (at least 3/4 of the CTAs the
+//    GPU holds at once), a plan of one cluster, K <= 2304 and a cache span
+//    below 64 GiB, one CTA per item streams all its splits' chunks through
+//    the same pipeline (one prologue), stores each split's partials at the
+//    split's last chunk and resets its accumulators, and combines them
+//    itself after the last (docs/sparse_mla_next.md
 //    section 6): no meeting, and m = 128 at H = 64 in one round instead of
 //    16 rounds of 8 items. Each split's partial is computed by the same
 //    instructions from the same fresh state: the same bits.
@@ -63,11 +65,12 @@
 // split_partials (global memory, read back through L2); rank k of the
 // cluster owns units [k U / n, (k + 1) U / n) of the group's U = 256 quarter
 // heads (128 dims each), n the cluster size. After the cluster's meeting
-// (release / acquire at GPU scope), one warp per head turns the ranks' (max, sum) into
-// one coefficient per rank,
-// 2^(max_r - max) sum_r / sum (fixed butterflies), and each thread adds its 8
-// dims over the ranks in rank order. With one cluster, that sum times k_scale
-// is the output: latent (BF16) and lse = max ln 2 + ln(sum).
+// (release / acquire: at cluster scope by the cluster barrier, at GPU scope by
+// a counter), one warp per head turns the ranks' (max, sum) into one
+// coefficient per rank, 2^(max_r - max) sum_r / sum (fixed butterflies), and
+// each thread adds its 8 dims over the ranks in rank order. With one cluster,
+// that sum times k_scale is the output: latent (BF16) and lse = max ln 2 +
+// ln(sum).
 // Level 2 (more than one cluster): rank k writes its units' sums (FP32) and
 // its heads' (max, sum) into the cluster's slot of split_partials, then
 // counts itself in the counter of (token, group, rank k). The rank k that
@@ -76,8 +79,8 @@
 // cluster order, the same way with k_scale: latent and lse. Units of one
 // rank are whole heads (n divides 64), so its heads' statistics are its own.
 //
-// Every sum has a fixed order that depends only on K, H and the entry
-// positions: the same inputs give the same bits, for any m.
+// Every sum has a fixed order that depends only on K, H, SparseMlaArgs::splits
+// and the entry positions: the same inputs give the same bits, for any m.
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -140,7 +143,7 @@ struct alignas(1024) SharedStorage {
   float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
   // The warpgroups' handover, 128 arrivals a phase (sparse_mla_handover.h):
   // P of the CTA's n-th chunk on p_ready_phase_of_chunk(n); warpgroup 1
-  // converts chunk n + 1 only after P of chunk n, so it is never two
+  // converts chunk n + 1 (n >= 1) only after P of chunk n, so it is never two
   // tile_ready phases ahead (phase n: chunk n + 1).
   uint64_t p_ready[2];  // warpgroup 0 has written P and the rescale factors of the chunk
   uint64_t tile_ready;  // warpgroup 1 has converted the chunk after it into the other tile
@@ -212,10 +215,10 @@ __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkP
 }
 
 // Shared-memory barriers for the warpgroups' handover. Named barriers
-// (bar.sync / bar.arrive) measured the same, but the two warpgroups reach them
-// from different instructions, which compute-sanitizer's synccheck reports as
-// divergence (bar.sync is the aligned form), and racecheck did not follow
-// bar.arrive.
+// (bar.sync / bar.arrive) measured within 1.5%, but the two warpgroups reach
+// them from different instructions, which compute-sanitizer's synccheck
+// reports as divergence (bar.sync is the aligned form), and racecheck did not
+// follow bar.arrive.
 __device__ __forceinline__ void mbarrier_init(uint32_t barrier, int arrivals) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(arrivals) : "memory");
 }
@@ -234,8 +237,8 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  //
 // What a launch's CTAs share: the plan and the work.
 struct WgmmaLaunch {
   int total_chunks;  // C = ceil(K / 64)
-  int splits;        // CTAs per (token, group): the plan's
-  int cluster_size;  // CTAs that combine their partials together (level 1)
+  int splits;        // splits per (token, group): the plan's
+  int cluster_size;  // splits that combine their partials together (level 1)
   int groups;        // head groups of 64
   int items;         // (token, group) pairs: m * groups
 };
@@ -592,8 +595,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       }
     }
   } else {
-    // Warpgroup 1: converts the next chunk while warpgroup 0 computes S, then
-    // O_right += P V[:, 256:512] with P from shared memory. Tile 1 is free
+    // Warpgroup 1: O_right += P V[:, 256:512] with P from shared memory,
+    // converting the next chunk while those wgmmas run. Tile 1 is free
     // from the start, so chunk 1 is converted under chunk 0's S; chunk i + 1
     // (i >= 1) goes into the tile of chunk i - 1 once warpgroup 0 is done
     // with it (P of chunk i ready).
@@ -672,8 +675,9 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     }
   }
 
-  // Every CTA of the cluster has pushed; the meeting's release / acquire
-  // makes the pushes visible (read below through L2, ld.global.cg).
+  // Every split of the cluster has pushed; the meeting's release / acquire
+  // (kWholeItem: a fence) makes the pushes visible (read below through L2,
+  // ld.global.cg).
   // Read again (in L2 since the item's start) under the meeting: held through
   // the item, it spilled in the persistent instance.
   const float k_scale = *p.k_scale;
@@ -695,7 +699,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   const int local_heads = share / (kLatent / kUnitDims);
   const int first_local_head = first_unit / (kLatent / kUnitDims);
   // With more than one cluster: the cluster's slot of split_partials, [unit][slot][8 dims] sums then
-  // [max, sum][head] statistics, and the counter of this rank.
+  // [max, sum][head] statistics.
   // Level-2 slots follow every (token, group)'s level-1 slots.
   float* const level2 = p.split_partials + int64_t(launch.items) * splits * kSplitPartialFloats;
   const int64_t group_slot = group_index() * clusters;
@@ -1017,10 +1021,11 @@ Status sparse_mla_wgmma_resident_ctas(int* ctas) {
 namespace {
 
 // How a launch runs: when the device holds every item's hardware clusters at
-// once, one CTA per (item, split) in hardware clusters (faster there: a first
-// version that always ran persistent took 14.67 against 13.45 us at m = 1,
-// H = 64); otherwise persistent and cooperative, as many items at once as the
-// device holds all splits of. The bits are the same either way.
+// once, one CTA per (item, split) in hardware clusters (faster there: 1.2 us
+// at m = 1, H = 64, docs/sparse_mla.md "v10"); otherwise persistent and
+// cooperative, as many items at once as the device holds all splits of. The
+// bits are the same either way. (Whole items are chosen before, in
+// launch_with_plan.)
 Status wgmma_launch_shape(int64_t m, int64_t groups, const SparseMlaWgmmaSplits& plan, dim3* grid,
                           bool* hardware_clusters) {
   const int64_t items = m * groups;
@@ -1041,8 +1046,8 @@ Status wgmma_launch_shape(int64_t m, int64_t groups, const SparseMlaWgmmaSplits&
 }
 
 // Launches as wgmma_launch_shape says: `clustered` in hardware clusters or
-// `persistent` cooperatively (sparse_mla_wgmma's two instances, or the launch
-// floor's one kernel twice).
+// `persistent` cooperatively (two of sparse_mla_wgmma's three instances, or
+// the launch floor's one kernel twice).
 template <class... KernelArgs, class... Args>
 Status launch_wgmma(void (*clustered)(KernelArgs...), void (*persistent)(KernelArgs...), dim3 grid,
                     bool hardware_clusters, int cluster_size, cudaStream_t stream, Args&&... args) {
@@ -1130,9 +1135,9 @@ Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
 
 namespace {
 
-// The default plan's launch with none of its work (the PDL wait and
-// release only), so that the benchmark can say how much of a launch's time
-// is the launch itself.
+// The default plan's split-CTA launch (never the whole-item one that many
+// items take) with none of its work (the PDL wait and release only), so that
+// the benchmark can say how much of a launch's time is the launch itself.
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_launch_floor_kernel() {
   pdl_wait();
   pdl_release_dependents();
