@@ -10,11 +10,7 @@
 // loops' barrier steps with this mapping.
 #pragma once
 
-#if defined(__CUDACC__)
-#define DSA_HANDOVER_HD __host__ __device__ __forceinline__
-#else
-#define DSA_HANDOVER_HD inline
-#endif
+#include "dsa_decode/numerics.h"  // DSA_HD
 
 namespace dsa {
 
@@ -24,6 +20,6 @@ struct HandoverPhase {
 };
 
 // P of the CTA's n-th chunk (counted over all its items, from 0).
-DSA_HANDOVER_HD constexpr HandoverPhase p_ready_phase_of_chunk(int chunk) { return {chunk % 2, chunk / 2}; }
+DSA_HD constexpr HandoverPhase p_ready_phase_of_chunk(int chunk) { return {chunk % 2, chunk / 2}; }
 
 }  // namespace dsa

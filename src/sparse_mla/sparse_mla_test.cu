@@ -546,13 +546,8 @@ NamedKernel wgmma_plan(int max_splits, int max_cluster) {
             return sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits, max_cluster);
           }};
 }
-// The 64-head kernel's default plan with one CTA per item at every m.
-NamedKernel wgmma_whole_items() {
-  return {"sparse_mla_wgmma, one CTA per item", sparse_mla_wgmma_whole_items, [](int64_t m, int64_t heads, int top_k) {
-            return sparse_mla_wgmma_partials_count(m, heads, top_k, kSparseMlaWgmmaDefaultSplits,
-                                                   kSparseMlaWgmmaDefaultCluster);
-          }};
-}
+// The 64-head kernel's default plan (sparse_mla's partials) with one CTA per item at every m.
+NamedKernel wgmma_whole_items() { return {"sparse_mla_wgmma, one CTA per item", sparse_mla_wgmma_whole_items}; }
 // H a multiple of 64: the 64-head kernel with a two-level plan too (16
 // splits in two clusters of 8), so that the combine through split_partials
 // and the counters meets every case whatever the default plan is, and the

@@ -820,21 +820,22 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
         write_latent(item, total);
       }
     }
-  }
-  for (int item = threadIdx.x; !kStream && item < share * kUnitSlots; item += kThreads) {
-    const int i = item / kUnitSlots, slot = item % kUnitSlots;
-    const int h = (first_unit + i) / (kLatent / kUnitDims);
-    float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (int r = 0; r < cluster_size; ++r) {
-      add_rank(total, coefficient[r][h - first_local_head],
-               __ldcg(split_values(cluster_index * cluster_size + r) + (first_unit + i) * kUnitSlots + slot));
-    }
-    if (single_cluster) {
-      write_latent(item, total);
-    } else {
-      float4* target = reinterpret_cast<float4*>(cluster_partials + ((first_unit + i) * kUnitSlots + slot) * 8);
-      target[0] = make_float4(total[0], total[1], total[2], total[3]);
-      target[1] = make_float4(total[4], total[5], total[6], total[7]);
+  } else {
+    for (int item = threadIdx.x; item < share * kUnitSlots; item += kThreads) {
+      const int i = item / kUnitSlots, slot = item % kUnitSlots;
+      const int h = (first_unit + i) / (kLatent / kUnitDims);
+      float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (int r = 0; r < cluster_size; ++r) {
+        add_rank(total, coefficient[r][h - first_local_head],
+                 __ldcg(split_values(cluster_index * cluster_size + r) + (first_unit + i) * kUnitSlots + slot));
+      }
+      if (single_cluster) {
+        write_latent(item, total);
+      } else {
+        float4* target = reinterpret_cast<float4*>(cluster_partials + ((first_unit + i) * kUnitSlots + slot) * 8);
+        target[0] = make_float4(total[0], total[1], total[2], total[3]);
+        target[1] = make_float4(total[4], total[5], total[6], total[7]);
+      }
     }
   }
   if constexpr (kPersistent) reset_meeting(meeting, cluster_size, before_departure);
