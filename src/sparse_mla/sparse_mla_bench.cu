@@ -221,6 +221,17 @@ Status run(Context& ctx, Report& report) {
       row.note = "every split of a (token, group) streamed by one CTA, then its combine; " + regions;
       report.add(row);
     }
+    if (wgmma) {  // consecutive splits per CTA at every m where they fit: the crossovers against split CTAs
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_grouped_splits, &us));
+      Row row{"sparse_mla_wgmma (consecutive splits per CTA)", params, us, "sparse_mla_simple", simple_us, floor};
+      row.tflops = flops(p) / (us * 1e-6) / 1e12;
+      row.note =
+          "each CTA streams 2-8 consecutive splits of an item (the fewest that fit at once), the item's CTAs meet, "
+          "then each combines its share (as the default launch where the count does not fit); " +
+          regions;
+      report.add(row);
+    }
     if (wgmma) {
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_launch_floor, &us));

@@ -76,6 +76,12 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& args, int max_splits, int
 // sparse_mla_wgmma. The same bits either way: for the benchmark's crossover
 // and the tests.
 Status sparse_mla_wgmma_whole_items(const SparseMlaArgs& args, cudaStream_t stream);
+// The default plan with each CTA streaming several consecutive splits of an
+// item (the fewest, 2 or more, that put every item's CTAs on the GPU at
+// once; sparse_mla_wgmma takes it only where one CTA per split needs more
+// than one round), the item's CTAs meeting at its counter; where no such
+// count fits (many items), as sparse_mla_wgmma. The same bits.
+Status sparse_mla_wgmma_grouped_splits(const SparseMlaArgs& args, cudaStream_t stream);
 // For the benchmark: an empty kernel launched as sparse_mla_wgmma's default
 // plan is (grid, threads, shared memory, PDL, cooperative), doing only the
 // PDL wait / release: the launch's share of the time.

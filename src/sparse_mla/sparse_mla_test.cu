@@ -548,15 +548,22 @@ NamedKernel wgmma_plan(int max_splits, int max_cluster) {
 }
 // The 64-head kernel's default plan (sparse_mla's partials) with one CTA per item at every m.
 NamedKernel wgmma_whole_items() { return {"sparse_mla_wgmma, one CTA per item", sparse_mla_wgmma_whole_items}; }
+// The same plan with several consecutive splits per CTA wherever that fits
+// on the GPU at once (the default launch elsewhere).
+NamedKernel wgmma_grouped_splits() {
+  return {"sparse_mla_wgmma, consecutive splits per CTA", sparse_mla_wgmma_grouped_splits};
+}
 // H a multiple of 64: the 64-head kernel with a two-level plan too (16
 // splits in two clusters of 8), so that the combine through split_partials
 // and the counters meets every case whatever the default plan is, and the
-// default plan with one CTA per item at every m.
+// default plan with one CTA per item and with consecutive splits per CTA at
+// every m.
 std::vector<NamedKernel> kernels_for(int heads) {
   std::vector<NamedKernel> kernels(std::begin(kKernels), std::end(kKernels));
   if (heads % 64 == 0) {
     kernels.push_back(wgmma_plan(16, 8));
     kernels.push_back(wgmma_whole_items());
+    kernels.push_back(wgmma_grouped_splits());
   }
   return kernels;
 }

@@ -241,6 +241,10 @@ struct WgmmaLaunch {
   int cluster_size;  // splits that combine their partials together (level 1)
   int groups;        // head groups of 64
   int items;         // (token, group) pairs: m * groups
+  // kWholeItem: consecutive splits per CTA: all of them (one CTA per item,
+  // no meeting), or fewer, the splits / splits_per_cta CTAs of an item
+  // meeting at its counter before each combines its share.
+  int splits_per_cta = 1;
 };
 
 // Level 1's meeting of the cluster_size CTAs of one cluster, through its
@@ -317,8 +321,12 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
 
   const int32_t* index_row = p.indices + token * p.indices_token_stride;
-  const int row_begin = kStream ? 0 : split * total_chunks / splits * kChunkRows;
-  const int rows = kStream ? p.top_k : min(p.top_k, (split + 1) * total_chunks / splits * kChunkRows) - row_begin;
+  // This CTA's splits [split, split + splits_here): chunks from first_chunk_here.
+  const int splits_here = kStream ? launch.splits_per_cta : 1;
+  const int ctas_per_item = kStream ? splits / splits_here : cluster_size;  // the CTAs that meet and combine
+  const int first_chunk_here = split * total_chunks / splits;
+  const int row_begin = first_chunk_here * kChunkRows;
+  const int rows = min(p.top_k, (split + splits_here) * total_chunks / splits * kChunkRows) - row_begin;
   const int chunks = (rows + kChunkRows - 1) / kChunkRows;
   if (threadIdx.x < kMaxStreamChunks) s.valid_rows[threadIdx.x] = 0;  // the last item's are read before its loop's end
   const uint32_t tile_ready = shared_address(&s.tile_ready);
@@ -370,7 +378,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   // kWholeItem: thread 0 also notes each listed chunk's split (chunk c is
   // in split ((c + 1) S - 1) / C: splits take chunks [s C / S, (s + 1) C / S))
   // and whether it is the last listed chunk of that split.
-  auto split_of = [&](int chunk) { return ((chunk + 1) * splits - 1) / total_chunks; };
+  auto split_of = [&](int chunk) { return ((first_chunk_here + chunk + 1) * splits - 1) / total_chunks; };
   int chunk_count = 0, first_chunk = 0, second_chunk = 0;
   for (int chunk = 0; chunk < chunks; ++chunk) {
     if (s.valid_rows[chunk] == 0) continue;
@@ -438,7 +446,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   // into this split's slot of split_partials.
   // Units per CTA that combines: one rank's share, or all of them when one
   // CTA runs the whole item.
-  const int share = kMeeting == Meeting::kWholeItem ? kUnits : kUnits / cluster_size;
+  const int share = kUnits / ctas_per_item;
   auto group_index = [&] { return int64_t(token) * launch.groups + group; };
   auto split_values = [&](int split_r) {  // [unit][slot] of split split_r of this (token, group)
     return reinterpret_cast<uint4*>(p.split_partials + (group_index() * splits + split_r) * kSplitPartialFloats);
@@ -660,10 +668,10 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   } else {
     // Splits without a valid entry: the partials their own CTA would store
     // (zeros, max -inf, sum 0).
-    for (int empty = 0; empty < splits; ++empty) {
+    for (int empty = split; empty < split + splits_here; ++empty) {
       bool has_rows = false;
       for (int chunk = empty * total_chunks / splits; chunk < (empty + 1) * total_chunks / splits; ++chunk) {
-        has_rows |= s.valid_rows[chunk] != 0;
+        has_rows |= s.valid_rows[chunk - first_chunk_here] != 0;
       }
       if (has_rows) continue;
       uint4* const values = split_values(empty);
@@ -689,13 +697,15 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   } else if constexpr (kMeeting == Meeting::kClusterBarrier) {
     cluster_arrive_release();
     cluster_wait();
+  } else if (ctas_per_item > 1) {
+    before_departure = meet(meeting, ctas_per_item);  // the item's CTAs, resident together (cooperative launch)
   } else {
     __threadfence();  // every split's partials, stored by this CTA, in L2 (read with ld.global.cg)
     __syncthreads();
   }
 
   // This CTA's units are whole heads: [first_local_head, + local_heads).
-  const int first_unit = kMeeting == Meeting::kWholeItem ? 0 : rank * share;
+  const int first_unit = (kStream ? split / splits_here : rank) * share;
   const int local_heads = share / (kLatent / kUnitDims);
   const int first_local_head = first_unit / (kLatent / kUnitDims);
   // With more than one cluster: the cluster's slot of split_partials, [unit][slot][8 dims] sums then
@@ -793,18 +803,22 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     }
   };
   if constexpr (kStream) {
-    // One CTA combines the whole item, 16 items per thread: two at a time,
-    // every rank of both requested at once (the loop below keeps four reads
-    // in flight: 64 L2 round trips per thread here, against 8).
+    // This CTA's share of the item (all of it when it ran every split), 16
+    // slots per thread when it is all: two at a time, every split of both
+    // requested at once (the loop below keeps four reads in flight: 64 L2
+    // round trips per thread here, against 8).
     constexpr int kAtOnce = 2;
-    static_assert(kUnits * kUnitSlots % (kAtOnce * kThreads) == 0, "whole rounds");
-    for (int first_item = threadIdx.x; first_item < kUnits * kUnitSlots; first_item += kAtOnce * kThreads) {
+    // Whole rounds while at most 8 CTAs share an item (the launch's limit).
+    static_assert(kUnits / 8 * kUnitSlots % (kAtOnce * kThreads) == 0, "whole rounds");
+    for (int first_item = threadIdx.x; first_item < share * kUnitSlots; first_item += kAtOnce * kThreads) {
       uint4 values[kAtOnce][kMaxClusterSize];
 #pragma unroll
       for (int a = 0; a < kAtOnce; ++a) {
 #pragma unroll
         for (int r = 0; r < kMaxClusterSize; ++r) {
-          if (r < cluster_size) values[a][r] = __ldcg(split_values(r) + first_item + a * kThreads);
+          if (r < cluster_size) {
+            values[a][r] = __ldcg(split_values(r) + first_unit * kUnitSlots + first_item + a * kThreads);
+          }
         }
       }
 #pragma unroll
@@ -839,6 +853,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     }
   }
   if constexpr (kPersistent) reset_meeting(meeting, cluster_size, before_departure);
+  if (kStream && ctas_per_item > 1) reset_meeting(meeting, ctas_per_item, before_departure);
   if (kStream || single_cluster) return;
 
   // Level 2. Count this CTA in its rank's counter once all its writes are
@@ -909,7 +924,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       sparse_mla_wgmma_item<kMeeting>(s, p, launch, split, item / launch.groups, item % launch.groups, phases);
     }
   } else if constexpr (kMeeting == Meeting::kWholeItem) {
-    sparse_mla_wgmma_item<kMeeting>(s, p, launch, 0, blockIdx.x / launch.groups, blockIdx.x % launch.groups, phases);
+    const int ctas_per_item = launch.splits / launch.splits_per_cta, item = blockIdx.x / ctas_per_item;
+    sparse_mla_wgmma_item<kMeeting>(s, p, launch, (blockIdx.x % ctas_per_item) * launch.splits_per_cta,
+                                    item / launch.groups, item % launch.groups, phases);
   } else {
     sparse_mla_wgmma_item<kMeeting>(s, p, launch, blockIdx.x, blockIdx.z, blockIdx.y, phases);
   }
@@ -1065,7 +1082,9 @@ namespace {
 
 // When one CTA per item streams the item (Meeting::kWholeItem): kAuto by the
 // item count, kAlways wherever the plan and shapes allow it (benchmark, tests).
-enum class WholeItems { kAuto, kAlways };
+// kAlways: one CTA per item at any m; kGroupedAlways: the fewest splits per
+// CTA (2 or more) that put every item's CTAs on the GPU at once, where any do.
+enum class WholeItems { kAuto, kAlways, kGroupedAlways };
 
 Status launch_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster, WholeItems whole_items,
                         cudaStream_t stream) {
@@ -1090,8 +1109,8 @@ Status launch_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster,
                                 " (at most 16 chunks of 64 entries per CTA)",
                             std::to_string(max_splits));
   }
-  const WgmmaLaunch launch{ceil_div(top_k, kChunkRows), plan.splits, plan.cluster_size,
-                           static_cast<int>(heads / kHeads), static_cast<int>(m * (heads / kHeads))};
+  WgmmaLaunch launch{ceil_div(top_k, kChunkRows), plan.splits, plan.cluster_size, static_cast<int>(heads / kHeads),
+                     static_cast<int>(m * (heads / kHeads))};
   // Many items, one cluster each: one CTA per item streams every split's
   // chunks (one prologue), stores each split's partials at its last chunk and
   // combines them itself (no meeting; about one round of CTAs at m = 128).
@@ -1102,8 +1121,25 @@ Status launch_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster,
   DSA_RETURN_IF_ERROR(residency(plan.cluster_size, &resident, &clusters_at_once));
   const bool many_items = int64_t(launch.items) * 4 >= int64_t(resident) * 3;
   if (plan.clusters == 1 && streamable && (many_items || whole_items == WholeItems::kAlways)) {
+    launch.splits_per_cta = plan.splits;
     return launch_pdl(sparse_mla_wgmma_kernel<Meeting::kWholeItem>, dim3(launch.items), dim3(kThreads), kSharedBytes,
                       stream, sparse_mla_params(a), launch);
+  }
+  // Between: when one CTA per split takes more than one round of the GPU,
+  // each CTA streams several consecutive splits of an item (the fewest that
+  // put every item's CTAs on the GPU at once: 2 to 8 CTAs per item), stores
+  // each split's partials, meets the item's other CTAs at its counter
+  // (cooperative launch: they are resident together) and combines its share.
+  // The same bits: each split's partials come from a fresh start, the
+  // combine is the same in split order.
+  const bool one_round = int64_t(launch.items) * plan.splits <= resident;
+  if (plan.clusters == 1 && streamable && (!one_round || whole_items == WholeItems::kGroupedAlways)) {
+    for (int ctas_per_item = std::min(8, plan.splits / 2); ctas_per_item >= 2; ctas_per_item /= 2) {
+      if (int64_t(launch.items) * ctas_per_item > resident) continue;
+      launch.splits_per_cta = plan.splits / ctas_per_item;
+      return launch_pdl_cooperative(sparse_mla_wgmma_kernel<Meeting::kWholeItem>, dim3(launch.items * ctas_per_item),
+                                    dim3(kThreads), kSharedBytes, stream, sparse_mla_params(a), launch);
+    }
   }
   dim3 grid;
   bool hardware_clusters = false;
@@ -1120,6 +1156,11 @@ Status sparse_mla_wgmma_with_plan(const SparseMlaArgs& a, int max_splits, int ma
 
 Status sparse_mla_wgmma_whole_items(const SparseMlaArgs& a, cudaStream_t stream) {
   return launch_with_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster, WholeItems::kAlways, stream);
+}
+
+Status sparse_mla_wgmma_grouped_splits(const SparseMlaArgs& a, cudaStream_t stream) {
+  return launch_with_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster, WholeItems::kGroupedAlways,
+                          stream);
 }
 
 int sparse_mla_wgmma_max_splits(int top_k, SparseMlaSplits splits) {
