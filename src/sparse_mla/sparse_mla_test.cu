@@ -894,15 +894,16 @@ TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
   // H = 8 (one head group), 64 and 128 (several groups, split clusters).
   // On a 132-SM H200 the 64-head kernel runs H = 64 at m = 8 and H = 128 at
   // m = 4 (8 items) persistent, meeting at counters, and the tokens alone in
-  // hardware clusters: the bits must not depend on which. H = 64 at m = 40
-  // runs 5 items per persistent CTA, of 2 or 3 chunks (K = 2176): the
-  // handover barriers' phases carry from item to item. H = 128 at m = 64
-  // (128 items) runs one CTA per item, every split in turn.
+  // hardware clusters: the bits must not depend on which. H = 64 at m = 20
+  // and 40 runs 4 and 2 CTAs per item, each streaming 4 and 8 consecutive
+  // splits of 2 or 3 chunks (K = 2176); at m = 80, 9 or 10 items per
+  // persistent CTA: the handover barriers' phases carry from item to item.
+  // H = 128 at m = 64 (128 items) runs one CTA per item, every split in turn.
   const std::vector<Case> cases =
       testing::quick_mode()
           ? std::vector<Case>{{4, 4, 300}}
-          : std::vector<Case>{
-                {8, 16, 2176, 125}, {64, 8, 2176, 125}, {128, 4, 2048}, {64, 40, 2176, 125}, {128, 64, 2176, 125}};
+          : std::vector<Case>{{8, 16, 2176, 125},  {64, 8, 2176, 125},  {128, 4, 2048},      {64, 20, 2176, 125},
+                              {64, 40, 2176, 125}, {64, 80, 2176, 125}, {128, 64, 2176, 125}};
   for (const Case& c : cases) {
     const Problem batch = random_problem(c, /*padded=*/false, 3.0f, rng);
     for (const NamedKernel& kernel : kernels_for(c.heads)) {

@@ -13,7 +13,8 @@
 // cluster_size, rank split % cluster_size. The default plan (kLatency): 16
 // splits of two chunks at K = 2048 in one cluster (kThroughput: 8 of four).
 //
-// Launch, three instances of one kernel by Meeting, all giving the same bits:
+// Launch, three instances of one kernel by Meeting, all giving the same bits
+// (kWholeItem in two shapes):
 //  - kClusterBarrier: when the GPU holds every item's clusters at once as
 //    hardware clusters (7 clusters of 16 CTAs on a 132-SM H200: m <= 7 at
 //    H = 64), grid (splits, groups, m) in hardware clusters, one item per
@@ -33,6 +34,12 @@
 //    section 6): no meeting, and m = 128 at H = 64 in one round instead of
 //    16 rounds of 8 items. Each split's partial is computed by the same
 //    instructions from the same fresh state: the same bits.
+//  - kWholeItem, grouped: between (one CTA per split would take more than
+//    one round, too few
+//    items for the above), the same streaming instance with 2 to 8 CTAs per
+//    item, each streaming consecutive splits (the fewest per CTA that put
+//    every item's CTAs on the GPU at once), cooperative: the item's CTAs
+//    meet at its counter, then each combines its share of the units.
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
 // 8 panels of 64 dims, K-major with the 128-byte swizzle (src/core/wgmma.cuh);
@@ -289,8 +296,10 @@ struct HandoverPhases {
 enum class Meeting { kClusterBarrier, kCounter, kWholeItem };
 
 // Work item (token, group) of split `split`, the CTAs meeting as kMeeting
-// says. kWholeItem: one call streams every split's chunks (split 0 passed),
-// storing each split's partials at its last chunk, then combines them all.
+// says. kWholeItem: one call streams launch.splits_per_cta splits from
+// `split` (all of them from split 0 with one CTA per item), storing each
+// split's partials at its last chunk; the item's CTAs meet (when there are
+// several), then each combines its share.
 template <Meeting kMeeting>
 __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const SparseMlaParams& p,
                                                       const WgmmaLaunch& launch, int split, int token, int group,
@@ -901,8 +910,10 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
 // sequence per CTA, so the cluster_size CTAs of a cluster meet on the same
 // item. kClusterBarrier (grid (splits, groups, m) in hardware clusters of
 // cluster_size CTAs along x): CTA (split, group, token) runs that one item.
-// kWholeItem (grid: one CTA per item, one-cluster plans): CTA b streams
-// every split's chunks of item b, then combines.
+// kWholeItem (one-cluster plans; grid: n = splits / splits_per_cta CTAs per
+// item, cooperative when n > 1): CTA b streams splits_per_cta consecutive
+// splits of item b / n from split (b % n) splits_per_cta, then combines its
+// share.
 template <Meeting kMeeting>
 __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_wgmma_kernel(const SparseMlaParams p, const WgmmaLaunch launch) {
