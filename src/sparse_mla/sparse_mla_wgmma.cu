@@ -34,11 +34,10 @@
 //    section 6): no meeting, and m = 128 at H = 64 in one round instead of
 //    16 rounds of 8 items. Each split's partial is computed by the same
 //    instructions from the same fresh state: the same bits.
-//  - kWholeItem, grouped: between (one CTA per split would take more than
-//    one round, too few
-//    items for the above), the same streaming instance with 2 to 8 CTAs per
-//    item, each streaming consecutive splits (the fewest per CTA that put
-//    every item's CTAs on the GPU at once), cooperative: the item's CTAs
+//  - kWholeItem, grouped: between the two (one CTA per split would take
+//    more than one round, too few items for one CTA per item), 2 to 8 CTAs
+//    per item, each streaming consecutive splits (the fewest per CTA that
+//    put every item's CTAs on the GPU at once), cooperative: the item's CTAs
 //    meet at its counter, then each combines its share of the units.
 //
 // Shared memory holds FP16 copies of the group's q and of two chunks, each as
