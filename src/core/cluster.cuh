@@ -3,6 +3,8 @@
 // CTA of the cluster executes them (.aligned).
 #pragma once
 
+#include <cstdint>
+
 namespace dsa {
 
 // Arrives without ordering this thread's earlier memory accesses: "this CTA
@@ -14,5 +16,17 @@ __device__ __forceinline__ void cluster_arrive_release() {
 }
 // Waits for every thread of the cluster to arrive; acquires what they released.
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+// The address in the shared memory of the cluster's CTA `rank` that
+// `address` (this CTA's shared memory) has in this CTA.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t address, int rank) {
+  uint32_t mapped;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(mapped) : "r"(address), "r"(rank));
+  return mapped;
+}
+// Stores into a cluster peer's shared memory (an address from cluster_map).
+__device__ __forceinline__ void cluster_store(uint32_t mapped, float value) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(mapped), "f"(value) : "memory");
+}
 
 }  // namespace dsa

@@ -165,6 +165,11 @@ struct alignas(1024) SharedStorage {
   int ends_split[kMaxStreamChunks];
   float split_max[2][kHeads], split_sum[2][kHeads];
   int combines_clusters;                             // level 2: this CTA arrived last for its rank
+  // kClusterBarrier: the (max, sum) of the heads this CTA combines, from each
+  // rank of its cluster, pushed before the meeting: [max, sum][rank r's heads
+  // first_local_head.. at r * local_heads], so that the coefficients need no
+  // round trip to L2 after it.
+  float peer_stats[2][kHeads];
 };
 // After the chunk loop the combine's coefficients overlay the q tile.
 static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kMaxClusterSize * kHeads, "coefficients");
@@ -497,11 +502,21 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       }
     }
     if (warpgroup == 0 && c == 0) {
-      float* const stats = split_stats(split_r);
+      if constexpr (kMeeting == Meeting::kClusterBarrier) {  // into the shared memory of the head's combining rank
+        const int heads_per_rank = kHeads / cluster_size;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        stats[16 * warp + g + 8 * r] = final_max[r];
-        stats[kHeads + 16 * warp + g + 8 * r] = final_sum[r];
+        for (int r = 0; r < 2; ++r) {
+          const int head = 16 * warp + g + 8 * r, slot = rank * heads_per_rank + head % heads_per_rank;
+          cluster_store(cluster_map(shared_address(&s.peer_stats[0][slot]), head / heads_per_rank), final_max[r]);
+          cluster_store(cluster_map(shared_address(&s.peer_stats[1][slot]), head / heads_per_rank), final_sum[r]);
+        }
+      } else {
+        float* const stats = split_stats(split_r);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          stats[16 * warp + g + 8 * r] = final_max[r];
+          stats[kHeads + 16 * warp + g + 8 * r] = final_sum[r];
+        }
       }
     }
   };
@@ -672,6 +687,9 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
         run_sum[r] = s.final_sum[16 * warp + g + 8 * r];
       }
     }
+    // Every CTA of the cluster has started (its arrive at the kernel's start):
+    // its shared memory may receive statistics.
+    if constexpr (kMeeting == Meeting::kClusterBarrier) cluster_wait();
     store_partials(split, run_max, run_sum);
   } else {
     // Splits without a valid entry: the partials their own CTA would store
@@ -786,9 +804,14 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   coefficients(
       cluster_size, single_cluster ? k_scale : 1.0f,
       [&](int r, int h, float* part_max, float* part_sum) {
-        const float* stats = split_stats(cluster_index * cluster_size + r);
-        *part_max = __ldcg(stats + h);
-        *part_sum = __ldcg(stats + kHeads + h);
+        if constexpr (kMeeting == Meeting::kClusterBarrier) {
+          *part_max = s.peer_stats[0][r * local_heads + h - first_local_head];
+          *part_sum = s.peer_stats[1][r * local_heads + h - first_local_head];
+        } else {
+          const float* stats = split_stats(cluster_index * cluster_size + r);
+          *part_max = __ldcg(stats + h);
+          *part_sum = __ldcg(stats + kHeads + h);
+        }
       },
       [&](int h, float total_max, float total_sum) {
         if (single_cluster) {
@@ -938,6 +961,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     sparse_mla_wgmma_item<kMeeting>(s, p, launch, (blockIdx.x % ctas_per_item) * launch.splits_per_cta,
                                     item / launch.groups, item % launch.groups, phases);
   } else {
+    cluster_arrive_relaxed();  // this CTA has started: peers may push statistics into its shared memory
     sparse_mla_wgmma_item<kMeeting>(s, p, launch, blockIdx.x, blockIdx.z, blockIdx.y, phases);
   }
 }
