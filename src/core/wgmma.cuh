@@ -67,6 +67,17 @@ __device__ __forceinline__ void wait_group() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
 
+// Pins accumulator registers at this point of the program. The mma asm
+// statements name the accumulators, the fence / commit / wait ones do not,
+// so without it the compiler could move a read or write of an accumulator
+// across the wait that completes the wgmma writing it. Used right before a
+// batch is issued and right after the wait that completes it.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 // Accumulator element i of thread t (0..127) of an m64nN f32 result: row
 // 16 (t / 32) + (t % 32) / 4 + 8 ((i / 2) % 2), column 8 (i / 4) + 2 (t % 4) + i % 2.
 __host__ __device__ constexpr int accumulator_row(int thread, int i) {

@@ -532,6 +532,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       float score[32];  // S [64 heads x 64 entries]: head 16 warp + g + 8 ((e / 2) % 2), entry 8 (e / 4) + 2 c + e % 2
 #pragma unroll
       for (int e = 0; e < 32; ++e) score[e] = 0.0f;
+      wgmma::fence_operands(score);
       wgmma::fence();
 #pragma unroll
       for (int step = 0; step < kLatent / 16; ++step) {
@@ -541,6 +542,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       }
       wgmma::commit_group();
       wgmma::wait_group<0>();
+      wgmma::fence_operands(score);
 
       // Scores and the chunk max per head: the quad of lanes c = 0..3 holds a head's 64 entries.
       const uint64_t valid = s.valid_rows[chunk];
@@ -602,6 +604,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
 #pragma unroll
       for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
       // O_left += P V[:, 0:256]: V is the tile read N-major.
+      wgmma::fence_operands(out);
       wgmma::fence();
 #pragma unroll
       for (int t = 0; t < kChunkRows / 16; ++t) {
@@ -610,6 +613,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       }
       wgmma::commit_group();
       wgmma::wait_group<0>();
+      wgmma::fence_operands(out);
       if (kStream && s.ends_split[i]) {  // the split is done: its partials, then a fresh start
         store_partials(s.chunk_split[i], run_max, run_sum);
 #pragma unroll
@@ -649,6 +653,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
 #pragma unroll
       for (int e = 0; e < 128; ++e) out[e] *= (e / 2) % 2 ? rescale1 : rescale0;
       const uint32_t p_tile = shared_address(s.p_tiles[i % 2]);
+      wgmma::fence_operands(out);
       wgmma::fence();
 #pragma unroll
       for (int t = 0; t < kChunkRows / 16; ++t) {
@@ -663,6 +668,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
         load_ahead(i);
       }
       wgmma::wait_group<0>();
+      wgmma::fence_operands(out);
       if (ends_split(i)) {  // the split is done: its partials, then a fresh start
         float split_max[2], split_sum[2];
 #pragma unroll
