@@ -419,11 +419,11 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       const int row = chunk * kChunkRows + piece_row<kConverters>(k);
       if constexpr (kStream) {
         const uint32_t offset16 = s.row_offset16[row];
-        pieces[k] =
-            offset16 != kNoRow ? load_streaming(p.cache + int64_t(offset16) * 16 + piece * 16) : make_uint4(0, 0, 0, 0);
+        pieces[k] = offset16 != kNoRow ? load_streaming_evict_first(p.cache + int64_t(offset16) * 16 + piece * 16)
+                                       : make_uint4(0, 0, 0, 0);
       } else {
         const int64_t offset = s.row_offset[row];
-        pieces[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
+        pieces[k] = offset >= 0 ? load_streaming_evict_first(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
       }
     }
   };
@@ -854,7 +854,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
 #pragma unroll
         for (int r = 0; r < kMaxClusterSize; ++r) {
           if (r < cluster_size) {
-            values[a][r] = __ldcg(split_values(r) + first_unit * kUnitSlots + first_item + a * kThreads);
+            values[a][r] = load_l2_last_use(split_values(r) + first_unit * kUnitSlots + first_item + a * kThreads);
           }
         }
       }
@@ -877,8 +877,9 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       const int h = (first_unit + i) / (kLatent / kUnitDims);
       float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       for (int r = 0; r < cluster_size; ++r) {
-        add_rank(total, coefficient[r][h - first_local_head],
-                 __ldcg(split_values(cluster_index * cluster_size + r) + (first_unit + i) * kUnitSlots + slot));
+        add_rank(
+            total, coefficient[r][h - first_local_head],
+            load_l2_last_use(split_values(cluster_index * cluster_size + r) + (first_unit + i) * kUnitSlots + slot));
       }
       if (single_cluster) {
         write_latent(item, total);
