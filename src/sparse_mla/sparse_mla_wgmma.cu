@@ -386,28 +386,36 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
 
   __syncthreads();  // row offsets and masks
-  // Every thread walks the masks for the first two chunks with a valid entry
-  // (its first loads); thread 0 lists them all for the loop.
-  // kWholeItem: thread 0 also notes each listed chunk's split (chunk c is
-  // in split ((c + 1) S - 1) / C: splits take chunks [s C / S, (s + 1) C / S))
-  // and whether it is the last listed chunk of that split.
+  // The chunks with a valid entry: bit c of `listed`, from two ballots over
+  // the masks in every warp (a CTA has at most 36 chunks), so that every
+  // thread knows the first two (its first loads) and warp 0 lists them all
+  // for the loop, one lane per chunk; a serial walk by one thread took
+  // microseconds over a whole item's 32 chunks.
+  // kWholeItem: each listed chunk's split (chunk c is in split
+  // ((c + 1) S - 1) / C: splits take chunks [s C / S, (s + 1) C / S)) and
+  // whether it is the last listed chunk of that split.
+  static_assert(kMaxStreamChunks <= 64 && kMaxChunks <= 64, "a 64-bit mask of chunks");
   auto split_of = [&](int chunk) { return ((first_chunk_here + chunk + 1) * splits - 1) / total_chunks; };
-  int chunk_count = 0, first_chunk = 0, second_chunk = 0;
-  for (int chunk = 0; chunk < chunks; ++chunk) {
-    if (s.valid_rows[chunk] == 0) continue;
-    if (chunk_count == 0) first_chunk = chunk;
-    if (chunk_count == 1) second_chunk = chunk;
-    if (threadIdx.x == 0) {
-      s.chunk_list[chunk_count] = chunk;
+  const bool low_listed = lane < chunks && s.valid_rows[lane] != 0;
+  const bool high_listed = lane + 32 < chunks && s.valid_rows[lane + 32] != 0;
+  const uint64_t listed =
+      uint64_t(__ballot_sync(0xFFFFFFFFu, low_listed)) | (uint64_t(__ballot_sync(0xFFFFFFFFu, high_listed)) << 32);
+  const int chunk_count = __popcll(listed);
+  const int first_chunk = chunk_count > 0 ? __ffsll(static_cast<long long>(listed)) - 1 : 0;
+  const int second_chunk = chunk_count > 1 ? __ffsll(static_cast<long long>(listed & (listed - 1))) - 1 : 0;
+  if (threadIdx.x < 32) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int chunk = lane + 32 * half;
+      if (((listed >> chunk) & 1) == 0) continue;
+      const int index = __popcll(listed & ((uint64_t(1) << chunk) - 1));
+      s.chunk_list[index] = chunk;
       if constexpr (kStream) {
-        s.chunk_split[chunk_count] = split_of(chunk);
-        s.ends_split[chunk_count] = 1;
-        if (chunk_count > 0 && s.chunk_split[chunk_count - 1] == s.chunk_split[chunk_count]) {
-          s.ends_split[chunk_count - 1] = 0;
-        }
+        const uint64_t later = chunk == 63 ? 0 : listed & ~((uint64_t(2) << chunk) - 1);  // listed after this one
+        s.chunk_split[index] = split_of(chunk);
+        s.ends_split[index] = later == 0 || split_of(__ffsll(static_cast<long long>(later)) - 1) != split_of(chunk);
       }
     }
-    ++chunk_count;
   }
   // This thread's pieces of `chunk` (zeros for invalid rows: a NaN code left
   // in the tile would turn p = 0 into NaN in P.V); pieces[k]: row
