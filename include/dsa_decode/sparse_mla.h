@@ -87,11 +87,11 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // the GPU (batch invariant); the two choices give different bits (another
 // division of the sums). kThroughput halves the splits: more entries per CTA
 // and half the partials to store and combine, slower for small batches and
-// faster for large ones. H200, K = 2048, H = 64 (bd3598d, graph replay):
-// kLatency 13.59 / 15.46 / 29.66 / 117.48 / 172.00 us at m = 1 / 8 / 16 /
-// 64 / 128, kThroughput 17.68 / 18.71 / 20.86 / 80.31 / 137.84 (249 TFLOPS
-// at m = 128 against 200); H = 8 (the 8-head kernel): kLatency 14.01 /
-// 14.98 / 28.91 us at m = 1 / 8 / 16, kThroughput 22.52 / 23.25 / 23.52
+// faster for large ones. H200, K = 2048, H = 64 (edccc88, graph replay):
+// kLatency 12.82 / 15.61 / 25.49 / 84.58 / 164.82 us at m = 1 / 8 / 16 /
+// 64 / 128, kThroughput 16.52 / 18.43 / 20.76 / 67.91 / 135.20 (254 TFLOPS
+// at m = 128 against 209); H = 8 (the 8-head kernel): kLatency 13.97 /
+// 14.94 / 28.86 us at m = 1 / 8 / 16, kThroughput 22.59 / 23.22 / 23.49
 // (docs/sparse_mla.md). An engine that serves large batches chooses
 // kThroughput once, for all its steps.
 enum class SparseMlaSplits : int32_t {

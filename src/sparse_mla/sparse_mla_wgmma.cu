@@ -2,7 +2,7 @@
 // sparse_mla runs when H is a multiple of 64 (the served models at TP1 and
 // TP2). The contract is in include/dsa_decode/sparse_mla.h; the design and
 // the measurements in docs/sparse_mla.md ("The 64-head kernel", then "v10"
-// to "v11.1").
+// to "v12").
 //
 // Work split (a function of K and SparseMlaArgs::splits only, never of m:
 // sparse_mla_wgmma_splits of sparse_mla_wgmma_max_splits): split `split`
