@@ -44,20 +44,6 @@ __device__ __forceinline__ uint4 load_streaming(const void* global) {
   return v;
 }
 
-// As load_streaming, and the line is the first L2 evicts (an evict_first
-// policy): for data read once, so that it does not push out data the same
-// launch reads back (a policy made per load: no register held for it).
-__device__ __forceinline__ uint4 load_streaming_evict_first(const void* global) {
-  uint4 v;
-  asm volatile(
-      "{\n.reg .b64 policy;\n"
-      "createpolicy.fractional.L2::evict_first.b64 policy, 1.0;\n"
-      "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], policy;\n}"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(global));
-  return v;
-}
-
 // 16 bytes read through L2 (ld.global.cg) for the last time: the line may go
 // first (evict_first), so that dead data does not push out live data.
 __device__ __forceinline__ uint4 load_l2_last_use(const uint4* global) {

@@ -427,11 +427,11 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       const int row = chunk * kChunkRows + piece_row<kConverters>(k);
       if constexpr (kStream) {
         const uint32_t offset16 = s.row_offset16[row];
-        pieces[k] = offset16 != kNoRow ? load_streaming_evict_first(p.cache + int64_t(offset16) * 16 + piece * 16)
+        pieces[k] = offset16 != kNoRow ? load_streaming(p.cache + int64_t(offset16) * 16 + piece * 16)
                                        : make_uint4(0, 0, 0, 0);
       } else {
         const int64_t offset = s.row_offset[row];
-        pieces[k] = offset >= 0 ? load_streaming_evict_first(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
+        pieces[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
       }
     }
   };
