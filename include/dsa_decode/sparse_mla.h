@@ -87,11 +87,11 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // the GPU (batch invariant); the two choices give different bits (another
 // division of the sums). kThroughput halves the splits: more entries per CTA
 // and half the partials to store and combine, slower for small batches and
-// faster for large ones. H200, K = 2048, H = 64 (edccc88, graph replay):
-// kLatency 12.82 / 15.61 / 25.49 / 84.58 / 164.82 us at m = 1 / 8 / 16 /
-// 64 / 128, kThroughput 16.52 / 18.43 / 20.76 / 67.91 / 135.20 (254 TFLOPS
-// at m = 128 against 209); H = 8 (the 8-head kernel): kLatency 13.97 /
-// 14.94 / 28.86 us at m = 1 / 8 / 16, kThroughput 22.59 / 23.22 / 23.49
+// faster for large ones. H200, K = 2048, H = 64 (6f7081b, graph replay):
+// kLatency 13.14 / 15.44 / 25.04 / 83.48 / 160.32 us at m = 1 / 8 / 16 /
+// 64 / 128, kThroughput 16.95 / 18.06 / 21.10 / 66.64 / 129.96 (264 TFLOPS
+// at m = 128 against 214); H = 8 (the 8-head kernel): kLatency 14.02 /
+// 15.02 / 28.88 us at m = 1 / 8 / 16, kThroughput 22.56 / 23.28 / 23.49
 // (docs/sparse_mla.md). An engine that serves large batches chooses
 // kThroughput once, for all its steps.
 enum class SparseMlaSplits : int32_t {
