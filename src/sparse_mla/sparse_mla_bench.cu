@@ -15,6 +15,14 @@
 // caches pass through L2 between two calls of one layer. q and the indices stay
 // in L2: in the decode chain they are written by the launches just before
 // (absorb, indexer).
+//
+// Draft pairs (rows "..., draft pairs"): with speculative decoding the
+// tokens of a request attend to nearly the same entries (m = 128 is 64
+// requests x 2 draft tokens), which the distinct rows above never model:
+// tokens 2j and 2j + 1 share kPairShared of their K rows (the second's
+// order shuffled), so a row one token brings into L2 may serve its sibling.
+// The rotations count the distinct rows, so every launch still reads its
+// rows from device memory once.
 #include <algorithm>
 #include <numeric>
 #include <random>
@@ -33,6 +41,7 @@ constexpr int kTopK = 2048;
 constexpr int kBlockSize = 256;  // served glm5next cache blocks
 constexpr int kMinCacheSlots = 65536;
 constexpr float kSoftmaxScale = 0.0625f;  // glm5next: 256^-0.5
+constexpr double kPairShared = 0.9;       // draft pairs: the share of a token's rows its sibling reads too
 
 __device__ __forceinline__ uint64_t mix64(uint64_t x) {
   x ^= x >> 30;
@@ -96,11 +105,15 @@ struct Buffers {
   size_t indices_per_rotation = 0;
 };
 
-Status make_buffers(const Context& ctx, const Problem& p, Buffers* b) {
+// draft_pairs: tokens 2j and 2j + 1 share kPairShared of their rows (m even).
+Status make_buffers(const Context& ctx, const Problem& p, Buffers* b, bool draft_pairs = false) {
   const size_t rows = size_t(p.m) * kTopK;
+  const size_t shared_rows = draft_pairs ? static_cast<size_t>(kPairShared * kTopK) : 0;  // per pair
+  const size_t distinct_rows = rows - size_t(p.m / 2) * shared_rows;
   // Not cold_copies: its cap of 64 is for inputs copied whole; here only the
   // small index rows are per rotation, and m = 1 needs ~120 regions of 1 MB.
-  b->rotations = std::max(1, static_cast<int>((2 * ctx.l2_bytes + rows * kLatent - 1) / (rows * kLatent)));
+  b->rotations =
+      std::max(1, static_cast<int>((2 * ctx.l2_bytes + distinct_rows * kLatent - 1) / (distinct_rows * kLatent)));
   const size_t slots = std::max<size_t>(kMinCacheSlots, rows * b->rotations);
   b->blocks = static_cast<int64_t>((slots + kBlockSize - 1) / kBlockSize);
   const size_t cache_bytes = size_t(b->blocks) * kBlockSize * kLatent;
@@ -111,7 +124,9 @@ Status make_buffers(const Context& ctx, const Problem& p, Buffers* b) {
   DSA_RETURN_IF_ERROR(fill_random_e4m3(b->q.get(), q_bytes, 2, ctx.stream));
 
   // Region r = slots [r * rows, (r + 1) * rows), permuted: token t of rotation r
-  // reads slots perm_r[t * K .. (t + 1) * K).
+  // reads slots perm_r[t * K .. (t + 1) * K). Draft pairs: then token 2j + 1
+  // reads the first shared_rows of token 2j's slots instead of its own first
+  // ones, in another order.
   b->indices_per_rotation = rows;
   std::vector<int32_t> indices(rows * b->rotations);
   std::mt19937_64 rng(3);
@@ -119,6 +134,12 @@ Status make_buffers(const Context& ctx, const Problem& p, Buffers* b) {
     int32_t* region = indices.data() + size_t(r) * rows;
     std::iota(region, region + rows, static_cast<int32_t>(size_t(r) * rows));
     std::shuffle(region, region + rows, rng);
+    for (int j = 0; draft_pairs && 2 * j + 1 < p.m; ++j) {
+      int32_t* first = region + size_t(2 * j) * kTopK;
+      int32_t* second = first + kTopK;
+      std::copy(first, first + shared_rows, second);
+      std::shuffle(second, second + kTopK, rng);
+    }
   }
   DSA_RETURN_IF_ERROR(b->indices.allocate(indices.size() * sizeof(int32_t)));
   DSA_CUDA_RETURN(cudaMemcpy(b->indices.get(), indices.data(), indices.size() * sizeof(int32_t),
@@ -238,6 +259,33 @@ Status run(Context& ctx, Report& report) {
       Row row{"launch floor (empty kernel, sparse_mla's launch)", params, us, "", 0, 0};
       row.note = "no work: the default plan's grid, 256 threads and shared memory, with PDL, cooperative";
       report.add(row);
+    }
+    if (wgmma && (p.m == 16 || p.m == 128)) {  // the served batches with their draft tokens' shared rows
+      Buffers pairs;
+      DSA_RETURN_IF_ERROR(make_buffers(ctx, p, &pairs, /*draft_pairs=*/true));
+      const std::string pair_regions = std::to_string(pairs.rotations) + " KV regions of " +
+                                       std::to_string(p.m * kTopK) + " rows, tokens 2j and 2j + 1 sharing " +
+                                       std::to_string(static_cast<int>(kPairShared * 100)) + "% of theirs";
+      for (const SparseMlaSplits splits : {SparseMlaSplits::kLatency, SparseMlaSplits::kThroughput}) {
+        double us = 0;
+        DSA_RETURN_IF_ERROR(time_rows(
+            ctx, p, pairs,
+            [splits](SparseMlaArgs a, cudaStream_t stream) {
+              a.splits = splits;
+              return sparse_mla(a, stream);
+            },
+            &us));
+        const bool latency = splits == SparseMlaSplits::kLatency;
+        Row row{latency ? "sparse_mla (draft pairs)" : "sparse_mla (throughput splits, draft pairs)",
+                params,
+                us,
+                "sparse_mla_simple",
+                simple_us,
+                floor};
+        row.tflops = flops(p) / (us * 1e-6) / 1e12;
+        row.note = (latency ? "as sparse_mla; " : "as sparse_mla (throughput splits); ") + pair_regions;
+        report.add(row);
+      }
     }
     // Other plans than the default (16 splits in one cluster of 16): 32
     // (one chunk per CTA) in clusters of 16 and of 8, 16 in clusters of 8
