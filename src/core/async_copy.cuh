@@ -1,6 +1,7 @@
 // Shared-memory addresses, the async-copy (LDGSTS) primitives the kernels
 // that stage global data in shared memory use (head_gemv's weight slabs and
-// sparse_mla's gathered cache rows), and the streaming load of data read once.
+// sparse_mla's gathered cache rows), the streaming load of data read once,
+// and an L2 load of data read for the last time.
 #pragma once
 
 #include <cstdint>

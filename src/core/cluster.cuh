@@ -1,6 +1,7 @@
-// Thread-block cluster barrier halves (sm_90), for the kernels that combine
-// split-K partials through distributed shared memory. Every thread of every
-// CTA of the cluster executes them (.aligned).
+// Thread-block cluster primitives (sm_90), for the kernels that combine
+// split-K partials across a cluster: the barrier halves, which every thread
+// of every CTA of the cluster executes (.aligned), and a store into a peer
+// CTA's shared memory (distributed shared memory), which any thread may do.
 #pragma once
 
 #include <cstdint>

@@ -896,7 +896,7 @@ TEST(SparseMlaGpu, RepeatedRunsAndBatchesGiveTheSameBits) {
   // m = 4 (8 items) persistent, meeting at counters, and the tokens alone in
   // hardware clusters: the bits must not depend on which. H = 64 at m = 20
   // and 40 runs 4 and 2 CTAs per item, each streaming 4 and 8 consecutive
-  // splits of 2 or 3 chunks (K = 2176); at m = 80, 9 or 10 items per
+  // splits of 2 or 3 chunks (K = 2176); at m = 80, 10 items per
   // persistent CTA: the handover barriers' phases carry from item to item.
   // H = 128 at m = 64 (128 items) runs one CTA per item, every split in turn.
   const std::vector<Case> cases =

@@ -67,8 +67,10 @@
 //    chunk i + 2. Chunk 1 goes into tile 1, free from the start, under chunk
 //    0's S.
 // Combine, level 1 (inside a cluster): each split stores its partial O
-// divided by its sum (FP16) and its (max, sum) per head into its slot of
-// split_partials (global memory, read back through L2); rank k of the
+// divided by its sum (FP16) into its slot of split_partials (global memory,
+// read back through L2) and its (max, sum) per head there too, or, with
+// hardware clusters, into the shared memory of the rank that combines that
+// head (distributed shared memory, before the cluster barrier); rank k of the
 // cluster owns units [k U / n, (k + 1) U / n) of the group's U = 256 quarter
 // heads (128 dims each), n the cluster size. After the cluster's meeting
 // (release / acquire: at cluster scope by the cluster barrier, at GPU scope by
@@ -258,16 +260,17 @@ struct WgmmaLaunch {
   int splits_per_cta = 1;
 };
 
-// Level 1's meeting of the cluster_size CTAs of one cluster, through its
-// counter in split_counters: each arrives (releasing its partials, which all
-// its threads have stored before the barrier), waits for all to arrive, and
-// departs; the last to depart finds the counter at 2 cluster_size - 1 and
-// returns it to zero (CTAs that have departed no longer read it). The CTAs
-// of a cluster are resident together (a cooperative launch of at most the
-// CTAs the GPU holds at once), so the wait ends. Returns (to thread 0) the
-// counter before this CTA's departure, for reset_meeting after the combine:
-// reading it here would put the add's round trip before the combine.
-__device__ __forceinline__ int meet(int* counter, int cluster_size) {
+// Level 1's meeting of `ctas` CTAs (the CTAs of one cluster, or the CTAs
+// of one item in the grouped stream) through their counter in
+// split_counters: each arrives (releasing its partials, which all its
+// threads have stored before the barrier), waits for all to arrive, and
+// departs; the last to depart finds the counter at 2 ctas - 1 and returns it
+// to zero (CTAs that have departed no longer read it). The CTAs are
+// resident together (a cooperative launch of at most the CTAs the GPU holds
+// at once), so the wait ends. Returns (to thread 0) the counter before this
+// CTA's departure, for reset_meeting after the combine: reading it here
+// would put the add's round trip before the combine.
+__device__ __forceinline__ int meet(int* counter, int ctas) {
   __syncthreads();  // this CTA's partials are stored
   int before_departure = 0;
   if (threadIdx.x == 0) {
@@ -276,14 +279,14 @@ __device__ __forceinline__ int meet(int* counter, int cluster_size) {
     int arrived;
     do {
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(arrived) : "l"(counter) : "memory");
-    } while (arrived < cluster_size);
+    } while (arrived < ctas);
     before_departure = atomicAdd(counter, 1);
   }
   __syncthreads();  // the peers' partials, acquired by thread 0, for every thread
   return before_departure;
 }
-__device__ __forceinline__ void reset_meeting(int* counter, int cluster_size, int before_departure) {
-  if (threadIdx.x == 0 && before_departure == 2 * cluster_size - 1) atomicExch(counter, 0);
+__device__ __forceinline__ void reset_meeting(int* counter, int ctas, int before_departure) {
+  if (threadIdx.x == 0 && before_departure == 2 * ctas - 1) atomicExch(counter, 0);
 }
 
 // The handover's counts in this CTA before the current item (they continue
@@ -294,9 +297,10 @@ struct HandoverPhases {
 };
 
 // How the CTAs of one (token, group) item reach its combine: the hardware
-// cluster's barrier, a counter in split_counters (persistent launch), or not
-// at all: one CTA runs every split of the item (one cluster), storing each
-// split's partials, and combines them itself after the last.
+// cluster's barrier, a counter in split_counters (persistent launch), or, in
+// the stream (one cluster), not at all when one CTA runs every split of the
+// item and combines them itself after the last, else at the item's counter
+// (the grouped stream: several CTAs of consecutive splits).
 enum class Meeting { kClusterBarrier, kCounter, kWholeItem };
 
 // Work item (token, group) of split `split`, the CTAs meeting as kMeeting
@@ -386,14 +390,15 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
 
   __syncthreads();  // row offsets and masks
-  // The chunks with a valid entry: bit c of `listed`, from two ballots over
-  // the masks in every warp (a CTA has at most 36 chunks), so that every
-  // thread knows the first two (its first loads) and warp 0 lists them all
-  // for the loop, one lane per chunk; a serial walk by one thread took
-  // microseconds over a whole item's 32 chunks.
-  // kWholeItem: each listed chunk's split (chunk c is in split
-  // ((c + 1) S - 1) / C: splits take chunks [s C / S, (s + 1) C / S)) and
-  // whether it is the last listed chunk of that split.
+  // The chunks with a valid entry: bit n of `listed` for this CTA's chunk n,
+  // from two ballots over the masks in every warp (a CTA has at most 36
+  // chunks), so that every thread knows the first two (its first loads) and
+  // warp 0 lists them all for the loop, one lane per chunk; a serial walk by
+  // one thread took microseconds over a whole item's 32 chunks.
+  // kWholeItem: each listed chunk's split (the CTA's chunk n is the item's
+  // chunk first_chunk_here + n, in split ((first_chunk_here + n + 1) S - 1) / C:
+  // splits take chunks [s C / S, (s + 1) C / S)) and whether it is the last
+  // listed chunk of that split.
   static_assert(kMaxStreamChunks <= 64 && kMaxChunks <= 64, "a 64-bit mask of chunks");
   auto split_of = [&](int chunk) { return ((first_chunk_here + chunk + 1) * splits - 1) / total_chunks; };
   const bool low_listed = lane < chunks && s.valid_rows[lane] != 0;
@@ -427,8 +432,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       const int row = chunk * kChunkRows + piece_row<kConverters>(k);
       if constexpr (kStream) {
         const uint32_t offset16 = s.row_offset16[row];
-        pieces[k] = offset16 != kNoRow ? load_streaming(p.cache + int64_t(offset16) * 16 + piece * 16)
-                                       : make_uint4(0, 0, 0, 0);
+        pieces[k] =
+            offset16 != kNoRow ? load_streaming(p.cache + int64_t(offset16) * 16 + piece * 16) : make_uint4(0, 0, 0, 0);
       } else {
         const int64_t offset = s.row_offset[row];
         pieces[k] = offset >= 0 ? load_streaming(p.cache + offset + piece * 16) : make_uint4(0, 0, 0, 0);
@@ -456,17 +461,19 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   for (int e = 0; e < 128; ++e) out[e] = 0.0f;
   float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // heads 16 warp + g + 8 r
 
-  // Level 1, push through global memory (L2): measured faster than into the
-  // owners' shared memory (distributed shared memory moved ~25 GB/s per SM),
-  // and the CTA's tiles stay its own, so no barrier before the push. The
+  // Level 1, the values pushed through global memory (L2): measured faster
+  // than into the owners' shared memory (distributed shared memory moved ~25
+  // GB/s per SM), and the CTA's tiles stay its own, so no barrier before the
+  // push (only the statistics, 512 bytes, go through distributed shared
+  // memory with hardware clusters, once every CTA has started). The
   // combine's unit is a quarter of a head's output (128 dims): rank k owns
   // units [k U / n, (k + 1) U / n) of the group's U = 256 (n = cluster_size,
   // a power of two). A thread's accumulators cover 4 units (2 heads x 2
   // quarters), 32 values each: divided by its sum, in FP16 (|O / sum| <= 448,
   // the largest code; relative rounding 2^-11), 4 16-byte stores per unit
   // into this split's slot of split_partials.
-  // Units per CTA that combines: one rank's share, or all of them when one
-  // CTA runs the whole item.
+  // Units per CTA that combines: kUnits / ctas_per_item (one rank's share;
+  // all of them when one CTA runs the whole item).
   const int share = kUnits / ctas_per_item;
   auto group_index = [&] { return int64_t(token) * launch.groups + group; };
   auto split_values = [&](int split_r) {  // [unit][slot] of split split_r of this (token, group)
@@ -724,8 +731,9 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   }
 
   // Every split of the cluster has pushed; the meeting's release / acquire
-  // (kWholeItem: a fence) makes the pushes visible (read below through L2,
-  // ld.global.cg).
+  // (the cluster barrier, or a counter; with one CTA per item a fence) makes
+  // the pushes visible (the values read below through L2, ld.global.cg; with
+  // hardware clusters the statistics from this CTA's shared memory).
   // Read again (in L2 since the item's start) under the meeting: held through
   // the item, it spilled in the persistent instance.
   const float k_scale = *p.k_scale;
@@ -1129,8 +1137,9 @@ Status launch_wgmma(void (*clustered)(KernelArgs...), void (*persistent)(KernelA
 
 namespace {
 
-// When one CTA per item streams the item (Meeting::kWholeItem): kAuto by the
-// item count, kAlways wherever the plan and shapes allow it (benchmark, tests).
+// When CTAs stream consecutive splits (Meeting::kWholeItem): kAuto by the
+// item count (one CTA per item with many items, the grouped stream where one
+// CTA per split takes more than one round); for the benchmark and tests,
 // kAlways: one CTA per item at any m; kGroupedAlways: the fewest splits per
 // CTA (2 or more) that put every item's CTAs on the GPU at once, where any do.
 enum class WholeItems { kAuto, kAlways, kGroupedAlways };
