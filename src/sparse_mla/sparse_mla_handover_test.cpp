@@ -6,6 +6,11 @@
 // waits forever; with k - 1 it takes the open phase for a completed one and
 // does not wait) and that the CTA never deadlocks. The steps mirror the chunk loops of sparse_mla_wgmma_item
 // (sparse_mla_wgmma.cu); the P barriers come from the kernel's own mapping.
+// The steps also name the double buffers each warpgroup writes and reads
+// (the chunk tiles, and P with its rescale and split statistics: slot i % 2
+// for the item's chunk i; chunks are numbered over the CTA, and items are
+// apart by CTA barriers): a write of chunk n must come after every read of
+// chunk n - 2, which used the same slot, and a read after the chunk's write.
 #include "sparse_mla/sparse_mla_handover.h"
 
 #include <gtest/gtest.h>
@@ -23,37 +28,65 @@ namespace {
 
 constexpr int kTileReady = 2;  // barriers 0 and 1: p_ready
 
+enum Buffer { kTile, kP };  // tiles[i % 2]; p_tiles, rescale, split_max / split_sum [i % 2]
+
 struct Step {
-  enum Kind { kArrive, kWait, kItemEnd } kind;
-  int barrier = 0;
-  int phase = 0;  // kWait: the phase it waits for
+  enum Kind { kArrive, kWait, kCtaBarrier, kWrite, kRead } kind;
+  int barrier = 0;  // kArrive, kWait; kWrite, kRead: the Buffer
+  int phase = 0;    // kWait: the phase it waits for; kWrite, kRead: the CTA's chunk
 };
 using Program = std::vector<Step>;
 using PMapping = std::function<HandoverPhase(int chunk)>;
 // How the CTA counts tile_ready's phases from item to item: one per chunk
 // after an item's first (the kernel), or one per chunk (1532db7's bug).
 enum class TilePhases { kPerChunkAfterFirst, kPerChunk };
+// When warpgroup 1 converts chunk i + 1 (i >= 1): after waiting for P of
+// chunk i (the kernel), or before, with no wait (a hazard the checker finds).
+enum class Conversion { kAfterP, kUnguarded };
 
 // Warpgroup 0 (S, softmax, P, O_left) and warpgroup 1 (conversion, O_right)
-// over items of the given chunk counts; items end at a CTA barrier.
+// over items of the given chunk counts. An item starts with both converting
+// its first chunk and a CTA barrier, and ends at a CTA barrier.
 std::pair<Program, Program> handover_programs(const std::vector<int>& chunks_per_item, const PMapping& p_of,
-                                              TilePhases tile_phases = TilePhases::kPerChunkAfterFirst) {
+                                              TilePhases tile_phases = TilePhases::kPerChunkAfterFirst,
+                                              Conversion conversion = Conversion::kAfterP) {
   Program wg0, wg1;
   int chunks_before = 0, tile_phases_before = 0;
   for (const int chunks : chunks_per_item) {
-    for (int i = 0; i < chunks; ++i) {  // warpgroup 0: tile i waited (tile 0 by the prologue), then P arrives
+    for (Program* program : {&wg0, &wg1}) {  // the prologue: tile 0 by every thread, then a CTA barrier
+      if (chunks > 0) program->push_back({Step::kWrite, kTile, chunks_before});
+      program->push_back({Step::kCtaBarrier});
+    }
+    for (int i = 0; i < chunks; ++i) {  // warpgroup 0: tile i waited, P written and announced, tile i read
+      const int n = chunks_before + i;
       if (i > 0) wg0.push_back({Step::kWait, kTileReady, tile_phases_before + i - 1});
-      const HandoverPhase p = p_of(chunks_before + i);
+      wg0.push_back({Step::kWrite, kP, n});
+      const HandoverPhase p = p_of(n);
       wg0.push_back({Step::kArrive, p.barrier, p.phase});
+      wg0.push_back({Step::kRead, kTile, n});  // S and O_left's P V, both waited for
     }
-    if (chunks > 1) wg1.push_back({Step::kArrive, kTileReady, tile_phases_before});  // tile 1, before the loop
-    for (int i = 0; i < chunks; ++i) {  // warpgroup 1: P waited, then chunk i + 1 converted (i >= 1)
-      const HandoverPhase p = p_of(chunks_before + i);
+    if (chunks > 1) {  // tile 1, before the loop
+      wg1.push_back({Step::kWrite, kTile, chunks_before + 1});
+      wg1.push_back({Step::kArrive, kTileReady, tile_phases_before});
+    }
+    for (int i = 0; i < chunks; ++i) {  // warpgroup 1: P waited, chunk i + 1 converted (i >= 1), its P V waited
+      const int n = chunks_before + i;
+      const bool converts = i >= 1 && i + 1 < chunks;
+      if (converts && conversion == Conversion::kUnguarded) {
+        wg1.push_back({Step::kWrite, kTile, n + 1});
+        wg1.push_back({Step::kArrive, kTileReady, tile_phases_before + i});
+      }
+      const HandoverPhase p = p_of(n);
       wg1.push_back({Step::kWait, p.barrier, p.phase});
-      if (i >= 1 && i + 1 < chunks) wg1.push_back({Step::kArrive, kTileReady, tile_phases_before + i});
+      if (converts && conversion == Conversion::kAfterP) {
+        wg1.push_back({Step::kWrite, kTile, n + 1});
+        wg1.push_back({Step::kArrive, kTileReady, tile_phases_before + i});
+      }
+      wg1.push_back({Step::kRead, kTile, n});
+      wg1.push_back({Step::kRead, kP, n});  // the rescale, P in its P V, the split's statistics
     }
-    wg0.push_back({Step::kItemEnd});
-    wg1.push_back({Step::kItemEnd});
+    wg0.push_back({Step::kCtaBarrier});
+    wg1.push_back({Step::kCtaBarrier});
     chunks_before += chunks;
     tile_phases_before += tile_phases == TilePhases::kPerChunk ? chunks : std::max(chunks - 1, 0);
   }
@@ -62,6 +95,7 @@ std::pair<Program, Program> handover_programs(const std::vector<int>& chunks_per
 
 struct Exploration {
   std::string aliased;  // the first wait found pending outside its two phases, if any
+  std::string hazard;   // the first buffer write before an earlier read of its slot, or read before its write
   bool deadlock = false;
 };
 
@@ -81,10 +115,35 @@ Exploration explore(const Program& wg0, const Program& wg1) {
   auto completed = [&](int barrier, const int(&at)[2]) {
     return arrivals[0][at[0]][barrier] + arrivals[1][at[1]][barrier];
   };
+  // Whether every step of warpgroup w's program before position `at` that
+  // is a `kind` access of (buffer, chunk) has run, i.e. none is at or after it.
+  auto all_done = [&](int w, int at, Step::Kind kind, int buffer, int chunk) {
+    for (size_t k = at; k < programs[w]->size(); ++k) {
+      const Step& step = (*programs[w])[k];
+      if (step.kind == kind && step.barrier == buffer && step.phase == chunk) return false;
+    }
+    return true;
+  };
+  const char* const buffer_names[] = {"tile", "P"};
+  auto access_hazard = [&](int w, const Step& step, const int(&at)[2]) -> std::string {
+    for (int o = 0; o < 2; ++o) {
+      const std::string who = "warpgroup " + std::to_string(w) + " ";
+      if (step.kind == Step::kWrite && step.phase >= 2 &&
+          !all_done(o, at[o], Step::kRead, step.barrier, step.phase - 2)) {
+        return who + "writes " + buffer_names[step.barrier] + " of chunk " + std::to_string(step.phase) +
+               " before warpgroup " + std::to_string(o) + " has read chunk " + std::to_string(step.phase - 2) + "'s";
+      }
+      if (step.kind == Step::kRead && !all_done(o, at[o], Step::kWrite, step.barrier, step.phase)) {
+        return who + "reads " + buffer_names[step.barrier] + " of chunk " + std::to_string(step.phase) +
+               " before warpgroup " + std::to_string(o) + " has written it";
+      }
+    }
+    return "";
+  };
   Exploration result;
   std::set<std::pair<int, int>> seen;
   std::vector<std::pair<int, int>> pending = {{0, 0}};
-  while (!pending.empty() && result.aliased.empty()) {
+  while (!pending.empty() && result.aliased.empty() && result.hazard.empty()) {
     const auto [a, b] = pending.back();
     pending.pop_back();
     if (!seen.insert({a, b}).second) continue;
@@ -105,15 +164,20 @@ Exploration explore(const Program& wg0, const Program& wg1) {
           break;
         }
         if (phases == step.phase) continue;  // not complete yet (parity and count agree here)
-      } else if (step.kind == Step::kItemEnd) {
+      } else if (step.kind == Step::kCtaBarrier) {
         const int other = 1 - w;
-        if (at[other] == int(programs[other]->size()) || (*programs[other])[at[other]].kind != Step::kItemEnd) continue;
+        if (at[other] == int(programs[other]->size()) || (*programs[other])[at[other]].kind != Step::kCtaBarrier) {
+          continue;
+        }
         ++next[other];  // both pass the CTA barrier together
+      } else if (step.kind == Step::kWrite || step.kind == Step::kRead) {
+        result.hazard = access_hazard(w, step, at);
+        if (!result.hazard.empty()) break;
       }
       moved = true;
       pending.push_back({next[0], next[1]});
     }
-    if (!done && !moved && result.aliased.empty()) result.deadlock = true;
+    if (!done && !moved && result.aliased.empty() && result.hazard.empty()) result.deadlock = true;
   }
   return result;
 }
@@ -140,8 +204,22 @@ TEST(SparseMlaHandover, ParityWaitsStayWithinOnePhaseOfTheBarrierAndNeverDeadloc
     std::string name;
     for (int chunks : items) name += std::to_string(chunks) + " ";
     EXPECT_TRUE(e.aliased.empty()) << "items of " << name << "chunks: " << e.aliased;
+    EXPECT_TRUE(e.hazard.empty()) << "items of " << name << "chunks: " << e.hazard;
     EXPECT_FALSE(e.deadlock) << "items of " << name << "chunks";
   }
+}
+
+// The buffer checks find what they are for: converting chunk 2 without
+// waiting for anything overwrites the tile of chunk 0 while warpgroup 0 may
+// still read it (an item of three chunks is enough).
+TEST(SparseMlaHandover, UnguardedConversionOverwritesATileInUse) {
+  const auto [wg0, wg1] = handover_programs(
+      {3}, [](int chunk) { return p_ready_phase_of_chunk(chunk); }, TilePhases::kPerChunkAfterFirst,
+      Conversion::kUnguarded);
+  const Exploration e = explore(wg0, wg1);
+  EXPECT_NE(e.hazard.find("warpgroup 1 writes tile of chunk 2 before warpgroup 0 has read chunk 0's"),
+            std::string::npos)
+      << e.hazard;
 }
 
 // The checker finds the hazard it is for: with one p_ready barrier (v10.1 to
