@@ -178,6 +178,14 @@ SparseMlaArgs views(const Problem& p, const Buffers& b, int i) {
   return a;
 }
 
+// sparse_mla with the given split plan (SparseMlaArgs::splits), as engines choose it.
+auto sparse_mla_with(SparseMlaSplits splits) {
+  return [splits](SparseMlaArgs a, cudaStream_t stream) {
+    a.splits = splits;
+    return sparse_mla(a, stream);
+  };
+}
+
 // One timed configuration: `launch` runs rotation i on the stream.
 template <class Launch>
 Status time_rows(Context& ctx, const Problem& p, const Buffers& b, Launch&& launch, double* us) {
@@ -224,13 +232,7 @@ Status run(Context& ctx, Report& report) {
     }
     {  // the other split plan, as engines choose it (SparseMlaSplits::kThroughput)
       double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(
-          ctx, p, b,
-          [](SparseMlaArgs a, cudaStream_t stream) {
-            a.splits = SparseMlaSplits::kThroughput;
-            return sparse_mla(a, stream);
-          },
-          &us));
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_with(SparseMlaSplits::kThroughput), &us));
       Row row{"sparse_mla (throughput splits)", params, us, "sparse_mla_simple", simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
       row.note = "SparseMlaSplits::kThroughput: half the splits; " + regions;
@@ -272,13 +274,7 @@ Status run(Context& ctx, Report& report) {
           "% of theirs (baseline: the simple kernel on distinct rows)";
       for (const SparseMlaSplits splits : {SparseMlaSplits::kLatency, SparseMlaSplits::kThroughput}) {
         double us = 0;
-        DSA_RETURN_IF_ERROR(time_rows(
-            ctx, p, pairs,
-            [splits](SparseMlaArgs a, cudaStream_t stream) {
-              a.splits = splits;
-              return sparse_mla(a, stream);
-            },
-            &us));
+        DSA_RETURN_IF_ERROR(time_rows(ctx, p, pairs, sparse_mla_with(splits), &us));
         const bool latency = splits == SparseMlaSplits::kLatency;
         Row row{latency ? "sparse_mla (draft pairs)" : "sparse_mla (throughput splits, draft pairs)",
                 params,

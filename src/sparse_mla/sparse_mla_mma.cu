@@ -436,12 +436,13 @@ Status launch(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream
 SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits choice) {
   // Eight splits (the portable cluster size: any Hopper part schedules it)
   // of whole 64-entry chunks: at m = 1, 8 CTAs per head group. kThroughput:
-  // four, or as many as keep a CTA's entries within what it stages.
-  const int plan_max_splits = choice == SparseMlaSplits::kThroughput ? 4 : 8;
+  // half of them, or as many as keep a CTA's entries within what it stages.
+  constexpr int kPlanMaxSplits = 8;
+  const int plan_max_splits = choice == SparseMlaSplits::kThroughput ? kPlanMaxSplits / 2 : kPlanMaxSplits;
   SparseMlaSplitPlan plan;
   plan.head_groups = ceil_div(heads, kHeads);
   const int splits =
-      std::max(std::min(plan_max_splits, ceil_div(top_k, kChunkRows)), ceil_div(top_k, kSparseMlaMaxTopK / 8));
+      std::max(std::min(plan_max_splits, ceil_div(top_k, kChunkRows)), ceil_div(top_k, kMaxRowsPerSplit));
   plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
   plan.splits = ceil_div(top_k, plan.rows_per_split);
   return plan;

@@ -416,7 +416,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       const int index = __popcll(listed & ((uint64_t(1) << chunk) - 1));
       s.chunk_list[index] = chunk;
       if constexpr (kStream) {
-        const uint64_t later = chunk == 63 ? 0 : listed & ~((uint64_t(2) << chunk) - 1);  // listed after this one
+        const uint64_t later = listed & ~((uint64_t(2) << chunk) - 1);  // listed after this one (2 << 63 is 0)
         s.chunk_split[index] = split_of(chunk);
         s.ends_split[index] = later == 0 || split_of(__ffsll(static_cast<long long>(later)) - 1) != split_of(chunk);
       }
@@ -1178,7 +1178,8 @@ Status launch_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster,
   int resident = 0, clusters_at_once = 0;
   DSA_RETURN_IF_ERROR(residency(plan.cluster_size, &resident, &clusters_at_once));
   const bool many_items = int64_t(launch.items) * 4 >= int64_t(resident) * 3;
-  if (plan.clusters == 1 && streamable && (many_items || whole_items == WholeItems::kAlways)) {
+  const bool streams = plan.clusters == 1 && streamable;  // the two stream shapes below need both
+  if (streams && (many_items || whole_items == WholeItems::kAlways)) {
     launch.splits_per_cta = plan.splits;
     return launch_pdl(sparse_mla_wgmma_kernel<Meeting::kWholeItem>, dim3(launch.items), dim3(kThreads), kSharedBytes,
                       stream, sparse_mla_params(a), launch);
@@ -1191,7 +1192,7 @@ Status launch_with_plan(const SparseMlaArgs& a, int max_splits, int max_cluster,
   // The same bits: each split's partials come from a fresh start, the
   // combine is the same in split order.
   const bool one_round = int64_t(launch.items) * plan.splits <= resident;
-  if (plan.clusters == 1 && streamable && (!one_round || whole_items == WholeItems::kGroupedAlways)) {
+  if (streams && (!one_round || whole_items == WholeItems::kGroupedAlways)) {
     for (int ctas_per_item = std::min(8, plan.splits / 2); ctas_per_item >= 2; ctas_per_item /= 2) {
       if (int64_t(launch.items) * ctas_per_item > resident) continue;
       launch.splits_per_cta = plan.splits / ctas_per_item;
