@@ -290,16 +290,21 @@ Status run(Context& ctx, Report& report) {
     // Other plans than the default (16 splits in one cluster of 16): 32
     // (one chunk per CTA) in clusters of 16 and of 8, 16 in clusters of 8
     // and of 4 (more of them run at once: the level-2 combine then joins
-    // the clusters), and 8 (four chunks, one cluster of 8).
+    // the clusters), 8 (four chunks, one cluster of 8), and the fewest: 4
+    // (eight chunks) and 2 (sixteen, a CTA's most), where large batches
+    // need no more CTAs than the GPU holds and every split's partials are
+    // bytes the step moves.
     struct OtherPlan {
       int max_splits, max_cluster;
       const char* name;
     };
-    for (const OtherPlan& other : {OtherPlan{kMaxSplitsTimed, 16, "sparse_mla_wgmma (32 splits, clusters of 16)"},
-                                   OtherPlan{kMaxSplitsTimed, 8, "sparse_mla_wgmma (32 splits, clusters of 8)"},
-                                   OtherPlan{16, 8, "sparse_mla_wgmma (16 splits, clusters of 8)"},
-                                   OtherPlan{16, 4, "sparse_mla_wgmma (16 splits, clusters of 4)"},
-                                   OtherPlan{8, 8, "sparse_mla_wgmma (8 splits)"}}) {
+    for (const OtherPlan& other :
+         {OtherPlan{kMaxSplitsTimed, 16, "sparse_mla_wgmma (32 splits, clusters of 16)"},
+          OtherPlan{kMaxSplitsTimed, 8, "sparse_mla_wgmma (32 splits, clusters of 8)"},
+          OtherPlan{16, 8, "sparse_mla_wgmma (16 splits, clusters of 8)"},
+          OtherPlan{16, 4, "sparse_mla_wgmma (16 splits, clusters of 4)"},
+          OtherPlan{8, 8, "sparse_mla_wgmma (8 splits)"}, OtherPlan{4, 4, "sparse_mla_wgmma (4 splits)"},
+          OtherPlan{2, 4, "sparse_mla_wgmma (2 splits)"}}) {
       if (!wgmma) break;
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(
