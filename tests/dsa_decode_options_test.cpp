@@ -143,9 +143,19 @@ TEST(DsaDecodeOptions, IndexerLogitsDefaultsToExactAndTakesOnlyItsTwoValues) {
                     {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"});
 }
 
-TEST(DsaDecodeOptions, AttentionSplitsDefaultsToLatencyAndTakesOnlyItsTwoValues) {
-  expect_two_values("--attention-splits", "latency", "throughput", &Options::attention_throughput,
-                    {"", "8", "Throughput", "latency,throughput"});
+TEST(DsaDecodeOptions, AttentionSplitsDefaultsToLatencyAndTakesOnlyItsThreeValues) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
+  EXPECT_EQ(options.attention_splits, "latency");
+  for (const std::string value : {"throughput", "by-batch", "latency"}) {
+    ASSERT_TRUE(parse({"--attention-splits", value}, &options, &error)) << error;
+    EXPECT_EQ(options.attention_splits, value);
+  }
+  for (const std::string value : {"", "8", "Throughput", "by_batch", "latency,throughput"}) {
+    EXPECT_FALSE(parse({"--attention-splits=" + value}, &options, &error)) << value;
+    EXPECT_EQ(error, "--attention-splits: got '" + value + "', expected latency, throughput or by-batch");
+  }
 }
 
 TEST(DsaDecodeOptions, HeadGemvSumsDefaultsToTheSeedOrderAndTakesOnlyItsTwoValues) {

@@ -141,7 +141,7 @@ int run_cpu_path(const StepShape& shape, const Options& options) {
     s.head_gemv_sums = HeadGemvSums::kSeedOrder;
   }
   if (s.attention_splits != SparseMlaSplits::kLatency) {
-    std::printf("--attention-splits throughput applies to the GPU path; the CPU reference sums in float64\n");
+    std::printf("--attention-splits applies to the GPU path; the CPU reference sums in float64\n");
   }
   const uint64_t seed = options.seed;
   HostWeights weights;

@@ -45,7 +45,8 @@ bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape,
   *shape = dsa::cli::make_step_shape(rank, options.tokens, options.context);
   if (options.indexer_logits_fp32) shape->indexer_logits = dsa::IndexerLogits::kFp32Accumulation;
   if (options.head_gemv_tensor_cores) shape->head_gemv_sums = dsa::HeadGemvSums::kTensorCores;
-  if (options.attention_throughput) shape->attention_splits = dsa::SparseMlaSplits::kThroughput;
+  if (options.attention_splits == "throughput") shape->attention_splits = dsa::SparseMlaSplits::kThroughput;
+  if (options.attention_splits == "by-batch") shape->attention_splits = dsa::SparseMlaSplits::kByBatch;
   return true;
 }
 

@@ -650,8 +650,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   std::printf("value_up in the fused path: %s; %s\n", value_up_kernel_name(value_up.kernel), value_up.reason.c_str());
   std::printf("head_gemv sums in the fused path: %s\n",
               s.head_gemv_sums == HeadGemvSums::kTensorCores ? "tensor cores (opt-in)" : "seed order");
-  std::printf("sparse attention's split plan (both paths): %s\n",
-              s.attention_splits == SparseMlaSplits::kThroughput ? "throughput (opt-in)" : "latency");
+  std::printf("sparse attention's split plan (both paths): %s\n", options.attention_splits.c_str());
   std::printf("indexer logits (both paths' selects): %s\n",
               s.indexer_logits == IndexerLogits::kExact ? "exact" : "FP32 accumulation");
   std::printf("indexer projections (both paths): %s\n",
@@ -670,7 +669,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   report->indexer_projections_kernel = options.projections_cublaslt ? "indexer_project" : "indexer_project_gemv";
   report->indexer_logits = s.indexer_logits == IndexerLogits::kExact ? "exact" : "fp32_accumulation";
   report->head_gemv_sums = s.head_gemv_sums == HeadGemvSums::kTensorCores ? "tensor_cores" : "seed_order";
-  report->attention_splits = s.attention_splits == SparseMlaSplits::kThroughput ? "throughput" : "latency";
+  report->attention_splits = options.attention_splits;
   DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, value_up.kernel,
                                  options.projections_cublaslt, step, kernels, ctx.stream, &report->checks));
   DSA_RETURN_IF_ERROR(time_all(ctx, step, kernels, copies, options.steps, &report->timings));

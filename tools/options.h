@@ -34,8 +34,8 @@ struct Options {
   // HeadGemvSums::kTensorCores, within its stated bound).
   bool head_gemv_tensor_cores = false;
   // --attention-splits: sparse_mla's split plan in both paths
-  // (SparseMlaArgs::splits): latency (default) or throughput.
-  bool attention_throughput = false;
+  // (SparseMlaArgs::splits): "latency" (default), "throughput" or "by-batch".
+  std::string attention_splits = "latency";
   bool force_cpu = false;
   bool help = false;
 };

@@ -82,10 +82,10 @@ inline constexpr int kSparseMlaMaxTopK = 16384;
 // Tokens run on a grid dimension of at most 65535 CTAs; decode steps are far smaller.
 inline constexpr int kSparseMlaMaxTokens = 65535;
 
-// Which split plan the fast kernels use. Either way a token's split points,
-// and so its output bits, depend only on H, K and this choice, never on m or
-// the GPU (batch invariant); the two choices give different bits (another
-// division of the sums). kThroughput halves the splits: more entries per CTA
+// Which split plan the fast kernels use. With kLatency and kThroughput a
+// token's split points, and so its output bits, depend only on H, K and the
+// choice, never on m or the GPU (batch invariant); the choices give
+// different bits (another division of the sums). kThroughput halves the splits: more entries per CTA
 // and half the partials to store and combine, slower for small batches and
 // faster for large ones. H200, K = 2048, H = 64 (6f7081b, graph replay):
 // kLatency 13.14 / 15.44 / 25.04 / 83.48 / 160.32 us at m = 1 / 8 / 16 /
@@ -94,9 +94,21 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // 15.02 / 28.88 us at m = 1 / 8 / 16, kThroughput 22.56 / 23.28 / 23.49
 // (docs/sparse_mla.md). An engine that serves large batches chooses
 // kThroughput once, for all its steps.
+//
+// kByBatch gives up batch invariance for speed at every m: each launch takes
+// the most splits whose CTAs the GPU runs at once (kLatency's, halved while
+// m * H / 64 * splits exceeds the GPU's resident CTAs, down to 2 splits of
+// 16 chunks; the 8-head kernel: kLatency's plan while every cluster fits at
+// once, else kThroughput's). A token's bits then depend on the size of its
+// batch and on the GPU (still the same bits for the same m on the same GPU,
+// and still within the error bound); FlashMLA's and vLLM's split schedules
+// behave the same way. H200, H = 64, K = 2048 (cfca133, the plans it picks,
+// timed side by side): 13.1 / 15.7 / 21.1 / 32.3 / 51.1 / 105.9 us at m =
+// 1 / 8 / 16 / 32 / 64 / 128 (325 TFLOPS at m = 128; H = 128 211.0 us).
 enum class SparseMlaSplits : int32_t {
   kLatency = 0,     // the default: the most splits that pay at m = 1 (16 per 64 heads at K = 2048, 8 per 8 heads)
   kThroughput = 1,  // half of those (at least what the kernels' per-CTA limits need)
+  kByBatch = 2,     // per launch from m and the GPU (above): fastest at every m, NOT batch invariant
 };
 
 struct SparseMlaArgs {
@@ -136,7 +148,7 @@ int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t top_k);
 // a multiple of 64, m * H / 64 * (splits * (64 * 512 / 2 + 128) + (clusters
 // > 1 ? clusters * (64 * 512 + 128) : 0)) with the 64-head kernel's plan (16
 // splits in one cluster from K = 961 on: 1032 KiB per token and 64 heads);
-// 0 for other H. Enough for either SparseMlaSplits choice. Non-decreasing in
+// 0 for other H. Enough for every SparseMlaSplits choice. Non-decreasing in
 // m; callers must use this function, not the formula.
 int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k);
 
@@ -177,8 +189,9 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits s
 // (wgmma), a cluster of up to 16 CTAs that combine their partials pushed in
 // FP16 (O / sum) (plans with several clusters combine those through
 // split_partials); other H: 8 heads per CTA on mma.sync
-// (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic and
-// batch invariant (the kernel choice depends on H only). docs/sparse_mla.md
+// (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic, and
+// batch invariant but with SparseMlaSplits::kByBatch (the kernel choice
+// depends on H only). docs/sparse_mla.md
 // has the designs and the measured versions. Launches on `stream` with PDL;
 // neither allocates nor synchronizes. Both kernels run clusters of up to 16
 // CTAs (non-portable above 8); where the GPU cannot schedule them (a MIG

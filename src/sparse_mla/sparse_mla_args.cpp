@@ -105,8 +105,9 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max
     return invalid_argument("softmax_scale", "a finite value > 0", std::to_string(a.softmax_scale));
   }
 
-  if (a.splits != SparseMlaSplits::kLatency && a.splits != SparseMlaSplits::kThroughput) {
-    return invalid_argument("splits", "SparseMlaSplits::kLatency (0) or kThroughput (1)",
+  if (a.splits != SparseMlaSplits::kLatency && a.splits != SparseMlaSplits::kThroughput &&
+      a.splits != SparseMlaSplits::kByBatch) {
+    return invalid_argument("splits", "SparseMlaSplits::kLatency (0), kThroughput (1) or kByBatch (2)",
                             std::to_string(static_cast<int32_t>(a.splits)));
   }
 

@@ -238,6 +238,20 @@ Status run(Context& ctx, Report& report) {
       row.note = "SparseMlaSplits::kThroughput: half the splits; " + regions;
       report.add(row);
     }
+    {  // the plan per launch from m and the GPU (SparseMlaSplits::kByBatch: not batch invariant)
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_with(SparseMlaSplits::kByBatch), &us));
+      Row row{"sparse_mla (splits by batch)", params, us, "sparse_mla_simple", simple_us, floor};
+      row.tflops = flops(p) / (us * 1e-6) / 1e12;
+      row.note = "SparseMlaSplits::kByBatch: the most splits whose CTAs fit the GPU at once; " + regions;
+      if (wgmma) {
+        int resident = 0;
+        DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
+        const int max_splits = sparse_mla_wgmma_batch_max_splits(kTopK, int64_t(p.m) * (p.heads / 64), resident);
+        row.note += "; here " + describe(sparse_mla_wgmma_splits(kTopK, max_splits));
+      }
+      report.add(row);
+    }
     if (wgmma) {  // one CTA per item at every m: where it starts to pay
       double us = 0;
       DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_whole_items, &us));
@@ -272,18 +286,16 @@ Status run(Context& ctx, Report& report) {
           std::to_string(pairs.rotations) + " KV regions of " + std::to_string(pairs.distinct_rows) +
           " distinct rows, tokens 2j and 2j + 1 sharing " + std::to_string(static_cast<int>(kPairShared * 100)) +
           "% of theirs (baseline: the simple kernel on distinct rows)";
-      for (const SparseMlaSplits splits : {SparseMlaSplits::kLatency, SparseMlaSplits::kThroughput}) {
+      const std::pair<SparseMlaSplits, std::string> choices[] = {{SparseMlaSplits::kLatency, ""},
+                                                                 {SparseMlaSplits::kThroughput, "throughput splits, "},
+                                                                 {SparseMlaSplits::kByBatch, "splits by batch, "}};
+      for (const auto& [splits, label] : choices) {
         double us = 0;
         DSA_RETURN_IF_ERROR(time_rows(ctx, p, pairs, sparse_mla_with(splits), &us));
-        const bool latency = splits == SparseMlaSplits::kLatency;
-        Row row{latency ? "sparse_mla (draft pairs)" : "sparse_mla (throughput splits, draft pairs)",
-                params,
-                us,
-                "sparse_mla_simple",
-                simple_us,
-                pair_floor};
+        Row row{"sparse_mla (" + label + "draft pairs)", params, us, "sparse_mla_simple", simple_us, pair_floor};
         row.tflops = flops(p) / (us * 1e-6) / 1e12;
-        row.note = (latency ? "as sparse_mla; " : "as sparse_mla (throughput splits); ") + pair_regions;
+        row.note = "as sparse_mla" + (label.empty() ? "" : " (" + label.substr(0, label.size() - 2) + ")") + "; " +
+                   pair_regions;
         report.add(row);
       }
     }

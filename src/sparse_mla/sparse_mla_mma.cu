@@ -437,6 +437,8 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits c
   // Eight splits (the portable cluster size: any Hopper part schedules it)
   // of whole 64-entry chunks: at m = 1, 8 CTAs per head group. kThroughput:
   // half of them, or as many as keep a CTA's entries within what it stages.
+  // kByBatch: kLatency's here; sparse_mla_mma takes kThroughput's per launch
+  // when the batch's clusters do not fit the GPU at once.
   constexpr int kPlanMaxSplits = 8;
   const int plan_max_splits = choice == SparseMlaSplits::kThroughput ? kPlanMaxSplits / 2 : kPlanMaxSplits;
   SparseMlaSplitPlan plan;
@@ -479,8 +481,16 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
 
 Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
-  return launch(a, sparse_mla_split_plan(static_cast<int>(a.q.size(1)), static_cast<int>(a.indices.size(1)), a.splits),
-                stream);
+  const int heads = static_cast<int>(a.q.size(1)), top_k = static_cast<int>(a.indices.size(1));
+  SparseMlaSplitPlan plan = sparse_mla_split_plan(heads, top_k, a.splits);
+  if (a.splits == SparseMlaSplits::kByBatch) {
+    // kLatency's plan while the GPU runs every (token, group) cluster at once, else kThroughput's.
+    int clusters = 0;
+    DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(plan, heads, top_k, &clusters));
+    if (a.q.size(0) * plan.head_groups > clusters)
+      plan = sparse_mla_split_plan(heads, top_k, SparseMlaSplits::kThroughput);
+  }
+  return launch(a, plan, stream);
 }
 
 Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {

@@ -58,8 +58,16 @@ int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int
 // a launch runs resident_ctas / splits items (token, group) at once.
 Status sparse_mla_wgmma_resident_ctas(int* ctas);
 // The max_splits sparse_mla_wgmma takes for args.splits: the default, or
-// half of it for kThroughput while 8 splits cover K (K <= 8192).
+// half of it for kThroughput while 8 splits cover K (K <= 8192); for
+// kByBatch the default, the most that choice takes (its launch asks
+// sparse_mla_wgmma_batch_max_splits).
 int sparse_mla_wgmma_max_splits(int top_k, SparseMlaSplits splits);
+// kByBatch's max_splits for `items` (token, 64 heads) items on a GPU that
+// holds `resident_ctas` of the kernel's CTAs at once: the default halved
+// while items * splits exceeds resident_ctas, down to 2, and never below what
+// keeps a split within 16 chunks (K = 2048: 16 up to 8 items, 8 up to 16, 4
+// up to 33, then 2 on the 132-SM H200). Non-increasing in items.
+int sparse_mla_wgmma_batch_max_splits(int top_k, int64_t items, int resident_ctas);
 Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
 // check_sparse_mla with split_partials sized for the 64-head plan of these
 // limits (check_sparse_mla: sparse_mla's, the defaults).

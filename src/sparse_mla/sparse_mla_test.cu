@@ -144,7 +144,7 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
         a.error_count = reinterpret_cast<unsigned int*>(static_cast<char*>(fake_device_pointer(0x90000)) + 2);
       },
       "error_count", "4-byte aligned");
-  rejected([](SparseMlaArgs& a) { a.splits = static_cast<SparseMlaSplits>(2); }, "splits", "kThroughput");
+  rejected([](SparseMlaArgs& a) { a.splits = static_cast<SparseMlaSplits>(3); }, "splits", "kByBatch (2)");
 }
 
 // The 64-head kernel needs split_partials (a short or missing view is
@@ -278,6 +278,37 @@ TEST(SparseMlaSplitPlan, WgmmaThroughputSplitsHalveTheDefaultWhereTheyCoverK) {
     const int max_splits = sparse_mla_wgmma_max_splits(top_k, SparseMlaSplits::kThroughput);
     EXPECT_EQ(max_splits, top_k <= 8192 ? kSparseMlaWgmmaDefaultSplits / 2 : kSparseMlaWgmmaDefaultSplits);
     EXPECT_LE(sparse_mla_wgmma_splits(top_k, max_splits).max_chunks, 16);
+  }
+}
+
+// kByBatch: the most splits (from the default down) whose CTAs fit the GPU
+// at once, never fewer than 2 nor than a CTA's 16 chunks allow.
+TEST(SparseMlaSplitPlan, WgmmaBatchSplitsFitTheGpuAtOnce) {
+  constexpr int kH200 = 132;  // resident CTAs: one per SM
+  const int expected_k2048[][2] = {{1, 16}, {8, 16}, {9, 8}, {16, 8}, {17, 4}, {33, 4}, {34, 2}, {128, 2}, {4096, 2}};
+  for (const auto& [items, splits] : expected_k2048) {
+    EXPECT_EQ(sparse_mla_wgmma_batch_max_splits(2048, items, kH200), splits) << items << " items";
+  }
+  EXPECT_EQ(sparse_mla_wgmma_batch_max_splits(2176, 128, kH200), 4) << "34 chunks: 2 splits would take 17";
+  EXPECT_EQ(sparse_mla_wgmma_batch_max_splits(kSparseMlaMaxTopK, 128, kH200), 16) << "256 chunks need 16";
+  for (const int resident : {1, 66, kH200, 1000}) {
+    for (int top_k = 1; top_k <= kSparseMlaMaxTopK; top_k += top_k < 2200 ? 7 : 509) {
+      int previous = kSparseMlaWgmmaDefaultSplits;
+      for (int64_t items = 1; items <= 300; ++items) {
+        const int max_splits = sparse_mla_wgmma_batch_max_splits(top_k, items, resident);
+        SCOPED_TRACE("K " + std::to_string(top_k) + " items " + std::to_string(items) + " resident " +
+                     std::to_string(resident));
+        ASSERT_LE(max_splits, previous) << "more splits for a larger batch";
+        ASSERT_GE(max_splits, 2);
+        ASSERT_LE(sparse_mla_wgmma_splits(top_k, max_splits).max_chunks, 16) << "a plan the launcher refuses";
+        const bool fits = items * max_splits <= resident;
+        const bool floor = max_splits == 2 || sparse_mla_wgmma_splits(top_k, max_splits / 2).max_chunks > 16;
+        ASSERT_TRUE(fits || floor) << "could halve further";
+        ASSERT_TRUE(max_splits == kSparseMlaWgmmaDefaultSplits || items * max_splits * 2 > resident)
+            << "halved although twice the splits fit";
+        previous = max_splits;
+      }
+    }
   }
 }
 
@@ -1017,6 +1048,55 @@ TEST(SparseMlaGpu, SpecialValuesAcrossSplitsAndChunks) {
   }
 }
 
+// sparse_mla with SparseMlaSplits::kByBatch: not batch invariant by design,
+// so not among kKernels (whose tests run tokens alone and in batches).
+Status sparse_mla_by_batch(const SparseMlaArgs& a, cudaStream_t stream) {
+  SparseMlaArgs by_batch = a;
+  by_batch.splits = SparseMlaSplits::kByBatch;
+  return sparse_mla(by_batch, stream);
+}
+
+// kByBatch against float64 at batches where it picks different plans (on
+// the H200, H = 64: 16 splits at m = 1, 8 at m = 12 (K = 2176), 4 at 18
+// items (H = 128, m = 9) and at m = 36 (K = 2176: 2 would take 17 chunks),
+// 2 at m = 40 (K = 2048); H = 8: the latency plan at m = 4 and the
+// throughput plan at m = 40), each with the bits of the plan it should
+// pick, run explicitly, and the counters zero after.
+TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
+  DSA_REQUIRE_GPU();
+  int resident = 0;
+  DSA_ASSERT_OK(sparse_mla_wgmma_resident_ctas(&resident));
+  std::mt19937_64 rng(testing::test_seed() + 60);
+  const NamedKernel by_batch{"sparse_mla, splits by batch", sparse_mla_by_batch};
+  const std::vector<Case> cases =
+      testing::quick_mode()
+          ? std::vector<Case>{{64, 3, 300}, {8, 2, 100}}
+          : std::vector<Case>{{64, 1, 2048},  {64, 12, 2176, 125}, {128, 9, 2048}, {64, 36, 2176, 125},
+                              {64, 40, 2048}, {8, 4, 2176, 125},   {8, 40, 2048}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(describe(c));
+    const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
+    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+    const GpuResult got = run_gpu(p, by_batch);
+    expect_close_to_reference(p, got, want);
+    NamedKernel expected;
+    if (c.heads % 64 == 0) {
+      const int max_splits = sparse_mla_wgmma_batch_max_splits(c.top_k, int64_t(c.m) * (c.heads / 64), resident);
+      expected = wgmma_plan(max_splits, kSparseMlaWgmmaDefaultCluster);
+    } else {
+      const SparseMlaSplitPlan latency = sparse_mla_split_plan(c.heads, c.top_k);
+      int clusters = 0;
+      DSA_ASSERT_OK(sparse_mla_max_active_clusters(latency, c.heads, c.top_k, &clusters));
+      const bool fits = int64_t(c.m) * latency.head_groups <= clusters;
+      expected = with_plan(fits ? latency : sparse_mla_split_plan(c.heads, c.top_k, SparseMlaSplits::kThroughput));
+    }
+    SCOPED_TRACE("expected: " + expected.name);
+    const GpuResult same = run_gpu(p, expected);
+    EXPECT_TRUE(got.latent == same.latent) << "latent bits differ from the plan kByBatch should take";
+    EXPECT_EQ(std::memcmp(got.lse.data(), same.lse.data(), got.lse.size() * 4), 0) << "lse bits differ";
+  }
+}
+
 // A launch captured into a graph and replayed three times over poisoned
 // outputs gives the direct launch's bits and leaves the counters zero.
 void expect_graph_replays_direct_launch(const NamedKernel& kernel, const SparseMlaArgs& a, cudaStream_t stream,
@@ -1072,7 +1152,9 @@ TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
 
   cudaStream_t stream;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (const NamedKernel& kernel : kernels_for(p.heads)) {
+  std::vector<NamedKernel> kernels = kernels_for(p.heads);
+  kernels.push_back({"sparse_mla, splits by batch", sparse_mla_by_batch});
+  for (const NamedKernel& kernel : kernels) {
     SCOPED_TRACE(kernel.name);
     expect_graph_replays_direct_launch(kernel, a, stream, latent_dev, lse_dev, counters_dev);
   }

@@ -1228,10 +1228,24 @@ int sparse_mla_wgmma_max_splits(int top_k, SparseMlaSplits splits) {
   return half ? kHalf : kSparseMlaWgmmaDefaultSplits;
 }
 
+int sparse_mla_wgmma_batch_max_splits(int top_k, int64_t items, int resident_ctas) {
+  int splits = kSparseMlaWgmmaDefaultSplits;
+  while (splits > 2 && items * splits > resident_ctas &&
+         sparse_mla_wgmma_splits(top_k, splits / 2).max_chunks <= kMaxChunks) {
+    splits /= 2;
+  }
+  return splits;
+}
+
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
   const int top_k = a.indices.ndim == 2 ? static_cast<int>(a.indices.size(1)) : 0;  // checked by the launch
-  return sparse_mla_wgmma_with_plan(a, sparse_mla_wgmma_max_splits(top_k, a.splits), kSparseMlaWgmmaDefaultCluster,
-                                    stream);
+  int max_splits = sparse_mla_wgmma_max_splits(top_k, a.splits);
+  if (a.splits == SparseMlaSplits::kByBatch && a.q.ndim == 3) {
+    int resident = 0;
+    DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
+    max_splits = sparse_mla_wgmma_batch_max_splits(top_k, a.q.size(0) * (a.q.size(1) / kHeads), resident);
+  }
+  return sparse_mla_wgmma_with_plan(a, max_splits, kSparseMlaWgmmaDefaultCluster, stream);
 }
 
 namespace {
