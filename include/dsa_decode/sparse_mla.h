@@ -102,9 +102,10 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // once, else kThroughput's). A token's bits then depend on the size of its
 // batch and on the GPU (still the same bits for the same m on the same GPU,
 // and still within the error bound); FlashMLA's and vLLM's split schedules
-// behave the same way. H200, H = 64, K = 2048 (cfca133, the plans it picks,
-// timed side by side): 13.1 / 15.7 / 21.1 / 32.3 / 51.1 / 105.9 us at m =
-// 1 / 8 / 16 / 32 / 64 / 128 (325 TFLOPS at m = 128; H = 128 211.0 us).
+// behave the same way. H200, K = 2048 (82a0e34): H = 64 13.16 / 15.46 /
+// 21.04 / 32.22 / 51.11 / 106.57 us at m = 1 / 8 / 16 / 32 / 64 / 128 (16,
+// 16, 8, 4, 2, 2 splits; 322 TFLOPS at m = 128, H = 128 211.07 us = 326);
+// H = 8 14.07 / 14.92 / 23.40 us at m = 1 / 8 / 16.
 enum class SparseMlaSplits : int32_t {
   kLatency = 0,     // the default: the most splits that pay at m = 1 (16 per 64 heads at K = 2048, 8 per 8 heads)
   kThroughput = 1,  // half of those (at least what the kernels' per-CTA limits need)
