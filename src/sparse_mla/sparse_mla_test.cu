@@ -1127,36 +1127,41 @@ void expect_graph_replays_direct_launch(const NamedKernel& kernel, const SparseM
   cudaGraphDestroy(graph);
 }
 
+// H = 64 runs the 64-head kernel, H = 8 the 8-head one, each with every
+// split choice.
 TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 30);
-  const Problem p = random_problem(Case{64, 4, 2048}, /*padded=*/false, 3.0f, rng);
-  DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
-  DeviceBuffer<int32_t> indices_dev(p.indices);
-  DeviceBuffer<float> scales_dev(std::vector<float>{p.q_scale, p.k_scale});
-  DeviceBuffer<uint16_t> latent_dev(size_t(p.m) * p.heads * L);
-  DeviceBuffer<float> lse_dev(size_t(p.m) * p.heads);
-  DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(sparse_mla_split_counter_count(p.m, p.heads, p.top_k), 0));
-  DeviceBuffer<float> partials_dev(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k)));
-  SparseMlaArgs a;
-  a.q = make_tensor(q_dev.get(), DType::kFP8E4M3, {p.m, p.heads, L});
-  a.q_scale = make_tensor(scales_dev.get(), DType::kF32, {1});
-  a.kv_cache = make_tensor(cache_dev.get(), DType::kFP8E4M3, {p.blocks, p.block_size, L});
-  a.k_scale = make_tensor(scales_dev.get() + 1, DType::kF32, {1});
-  a.indices = make_tensor(indices_dev.get(), DType::kI32, {p.m, p.top_k});
-  a.softmax_scale = p.softmax_scale;
-  a.latent = make_tensor(latent_dev.get(), DType::kBF16, {p.m, p.heads, L});
-  a.lse = make_tensor(lse_dev.get(), DType::kF32, {p.m, p.heads});
-  a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {int64_t(counters_dev.size())});
-  a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
-
   cudaStream_t stream;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::vector<NamedKernel> kernels = kernels_for(p.heads);
-  kernels.push_back({"sparse_mla, splits by batch", sparse_mla_by_batch});
-  for (const NamedKernel& kernel : kernels) {
-    SCOPED_TRACE(kernel.name);
-    expect_graph_replays_direct_launch(kernel, a, stream, latent_dev, lse_dev, counters_dev);
+  for (const int heads : {64, 8}) {
+    SCOPED_TRACE("H " + std::to_string(heads));
+    const Problem p = random_problem(Case{heads, 4, 2048}, /*padded=*/false, 3.0f, rng);
+    DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
+    DeviceBuffer<int32_t> indices_dev(p.indices);
+    DeviceBuffer<float> scales_dev(std::vector<float>{p.q_scale, p.k_scale});
+    DeviceBuffer<uint16_t> latent_dev(size_t(p.m) * p.heads * L);
+    DeviceBuffer<float> lse_dev(size_t(p.m) * p.heads);
+    DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(sparse_mla_split_counter_count(p.m, p.heads, p.top_k), 0));
+    DeviceBuffer<float> partials_dev(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k)));
+    SparseMlaArgs a;
+    a.q = make_tensor(q_dev.get(), DType::kFP8E4M3, {p.m, p.heads, L});
+    a.q_scale = make_tensor(scales_dev.get(), DType::kF32, {1});
+    a.kv_cache = make_tensor(cache_dev.get(), DType::kFP8E4M3, {p.blocks, p.block_size, L});
+    a.k_scale = make_tensor(scales_dev.get() + 1, DType::kF32, {1});
+    a.indices = make_tensor(indices_dev.get(), DType::kI32, {p.m, p.top_k});
+    a.softmax_scale = p.softmax_scale;
+    a.latent = make_tensor(latent_dev.get(), DType::kBF16, {p.m, p.heads, L});
+    a.lse = make_tensor(lse_dev.get(), DType::kF32, {p.m, p.heads});
+    a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {int64_t(counters_dev.size())});
+    a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
+
+    std::vector<NamedKernel> kernels = kernels_for(p.heads);
+    kernels.push_back({"sparse_mla, splits by batch", sparse_mla_by_batch});
+    for (const NamedKernel& kernel : kernels) {
+      SCOPED_TRACE(kernel.name);
+      expect_graph_replays_direct_launch(kernel, a, stream, latent_dev, lse_dev, counters_dev);
+    }
   }
   cudaStreamDestroy(stream);
 }
