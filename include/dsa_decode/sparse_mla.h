@@ -96,13 +96,17 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // kThroughput once, for all its steps.
 //
 // kByBatch gives up batch invariance for speed at every m: each launch takes
-// the most splits whose CTAs the GPU runs at once (kLatency's, halved while
-// m * H / 64 * splits exceeds the GPU's resident CTAs, down to 2 splits of
-// 16 chunks; the 8-head kernel: kLatency's plan while every cluster fits at
-// once, else kThroughput's). A token's bits then depend on the size of its
-// batch and on the GPU (still the same bits for the same m on the same GPU,
-// and still within the error bound); FlashMLA's and vLLM's split schedules
-// behave the same way. H200, K = 2048 (82a0e34): H = 64 13.16 / 15.46 /
+// kLatency's splits halved while m * H / 64 * splits exceeds the CTAs the GPU
+// runs at once, down to 2 and never below what keeps a CTA within 16 chunks
+// (2 at K <= 2048, 4 up to 4096, 8 up to 8192; above, kLatency's); the
+// 8-head kernel takes kLatency's plan while every cluster fits at once, else
+// kThroughput's. A token's bits then depend on the size of its batch and on
+// the GPU (still the same bits for the same m on the same GPU, and still
+// within the error bound); FlashMLA's and vLLM's split schedules behave the
+// same way. An engine that captures graphs at padded batch sizes and runs
+// others eagerly may see a request's bits differ between the two where the
+// padding moves m across a boundary (H = 64 on the H200: m = 8 | 9, 16 | 17,
+// 33 | 34). H200, K = 2048 (82a0e34): H = 64 13.16 / 15.46 /
 // 21.04 / 32.22 / 51.11 / 106.57 us at m = 1 / 8 / 16 / 32 / 64 / 128 (16,
 // 16, 8, 4, 2, 2 splits; 322 TFLOPS at m = 128, H = 128 211.07 us = 326);
 // H = 8 14.07 / 14.92 / 23.40 us at m = 1 / 8 / 16.
@@ -162,7 +166,8 @@ Status check_sparse_mla(const SparseMlaArgs& args);
 // How the 8-head tensor-core kernel (what sparse_mla runs when H is not a
 // multiple of 64) divides one token's work. It depends only on H, K and
 // SparseMlaArgs::splits, never on m or the GPU: a token's bits do not change
-// with the batch around it. (When H is a multiple of 64, sparse_mla runs a
+// with the batch around it (but with kByBatch, whose launch picks kLatency's
+// or kThroughput's plan by m and the GPU). (When H is a multiple of 64, sparse_mla runs a
 // 64-head kernel whose split, at most 16 CTAs of whole 64-entry chunks per
 // (token, 64 heads) in one cluster, likewise depends on K and that choice
 // only.)
@@ -181,7 +186,8 @@ struct SparseMlaSplitPlan {
 inline constexpr int kSparseMlaMaxSplits = 16;
 
 // The plan sparse_mla uses for H heads and K entries per row (H, K in the
-// ranges check_sparse_mla accepts) and the args' split choice.
+// ranges check_sparse_mla accepts) and the args' split choice; for kByBatch
+// the plan while the batch's clusters fit at once (kLatency's: m = 1).
 SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits splits = SparseMlaSplits::kLatency);
 
 // The fast path: FP8 codes converted exactly to FP16, both products on
@@ -191,7 +197,7 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits s
 // FP16 (O / sum) (plans with several clusters combine those through
 // split_partials); other H: 8 heads per CTA on mma.sync
 // (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic, and
-// batch invariant but with SparseMlaSplits::kByBatch (the kernel choice
+// batch invariant except with SparseMlaSplits::kByBatch (the kernel choice
 // depends on H only). docs/sparse_mla.md
 // has the designs and the measured versions. Launches on `stream` with PDL;
 // neither allocates nor synchronizes. Both kernels run clusters of up to 16
@@ -199,7 +205,8 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits s
 // slice, a part with fewer SMs per GPC), the launch returns the CUDA error as
 // the Status. The plans do not
 // fall back to smaller clusters, because a token's bits may not depend on the
-// device's shape either.
+// device's shape either (kByBatch's, by design, do: it takes fewer splits in
+// smaller clusters where fewer CTAs fit).
 Status sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
 
 // The simple GPU kernel: FP32 on CUDA cores, one CTA per (token, head), a

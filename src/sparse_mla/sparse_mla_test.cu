@@ -1070,9 +1070,11 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
   const NamedKernel by_batch{"sparse_mla, splits by batch", sparse_mla_by_batch};
   const std::vector<Case> cases =
       testing::quick_mode()
-          ? std::vector<Case>{{64, 3, 300}, {8, 2, 100}}
+          ? std::vector<Case>{{64, 3, 300}, {64, 9, 1024}, {8, 2, 100}}
           : std::vector<Case>{{64, 1, 2048},  {64, 12, 2176, 125}, {128, 9, 2048}, {64, 36, 2176, 125},
                               {64, 40, 2048}, {8, 4, 2176, 125},   {8, 40, 2048}};
+  std::vector<int> wgmma_splits;  // the max_splits kByBatch takes, case by case (64-head cases)
+  std::vector<bool> mma_fits;     // whether it takes the 8-head kernel's latency plan
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
@@ -1082,18 +1084,24 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
     NamedKernel expected;
     if (c.heads % 64 == 0) {
       const int max_splits = sparse_mla_wgmma_batch_max_splits(c.top_k, int64_t(c.m) * (c.heads / 64), resident);
+      wgmma_splits.push_back(max_splits);
       expected = wgmma_plan(max_splits, kSparseMlaWgmmaDefaultCluster);
     } else {
       const SparseMlaSplitPlan latency = sparse_mla_split_plan(c.heads, c.top_k);
       int clusters = 0;
       DSA_ASSERT_OK(sparse_mla_max_active_clusters(latency, c.heads, c.top_k, &clusters));
       const bool fits = int64_t(c.m) * latency.head_groups <= clusters;
+      mma_fits.push_back(fits);
       expected = with_plan(fits ? latency : sparse_mla_split_plan(c.heads, c.top_k, SparseMlaSplits::kThroughput));
     }
     SCOPED_TRACE("expected: " + expected.name);
     const GpuResult same = run_gpu(p, expected);
     EXPECT_TRUE(got.latent == same.latent) << "latent bits differ from the plan kByBatch should take";
     EXPECT_EQ(std::memcmp(got.lse.data(), same.lse.data(), got.lse.size() * 4), 0) << "lse bits differ";
+  }
+  if (resident == 132 && !testing::quick_mode()) {  // the H200: the cases reach every plan the comment names
+    EXPECT_EQ(wgmma_splits, (std::vector<int>{16, 8, 4, 4, 2}));
+    EXPECT_EQ(mma_fits, (std::vector<bool>{true, false}));
   }
 }
 
@@ -1128,15 +1136,17 @@ void expect_graph_replays_direct_launch(const NamedKernel& kernel, const SparseM
 }
 
 // H = 64 runs the 64-head kernel, H = 8 the 8-head one, each with every
-// split choice.
+// split choice, at m = 4 and 40.
 TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 30);
   cudaStream_t stream;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (const int heads : {64, 8}) {
-    SCOPED_TRACE("H " + std::to_string(heads));
-    const Problem p = random_problem(Case{heads, 4, 2048}, /*padded=*/false, 3.0f, rng);
+  // m = 40: kByBatch takes another plan than kLatency (H200: 2 splits at
+  // H = 64, the 8-head kernel's throughput plan at H = 8).
+  for (const Case& c : {Case{64, 4, 2048}, Case{8, 4, 2048}, Case{64, 40, 2048}, Case{8, 40, 2048}}) {
+    SCOPED_TRACE(describe(c));
+    const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
     DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
     DeviceBuffer<int32_t> indices_dev(p.indices);
     DeviceBuffer<float> scales_dev(std::vector<float>{p.q_scale, p.k_scale});

@@ -1048,7 +1048,8 @@ Status current_device(int* device) {
 }
 
 // Both answers for a plan's cluster size, asked together on the first call
-// (which callers make outside a graph capture, as for the shared-memory limit).
+// with that size (kByBatch's sizes depend on m, so that call may come inside
+// a graph capture: the occupancy queries are legal there).
 Status residency(int cluster_size, int* ctas, int* clusters) {
   int device = 0;
   DSA_RETURN_IF_ERROR(current_device(&device));
@@ -1240,7 +1241,8 @@ int sparse_mla_wgmma_batch_max_splits(int top_k, int64_t items, int resident_cta
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
   const int top_k = a.indices.ndim == 2 ? static_cast<int>(a.indices.size(1)) : 0;  // checked by the launch
   int max_splits = sparse_mla_wgmma_max_splits(top_k, a.splits);
-  if (a.splits == SparseMlaSplits::kByBatch && a.q.ndim == 3) {
+  if (a.splits == SparseMlaSplits::kByBatch) {
+    DSA_RETURN_IF_ERROR(check_sparse_mla(a));  // before the device is asked anything
     int resident = 0;
     DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
     max_splits = sparse_mla_wgmma_batch_max_splits(top_k, a.q.size(0) * (a.q.size(1) / kHeads), resident);
