@@ -47,4 +47,28 @@ Status allow_non_portable_clusters(const void* kernel, const char* name) {
                             std::string(name) + ", non-portable cluster sizes");
 }
 
+Status kernel_answer_once(const void* kernel, int variant, const std::function<Status(int*)>& ask, int* answer) {
+  struct Answer {
+    const void* kernel;
+    int variant, device, value;
+  };
+  static std::mutex mutex;
+  static std::vector<Answer> answers;
+  int device = 0;
+  DSA_CUDA_RETURN(cudaGetDevice(&device));
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const Answer& a : answers) {
+      if (a.kernel == kernel && a.variant == variant && a.device == device) {
+        *answer = a.value;
+        return Status();
+      }
+    }
+  }
+  DSA_RETURN_IF_ERROR(ask(answer));  // outside the lock: `ask` may call kernel_answer_once itself
+  std::lock_guard<std::mutex> lock(mutex);
+  answers.push_back(Answer{kernel, variant, device, *answer});
+  return Status();
+}
+
 }  // namespace dsa

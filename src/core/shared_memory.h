@@ -1,7 +1,10 @@
 // Function attributes a kernel needs before its first launch: a dynamic
 // shared-memory limit above the 48 KiB default, and cluster sizes above the
-// portable 8.
+// portable 8; and the device's answers about a kernel that cannot change
+// while the process runs (occupancy), asked once.
 #pragma once
+
+#include <functional>
 
 #include "dsa_decode/status.h"
 
@@ -16,5 +19,12 @@ Status raise_shared_memory_limit(const void* kernel, int bytes, const char* name
 // cudaFuncSetAttribute(kernel, NonPortableClusterSizeAllowed, 1), once per
 // (kernel, device) in the same way: clusters of up to 16 CTAs on Hopper.
 Status allow_non_portable_clusters(const void* kernel, const char* name);
+
+// An answer about `kernel` on the current device that cannot change while the
+// process runs (an occupancy count): `ask` runs on the first call for
+// (kernel, variant, device) and its answer is kept; `variant` tells apart the
+// questions asked about one kernel (e.g. a cluster size). Host work only, so
+// a first call may come inside a CUDA-graph capture.
+Status kernel_answer_once(const void* kernel, int variant, const std::function<Status(int*)>& ask, int* answer);
 
 }  // namespace dsa

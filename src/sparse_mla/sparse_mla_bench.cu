@@ -287,15 +287,15 @@ Status run(Context& ctx, Report& report) {
           " distinct rows, tokens 2j and 2j + 1 sharing " + std::to_string(static_cast<int>(kPairShared * 100)) +
           "% of theirs (baseline: the simple kernel on distinct rows)";
       const std::pair<SparseMlaSplits, std::string> choices[] = {{SparseMlaSplits::kLatency, ""},
-                                                                 {SparseMlaSplits::kThroughput, "throughput splits, "},
-                                                                 {SparseMlaSplits::kByBatch, "splits by batch, "}};
+                                                                 {SparseMlaSplits::kThroughput, "throughput splits"},
+                                                                 {SparseMlaSplits::kByBatch, "splits by batch"}};
       for (const auto& [splits, label] : choices) {
         double us = 0;
         DSA_RETURN_IF_ERROR(time_rows(ctx, p, pairs, sparse_mla_with(splits), &us));
-        Row row{"sparse_mla (" + label + "draft pairs)", params, us, "sparse_mla_simple", simple_us, pair_floor};
+        const std::string choice = label.empty() ? "" : label + ", ";
+        Row row{"sparse_mla (" + choice + "draft pairs)", params, us, "sparse_mla_simple", simple_us, pair_floor};
         row.tflops = flops(p) / (us * 1e-6) / 1e12;
-        row.note = "as sparse_mla" + (label.empty() ? "" : " (" + label.substr(0, label.size() - 2) + ")") + "; " +
-                   pair_regions;
+        row.note = "as sparse_mla" + (label.empty() ? "" : " (" + label + ")") + "; " + pair_regions;
         report.add(row);
       }
     }

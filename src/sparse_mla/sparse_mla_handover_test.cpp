@@ -1,41 +1,34 @@
-// The handover between sparse_mla_wgmma's two warpgroups, as barrier steps:
-// every interleaving of the two warpgroups' steps is explored for CTAs that
-// run several items of 0 to 7 chunks, checking that a parity wait for phase
-// k is only ever pending while the barrier has completed k or k + 1 phases
-// (with k + 2 the hardware takes the completed phase for an open one and
-// waits forever; with k - 1 it takes the open phase for a completed one and
-// does not wait) and that the CTA never deadlocks. The steps mirror the chunk loops of sparse_mla_wgmma_item
-// (sparse_mla_wgmma.cu); the P barriers come from the kernel's own mapping.
-// The steps also name the double buffers each warpgroup writes and reads
-// (the chunk tiles, and P with its rescale and split statistics: slot i % 2
-// for the item's chunk i; chunks are numbered over the CTA, and items are
-// apart by CTA barriers): a write of chunk n must come after every read of
-// chunk n - 2, which used the same slot, and a read after the chunk's write.
+// The handover between sparse_mla_wgmma's two warpgroups, as barrier and
+// buffer steps, checked over every interleaving for CTAs that run several
+// items of 0 to 7 chunks (sparse_mla_handover_check.h: parity waits within
+// one phase, no buffer hazard, no deadlock). The steps mirror the chunk
+// loops of sparse_mla_wgmma_item (sparse_mla_wgmma.cu); the P barriers come
+// from the kernel's own mapping. The buffers are double: the chunk tiles,
+// and P with its rescale and split statistics, slot i % 2 for the item's
+// chunk i (chunks are numbered over the CTA, and items are apart by CTA
+// barriers).
 #include "sparse_mla/sparse_mla_handover.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
 #include <functional>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "sparse_mla/sparse_mla_handover_check.h"
 
 namespace dsa {
 namespace {
 
 constexpr int kTileReady = 2;  // barriers 0 and 1: p_ready
 
-enum Buffer { kTile, kP };  // tiles[i % 2]; p_tiles, rescale, split_max / split_sum [i % 2]
-
-struct Step {
-  enum Kind { kArrive, kWait, kCtaBarrier, kWrite, kRead } kind;
-  int barrier = 0;  // kArrive, kWait; kWrite, kRead: the Buffer
-  int phase = 0;    // kWait: the phase it waits for; kWrite, kRead: the CTA's chunk
-};
-using Program = std::vector<Step>;
+using handover_check::Exploration;
+using handover_check::kP;
+using handover_check::kTile;
+using handover_check::Program;
+using handover_check::Step;
 using PMapping = std::function<HandoverPhase(int chunk)>;
 // How the CTA counts tile_ready's phases from item to item: one per chunk
 // after an item's first (the kernel), or one per chunk (1532db7's bug).
@@ -93,94 +86,8 @@ std::pair<Program, Program> handover_programs(const std::vector<int>& chunks_per
   return {wg0, wg1};
 }
 
-struct Exploration {
-  std::string aliased;  // the first wait found pending outside its two phases, if any
-  std::string hazard;   // the first buffer write before an earlier read of its slot, or read before its write
-  bool deadlock = false;
-};
-
-// Depth-first over the states (position of each warpgroup); the completed
-// phases of each barrier follow from the arrivals before the positions.
-Exploration explore(const Program& wg0, const Program& wg1) {
-  const Program* programs[2] = {&wg0, &wg1};
-  // arrivals[w][k][b]: warpgroup w's arrivals on barrier b in its first k steps.
-  std::vector<std::vector<std::array<int, 3>>> arrivals(2);
-  for (int w = 0; w < 2; ++w) {
-    arrivals[w].assign(programs[w]->size() + 1, {0, 0, 0});
-    for (size_t k = 0; k < programs[w]->size(); ++k) {
-      arrivals[w][k + 1] = arrivals[w][k];
-      if ((*programs[w])[k].kind == Step::kArrive) ++arrivals[w][k + 1][(*programs[w])[k].barrier];
-    }
-  }
-  auto completed = [&](int barrier, const int(&at)[2]) {
-    return arrivals[0][at[0]][barrier] + arrivals[1][at[1]][barrier];
-  };
-  // Whether every step of warpgroup w's program before position `at` that
-  // is a `kind` access of (buffer, chunk) has run, i.e. none is at or after it.
-  auto all_done = [&](int w, int at, Step::Kind kind, int buffer, int chunk) {
-    for (size_t k = at; k < programs[w]->size(); ++k) {
-      const Step& step = (*programs[w])[k];
-      if (step.kind == kind && step.barrier == buffer && step.phase == chunk) return false;
-    }
-    return true;
-  };
-  const char* const buffer_names[] = {"tile", "P"};
-  auto access_hazard = [&](int w, const Step& step, const int(&at)[2]) -> std::string {
-    for (int o = 0; o < 2; ++o) {
-      const std::string who = "warpgroup " + std::to_string(w) + " ";
-      if (step.kind == Step::kWrite && step.phase >= 2 &&
-          !all_done(o, at[o], Step::kRead, step.barrier, step.phase - 2)) {
-        return who + "writes " + buffer_names[step.barrier] + " of chunk " + std::to_string(step.phase) +
-               " before warpgroup " + std::to_string(o) + " has read chunk " + std::to_string(step.phase - 2) + "'s";
-      }
-      if (step.kind == Step::kRead && !all_done(o, at[o], Step::kWrite, step.barrier, step.phase)) {
-        return who + "reads " + buffer_names[step.barrier] + " of chunk " + std::to_string(step.phase) +
-               " before warpgroup " + std::to_string(o) + " has written it";
-      }
-    }
-    return "";
-  };
-  Exploration result;
-  std::set<std::pair<int, int>> seen;
-  std::vector<std::pair<int, int>> pending = {{0, 0}};
-  while (!pending.empty() && result.aliased.empty() && result.hazard.empty()) {
-    const auto [a, b] = pending.back();
-    pending.pop_back();
-    if (!seen.insert({a, b}).second) continue;
-    const int at[2] = {a, b};
-    bool moved = false, done = true;
-    for (int w = 0; w < 2; ++w) {
-      if (at[w] == int(programs[w]->size())) continue;
-      done = false;
-      const Step& step = (*programs[w])[at[w]];
-      int next[2] = {at[0], at[1]};
-      ++next[w];
-      if (step.kind == Step::kWait) {
-        const int phases = completed(step.barrier, at);
-        if (phases > step.phase + 1 || phases < step.phase) {
-          result.aliased = "warpgroup " + std::to_string(w) + " waits for phase " + std::to_string(step.phase) +
-                           " of barrier " + std::to_string(step.barrier) + ", which has completed " +
-                           std::to_string(phases);
-          break;
-        }
-        if (phases == step.phase) continue;  // not complete yet (parity and count agree here)
-      } else if (step.kind == Step::kCtaBarrier) {
-        const int other = 1 - w;
-        if (at[other] == int(programs[other]->size()) || (*programs[other])[at[other]].kind != Step::kCtaBarrier) {
-          continue;
-        }
-        ++next[other];  // both pass the CTA barrier together
-      } else if (step.kind == Step::kWrite || step.kind == Step::kRead) {
-        result.hazard = access_hazard(w, step, at);
-        if (!result.hazard.empty()) break;
-      }
-      moved = true;
-      pending.push_back({next[0], next[1]});
-    }
-    if (!done && !moved && result.aliased.empty() && result.hazard.empty()) result.deadlock = true;
-  }
-  return result;
-}
+// The kernel's double buffers: chunk tiles and P, chunk n in slot n % 2.
+Exploration explore(const Program& wg0, const Program& wg1) { return handover_check::explore(wg0, wg1, {2, 2}); }
 
 // Every CTA of up to three items of 0..7 chunks each (2 chunks: the default
 // split CTA; more: the throughput plan's 4 and the whole-item stream's 32,

@@ -50,7 +50,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -480,38 +479,17 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
   return Status();
 }
 
-namespace {
-
-// kByBatch asks on every launch how many of the plan's clusters the GPU runs
-// at once; the answer depends on the device and the cluster size only (the
-// kernel's threads and shared memory are fixed), so it is asked once each.
-constexpr int kMaxDevices = 64;
-std::atomic<int> active_clusters_cache[kMaxDevices][kSparseMlaMaxSplits + 1];
-
-Status active_clusters(const SparseMlaSplitPlan& plan, int heads, int top_k, int* clusters) {
-  int device = 0;
-  DSA_CUDA_RETURN(cudaGetDevice(&device));
-  if (device >= kMaxDevices) return sparse_mla_max_active_clusters(plan, heads, top_k, clusters);
-  std::atomic<int>& cached = active_clusters_cache[device][plan.splits];
-  if (cached.load() > 0) {
-    *clusters = cached.load() - 1;
-    return Status();
-  }
-  DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(plan, heads, top_k, clusters));
-  cached.store(*clusters + 1);
-  return Status();
-}
-
-}  // namespace
-
 Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   const int heads = static_cast<int>(a.q.size(1)), top_k = static_cast<int>(a.indices.size(1));
   SparseMlaSplitPlan plan = sparse_mla_split_plan(heads, top_k, a.splits);
   if (a.splits == SparseMlaSplits::kByBatch) {
-    // kLatency's plan while the GPU runs every (token, group) cluster at once, else kThroughput's.
+    // kLatency's plan while the GPU runs every (token, group) cluster at once,
+    // else kThroughput's; the occupancy answer is asked once per cluster size.
     int clusters = 0;
-    DSA_RETURN_IF_ERROR(active_clusters(plan, heads, top_k, &clusters));
+    DSA_RETURN_IF_ERROR(kernel_answer_once(
+        reinterpret_cast<const void*>(sparse_mla_mma_kernel), plan.splits,
+        [&](int* answer) { return sparse_mla_max_active_clusters(plan, heads, top_k, answer); }, &clusters));
     if (a.q.size(0) * plan.head_groups > clusters)
       plan = sparse_mla_split_plan(heads, top_k, SparseMlaSplits::kThroughput);
   }

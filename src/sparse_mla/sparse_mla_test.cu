@@ -550,12 +550,13 @@ struct NamedKernel {
     return sparse_mla_split_partials_count(m, heads, top_k);
   };
 };
-// sparse_mla with SparseMlaSplits::kThroughput (half the splits): the same
-// contract, other bits.
-Status sparse_mla_throughput(const SparseMlaArgs& a, cudaStream_t stream) {
-  SparseMlaArgs throughput = a;
-  throughput.splits = SparseMlaSplits::kThroughput;
-  return sparse_mla(throughput, stream);
+// sparse_mla with another split choice (SparseMlaArgs::splits): kThroughput
+// (half the splits) has the same contract and other bits.
+template <SparseMlaSplits kChoice>
+Status sparse_mla_with(const SparseMlaArgs& a, cudaStream_t stream) {
+  SparseMlaArgs other = a;
+  other.splits = kChoice;
+  return sparse_mla(other, stream);
 }
 // sparse_mla runs sparse_mla_wgmma when H is a multiple of 64 and sparse_mla_mma
 // otherwise; the 8-head kernel is also run on its own, so that both fast
@@ -564,7 +565,7 @@ Status sparse_mla_throughput(const SparseMlaArgs& a, cudaStream_t stream) {
 const NamedKernel kKernels[] = {{"sparse_mla_simple", sparse_mla_simple},
                                 {"sparse_mla", sparse_mla},
                                 {"sparse_mla_mma", sparse_mla_mma},
-                                {"sparse_mla, throughput splits", sparse_mla_throughput}};
+                                {"sparse_mla, throughput splits", sparse_mla_with<SparseMlaSplits::kThroughput>}};
 
 // The 64-head kernel with an explicit plan.
 NamedKernel wgmma_plan(int max_splits, int max_cluster) {
@@ -1050,11 +1051,7 @@ TEST(SparseMlaGpu, SpecialValuesAcrossSplitsAndChunks) {
 
 // sparse_mla with SparseMlaSplits::kByBatch: not batch invariant by design,
 // so not among kKernels (whose tests run tokens alone and in batches).
-Status sparse_mla_by_batch(const SparseMlaArgs& a, cudaStream_t stream) {
-  SparseMlaArgs by_batch = a;
-  by_batch.splits = SparseMlaSplits::kByBatch;
-  return sparse_mla(by_batch, stream);
-}
+const NamedKernel kByBatchKernel{"sparse_mla, splits by batch", sparse_mla_with<SparseMlaSplits::kByBatch>};
 
 // kByBatch against float64 at batches where it picks different plans (on
 // the H200, H = 64: 16 splits at m = 1, 8 at m = 12 (K = 2176), 4 at 18
@@ -1067,7 +1064,6 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
   int resident = 0;
   DSA_ASSERT_OK(sparse_mla_wgmma_resident_ctas(&resident));
   std::mt19937_64 rng(testing::test_seed() + 60);
-  const NamedKernel by_batch{"sparse_mla, splits by batch", sparse_mla_by_batch};
   const std::vector<Case> cases =
       testing::quick_mode()
           ? std::vector<Case>{{64, 3, 300}, {64, 9, 1024}, {8, 2, 100}}
@@ -1079,7 +1075,7 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
     SCOPED_TRACE(describe(c));
     const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
     const reference::SparseMlaResult want = reference::sparse_mla(p.host());
-    const GpuResult got = run_gpu(p, by_batch);
+    const GpuResult got = run_gpu(p, kByBatchKernel);
     expect_close_to_reference(p, got, want);
     NamedKernel expected;
     if (c.heads % 64 == 0) {
@@ -1167,7 +1163,7 @@ TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
     a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
 
     std::vector<NamedKernel> kernels = kernels_for(p.heads);
-    kernels.push_back({"sparse_mla, splits by batch", sparse_mla_by_batch});
+    kernels.push_back(kByBatchKernel);
     for (const NamedKernel& kernel : kernels) {
       SCOPED_TRACE(kernel.name);
       expect_graph_replays_direct_launch(kernel, a, stream, latent_dev, lse_dev, counters_dev);

@@ -4,10 +4,8 @@
 // n + 1 before the softmax of chunk n, warpgroup 1 converting chunk n + 2
 // into the tile of chunk n - 1 once both P V halves of n - 1 are done.
 // Every interleaving of the two warpgroups' barrier and buffer steps is
-// explored, as sparse_mla_handover_test.cpp does for the kernel's protocol:
-// a parity wait must stay within one phase of its barrier, a buffer slot may
-// be written only after every read of the chunk that used it before, a read
-// only after its chunk's write, and the CTA must never deadlock.
+// checked as sparse_mla_handover_test.cpp checks the kernel's protocol
+// (sparse_mla_handover_check.h).
 //
 // Barriers: p_ready[3] (P of chunk n on n % 3, phase n / 3: with two tiles
 // converted ahead, warpgroup 0 can finish P of three chunks before
@@ -20,24 +18,22 @@
 #include <gtest/gtest.h>
 
 #include <array>
-#include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "sparse_mla/sparse_mla_handover_check.h"
+
 namespace dsa {
 namespace {
 
-enum Buffer { kTile, kP };
+using handover_check::Exploration;
+using handover_check::kP;
+using handover_check::kTile;
+using handover_check::Program;
+using handover_check::Step;
 constexpr int kTileSlots = 3;  // chunk n's tile in slot n % 3
-constexpr int kPReady0 = 0, kTileReady0 = 3, kTileFree = 6, kBarriers = 7;
-
-struct Step {
-  enum Kind { kArrive, kWait, kCtaBarrier, kWrite, kRead } kind;
-  int index = 0;  // kArrive, kWait: the barrier; kWrite, kRead: the Buffer
-  int value = 0;  // kWait: the phase; kWrite, kRead: the CTA's chunk
-};
-using Program = std::vector<Step>;
+constexpr int kPReady0 = 0, kTileReady0 = 3, kTileFree = 6;
 
 // The design, and the variants the checker must refute: one tile_ready
 // barrier for every conversion (warpgroup 1 then runs two phases ahead), P
@@ -129,91 +125,8 @@ std::pair<Program, Program> three_tile_programs(const std::vector<int>& chunks_p
   return {wg0, wg1};
 }
 
-struct Exploration {
-  std::string aliased, hazard;
-  bool deadlock = false;
-};
-
 Exploration explore(const Program& wg0, const Program& wg1, int p_slots) {
-  const int slots[] = {kTileSlots, p_slots};  // per Buffer
-  const Program* programs[2] = {&wg0, &wg1};
-  std::vector<std::vector<std::array<int, kBarriers>>> arrivals(2);
-  for (int w = 0; w < 2; ++w) {
-    arrivals[w].assign(programs[w]->size() + 1, {});
-    for (size_t k = 0; k < programs[w]->size(); ++k) {
-      arrivals[w][k + 1] = arrivals[w][k];
-      if ((*programs[w])[k].kind == Step::kArrive) ++arrivals[w][k + 1][(*programs[w])[k].index];
-    }
-  }
-  auto completed = [&](int barrier, const int(&at)[2]) {
-    return arrivals[0][at[0]][barrier] + arrivals[1][at[1]][barrier];
-  };
-  // Whether warpgroup w has no `kind` access of (buffer, chunk) at or after `at`.
-  auto all_done = [&](int w, int at, Step::Kind kind, int buffer, int chunk) {
-    for (size_t k = at; k < programs[w]->size(); ++k) {
-      const Step& s = (*programs[w])[k];
-      if (s.kind == kind && s.index == buffer && s.value == chunk) return false;
-    }
-    return true;
-  };
-  const char* const names[] = {"tile", "P"};
-  auto hazard_of = [&](int w, const Step& step, const int(&at)[2]) -> std::string {
-    for (int o = 0; o < 2; ++o) {
-      const int before = step.value - slots[step.index];
-      // The other warpgroup's pending accesses, and this one's beyond the current step.
-      const int from = o == w ? at[o] + 1 : at[o];
-      if (step.kind == Step::kWrite && before >= 0 && !all_done(o, from, Step::kRead, step.index, before)) {
-        return "warpgroup " + std::to_string(w) + " writes " + names[step.index] + " of chunk " +
-               std::to_string(step.value) + " before warpgroup " + std::to_string(o) + " has read chunk " +
-               std::to_string(before) + "'s";
-      }
-      if (step.kind == Step::kRead && !all_done(o, at[o], Step::kWrite, step.index, step.value)) {
-        return "warpgroup " + std::to_string(w) + " reads " + names[step.index] + " of chunk " +
-               std::to_string(step.value) + " before warpgroup " + std::to_string(o) + " has written it";
-      }
-    }
-    return "";
-  };
-  Exploration result;
-  std::set<std::pair<int, int>> seen;
-  std::vector<std::pair<int, int>> pending = {{0, 0}};
-  while (!pending.empty() && result.aliased.empty() && result.hazard.empty()) {
-    const auto [a, b] = pending.back();
-    pending.pop_back();
-    if (!seen.insert({a, b}).second) continue;
-    const int at[2] = {a, b};
-    bool moved = false, done = true;
-    for (int w = 0; w < 2; ++w) {
-      if (at[w] == int(programs[w]->size())) continue;
-      done = false;
-      const Step& step = (*programs[w])[at[w]];
-      int next[2] = {at[0], at[1]};
-      ++next[w];
-      if (step.kind == Step::kWait) {
-        const int phases = completed(step.index, at);
-        if (phases > step.value + 1 || phases < step.value) {
-          result.aliased = "warpgroup " + std::to_string(w) + " waits for phase " + std::to_string(step.value) +
-                           " of barrier " + std::to_string(step.index) + ", which has completed " +
-                           std::to_string(phases);
-          break;
-        }
-        if (phases == step.value) continue;
-      } else if (step.kind == Step::kCtaBarrier) {
-        const int other = 1 - w;
-        if (at[other] == int(programs[other]->size()) || (*programs[other])[at[other]].kind != Step::kCtaBarrier) {
-          continue;
-        }
-        ++next[other];
-      } else if (step.kind == Step::kWrite || step.kind == Step::kRead) {
-        result.hazard = hazard_of(w, step, at);
-        if (!result.hazard.empty()) break;
-      }
-      moved = true;
-      pending.push_back({next[0], next[1]});
-    }
-    if (!done && !moved && result.aliased.empty() && result.hazard.empty()) result.deadlock = true;
-  }
-  return result;
+  return handover_check::explore(wg0, wg1, {kTileSlots, p_slots});
 }
 
 std::string describe(const std::vector<int>& items) {

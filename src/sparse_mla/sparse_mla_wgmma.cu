@@ -92,7 +92,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -1034,57 +1033,46 @@ Status prepare_kernels() {
                                    kSharedBytes, "sparse_mla_wgmma (persistent)");
 }
 
-// Occupancy answers per device, asked once (they depend only on the kernel's
-// fixed resources), stored plus one (0: not asked yet): the CTAs the device
-// holds at once, and the hardware clusters of 2^i CTAs it holds at once.
-constexpr int kMaxDevices = 64;
-std::atomic<int> resident_ctas_cache[kMaxDevices];
-std::atomic<int> resident_clusters_cache[kMaxDevices][5];
-
-Status current_device(int* device) {
-  DSA_CUDA_RETURN(cudaGetDevice(device));
-  if (*device >= kMaxDevices) return unsupported("sparse_mla_wgmma: devices beyond the 64th");
-  return Status();
-}
-
-// Both answers for a plan's cluster size, asked together on the first call
-// with that size (kByBatch's sizes depend on m, so that call may come inside
-// a graph capture: the occupancy queries are legal there).
+// The CTAs the device holds at once, and the hardware clusters of a plan's
+// cluster size it holds at once: asked on the first call with that size
+// (kByBatch's sizes depend on m, so that call may come inside a graph
+// capture: the occupancy queries are legal there), then kept.
 Status residency(int cluster_size, int* ctas, int* clusters) {
-  int device = 0;
-  DSA_RETURN_IF_ERROR(current_device(&device));
-  std::atomic<int>& cached_ctas = resident_ctas_cache[device];
-  std::atomic<int>& cached_clusters = resident_clusters_cache[device][__builtin_ctz(unsigned(cluster_size))];
-  if (cached_ctas.load() > 0 && cached_clusters.load() > 0) {
-    *ctas = cached_ctas.load() - 1;
-    *clusters = cached_clusters.load() - 1;
-    return Status();
-  }
-  DSA_RETURN_IF_ERROR(prepare_kernels());
-  int sms = 0, per_sm = 0;
-  DSA_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  DSA_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_mla_wgmma_kernel<Meeting::kCounter>,
-                                                                kThreads, kSharedBytes));
-  *ctas = sms * per_sm;
-  if (cluster_size > 8) {
-    DSA_RETURN_IF_ERROR(allow_non_portable_clusters(
-        reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>), "sparse_mla_wgmma"));
-  }
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = cluster_size;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cluster_size, 1, 1);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kSharedBytes;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>, &config));
-  cached_ctas.store(*ctas + 1);
-  cached_clusters.store(*clusters + 1);
-  return Status();
+  const auto persistent = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<Meeting::kCounter>);
+  DSA_RETURN_IF_ERROR(kernel_answer_once(
+      persistent, 0,
+      [](int* answer) {
+        DSA_RETURN_IF_ERROR(prepare_kernels());  // the clusters' question below relies on it too
+        int device = 0, sms = 0, per_sm = 0;
+        DSA_CUDA_RETURN(cudaGetDevice(&device));
+        DSA_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        DSA_CUDA_RETURN(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, sparse_mla_wgmma_kernel<Meeting::kCounter>, kThreads, kSharedBytes));
+        *answer = sms * per_sm;
+        return Status();
+      },
+      ctas));
+  const auto clustered = reinterpret_cast<const void*>(sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>);
+  return kernel_answer_once(
+      clustered, cluster_size,
+      [&](int* answer) {
+        if (cluster_size > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(clustered, "sparse_mla_wgmma"));
+        cudaLaunchAttribute attribute[1];
+        attribute[0].id = cudaLaunchAttributeClusterDimension;
+        attribute[0].val.clusterDim.x = cluster_size;
+        attribute[0].val.clusterDim.y = 1;
+        attribute[0].val.clusterDim.z = 1;
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(cluster_size, 1, 1);
+        config.blockDim = dim3(kThreads);
+        config.dynamicSmemBytes = kSharedBytes;
+        config.attrs = attribute;
+        config.numAttrs = 1;
+        DSA_CUDA_RETURN(
+            cudaOccupancyMaxActiveClusters(answer, sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>, &config));
+        return Status();
+      },
+      clusters);
 }
 
 }  // namespace
