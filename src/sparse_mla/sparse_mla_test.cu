@@ -1139,8 +1139,13 @@ TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   cudaStream_t stream;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   // m = 40: kByBatch takes another plan than kLatency (H200: 2 splits at
-  // H = 64, the 8-head kernel's throughput plan at H = 8).
-  for (const Case& c : {Case{64, 4, 2048}, Case{8, 4, 2048}, Case{64, 40, 2048}, Case{8, 40, 2048}}) {
+  // H = 64, the 8-head kernel's throughput plan at H = 8). Quick mode (the
+  // sanitizers) keeps m = 4: racecheck over every kernel at m = 40 outlasts
+  // gpu-check's budget, and SplitsByBatchTakeThePlanThatFitsTheGpu already
+  // runs those plans under it.
+  std::vector<Case> cases = {{64, 4, 2048}, {8, 4, 2048}};
+  if (!testing::quick_mode()) cases.insert(cases.end(), {Case{64, 40, 2048}, Case{8, 40, 2048}});
+  for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
     DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
