@@ -1,8 +1,8 @@
-// Test support: explores every interleaving of two warpgroups' handover
-// steps (mbarrier arrivals and parity waits, CTA barriers, and accesses of
-// multi-slot shared-memory buffers), for the handover tests of
+// Test support: explores every interleaving of two or more warpgroups'
+// handover steps (mbarrier arrivals and parity waits, CTA barriers, and
+// accesses of multi-slot shared-memory buffers), for the handover tests of
 // sparse_mla_wgmma (sparse_mla_handover_test.cpp: the kernel's protocol;
-// sparse_mla_three_tiles_model_test.cpp: the next version's design). It
+// sparse_mla_producer_model_test.cpp: the next version's design). It
 // reports the first parity wait pending while its barrier has completed
 // other than k or k + 1 phases (with k + 2 the hardware takes the completed
 // phase for an open one and waits forever; with k - 1 it takes the open
@@ -13,9 +13,9 @@
 
 #include <algorithm>
 #include <array>
-#include <set>
+#include <cstdint>
 #include <string>
-#include <utility>
+#include <unordered_set>
 #include <vector>
 
 namespace dsa::handover_check {
@@ -38,37 +38,45 @@ struct Exploration {
 // Depth-first over the states (position of each warpgroup); the completed
 // phases of each barrier follow from the arrivals before the positions.
 // slots[b]: buffer b's slot count (chunk n in slot n % slots[b]).
-inline Exploration explore(const Program& wg0, const Program& wg1, std::array<int, 2> slots) {
-  const Program* programs[2] = {&wg0, &wg1};
+// arrivals_per_phase[b]: the warpgroup arrivals that complete one phase of
+// barrier b (1 where not given: one warpgroup's 128 threads).
+inline Exploration explore(const std::vector<Program>& programs, std::array<int, 2> slots,
+                           std::vector<int> arrivals_per_phase = {}) {
+  const int count = int(programs.size());  // at most 4: positions are packed 16 bits each into the state key
   int barriers = 0;
-  for (const Program* program : programs) {
-    for (const Step& step : *program) {
+  for (const Program& program : programs) {
+    for (const Step& step : program) {
       if (step.kind == Step::kArrive || step.kind == Step::kWait) barriers = std::max(barriers, step.index + 1);
     }
   }
+  arrivals_per_phase.resize(std::max<size_t>(arrivals_per_phase.size(), barriers), 1);
   // arrivals[w][k][b]: warpgroup w's arrivals on barrier b in its first k steps.
-  std::vector<std::vector<std::vector<int>>> arrivals(2);
-  for (int w = 0; w < 2; ++w) {
-    arrivals[w].assign(programs[w]->size() + 1, std::vector<int>(barriers, 0));
-    for (size_t k = 0; k < programs[w]->size(); ++k) {
+  std::vector<std::vector<std::vector<int>>> arrivals(count);
+  for (int w = 0; w < count; ++w) {
+    arrivals[w].assign(programs[w].size() + 1, std::vector<int>(barriers, 0));
+    for (size_t k = 0; k < programs[w].size(); ++k) {
       arrivals[w][k + 1] = arrivals[w][k];
-      if ((*programs[w])[k].kind == Step::kArrive) ++arrivals[w][k + 1][(*programs[w])[k].index];
+      if (programs[w][k].kind == Step::kArrive) ++arrivals[w][k + 1][programs[w][k].index];
     }
   }
-  auto completed = [&](int barrier, const int(&at)[2]) {
-    return arrivals[0][at[0]][barrier] + arrivals[1][at[1]][barrier];
+  using Positions = std::vector<int>;
+  auto completed = [&](int barrier, const Positions& at) {
+    int total = 0;
+    for (int w = 0; w < count; ++w) total += arrivals[w][at[w]][barrier];
+    return total / arrivals_per_phase[barrier];
   };
+  auto finished = [&](int w, const Positions& at) { return at[w] == int(programs[w].size()); };
   // Whether warpgroup w has no `kind` access of (buffer, chunk) at or after `at`.
   auto all_done = [&](int w, int at, Step::Kind kind, int buffer, int chunk) {
-    for (size_t k = at; k < programs[w]->size(); ++k) {
-      const Step& s = (*programs[w])[k];
+    for (size_t k = at; k < programs[w].size(); ++k) {
+      const Step& s = programs[w][k];
       if (s.kind == kind && s.index == buffer && s.value == chunk) return false;
     }
     return true;
   };
   const char* const names[] = {"tile", "P"};
-  auto hazard_of = [&](int w, const Step& step, const int(&at)[2]) -> std::string {
-    for (int o = 0; o < 2; ++o) {
+  auto hazard_of = [&](int w, const Step& step, const Positions& at) -> std::string {
+    for (int o = 0; o < count; ++o) {
       const int before = step.value - slots[step.index];
       if (step.kind == Step::kWrite && before >= 0 && !all_done(o, at[o], Step::kRead, step.index, before)) {
         return "warpgroup " + std::to_string(w) + " writes " + names[step.index] + " of chunk " +
@@ -82,20 +90,24 @@ inline Exploration explore(const Program& wg0, const Program& wg1, std::array<in
     }
     return "";
   };
+  auto key = [&](const Positions& at) {
+    uint64_t packed = 0;
+    for (int w = 0; w < count; ++w) packed |= uint64_t(at[w]) << (16 * w);
+    return packed;
+  };
   Exploration result;
-  std::set<std::pair<int, int>> seen;
-  std::vector<std::pair<int, int>> pending = {{0, 0}};
+  std::unordered_set<uint64_t> seen;
+  std::vector<Positions> pending = {Positions(count, 0)};
   while (!pending.empty() && result.aliased.empty() && result.hazard.empty()) {
-    const auto [a, b] = pending.back();
+    const Positions at = pending.back();
     pending.pop_back();
-    if (!seen.insert({a, b}).second) continue;
-    const int at[2] = {a, b};
+    if (!seen.insert(key(at)).second) continue;
     bool moved = false, done = true;
-    for (int w = 0; w < 2; ++w) {
-      if (at[w] == int(programs[w]->size())) continue;
+    for (int w = 0; w < count; ++w) {
+      if (finished(w, at)) continue;
       done = false;
-      const Step& step = (*programs[w])[at[w]];
-      int next[2] = {at[0], at[1]};
+      const Step& step = programs[w][at[w]];
+      Positions next = at;
       ++next[w];
       if (step.kind == Step::kWait) {
         const int phases = completed(step.index, at);
@@ -107,17 +119,19 @@ inline Exploration explore(const Program& wg0, const Program& wg1, std::array<in
         }
         if (phases == step.value) continue;  // not complete yet (parity and count agree here)
       } else if (step.kind == Step::kCtaBarrier) {
-        const int other = 1 - w;
-        if (at[other] == int(programs[other]->size()) || (*programs[other])[at[other]].kind != Step::kCtaBarrier) {
-          continue;
+        // Every warpgroup passes the CTA barrier together, once all are at one.
+        bool all_there = true;
+        for (int o = 0; o < count; ++o) {
+          all_there = all_there && !finished(o, at) && programs[o][at[o]].kind == Step::kCtaBarrier;
         }
-        ++next[other];  // both pass the CTA barrier together
+        if (!all_there) continue;
+        for (int o = 0; o < count; ++o) next[o] = at[o] + 1;
       } else if (step.kind == Step::kWrite || step.kind == Step::kRead) {
         result.hazard = hazard_of(w, step, at);
         if (!result.hazard.empty()) break;
       }
       moved = true;
-      pending.push_back({next[0], next[1]});
+      pending.push_back(next);
     }
     if (!done && !moved && result.aliased.empty() && result.hazard.empty()) result.deadlock = true;
   }

@@ -87,7 +87,7 @@ std::pair<Program, Program> handover_programs(const std::vector<int>& chunks_per
 }
 
 // The kernel's double buffers: chunk tiles and P, chunk n in slot n % 2.
-Exploration explore(const Program& wg0, const Program& wg1) { return handover_check::explore(wg0, wg1, {2, 2}); }
+Exploration explore(const Program& wg0, const Program& wg1) { return handover_check::explore({wg0, wg1}, {2, 2}); }
 
 // Every CTA of up to three items of 0..7 chunks each (2 chunks: the default
 // split CTA; more: the throughput plan's 4 and the whole-item stream's 32,

@@ -1,0 +1,157 @@
+// A design check, not a model of the kernel as built: the handover of the
+// next sparse_mla_wgmma, with a third, producer warpgroup that loads and
+// converts the chunks (docs/sparse_mla.md, "Next version": the probes put
+// the conversion in warpgroup 1 at about half of each chunk's time;
+// probes/producer_period.cu on branch sparse-mla-s-early-probe times this
+// handover). Every interleaving of the three warpgroups' barrier and
+// buffer steps is checked as sparse_mla_handover_test.cpp checks the
+// kernel's protocol (sparse_mla_handover_check.h).
+//
+// Chunks are numbered over the CTA (n), across its items; chunk n's tile
+// and P are in slot n % 2. Barriers, each a pair indexed by slot:
+//   tile_ready  the producer's conversion of chunk n, phase n / 2
+//   tile_free   warpgroups 0 and 1 done with tile n (two arrivals a phase),
+//               phase n / 2; the producer waits for chunk n - 2's
+//   p_ready     warpgroup 0's P of chunk n, phase n / 2
+//   p_free      warpgroup 1 done with P of chunk n; warpgroup 0 waits for
+//               chunk n - 2's before writing P of chunk n
+// Items are apart by CTA barriers (each item's chunk list is built by every
+// thread), and the phases run on across them.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "sparse_mla/sparse_mla_handover_check.h"
+
+namespace dsa {
+namespace {
+
+using handover_check::Exploration;
+using handover_check::kP;
+using handover_check::kTile;
+using handover_check::Program;
+using handover_check::Step;
+constexpr int kTileReady0 = 0, kTileFree0 = 2, kPReady0 = 4, kPFree0 = 6, kBarriers = 8;
+
+// The design, and the variants the checker must refute.
+struct Protocol {
+  bool tile_ready_per_slot = true;      // else one tile_ready barrier for every conversion, phase n
+  bool warpgroup_1_frees_tiles = true;  // else tile_free counts warpgroup 0's arrival alone
+  int tile_free_arrivals = 2;           // warpgroup arrivals that complete a tile_free phase
+};
+
+std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, const Protocol& protocol = {}) {
+  auto tile_ready = [&](int n) {
+    return protocol.tile_ready_per_slot ? Step{Step::kWait, kTileReady0 + n % 2, n / 2}
+                                        : Step{Step::kWait, kTileReady0, n};
+  };
+  Program wg0, wg1, producer;
+  int n0 = 0;
+  for (const int chunks : chunks_per_item) {
+    for (Program* program : {&wg0, &wg1, &producer}) program->push_back({Step::kCtaBarrier});  // the chunk list
+    for (int n = n0; n < n0 + chunks; ++n) {
+      // The producer: the tile of chunk n - 2 released by both consumers,
+      // chunk n converted into it and announced.
+      if (n >= 2) producer.push_back({Step::kWait, kTileFree0 + n % 2, n / 2 - 1});
+      producer.push_back({Step::kWrite, kTile, n});
+      Step announce = tile_ready(n);
+      announce.kind = Step::kArrive;
+      producer.push_back(announce);
+      // Warpgroup 0: S of chunk n (a read at its issue and at its wait),
+      // P written once warpgroup 1 is done with chunk n - 2's, O_left's P V.
+      wg0.push_back(tile_ready(n));
+      wg0.push_back({Step::kRead, kTile, n});
+      wg0.push_back({Step::kRead, kTile, n});
+      if (n >= 2) wg0.push_back({Step::kWait, kPFree0 + n % 2, n / 2 - 1});
+      wg0.push_back({Step::kWrite, kP, n});
+      wg0.push_back({Step::kArrive, kPReady0 + n % 2, n / 2});
+      wg0.push_back({Step::kRead, kTile, n});  // O_left's P V, waited for
+      wg0.push_back({Step::kArrive, kTileFree0 + n % 2, n / 2});
+      // Warpgroup 1: O_right's P V of chunk n (P and the tile read at its
+      // issue and at its wait), then both released.
+      wg1.push_back({Step::kWait, kPReady0 + n % 2, n / 2});
+      wg1.push_back({Step::kRead, kP, n});
+      wg1.push_back({Step::kRead, kTile, n});
+      wg1.push_back({Step::kRead, kP, n});
+      wg1.push_back({Step::kRead, kTile, n});
+      wg1.push_back({Step::kArrive, kPFree0 + n % 2, n / 2});
+      if (protocol.warpgroup_1_frees_tiles) wg1.push_back({Step::kArrive, kTileFree0 + n % 2, n / 2});
+    }
+    n0 += chunks;
+  }
+  for (Program* program : {&wg0, &wg1, &producer}) program->push_back({Step::kCtaBarrier});  // the combine
+  return {wg0, wg1, producer};
+}
+
+Exploration explore(const std::vector<Program>& programs, const Protocol& protocol = {}) {
+  std::vector<int> arrivals_per_phase(kBarriers, 1);
+  arrivals_per_phase[kTileFree0] = arrivals_per_phase[kTileFree0 + 1] = protocol.tile_free_arrivals;
+  return handover_check::explore(programs, {2, 2}, arrivals_per_phase);
+}
+
+std::string describe(const std::vector<int>& items) {
+  std::string name;
+  for (const int chunks : items) name += std::to_string(chunks) + " ";
+  return "items of " + name + "chunks";
+}
+
+// Every CTA of one or two items of 0..9 chunks and three of 0..5 (the steps
+// repeat every two chunks; a stream's 32 chunks repeat them).
+TEST(SparseMlaProducerDesign, ParityWaitsBuffersAndProgressHoldForEveryInterleaving) {
+  std::vector<std::vector<int>> sequences;
+  for (int a = 0; a <= 9; ++a) {
+    sequences.push_back({a});
+    for (int b = 0; b <= 9; ++b) sequences.push_back({a, b});
+  }
+  for (int a = 0; a <= 5; ++a) {
+    for (int b = 0; b <= 5; ++b) {
+      for (int c = 0; c <= 5; ++c) sequences.push_back({a, b, c});
+    }
+  }
+  for (const std::vector<int>& items : sequences) {
+    const Exploration e = explore(producer_programs(items));
+    ASSERT_TRUE(e.aliased.empty()) << describe(items) << ": " << e.aliased;
+    ASSERT_TRUE(e.hazard.empty()) << describe(items) << ": " << e.hazard;
+    ASSERT_FALSE(e.deadlock) << describe(items);
+  }
+}
+
+// The checker finds what per-slot barriers are for: with one tile_ready for
+// every conversion the producer announces chunks 0 and 1 before warpgroup 0
+// waits for chunk 0.
+TEST(SparseMlaProducerDesign, OneSharedTileReadyBarrierAliases) {
+  Protocol shared;
+  shared.tile_ready_per_slot = false;
+  const Exploration e = explore(producer_programs({3}, shared), shared);
+  EXPECT_NE(e.aliased.find("warpgroup 0 waits for phase 0 of barrier 0, which has completed 2"), std::string::npos)
+      << e.aliased;
+}
+
+// Why tile_free needs both consumers: released by warpgroup 0 alone, the
+// producer converts chunk 2 into chunk 0's tile while warpgroup 1's P V may
+// still read it.
+TEST(SparseMlaProducerDesign, TilesFreedByWarpgroup0AloneAreOverwrittenInUse) {
+  Protocol alone;
+  alone.warpgroup_1_frees_tiles = false;
+  alone.tile_free_arrivals = 1;
+  const Exploration e = explore(producer_programs({3}, alone), alone);
+  EXPECT_NE(e.hazard.find("warpgroup 2 writes tile of chunk 2 before warpgroup 1 has read chunk 0's"),
+            std::string::npos)
+      << e.hazard;
+}
+
+// And its arrival count: with tile_free initialized for one warpgroup's
+// threads while both consumers arrive, the first consumer done completes
+// the phase, and the producer converts chunk 2 while the other still reads
+// chunk 0's tile.
+TEST(SparseMlaProducerDesign, TileFreeInitializedForOneWarpgroupReleasesEarly) {
+  Protocol miscounted;
+  miscounted.tile_free_arrivals = 1;
+  const Exploration e = explore(producer_programs({3}, miscounted), miscounted);
+  EXPECT_NE(e.hazard.find("warpgroup 2 writes tile of chunk 2 before warpgroup "), std::string::npos) << e.hazard;
+  EXPECT_NE(e.hazard.find(" has read chunk 0's"), std::string::npos) << e.hazard;
+}
+
+}  // namespace
+}  // namespace dsa
