@@ -42,9 +42,9 @@ struct Protocol {
 };
 
 std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, const Protocol& protocol = {}) {
-  auto tile_ready = [&](int n) {
-    return protocol.tile_ready_per_slot ? Step{Step::kWait, kTileReady0 + n % 2, n / 2}
-                                        : Step{Step::kWait, kTileReady0, n};
+  // An arrival or a wait on the tile_ready barrier of chunk n.
+  auto tile_ready = [&](Step::Kind kind, int n) {
+    return protocol.tile_ready_per_slot ? Step{kind, kTileReady0 + n % 2, n / 2} : Step{kind, kTileReady0, n};
   };
   Program wg0, wg1, producer;
   int n0 = 0;
@@ -55,12 +55,10 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       // chunk n converted into it and announced.
       if (n >= 2) producer.push_back({Step::kWait, kTileFree0 + n % 2, n / 2 - 1});
       producer.push_back({Step::kWrite, kTile, n});
-      Step announce = tile_ready(n);
-      announce.kind = Step::kArrive;
-      producer.push_back(announce);
+      producer.push_back(tile_ready(Step::kArrive, n));
       // Warpgroup 0: S of chunk n (a read at its issue and at its wait),
       // P written once warpgroup 1 is done with chunk n - 2's, O_left's P V.
-      wg0.push_back(tile_ready(n));
+      wg0.push_back(tile_ready(Step::kWait, n));
       wg0.push_back({Step::kRead, kTile, n});
       wg0.push_back({Step::kRead, kTile, n});
       if (n >= 2) wg0.push_back({Step::kWait, kPFree0 + n % 2, n / 2 - 1});
