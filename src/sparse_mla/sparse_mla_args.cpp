@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,11 +47,12 @@ std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".."
 
 }  // namespace
 
-Status check_sparse_mla(const SparseMlaArgs& a) {
-  return check_sparse_mla_for_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster);
-}
+namespace {
 
-Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max_cluster) {
+// Every check; split_partials against partials_for(m, H, K) values, asked
+// once q and indices have passed.
+Status check_sparse_mla_against(const SparseMlaArgs& a,
+                                const std::function<int64_t(int64_t m, int64_t heads, int top_k)>& partials_for) {
   constexpr int64_t L = kSparseMlaLatent;
 
   DSA_RETURN_IF_ERROR(check_dtype(a.q, "q", DType::kFP8E4M3));
@@ -134,8 +136,7 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max
 
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
 
-  const int64_t partials =
-      sparse_mla_wgmma_partials_count(m, heads, static_cast<int>(top_k), max_splits, max_cluster);
+  const int64_t partials = partials_for(m, heads, static_cast<int>(top_k));
   const bool has_partials = a.split_partials.data != nullptr;
   if (partials > 0 || has_partials) {
     DSA_RETURN_IF_ERROR(check_split_partials(a.split_partials, partials));
@@ -157,6 +158,22 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max
     }
   }
   return Status();
+}
+
+}  // namespace
+
+Status check_sparse_mla(const SparseMlaArgs& a) {
+  return check_sparse_mla_for_plan(a, kSparseMlaWgmmaDefaultSplits, kSparseMlaWgmmaDefaultCluster);
+}
+
+Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max_cluster) {
+  return check_sparse_mla_against(a, [&](int64_t m, int64_t heads, int top_k) {
+    return sparse_mla_wgmma_partials_count(m, heads, top_k, max_splits, max_cluster);
+  });
+}
+
+Status check_sparse_mla_without_partials(const SparseMlaArgs& a) {
+  return check_sparse_mla_against(a, [](int64_t, int64_t, int) { return int64_t(0); });
 }
 
 }  // namespace dsa

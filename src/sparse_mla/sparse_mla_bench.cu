@@ -4,8 +4,10 @@
 // kernel, the baseline; "sparse_mla": what engines get (the 64-head wgmma
 // kernel at H = 64 and 128, the 8-head mma kernel at H = 8); "sparse_mla_mma":
 // the 8-head kernel with its plan where sparse_mla ran the other one, and with
-// half and twice the splits to measure the plan's choice; all against the
-// baseline timed in the same run.
+// half and twice the splits to measure the plan's choice; "sparse_mla_producer":
+// the producer kernel (one CTA per item, a third warpgroup converting the
+// rows: docs/sparse_mla.md "Next version"); all against the baseline timed in
+// the same run.
 //
 // Cold KV rows: the cache holds `rotations` disjoint regions of m * K slots and
 // launch i reads region i % rotations through its own index rows (a random
@@ -258,6 +260,15 @@ Status run(Context& ctx, Report& report) {
       Row row{"sparse_mla_wgmma (one CTA per item)", params, us, "sparse_mla_simple", simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
       row.note = "every split of a (token, group) streamed by one CTA, then its combine; " + regions;
+      report.add(row);
+    }
+    if (wgmma) {  // the producer kernel: one CTA per item, no split, a third warpgroup converting
+      double us = 0;
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_producer, &us));
+      Row row{"sparse_mla_producer", params, us, "sparse_mla_simple", simple_us, floor};
+      row.tflops = flops(p) / (us * 1e-6) / 1e12;
+      row.note =
+          "one CTA per (token, group) over the whole row, warpgroup 2 loading and converting the rows; " + regions;
       report.add(row);
     }
     if (wgmma) {  // consecutive splits per CTA at every m where they fit: the crossovers against split CTAs

@@ -90,6 +90,19 @@ Status sparse_mla_wgmma_whole_items(const SparseMlaArgs& args, cudaStream_t stre
 // than one round), the item's CTAs meeting at its counter; where no such
 // count fits (many items), as sparse_mla_wgmma. The same bits.
 Status sparse_mla_wgmma_grouped_splits(const SparseMlaArgs& args, cudaStream_t stream);
+// Every check of check_sparse_mla except split_partials's size: for a kernel
+// that needs none (it may still be given; it is then checked for overlaps).
+Status check_sparse_mla_without_partials(const SparseMlaArgs& args);
+// The producer kernel (src/sparse_mla/sparse_mla_producer.cu): one CTA per
+// (token, 64 heads) item takes the whole index row, with a third warpgroup
+// that loads and converts the rows while the other two compute (no split,
+// no combine, split_counters and split_partials untouched). Deterministic
+// and batch invariant (a token's bits depend on its own inputs only), not
+// the bits of the split plans. H a multiple of 64 (else an error naming q),
+// K <= kSparseMlaProducerMaxTopK (else naming indices), a cache span below
+// 64 GiB (else naming kv_cache).
+inline constexpr int kSparseMlaProducerMaxTopK = 2304;
+Status sparse_mla_producer(const SparseMlaArgs& args, cudaStream_t stream);
 // For the benchmark: an empty kernel launched as sparse_mla_wgmma's default
 // plan is (grid, threads, shared memory, PDL, cooperative), doing only the
 // PDL wait / release: the launch's share of the time.

@@ -321,6 +321,28 @@ TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
   testing::expect_rejected(sparse_mla_wgmma(f.args, nullptr), "q", "a multiple of 64 heads");
 }
 
+TEST(SparseMlaChecks, ProducerKernelNamesWhatItCannotTake) {
+  FakeArgs heads;  // H = 32
+  heads.args.q.shape[1] = 32;
+  heads.args.latent.shape[1] = 32;
+  heads.args.lse = make_tensor(heads.args.lse.data, DType::kF32, {4, 32});
+  testing::expect_rejected(sparse_mla_producer(heads.args, nullptr), "q", "a multiple of 64 heads");
+  FakeArgs wide;  // K = 2305
+  wide.args.indices = make_tensor(wide.args.indices.data, DType::kI32, {4, kSparseMlaProducerMaxTopK + 1});
+  wide.args.split_counters.shape[0] = sparse_mla_split_counter_count(4, 64, kSparseMlaProducerMaxTopK + 1);
+  testing::expect_rejected(sparse_mla_producer(wide.args, nullptr), "indices", "at most 2304 entries");
+  // It needs no split_partials, but a view given is still checked.
+  FakeArgs none;
+  none.args.split_partials = TensorView();
+  EXPECT_TRUE(check_sparse_mla_without_partials(none.args).ok())
+      << check_sparse_mla_without_partials(none.args).to_string();
+  EXPECT_FALSE(check_sparse_mla(none.args).ok()) << "sparse_mla needs split_partials";
+  FakeArgs overlapping;
+  overlapping.args.split_partials = make_tensor(overlapping.args.latent.data, DType::kF32, {1024});
+  testing::expect_rejected(check_sparse_mla_without_partials(overlapping.args), "latent",
+                           "memory disjoint from 'split_partials'");
+}
+
 TEST(SparseMlaChecks, WgmmaMaxSplitsIsCheckedAgainstK) {
   FakeArgs f;  // K = 2176: 34 chunks, 16 at most per CTA: 3 CTAs, in a plan of 4
   testing::expect_rejected(sparse_mla_wgmma_with_plan(f.args, 3, 16, nullptr), "max_splits", "at least 4");
@@ -587,15 +609,20 @@ NamedKernel wgmma_grouped_splits() {
 }
 // H a multiple of 64: the 64-head kernel with a two-level plan too (16
 // splits in two clusters of 8), so that the combine through split_partials
-// and the counters meets every case whatever the default plan is, and the
+// and the counters meets every case whatever the default plan is, the
 // default plan with one CTA per item and with consecutive splits per CTA at
-// every m.
+// every m, and the producer kernel.
+// The producer kernel (K <= 2304, no split_partials).
+NamedKernel producer_kernel() {
+  return {"sparse_mla_producer", sparse_mla_producer, [](int64_t, int64_t, int) { return int64_t(0); }};
+}
 std::vector<NamedKernel> kernels_for(int heads) {
   std::vector<NamedKernel> kernels(std::begin(kKernels), std::end(kKernels));
   if (heads % 64 == 0) {
     kernels.push_back(wgmma_plan(16, 8));
     kernels.push_back(wgmma_whole_items());
     kernels.push_back(wgmma_grouped_splits());
+    kernels.push_back(producer_kernel());  // every caller's K is within its 2304
   }
   return kernels;
 }
@@ -895,7 +922,32 @@ TEST(SparseMlaGpu, EdgeCasesMatchTheReference) {
     const reference::SparseMlaResult want = reference::sparse_mla(p.host());
     ASSERT_GT(want.out_of_range, top_k / 2);
     for (const NamedKernel& kernel : kKernels) expect_close_to_reference(p, run_gpu(p, kernel), want);
+    if (heads == 64) expect_close_to_reference(p, run_gpu(p, producer_kernel()), want);
   }
+}
+
+// The producer kernel over the 64-head shapes of the sweep above (K up to
+// 2176, m up to 256, padded strides, three score spreads).
+TEST(SparseMlaGpu, ProducerKernelMatchesFloat64Reference) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 60);
+  const std::vector<Case> full = {{64, 1, 2048}, {64, 2, 2176, 125}, {64, 7, 1},          {64, 16, 100},
+                                  {64, 64, 100}, {64, 128, 1024},    {128, 1, 2176, 125}, {128, 2, 2048},
+                                  {128, 7, 100}, {128, 16, 1},       {128, 256, 1},       {64, 256, 2176, 125}};
+  const std::vector<Case> quick = {{64, 2, 100}};
+  const float spreads[] = {1.0f, 3.0f, 10.0f};
+  double worst = 0;
+  int index = 0;
+  for (const Case& c : testing::quick_mode() ? quick : full) {
+    const bool padded = index % 2 == 1;
+    const float spread = spreads[index % 3];
+    SCOPED_TRACE(describe(c) + (padded ? " padded strides" : "") + " score spread " + std::to_string(spread));
+    const Problem p = random_problem(c, padded, spread, rng);
+    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+    worst = std::max(worst, expect_close_to_reference(p, run_gpu(p, producer_kernel()), want));
+    ++index;
+  }
+  std::printf("[sparse_mla_producer vs float64] worst relative Frobenius error %.3g over %d cases\n", worst, index);
 }
 
 // Two runs of `batch` give the same bits, and so do tokens 0, m / 2 and m - 1

@@ -1,0 +1,464 @@
+// The producer sparse MLA decode kernel (sparse_mla_producer): one CTA per
+// (token, 64 heads) item runs the item's whole index row, with the FP8 ->
+// FP16 conversion of the rows taken off the warpgroups that compute. The
+// contract is in include/dsa_decode/sparse_mla.h (less the split buffers,
+// which it does not use); why it exists is in docs/sparse_mla.md ("Next
+// version": in sparse_mla_wgmma's stream the conversion in warpgroup 1
+// costs about as much as a chunk's S, softmax and P V together).
+//
+// Work split: item b = (token b / groups, heads 64 (b % groups)..+63) per
+// CTA, its C = ceil(K / 64) chunks of 64 entries in order (chunks without a
+// valid entry skipped). Nothing depends on m or on the GPU: every output
+// bit of a token follows from its own q, index row and cache rows.
+//
+// Shared memory: FP16 q of the group and two chunk tiles (8 panels of 64
+// dims, K-major, 128-byte swizzle: src/core/wgmma.cuh), P of two chunks, the
+// row offsets and valid-row masks of the whole row (K <= 2304).
+//
+// Prologue (every thread): the index row into cache-row offsets (as 32-bit
+// multiples of 16 bytes) and a valid-row mask per chunk, out-of-range
+// entries counted once (by group 0's CTA); the list of chunks with a valid
+// entry. Warpgroup 1 requests q's rows before that and converts them after.
+//
+// Roles, 384 threads (setmaxnreg: 232 / 168 / 104 registers, summing to the
+// 504 a thread of each warpgroup gets at launch):
+//  - warpgroup 2, the producer: the CTA's n-th listed chunk's rows from
+//    global memory into registers (invalid rows as zeros: a NaN code left in
+//    a tile would turn p = 0 into NaN), converted into tile n % 2 once both
+//    other warpgroups are done with chunk n - 2 there (tile_free), announced
+//    by tile_ready; chunk n + 1's rows are requested right after.
+//  - warpgroup 0: S [64 heads][64 entries] = Q K^T by 32 wgmma m64n64k16;
+//    scores = S * softmax_scale * q_scale * k_scale * log2(e), -inf for
+//    invalid entries; the running max per head (NaN propagates); p = 2^(score
+//    - max) rounded to FP16 into registers (O_left's A fragments) and, once
+//    warpgroup 1 is done with chunk n - 2's (p_free), into p_tiles[n % 2]
+//    with the rescale factors (p_ready); the running sum of the rounded p;
+//    O_left [64 x 256] = O_left * rescale + P V[:, 0:256] by 4 wgmma
+//    m64n256k16 (P from registers, V the tile read N-major).
+//  - warpgroup 1: O_right = O_right * rescale + P V[:, 256:512] (P from
+//    shared memory).
+// The handover protocol (barriers per slot, tile_free completed by both
+// consumers) is checked over every interleaving on the CPU:
+// sparse_mla_producer_model_test.cpp.
+//
+// Epilogue: latent = O * (k_scale / sum) as BF16, lse = max ln 2 + ln(sum);
+// a head with no valid entry gets latent +0 and lse -inf.
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/async_copy.cuh"
+#include "core/fp8.cuh"
+#include "core/launch.cuh"
+#include "core/shared_memory.h"
+#include "core/wgmma.cuh"
+#include "dsa_decode/numerics.h"
+#include "sparse_mla/sparse_mla_params.h"
+#include "sparse_mla/sparse_mla_plan.h"
+
+namespace dsa {
+namespace {
+
+constexpr int kLatent = kSparseMlaLatent;
+constexpr int kHeads = 64;             // heads per CTA: the M of every wgmma
+constexpr int kChunkRows = 64;         // entries per chunk
+constexpr int kThreads = 384;          // three warpgroups
+constexpr int kPanelBytes = 64 * 128;  // 64 rows x 64 FP16 dims
+constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
+constexpr int kPTileBytes = kHeads * kChunkRows * 2;  // P [64 heads][64 entries] FP16, one panel
+constexpr int kMaxChunks = kSparseMlaProducerMaxTopK / kChunkRows;
+constexpr int kMaxRows = kMaxChunks * kChunkRows;
+constexpr int kRowsPerThread = kChunkRows / 4;  // a converting warpgroup: warp w takes rows w, w + 4, ..
+constexpr uint32_t kNoRow = 0xFFFFFFFFu;        // row_offset16 of an invalid entry
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+// Registers per thread: 168 at launch (65536 / 384, rounded down to 8), then
+// moved between the warpgroups by setmaxnreg; the three sum to 3 x 168.
+constexpr int kLaunchRegisters = 168;
+constexpr int kSoftmaxRegisters = 232, kProducerRegisters = 104;  // warpgroup 1 keeps 168
+static_assert(kSoftmaxRegisters + kLaunchRegisters + kProducerRegisters == 3 * kLaunchRegisters, "the CTA's pool");
+static_assert(kMaxChunks <= 64, "two ballots list the chunks");
+
+struct alignas(1024) SharedStorage {
+  uint8_t q_tile[kTileBytes];       // [8 panels][64 heads][128 B]: FP16 q of the group
+  uint8_t tiles[2][kTileBytes];     // [8 panels][64 entries][128 B]: FP16 rows of the n-th chunk in tiles[n % 2]
+  uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the n-th chunk in p_tiles[n % 2]
+  float rescale[2][kHeads];         // [n % 2][head]: the n-th chunk's rescale of the running O
+  float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
+  uint32_t row_offset16[kMaxRows];             // byte offset / 16 of each entry's cache row, kNoRow when invalid
+  uint64_t valid_rows[kMaxChunks];             // bit r: row r of chunk c is a valid entry
+  int chunk_list[kMaxChunks];                  // the chunks with a valid entry, in order
+  // Handover (sparse_mla_producer_model_test.cpp): phase n / 2 for the n-th
+  // listed chunk on the barrier of slot n % 2; q_ready once.
+  uint64_t q_ready;        // warpgroup 1 has converted q (128 arrivals)
+  uint64_t tile_ready[2];  // the producer has converted the chunk (128)
+  uint64_t tile_free[2];   // warpgroups 0 and 1 are done with the chunk's tile (256)
+  uint64_t p_ready[2];     // warpgroup 0 has written P and the rescale factors (128)
+  uint64_t p_free[2];      // warpgroup 1 is done with them (128)
+  uint64_t stats_ready;    // warpgroup 0 has written final_max and final_sum (128)
+};
+static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
+constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
+static_assert(kSharedBytes <= 227 * 1024, "Hopper's largest shared memory per CTA");
+
+__device__ __forceinline__ void mbarrier_init(uint32_t barrier, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {  // release
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  // acquire; phase i % 2 == parity
+  asm volatile(
+      "{\n.reg .pred complete;\nretry:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 complete, [%0], %1;\n"
+      "@!complete bra retry;\n}\n" ::"r"(barrier),
+      "r"(phase % 2)
+      : "memory");
+}
+
+template <int kRegisters>
+__device__ __forceinline__ void set_max_registers() {
+  if constexpr (kRegisters > kLaunchRegisters) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegisters));
+  } else if constexpr (kRegisters < kLaunchRegisters) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
+  }
+}
+
+// 2^x by the MUFU alone, results below 2^-126 flushed to zero (as
+// sparse_mla_wgmma: p is rounded to FP16, which has no values that small).
+__device__ __forceinline__ float exp2_flush(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 64 rows of FP8 codes held by a converting warpgroup: thread (warp w, lane
+// l) holds the 16 bytes at dims 16 l.. of rows w + 4 k, k = 0..15.
+using RowCodes = uint4[kRowsPerThread];
+
+// Writes the rows as FP16 into `tile`: lane l's 16 bytes are 16-byte slots 2
+// (l % 4) and 2 (l % 4) + 1 of the row's 128 bytes in panel l / 4; odd panels
+// store their second slot first (panels lie 8 KiB apart, the same banks: so
+// the lanes of a store cover all 8 slot positions four times).
+__device__ __forceinline__ void store_rows_as_f16(const RowCodes& codes, uint32_t tile) {
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int panel = lane / 4, first_slot = (lane % 4) * 2;
+  const bool swap = panel % 2 == 1;
+  const uint32_t panel_base = tile + panel * kPanelBytes;
+#pragma unroll
+  for (int k = 0; k < kRowsPerThread; ++k) {
+    const int row = warp + 4 * k;
+    const uint4 low = make_uint4(e4m3x2_to_f16x2(codes[k].x), e4m3x2_to_f16x2(codes[k].x >> 16),
+                                 e4m3x2_to_f16x2(codes[k].y), e4m3x2_to_f16x2(codes[k].y >> 16));
+    const uint4 high = make_uint4(e4m3x2_to_f16x2(codes[k].z), e4m3x2_to_f16x2(codes[k].z >> 16),
+                                  e4m3x2_to_f16x2(codes[k].w), e4m3x2_to_f16x2(codes[k].w >> 16));
+    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + swap), swap ? high : low);
+    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + !swap), swap ? low : high);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const SparseMlaParams p) {
+  extern __shared__ uint8_t shared_raw[];
+  // Aligned up to 1024 bytes (the swizzle atoms).
+  SharedStorage& s = *reinterpret_cast<SharedStorage*>(shared_raw + (1024 - shared_address(shared_raw) % 1024) % 1024);
+  const int groups = p.heads / kHeads, token = blockIdx.x / groups, group = blockIdx.x % groups;
+  const int first_head = group * kHeads;
+  const int warpgroup = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  // Accumulator coordinates (wgmma::accumulator_row / _column): element e of
+  // an m64nN result is head 16 warp + g + 8 ((e / 2) % 2), column 8 (e / 4) + 2 c + e % 2.
+  const int g = lane / 4, c = lane % 4;
+  const uint32_t q_tile = shared_address(s.q_tile);
+  auto tile_of = [&](int n) { return shared_address(s.tiles[n % 2]); };
+  auto barrier = [](uint64_t& b) { return shared_address(&b); };
+
+  // Every input is written by a predecessor in the decode chain (absorb, cache write, indexer).
+  pdl_wait();
+  pdl_release_dependents();
+  if (threadIdx.x == 0) {  // made visible by the barrier below
+    mbarrier_init(barrier(s.q_ready), 128);
+    mbarrier_init(barrier(s.stats_ready), 128);
+    for (int slot = 0; slot < 2; ++slot) {
+      mbarrier_init(barrier(s.tile_ready[slot]), 128);
+      mbarrier_init(barrier(s.tile_free[slot]), 256);
+      mbarrier_init(barrier(s.p_ready[slot]), 128);
+      mbarrier_init(barrier(s.p_free[slot]), 128);
+    }
+  }
+  if (threadIdx.x < kMaxChunks) s.valid_rows[threadIdx.x] = 0;
+  // Warpgroup 1's rows of q (64 heads, converted after the prologue), in
+  // flight while the indices are read.
+  RowCodes q_codes;
+  if (warpgroup == 1) {
+#pragma unroll
+    for (int k = 0; k < kRowsPerThread; ++k) {
+      q_codes[k] =
+          load_streaming(p.q + token * p.q_token_stride + (first_head + warp + 4 * k) * p.q_head_stride + lane * 16);
+    }
+  }
+  __syncthreads();
+
+  // The index row: cache-row offsets and valid masks. A warp's 32 entries lie
+  // in one chunk (chunks * 64 is a multiple of 32), so a ballot per warp.
+  const int chunks = (p.top_k + kChunkRows - 1) / kChunkRows;
+  const int32_t* index_row = p.indices + token * p.indices_token_stride;
+  unsigned int out_of_range = 0;
+  for (int j = threadIdx.x; j < chunks * kChunkRows; j += kThreads) {
+    uint32_t offset16 = kNoRow;
+    if (j < p.top_k) {
+      const int32_t slot = index_row[j];
+      if (slot >= 0 && slot < p.capacity) {
+        const int32_t block = sparse_mla_block_of(p, slot);
+        const int64_t offset =
+            block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
+        offset16 = static_cast<uint32_t>(offset >> 4);  // the launch checked the span
+      }
+      out_of_range += slot >= p.capacity;
+    }
+    s.row_offset16[j] = offset16;
+    const unsigned int valid = __ballot_sync(0xFFFFFFFFu, offset16 != kNoRow);
+    if (lane == 0 && valid != 0) {
+      atomicOr(reinterpret_cast<unsigned long long*>(&s.valid_rows[j / kChunkRows]),
+               static_cast<unsigned long long>(valid) << (j % kChunkRows));
+    }
+  }
+  if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTA covers the row
+    out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
+    if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
+  }
+  __syncthreads();  // offsets and masks
+  // The chunks with a valid entry, in order: every warp counts them (two
+  // ballots), warp 0 lists them.
+  const bool low_listed = lane < chunks && s.valid_rows[lane] != 0;
+  const bool high_listed = lane + 32 < chunks && s.valid_rows[lane + 32] != 0;
+  const uint64_t listed =
+      uint64_t(__ballot_sync(0xFFFFFFFFu, low_listed)) | (uint64_t(__ballot_sync(0xFFFFFFFFu, high_listed)) << 32);
+  const int chunk_count = __popcll(listed);
+  if (threadIdx.x < 32) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int chunk = lane + 32 * half;
+      if ((listed >> chunk) & 1) s.chunk_list[__popcll(listed & ((uint64_t(1) << chunk) - 1))] = chunk;
+    }
+  }
+  __syncthreads();  // the chunk list
+
+  // The consumers' end: latent = O * (k_scale / sum) per head (0 with no
+  // valid entry) as BF16 pairs of adjacent dims, lse by warpgroup 0's quad
+  // leaders. Each warpgroup runs it in its own branch (its own registers).
+  auto write_outputs = [&](const float(&out)[128], const float(&total_max)[2], const float(&total_sum)[2]) {
+    const float k_scale = *p.k_scale;
+    float factor[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      factor[r] = total_max[r] == -INFINITY ? 0.0f : num::div_rn(k_scale, total_sum[r]);
+      if (warpgroup == 0 && c == 0) {
+        p.lse[int64_t(token) * p.heads + first_head + 16 * warp + g + 8 * r] =
+            total_max[r] == -INFINITY ? -INFINITY : total_max[r] * kLn2 + logf(total_sum[r]);
+      }
+    }
+    uint16_t* const latent = p.latent + token * p.latent_token_stride + int64_t(first_head) * kLatent;
+#pragma unroll
+    for (int e = 0; e < 128; e += 2) {
+      const int r = (e / 2) % 2, h = 16 * warp + g + 8 * r, dim = 256 * warpgroup + 8 * (e / 4) + 2 * c;
+      *reinterpret_cast<uint32_t*>(latent + h * kLatent + dim) =
+          uint32_t(num::float_to_bf16(out[e] * factor[r])) |
+          (uint32_t(num::float_to_bf16(out[e + 1] * factor[r])) << 16);
+    }
+  };
+
+  if (warpgroup == 2) {
+    set_max_registers<kProducerRegisters>();
+    // This thread's 16 bytes of the rows of the n-th listed chunk.
+    auto load_rows = [&](int n, RowCodes& codes) {
+      const int chunk = s.chunk_list[n];
+#pragma unroll
+      for (int k = 0; k < kRowsPerThread; ++k) {
+        const uint32_t offset16 = s.row_offset16[chunk * kChunkRows + warp + 4 * k];
+        codes[k] =
+            offset16 != kNoRow ? load_streaming(p.cache + int64_t(offset16) * 16 + lane * 16) : make_uint4(0, 0, 0, 0);
+      }
+    };
+    RowCodes codes;
+    if (chunk_count > 0) load_rows(0, codes);
+    for (int n = 0; n < chunk_count; ++n) {
+      if (n >= 2) mbarrier_wait(barrier(s.tile_free[n % 2]), n / 2 - 1);  // both consumers done with chunk n - 2
+      store_rows_as_f16(codes, tile_of(n));
+      wgmma::fence_shared_for_async_proxy();  // before the consumers' wgmmas read the tile
+      mbarrier_arrive(barrier(s.tile_ready[n % 2]));
+      if (n + 1 < chunk_count) load_rows(n + 1, codes);
+    }
+  } else if (warpgroup == 0) {
+    set_max_registers<kSoftmaxRegisters>();
+    const float score_scale = p.softmax_scale * *p.q_scale * *p.k_scale * kLog2e;
+    float out[128];  // O_left [64 heads x 256 dims]: head 16 warp + g + 8 ((e / 2) % 2), dim 8 (e / 4) + 2 c + e % 2
+#pragma unroll
+    for (int e = 0; e < 128; ++e) out[e] = 0.0f;
+    float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // heads 16 warp + g + 8 r
+    mbarrier_wait(barrier(s.q_ready), 0);
+    for (int n = 0; n < chunk_count; ++n) {
+      const int chunk = s.chunk_list[n];
+      const uint32_t tile = tile_of(n);
+      mbarrier_wait(barrier(s.tile_ready[n % 2]), n / 2);
+      // S = Q K^T over the chunk's 64 entries: 16-dim steps along the 128-byte rows of each panel.
+      float score[32];  // S [64 heads x 64 entries]: head 16 warp + g + 8 ((e / 2) % 2), entry 8 (e / 4) + 2 c + e % 2
+#pragma unroll
+      for (int e = 0; e < 32; ++e) score[e] = 0.0f;
+      wgmma::fence_operands(score);
+      wgmma::fence();
+#pragma unroll
+      for (int step = 0; step < kLatent / 16; ++step) {
+        const uint32_t k_offset = (step / 4) * kPanelBytes + (step % 4) * 32;
+        wgmma::mma_m64n64k16_f16(score, wgmma::k_major_sw128_descriptor(q_tile + k_offset),
+                                 wgmma::k_major_sw128_descriptor(tile + k_offset), step > 0);
+      }
+      wgmma::commit_group();
+      wgmma::wait_group<0>();
+      wgmma::fence_operands(score);
+
+      // Scores and the chunk max per head: the quad of lanes c = 0..3 holds a head's 64 entries.
+      const uint64_t valid = s.valid_rows[chunk];
+      float chunk_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        const int entry = 8 * (e / 4) + 2 * c + e % 2;
+        score[e] = (valid >> entry) & 1 ? score[e] * score_scale : -INFINITY;
+        chunk_max[(e / 2) % 2] = max_propagating_nan(chunk_max[(e / 2) % 2], score[e]);
+      }
+      // Exponents relative to `base`, the running max (finite or NaN: every
+      // listed chunk has a valid entry; the 0 fallback keeps -inf - -inf out
+      // of exp2 for scores beyond the contract's bound).
+      float base[2], rescale[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int offset = 1; offset <= 2; offset *= 2) {
+          chunk_max[r] = max_propagating_nan(chunk_max[r], __shfl_xor_sync(0xFFFFFFFFu, chunk_max[r], offset));
+        }
+        const float new_max = max_propagating_nan(run_max[r], chunk_max[r]);
+        base[r] = new_max == -INFINITY ? 0.0f : new_max;
+        rescale[r] = exp2_flush(run_max[r] - base[r]);
+        run_max[r] = new_max;
+      }
+      // P rounded to FP16: as the A fragments of O_left's four 16-entry steps
+      // (pair q of step t holds score elements 8 t + 2 q, + 1, head row q % 2)
+      // and into p_tiles[n % 2] for warpgroup 1. The sum uses the rounded p.
+      if (n >= 2) mbarrier_wait(barrier(s.p_free[n % 2]), n / 2 - 1);  // warpgroup 1 done with chunk n - 2's
+      const uint32_t p_tile = shared_address(s.p_tiles[n % 2]);
+      uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]
+      float chunk_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int t = 0; t < kChunkRows / 16; ++t) {
+#pragma unroll
+        for (int pair = 0; pair < 4; ++pair) {
+          const int r = pair % 2, e = 8 * t + 2 * pair;
+          const __half2 probs = __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
+          fragments[t][pair] = *reinterpret_cast<const uint32_t*>(&probs);
+          const float2 rounded = __half22float2(probs);
+          chunk_sum[r] += rounded.x + rounded.y;
+          store_shared_b32(p_tile + wgmma::k_major_sw128_offset(16 * warp + g + 8 * r, e / 4) + 4 * c,
+                           fragments[t][pair]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int offset = 1; offset <= 2; offset *= 2)
+          chunk_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum[r], offset);
+        run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
+        if (c == 0) s.rescale[n % 2][16 * warp + g + 8 * r] = rescale[r];
+      }
+      wgmma::fence_shared_for_async_proxy();  // P, before warpgroup 1's wgmmas read it
+      mbarrier_arrive(barrier(s.p_ready[n % 2]));
+#pragma unroll
+      for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
+      // O_left += P V[:, 0:256]: V is the tile read N-major.
+      wgmma::fence_operands(out);
+      wgmma::fence();
+#pragma unroll
+      for (int t = 0; t < kChunkRows / 16; ++t) {
+        wgmma::mma_m64n256k16_f16_a_in_registers_b_n_major(
+            out, fragments[t], wgmma::n_major_sw128_descriptor(tile + t * 16 * 128, kPanelBytes), true);
+      }
+      wgmma::commit_group();
+      wgmma::wait_group<0>();
+      wgmma::fence_operands(out);
+      mbarrier_arrive(barrier(s.tile_free[n % 2]));
+    }
+    if (c == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        s.final_max[16 * warp + g + 8 * r] = run_max[r];
+        s.final_sum[16 * warp + g + 8 * r] = run_sum[r];
+      }
+    }
+    mbarrier_arrive(barrier(s.stats_ready));
+    write_outputs(out, run_max, run_sum);
+  } else {
+    // Warpgroup 1: q first (warpgroup 0 waits for it), then O_right += P V[:, 256:512].
+    store_rows_as_f16(q_codes, q_tile);
+    wgmma::fence_shared_for_async_proxy();
+    mbarrier_arrive(barrier(s.q_ready));
+    float out[128];  // O_right [64 heads x 256 dims]: head 16 warp + g + 8 ((e / 2) % 2), dim 256 + 8 (e / 4) + 2 c + e
+                     // % 2
+#pragma unroll
+    for (int e = 0; e < 128; ++e) out[e] = 0.0f;
+    for (int n = 0; n < chunk_count; ++n) {
+      mbarrier_wait(barrier(s.p_ready[n % 2]), n / 2);  // P and the rescale of chunk n (its tile is ready too)
+      const float rescale0 = s.rescale[n % 2][16 * warp + g], rescale1 = s.rescale[n % 2][16 * warp + g + 8];
+#pragma unroll
+      for (int e = 0; e < 128; ++e) out[e] *= (e / 2) % 2 ? rescale1 : rescale0;
+      const uint32_t p_tile = shared_address(s.p_tiles[n % 2]);
+      wgmma::fence_operands(out);
+      wgmma::fence();
+#pragma unroll
+      for (int t = 0; t < kChunkRows / 16; ++t) {
+        wgmma::mma_m64n256k16_f16_b_n_major(
+            out, wgmma::k_major_sw128_descriptor(p_tile + t * 32),
+            wgmma::n_major_sw128_descriptor(tile_of(n) + 4 * kPanelBytes + t * 16 * 128, kPanelBytes), true);
+      }
+      wgmma::commit_group();
+      wgmma::wait_group<0>();
+      wgmma::fence_operands(out);
+      mbarrier_arrive(barrier(s.p_free[n % 2]));
+      mbarrier_arrive(barrier(s.tile_free[n % 2]));
+    }
+    mbarrier_wait(barrier(s.stats_ready), 0);
+    float total_max[2], total_sum[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      total_max[r] = s.final_max[16 * warp + g + 8 * r];
+      total_sum[r] = s.final_sum[16 * warp + g + 8 * r];
+    }
+    write_outputs(out, total_max, total_sum);
+  }
+}
+
+}  // namespace
+
+Status sparse_mla_producer(const SparseMlaArgs& a, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_sparse_mla_without_partials(a));
+  const int64_t m = a.q.size(0), heads = a.q.size(1);
+  if (heads % kHeads != 0) {
+    return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_producer)", a.q.describe());
+  }
+  if (a.indices.size(1) > kSparseMlaProducerMaxTopK) {
+    return invalid_argument(
+        "indices",
+        "at most " + std::to_string(kSparseMlaProducerMaxTopK) + " entries per token in dim 1 (sparse_mla_producer)",
+        a.indices.describe());
+  }
+  // Row offsets are kept as 32-bit multiples of 16 bytes.
+  if (a.kv_cache.span_elements() / 16 >= int64_t(kNoRow)) {
+    return invalid_argument("kv_cache", "a span below 64 GiB (sparse_mla_producer)", a.kv_cache.describe());
+  }
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_producer_kernel), kSharedBytes,
+                                                "sparse_mla_producer"));
+  return launch_pdl(sparse_mla_producer_kernel, dim3(static_cast<unsigned>(m * (heads / kHeads))), dim3(kThreads),
+                    kSharedBytes, stream, sparse_mla_params(a));
+}
+
+}  // namespace dsa
