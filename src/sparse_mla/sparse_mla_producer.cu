@@ -38,8 +38,9 @@
 //  - warpgroup 1: O_right = O_right * rescale + P V[:, 256:512] (P from
 //    shared memory).
 // The handover protocol (barriers per slot, tile_free completed by both
-// consumers) is checked over every interleaving on the CPU:
-// sparse_mla_producer_model_test.cpp.
+// consumers) is modelled step by step in sparse_mla_producer_model_test.cpp
+// and checked there over every interleaving; the model is written from this
+// code, so a change to one is a change to the other.
 //
 // Epilogue: latent = O * (k_scale / sum) as BF16, lse = max ln 2 + ln(sum);
 // a head with no valid entry gets latent +0 and lse -inf.
@@ -72,6 +73,7 @@ constexpr int kPTileBytes = kHeads * kChunkRows * 2;  // P [64 heads][64 entries
 constexpr int kMaxChunks = kSparseMlaProducerMaxTopK / kChunkRows;
 constexpr int kMaxRows = kMaxChunks * kChunkRows;
 constexpr int kRowsPerThread = kChunkRows / 4;  // a converting warpgroup: warp w takes rows w, w + 4, ..
+constexpr int kMaxRowsPerThread = (kMaxRows + kThreads - 1) / kThreads;  // the prologue's index entries per thread
 constexpr uint32_t kNoRow = 0xFFFFFFFFu;        // row_offset16 of an invalid entry
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -203,13 +205,24 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
 
   // The index row: cache-row offsets and valid masks. A warp's 32 entries lie
   // in one chunk (chunks * 64 is a multiple of 32), so a ballot per warp.
+  // Every entry of this thread requested at once (a loop would read one
+  // round trip at a time).
   const int chunks = (p.top_k + kChunkRows - 1) / kChunkRows;
   const int32_t* index_row = p.indices + token * p.indices_token_stride;
+  int32_t slots[kMaxRowsPerThread];
+#pragma unroll
+  for (int k = 0; k < kMaxRowsPerThread; ++k) {
+    const int j = threadIdx.x + k * kThreads;
+    slots[k] = j < p.top_k ? index_row[j] : -1;
+  }
   unsigned int out_of_range = 0;
-  for (int j = threadIdx.x; j < chunks * kChunkRows; j += kThreads) {
+#pragma unroll
+  for (int k = 0; k < kMaxRowsPerThread; ++k) {
+    const int j = threadIdx.x + k * kThreads;
+    if (j >= chunks * kChunkRows) break;  // whole warps: chunks * 64 % 32 == 0
     uint32_t offset16 = kNoRow;
     if (j < p.top_k) {
-      const int32_t slot = index_row[j];
+      const int32_t slot = slots[k];
       if (slot >= 0 && slot < p.capacity) {
         const int32_t block = sparse_mla_block_of(p, slot);
         const int64_t offset =
@@ -407,7 +420,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
 #pragma unroll
     for (int e = 0; e < 128; ++e) out[e] = 0.0f;
     for (int n = 0; n < chunk_count; ++n) {
-      mbarrier_wait(barrier(s.p_ready[n % 2]), n / 2);  // P and the rescale of chunk n (its tile is ready too)
+      // The tile too, directly: its writer is the producer, not warpgroup 0
+      // (complete by now: warpgroup 0 waited for it before P).
+      mbarrier_wait(barrier(s.tile_ready[n % 2]), n / 2);
+      mbarrier_wait(barrier(s.p_ready[n % 2]), n / 2);  // P and the rescale of chunk n
       const float rescale0 = s.rescale[n % 2][16 * warp + g], rescale1 = s.rescale[n % 2][16 * warp + g + 8];
 #pragma unroll
       for (int e = 0; e < 128; ++e) out[e] *= (e / 2) % 2 ? rescale1 : rescale0;
@@ -457,6 +473,22 @@ Status sparse_mla_producer(const SparseMlaArgs& a, cudaStream_t stream) {
   }
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_producer_kernel), kSharedBytes,
                                                 "sparse_mla_producer"));
+  // setmaxnreg moves registers within the CTA's launch allocation: with
+  // fewer than 168 per thread, warpgroup 0's increase would wait forever.
+  int registers = 0;
+  DSA_RETURN_IF_ERROR(kernel_answer_once(
+      reinterpret_cast<const void*>(sparse_mla_producer_kernel), 0,
+      [](int* answer) {
+        cudaFuncAttributes attributes = {};
+        DSA_CUDA_RETURN(cudaFuncGetAttributes(&attributes, sparse_mla_producer_kernel));
+        *answer = attributes.numRegs;
+        return Status();
+      },
+      &registers));
+  if (registers != kLaunchRegisters) {
+    return unsupported("sparse_mla_producer: built with " + std::to_string(registers) +
+                       " registers per thread; its setmaxnreg budget needs " + std::to_string(kLaunchRegisters));
+  }
   return launch_pdl(sparse_mla_producer_kernel, dim3(static_cast<unsigned>(m * (heads / kHeads))), dim3(kThreads),
                     kSharedBytes, stream, sparse_mla_params(a));
 }

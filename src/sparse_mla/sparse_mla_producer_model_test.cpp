@@ -66,8 +66,10 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       wg0.push_back({Step::kArrive, kPReady0 + n % 2, n / 2});
       wg0.push_back({Step::kRead, kTile, n});  // O_left's P V, waited for
       wg0.push_back({Step::kArrive, kTileFree0 + n % 2, n / 2});
-      // Warpgroup 1: O_right's P V of chunk n (P and the tile read at its
-      // issue and at its wait), then both released.
+      // Warpgroup 1: the tile announced (a direct wait on the producer, the
+      // tile's writer) and P, O_right's P V of chunk n (P and the tile read
+      // at its issue and at its wait), then both released.
+      wg1.push_back(tile_ready(n));
       wg1.push_back({Step::kWait, kPReady0 + n % 2, n / 2});
       wg1.push_back({Step::kRead, kP, n});
       wg1.push_back({Step::kRead, kTile, n});

@@ -950,6 +950,32 @@ TEST(SparseMlaGpu, ProducerKernelMatchesFloat64Reference) {
   std::printf("[sparse_mla_producer vs float64] worst relative Frobenius error %.3g over %d cases\n", worst, index);
 }
 
+// Listed chunks apart from their positions (the CTA's n-th listed chunk is
+// not chunk n), at the widest K the producer kernel takes: token 0 has valid
+// entries in chunks 0, 5 and 31 only, token 1 in the last chunk (35) only,
+// token 2 in its last entry only, token 3 none (out of range: counted),
+// token 4 a random row.
+TEST(SparseMlaGpu, ProducerKernelListsChunksApartAtTheWidestRow) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 70);
+  const int top_k = kSparseMlaProducerMaxTopK;
+  for (const int heads : {64, 128}) {
+    SCOPED_TRACE("H " + std::to_string(heads));
+    Problem p = random_problem(Case{heads, 5, top_k}, /*padded=*/false, 3.0f, rng);
+    const int32_t capacity = static_cast<int32_t>(p.capacity());
+    for (int j = 0; j < top_k; ++j) {
+      const int chunk = j / 64;
+      if (chunk != 0 && chunk != 5 && chunk != 31) p.index(0, j) = -1;
+      if (chunk != 35) p.index(1, j) = -1;
+      if (j != top_k - 1) p.index(2, j) = -1 - j;
+      p.index(3, j) = capacity + j;
+    }
+    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+    ASSERT_GE(want.out_of_range, top_k);
+    expect_close_to_reference(p, run_gpu(p, producer_kernel()), want);
+  }
+}
+
 // Two runs of `batch` give the same bits, and so do tokens 0, m / 2 and m - 1
 // run alone.
 void expect_same_bits_alone_and_in_batch(const Problem& batch, const Case& c, const NamedKernel& kernel) {
