@@ -69,7 +69,7 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       // Warpgroup 1: the tile announced (a direct wait on the producer, the
       // tile's writer) and P, O_right's P V of chunk n (P and the tile read
       // at its issue and at its wait), then both released.
-      wg1.push_back(tile_ready(n));
+      wg1.push_back(tile_ready(Step::kWait, n));
       wg1.push_back({Step::kWait, kPReady0 + n % 2, n / 2});
       wg1.push_back({Step::kRead, kP, n});
       wg1.push_back({Step::kRead, kTile, n});
