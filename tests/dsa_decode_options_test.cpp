@@ -143,18 +143,18 @@ TEST(DsaDecodeOptions, IndexerLogitsDefaultsToExactAndTakesOnlyItsTwoValues) {
                     {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"});
 }
 
-TEST(DsaDecodeOptions, AttentionSplitsDefaultsToLatencyAndTakesOnlyItsThreeValues) {
+TEST(DsaDecodeOptions, AttentionSplitsDefaultsToLatencyAndTakesOnlyItsFourValues) {
   Options options;
   std::string error;
   ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
   EXPECT_EQ(options.attention_splits, "latency");
-  for (const std::string value : {"throughput", "by-batch", "latency"}) {
+  for (const std::string value : {"throughput", "by-batch", "whole-row", "latency"}) {
     ASSERT_TRUE(parse({"--attention-splits", value}, &options, &error)) << error;
     EXPECT_EQ(options.attention_splits, value);
   }
-  for (const std::string value : {"", "8", "Throughput", "by_batch", "latency,throughput"}) {
+  for (const std::string value : {"", "8", "Throughput", "by_batch", "whole_row", "latency,throughput"}) {
     EXPECT_FALSE(parse({"--attention-splits=" + value}, &options, &error)) << value;
-    EXPECT_EQ(error, "--attention-splits: got '" + value + "', expected latency, throughput or by-batch");
+    EXPECT_EQ(error, "--attention-splits: got '" + value + "', expected latency, throughput, by-batch or whole-row");
   }
 }
 

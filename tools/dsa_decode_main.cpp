@@ -47,6 +47,7 @@ bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape,
   if (options.head_gemv_tensor_cores) shape->head_gemv_sums = dsa::HeadGemvSums::kTensorCores;
   if (options.attention_splits == "throughput") shape->attention_splits = dsa::SparseMlaSplits::kThroughput;
   if (options.attention_splits == "by-batch") shape->attention_splits = dsa::SparseMlaSplits::kByBatch;
+  if (options.attention_splits == "whole-row") shape->attention_splits = dsa::SparseMlaSplits::kWholeRow;
   return true;
 }
 

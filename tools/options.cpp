@@ -88,8 +88,9 @@ void print_usage(FILE* to) {
                "  --attention-splits PLAN\n"
                "                 sparse attention's split plan (both paths): latency (default; the most splits\n"
                "                 that pay at m = 1), throughput (half of them: faster from m = 16 on the H200)\n"
-               "                 or by-batch (per step, the most splits the GPU runs at once: fastest at every\n"
-               "                 m, but a token's bits depend on m)\n"
+               "                 by-batch (per step, the most splits the GPU runs at once: fastest at every\n"
+               "                 m, but a token's bits depend on m) or whole-row (one CTA per token and 64\n"
+               "                 heads over its whole row: batch invariant, fastest from m = 67 at H = 64)\n"
                "  --json FILE    write the timings and checks as JSON (GPU path)\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
@@ -120,7 +121,7 @@ std::string expected_value(const std::string& option) {
   if (option == "--indexer-projections") return "gemv or cublaslt";
   if (option == "--indexer-logits") return "exact or fp32-accumulation";
   if (option == "--head-gemv-sums") return "seed-order or tensor-cores";
-  if (option == "--attention-splits") return "latency, throughput or by-batch";
+  if (option == "--attention-splits") return "latency, throughput, by-batch or whole-row";
   if (option == "--value-up-tokens") {
     return "a comma-separated list of token counts from 1 to " + std::to_string(kMaxDecodeTokens) +
            " (e.g. 1,2), none or auto";
@@ -215,7 +216,7 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
     return true;
   }
   if (option == "--attention-splits") {
-    if (value != "latency" && value != "throughput" && value != "by-batch") {
+    if (value != "latency" && value != "throughput" && value != "by-batch" && value != "whole-row") {
       *error = bad_value(option, value);
       return false;
     }

@@ -34,7 +34,7 @@ struct Options {
   // HeadGemvSums::kTensorCores, within its stated bound).
   bool head_gemv_tensor_cores = false;
   // --attention-splits: sparse_mla's split plan in both paths
-  // (SparseMlaArgs::splits): "latency" (default), "throughput" or "by-batch".
+  // (SparseMlaArgs::splits): "latency" (default), "throughput", "by-batch" or "whole-row".
   std::string attention_splits = "latency";
   bool force_cpu = false;
   bool help = false;

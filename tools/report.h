@@ -39,7 +39,7 @@ struct RunReport {
   std::string indexer_projections_kernel;  // both paths': "indexer_project_gemv" or "indexer_project"
   std::string indexer_logits;              // both selects': "exact" or "fp32_accumulation"
   std::string head_gemv_sums;              // the fused path's head_gemv: "seed_order" or "tensor_cores"
-  std::string attention_splits;            // both paths' sparse_mla plan: "latency", "throughput" or "by-batch"
+  std::string attention_splits;  // both paths' sparse_mla plan: "latency", "throughput", "by-batch" or "whole-row"
   std::vector<Check> checks;
   std::vector<Timing> timings;
 };

@@ -109,11 +109,25 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // 33 | 34). H200, K = 2048 (82a0e34): H = 64 13.16 / 15.46 /
 // 21.04 / 32.22 / 51.11 / 106.57 us at m = 1 / 8 / 16 / 32 / 64 / 128 (16,
 // 16, 8, 4, 2, 2 splits; 322 TFLOPS at m = 128, H = 128 211.07 us = 326);
-// H = 8 14.07 / 14.92 / 23.40 us at m = 1 / 8 / 16.
+// H = 8 14.07 / 14.92 / 23.40 us at m = 1 / 8 / 16. For H a multiple of 64
+// and K <= 2304, kByBatch also takes kWholeRow's kernel where its rounds of
+// whole rows cost less than the split plan's (on the H200 at K = 2048: 67
+// to 132 and from 199 (token, 64 heads) items on; src/sparse_mla/sparse_mla_plan.h).
+//
+// kWholeRow: for H a multiple of 64 and K <= 2304 (and a cache span below
+// 64 GiB), one CTA per (token, 64 heads) runs the token's whole index row,
+// a third warpgroup loading and converting the rows while two compute: no
+// split, no combine (split_counters and split_partials untouched, though
+// still checked), batch invariant (a token's bits depend on its own inputs
+// only). Slow at small batches (one CTA per item: ~80 us at m = 1 .. 66,
+// H = 64, K = 2048 on the H200), the fastest at large ones: H200, K = 2048,
+// m = 128 (1ef196b): H = 64 86.23 us = 398 TFLOPS (kByBatch's split plan
+// 106.58), H = 128 163.33 us = 421 (211.42). Other H and K take kThroughput's plan.
 enum class SparseMlaSplits : int32_t {
   kLatency = 0,     // the default: the most splits that pay at m = 1 (16 per 64 heads at K = 2048, 8 per 8 heads)
   kThroughput = 1,  // half of those (at least what the kernels' per-CTA limits need)
   kByBatch = 2,     // per launch from m and the GPU (above): fastest at every m, NOT batch invariant
+  kWholeRow = 3,    // one CTA per (token, 64 heads), no split (above): batch invariant, for large batches
 };
 
 struct SparseMlaArgs {
@@ -195,7 +209,8 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits s
 // split-K. H a multiple of 64 (TP1, TP2): 64 heads per CTA on warpgroup MMA
 // (wgmma), a cluster of up to 16 CTAs that combine their partials pushed in
 // FP16 (O / sum) (plans with several clusters combine those through
-// split_partials); other H: 8 heads per CTA on mma.sync
+// split_partials), or with kWholeRow (and kByBatch's large batches) one CTA
+// per (token, 64 heads) over the whole row; other H: 8 heads per CTA on mma.sync
 // (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic, and
 // batch invariant except with SparseMlaSplits::kByBatch (the kernel choice
 // depends on H only). docs/sparse_mla.md

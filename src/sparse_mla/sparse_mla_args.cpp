@@ -108,8 +108,8 @@ Status check_sparse_mla_against(const SparseMlaArgs& a,
   }
 
   if (a.splits != SparseMlaSplits::kLatency && a.splits != SparseMlaSplits::kThroughput &&
-      a.splits != SparseMlaSplits::kByBatch) {
-    return invalid_argument("splits", "SparseMlaSplits::kLatency (0), kThroughput (1) or kByBatch (2)",
+      a.splits != SparseMlaSplits::kByBatch && a.splits != SparseMlaSplits::kWholeRow) {
+    return invalid_argument("splits", "SparseMlaSplits::kLatency (0), kThroughput (1), kByBatch (2) or kWholeRow (3)",
                             std::to_string(static_cast<int32_t>(a.splits)));
   }
 

@@ -4,10 +4,10 @@
 // kernel, the baseline; "sparse_mla": what engines get (the 64-head wgmma
 // kernel at H = 64 and 128, the 8-head mma kernel at H = 8); "sparse_mla_mma":
 // the 8-head kernel with its plan where sparse_mla ran the other one, and with
-// half and twice the splits to measure the plan's choice; "sparse_mla_producer":
-// the producer kernel (one CTA per item, a third warpgroup converting the
-// rows: docs/sparse_mla.md "Next version"); all against the baseline timed in
-// the same run.
+// half and twice the splits to measure the plan's choice; "sparse_mla (whole
+// rows)": SparseMlaSplits::kWholeRow, at H = 64 and 128 the producer kernel
+// (one CTA per item, a third warpgroup converting the rows:
+// docs/sparse_mla.md "v13"); all against the baseline timed in the same run.
 //
 // Cold KV rows: the cache holds `rotations` disjoint regions of m * K slots and
 // launch i reads region i % rotations through its own index rows (a random
@@ -247,10 +247,14 @@ Status run(Context& ctx, Report& report) {
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
       row.note = "SparseMlaSplits::kByBatch: the most splits whose CTAs fit the GPU at once; " + regions;
       if (wgmma) {
-        int resident = 0;
+        const int64_t items = int64_t(p.m) * (p.heads / 64);
+        int resident = 0, producer_resident = 0;
         DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
-        const int max_splits = sparse_mla_wgmma_batch_max_splits(kTopK, int64_t(p.m) * (p.heads / 64), resident);
-        row.note += "; here " + describe(sparse_mla_wgmma_splits(kTopK, max_splits));
+        DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
+        const int max_splits = sparse_mla_wgmma_batch_max_splits(kTopK, items, resident);
+        row.note += sparse_mla_batch_takes_producer(kTopK, items, max_splits, resident, producer_resident)
+                        ? "; here the producer kernel (whole rows)"
+                        : "; here " + describe(sparse_mla_wgmma_splits(kTopK, max_splits));
       }
       report.add(row);
     }
@@ -262,13 +266,15 @@ Status run(Context& ctx, Report& report) {
       row.note = "every split of a (token, group) streamed by one CTA, then its combine; " + regions;
       report.add(row);
     }
-    if (wgmma) {  // the producer kernel: one CTA per item, no split, a third warpgroup converting
+    if (wgmma) {  // SparseMlaSplits::kWholeRow (at H = 8 it is kThroughput's plan, timed above)
       double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_producer, &us));
-      Row row{"sparse_mla_producer", params, us, "sparse_mla_simple", simple_us, floor};
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_with(SparseMlaSplits::kWholeRow), &us));
+      Row row{"sparse_mla (whole rows)", params, us, "sparse_mla_simple", simple_us, floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
       row.note =
-          "one CTA per (token, group) over the whole row, warpgroup 2 loading and converting the rows; " + regions;
+          "SparseMlaSplits::kWholeRow: the producer kernel, one CTA per (token, group) over the whole row, "
+          "warpgroup 2 loading and converting the rows; " +
+          regions;
       report.add(row);
     }
     if (wgmma) {  // consecutive splits per CTA at every m where they fit: the crossovers against split CTAs
@@ -299,7 +305,8 @@ Status run(Context& ctx, Report& report) {
           "% of theirs (baseline: the simple kernel on distinct rows)";
       const std::pair<SparseMlaSplits, std::string> choices[] = {{SparseMlaSplits::kLatency, ""},
                                                                  {SparseMlaSplits::kThroughput, "throughput splits"},
-                                                                 {SparseMlaSplits::kByBatch, "splits by batch"}};
+                                                                 {SparseMlaSplits::kByBatch, "splits by batch"},
+                                                                 {SparseMlaSplits::kWholeRow, "whole rows"}};
       for (const auto& [splits, label] : choices) {
         double us = 0;
         DSA_RETURN_IF_ERROR(time_rows(ctx, p, pairs, sparse_mla_with(splits), &us));

@@ -438,9 +438,11 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits c
   // of whole 64-entry chunks: at m = 1, 8 CTAs per head group. kThroughput:
   // half of them, or as many as keep a CTA's entries within what it stages.
   // kByBatch: kLatency's here; sparse_mla_mma takes kThroughput's per launch
-  // when the batch's clusters do not fit the GPU at once.
+  // when the batch's clusters do not fit the GPU at once. kWholeRow (whose
+  // producer kernel needs 64 heads): kThroughput's.
   constexpr int kPlanMaxSplits = 8;
-  const int plan_max_splits = choice == SparseMlaSplits::kThroughput ? kPlanMaxSplits / 2 : kPlanMaxSplits;
+  const bool half = choice == SparseMlaSplits::kThroughput || choice == SparseMlaSplits::kWholeRow;
+  const int plan_max_splits = half ? kPlanMaxSplits / 2 : kPlanMaxSplits;
   SparseMlaSplitPlan plan;
   plan.head_groups = ceil_div(heads, kHeads);
   const int splits =

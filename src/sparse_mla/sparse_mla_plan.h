@@ -103,6 +103,25 @@ Status check_sparse_mla_without_partials(const SparseMlaArgs& args);
 // 64 GiB (else naming kv_cache).
 inline constexpr int kSparseMlaProducerMaxTopK = 2304;
 Status sparse_mla_producer(const SparseMlaArgs& args, cudaStream_t stream);
+// Whether the producer kernel takes these arguments' K and cache (the two
+// limits above); kWholeRow and kByBatch take the split plans where it does not.
+bool sparse_mla_producer_covers(int64_t top_k, int64_t kv_cache_span_elements);
+// How many of the producer kernel's CTAs the current device holds at once (one per SM).
+Status sparse_mla_producer_resident_ctas(int* ctas);
+// Whether kByBatch runs the producer kernel rather than the split plan of
+// max_splits (sparse_mla_wgmma_batch_max_splits) for `items` (token, 64
+// heads) items of K entries (where it covers them): K <= kSparseMlaProducerMaxTopK and the
+// producer's rounds of whole rows (ceil(items / producer_resident_ctas) x C
+// chunks) cost less than the split plan's rounds of its longest split
+// (ceil(items / (resident_ctas / splits)) x max_chunks), a producer chunk
+// counted as 4/5 of a split CTA's. The ratio is measured (H200, K = 2048,
+// 1ef196b): 2.69 against 3.33 us per chunk at m = 128, 2.49 against 3.20 at
+// m = 64, H = 64. On the H200 at K = 2048 this takes the producer for 67 to
+// 132 items and from 199 on, the split plan of 2 splits for up to 66 items
+// (one round) and for 133 to 198 (three rounds of 16 chunks against two of
+// 32).
+bool sparse_mla_batch_takes_producer(int top_k, int64_t items, int max_splits, int resident_ctas,
+                                     int producer_resident_ctas);
 // For the benchmark: an empty kernel launched as sparse_mla_wgmma's default
 // plan is (grid, threads, shared memory, PDL, cooperative), doing only the
 // PDL wait / release: the launch's share of the time.

@@ -46,6 +46,7 @@
 // a head with no valid entry gets latent +0 and lse -inf.
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -455,6 +456,64 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
 
 }  // namespace
 
+namespace {
+
+// The kernel's shared memory limit raised, and its register count checked:
+// setmaxnreg moves registers within the CTA's launch allocation, so with
+// fewer than 168 per thread warpgroup 0's increase would wait forever.
+Status prepare_producer_kernel() {
+  const auto kernel = reinterpret_cast<const void*>(sparse_mla_producer_kernel);
+  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(kernel, kSharedBytes, "sparse_mla_producer"));
+  int registers = 0;
+  DSA_RETURN_IF_ERROR(kernel_answer_once(
+      kernel, 0,
+      [](int* answer) {
+        cudaFuncAttributes attributes = {};
+        DSA_CUDA_RETURN(cudaFuncGetAttributes(&attributes, sparse_mla_producer_kernel));
+        *answer = attributes.numRegs;
+        return Status();
+      },
+      &registers));
+  if (registers != kLaunchRegisters) {
+    return unsupported("sparse_mla_producer: built with " + std::to_string(registers) +
+                       " registers per thread; its setmaxnreg budget needs " + std::to_string(kLaunchRegisters));
+  }
+  return Status();
+}
+
+}  // namespace
+
+bool sparse_mla_producer_covers(int64_t top_k, int64_t kv_cache_span_elements) {
+  return top_k <= kSparseMlaProducerMaxTopK && kv_cache_span_elements / 16 < int64_t(kNoRow);
+}
+
+Status sparse_mla_producer_resident_ctas(int* ctas) {
+  DSA_RETURN_IF_ERROR(prepare_producer_kernel());
+  return kernel_answer_once(
+      reinterpret_cast<const void*>(sparse_mla_producer_kernel), 1,
+      [](int* answer) {
+        int device = 0, sms = 0, per_sm = 0;
+        DSA_CUDA_RETURN(cudaGetDevice(&device));
+        DSA_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+        DSA_CUDA_RETURN(
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sparse_mla_producer_kernel, kThreads, kSharedBytes));
+        *answer = sms * per_sm;
+        return Status();
+      },
+      ctas);
+}
+
+bool sparse_mla_batch_takes_producer(int top_k, int64_t items, int max_splits, int resident_ctas,
+                                     int producer_resident_ctas) {
+  if (top_k > kSparseMlaProducerMaxTopK || resident_ctas < 1 || producer_resident_ctas < 1) return false;
+  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(top_k, max_splits);
+  const int64_t items_at_once = std::max<int64_t>(1, resident_ctas / plan.splits);
+  const int64_t split_chunk_rounds = (items + items_at_once - 1) / items_at_once * plan.max_chunks;
+  const int64_t producer_chunk_rounds =
+      (items + producer_resident_ctas - 1) / producer_resident_ctas * ((top_k + kChunkRows - 1) / kChunkRows);
+  return 4 * producer_chunk_rounds < 5 * split_chunk_rounds;
+}
+
 Status sparse_mla_producer(const SparseMlaArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla_without_partials(a));
   const int64_t m = a.q.size(0), heads = a.q.size(1);
@@ -468,27 +527,10 @@ Status sparse_mla_producer(const SparseMlaArgs& a, cudaStream_t stream) {
         a.indices.describe());
   }
   // Row offsets are kept as 32-bit multiples of 16 bytes.
-  if (a.kv_cache.span_elements() / 16 >= int64_t(kNoRow)) {
+  if (!sparse_mla_producer_covers(a.indices.size(1), a.kv_cache.span_elements())) {
     return invalid_argument("kv_cache", "a span below 64 GiB (sparse_mla_producer)", a.kv_cache.describe());
   }
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_producer_kernel), kSharedBytes,
-                                                "sparse_mla_producer"));
-  // setmaxnreg moves registers within the CTA's launch allocation: with
-  // fewer than 168 per thread, warpgroup 0's increase would wait forever.
-  int registers = 0;
-  DSA_RETURN_IF_ERROR(kernel_answer_once(
-      reinterpret_cast<const void*>(sparse_mla_producer_kernel), 0,
-      [](int* answer) {
-        cudaFuncAttributes attributes = {};
-        DSA_CUDA_RETURN(cudaFuncGetAttributes(&attributes, sparse_mla_producer_kernel));
-        *answer = attributes.numRegs;
-        return Status();
-      },
-      &registers));
-  if (registers != kLaunchRegisters) {
-    return unsupported("sparse_mla_producer: built with " + std::to_string(registers) +
-                       " registers per thread; its setmaxnreg budget needs " + std::to_string(kLaunchRegisters));
-  }
+  DSA_RETURN_IF_ERROR(prepare_producer_kernel());
   return launch_pdl(sparse_mla_producer_kernel, dim3(static_cast<unsigned>(m * (heads / kHeads))), dim3(kThreads),
                     kSharedBytes, stream, sparse_mla_params(a));
 }

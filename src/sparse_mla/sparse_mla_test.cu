@@ -144,7 +144,7 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
         a.error_count = reinterpret_cast<unsigned int*>(static_cast<char*>(fake_device_pointer(0x90000)) + 2);
       },
       "error_count", "4-byte aligned");
-  rejected([](SparseMlaArgs& a) { a.splits = static_cast<SparseMlaSplits>(3); }, "splits", "kByBatch (2)");
+  rejected([](SparseMlaArgs& a) { a.splits = static_cast<SparseMlaSplits>(4); }, "splits", "kWholeRow (3)");
 }
 
 // The 64-head kernel needs split_partials (a short or missing view is
@@ -310,6 +310,29 @@ TEST(SparseMlaSplitPlan, WgmmaBatchSplitsFitTheGpuAtOnce) {
       }
     }
   }
+}
+
+// kByBatch takes the producer kernel where its rounds of whole rows cost
+// less than the split plan's (a producer chunk 4/5 of a split CTA's).
+TEST(SparseMlaSplitPlan, BatchTakesTheProducerWhereItsRoundsCostLess) {
+  constexpr int kH200 = 132;  // both kernels: one CTA per SM
+  auto takes = [](int top_k, int64_t items) {
+    return sparse_mla_batch_takes_producer(top_k, items, sparse_mla_wgmma_batch_max_splits(top_k, items, kH200), kH200,
+                                           kH200);
+  };
+  // K = 2048, 2 splits from 34 items: one round of 16 chunks up to 66 items,
+  // two from 67 (against one of 32), three from 133 (two of 32), four from 199.
+  const std::pair<int64_t, bool> expected_k2048[] = {{1, false},  {66, false},  {67, true},   {128, true},
+                                                     {132, true}, {133, false}, {198, false}, {199, true},
+                                                     {256, true}, {4096, true}};
+  for (const auto& [items, producer] : expected_k2048) EXPECT_EQ(takes(2048, items), producer) << items << " items";
+  EXPECT_TRUE(takes(128, 70)) << "2 chunks: two rounds of 1 chunk against one of 2";
+  EXPECT_FALSE(takes(kSparseMlaProducerMaxTopK + 1, 4096)) << "beyond the producer's K";
+  EXPECT_FALSE(sparse_mla_batch_takes_producer(2048, 128, 2, kH200, 0)) << "no producer CTA fits";
+  // Row offsets are 32-bit multiples of 16 bytes, all ones meaning none.
+  EXPECT_TRUE(sparse_mla_producer_covers(kSparseMlaProducerMaxTopK, (int64_t(1) << 36) - 17));
+  EXPECT_FALSE(sparse_mla_producer_covers(2048, (int64_t(1) << 36) - 16));
+  EXPECT_FALSE(sparse_mla_producer_covers(kSparseMlaProducerMaxTopK + 1, 1024));
 }
 
 TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
@@ -611,18 +634,19 @@ NamedKernel wgmma_grouped_splits() {
 // splits in two clusters of 8), so that the combine through split_partials
 // and the counters meets every case whatever the default plan is, the
 // default plan with one CTA per item and with consecutive splits per CTA at
-// every m, and the producer kernel.
+// every m, and kWholeRow (the producer kernel through sparse_mla).
 // The producer kernel (K <= 2304, no split_partials).
 NamedKernel producer_kernel() {
   return {"sparse_mla_producer", sparse_mla_producer, [](int64_t, int64_t, int) { return int64_t(0); }};
 }
+const NamedKernel kWholeRowKernel{"sparse_mla, whole rows", sparse_mla_with<SparseMlaSplits::kWholeRow>};
 std::vector<NamedKernel> kernels_for(int heads) {
   std::vector<NamedKernel> kernels(std::begin(kKernels), std::end(kKernels));
   if (heads % 64 == 0) {
     kernels.push_back(wgmma_plan(16, 8));
     kernels.push_back(wgmma_whole_items());
     kernels.push_back(wgmma_grouped_splits());
-    kernels.push_back(producer_kernel());  // every caller's K is within its 2304
+    kernels.push_back(kWholeRowKernel);  // every caller's K is within the producer's 2304
   }
   return kernels;
 }
@@ -1134,20 +1158,23 @@ const NamedKernel kByBatchKernel{"sparse_mla, splits by batch", sparse_mla_with<
 // kByBatch against float64 at batches where it picks different plans (on
 // the H200, H = 64: 16 splits at m = 1, 8 at m = 12 (K = 2176), 4 at 18
 // items (H = 128, m = 9) and at m = 36 (K = 2176: 2 would take 17 chunks),
-// 2 at m = 40 (K = 2048); H = 8: the latency plan at m = 4 and the
-// throughput plan at m = 40), each with the bits of the plan it should
-// pick, run explicitly, and the counters zero after.
+// 2 at m = 40 (K = 2048), the producer kernel at m = 70 (K = 1024 and 128:
+// the 2-split plan would take two rounds); H = 8: the latency
+// plan at m = 4 and the throughput plan at m = 40), each with the bits of
+// the plan it should pick, run explicitly, and the counters zero after.
 TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
   DSA_REQUIRE_GPU();
-  int resident = 0;
+  int resident = 0, producer_resident = 0;
   DSA_ASSERT_OK(sparse_mla_wgmma_resident_ctas(&resident));
+  DSA_ASSERT_OK(sparse_mla_producer_resident_ctas(&producer_resident));
   std::mt19937_64 rng(testing::test_seed() + 60);
-  const std::vector<Case> cases =
-      testing::quick_mode()
-          ? std::vector<Case>{{64, 3, 300}, {64, 9, 1024}, {8, 2, 100}}
-          : std::vector<Case>{{64, 1, 2048},  {64, 12, 2176, 125}, {128, 9, 2048}, {64, 36, 2176, 125},
-                              {64, 40, 2048}, {8, 4, 2176, 125},   {8, 40, 2048}};
-  std::vector<int> wgmma_splits;  // the max_splits kByBatch takes, case by case (64-head cases)
+  const std::vector<Case> cases = testing::quick_mode()
+                                      ? std::vector<Case>{{64, 3, 300}, {64, 9, 1024}, {64, 70, 128}, {8, 2, 100}}
+                                      : std::vector<Case>{{64, 1, 2048},       {64, 12, 2176, 125}, {128, 9, 2048},
+                                                          {64, 36, 2176, 125}, {64, 40, 2048},      {64, 70, 1024},
+                                                          {64, 70, 128},       {8, 4, 2176, 125},   {8, 40, 2048}};
+  // The max_splits kByBatch takes, case by case (64-head cases), 0 for the producer kernel.
+  std::vector<int> wgmma_splits;
   std::vector<bool> mma_fits;     // whether it takes the 8-head kernel's latency plan
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
@@ -1157,9 +1184,11 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
     expect_close_to_reference(p, got, want);
     NamedKernel expected;
     if (c.heads % 64 == 0) {
-      const int max_splits = sparse_mla_wgmma_batch_max_splits(c.top_k, int64_t(c.m) * (c.heads / 64), resident);
-      wgmma_splits.push_back(max_splits);
-      expected = wgmma_plan(max_splits, kSparseMlaWgmmaDefaultCluster);
+      const int64_t items = int64_t(c.m) * (c.heads / 64);
+      const int max_splits = sparse_mla_wgmma_batch_max_splits(c.top_k, items, resident);
+      const bool producer = sparse_mla_batch_takes_producer(c.top_k, items, max_splits, resident, producer_resident);
+      wgmma_splits.push_back(producer ? 0 : max_splits);
+      expected = producer ? producer_kernel() : wgmma_plan(max_splits, kSparseMlaWgmmaDefaultCluster);
     } else {
       const SparseMlaSplitPlan latency = sparse_mla_split_plan(c.heads, c.top_k);
       int clusters = 0;
@@ -1174,8 +1203,31 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
     EXPECT_EQ(std::memcmp(got.lse.data(), same.lse.data(), got.lse.size() * 4), 0) << "lse bits differ";
   }
   if (resident == 132 && !testing::quick_mode()) {  // the H200: the cases reach every plan the comment names
-    EXPECT_EQ(wgmma_splits, (std::vector<int>{16, 8, 4, 4, 2}));
+    EXPECT_EQ(wgmma_splits, (std::vector<int>{16, 8, 4, 4, 2, 0, 0}));
     EXPECT_EQ(mma_fits, (std::vector<bool>{true, false}));
+  }
+}
+
+// kWholeRow runs the producer kernel where it covers H and K (the same
+// bits as the kernel run directly) and kThroughput's plan elsewhere (H = 8;
+// K above 2304), batch invariant either way (RepeatedRunsAndBatchesGiveTheSameBits).
+TEST(SparseMlaGpu, WholeRowsTakeTheProducerWhereItCoversTheShape) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 80);
+  const NamedKernel throughput = kKernels[3];
+  const std::vector<std::pair<Case, const NamedKernel*>> cases = {
+      {{64, 3, 2048}, nullptr}, {{128, 2, 300}, nullptr}, {{64, 2, 2500}, &throughput}, {{8, 3, 300}, &throughput}};
+  const NamedKernel producer = producer_kernel();
+  for (const auto& [c, other] : cases) {
+    SCOPED_TRACE(describe(c));
+    const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
+    const GpuResult got = run_gpu(p, kWholeRowKernel);
+    expect_close_to_reference(p, got, reference::sparse_mla(p.host()));
+    const NamedKernel& expected = other != nullptr ? *other : producer;
+    SCOPED_TRACE("expected: " + expected.name);
+    const GpuResult same = run_gpu(p, expected);
+    EXPECT_TRUE(got.latent == same.latent) << "latent bits differ from the kernel kWholeRow should run";
+    EXPECT_EQ(std::memcmp(got.lse.data(), same.lse.data(), got.lse.size() * 4), 0) << "lse bits differ";
   }
 }
 

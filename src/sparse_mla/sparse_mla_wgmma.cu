@@ -1213,7 +1213,9 @@ Status sparse_mla_wgmma_grouped_splits(const SparseMlaArgs& a, cudaStream_t stre
 
 int sparse_mla_wgmma_max_splits(int top_k, SparseMlaSplits splits) {
   constexpr int kHalf = kSparseMlaWgmmaDefaultSplits / 2;
-  const bool half = splits == SparseMlaSplits::kThroughput && top_k <= kHalf * kMaxRowsPerSplit;
+  // kWholeRow beyond the producer kernel's K: kThroughput's plan.
+  const bool half = (splits == SparseMlaSplits::kThroughput || splits == SparseMlaSplits::kWholeRow) &&
+                    top_k <= kHalf * kMaxRowsPerSplit;
   return half ? kHalf : kSparseMlaWgmmaDefaultSplits;
 }
 
@@ -1229,11 +1231,22 @@ int sparse_mla_wgmma_batch_max_splits(int top_k, int64_t items, int resident_cta
 Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
   const int top_k = a.indices.ndim == 2 ? static_cast<int>(a.indices.size(1)) : 0;  // checked by the launch
   int max_splits = sparse_mla_wgmma_max_splits(top_k, a.splits);
+  if (a.splits == SparseMlaSplits::kWholeRow || a.splits == SparseMlaSplits::kByBatch) {
+    DSA_RETURN_IF_ERROR(check_sparse_mla(a));  // the caller's buffers as for every choice, before any device question
+  }
+  const bool producer_covers = a.kv_cache.ndim == 3 && sparse_mla_producer_covers(top_k, a.kv_cache.span_elements());
+  if (a.splits == SparseMlaSplits::kWholeRow && producer_covers) return sparse_mla_producer(a, stream);
   if (a.splits == SparseMlaSplits::kByBatch) {
-    DSA_RETURN_IF_ERROR(check_sparse_mla(a));  // before the device is asked anything
-    int resident = 0;
+    const int64_t items = a.q.size(0) * (a.q.size(1) / kHeads);
+    int resident = 0, producer_resident = 0;
     DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
-    max_splits = sparse_mla_wgmma_batch_max_splits(top_k, a.q.size(0) * (a.q.size(1) / kHeads), resident);
+    max_splits = sparse_mla_wgmma_batch_max_splits(top_k, items, resident);
+    if (producer_covers) {
+      DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
+      if (sparse_mla_batch_takes_producer(top_k, items, max_splits, resident, producer_resident)) {
+        return sparse_mla_producer(a, stream);
+      }
+    }
   }
   return sparse_mla_wgmma_with_plan(a, max_splits, kSparseMlaWgmmaDefaultCluster, stream);
 }
