@@ -87,7 +87,7 @@ void print_usage(FILE* to) {
                "                 logits within a stated bound, rows the selection over the GPU's logits)\n"
                "  --attention-splits PLAN\n"
                "                 sparse attention's split plan (both paths): latency (default; the most splits\n"
-               "                 that pay at m = 1), throughput (half of them: faster from m = 16 on the H200)\n"
+               "                 that pay at m = 1), throughput (half of them: faster from m = 16 on the H200),\n"
                "                 by-batch (per step, the most splits the GPU runs at once: fastest at every\n"
                "                 m, but a token's bits depend on m) or whole-row (one CTA per token and 64\n"
                "                 heads over its whole row: batch invariant, fastest from m = 67 at H = 64)\n"
