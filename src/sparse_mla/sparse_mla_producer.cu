@@ -122,6 +122,16 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  //
       : "memory");
 }
 
+// The larger of a and b, NaN when either is NaN: one instruction (max.NaN),
+// where max_propagating_nan takes a compare, a NaN test and a select. The
+// same value as that (a NaN's payload aside) on the chain warpgroup 0 runs
+// once per chunk.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
 template <int kRegisters>
 __device__ __forceinline__ void set_max_registers() {
   if constexpr (kRegisters > kLaunchRegisters) {
@@ -312,6 +322,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
 #pragma unroll
     for (int e = 0; e < 128; ++e) out[e] = 0.0f;
     float run_max[2] = {-INFINITY, -INFINITY}, run_sum[2] = {0.0f, 0.0f};  // heads 16 warp + g + 8 r
+    // Descriptors advance by adding (offset >> 4) to their start-address
+    // field, which cannot carry out of it (shared addresses stay below
+    // 2^18): two adds per wgmma instead of rebuilding each descriptor.
+    const uint64_t q_descriptor = wgmma::k_major_sw128_descriptor(q_tile);
     mbarrier_wait(barrier(s.q_ready), 0);
     for (int n = 0; n < chunk_count; ++n) {
       const int chunk = s.chunk_list[n];
@@ -323,24 +337,24 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       for (int e = 0; e < 32; ++e) score[e] = 0.0f;
       wgmma::fence_operands(score);
       wgmma::fence();
+      const uint64_t tile_descriptor = wgmma::k_major_sw128_descriptor(tile);
 #pragma unroll
       for (int step = 0; step < kLatent / 16; ++step) {
-        const uint32_t k_offset = (step / 4) * kPanelBytes + (step % 4) * 32;
-        wgmma::mma_m64n64k16_f16(score, wgmma::k_major_sw128_descriptor(q_tile + k_offset),
-                                 wgmma::k_major_sw128_descriptor(tile + k_offset), step > 0);
+        const uint64_t advance = ((step / 4) * kPanelBytes + (step % 4) * 32) >> 4;
+        wgmma::mma_m64n64k16_f16(score, q_descriptor + advance, tile_descriptor + advance, step > 0);
       }
       wgmma::commit_group();
       wgmma::wait_group<0>();
       wgmma::fence_operands(score);
 
       // Scores and the chunk max per head: the quad of lanes c = 0..3 holds a head's 64 entries.
-      const uint64_t valid = s.valid_rows[chunk];
+      // Bit 8 j + b of `valid`: entry 8 j + 2 c + b (constant shifts below).
+      const uint64_t valid = s.valid_rows[chunk] >> (2 * c);
       float chunk_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int e = 0; e < 32; ++e) {
-        const int entry = 8 * (e / 4) + 2 * c + e % 2;
-        score[e] = (valid >> entry) & 1 ? score[e] * score_scale : -INFINITY;
-        chunk_max[(e / 2) % 2] = max_propagating_nan(chunk_max[(e / 2) % 2], score[e]);
+        score[e] = (valid >> (8 * (e / 4) + e % 2)) & 1 ? score[e] * score_scale : -INFINITY;
+        chunk_max[(e / 2) % 2] = max_nan(chunk_max[(e / 2) % 2], score[e]);
       }
       // Exponents relative to `base`, the running max (finite or NaN: every
       // listed chunk has a valid entry; the 0 fallback keeps -inf - -inf out
@@ -350,9 +364,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       for (int r = 0; r < 2; ++r) {
 #pragma unroll
         for (int offset = 1; offset <= 2; offset *= 2) {
-          chunk_max[r] = max_propagating_nan(chunk_max[r], __shfl_xor_sync(0xFFFFFFFFu, chunk_max[r], offset));
+          chunk_max[r] = max_nan(chunk_max[r], __shfl_xor_sync(0xFFFFFFFFu, chunk_max[r], offset));
         }
-        const float new_max = max_propagating_nan(run_max[r], chunk_max[r]);
+        const float new_max = max_nan(run_max[r], chunk_max[r]);
         base[r] = new_max == -INFINITY ? 0.0f : new_max;
         rescale[r] = exp2_flush(run_max[r] - base[r]);
         run_max[r] = new_max;
@@ -387,15 +401,20 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       }
       wgmma::fence_shared_for_async_proxy();  // P, before warpgroup 1's wgmmas read it
       mbarrier_arrive(barrier(s.p_ready[n % 2]));
+      // A factor of exactly 1 (the running max unchanged) changes no bit: the
+      // multiplies are skipped when every factor of the warp is 1.
+      if (!__all_sync(0xFFFFFFFFu, rescale[0] == 1.0f && rescale[1] == 1.0f)) {
 #pragma unroll
-      for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
+        for (int e = 0; e < 128; ++e) out[e] *= rescale[(e / 2) % 2];
+      }
       // O_left += P V[:, 0:256]: V is the tile read N-major.
       wgmma::fence_operands(out);
       wgmma::fence();
+      const uint64_t v_left_descriptor = wgmma::n_major_sw128_descriptor(tile, kPanelBytes);
 #pragma unroll
       for (int t = 0; t < kChunkRows / 16; ++t) {
-        wgmma::mma_m64n256k16_f16_a_in_registers_b_n_major(
-            out, fragments[t], wgmma::n_major_sw128_descriptor(tile + t * 16 * 128, kPanelBytes), true);
+        wgmma::mma_m64n256k16_f16_a_in_registers_b_n_major(out, fragments[t], v_left_descriptor + ((t * 16 * 128) >> 4),
+                                                           true);
       }
       wgmma::commit_group();
       wgmma::wait_group<0>();
@@ -426,16 +445,23 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       mbarrier_wait(barrier(s.tile_ready[n % 2]), n / 2);
       mbarrier_wait(barrier(s.p_ready[n % 2]), n / 2);  // P and the rescale of chunk n
       const float rescale0 = s.rescale[n % 2][16 * warp + g], rescale1 = s.rescale[n % 2][16 * warp + g + 8];
+      // Skipped as warpgroup 0's. O_right pinned ahead of the branch: left
+      // free, the compiler's placement of it around the branch makes the
+      // kernel spill at its 168 registers.
+      wgmma::fence_operands(out);
+      if (!__all_sync(0xFFFFFFFFu, rescale0 == 1.0f && rescale1 == 1.0f)) {
 #pragma unroll
-      for (int e = 0; e < 128; ++e) out[e] *= (e / 2) % 2 ? rescale1 : rescale0;
+        for (int e = 0; e < 128; ++e) out[e] *= (e / 2) % 2 ? rescale1 : rescale0;
+      }
       const uint32_t p_tile = shared_address(s.p_tiles[n % 2]);
       wgmma::fence_operands(out);
       wgmma::fence();
+      const uint64_t p_descriptor = wgmma::k_major_sw128_descriptor(p_tile);
+      const uint64_t v_right_descriptor = wgmma::n_major_sw128_descriptor(tile_of(n) + 4 * kPanelBytes, kPanelBytes);
 #pragma unroll
       for (int t = 0; t < kChunkRows / 16; ++t) {
-        wgmma::mma_m64n256k16_f16_b_n_major(
-            out, wgmma::k_major_sw128_descriptor(p_tile + t * 32),
-            wgmma::n_major_sw128_descriptor(tile_of(n) + 4 * kPanelBytes + t * 16 * 128, kPanelBytes), true);
+        wgmma::mma_m64n256k16_f16_b_n_major(out, p_descriptor + ((t * 32) >> 4),
+                                            v_right_descriptor + ((t * 16 * 128) >> 4), true);
       }
       wgmma::commit_group();
       wgmma::wait_group<0>();
