@@ -101,6 +101,7 @@ struct alignas(1024) SharedStorage {
   uint64_t tile_free[2];   // warpgroups 0 and 1 are done with the chunk's tile (256)
   uint64_t p_ready[2];     // warpgroup 0 has written P and the rescale factors (128)
   uint64_t p_free[2];      // warpgroup 1 is done with them (128)
+  uint64_t scores_done[2];  // warpgroup 0 has the chunk's S (128): warpgroup 1's P V of the one before waits for it
   uint64_t stats_ready;    // warpgroup 0 has written final_max and final_sum (128)
 };
 static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
@@ -199,6 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       mbarrier_init(barrier(s.tile_free[slot]), 256);
       mbarrier_init(barrier(s.p_ready[slot]), 128);
       mbarrier_init(barrier(s.p_free[slot]), 128);
+      mbarrier_init(barrier(s.scores_done[slot]), 128);
     }
   }
   if (threadIdx.x < kMaxChunks) s.valid_rows[threadIdx.x] = 0;
@@ -346,6 +348,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       wgmma::commit_group();
       wgmma::wait_group<0>();
       wgmma::fence_operands(score);
+      // Warpgroup 1's P V of chunk n - 1 now runs under this softmax (the
+      // tensor cores idle through it otherwise).
+      mbarrier_arrive(barrier(s.scores_done[n % 2]));
 
       // Scores and the chunk max per head: the quad of lanes c = 0..3 holds a head's 64 entries.
       // Bit 8 j + b of `valid`: entry 8 j + 2 c + b (constant shifts below).
@@ -444,6 +449,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       // (complete by now: warpgroup 0 waited for it before P).
       mbarrier_wait(barrier(s.tile_ready[n % 2]), n / 2);
       mbarrier_wait(barrier(s.p_ready[n % 2]), n / 2);  // P and the rescale of chunk n
+      if (n + 1 < chunk_count) mbarrier_wait(barrier(s.scores_done[(n + 1) % 2]), (n + 1) / 2);
       const float rescale0 = s.rescale[n % 2][16 * warp + g], rescale1 = s.rescale[n % 2][16 * warp + g + 8];
       // Skipped as warpgroup 0's. O_right pinned ahead of the branch: left
       // free, the compiler's placement of it around the branch makes the
