@@ -34,9 +34,18 @@
 //    warpgroup 1 is done with chunk n - 2's (p_free), into p_tiles[n % 2]
 //    with the rescale factors (p_ready); the running sum of the rounded p;
 //    O_left [64 x 256] = O_left * rescale + P V[:, 0:256] by 4 wgmma
-//    m64n256k16 (P from registers, V the tile read N-major).
+//    m64n256k16 (P from registers, V the tile read N-major). Each S done is
+//    announced (scores_done).
 //  - warpgroup 1: O_right = O_right * rescale + P V[:, 256:512] (P from
-//    shared memory).
+//    shared memory), chunk n's once warpgroup 0 has S of chunk n + 1: so it
+//    runs under warpgroup 0's softmax, when the tensor cores would idle
+//    (H200, 439b082 against 042a469: 82.00 against 84.67 us at m = 128,
+//    73.43 against 81.70 at m = 1, H = 64, K = 2048).
+// A rescale factor of exactly 1 is skipped warp by warp (no bit changes).
+// Warpgroup 0's chain bounds the chunk (ncu, H200: its ~1100 instructions
+// a chunk, cut to ~650 by 042a469, and warpgroup 1 idle half the time), not
+// the loads: an L2 prefetch two chunks ahead and S of chunk n + 1 issued
+// behind chunk n's P V were both slower (docs/sparse_mla.md, "v13").
 // The handover protocol (barriers per slot, tile_free completed by both
 // consumers) is modelled step by step in sparse_mla_producer_model_test.cpp
 // and checked there over every interleaving; the model is written from this

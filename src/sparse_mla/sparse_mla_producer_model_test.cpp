@@ -1,11 +1,11 @@
-// A design check, not a model of the kernel as built: the handover of the
-// next sparse_mla_wgmma, with a third, producer warpgroup that loads and
-// converts the chunks (docs/sparse_mla.md, "Next version": the probes put
-// the conversion in warpgroup 1 at about half of each chunk's time;
-// probes/producer_period.cu on branch sparse-mla-s-early-probe times this
-// handover). Every interleaving of the three warpgroups' barrier and
-// buffer steps is checked as sparse_mla_handover_test.cpp checks the
-// kernel's protocol (sparse_mla_handover_check.h).
+// The handover of sparse_mla_producer (src/sparse_mla/sparse_mla_producer.cu),
+// written from its code step by step: a change to one is a change to the
+// other. A third, producer warpgroup loads and converts the chunks
+// (docs/sparse_mla.md, "v13"). Every interleaving of the three warpgroups'
+// barrier and buffer steps is checked as sparse_mla_handover_test.cpp checks
+// sparse_mla_wgmma's protocol (sparse_mla_handover_check.h). The kernel
+// runs one item per CTA; several items per CTA (the phases running on
+// across them) are checked too, as a stricter case.
 //
 // Chunks are numbered over the CTA (n), across its items; chunk n's tile
 // and P are in slot n % 2. Barriers, each a pair indexed by slot:
@@ -15,6 +15,9 @@
 //   p_ready     warpgroup 0's P of chunk n, phase n / 2
 //   p_free      warpgroup 1 done with P of chunk n; warpgroup 0 waits for
 //               chunk n - 2's before writing P of chunk n
+//   scores_done warpgroup 0 has S of chunk n, phase n / 2; warpgroup 1's
+//               P V of chunk n - 1 waits for it (so that it runs under
+//               warpgroup 0's softmax of chunk n)
 // Items are apart by CTA barriers (each item's chunk list is built by every
 // thread), and the phases run on across them.
 #include <gtest/gtest.h>
@@ -32,13 +35,14 @@ using handover_check::kP;
 using handover_check::kTile;
 using handover_check::Program;
 using handover_check::Step;
-constexpr int kTileReady0 = 0, kTileFree0 = 2, kPReady0 = 4, kPFree0 = 6, kBarriers = 8;
+constexpr int kTileReady0 = 0, kTileFree0 = 2, kPReady0 = 4, kPFree0 = 6, kScoresDone0 = 8, kBarriers = 10;
 
 // The design, and the variants the checker must refute.
 struct Protocol {
   bool tile_ready_per_slot = true;      // else one tile_ready barrier for every conversion, phase n
   bool warpgroup_1_frees_tiles = true;  // else tile_free counts warpgroup 0's arrival alone
   int tile_free_arrivals = 2;           // warpgroup arrivals that complete a tile_free phase
+  int p_v_lag = 1;                      // warpgroup 1's P V of chunk n waits for S of chunk n + p_v_lag (0: none)
 };
 
 std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, const Protocol& protocol = {}) {
@@ -61,6 +65,7 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       wg0.push_back(tile_ready(Step::kWait, n));
       wg0.push_back({Step::kRead, kTile, n});
       wg0.push_back({Step::kRead, kTile, n});
+      wg0.push_back({Step::kArrive, kScoresDone0 + n % 2, n / 2});
       if (n >= 2) wg0.push_back({Step::kWait, kPFree0 + n % 2, n / 2 - 1});
       wg0.push_back({Step::kWrite, kP, n});
       wg0.push_back({Step::kArrive, kPReady0 + n % 2, n / 2});
@@ -71,6 +76,10 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       // at its issue and at its wait), then both released.
       wg1.push_back(tile_ready(Step::kWait, n));
       wg1.push_back({Step::kWait, kPReady0 + n % 2, n / 2});
+      const int lagged = n + protocol.p_v_lag;
+      if (protocol.p_v_lag > 0 && lagged < n0 + chunks) {
+        wg1.push_back({Step::kWait, kScoresDone0 + lagged % 2, lagged / 2});
+      }
       wg1.push_back({Step::kRead, kP, n});
       wg1.push_back({Step::kRead, kTile, n});
       wg1.push_back({Step::kRead, kP, n});
@@ -151,6 +160,16 @@ TEST(SparseMlaProducerDesign, TileFreeInitializedForOneWarpgroupReleasesEarly) {
   const Exploration e = explore(producer_programs({3}, miscounted), miscounted);
   EXPECT_NE(e.hazard.find("warpgroup 2 writes tile of chunk 2 before warpgroup "), std::string::npos) << e.hazard;
   EXPECT_NE(e.hazard.find(" has read chunk 0's"), std::string::npos) << e.hazard;
+}
+
+// Why warpgroup 1 lags one chunk and no more: waiting for S of chunk n + 2
+// before its P V of chunk n, it waits for a tile the producer converts only
+// once that P V has freed chunk n's.
+TEST(SparseMlaProducerDesign, PVLaggingTwoChunksDeadlocks) {
+  Protocol two;
+  two.p_v_lag = 2;
+  EXPECT_TRUE(explore(producer_programs({3}, two), two).deadlock);
+  EXPECT_FALSE(explore(producer_programs({3})).deadlock);
 }
 
 }  // namespace
