@@ -119,10 +119,11 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // a third warpgroup loading and converting the rows while two compute: no
 // split, no combine (split_counters and split_partials untouched, though
 // still checked), batch invariant (a token's bits depend on its own inputs
-// only). Slow at small batches (one CTA per item: ~80 us at m = 1 .. 66,
+// only). Slow at small batches (one CTA per item: 73-75 us at m = 1 .. 66,
 // H = 64, K = 2048 on the H200), the fastest at large ones: H200, K = 2048,
-// m = 128 (1ef196b): H = 64 86.23 us = 398 TFLOPS (kByBatch's split plan
-// 106.58), H = 128 163.33 us = 421 (211.42). Other H and K take kThroughput's plan.
+// m = 128 (439b082): H = 64 82.00 us = 419 TFLOPS (kByBatch's split plan
+// before it took this kernel: 106.58 us = 322), H = 128 155.61 us = 442
+// (211.42 = 325). Other H and K take kThroughput's plan.
 enum class SparseMlaSplits : int32_t {
   kLatency = 0,     // the default: the most splits that pay at m = 1 (16 per 64 heads at K = 2048, 8 per 8 heads)
   kThroughput = 1,  // half of those (at least what the kernels' per-CTA limits need)

@@ -115,8 +115,8 @@ Status sparse_mla_producer_resident_ctas(int* ctas);
 // chunks) cost less than the split plan's rounds of its longest split
 // (ceil(items / (resident_ctas / splits)) x max_chunks), a producer chunk
 // counted as 4/5 of a split CTA's. The ratio is measured (H200, K = 2048,
-// 1ef196b): 2.69 against 3.33 us per chunk at m = 128, 2.49 against 3.20 at
-// m = 64, H = 64. On the H200 at K = 2048 this takes the producer for 67 to
+// H = 64): 2.69 against 3.33 us per chunk at m = 128, 2.49 against 3.20 at
+// m = 64 (1ef196b); 2.56 against 3.33 and 2.35 against 3.19 (439b082). On the H200 at K = 2048 this takes the producer for 67 to
 // 132 items and from 199 on, the split plan of 2 splits for up to 66 items
 // (one round) and for 133 to 198 (three rounds of 16 chunks against two of
 // 32).
