@@ -1,10 +1,11 @@
 // The producer sparse MLA decode kernel (sparse_mla_producer): one CTA per
 // (token, 64 heads) item runs the item's whole index row, with the FP8 ->
 // FP16 conversion of the rows taken off the warpgroups that compute. The
-// contract is in include/dsa_decode/sparse_mla.h (less the split buffers,
-// which it does not use); why it exists is in docs/sparse_mla.md ("Next
-// version": in sparse_mla_wgmma's stream the conversion in warpgroup 1
-// costs about as much as a chunk's S, softmax and P V together).
+// contract is in include/dsa_decode/sparse_mla.h (SparseMlaSplits::kWholeRow,
+// less the split buffers, which it does not use); why it exists and each
+// measured version are in docs/sparse_mla.md ("v13": in sparse_mla_wgmma's
+// stream the conversion in warpgroup 1 cost about as much as a chunk's S,
+// softmax and P V together).
 //
 // Work split: item b = (token b / groups, heads 64 (b % groups)..+63) per
 // CTA, its C = ceil(K / 64) chunks of 64 entries in order (chunks without a
