@@ -220,73 +220,60 @@ Status run(Context& ctx, Report& report) {
     // with half and twice the splits (clusters above 8 CTAs are non-portable),
     // so that both the kernel choice and the plan's are measured, not assumed.
     const bool wgmma = p.heads % 64 == 0;
-    {
+    // Times `launch` over `rows` (rotation i through its own index rows) and
+    // reports it against the simple kernel of this shape.
+    auto add_row = [&](const std::string& name, auto&& launch, const std::string& note, const Buffers& rows,
+                       double row_floor) -> Status {
       double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla, &us));
-      Row row{"sparse_mla", params, us, "sparse_mla_simple", simple_us, floor};
+      DSA_RETURN_IF_ERROR(time_rows(ctx, p, rows, launch, &us));
+      Row row{name, params, us, "sparse_mla_simple", simple_us, row_floor};
       row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      if (wgmma) {
-        row.note = "sparse_mla_wgmma: 64 heads per CTA, " + describe(sparse_mla_wgmma_splits(kTopK)) + "; " + regions;
-      } else {
-        row.note = "sparse_mla_mma with its plan; " + regions;
-      }
+      row.note = note;
       report.add(row);
-    }
-    {  // the other split plan, as engines choose it (SparseMlaSplits::kThroughput)
-      double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_with(SparseMlaSplits::kThroughput), &us));
-      Row row{"sparse_mla (throughput splits)", params, us, "sparse_mla_simple", simple_us, floor};
-      row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = "SparseMlaSplits::kThroughput: half the splits; " + regions;
-      report.add(row);
-    }
+      return Status();
+    };
+    DSA_RETURN_IF_ERROR(
+        add_row("sparse_mla", sparse_mla,
+                (wgmma ? "sparse_mla_wgmma: 64 heads per CTA, " + describe(sparse_mla_wgmma_splits(kTopK))
+                       : std::string("sparse_mla_mma with its plan")) +
+                    "; " + regions,
+                b, floor));
+    // The other split plan, as engines choose it.
+    DSA_RETURN_IF_ERROR(add_row("sparse_mla (throughput splits)", sparse_mla_with(SparseMlaSplits::kThroughput),
+                                "SparseMlaSplits::kThroughput: half the splits; " + regions, b, floor));
     {  // the plan per launch from m and the GPU (SparseMlaSplits::kByBatch: not batch invariant)
-      double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_with(SparseMlaSplits::kByBatch), &us));
-      Row row{"sparse_mla (splits by batch)", params, us, "sparse_mla_simple", simple_us, floor};
-      row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = "SparseMlaSplits::kByBatch: the most splits whose CTAs fit the GPU at once; " + regions;
+      std::string note = "SparseMlaSplits::kByBatch: the most splits whose CTAs fit the GPU at once; " + regions;
       if (wgmma) {
         const int64_t items = int64_t(p.m) * (p.heads / 64);
         int resident = 0, producer_resident = 0;
         DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
         DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
         const int max_splits = sparse_mla_wgmma_batch_max_splits(kTopK, items, resident);
-        row.note += sparse_mla_batch_takes_producer(kTopK, items, max_splits, resident, producer_resident)
-                        ? "; here the producer kernel (whole rows)"
-                        : "; here " + describe(sparse_mla_wgmma_splits(kTopK, max_splits));
+        note += sparse_mla_batch_takes_producer(kTopK, items, max_splits, resident, producer_resident)
+                    ? "; here the producer kernel (whole rows)"
+                    : "; here " + describe(sparse_mla_wgmma_splits(kTopK, max_splits));
       }
-      report.add(row);
+      DSA_RETURN_IF_ERROR(
+          add_row("sparse_mla (splits by batch)", sparse_mla_with(SparseMlaSplits::kByBatch), note, b, floor));
     }
-    if (wgmma) {  // one CTA per item at every m: where it starts to pay
-      double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_whole_items, &us));
-      Row row{"sparse_mla_wgmma (one CTA per item)", params, us, "sparse_mla_simple", simple_us, floor};
-      row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = "every split of a (token, group) streamed by one CTA, then its combine; " + regions;
-      report.add(row);
-    }
-    if (wgmma) {  // SparseMlaSplits::kWholeRow (at H = 8 it is kThroughput's plan, timed above)
-      double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_with(SparseMlaSplits::kWholeRow), &us));
-      Row row{"sparse_mla (whole rows)", params, us, "sparse_mla_simple", simple_us, floor};
-      row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note =
-          "SparseMlaSplits::kWholeRow: the producer kernel, one CTA per (token, group) over the whole row, "
-          "warpgroup 2 loading and converting the rows; " +
-          regions;
-      report.add(row);
-    }
-    if (wgmma) {  // consecutive splits per CTA at every m where they fit: the crossovers against split CTAs
-      double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_grouped_splits, &us));
-      Row row{"sparse_mla_wgmma (consecutive splits per CTA)", params, us, "sparse_mla_simple", simple_us, floor};
-      row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note =
-          "each CTA streams 2-8 consecutive splits of an item (the fewest that fit at once), the item's CTAs meet, "
-          "then each combines its share (as the default launch where the count does not fit); " +
-          regions;
-      report.add(row);
+    if (wgmma) {
+      // One CTA per item at every m: where it starts to pay.
+      DSA_RETURN_IF_ERROR(add_row("sparse_mla_wgmma (one CTA per item)", sparse_mla_wgmma_whole_items,
+                                  "every split of a (token, group) streamed by one CTA, then its combine; " + regions,
+                                  b, floor));
+      // SparseMlaSplits::kWholeRow (at H = 8 it is kThroughput's plan, timed above).
+      DSA_RETURN_IF_ERROR(add_row("sparse_mla (whole rows)", sparse_mla_with(SparseMlaSplits::kWholeRow),
+                                  "SparseMlaSplits::kWholeRow: the producer kernel, one CTA per (token, group) over "
+                                  "the whole row, warpgroup 2 loading and converting the rows; " +
+                                      regions,
+                                  b, floor));
+      // Consecutive splits per CTA at every m where they fit: the crossovers against split CTAs.
+      DSA_RETURN_IF_ERROR(add_row("sparse_mla_wgmma (consecutive splits per CTA)", sparse_mla_wgmma_grouped_splits,
+                                  "each CTA streams 2-8 consecutive splits of an item (the fewest that fit at once), "
+                                  "the item's CTAs meet, then each combines its share (as the default launch where "
+                                  "the count does not fit); " +
+                                      regions,
+                                  b, floor));
     }
     if (wgmma) {
       double us = 0;
@@ -308,13 +295,10 @@ Status run(Context& ctx, Report& report) {
                                                                  {SparseMlaSplits::kByBatch, "splits by batch"},
                                                                  {SparseMlaSplits::kWholeRow, "whole rows"}};
       for (const auto& [splits, label] : choices) {
-        double us = 0;
-        DSA_RETURN_IF_ERROR(time_rows(ctx, p, pairs, sparse_mla_with(splits), &us));
         const std::string choice = label.empty() ? "" : label + ", ";
-        Row row{"sparse_mla (" + choice + "draft pairs)", params, us, "sparse_mla_simple", simple_us, pair_floor};
-        row.tflops = flops(p) / (us * 1e-6) / 1e12;
-        row.note = "as sparse_mla" + (label.empty() ? "" : " (" + label + ")") + "; " + pair_regions;
-        report.add(row);
+        DSA_RETURN_IF_ERROR(add_row("sparse_mla (" + choice + "draft pairs)", sparse_mla_with(splits),
+                                    "as sparse_mla" + (label.empty() ? "" : " (" + label + ")") + "; " + pair_regions,
+                                    pairs, pair_floor));
       }
     }
     // Other plans than the default (16 splits in one cluster of 16): 32
@@ -336,17 +320,12 @@ Status run(Context& ctx, Report& report) {
           OtherPlan{8, 8, "sparse_mla_wgmma (8 splits)"}, OtherPlan{4, 4, "sparse_mla_wgmma (4 splits)"},
           OtherPlan{2, 4, "sparse_mla_wgmma (2 splits)"}}) {
       if (!wgmma) break;
-      double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(
-          ctx, p, b,
+      DSA_RETURN_IF_ERROR(add_row(
+          other.name,
           [&](const SparseMlaArgs& a, cudaStream_t stream) {
             return sparse_mla_wgmma_with_plan(a, other.max_splits, other.max_cluster, stream);
           },
-          &us));
-      Row row{other.name, params, us, "sparse_mla_simple", simple_us, floor};
-      row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = describe(sparse_mla_wgmma_splits(kTopK, other.max_splits, other.max_cluster)) + "; " + regions;
-      report.add(row);
+          describe(sparse_mla_wgmma_splits(kTopK, other.max_splits, other.max_cluster)) + "; " + regions, b, floor));
     }
     const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);
     std::vector<std::pair<std::string, SparseMlaSplitPlan>> plans;
@@ -365,18 +344,15 @@ Status run(Context& ctx, Report& report) {
     }
     for (const auto& named : plans) {
       const SparseMlaSplitPlan& plan = named.second;
-      double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(
-          ctx, p, b, [&](const SparseMlaArgs& a, cudaStream_t stream) { return sparse_mla_with_plan(a, plan, stream); },
-          &us));
       int clusters = 0;
       DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(plan, p.heads, kTopK, &clusters));
-      Row row{named.first, params, us, "sparse_mla_simple", simple_us, floor};
-      row.tflops = flops(p) / (us * 1e-6) / 1e12;
-      row.note = "head_groups " + std::to_string(plan.head_groups) + ", splits " + std::to_string(plan.splits) +
-                 " x " + std::to_string(plan.rows_per_split) + " rows, " + std::to_string(clusters) +
-                 " clusters at once; " + regions;
-      report.add(row);
+      DSA_RETURN_IF_ERROR(add_row(
+          named.first,
+          [&](const SparseMlaArgs& a, cudaStream_t stream) { return sparse_mla_with_plan(a, plan, stream); },
+          "head_groups " + std::to_string(plan.head_groups) + ", splits " + std::to_string(plan.splits) + " x " +
+              std::to_string(plan.rows_per_split) + " rows, " + std::to_string(clusters) + " clusters at once; " +
+              regions,
+          b, floor));
     }
   }
   return Status();

@@ -878,6 +878,31 @@ TEST(SparseMlaNumerics, RoundingPToFp8AloneExceedsTheErrorBound) {
   EXPECT_GT(worst_fp8, 1e-2) << "FP8 P stays within the bound here: time FP8 P.V before keeping FP16";
 }
 
+// Each case against the float64 reference for each kernel, every other case
+// with padded strides and the score spreads 1, 3, 10 in turn; prints each
+// kernel's worst relative Frobenius error (the checks themselves fail inside).
+void sweep_against_reference(const std::vector<Case>& cases, const std::vector<NamedKernel>& kernels,
+                             std::mt19937_64& rng) {
+  const float spreads[] = {1.0f, 3.0f, 10.0f};
+  std::vector<double> worst(kernels.size(), 0.0);
+  int index = 0;
+  for (const Case& c : cases) {
+    const bool padded = index % 2 == 1;
+    const float spread = spreads[index % 3];
+    SCOPED_TRACE(describe(c) + (padded ? " padded strides" : "") + " score spread " + std::to_string(spread));
+    const Problem p = random_problem(c, padded, spread, rng);
+    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
+    for (size_t k = 0; k < kernels.size(); ++k) {
+      worst[k] = std::max(worst[k], expect_close_to_reference(p, run_gpu(p, kernels[k]), want));
+    }
+    ++index;
+  }
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    std::printf("[%s vs float64] worst relative Frobenius error %.3g over %d cases\n", kernels[k].name.c_str(),
+                worst[k], index);
+  }
+}
+
 TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed());
@@ -892,25 +917,8 @@ TEST(SparseMlaGpu, MatchesFloat64ReferenceOverHeadsTokensAndTopK) {
       {1, 1, 2048},        {1, 2, 2176, 125}, {1, 7, 100}, {1, 16, 1},   {1, 64, 2176, 125}, {1, 256, 2048},
   };
   const std::vector<Case> quick = {{4, 2, 100}, {8, 1, 2176, 125}};
-  const float spreads[] = {1.0f, 3.0f, 10.0f};
-  const NamedKernel* const kernels[] = {&kKernels[0], &kKernels[1], &kKernels[3]};  // simple, both split plans
-  double worst[3] = {0, 0, 0};
-  int index = 0;
-  for (const Case& c : testing::quick_mode() ? quick : full) {
-    const bool padded = index % 2 == 1;
-    const float spread = spreads[index % 3];
-    SCOPED_TRACE(describe(c) + (padded ? " padded strides" : "") + " score spread " + std::to_string(spread));
-    const Problem p = random_problem(c, padded, spread, rng);
-    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
-    for (int k = 0; k < 3; ++k) {
-      worst[k] = std::max(worst[k], expect_close_to_reference(p, run_gpu(p, *kernels[k]), want));
-    }
-    ++index;
-  }
-  for (int k = 0; k < 3; ++k) {
-    std::printf("[%s vs float64] worst relative Frobenius error %.3g over %d cases\n", kernels[k]->name.c_str(),
-                worst[k], index);
-  }
+  // The simple kernel and both split plans.
+  sweep_against_reference(testing::quick_mode() ? quick : full, {kKernels[0], kKernels[1], kKernels[3]}, rng);
 }
 
 // A random problem whose cache entry `nan_slot` holds a NaN code at dim
@@ -959,19 +967,7 @@ TEST(SparseMlaGpu, ProducerKernelMatchesFloat64Reference) {
                                   {64, 64, 100}, {64, 128, 1024},    {128, 1, 2176, 125}, {128, 2, 2048},
                                   {128, 7, 100}, {128, 16, 1},       {128, 256, 1},       {64, 256, 2176, 125}};
   const std::vector<Case> quick = {{64, 2, 100}};
-  const float spreads[] = {1.0f, 3.0f, 10.0f};
-  double worst = 0;
-  int index = 0;
-  for (const Case& c : testing::quick_mode() ? quick : full) {
-    const bool padded = index % 2 == 1;
-    const float spread = spreads[index % 3];
-    SCOPED_TRACE(describe(c) + (padded ? " padded strides" : "") + " score spread " + std::to_string(spread));
-    const Problem p = random_problem(c, padded, spread, rng);
-    const reference::SparseMlaResult want = reference::sparse_mla(p.host());
-    worst = std::max(worst, expect_close_to_reference(p, run_gpu(p, producer_kernel()), want));
-    ++index;
-  }
-  std::printf("[sparse_mla_producer vs float64] worst relative Frobenius error %.3g over %d cases\n", worst, index);
+  sweep_against_reference(testing::quick_mode() ? quick : full, {producer_kernel()}, rng);
 }
 
 // Listed chunks apart from their positions (the CTA's n-th listed chunk is
