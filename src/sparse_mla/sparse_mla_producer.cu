@@ -65,14 +65,19 @@
 #include "core/async_copy.cuh"
 #include "core/fp8.cuh"
 #include "core/launch.cuh"
+#include "core/mbarrier.cuh"
 #include "core/shared_memory.h"
 #include "core/wgmma.cuh"
 #include "dsa_decode/numerics.h"
 #include "sparse_mla/sparse_mla_params.h"
 #include "sparse_mla/sparse_mla_plan.h"
+#include "sparse_mla/sparse_mla_softmax.cuh"
 
 namespace dsa {
 namespace {
+
+using sparse_mla_softmax::round_and_store_probabilities;
+using sparse_mla_softmax::scale_and_fold_max;
 
 constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;             // heads per CTA: the M of every wgmma
@@ -118,31 +123,6 @@ static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on sw
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 static_assert(kSharedBytes <= 227 * 1024, "Hopper's largest shared memory per CTA");
 
-__device__ __forceinline__ void mbarrier_init(uint32_t barrier, int arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(arrivals) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {  // release
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  // acquire; phase i % 2 == parity
-  asm volatile(
-      "{\n.reg .pred complete;\nretry:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 complete, [%0], %1;\n"
-      "@!complete bra retry;\n}\n" ::"r"(barrier),
-      "r"(phase % 2)
-      : "memory");
-}
-
-// The larger of a and b, NaN when either is NaN: one instruction (max.NaN),
-// where max_propagating_nan takes a compare, a NaN test and a select. The
-// same value as that (a NaN's payload aside) on the chain warpgroup 0 runs
-// once per chunk.
-__device__ __forceinline__ float max_nan(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
 template <int kRegisters>
 __device__ __forceinline__ void set_max_registers() {
   if constexpr (kRegisters > kLaunchRegisters) {
@@ -150,14 +130,6 @@ __device__ __forceinline__ void set_max_registers() {
   } else if constexpr (kRegisters < kLaunchRegisters) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegisters));
   }
-}
-
-// 2^x by the MUFU alone, results below 2^-126 flushed to zero (as
-// sparse_mla_wgmma: p is rounded to FP16, which has no values that small).
-__device__ __forceinline__ float exp2_flush(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
 }
 
 // 64 rows of FP8 codes held by a converting warpgroup: thread (warp w, lane
@@ -362,55 +334,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       // tensor cores idle through it otherwise).
       mbarrier_arrive(barrier(s.scores_done[n % 2]));
 
-      // Scores and the chunk max per head: the quad of lanes c = 0..3 holds a head's 64 entries.
-      // Bit 8 j + b of `valid`: entry 8 j + 2 c + b (constant shifts below).
-      const uint64_t valid = s.valid_rows[chunk] >> (2 * c);
-      float chunk_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        score[e] = (valid >> (8 * (e / 4) + e % 2)) & 1 ? score[e] * score_scale : -INFINITY;
-        chunk_max[(e / 2) % 2] = max_nan(chunk_max[(e / 2) % 2], score[e]);
-      }
-      // Exponents relative to `base`, the running max (finite or NaN: every
-      // listed chunk has a valid entry; the 0 fallback keeps -inf - -inf out
-      // of exp2 for scores beyond the contract's bound).
       float base[2], rescale[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int offset = 1; offset <= 2; offset *= 2) {
-          chunk_max[r] = max_nan(chunk_max[r], __shfl_xor_sync(0xFFFFFFFFu, chunk_max[r], offset));
-        }
-        const float new_max = max_nan(run_max[r], chunk_max[r]);
-        base[r] = new_max == -INFINITY ? 0.0f : new_max;
-        rescale[r] = exp2_flush(run_max[r] - base[r]);
-        run_max[r] = new_max;
-      }
-      // P rounded to FP16: as the A fragments of O_left's four 16-entry steps
-      // (pair q of step t holds score elements 8 t + 2 q, + 1, head row q % 2)
-      // and into p_tiles[n % 2] for warpgroup 1. The sum uses the rounded p.
+      scale_and_fold_max(score, s.valid_rows[chunk], score_scale, c, run_max, base, rescale);
       if (n >= 2) mbarrier_wait(barrier(s.p_free[n % 2]), n / 2 - 1);  // warpgroup 1 done with chunk n - 2's
-      const uint32_t p_tile = shared_address(s.p_tiles[n % 2]);
-      uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]
-      float chunk_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int t = 0; t < kChunkRows / 16; ++t) {
-#pragma unroll
-        for (int pair = 0; pair < 4; ++pair) {
-          const int r = pair % 2, e = 8 * t + 2 * pair;
-          const __half2 probs = __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
-          fragments[t][pair] = *reinterpret_cast<const uint32_t*>(&probs);
-          const float2 rounded = __half22float2(probs);
-          chunk_sum[r] += rounded.x + rounded.y;
-          store_shared_b32(p_tile + wgmma::k_major_sw128_offset(16 * warp + g + 8 * r, e / 4) + 4 * c,
-                           fragments[t][pair]);
-        }
-      }
+      uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]: P as O_left's A fragments
+      float chunk_sum[2];
+      round_and_store_probabilities(score, base, shared_address(s.p_tiles[n % 2]), warp, g, c, fragments, chunk_sum);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int offset = 1; offset <= 2; offset *= 2)
-          chunk_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum[r], offset);
         run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
         if (c == 0) s.rescale[n % 2][16 * warp + g + 8 * r] = rescale[r];
       }

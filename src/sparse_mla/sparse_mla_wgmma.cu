@@ -101,15 +101,20 @@
 #include "core/cluster.cuh"
 #include "core/fp8.cuh"
 #include "core/launch.cuh"
+#include "core/mbarrier.cuh"
 #include "core/shared_memory.h"
 #include "core/wgmma.cuh"
 #include "dsa_decode/numerics.h"
 #include "sparse_mla/sparse_mla_handover.h"
 #include "sparse_mla/sparse_mla_params.h"
 #include "sparse_mla/sparse_mla_plan.h"
+#include "sparse_mla/sparse_mla_softmax.cuh"
 
 namespace dsa {
 namespace {
+
+using sparse_mla_softmax::round_and_store_probabilities;
+using sparse_mla_softmax::scale_and_fold_max;
 
 constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;                          // heads per CTA: the M of every wgmma
@@ -185,16 +190,6 @@ static_assert(kSharedBytes <= 227 * 1024, "Hopper's largest shared memory per CT
 // of 4, so that lane c of a quad pushes 16 contiguous bytes and the quad 64.
 __host__ __device__ constexpr int unit_slot(int j, int c) { return (j / 4) * 4 + c; }
 
-// 2^x by the MUFU alone, results below 2^-126 flushed to zero: exp2f without
-// its subnormal fix-up. The probabilities are rounded to FP16 (which has no
-// values that small) and a rescale below 2^-126 multiplies a sum by a
-// negligible amount either way.
-__device__ __forceinline__ float exp2_flush(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // The pieces of a 64-row tile that thread t of `kConverters` (128 or 256)
 // converts: 16-byte FP8 piece t % 32 (dims 16 (t % 32)..) of rows
 // t / 32 + (kConverters / 32) k, k = 0..kChunkPieces / kConverters - 1.
@@ -224,26 +219,6 @@ __device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkP
     store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + swap), swap ? high : low);
     store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + !swap), swap ? low : high);
   }
-}
-
-// Shared-memory barriers for the warpgroups' handover. Named barriers
-// (bar.sync / bar.arrive) measured within 1.5%, but the two warpgroups reach
-// them from different instructions, which compute-sanitizer's synccheck
-// reports as divergence (bar.sync is the aligned form), and racecheck did not
-// follow bar.arrive.
-__device__ __forceinline__ void mbarrier_init(uint32_t barrier, int arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(barrier), "r"(arrivals) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(uint32_t barrier) {  // release
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(barrier) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(uint32_t barrier, int phase) {  // acquire; phase i % 2 == parity
-  asm volatile(
-      "{\n.reg .pred complete;\nretry:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 complete, [%0], %1;\n"
-      "@!complete bra retry;\n}\n" ::"r"(barrier),
-      "r"(phase % 2)
-      : "memory");
 }
 
 // What a launch's CTAs share: the plan and the work.
@@ -558,54 +533,13 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       wgmma::wait_group<0>();
       wgmma::fence_operands(score);
 
-      // Scores and the chunk max per head: the quad of lanes c = 0..3 holds a head's 64 entries.
-      const uint64_t valid = s.valid_rows[chunk];
-      float chunk_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int e = 0; e < 32; ++e) {
-        const int entry = 8 * (e / 4) + 2 * c + e % 2;
-        score[e] = (valid >> entry) & 1 ? score[e] * score_scale : -INFINITY;
-        chunk_max[(e / 2) % 2] = max_propagating_nan(chunk_max[(e / 2) % 2], score[e]);
-      }
-      // Exponents relative to `base`, the running max. Every chunk here has a
-      // valid entry, so the max is finite or NaN; the 0 fallback only keeps
-      // -inf - -inf out of exp2 for scores beyond the contract's bound.
       float base[2], rescale[2];
+      scale_and_fold_max(score, s.valid_rows[chunk], score_scale, c, run_max, base, rescale);
+      uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]: P as O_left's A fragments
+      float chunk_sum[2];
+      round_and_store_probabilities(score, base, shared_address(s.p_tiles[i % 2]), warp, g, c, fragments, chunk_sum);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int offset = 1; offset <= 2; offset *= 2) {
-          chunk_max[r] = max_propagating_nan(chunk_max[r], __shfl_xor_sync(0xFFFFFFFFu, chunk_max[r], offset));
-        }
-        const float new_max = max_propagating_nan(run_max[r], chunk_max[r]);
-        base[r] = new_max == -INFINITY ? 0.0f : new_max;
-        rescale[r] = exp2_flush(run_max[r] - base[r]);
-        run_max[r] = new_max;
-      }
-      // P rounded to FP16: as the A fragments of O_left's four 16-entry steps
-      // (pair q of step t holds score elements 8 t + 2 q, + 1, head row q % 2)
-      // and into p_tiles[i % 2] for warpgroup 1. The sum uses the rounded p.
-      const uint32_t p_tile = shared_address(s.p_tiles[i % 2]);
-      uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]
-      float chunk_sum[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int t = 0; t < kChunkRows / 16; ++t) {
-#pragma unroll
-        for (int pair = 0; pair < 4; ++pair) {
-          const int r = pair % 2, e = 8 * t + 2 * pair;
-          const __half2 probs =
-              __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
-          fragments[t][pair] = *reinterpret_cast<const uint32_t*>(&probs);
-          const float2 rounded = __half22float2(probs);
-          chunk_sum[r] += rounded.x + rounded.y;
-          store_shared_b32(p_tile + wgmma::k_major_sw128_offset(16 * warp + g + 8 * r, e / 4) + 4 * c,
-                           fragments[t][pair]);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int offset = 1; offset <= 2; offset *= 2) chunk_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum[r], offset);
         run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
         if (c == 0) s.rescale[i % 2][16 * warp + g + 8 * r] = rescale[r];
         if (kStream && c == 0 && s.ends_split[i]) {  // the split's statistics, for warpgroup 1's stores
@@ -1233,18 +1167,19 @@ Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
   int max_splits = sparse_mla_wgmma_max_splits(top_k, a.splits);
   if (a.splits == SparseMlaSplits::kWholeRow || a.splits == SparseMlaSplits::kByBatch) {
     DSA_RETURN_IF_ERROR(check_sparse_mla(a));  // the caller's buffers as for every choice, before any device question
-  }
-  const bool producer_covers = a.kv_cache.ndim == 3 && sparse_mla_producer_covers(top_k, a.kv_cache.span_elements());
-  if (a.splits == SparseMlaSplits::kWholeRow && producer_covers) return sparse_mla_producer(a, stream);
-  if (a.splits == SparseMlaSplits::kByBatch) {
-    const int64_t items = a.q.size(0) * (a.q.size(1) / kHeads);
-    int resident = 0, producer_resident = 0;
-    DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
-    max_splits = sparse_mla_wgmma_batch_max_splits(top_k, items, resident);
-    if (producer_covers) {
-      DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
-      if (sparse_mla_batch_takes_producer(top_k, items, max_splits, resident, producer_resident)) {
-        return sparse_mla_producer(a, stream);
+    const bool producer_covers = sparse_mla_producer_covers(top_k, a.kv_cache.span_elements());
+    if (a.splits == SparseMlaSplits::kWholeRow) {
+      if (producer_covers) return sparse_mla_producer(a, stream);
+    } else {
+      const int64_t items = a.q.size(0) * (a.q.size(1) / kHeads);
+      int resident = 0, producer_resident = 0;
+      DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
+      max_splits = sparse_mla_wgmma_batch_max_splits(top_k, items, resident);
+      if (producer_covers) {
+        DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
+        if (sparse_mla_batch_takes_producer(top_k, items, max_splits, resident, producer_resident)) {
+          return sparse_mla_producer(a, stream);
+        }
       }
     }
   }

@@ -1,0 +1,94 @@
+// The online-softmax step of one 64-entry chunk for 64 heads, as warpgroup
+// 0 of both 64-head kernels runs it (sparse_mla_wgmma.cu,
+// sparse_mla_producer.cu): S [64 heads x 64 entries] in the m64n64 wgmma
+// accumulator layout (element e of thread (warp, lane): head 16 warp + g +
+// 8 ((e / 2) % 2), entry 8 (e / 4) + 2 c + e % 2, with g = lane / 4, c =
+// lane % 4), so the quad of lanes c = 0..3 holds a head's 64 entries.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "core/async_copy.cuh"
+#include "core/wgmma.cuh"
+
+namespace dsa::sparse_mla_softmax {
+
+// 2^x by the MUFU alone, results below 2^-126 flushed to zero: exp2f without
+// its subnormal fix-up. The probabilities are rounded to FP16 (which has no
+// values that small) and a rescale below 2^-126 multiplies a sum by a
+// negligible amount either way.
+__device__ __forceinline__ float exp2_flush(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The larger of a and b, NaN when either is NaN, in one instruction (a
+// compare, a NaN test and a select otherwise).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// Scores in log2 units (S * score_scale, -inf for invalid entries: bit r of
+// `valid_rows` is entry r), the chunk's max folded into `run_max` (NaN
+// propagates), and per head row r = 0, 1 of the thread: `base[r]`, the
+// exponent's origin (the new running max, 0 where it is -inf: every chunk
+// handed here has a valid entry, so the fallback only keeps -inf - -inf out
+// of exp2 for scores beyond the contract's bound), and `rescale[r]`, the
+// factor of the running O and sum.
+__device__ __forceinline__ void scale_and_fold_max(float (&score)[32], uint64_t valid_rows, float score_scale, int c,
+                                                   float (&run_max)[2], float (&base)[2], float (&rescale)[2]) {
+  const uint64_t valid = valid_rows >> (2 * c);  // bit 8 j + b: entry 8 j + 2 c + b (constant shifts below)
+  float chunk_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int e = 0; e < 32; ++e) {
+    score[e] = (valid >> (8 * (e / 4) + e % 2)) & 1 ? score[e] * score_scale : -INFINITY;
+    chunk_max[(e / 2) % 2] = max_nan(chunk_max[(e / 2) % 2], score[e]);
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int offset = 1; offset <= 2; offset *= 2) {
+      chunk_max[r] = max_nan(chunk_max[r], __shfl_xor_sync(0xFFFFFFFFu, chunk_max[r], offset));
+    }
+    const float new_max = max_nan(run_max[r], chunk_max[r]);
+    base[r] = new_max == -INFINITY ? 0.0f : new_max;
+    rescale[r] = exp2_flush(run_max[r] - base[r]);
+    run_max[r] = new_max;
+  }
+}
+
+// p = 2^(score - base) rounded to FP16: as the A fragments of O_left's four
+// 16-entry steps (pair q of step t holds score elements 8 t + 2 q, + 1,
+// head row q % 2) and into the K-major swizzled P tile [64 heads][64
+// entries] at `p_tile` for warpgroup 1. `chunk_sum[r]`: the quad's sum of
+// the rounded p of head row r (summed over the quad's lanes, in the order
+// the shuffles give).
+__device__ __forceinline__ void round_and_store_probabilities(const float (&score)[32], const float (&base)[2],
+                                                              uint32_t p_tile, int warp, int g, int c,
+                                                              uint32_t (&fragments)[4][4], float (&chunk_sum)[2]) {
+  chunk_sum[0] = chunk_sum[1] = 0.0f;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+#pragma unroll
+    for (int pair = 0; pair < 4; ++pair) {
+      const int r = pair % 2, e = 8 * t + 2 * pair;
+      const __half2 probs = __floats2half2_rn(exp2_flush(score[e] - base[r]), exp2_flush(score[e + 1] - base[r]));
+      fragments[t][pair] = *reinterpret_cast<const uint32_t*>(&probs);
+      const float2 rounded = __half22float2(probs);
+      chunk_sum[r] += rounded.x + rounded.y;
+      store_shared_b32(p_tile + wgmma::k_major_sw128_offset(16 * warp + g + 8 * r, e / 4) + 4 * c, fragments[t][pair]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int offset = 1; offset <= 2; offset *= 2) chunk_sum[r] += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum[r], offset);
+  }
+}
+
+}  // namespace dsa::sparse_mla_softmax
