@@ -71,13 +71,15 @@
 #include "dsa_decode/numerics.h"
 #include "sparse_mla/sparse_mla_params.h"
 #include "sparse_mla/sparse_mla_plan.h"
-#include "sparse_mla/sparse_mla_softmax.cuh"
+#include "sparse_mla/sparse_mla_wgmma_steps.cuh"
 
 namespace dsa {
 namespace {
 
-using sparse_mla_softmax::round_and_store_probabilities;
-using sparse_mla_softmax::scale_and_fold_max;
+using sparse_mla_steps::kChunkPieces;
+using sparse_mla_steps::round_and_store_probabilities;
+using sparse_mla_steps::scale_and_fold_max;
+using sparse_mla_steps::store_pieces_as_f16;
 
 constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;             // heads per CTA: the M of every wgmma
@@ -133,29 +135,10 @@ __device__ __forceinline__ void set_max_registers() {
 }
 
 // 64 rows of FP8 codes held by a converting warpgroup: thread (warp w, lane
-// l) holds the 16 bytes at dims 16 l.. of rows w + 4 k, k = 0..15.
+// l) holds the 16 bytes at dims 16 l.. of rows w + 4 k, k = 0..15
+// (piece_row<128>), converted by store_pieces_as_f16<128>.
 using RowCodes = uint4[kRowsPerThread];
-
-// Writes the rows as FP16 into `tile`: lane l's 16 bytes are 16-byte slots 2
-// (l % 4) and 2 (l % 4) + 1 of the row's 128 bytes in panel l / 4; odd panels
-// store their second slot first (panels lie 8 KiB apart, the same banks: so
-// the lanes of a store cover all 8 slot positions four times).
-__device__ __forceinline__ void store_rows_as_f16(const RowCodes& codes, uint32_t tile) {
-  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const int panel = lane / 4, first_slot = (lane % 4) * 2;
-  const bool swap = panel % 2 == 1;
-  const uint32_t panel_base = tile + panel * kPanelBytes;
-#pragma unroll
-  for (int k = 0; k < kRowsPerThread; ++k) {
-    const int row = warp + 4 * k;
-    const uint4 low = make_uint4(e4m3x2_to_f16x2(codes[k].x), e4m3x2_to_f16x2(codes[k].x >> 16),
-                                 e4m3x2_to_f16x2(codes[k].y), e4m3x2_to_f16x2(codes[k].y >> 16));
-    const uint4 high = make_uint4(e4m3x2_to_f16x2(codes[k].z), e4m3x2_to_f16x2(codes[k].z >> 16),
-                                  e4m3x2_to_f16x2(codes[k].w), e4m3x2_to_f16x2(codes[k].w >> 16));
-    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + swap), swap ? high : low);
-    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + !swap), swap ? low : high);
-  }
-}
+static_assert(kRowsPerThread == kChunkPieces / 128, "one warpgroup's pieces");
 
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const SparseMlaParams p) {
   extern __shared__ uint8_t shared_raw[];
@@ -294,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
     if (chunk_count > 0) load_rows(0, codes);
     for (int n = 0; n < chunk_count; ++n) {
       if (n >= 2) mbarrier_wait(barrier(s.tile_free[n % 2]), n / 2 - 1);  // both consumers done with chunk n - 2
-      store_rows_as_f16(codes, tile_of(n));
+      store_pieces_as_f16<128>(codes, tile_of(n));
       wgmma::fence_shared_for_async_proxy();  // before the consumers' wgmmas read the tile
       mbarrier_arrive(barrier(s.tile_ready[n % 2]));
       if (n + 1 < chunk_count) load_rows(n + 1, codes);
@@ -378,7 +361,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
     write_outputs(out, run_max, run_sum);
   } else {
     // Warpgroup 1: q first (warpgroup 0 waits for it), then O_right += P V[:, 256:512].
-    store_rows_as_f16(q_codes, q_tile);
+    store_pieces_as_f16<128>(q_codes, q_tile);
     wgmma::fence_shared_for_async_proxy();
     mbarrier_arrive(barrier(s.q_ready));
     float out[128];  // O_right [64 heads x 256 dims]: head 16 warp + g + 8 ((e / 2) % 2), dim 256 + 8 (e / 4) + 2 c + e

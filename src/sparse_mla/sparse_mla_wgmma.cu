@@ -108,13 +108,16 @@
 #include "sparse_mla/sparse_mla_handover.h"
 #include "sparse_mla/sparse_mla_params.h"
 #include "sparse_mla/sparse_mla_plan.h"
-#include "sparse_mla/sparse_mla_softmax.cuh"
+#include "sparse_mla/sparse_mla_wgmma_steps.cuh"
 
 namespace dsa {
 namespace {
 
-using sparse_mla_softmax::round_and_store_probabilities;
-using sparse_mla_softmax::scale_and_fold_max;
+using sparse_mla_steps::kChunkPieces;
+using sparse_mla_steps::piece_row;
+using sparse_mla_steps::round_and_store_probabilities;
+using sparse_mla_steps::scale_and_fold_max;
+using sparse_mla_steps::store_pieces_as_f16;
 
 constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;                          // heads per CTA: the M of every wgmma
@@ -135,7 +138,6 @@ constexpr int kMaxClusters = 16;                    // level 2's parts: coeffici
 // split_counters per (token, group): level 2's, one per rank, then level 1's meetings, one per cluster.
 constexpr int kCountersPerGroup = kMaxClusterSize + kMaxClusters;
 static_assert(kCountersPerGroup <= kHeads, "sparse_mla_split_counter_count gives H per token: 64 per group");
-constexpr int kChunkPieces = kChunkRows * (kLatent / 16);  // 16-byte FP8 pieces of a chunk (or of q)
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
 constexpr int kUnits = kHeads * kLatent / kUnitDims;
@@ -189,37 +191,6 @@ static_assert(kSharedBytes <= 227 * 1024, "Hopper's largest shared memory per CT
 // unit_slot(j, c) holds dims 8 (j + u) + 2 c, + 1 for u = 0..3, j a multiple
 // of 4, so that lane c of a quad pushes 16 contiguous bytes and the quad 64.
 __host__ __device__ constexpr int unit_slot(int j, int c) { return (j / 4) * 4 + c; }
-
-// The pieces of a 64-row tile that thread t of `kConverters` (128 or 256)
-// converts: 16-byte FP8 piece t % 32 (dims 16 (t % 32)..) of rows
-// t / 32 + (kConverters / 32) k, k = 0..kChunkPieces / kConverters - 1.
-template <int kConverters>
-__device__ __forceinline__ int piece_row(int k) {
-  static_assert(kConverters == 128 || kConverters == 256, "a warpgroup or the whole CTA converts");
-  return (threadIdx.x % kConverters) / 32 + (kConverters / 32) * k;
-}
-
-// Writes this thread's pieces (FP8 codes) as FP16 into `tile`: piece j of a
-// row is 16-byte slots 2 (j % 4) and 2 (j % 4) + 1 of the row's 128 bytes in
-// panel j / 4. Odd panels store their second slot first: panels lie 8 KiB
-// apart (the same banks), and so the 32 lanes of a store cover all 8 slot
-// positions four times, the least a 512-byte warp store can take.
-template <int kConverters>
-__device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkPieces / kConverters], uint32_t tile) {
-  const int piece = threadIdx.x % 32, panel = piece / 4, first_slot = (piece % 4) * 2;
-  const bool swap = panel % 2 == 1;
-  const uint32_t panel_base = tile + panel * kPanelBytes;
-#pragma unroll
-  for (int k = 0; k < kChunkPieces / kConverters; ++k) {
-    const int row = piece_row<kConverters>(k);
-    const uint4 low = make_uint4(e4m3x2_to_f16x2(codes[k].x), e4m3x2_to_f16x2(codes[k].x >> 16),
-                                 e4m3x2_to_f16x2(codes[k].y), e4m3x2_to_f16x2(codes[k].y >> 16));
-    const uint4 high = make_uint4(e4m3x2_to_f16x2(codes[k].z), e4m3x2_to_f16x2(codes[k].z >> 16),
-                                  e4m3x2_to_f16x2(codes[k].w), e4m3x2_to_f16x2(codes[k].w >> 16));
-    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + swap), swap ? high : low);
-    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + !swap), swap ? low : high);
-  }
-}
 
 // What a launch's CTAs share: the plan and the work.
 struct WgmmaLaunch {

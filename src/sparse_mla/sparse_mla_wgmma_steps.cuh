@@ -1,9 +1,10 @@
-// The online-softmax step of one 64-entry chunk for 64 heads, as warpgroup
-// 0 of both 64-head kernels runs it (sparse_mla_wgmma.cu,
-// sparse_mla_producer.cu): S [64 heads x 64 entries] in the m64n64 wgmma
-// accumulator layout (element e of thread (warp, lane): head 16 warp + g +
-// 8 ((e / 2) % 2), entry 8 (e / 4) + 2 c + e % 2, with g = lane / 4, c =
-// lane % 4), so the quad of lanes c = 0..3 holds a head's 64 entries.
+// Steps both 64-head warpgroup-MMA kernels run the same way
+// (sparse_mla_wgmma.cu, sparse_mla_producer.cu): a chunk's FP8 rows (or q's)
+// converted into a K-major FP16 tile, and warpgroup 0's online-softmax step
+// of one 64-entry chunk for 64 heads. S [64 heads x 64 entries] is in the
+// m64n64 wgmma accumulator layout (element e of thread (warp, lane): head 16
+// warp + g + 8 ((e / 2) % 2), entry 8 (e / 4) + 2 c + e % 2, with g = lane /
+// 4, c = lane % 4), so the quad of lanes c = 0..3 holds a head's 64 entries.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -11,9 +12,47 @@
 #include <cstdint>
 
 #include "core/async_copy.cuh"
+#include "core/fp8.cuh"
 #include "core/wgmma.cuh"
 
-namespace dsa::sparse_mla_softmax {
+namespace dsa::sparse_mla_steps {
+
+// A chunk (or q) as 16-byte FP8 pieces: 64 rows of 512 dims, 32 pieces a row.
+inline constexpr int kRows = 64;
+inline constexpr int kChunkPieces = kRows * 32;
+inline constexpr int kPanelBytes = kRows * 128;  // 64 rows x 64 FP16 dims, one 128-byte swizzle panel
+
+// The pieces thread t of `kConverters` (128 or 256) converts: piece t % 32
+// (dims 16 (t % 32)..) of rows t / 32 + (kConverters / 32) k, k =
+// 0..kChunkPieces / kConverters - 1.
+template <int kConverters>
+__device__ __forceinline__ int piece_row(int k) {
+  static_assert(kConverters == 128 || kConverters == 256, "a warpgroup or the whole CTA converts");
+  return (threadIdx.x % kConverters) / 32 + (kConverters / 32) * k;
+}
+
+// Writes this thread's pieces (FP8 codes) as FP16 into `tile` (8 panels of 64
+// dims, K-major, 128-byte swizzle): piece j of a row is 16-byte slots 2 (j %
+// 4) and 2 (j % 4) + 1 of the row's 128 bytes in panel j / 4. Odd panels
+// store their second slot first: panels lie 8 KiB apart (the same banks),
+// and so the 32 lanes of a store cover all 8 slot positions four times, the
+// least a 512-byte warp store can take.
+template <int kConverters>
+__device__ __forceinline__ void store_pieces_as_f16(const uint4 (&codes)[kChunkPieces / kConverters], uint32_t tile) {
+  const int piece = threadIdx.x % 32, panel = piece / 4, first_slot = (piece % 4) * 2;
+  const bool swap = panel % 2 == 1;
+  const uint32_t panel_base = tile + panel * kPanelBytes;
+#pragma unroll
+  for (int k = 0; k < kChunkPieces / kConverters; ++k) {
+    const int row = piece_row<kConverters>(k);
+    const uint4 low = make_uint4(e4m3x2_to_f16x2(codes[k].x), e4m3x2_to_f16x2(codes[k].x >> 16),
+                                 e4m3x2_to_f16x2(codes[k].y), e4m3x2_to_f16x2(codes[k].y >> 16));
+    const uint4 high = make_uint4(e4m3x2_to_f16x2(codes[k].z), e4m3x2_to_f16x2(codes[k].z >> 16),
+                                  e4m3x2_to_f16x2(codes[k].w), e4m3x2_to_f16x2(codes[k].w >> 16));
+    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + swap), swap ? high : low);
+    store_shared(panel_base + wgmma::k_major_sw128_offset(row, first_slot + !swap), swap ? low : high);
+  }
+}
 
 // 2^x by the MUFU alone, results below 2^-126 flushed to zero: exp2f without
 // its subnormal fix-up. The probabilities are rounded to FP16 (which has no
@@ -91,4 +130,4 @@ __device__ __forceinline__ void round_and_store_probabilities(const float (&scor
   }
 }
 
-}  // namespace dsa::sparse_mla_softmax
+}  // namespace dsa::sparse_mla_steps
