@@ -280,7 +280,13 @@ TEST(HeadGemvReference, DeviationAcceptsTheSeedOrderAndFlagsAMovedOutput) {
   EXPECT_EQ(d.outside, 0);
   EXPECT_EQ(d.compared, int64_t(m) * heads * cols);
   EXPECT_LE(d.max_steps, 1);
-  bf16[77] = static_cast<uint16_t>(bf16[77] + ((bf16[77] & 0x8000) ? -3 : 3));  // away from zero by 3 ulps
+  // The largest output moves: its ulp exceeds its interval's width (near
+  // zero the bound spans many ulps, so a small output may move unflagged).
+  size_t moved_bf16 = 0;
+  for (size_t i = 0; i < bf16.size(); ++i) {
+    if ((bf16[i] & 0x7FFF) > (bf16[moved_bf16] & 0x7FFF)) moved_bf16 = i;
+  }
+  bf16[moved_bf16] = static_cast<uint16_t>(bf16[moved_bf16] + 3);  // away from zero by 3 ulps
   d = reference::head_gemv_deviation(a, bf16.data(), false, 1.0f);
   EXPECT_EQ(d.outside, 1);
   EXPECT_GE(d.max_steps, 2);
@@ -288,8 +294,14 @@ TEST(HeadGemvReference, DeviationAcceptsTheSeedOrderAndFlagsAMovedOutput) {
   const float scale = 0.0125f;
   std::vector<uint8_t> fp8 = reference::head_gemv_fp8(a, tactic, scale);
   EXPECT_EQ(reference::head_gemv_deviation(a, fp8.data(), true, scale).outside, 0);
-  size_t moved = 0;  // an output far below the saturated code, so that 3 steps up stay a finite code
-  while ((fp8[moved] & 0x7F) >= 0x70) ++moved;
+  // The largest output below the saturated codes (3 steps up stay finite),
+  // for the same reason as above.
+  size_t moved = 0;
+  for (size_t i = 0; i < fp8.size(); ++i) {
+    const int code = fp8[i] & 0x7F;
+    if (code < 0x70 && (code > (fp8[moved] & 0x7F) || (fp8[moved] & 0x7F) >= 0x70)) moved = i;
+  }
+  ASSERT_LT(fp8[moved] & 0x7F, 0x70);
   fp8[moved] = static_cast<uint8_t>(fp8[moved] + 3);
   EXPECT_EQ(reference::head_gemv_deviation(a, fp8.data(), true, scale).outside, 1);
 }

@@ -368,6 +368,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
                      // % 2
 #pragma unroll
     for (int e = 0; e < 128; ++e) out[e] = 0.0f;
+    // The first chunk's S too, so that every phase of scores_done has a
+    // waiter: compute-sanitizer's synccheck reports an arrival on a barrier
+    // whose completed phase nobody waited for (P of chunk 0 comes after it).
+    if (chunk_count > 0) mbarrier_wait(barrier(s.scores_done[0]), 0);
     for (int n = 0; n < chunk_count; ++n) {
       // The tile too, directly: its writer is the producer, not warpgroup 0
       // (complete by now: warpgroup 0 waited for it before P).

@@ -74,6 +74,8 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       // Warpgroup 1: the tile announced (a direct wait on the producer, the
       // tile's writer) and P, O_right's P V of chunk n (P and the tile read
       // at its issue and at its wait), then both released.
+      // The item's first S waited for before the loop (every phase has a waiter).
+      if (protocol.p_v_lag > 0 && n == n0) wg1.push_back({Step::kWait, kScoresDone0 + n % 2, n / 2});
       wg1.push_back(tile_ready(Step::kWait, n));
       wg1.push_back({Step::kWait, kPReady0 + n % 2, n / 2});
       const int lagged = n + protocol.p_v_lag;
