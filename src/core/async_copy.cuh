@@ -30,6 +30,17 @@ __device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(address), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
+// 16 bytes from shared memory at a shared-memory address (ordered after the
+// barrier that published them: the memory clobber).
+__device__ __forceinline__ uint4 load_shared_v4(uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(address)
+               : "memory");
+  return v;
+}
+
 // 4 bytes to shared memory at a shared-memory address.
 __device__ __forceinline__ void store_shared_b32(uint32_t address, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(address), "r"(v));
