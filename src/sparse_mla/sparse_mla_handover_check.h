@@ -8,7 +8,10 @@
 // phase for an open one and waits forever; with k - 1 it takes the open
 // phase for a completed one and does not wait), the first buffer write
 // before every read of the chunk that used its slot before (or read before
-// its chunk's write), and a deadlock.
+// its chunk's write), the first arrival on a barrier whose completed phase
+// no warpgroup has waited for (compute-sanitizer's synccheck reports it as a
+// missing wait: the protocol then relies on a wait that may come a phase
+// late), and a deadlock.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +35,8 @@ using Program = std::vector<Step>;
 struct Exploration {
   std::string aliased;  // the first wait found pending outside its two phases, if any
   std::string hazard;   // the first buffer write before an earlier read of its slot, or read before its write
+  std::string missing_wait;  // the first arrival found on a barrier whose last completed phase nobody waited for
+                             // (recorded; the exploration goes on)
   bool deadlock = false;
 };
 
@@ -90,6 +95,16 @@ inline Exploration explore(const std::vector<Program>& programs, std::array<int,
     }
     return "";
   };
+  // Whether a warpgroup has passed a wait for phase `phase` of `barrier`.
+  auto waited = [&](int barrier, int phase, const Positions& at) {
+    for (int o = 0; o < count; ++o) {
+      for (int k = 0; k < at[o]; ++k) {
+        const Step& s = programs[o][k];
+        if (s.kind == Step::kWait && s.index == barrier && s.value == phase) return true;
+      }
+    }
+    return false;
+  };
   auto key = [&](const Positions& at) {
     uint64_t packed = 0;
     for (int w = 0; w < count; ++w) packed |= uint64_t(at[w]) << (16 * w);
@@ -129,6 +144,12 @@ inline Exploration explore(const std::vector<Program>& programs, std::array<int,
       } else if (step.kind == Step::kWrite || step.kind == Step::kRead) {
         result.hazard = hazard_of(w, step, at);
         if (!result.hazard.empty()) break;
+      } else if (step.kind == Step::kArrive) {
+        const int phases = completed(step.index, at);
+        if (result.missing_wait.empty() && phases >= 1 && !waited(step.index, phases - 1, at)) {
+          result.missing_wait = "warpgroup " + std::to_string(w) + " arrives on barrier " + std::to_string(step.index) +
+                                " before anyone waited for its phase " + std::to_string(phases - 1);
+        }
       }
       moved = true;
       pending.push_back(next);

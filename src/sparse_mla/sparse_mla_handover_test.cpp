@@ -112,6 +112,7 @@ TEST(SparseMlaHandover, ParityWaitsStayWithinOnePhaseOfTheBarrierAndNeverDeadloc
     for (int chunks : items) name += std::to_string(chunks) + " ";
     EXPECT_TRUE(e.aliased.empty()) << "items of " << name << "chunks: " << e.aliased;
     EXPECT_TRUE(e.hazard.empty()) << "items of " << name << "chunks: " << e.hazard;
+    EXPECT_TRUE(e.missing_wait.empty()) << "items of " << name << "chunks: " << e.missing_wait;
     EXPECT_FALSE(e.deadlock) << "items of " << name << "chunks";
   }
 }

@@ -43,6 +43,7 @@ struct Protocol {
   bool warpgroup_1_frees_tiles = true;  // else tile_free counts warpgroup 0's arrival alone
   int tile_free_arrivals = 2;           // warpgroup arrivals that complete a tile_free phase
   int p_v_lag = 1;                      // warpgroup 1's P V of chunk n waits for S of chunk n + p_v_lag (0: none)
+  bool first_scores_waited = true;      // else warpgroup 1 does not wait for the item's first S
 };
 
 std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, const Protocol& protocol = {}) {
@@ -75,7 +76,9 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       // tile's writer) and P, O_right's P V of chunk n (P and the tile read
       // at its issue and at its wait), then both released.
       // The item's first S waited for before the loop (every phase has a waiter).
-      if (protocol.p_v_lag > 0 && n == n0) wg1.push_back({Step::kWait, kScoresDone0 + n % 2, n / 2});
+      if (protocol.p_v_lag > 0 && n == n0 && protocol.first_scores_waited) {
+        wg1.push_back({Step::kWait, kScoresDone0 + n % 2, n / 2});
+      }
       wg1.push_back(tile_ready(Step::kWait, n));
       wg1.push_back({Step::kWait, kPReady0 + n % 2, n / 2});
       const int lagged = n + protocol.p_v_lag;
@@ -124,6 +127,7 @@ TEST(SparseMlaProducerDesign, ParityWaitsBuffersAndProgressHoldForEveryInterleav
     const Exploration e = explore(producer_programs(items));
     ASSERT_TRUE(e.aliased.empty()) << describe(items) << ": " << e.aliased;
     ASSERT_TRUE(e.hazard.empty()) << describe(items) << ": " << e.hazard;
+    ASSERT_TRUE(e.missing_wait.empty()) << describe(items) << ": " << e.missing_wait;
     ASSERT_FALSE(e.deadlock) << describe(items);
   }
 }
@@ -172,6 +176,18 @@ TEST(SparseMlaProducerDesign, PVLaggingTwoChunksDeadlocks) {
   two.p_v_lag = 2;
   EXPECT_TRUE(explore(producer_programs({3}, two), two).deadlock);
   EXPECT_FALSE(explore(producer_programs({3})).deadlock);
+}
+
+// What compute-sanitizer's synccheck found on the H200 (7e2e4c3): without
+// warpgroup 1's wait for the item's first S, nobody waits for phase 0 of
+// scores_done's slot 0 before warpgroup 0 arrives there for chunk 2.
+TEST(SparseMlaProducerDesign, UnwaitedFirstScoresDoneIsAMissingWait) {
+  Protocol unwaited;
+  unwaited.first_scores_waited = false;
+  const Exploration e = explore(producer_programs({3}, unwaited), unwaited);
+  EXPECT_NE(e.missing_wait.find("arrives on barrier 8 before anyone waited for its phase 0"), std::string::npos)
+      << e.missing_wait;
+  EXPECT_TRUE(explore(producer_programs({3})).missing_wait.empty());
 }
 
 }  // namespace
