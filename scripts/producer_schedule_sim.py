@@ -6,8 +6,10 @@ signals, local work (the softmax, the producer's conversion), and tensor-core
 groups it issues asynchronously and later waits for. The tensor cores take the
 groups one at a time, in issue order. The step durations (us) come from the
 clock64 trace of the H200 (docs/runs/sparse_mla_producer_trace_9b86be5.txt);
-barrier latencies are left out, so the periods come out ~0.2 us below the
-trace's. It compares the kernel's schedule (v13.1) with FlashMLA's seesaw
+barrier latencies are left out (an issue costs its warpgroup 0.02 us), so
+the periods come out ~0.2 us below the trace's. The programs keep only the
+waits that order the chunk loop (warpgroup 1's wait for the first S and
+warpgroup 0's for p_free are left out: they never hold it up). It compares the kernel's schedule (v13.1) with FlashMLA's seesaw
 (branch sparse-mla-producer-seesaw) and with S split by entries across the
 two consumers (not built; half the softmax each, +0.05 us for the
 exchanges), all with the same two tile slots.

@@ -267,7 +267,10 @@ TEST(HeadGemvReference, AgreesWithFloat64) {
 
 // The tensor-core contract's check: the seed order's outputs lie within the
 // bound (its FP32 error is far below 2^-14 of the sum of |products|), and an
-// output moved by three BF16 ulps or FP8 steps does not.
+// output moved by three BF16 ulps or FP8 steps does not. (How far the seed
+// order lies from the rounding of the exact sum is not checked: near zero
+// the bound spans several ulps, and about one seed in a thousand puts an
+// output there.)
 TEST(HeadGemvReference, DeviationAcceptsTheSeedOrderAndFlagsAMovedOutput) {
   std::mt19937_64 rng(testing::test_seed());
   const int m = 2, heads = 3, rows = 256, cols = 64;
@@ -279,7 +282,6 @@ TEST(HeadGemvReference, DeviationAcceptsTheSeedOrderAndFlagsAMovedOutput) {
   reference::HeadGemvDeviation d = reference::head_gemv_deviation(a, bf16.data(), false, 1.0f);
   EXPECT_EQ(d.outside, 0);
   EXPECT_EQ(d.compared, int64_t(m) * heads * cols);
-  EXPECT_LE(d.max_steps, 1);
   // The largest output moves: its ulp exceeds its interval's width (near
   // zero the bound spans many ulps, so a small output may move unflagged).
   size_t moved_bf16 = 0;
@@ -289,13 +291,12 @@ TEST(HeadGemvReference, DeviationAcceptsTheSeedOrderAndFlagsAMovedOutput) {
   bf16[moved_bf16] = static_cast<uint16_t>(bf16[moved_bf16] + 3);  // away from zero by 3 ulps
   d = reference::head_gemv_deviation(a, bf16.data(), false, 1.0f);
   EXPECT_EQ(d.outside, 1);
-  EXPECT_GE(d.max_steps, 2);
 
   const float scale = 0.0125f;
   std::vector<uint8_t> fp8 = reference::head_gemv_fp8(a, tactic, scale);
   EXPECT_EQ(reference::head_gemv_deviation(a, fp8.data(), true, scale).outside, 0);
-  // The largest output below the saturated codes (3 steps up stay finite),
-  // for the same reason as above.
+  // The largest output below code 0x70 (3 steps up stay below 0x7E, the
+  // largest finite e4m3 code), for the same reason as above.
   size_t moved = 0;
   for (size_t i = 0; i < fp8.size(); ++i) {
     const int code = fp8[i] & 0x7F;

@@ -9,9 +9,9 @@
 // phase for a completed one and does not wait), the first buffer write
 // before every read of the chunk that used its slot before (or read before
 // its chunk's write), the first arrival on a barrier whose completed phase
-// no warpgroup has waited for (compute-sanitizer's synccheck reports it as a
-// missing wait: the protocol then relies on a wait that may come a phase
-// late), and a deadlock.
+// no warpgroup has waited for yet (compute-sanitizer's synccheck reports it
+// as a missing wait; a barrier's last phases, with no arrival after them,
+// need no waiter), and a deadlock.
 #pragma once
 
 #include <algorithm>

@@ -242,8 +242,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
   // The consumers' end: latent = O * (k_scale / sum) per head (0 with no
   // valid entry) as BF16, lse by warpgroup 0's quad leaders. Each warpgroup
   // runs it in its own branch (its own registers). A warp's 16 heads x 256
-  // dims go through its 8 KiB of q's tile (free: the last S is done when
-  // either consumer gets here), so that each global store is one head's
+  // dims go through its 8 KiB of q's tile (free: warpgroup 0 gets here after
+  // its last S, warpgroup 1 after stats_ready, which follows that S), so
+  // that each global store is one head's
   // 512 contiguous bytes: stored from the accumulator layout directly (16
   // bytes of 8 heads a store) the epilogue took ~5 us (H200 trace, 2026-12-01).
   auto write_outputs = [&](const float(&out)[128], const float(&total_max)[2], const float(&total_sum)[2]) {
@@ -257,7 +258,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
             total_max[r] == -INFINITY ? -INFINITY : total_max[r] * kLn2 + logf(total_sum[r]);
       }
     }
-    // [16 heads][32 units of 8 dims], 512 B a head, unit u of head h at u ^ (h % 8): conflict-free both ways.
+    // [16 heads][32 units of 8 dims], 512 B a head, unit u of head h at u ^ (h % 8): the stores' 8 heads of
+    // one unit fall on 8 different bank groups.
     const uint32_t staging = q_tile + (4 * warpgroup + warp) * kStagingBytesPerWarp;
 #pragma unroll
     for (int e = 0; e < 128; e += 2) {
@@ -379,8 +381,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
     store_pieces_as_f16<128>(q_codes, q_tile);
     wgmma::fence_shared_for_async_proxy();
     mbarrier_arrive(barrier(s.q_ready));
-    float out[128];  // O_right [64 heads x 256 dims]: head 16 warp + g + 8 ((e / 2) % 2), dim 256 + 8 (e / 4) + 2 c + e
-                     // % 2
+    // O_right [64 heads x 256 dims]: head 16 warp + g + 8 ((e / 2) % 2), dim 256 + 8 (e / 4) + 2 c + e % 2.
+    float out[128];
 #pragma unroll
     for (int e = 0; e < 128; ++e) out[e] = 0.0f;
     // The first chunk's S too, so that every phase of scores_done has a

@@ -43,7 +43,7 @@ struct Protocol {
   bool warpgroup_1_frees_tiles = true;  // else tile_free counts warpgroup 0's arrival alone
   int tile_free_arrivals = 2;           // warpgroup arrivals that complete a tile_free phase
   int p_v_lag = 1;                      // warpgroup 1's P V of chunk n waits for S of chunk n + p_v_lag (0: none)
-  bool first_scores_waited = true;      // else warpgroup 1 does not wait for the item's first S
+  bool first_scores_waited = true;      // else warpgroup 1 does not wait for the item's first S (with p_v_lag > 0)
 };
 
 std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, const Protocol& protocol = {}) {
