@@ -10,15 +10,29 @@ barrier latencies are left out (an issue costs its warpgroup 0.02 us), so
 the periods come out ~0.2 us below the trace's. The programs keep only the
 waits that order the chunk loop (warpgroup 1's wait for the first S and
 warpgroup 0's for p_free are left out: they never hold it up). It compares the kernel's schedule (v13.1) with FlashMLA's seesaw
-(branch sparse-mla-producer-seesaw) and with S split by entries across the
-two consumers (not built; half the softmax each, +0.05 us for the
-exchanges), all with the same two tile slots.
+(branch sparse-mla-producer-seesaw), with S split by entries across the two
+consumers (not built; half the softmax each, +0.05 us for the exchanges),
+and the seesaw with tiles converted and released by halves (not built), all
+with the same two tile slots.
 
 Usage: python3 scripts/producer_schedule_sim.py
 """
 
 CHUNKS = 32
 MEASURED = dict(S=0.71, PV=0.45, softmax=0.78, convert=0.81)
+
+
+def release_count(event):
+    """Arrivals an event needs: a whole tile's release both consumers'; with
+    tiles by halves, the half the other consumer's P V reads two (the
+    owner's S and that P V), the owner's own half one."""
+    if event.startswith("free"):
+        return 2
+    if event.startswith("left_free"):
+        return 2 if int(event[len("left_free"):]) % 2 == 1 else 1
+    if event.startswith("right_free"):
+        return 2 if int(event[len("right_free"):]) % 2 == 0 else 1
+    return 1
 
 
 def run(programs, durations):
@@ -32,7 +46,7 @@ def run(programs, durations):
         kind, *args = current[w]
         if kind != "wait":
             return clock[w]
-        need = 2 if args[0].startswith("free") else 1  # tile_free: both consumers
+        need = release_count(args[0])
         times = events.get(args[0], [])
         return max(clock[w], max(times[:need])) if len(times) >= need else None
 
@@ -147,6 +161,49 @@ def split_scores():
     return {0: consumer(0), 1: consumer(1), 2: producer()}
 
 
+def producer_by_halves():
+    for n in range(CHUNKS):
+        for half, event in (("left", f"left_ready{n}"), ("right", f"ready{n}")):
+            if n >= 2:
+                yield ("wait", f"{half}_free{n - 2}")
+            yield ("work", "convert_half")
+            yield ("signal", event)
+
+
+def seesaw_by_halves():
+    """The seesaw with tiles converted and released by halves: dims 0..255
+    are read by S and consumer 0's P V, dims 256..511 by S and consumer 1's."""
+    def consumer(w):
+        mine, others = ("left", "right") if w == 0 else ("right", "left")
+        for n in range(w, CHUNKS, 2):
+            yield ("wait_groups", 0)
+            if n >= 2:
+                yield ("signal", f"{mine}_free{n - 2}")
+            yield ("wait", f"left_ready{n}")
+            yield ("issue", "S_half")
+            yield ("wait", f"ready{n}")
+            yield ("issue", "S_half")
+            yield ("wait_groups", 0)
+            yield ("signal", f"{others}_free{n}")  # S: this consumer's last read of that half
+            if n >= 1:
+                yield ("wait", f"p{n - 1}")
+                yield ("issue", "PV")
+            yield ("work", "softmax")
+            yield ("signal", f"p{n}")
+            if n >= 1:
+                yield ("wait_groups", 0)
+                yield ("signal", f"{mine}_free{n - 1}")
+            yield ("issue", "PV")
+        yield ("wait_groups", 0)
+        last = CHUNKS - 1
+        if last % 2 != w:
+            yield ("wait", f"p{last}")
+            yield ("issue", "PV")
+            yield ("wait_groups", 0)
+
+    return {0: consumer(0), 1: consumer(1), 2: producer_by_halves()}
+
+
 def period(events):
     ready = [events[f"ready{n}"][0] for n in range(CHUNKS)]
     return (ready[-1] - ready[4]) / (CHUNKS - 5)
@@ -160,9 +217,10 @@ if __name__ == "__main__":
         ("conversion and softmax 0.40", dict(convert=0.40, softmax=0.40)),
         ("S and P V at the tensor rate", dict(S=0.57, PV=0.29)),
     ]
-    print(f"{'durations':32s} {'v13.1':>8s} {'seesaw':>8s} {'split S':>8s}   (us a chunk)")
+    print(f"{'durations':32s} {'v13.1':>8s} {'seesaw':>8s} {'split S':>8s} {'seesaw/2':>8s}   (us a chunk)")
     for label, change in cases:
         durations = dict(MEASURED, **change)
-        durations.update(S_half=durations["S"] / 2, softmax_half=durations["softmax"] / 2 + 0.05)
+        durations.update(S_half=durations["S"] / 2, softmax_half=durations["softmax"] / 2 + 0.05,
+                         convert_half=durations["convert"] / 2)
         print(f"{label:32s} {period(run(v13(), durations)):8.2f} {period(run(seesaw(), durations)):8.2f} "
-              f"{period(run(split_scores(), durations)):8.2f}")
+              f"{period(run(split_scores(), durations)):8.2f} {period(run(seesaw_by_halves(), durations)):8.2f}")
