@@ -23,7 +23,10 @@
 
 namespace dsa::handover_check {
 
-enum Buffer { kTile, kP };  // the chunk tiles; P with its rescale and statistics
+// The chunk tiles; P with its rescale and statistics; sparse_mla_producer's
+// q tile, its contents numbered per item i as chunks are: q is 2 i, the
+// epilogue's staged latent 2 i + 1 (one slot).
+enum Buffer { kTile, kP, kQ };
 
 struct Step {
   enum Kind { kArrive, kWait, kCtaBarrier, kWrite, kRead } kind;
@@ -42,10 +45,11 @@ struct Exploration {
 
 // Depth-first over the states (position of each warpgroup); the completed
 // phases of each barrier follow from the arrivals before the positions.
-// slots[b]: buffer b's slot count (chunk n in slot n % slots[b]).
+// slots[b]: buffer b's slot count (chunk n in slot n % slots[b]), for the
+// buffers the programs access.
 // arrivals_per_phase[b]: the warpgroup arrivals that complete one phase of
 // barrier b (1 where not given: one warpgroup's 128 threads).
-inline Exploration explore(const std::vector<Program>& programs, std::array<int, 2> slots,
+inline Exploration explore(const std::vector<Program>& programs, const std::vector<int>& slots,
                            std::vector<int> arrivals_per_phase = {}) {
   const int count = int(programs.size());  // at most 4: positions are packed 16 bits each into the state key
   int barriers = 0;
@@ -79,7 +83,7 @@ inline Exploration explore(const std::vector<Program>& programs, std::array<int,
     }
     return true;
   };
-  const char* const names[] = {"tile", "P"};
+  const char* const names[] = {"tile", "P", "q's tile"};
   auto hazard_of = [&](int w, const Step& step, const Positions& at) -> std::string {
     for (int o = 0; o < count; ++o) {
       const int before = step.value - slots[step.index];

@@ -18,8 +18,10 @@
 //   scores_done warpgroup 0 has S of chunk n, phase n / 2; warpgroup 1's
 //               P V of chunk n - 1 waits for it (so that it runs under
 //               warpgroup 0's softmax of chunk n)
-// Items are apart by CTA barriers (each item's chunk list is built by every
-// thread), and the phases run on across them.
+// Also q's tile: written by warpgroup 1 (q_ready), read by every S, then
+// written again by both consumers' epilogues (the staged latent;
+// stats_ready). Items are apart by CTA barriers (each item's chunk list is
+// built by every thread), and the phases run on across them.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -32,10 +34,12 @@ namespace {
 
 using handover_check::Exploration;
 using handover_check::kP;
+using handover_check::kQ;
 using handover_check::kTile;
 using handover_check::Program;
 using handover_check::Step;
-constexpr int kTileReady0 = 0, kTileFree0 = 2, kPReady0 = 4, kPFree0 = 6, kScoresDone0 = 8, kBarriers = 10;
+constexpr int kTileReady0 = 0, kTileFree0 = 2, kPReady0 = 4, kPFree0 = 6, kScoresDone0 = 8, kQReady = 10,
+              kStatsReady = 11, kBarriers = 12;
 
 // The design, and the variants the checker must refute.
 struct Protocol {
@@ -44,6 +48,7 @@ struct Protocol {
   int tile_free_arrivals = 2;           // warpgroup arrivals that complete a tile_free phase
   int p_v_lag = 1;                      // warpgroup 1's P V of chunk n waits for S of chunk n + p_v_lag (0: none)
   bool first_scores_waited = true;      // else warpgroup 1 does not wait for the item's first S (with p_v_lag > 0)
+  bool q_waited = true;                 // else warpgroup 0 starts without waiting for q_ready
 };
 
 std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, const Protocol& protocol = {}) {
@@ -52,9 +57,13 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
     return protocol.tile_ready_per_slot ? Step{kind, kTileReady0 + n % 2, n / 2} : Step{kind, kTileReady0, n};
   };
   Program wg0, wg1, producer;
-  int n0 = 0;
+  int n0 = 0, item = 0;
   for (const int chunks : chunks_per_item) {
     for (Program* program : {&wg0, &wg1, &producer}) program->push_back({Step::kCtaBarrier});  // the chunk list
+    // Warpgroup 1 converts q; warpgroup 0 waits for it before its loop.
+    wg1.push_back({Step::kWrite, kQ, 2 * item});
+    wg1.push_back({Step::kArrive, kQReady, item});
+    if (protocol.q_waited) wg0.push_back({Step::kWait, kQReady, item});
     for (int n = n0; n < n0 + chunks; ++n) {
       // The producer: the tile of chunk n - 2 released by both consumers,
       // chunk n converted into it and announced.
@@ -65,7 +74,9 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       // P written once warpgroup 1 is done with chunk n - 2's, O_left's P V.
       wg0.push_back(tile_ready(Step::kWait, n));
       wg0.push_back({Step::kRead, kTile, n});
+      wg0.push_back({Step::kRead, kQ, 2 * item});
       wg0.push_back({Step::kRead, kTile, n});
+      wg0.push_back({Step::kRead, kQ, 2 * item});
       wg0.push_back({Step::kArrive, kScoresDone0 + n % 2, n / 2});
       if (n >= 2) wg0.push_back({Step::kWait, kPFree0 + n % 2, n / 2 - 1});
       wg0.push_back({Step::kWrite, kP, n});
@@ -92,16 +103,24 @@ std::vector<Program> producer_programs(const std::vector<int>& chunks_per_item, 
       wg1.push_back({Step::kArrive, kPFree0 + n % 2, n / 2});
       if (protocol.warpgroup_1_frees_tiles) wg1.push_back({Step::kArrive, kTileFree0 + n % 2, n / 2});
     }
+    // The epilogue: warpgroup 0's statistics, then each warpgroup's latent
+    // staged in q's tile (warpgroup 1's after the statistics; its wait for
+    // the last chunk's P already orders it after every S's read of q).
+    wg0.push_back({Step::kArrive, kStatsReady, item});
+    wg0.push_back({Step::kWrite, kQ, 2 * item + 1});
+    wg1.push_back({Step::kWait, kStatsReady, item});
+    wg1.push_back({Step::kWrite, kQ, 2 * item + 1});
     n0 += chunks;
+    ++item;
   }
-  for (Program* program : {&wg0, &wg1, &producer}) program->push_back({Step::kCtaBarrier});  // the combine
+  for (Program* program : {&wg0, &wg1, &producer}) program->push_back({Step::kCtaBarrier});  // the end
   return {wg0, wg1, producer};
 }
 
 Exploration explore(const std::vector<Program>& programs, const Protocol& protocol = {}) {
   std::vector<int> arrivals_per_phase(kBarriers, 1);
   arrivals_per_phase[kTileFree0] = arrivals_per_phase[kTileFree0 + 1] = protocol.tile_free_arrivals;
-  return handover_check::explore(programs, {2, 2}, arrivals_per_phase);
+  return handover_check::explore(programs, {2, 2, 1}, arrivals_per_phase);
 }
 
 std::string describe(const std::vector<int>& items) {
@@ -188,6 +207,16 @@ TEST(SparseMlaProducerDesign, UnwaitedFirstScoresDoneIsAMissingWait) {
   EXPECT_NE(e.missing_wait.find("arrives on barrier 8 before anyone waited for its phase 0"), std::string::npos)
       << e.missing_wait;
   EXPECT_TRUE(explore(producer_programs({3})).missing_wait.empty());
+}
+
+// q's tile is in the model: without the wait for q_ready, S reads it before
+// warpgroup 1 has converted q.
+TEST(SparseMlaProducerDesign, SWithoutQReadyReadsQBeforeItIsWritten) {
+  Protocol eager;
+  eager.q_waited = false;
+  const Exploration e = explore(producer_programs({2}, eager), eager);
+  EXPECT_NE(e.hazard.find("warpgroup 0 reads q's tile of chunk 0 before warpgroup 1 has written it"), std::string::npos)
+      << e.hazard;
 }
 
 }  // namespace
