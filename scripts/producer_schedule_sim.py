@@ -78,12 +78,17 @@ def run(programs, durations):
     return events
 
 
-def producer():
+def producer(by_halves=False):
+    """Converts chunk n into chunk n - 2's slot once released: the whole tile,
+    or by halves (the left half's events prefixed left_, the right's right_;
+    "ready{n}" announces the last part)."""
+    parts = (("left_", "left_ready"), ("right_", "ready")) if by_halves else (("", "ready"),)
     for n in range(CHUNKS):
-        if n >= 2:
-            yield ("wait", f"free{n - 2}")
-        yield ("work", "convert")
-        yield ("signal", f"ready{n}")
+        for prefix, ready in parts:
+            if n >= 2:
+                yield ("wait", f"{prefix}free{n - 2}")
+            yield ("work", "convert_half" if by_halves else "convert")
+            yield ("signal", f"{ready}{n}")
 
 
 def v13():
@@ -111,15 +116,30 @@ def v13():
     return {0: softmax_warpgroup(), 1: right_warpgroup(), 2: producer()}
 
 
-def seesaw():
+def seesaw(by_halves=False):
+    """FlashMLA's seesaw: consumer w owns the chunks n % 2 == w (S, softmax,
+    P) and runs its half of O over every chunk. By halves: the tiles are
+    converted and released by halves, dims 0..255 read by S and consumer 0's
+    P V, dims 256..511 by S and consumer 1's."""
     def consumer(w):
+        mine, others = ("left_", "right_") if w == 0 else ("right_", "left_")
+        if not by_halves:
+            mine = others = ""
         for n in range(w, CHUNKS, 2):
             yield ("wait_groups", 0)
             if n >= 2:
-                yield ("signal", f"free{n - 2}")
-            yield ("wait", f"ready{n}")
-            yield ("issue", "S")
-            yield ("wait_groups", 0)
+                yield ("signal", f"{mine}free{n - 2}")
+            if by_halves:
+                yield ("wait", f"left_ready{n}")
+                yield ("issue", "S_half")
+                yield ("wait", f"ready{n}")
+                yield ("issue", "S_half")
+                yield ("wait_groups", 0)
+                yield ("signal", f"{others}free{n}")  # S: this consumer's last read of that half
+            else:
+                yield ("wait", f"ready{n}")
+                yield ("issue", "S")
+                yield ("wait_groups", 0)
             if n >= 1:
                 yield ("wait", f"p{n - 1}")
                 yield ("issue", "PV")
@@ -127,7 +147,7 @@ def seesaw():
             yield ("signal", f"p{n}")
             if n >= 1:
                 yield ("wait_groups", 0)
-                yield ("signal", f"free{n - 1}")
+                yield ("signal", f"{mine}free{n - 1}")
             yield ("issue", "PV")
         yield ("wait_groups", 0)
         last = CHUNKS - 1
@@ -135,9 +155,9 @@ def seesaw():
             yield ("wait", f"p{last}")
             yield ("issue", "PV")
             yield ("wait_groups", 0)
-            yield ("signal", f"free{last}")
+            yield ("signal", f"{mine}free{last}")
 
-    return {0: consumer(0), 1: consumer(1), 2: producer()}
+    return {0: consumer(0), 1: consumer(1), 2: producer(by_halves)}
 
 
 def split_scores():
@@ -161,49 +181,6 @@ def split_scores():
     return {0: consumer(0), 1: consumer(1), 2: producer()}
 
 
-def producer_by_halves():
-    for n in range(CHUNKS):
-        for half, event in (("left", f"left_ready{n}"), ("right", f"ready{n}")):
-            if n >= 2:
-                yield ("wait", f"{half}_free{n - 2}")
-            yield ("work", "convert_half")
-            yield ("signal", event)
-
-
-def seesaw_by_halves():
-    """The seesaw with tiles converted and released by halves: dims 0..255
-    are read by S and consumer 0's P V, dims 256..511 by S and consumer 1's."""
-    def consumer(w):
-        mine, others = ("left", "right") if w == 0 else ("right", "left")
-        for n in range(w, CHUNKS, 2):
-            yield ("wait_groups", 0)
-            if n >= 2:
-                yield ("signal", f"{mine}_free{n - 2}")
-            yield ("wait", f"left_ready{n}")
-            yield ("issue", "S_half")
-            yield ("wait", f"ready{n}")
-            yield ("issue", "S_half")
-            yield ("wait_groups", 0)
-            yield ("signal", f"{others}_free{n}")  # S: this consumer's last read of that half
-            if n >= 1:
-                yield ("wait", f"p{n - 1}")
-                yield ("issue", "PV")
-            yield ("work", "softmax")
-            yield ("signal", f"p{n}")
-            if n >= 1:
-                yield ("wait_groups", 0)
-                yield ("signal", f"{mine}_free{n - 1}")
-            yield ("issue", "PV")
-        yield ("wait_groups", 0)
-        last = CHUNKS - 1
-        if last % 2 != w:
-            yield ("wait", f"p{last}")
-            yield ("issue", "PV")
-            yield ("wait_groups", 0)
-
-    return {0: consumer(0), 1: consumer(1), 2: producer_by_halves()}
-
-
 def period(events):
     ready = [events[f"ready{n}"][0] for n in range(CHUNKS)]
     return (ready[-1] - ready[4]) / (CHUNKS - 5)
@@ -223,4 +200,4 @@ if __name__ == "__main__":
         durations.update(S_half=durations["S"] / 2, softmax_half=durations["softmax"] / 2 + 0.05,
                          convert_half=durations["convert"] / 2)
         print(f"{label:32s} {period(run(v13(), durations)):8.2f} {period(run(seesaw(), durations)):8.2f} "
-              f"{period(run(split_scores(), durations)):8.2f} {period(run(seesaw_by_halves(), durations)):8.2f}")
+              f"{period(run(split_scores(), durations)):8.2f} {period(run(seesaw(by_halves=True), durations)):8.2f}")

@@ -84,8 +84,6 @@ constexpr int kDimTiles = kDimsPerWarp / 16;       // P.V MMA tiles per warp
 constexpr int kRowSteps = kChunkRows / 16;         // P.V MMA steps per chunk
 constexpr int kScoreStride = kChunkRows + 4;       // floats: conflict-free score stores
 constexpr int kProbStride = kChunkRows + 8;        // halves: 144-byte rows, 16-byte aligned, conflict-free ldmatrix
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 static_assert(kScoreSteps % 4 == 0 && kDimTiles == 2, "the work split below");
 
 struct SharedStorage {
@@ -140,12 +138,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
   unsigned int out_of_range = 0;
   for (int j = threadIdx.x; j < rows; j += kThreads) {
     const int32_t slot = index_row[row_begin + j];
-    int64_t offset = -1;
-    if (slot >= 0 && slot < p.capacity) {
-      const int32_t block = sparse_mla_block_of(p, slot);
-      offset = block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
-    }
-    s.row_offset[j] = offset;
+    s.row_offset[j] = sparse_mla_row_offset(p, slot);
     out_of_range += slot >= p.capacity;
   }
   if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTAs cover the row

@@ -80,4 +80,16 @@ __host__ __device__ inline int32_t sparse_mla_block_of(const SparseMlaParams& p,
   return p.block_shift >= 0 ? int32_t(uint32_t(slot) >> p.block_shift) : slot / p.block_size;
 }
 
+// The byte offset of slot's cache row from p.cache, -1 for a slot outside
+// [0, capacity) (negative: no entry; past the cache: counted by the caller).
+__host__ __device__ inline int64_t sparse_mla_row_offset(const SparseMlaParams& p, int32_t slot) {
+  if (slot < 0 || slot >= p.capacity) return -1;
+  const int32_t block = sparse_mla_block_of(p, slot);
+  return block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
+}
+
+// The softmax runs in base 2: scores scaled by log2(e), the lse back by ln(2).
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
 }  // namespace dsa

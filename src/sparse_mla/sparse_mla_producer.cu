@@ -77,6 +77,11 @@ namespace dsa {
 namespace {
 
 using sparse_mla_steps::kChunkPieces;
+using sparse_mla_steps::kNoRow;
+using sparse_mla_steps::kPanelBytes;
+using sparse_mla_steps::kTileBytes;
+using sparse_mla_steps::listed_before;
+using sparse_mla_steps::listed_chunks;
 using sparse_mla_steps::round_and_store_probabilities;
 using sparse_mla_steps::scale_and_fold_max;
 using sparse_mla_steps::store_pieces_as_f16;
@@ -85,8 +90,6 @@ constexpr int kLatent = kSparseMlaLatent;
 constexpr int kHeads = 64;             // heads per CTA: the M of every wgmma
 constexpr int kChunkRows = 64;         // entries per chunk
 constexpr int kThreads = 384;          // three warpgroups
-constexpr int kPanelBytes = 64 * 128;  // 64 rows x 64 FP16 dims
-constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;  // P [64 heads][64 entries] FP16, one panel
 constexpr int kStagingBytesPerWarp = 16 * 256 * 2;    // a consumer warp's 16 heads x 256 dims of BF16 latent
 static_assert(8 * kStagingBytesPerWarp == kTileBytes, "the eight consumer warps' latent fills q's tile");
@@ -94,9 +97,6 @@ constexpr int kMaxChunks = kSparseMlaProducerMaxTopK / kChunkRows;
 constexpr int kMaxRows = kMaxChunks * kChunkRows;
 constexpr int kRowsPerThread = kChunkRows / 4;  // a converting warpgroup: warp w takes rows w, w + 4, ..
 constexpr int kMaxRowsPerThread = (kMaxRows + kThreads - 1) / kThreads;  // the prologue's index entries per thread
-constexpr uint32_t kNoRow = 0xFFFFFFFFu;        // row_offset16 of an invalid entry
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 // Registers per thread: 168 at launch (65536 / 384, rounded down to 8), then
 // moved between the warpgroups by setmaxnreg; the three sum to 3 x 168.
 constexpr int kLaunchRegisters = 168;
@@ -200,19 +200,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
   for (int k = 0; k < kMaxRowsPerThread; ++k) {
     const int j = threadIdx.x + k * kThreads;
     if (j >= chunks * kChunkRows) break;  // whole warps: chunks * 64 % 32 == 0
-    uint32_t offset16 = kNoRow;
+    int64_t offset = -1;
     if (j < p.top_k) {
-      const int32_t slot = slots[k];
-      if (slot >= 0 && slot < p.capacity) {
-        const int32_t block = sparse_mla_block_of(p, slot);
-        const int64_t offset =
-            block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
-        offset16 = static_cast<uint32_t>(offset >> 4);  // the launch checked the span
-      }
-      out_of_range += slot >= p.capacity;
+      offset = sparse_mla_row_offset(p, slots[k]);
+      out_of_range += slots[k] >= p.capacity;
     }
-    s.row_offset16[j] = offset16;
-    const unsigned int valid = __ballot_sync(0xFFFFFFFFu, offset16 != kNoRow);
+    s.row_offset16[j] = offset >= 0 ? static_cast<uint32_t>(offset >> 4) : kNoRow;  // the launch checked the span
+    const unsigned int valid = __ballot_sync(0xFFFFFFFFu, offset >= 0);
     if (lane == 0 && valid != 0) {
       atomicOr(reinterpret_cast<unsigned long long*>(&s.valid_rows[j / kChunkRows]),
                static_cast<unsigned long long>(valid) << (j % kChunkRows));
@@ -225,16 +219,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
   __syncthreads();  // offsets and masks
   // The chunks with a valid entry, in order: every warp counts them (two
   // ballots), warp 0 lists them.
-  const bool low_listed = lane < chunks && s.valid_rows[lane] != 0;
-  const bool high_listed = lane + 32 < chunks && s.valid_rows[lane + 32] != 0;
-  const uint64_t listed =
-      uint64_t(__ballot_sync(0xFFFFFFFFu, low_listed)) | (uint64_t(__ballot_sync(0xFFFFFFFFu, high_listed)) << 32);
+  const uint64_t listed = listed_chunks(s.valid_rows, chunks, lane);
   const int chunk_count = __popcll(listed);
   if (threadIdx.x < 32) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int chunk = lane + 32 * half;
-      if ((listed >> chunk) & 1) s.chunk_list[__popcll(listed & ((uint64_t(1) << chunk) - 1))] = chunk;
+      if ((listed >> chunk) & 1) s.chunk_list[listed_before(listed, chunk)] = chunk;
     }
   }
   __syncthreads();  // the chunk list

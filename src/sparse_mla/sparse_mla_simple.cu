@@ -88,15 +88,11 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_simple_kernel(const Spars
     for (int r = 0; r < kRowsPerStep; ++r) {
       const int j = first + r;
       const int32_t slot = j < p.top_k ? index_row[j] : -1;
-      valid[r] = slot >= 0 && slot < p.capacity;
+      const int64_t offset = sparse_mla_row_offset(p, slot);
+      valid[r] = offset >= 0;
       out_of_range += (slot >= p.capacity) ? 1u : 0u;
       codes[r] = make_uint4(0, 0, 0, 0);
-      if (valid[r]) {
-        const int32_t block = sparse_mla_block_of(p, slot);
-        const int32_t offset = slot - block * p.block_size;
-        codes[r] = *reinterpret_cast<const uint4*>(p.cache + block * p.cache_block_stride +
-                                                   offset * p.cache_entry_stride + lane * kDimsPerLane);
-      }
+      if (valid[r]) codes[r] = *reinterpret_cast<const uint4*>(p.cache + offset + lane * kDimsPerLane);
     }
 #pragma unroll
     for (int r = 0; r < kRowsPerStep; ++r) {

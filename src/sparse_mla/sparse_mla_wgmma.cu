@@ -114,6 +114,11 @@ namespace dsa {
 namespace {
 
 using sparse_mla_steps::kChunkPieces;
+using sparse_mla_steps::kNoRow;
+using sparse_mla_steps::kPanelBytes;
+using sparse_mla_steps::kTileBytes;
+using sparse_mla_steps::listed_before;
+using sparse_mla_steps::listed_chunks;
 using sparse_mla_steps::piece_row;
 using sparse_mla_steps::round_and_store_probabilities;
 using sparse_mla_steps::scale_and_fold_max;
@@ -124,14 +129,11 @@ constexpr int kHeads = 64;                          // heads per CTA: the M of e
 constexpr int kChunkRows = 64;                      // entries per chunk
 constexpr int kThreads = 256;                       // two warpgroups
 constexpr int kWarpgroupDims = kLatent / 2;         // output dims per warpgroup
-constexpr int kPanelBytes = 64 * 128;               // 64 rows x 64 FP16 dims
-constexpr int kTileBytes = kLatent / 64 * kPanelBytes;
 constexpr int kMaxChunks = 16;                      // per split: K <= 16384 over 16 splits
 constexpr int kMaxRowsPerSplit = kMaxChunks * kChunkRows;
 // A whole item streamed by one CTA (Meeting::kWholeItem): K <= 2304.
 constexpr int kMaxStreamChunks = 36;
 constexpr int kMaxStreamRows = kMaxStreamChunks * kChunkRows;
-constexpr uint32_t kNoRow = 0xFFFFFFFFu;            // row_offset16 of an invalid entry
 constexpr int kMaxRowsPerThread = kMaxStreamRows / kThreads;  // a CTA's entries per thread (a split's fewer)
 constexpr int kMaxClusterSize = 16;                 // Hopper's largest (non-portable above 8)
 constexpr int kMaxClusters = 16;                    // level 2's parts: coefficient rows, lanes of a warp
@@ -141,9 +143,7 @@ static_assert(kCountersPerGroup <= kHeads, "sparse_mla_split_counter_count gives
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
 constexpr int kUnits = kHeads * kLatent / kUnitDims;
-constexpr int kUnitSlots = kUnitDims * 2 / 16;      // 16-byte slots of a unit's FP16 values
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kUnitSlots = kUnitDims * 2 / 16;                          // 16-byte slots of a unit's FP16 values
 constexpr int kClusterPartialFloats = kUnits * kUnitDims + 2 * kHeads;  // a cluster's level-2 slot of split_partials
 // A split's level-1 slot: its FP16 O / sum as [unit][16-byte slot], then its (max, sum) per head.
 constexpr int kSplitPartialFloats = kUnits * kUnitSlots * 4 + 2 * kHeads;
@@ -311,12 +311,8 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     if (j >= chunks * kChunkRows) break;  // whole warps: chunks * 64 % 32 == 0
     int64_t offset = -1;
     if (j < rows) {
-      const int32_t slot = slots[k];
-      if (slot >= 0 && slot < p.capacity) {
-        const int32_t block = sparse_mla_block_of(p, slot);
-        offset = block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
-      }
-      out_of_range += slot >= p.capacity;
+      offset = sparse_mla_row_offset(p, slots[k]);
+      out_of_range += slots[k] >= p.capacity;
     }
     if constexpr (kStream) {
       s.row_offset16[j] = offset >= 0 ? static_cast<uint32_t>(offset >> 4) : kNoRow;  // the launch checked the span
@@ -346,10 +342,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
   // listed chunk of that split.
   static_assert(kMaxStreamChunks <= 64 && kMaxChunks <= 64, "a 64-bit mask of chunks");
   auto split_of = [&](int chunk) { return ((first_chunk_here + chunk + 1) * splits - 1) / total_chunks; };
-  const bool low_listed = lane < chunks && s.valid_rows[lane] != 0;
-  const bool high_listed = lane + 32 < chunks && s.valid_rows[lane + 32] != 0;
-  const uint64_t listed =
-      uint64_t(__ballot_sync(0xFFFFFFFFu, low_listed)) | (uint64_t(__ballot_sync(0xFFFFFFFFu, high_listed)) << 32);
+  const uint64_t listed = listed_chunks(s.valid_rows, chunks, lane);
   const int chunk_count = __popcll(listed);
   const int first_chunk = chunk_count > 0 ? __ffsll(static_cast<long long>(listed)) - 1 : 0;
   const int second_chunk = chunk_count > 1 ? __ffsll(static_cast<long long>(listed & (listed - 1))) - 1 : 0;
@@ -358,7 +351,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     for (int half = 0; half < 2; ++half) {
       const int chunk = lane + 32 * half;
       if (((listed >> chunk) & 1) == 0) continue;
-      const int index = __popcll(listed & ((uint64_t(1) << chunk) - 1));
+      const int index = listed_before(listed, chunk);
       s.chunk_list[index] = chunk;
       if constexpr (kStream) {
         const uint64_t later = listed & ~((uint64_t(2) << chunk) - 1);  // listed after this one (2 << 63 is 0)

@@ -21,6 +21,22 @@ namespace dsa::sparse_mla_steps {
 inline constexpr int kRows = 64;
 inline constexpr int kChunkPieces = kRows * 32;
 inline constexpr int kPanelBytes = kRows * 128;  // 64 rows x 64 FP16 dims, one 128-byte swizzle panel
+inline constexpr int kTileBytes = 8 * kPanelBytes;  // 64 rows x 512 FP16 dims
+inline constexpr uint32_t kNoRow = 0xFFFFFFFFu;     // a row offset / 16 (row_offset16) of an invalid entry
+
+// The chunks with a valid entry among the first `chunks` (at most 64), bit
+// n for chunk n: two ballots over valid_rows (a 64-bit row mask per chunk),
+// so that every lane of every warp has them.
+__device__ __forceinline__ uint64_t listed_chunks(const uint64_t* valid_rows, int chunks, int lane) {
+  const bool low_listed = lane < chunks && valid_rows[lane] != 0;
+  const bool high_listed = lane + 32 < chunks && valid_rows[lane + 32] != 0;
+  return uint64_t(__ballot_sync(0xFFFFFFFFu, low_listed)) | (uint64_t(__ballot_sync(0xFFFFFFFFu, high_listed)) << 32);
+}
+
+// Chunk `chunk`'s place in the list of `listed` (the listed chunks before it).
+__device__ __forceinline__ int listed_before(uint64_t listed, int chunk) {
+  return __popcll(listed & ((uint64_t(1) << chunk) - 1));
+}
 
 // The pieces thread t of `kConverters` (128 or 256) converts: piece t % 32
 // (dims 16 (t % 32)..) of rows t / 32 + (kConverters / 32) k, k =
