@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "core/async_copy.cuh"
+#include "core/wgmma.cuh"
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/sparse_mla.h"
 #include "sparse_mla/sparse_mla_plan.h"
@@ -876,6 +878,117 @@ TEST(SparseMlaNumerics, RoundingPToFp8AloneExceedsTheErrorBound) {
     worst_fp8 = std::max(worst_fp8, fp8_error);
   }
   EXPECT_GT(worst_fp8, 1e-2) << "FP8 P stays within the bound here: time FP8 P.V before keeping FP16";
+}
+
+// S in FP8: the one design left that takes the e4m3 -> FP16 conversion off
+// the whole-row kernel's loop (docs/sparse_mla.md, "FP8 scores") computes
+// Q K^T by e4m3 wgmma straight from the codes. Its products are exact, but
+// the tensor cores add them with a narrower accumulator than FP32. This
+// kernel computes S [64 heads x 64 rows] (tile blockIdx.x of the rows) over
+// the 512 dims as 16 k32 steps three ways: one wgmma chain of 16 steps;
+// chains of 4 steps (128 dims) added in FP32 in order (DeepGEMM's
+// promotion); each step alone, the 16 results added in FP32 in order.
+// q [64, 512] and rows [K, 512] e4m3, contiguous; scores [3][64][K] f32.
+__global__ void __launch_bounds__(128) fp8_scores_kernel(const uint8_t* q, const uint8_t* rows, int top_k,
+                                                           float* scores) {
+  constexpr int kPanelRows = 64, kPanelBytes = kPanelRows * 128, kPanels = L / 128;
+  extern __shared__ uint8_t raw[];
+  const uint32_t raw_address = shared_address(raw);
+  uint8_t* q_tile = raw + (1024 - raw_address % 1024) % 1024;  // [4 panels][64 heads][128 dims], 128B swizzle
+  uint8_t* row_tile = q_tile + kPanels * kPanelBytes;            // [4 panels][64 rows][128 dims]
+  const uint8_t* tile_rows = rows + size_t(blockIdx.x) * kPanelRows * L;
+  for (int u = threadIdx.x; u < kPanelRows * L / 16; u += blockDim.x) {
+    const int row = u / (L / 16), panel = u % (L / 16) / 8, chunk = u % 8;
+    const uint32_t offset = panel * kPanelBytes + wgmma::k_major_sw128_offset(row, chunk);
+    *reinterpret_cast<uint4*>(q_tile + offset) = *reinterpret_cast<const uint4*>(q + size_t(u) * 16);
+    *reinterpret_cast<uint4*>(row_tile + offset) = *reinterpret_cast<const uint4*>(tile_rows + size_t(u) * 16);
+  }
+  wgmma::fence_shared_for_async_proxy();
+  __syncthreads();
+  for (int variant = 0; variant < 3; ++variant) {
+    const int chain = 16 >> (2 * variant);  // steps per wgmma chain: 16, 4, 1
+    float total[32] = {};
+    for (int first = 0; first < 16; first += chain) {
+      float d[32];
+      wgmma::fence();
+      for (int step = first; step < first + chain; ++step) {
+        const uint32_t offset = step / 4 * kPanelBytes + 32 * (step % 4);
+        wgmma::mma_m64n64k32_e4m3(d, wgmma::k_major_sw128_descriptor(shared_address(q_tile) + offset),
+                                  wgmma::k_major_sw128_descriptor(shared_address(row_tile) + offset), step > first);
+      }
+      wgmma::commit_group();
+      wgmma::wait_group<0>();
+#pragma unroll
+      for (int i = 0; i < 32; ++i) total[i] += d[i];
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int head = wgmma::accumulator_row(threadIdx.x, i);
+      const int row = blockIdx.x * kPanelRows + wgmma::accumulator_column(threadIdx.x, i);
+      scores[(size_t(variant) * 64 + head) * top_k + row] = total[i];
+    }
+  }
+}
+
+// The contract bounds lse within 1e-3 of float64. Over the GPU sweep's
+// inputs (H = 64, K = 2048, score spreads 1, 3 and 10) this measures how far
+// each FP8-S variant's lse lies from the exact one, everything after S in
+// float64, so the FP8 accumulation alone is measured.
+TEST(SparseMlaGpu, Fp8ScoresAloneMissTheLseBound) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 12);
+  constexpr int kHeads = 64, kTopK = 2048;
+  double worst_lse[3] = {0, 0, 0}, worst_relative[3] = {0, 0, 0};  // |lse error|; |S error| / sum |products|
+  for (const float spread : {1.0f, 3.0f, 10.0f}) {
+    Problem p = random_problem({kHeads, 1, kTopK}, false, spread, rng);
+    std::vector<uint8_t> q(size_t(kHeads) * L), rows(size_t(kTopK) * L);
+    for (int h = 0; h < kHeads; ++h) std::memcpy(&q[size_t(h) * L], p.q_row(0, h), L);
+    for (int j = 0; j < kTopK; ++j) std::memcpy(&rows[size_t(j) * L], p.entry(p.index(0, j)), L);
+    DeviceBuffer<uint8_t> q_device(q.size()), rows_device(rows.size());
+    DeviceBuffer<float> scores_device(size_t(3) * kHeads * kTopK);
+    q_device.upload(q);
+    rows_device.upload(rows);
+    constexpr size_t kShared = 2 * 64 * L + 1024;
+    testing::expect_cuda(cudaFuncSetAttribute(fp8_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared),
+                         "cudaFuncSetAttribute");
+    fp8_scores_kernel<<<kTopK / 64, 128, kShared>>>(q_device.get(), rows_device.get(), kTopK, scores_device.get());
+    testing::expect_cuda(cudaDeviceSynchronize(), "fp8_scores_kernel");
+    const std::vector<float> gpu = scores_device.download();
+    const double scale = double(p.q_scale) * p.k_scale * p.softmax_scale;
+    double spread_lse[3] = {0, 0, 0};
+    for (int h = 0; h < kHeads; ++h) {
+      std::vector<double> exact(kTopK), magnitude(kTopK, 0.0);
+      for (int j = 0; j < kTopK; ++j) {
+        double dot = 0;
+        for (int d = 0; d < L; ++d) {
+          const double product = double(num::e4m3_to_float(q[size_t(h) * L + d])) * num::e4m3_to_float(rows[size_t(j) * L + d]);
+          dot += product, magnitude[j] += std::fabs(product);
+        }
+        exact[j] = dot;
+      }
+      const auto lse = [&](auto score) {
+        double max_score = -INFINITY, sum = 0;
+        for (int j = 0; j < kTopK; ++j) max_score = std::max(max_score, score(j));
+        for (int j = 0; j < kTopK; ++j) sum += std::exp(score(j) - max_score);
+        return max_score + std::log(sum);
+      };
+      const double exact_lse = lse([&](int j) { return scale * exact[j]; });
+      for (int v = 0; v < 3; ++v) {
+        const float* s = &gpu[(size_t(v) * kHeads + h) * kTopK];
+        for (int j = 0; j < kTopK; ++j) {
+          worst_relative[v] = std::max(worst_relative[v], std::fabs(s[j] - exact[j]) / magnitude[j]);
+        }
+        spread_lse[v] = std::max(spread_lse[v], std::fabs(lse([&](int j) { return scale * s[j]; }) - exact_lse));
+      }
+    }
+    std::printf("[FP8 scores, score spread %.0f] worst |lse error| over %d heads: chain of 16 k32 steps %.3g, "
+                "chains of 4 %.3g, each step alone %.3g\n",
+                spread, kHeads, spread_lse[0], spread_lse[1], spread_lse[2]);
+    for (int v = 0; v < 3; ++v) worst_lse[v] = std::max(worst_lse[v], spread_lse[v]);
+  }
+  std::printf("[FP8 scores] worst |S error| / sum |products|: chain of 16 %.3g, chains of 4 %.3g, each step %.3g\n",
+              worst_relative[0], worst_relative[1], worst_relative[2]);
+  for (int v = 0; v < 3; ++v) EXPECT_TRUE(std::isfinite(worst_lse[v]));
 }
 
 // Each case against the float64 reference for each kernel, every other case
