@@ -933,7 +933,11 @@ __global__ void __launch_bounds__(128) fp8_scores_kernel(const uint8_t* q, const
 // The contract bounds lse within 1e-3 of float64. Over the GPU sweep's
 // inputs (H = 64, K = 2048, score spreads 1, 3 and 10) this measures how far
 // each FP8-S variant's lse lies from the exact one, everything after S in
-// float64, so the FP8 accumulation alone is measured.
+// float64, so the FP8 accumulation alone is measured. On the H200
+// (2026-12-01): at spread 10 the chain of 16 errs by 3.7e-2, chains of 4 by
+// 7.7e-3 and even each step alone by 2.5e-3 (spread 3: 7.7e-3, 1.3e-3,
+// 4.3e-4), so S stays on FP16 operands, whose products and sums are exact
+// to FP32.
 TEST(SparseMlaGpu, Fp8ScoresAloneMissTheLseBound) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 12);
@@ -988,7 +992,9 @@ TEST(SparseMlaGpu, Fp8ScoresAloneMissTheLseBound) {
   }
   std::printf("[FP8 scores] worst |S error| / sum |products|: chain of 16 %.3g, chains of 4 %.3g, each step %.3g\n",
               worst_relative[0], worst_relative[1], worst_relative[2]);
-  for (int v = 0; v < 3; ++v) EXPECT_TRUE(std::isfinite(worst_lse[v]));
+  EXPECT_GT(worst_lse[0], worst_lse[2]) << "a longer chain should add no less error than the steps alone";
+  EXPECT_GT(worst_lse[2], 1e-3) << "FP8 S with every step promoted stays within the lse bound here: "
+                                   "time the FP8-S design (docs/sparse_mla.md, \"FP8 scores\")";
 }
 
 // Each case against the float64 reference for each kernel, every other case
