@@ -99,8 +99,9 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // kLatency's splits halved while m * H / 64 * splits exceeds the CTAs the GPU
 // runs at once, down to 2 and never below what keeps a CTA within 16 chunks
 // (2 at K <= 2048, 4 up to 4096, 8 up to 8192; above, kLatency's); the
-// 8-head kernel takes kLatency's plan while every cluster fits at once, else
-// kThroughput's. A token's bits then depend on the size of its batch and on
+// 8-head kernel takes twice kLatency's splits (clusters of up to 16 CTAs,
+// non-portable) while every (token, group) cluster of those fits at once,
+// else kLatency's plan while those fit, else kThroughput's. A token's bits then depend on the size of its batch and on
 // the GPU (still the same bits for the same m on the same GPU, and still
 // within the error bound); FlashMLA's and vLLM's split schedules behave the
 // same way. An engine that captures graphs at padded batch sizes and runs
@@ -181,8 +182,8 @@ Status check_sparse_mla(const SparseMlaArgs& args);
 // How the 8-head tensor-core kernel (what sparse_mla runs when H is not a
 // multiple of 64) divides one token's work. It depends only on H, K and
 // SparseMlaArgs::splits, never on m or the GPU: a token's bits do not change
-// with the batch around it (but with kByBatch, whose launch picks kLatency's
-// or kThroughput's plan by m and the GPU). (When H is a multiple of 64, sparse_mla runs a
+// with the batch around it (but with kByBatch, whose launch picks twice
+// kLatency's splits, kLatency's or kThroughput's plan by m and the GPU). (When H is a multiple of 64, sparse_mla runs a
 // 64-head kernel whose split, at most 16 CTAs of whole 64-entry chunks per
 // (token, 64 heads) in one cluster, likewise depends on K and that choice
 // only.)

@@ -50,6 +50,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -424,25 +425,34 @@ Status launch(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream
                               unsigned(plan.splits), sparse_mla_params(a), plan.rows_per_split);
 }
 
-}  // namespace
-
-SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits choice) {
-  // Eight splits (the portable cluster size: any Hopper part schedules it)
-  // of whole 64-entry chunks: at m = 1, 8 CTAs per head group. kThroughput:
-  // half of them, or as many as keep a CTA's entries within what it stages.
-  // kByBatch: kLatency's here; sparse_mla_mma takes kThroughput's per launch
-  // when the batch's clusters do not fit the GPU at once. kWholeRow (whose
-  // producer kernel needs 64 heads): kThroughput's.
-  constexpr int kPlanMaxSplits = 8;
-  const bool half = choice == SparseMlaSplits::kThroughput || choice == SparseMlaSplits::kWholeRow;
-  const int plan_max_splits = half ? kPlanMaxSplits / 2 : kPlanMaxSplits;
+// At most `max_splits` CTAs per (token, group) of whole 64-entry chunks, or
+// as many as keep a CTA's entries within what it stages.
+SparseMlaSplitPlan plan_with_max_splits(int heads, int top_k, int max_splits) {
   SparseMlaSplitPlan plan;
   plan.head_groups = ceil_div(heads, kHeads);
-  const int splits =
-      std::max(std::min(plan_max_splits, ceil_div(top_k, kChunkRows)), ceil_div(top_k, kMaxRowsPerSplit));
+  const int splits = std::max(std::min(max_splits, ceil_div(top_k, kChunkRows)), ceil_div(top_k, kMaxRowsPerSplit));
   plan.rows_per_split = ceil_div(ceil_div(top_k, splits), kChunkRows) * kChunkRows;
   plan.splits = ceil_div(top_k, plan.rows_per_split);
   return plan;
+}
+
+// Eight splits (the portable cluster size: any Hopper part schedules it): at
+// m = 1, 8 CTAs per head group.
+constexpr int kPlanMaxSplits = 8;
+
+}  // namespace
+
+SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits choice) {
+  // kThroughput: half of kLatency's splits. kByBatch: kLatency's here; its
+  // launch picks among sparse_mla_batch_split_plans. kWholeRow (whose
+  // producer kernel needs 64 heads): kThroughput's.
+  const bool half = choice == SparseMlaSplits::kThroughput || choice == SparseMlaSplits::kWholeRow;
+  return plan_with_max_splits(heads, top_k, half ? kPlanMaxSplits / 2 : kPlanMaxSplits);
+}
+
+std::array<SparseMlaSplitPlan, 3> sparse_mla_batch_split_plans(int heads, int top_k) {
+  return {plan_with_max_splits(heads, top_k, 2 * kPlanMaxSplits), sparse_mla_split_plan(heads, top_k),
+          sparse_mla_split_plan(heads, top_k, SparseMlaSplits::kThroughput)};
 }
 
 Status sparse_mla_with_plan(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream_t stream) {
@@ -479,14 +489,21 @@ Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
   const int heads = static_cast<int>(a.q.size(1)), top_k = static_cast<int>(a.indices.size(1));
   SparseMlaSplitPlan plan = sparse_mla_split_plan(heads, top_k, a.splits);
   if (a.splits == SparseMlaSplits::kByBatch) {
-    // kLatency's plan while the GPU runs every (token, group) cluster at once,
-    // else kThroughput's; the occupancy answer is asked once per cluster size.
-    int clusters = 0;
-    DSA_RETURN_IF_ERROR(kernel_answer_once(
-        reinterpret_cast<const void*>(sparse_mla_mma_kernel), plan.splits,
-        [&](int* answer) { return sparse_mla_max_active_clusters(plan, heads, top_k, answer); }, &clusters));
-    if (a.q.size(0) * plan.head_groups > clusters)
-      plan = sparse_mla_split_plan(heads, top_k, SparseMlaSplits::kThroughput);
+    // The plan with the most splits whose (token, group) clusters the GPU
+    // runs all at once, else the fewest; the occupancy answer is asked once
+    // per cluster size.
+    const std::array<SparseMlaSplitPlan, 3> plans = sparse_mla_batch_split_plans(heads, top_k);
+    plan = plans.back();
+    for (size_t i = 0; i + 1 < plans.size(); ++i) {
+      int clusters = 0;
+      DSA_RETURN_IF_ERROR(kernel_answer_once(
+          reinterpret_cast<const void*>(sparse_mla_mma_kernel), plans[i].splits,
+          [&](int* answer) { return sparse_mla_max_active_clusters(plans[i], heads, top_k, answer); }, &clusters));
+      if (a.q.size(0) * plans[i].head_groups <= clusters) {
+        plan = plans[i];
+        break;
+      }
+    }
   }
   return launch(a, plan, stream);
 }

@@ -7,6 +7,8 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
+
 #include "dsa_decode/sparse_mla.h"
 
 namespace dsa {
@@ -23,6 +25,12 @@ Status sparse_mla_with_plan(const SparseMlaArgs& args, const SparseMlaSplitPlan&
 // How many clusters of the 8-head kernel's `plan` the current device can run
 // at once (cudaOccupancyMaxActiveClusters); 0 means the plan cannot launch there.
 Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads, int top_k, int* clusters);
+
+// The 8-head kernel's plans that SparseMlaSplits::kByBatch chooses from, most
+// splits first: twice kLatency's (16 at K = 2048: clusters of 16, non-portable),
+// kLatency's, kThroughput's. A launch takes the first whose m * head_groups
+// clusters the device runs all at once, else the last.
+std::array<SparseMlaSplitPlan, 3> sparse_mla_batch_split_plans(int heads, int top_k);
 
 // The 64-head warpgroup-MMA kernel (src/sparse_mla/sparse_mla_wgmma.cu):
 // H a multiple of 64 (else an error naming q), each CTA owning 64 heads. Its

@@ -235,6 +235,33 @@ TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
   }
 }
 
+// kByBatch's plans for the 8-head kernel: most splits first, each a plan the
+// launcher accepts, the first twice kLatency's where the chunks allow it.
+TEST(SparseMlaSplitPlan, BatchPlansOfTheEightHeadKernelGoFromMostSplitsToFewest) {
+  for (const int heads : {1, 8, 24, 120}) {
+    for (int top_k : {1, 64, 65, 100, 1024, 2048, 2176, 5000, kSparseMlaMaxTopK}) {
+      SCOPED_TRACE("H " + std::to_string(heads) + " K " + std::to_string(top_k));
+      const auto plans = sparse_mla_batch_split_plans(heads, top_k);
+      const SparseMlaSplitPlan latency = sparse_mla_split_plan(heads, top_k);
+      const SparseMlaSplitPlan throughput = sparse_mla_split_plan(heads, top_k, SparseMlaSplits::kThroughput);
+      EXPECT_EQ(plans[1].splits, latency.splits);
+      EXPECT_EQ(plans[1].rows_per_split, latency.rows_per_split);
+      EXPECT_EQ(plans[2].splits, throughput.splits);
+      EXPECT_EQ(plans[2].rows_per_split, throughput.rows_per_split);
+      EXPECT_GE(plans[0].splits, plans[1].splits);
+      if (top_k == 2048) EXPECT_EQ(plans[0].splits, 16) << "two 64-entry chunks per CTA";
+      for (const SparseMlaSplitPlan& plan : plans) {
+        EXPECT_EQ(plan.head_groups, ceil_div(heads, 8));
+        EXPECT_LE(plan.splits, kSparseMlaMaxSplits);
+        EXPECT_EQ(plan.rows_per_split % 64, 0);
+        EXPECT_LE(plan.rows_per_split, kSparseMlaMaxTopK / 8);
+        EXPECT_GE(int64_t(plan.splits) * plan.rows_per_split, top_k) << "entries left out";
+        EXPECT_LT(int64_t(plan.splits - 1) * plan.rows_per_split, top_k) << "an empty split";
+      }
+    }
+  }
+}
+
 // Split s takes chunks [s C / splits, (s + 1) C / splits): every split has
 // at least one chunk and at most max_chunks <= 16 when splits >= 16; the
 // clusters have a power-of-two size <= max_cluster (their owners' units are
@@ -1283,14 +1310,15 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
   DSA_ASSERT_OK(sparse_mla_wgmma_resident_ctas(&resident));
   DSA_ASSERT_OK(sparse_mla_producer_resident_ctas(&producer_resident));
   std::mt19937_64 rng(testing::test_seed() + 60);
-  const std::vector<Case> cases = testing::quick_mode()
-                                      ? std::vector<Case>{{64, 3, 300}, {64, 9, 1024}, {64, 70, 128}, {8, 2, 100}}
-                                      : std::vector<Case>{{64, 1, 2048},       {64, 12, 2176, 125}, {128, 9, 2048},
-                                                          {64, 36, 2176, 125}, {64, 40, 2048},      {64, 70, 1024},
-                                                          {64, 70, 128},       {8, 4, 2176, 125},   {8, 40, 2048}};
+  const std::vector<Case> cases =
+      testing::quick_mode()
+          ? std::vector<Case>{{64, 3, 300}, {64, 9, 1024}, {64, 70, 128}, {8, 2, 100}}
+          : std::vector<Case>{{64, 1, 2048},  {64, 12, 2176, 125}, {128, 9, 2048}, {64, 36, 2176, 125},
+                              {64, 40, 2048}, {64, 70, 1024},      {64, 70, 128},  {8, 4, 2176, 125},
+                              {8, 8, 2048},   {8, 40, 2048}};
   // The max_splits kByBatch takes, case by case (64-head cases), 0 for the producer kernel.
   std::vector<int> wgmma_splits;
-  std::vector<bool> mma_fits;     // whether it takes the 8-head kernel's latency plan
+  std::vector<int> mma_plans;  // which of sparse_mla_batch_split_plans it takes (8-head cases)
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
@@ -1305,12 +1333,18 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
       wgmma_splits.push_back(producer ? 0 : max_splits);
       expected = producer ? producer_kernel() : wgmma_plan(max_splits, kSparseMlaWgmmaDefaultCluster);
     } else {
-      const SparseMlaSplitPlan latency = sparse_mla_split_plan(c.heads, c.top_k);
-      int clusters = 0;
-      DSA_ASSERT_OK(sparse_mla_max_active_clusters(latency, c.heads, c.top_k, &clusters));
-      const bool fits = int64_t(c.m) * latency.head_groups <= clusters;
-      mma_fits.push_back(fits);
-      expected = with_plan(fits ? latency : sparse_mla_split_plan(c.heads, c.top_k, SparseMlaSplits::kThroughput));
+      const auto plans = sparse_mla_batch_split_plans(c.heads, c.top_k);
+      int chosen = static_cast<int>(plans.size()) - 1;
+      for (int i = 0; i < chosen; ++i) {
+        int clusters = 0;
+        DSA_ASSERT_OK(sparse_mla_max_active_clusters(plans[i], c.heads, c.top_k, &clusters));
+        if (int64_t(c.m) * plans[i].head_groups <= clusters) {
+          chosen = i;
+          break;
+        }
+      }
+      mma_plans.push_back(chosen);
+      expected = with_plan(plans[chosen]);
     }
     SCOPED_TRACE("expected: " + expected.name);
     const GpuResult same = run_gpu(p, expected);
@@ -1319,7 +1353,7 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
   }
   if (resident == 132 && !testing::quick_mode()) {  // the H200: the cases reach every plan the comment names
     EXPECT_EQ(wgmma_splits, (std::vector<int>{16, 8, 4, 4, 2, 0, 0}));
-    EXPECT_EQ(mma_fits, (std::vector<bool>{true, false}));
+    EXPECT_EQ(mma_plans, (std::vector<int>{0, 1, 2}));  // twice kLatency's splits, kLatency's, kThroughput's
   }
 }
 
