@@ -110,7 +110,8 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // 33 | 34). H200, K = 2048 (82a0e34): H = 64 13.16 / 15.46 /
 // 21.04 / 32.22 / 51.11 / 106.57 us at m = 1 / 8 / 16 / 32 / 64 / 128 (16,
 // 16, 8, 4, 2, 2 splits; 322 TFLOPS at m = 128, H = 128 211.07 us = 326);
-// H = 8 14.07 / 14.92 / 23.40 us at m = 1 / 8 / 16. For H a multiple of 64
+// H = 8 (d4e18e5) 10.67 / 11.31 / 15.05 / 23.54 us at m = 1 / 4 / 8 / 16 (16,
+// 16, 8, 4 splits; kLatency 14.08 / 14.34 / 15.06 / 29.05). For H a multiple of 64
 // and K <= 2304, kByBatch also takes kWholeRow's kernel where its rounds of
 // whole rows cost less than the split plan's (on the H200 at K = 2048: 67
 // to 132 and from 199 (token, 64 heads) items on; src/sparse_mla/sparse_mla_plan.h).
