@@ -99,10 +99,11 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // kLatency's splits halved while m * H / 64 * splits exceeds the CTAs the GPU
 // runs at once, down to 2 and never below what keeps a CTA within 16 chunks
 // (2 at K <= 2048, 4 up to 4096, 8 up to 8192; above, kLatency's); the
-// 8-head kernel takes twice kLatency's splits (clusters of up to 16 CTAs,
-// non-portable) while every (token, group) cluster of those fits at once,
-// else kLatency's plan while those fit, else kThroughput's. A token's bits then depend on the size of its batch and on
-// the GPU (still the same bits for the same m on the same GPU, and still
+// 8-head kernel takes up to 16 splits (twice kLatency's cap of 8; clusters
+// above 8 CTAs are non-portable) while every (token, group) cluster of those
+// fits at once, else kLatency's plan while those fit, else kThroughput's. A
+// token's bits then depend on the size of its batch and on the GPU (still
+// the same bits for the same m on the same GPU, and still
 // within the error bound); FlashMLA's and vLLM's split schedules behave the
 // same way. An engine that captures graphs at padded batch sizes and runs
 // others eagerly may see a request's bits differ between the two where the
@@ -110,9 +111,9 @@ inline constexpr int kSparseMlaMaxTokens = 65535;
 // 33 | 34). H200, K = 2048 (82a0e34): H = 64 13.16 / 15.46 /
 // 21.04 / 32.22 / 51.11 / 106.57 us at m = 1 / 8 / 16 / 32 / 64 / 128 (16,
 // 16, 8, 4, 2, 2 splits; 322 TFLOPS at m = 128, H = 128 211.07 us = 326);
-// H = 8 (d4e18e5) 10.67 / 11.31 / 15.05 / 23.54 us at m = 1 / 4 / 8 / 16 (16,
-// 16, 8, 4 splits; kLatency 14.08 / 14.34 / 15.06 / 29.05). For H a multiple of 64
-// and K <= 2304, kByBatch also takes kWholeRow's kernel where its rounds of
+// H = 8 (d4e18e5) 10.67 / 11.31 / 15.05 / 23.54 us at m = 1 / 4 / 8 / 16
+// (16, 16, 8, 4 splits; kLatency 14.08 / 14.34 / 15.06 / 29.05). For H a
+// multiple of 64 and K <= 2304, kByBatch also takes kWholeRow's kernel where its rounds of
 // whole rows cost less than the split plan's (on the H200 at K = 2048: 67
 // to 132 and from 199 (token, 64 heads) items on; src/sparse_mla/sparse_mla_plan.h).
 //
@@ -183,8 +184,8 @@ Status check_sparse_mla(const SparseMlaArgs& args);
 // How the 8-head tensor-core kernel (what sparse_mla runs when H is not a
 // multiple of 64) divides one token's work. It depends only on H, K and
 // SparseMlaArgs::splits, never on m or the GPU: a token's bits do not change
-// with the batch around it (but with kByBatch, whose launch picks twice
-// kLatency's splits, kLatency's or kThroughput's plan by m and the GPU). (When H is a multiple of 64, sparse_mla runs a
+// with the batch around it (but with kByBatch, whose launch picks one of
+// three plans by m and the GPU). (When H is a multiple of 64, sparse_mla runs a
 // 64-head kernel whose split, at most 16 CTAs of whole 64-entry chunks per
 // (token, 64 heads) in one cluster, likewise depends on K and that choice
 // only.)
@@ -204,7 +205,8 @@ inline constexpr int kSparseMlaMaxSplits = 16;
 
 // The plan sparse_mla uses for H heads and K entries per row (H, K in the
 // ranges check_sparse_mla accepts) and the args' split choice; for kByBatch
-// the plan while the batch's clusters fit at once (kLatency's: m = 1).
+// kLatency's (a kByBatch launch picks among three plans by m and the GPU:
+// sparse_mla_batch_split_plans in src/sparse_mla/sparse_mla_plan.h).
 SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits splits = SparseMlaSplits::kLatency);
 
 // The fast path: FP8 codes converted exactly to FP16, both products on

@@ -436,9 +436,10 @@ SparseMlaSplitPlan plan_with_max_splits(int heads, int top_k, int max_splits) {
   return plan;
 }
 
-// Eight splits (the portable cluster size: any Hopper part schedules it): at
-// m = 1, 8 CTAs per head group.
+// kLatency's cap: eight splits, the portable cluster size (any Hopper part
+// schedules it). kByBatch's first plan takes up to twice as many.
 constexpr int kPlanMaxSplits = 8;
+static_assert(2 * kPlanMaxSplits <= kSparseMlaMaxSplits, "kByBatch's first plan within the largest cluster");
 
 }  // namespace
 
@@ -491,14 +492,19 @@ Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
   if (a.splits == SparseMlaSplits::kByBatch) {
     // The plan with the most splits whose (token, group) clusters the GPU
     // runs all at once, else the fewest; the occupancy answer is asked once
-    // per cluster size.
+    // per cluster size. A part that cannot answer for a cluster size (or
+    // schedule it) gets the next plan: the last one always launches.
     const std::array<SparseMlaSplitPlan, 3> plans = sparse_mla_batch_split_plans(heads, top_k);
     plan = plans.back();
     for (size_t i = 0; i + 1 < plans.size(); ++i) {
       int clusters = 0;
-      DSA_RETURN_IF_ERROR(kernel_answer_once(
+      const Status answered = kernel_answer_once(
           reinterpret_cast<const void*>(sparse_mla_mma_kernel), plans[i].splits,
-          [&](int* answer) { return sparse_mla_max_active_clusters(plans[i], heads, top_k, answer); }, &clusters));
+          [&](int* answer) { return sparse_mla_max_active_clusters(plans[i], heads, top_k, answer); }, &clusters);
+      if (!answered.ok()) {
+        (void)cudaGetLastError();  // the failed query's error is not the launch's
+        continue;
+      }
       if (a.q.size(0) * plans[i].head_groups <= clusters) {
         plan = plans[i];
         break;

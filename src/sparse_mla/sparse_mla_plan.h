@@ -27,9 +27,10 @@ Status sparse_mla_with_plan(const SparseMlaArgs& args, const SparseMlaSplitPlan&
 Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads, int top_k, int* clusters);
 
 // The 8-head kernel's plans that SparseMlaSplits::kByBatch chooses from, most
-// splits first: twice kLatency's (16 at K = 2048: clusters of 16, non-portable),
-// kLatency's, kThroughput's. A launch takes the first whose m * head_groups
-// clusters the device runs all at once, else the last.
+// splits first: up to 16 splits (twice kLatency's cap of 8: 16 at K = 2048,
+// 12 at 2176; clusters above 8 CTAs are non-portable), kLatency's,
+// kThroughput's. A launch takes the first whose m * head_groups clusters the
+// device runs all at once, else the last.
 std::array<SparseMlaSplitPlan, 3> sparse_mla_batch_split_plans(int heads, int top_k);
 
 // The 64-head warpgroup-MMA kernel (src/sparse_mla/sparse_mla_wgmma.cu):

@@ -236,10 +236,10 @@ TEST(SparseMlaSplitPlan, CoversHeadsAndEntriesWithoutPaddingHeadsTo64) {
 }
 
 // kByBatch's plans for the 8-head kernel: most splits first, each a plan the
-// launcher accepts, the first twice kLatency's where the chunks allow it.
+// launcher accepts (clusters of 9 at K = 576 and 1088, 12 at 2176).
 TEST(SparseMlaSplitPlan, BatchPlansOfTheEightHeadKernelGoFromMostSplitsToFewest) {
   for (const int heads : {1, 8, 24, 120}) {
-    for (int top_k : {1, 64, 65, 100, 1024, 2048, 2176, 5000, kSparseMlaMaxTopK}) {
+    for (int top_k : {1, 64, 65, 100, 576, 1024, 1088, 2048, 2176, 5000, kSparseMlaMaxTopK}) {
       SCOPED_TRACE("H " + std::to_string(heads) + " K " + std::to_string(top_k));
       const auto plans = sparse_mla_batch_split_plans(heads, top_k);
       const SparseMlaSplitPlan latency = sparse_mla_split_plan(heads, top_k);
@@ -249,6 +249,7 @@ TEST(SparseMlaSplitPlan, BatchPlansOfTheEightHeadKernelGoFromMostSplitsToFewest)
       EXPECT_EQ(plans[2].splits, throughput.splits);
       EXPECT_EQ(plans[2].rows_per_split, throughput.rows_per_split);
       EXPECT_GE(plans[0].splits, plans[1].splits);
+      EXPECT_GE(plans[1].splits, plans[2].splits);
       if (top_k == 2048) EXPECT_EQ(plans[0].splits, 16) << "two 64-entry chunks per CTA";
       for (const SparseMlaSplitPlan& plan : plans) {
         EXPECT_EQ(plan.head_groups, ceil_div(heads, 8));
@@ -916,6 +917,29 @@ TEST(SparseMlaNumerics, RoundingPToFp8AloneExceedsTheErrorBound) {
 // chains of 4 steps (128 dims) added in FP32 in order (DeepGEMM's
 // promotion); each step alone, the 16 results added in FP32 in order.
 // q [64, 512] and rows [K, 512] e4m3, contiguous; scores [3][64][K] f32.
+// total[i] = S by chains of kChain k32 steps, added in FP32 in chain order.
+template <int kChain>
+__device__ void fp8_scores(const uint8_t* q_tile, const uint8_t* row_tile, uint32_t panel_bytes, float (&total)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) total[i] = 0.0f;
+#pragma unroll
+  for (int first = 0; first < 16; first += kChain) {
+    float d[32];
+    wgmma::fence();
+#pragma unroll
+    for (int step = first; step < first + kChain; ++step) {
+      const uint32_t offset = step / 4 * panel_bytes + 32 * (step % 4);
+      wgmma::mma_m64n64k32_e4m3(d, wgmma::k_major_sw128_descriptor(shared_address(q_tile) + offset),
+                                wgmma::k_major_sw128_descriptor(shared_address(row_tile) + offset), step > first);
+    }
+    wgmma::commit_group();
+    wgmma::wait_group<0>();
+    wgmma::fence_operands(d);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) total[i] += d[i];
+  }
+}
+
 __global__ void __launch_bounds__(128) fp8_scores_kernel(const uint8_t* q, const uint8_t* rows, int top_k,
                                                            float* scores) {
   constexpr int kPanelRows = 64, kPanelBytes = kPanelRows * 128, kPanels = L / 128;
@@ -933,21 +957,10 @@ __global__ void __launch_bounds__(128) fp8_scores_kernel(const uint8_t* q, const
   wgmma::fence_shared_for_async_proxy();
   __syncthreads();
   for (int variant = 0; variant < 3; ++variant) {
-    const int chain = 16 >> (2 * variant);  // steps per wgmma chain: 16, 4, 1
-    float total[32] = {};
-    for (int first = 0; first < 16; first += chain) {
-      float d[32];
-      wgmma::fence();
-      for (int step = first; step < first + chain; ++step) {
-        const uint32_t offset = step / 4 * kPanelBytes + 32 * (step % 4);
-        wgmma::mma_m64n64k32_e4m3(d, wgmma::k_major_sw128_descriptor(shared_address(q_tile) + offset),
-                                  wgmma::k_major_sw128_descriptor(shared_address(row_tile) + offset), step > first);
-      }
-      wgmma::commit_group();
-      wgmma::wait_group<0>();
-#pragma unroll
-      for (int i = 0; i < 32; ++i) total[i] += d[i];
-    }
+    float total[32];
+    if (variant == 0) fp8_scores<16>(q_tile, row_tile, kPanelBytes, total);
+    if (variant == 1) fp8_scores<4>(q_tile, row_tile, kPanelBytes, total);
+    if (variant == 2) fp8_scores<1>(q_tile, row_tile, kPanelBytes, total);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int head = wgmma::accumulator_row(threadIdx.x, i);
@@ -967,8 +980,12 @@ __global__ void __launch_bounds__(128) fp8_scores_kernel(const uint8_t* q, const
 // to FP32.
 TEST(SparseMlaGpu, Fp8ScoresAloneMissTheLseBound) {
   DSA_REQUIRE_GPU();
-  std::mt19937_64 rng(testing::test_seed() + 12);
+  // A fixed seed: the test records a measurement (the H200's numbers above),
+  // so every run takes the same inputs.
+  std::mt19937_64 rng(12);
   constexpr int kHeads = 64, kTopK = 2048;
+  constexpr size_t kShared = 2 * 64 * L + 1024;
+  DSA_ASSERT_CUDA(cudaFuncSetAttribute(fp8_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared));
   double worst_lse[3] = {0, 0, 0}, worst_relative[3] = {0, 0, 0};  // |lse error|; |S error| / sum |products|
   for (const float spread : {1.0f, 3.0f, 10.0f}) {
     Problem p = random_problem({kHeads, 1, kTopK}, false, spread, rng);
@@ -979,11 +996,9 @@ TEST(SparseMlaGpu, Fp8ScoresAloneMissTheLseBound) {
     DeviceBuffer<float> scores_device(size_t(3) * kHeads * kTopK);
     q_device.upload(q);
     rows_device.upload(rows);
-    constexpr size_t kShared = 2 * 64 * L + 1024;
-    testing::expect_cuda(cudaFuncSetAttribute(fp8_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kShared),
-                         "cudaFuncSetAttribute");
     fp8_scores_kernel<<<kTopK / 64, 128, kShared>>>(q_device.get(), rows_device.get(), kTopK, scores_device.get());
-    testing::expect_cuda(cudaDeviceSynchronize(), "fp8_scores_kernel");
+    DSA_ASSERT_CUDA(cudaGetLastError());
+    DSA_ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<float> gpu = scores_device.download();
     const double scale = double(p.q_scale) * p.k_scale * p.softmax_scale;
     double spread_lse[3] = {0, 0, 0};
@@ -1019,7 +1034,11 @@ TEST(SparseMlaGpu, Fp8ScoresAloneMissTheLseBound) {
   }
   std::printf("[FP8 scores] worst |S error| / sum |products|: chain of 16 %.3g, chains of 4 %.3g, each step %.3g\n",
               worst_relative[0], worst_relative[1], worst_relative[2]);
-  EXPECT_GT(worst_lse[0], worst_lse[2]) << "a longer chain should add no less error than the steps alone";
+  // The kernel computes the right products (a wrong layout errs by O(1)):
+  // measured 1.8e-5 for the steps alone and 3.3e-4 for one chain.
+  EXPECT_LT(worst_relative[2], 1e-4);
+  EXPECT_LT(worst_relative[0], 1e-2);
+  EXPECT_GT(worst_lse[0], worst_lse[2]) << "a longer chain should add more error than the steps alone";
   EXPECT_GT(worst_lse[2], 1e-3) << "FP8 S with every step promoted stays within the lse bound here: "
                                    "time the FP8-S design (docs/sparse_mla.md, \"FP8 scores\")";
 }
@@ -1301,8 +1320,9 @@ const NamedKernel kByBatchKernel{"sparse_mla, splits by batch", sparse_mla_with<
 // the H200, H = 64: 16 splits at m = 1, 8 at m = 12 (K = 2176), 4 at 18
 // items (H = 128, m = 9) and at m = 36 (K = 2176: 2 would take 17 chunks),
 // 2 at m = 40 (K = 2048), the producer kernel at m = 70 (K = 1024 and 128:
-// the 2-split plan would take two rounds); H = 8: the latency
-// plan at m = 4 and the throughput plan at m = 40), each with the bits of
+// the 2-split plan would take two rounds); H = 8: the first of
+// sparse_mla_batch_split_plans (12 splits at K = 2176) at m = 4, kLatency's
+// at m = 8, kThroughput's at m = 40), each with the bits of
 // the plan it should pick, run explicitly, and the counters zero after.
 TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
   DSA_REQUIRE_GPU();
@@ -1353,7 +1373,16 @@ TEST(SparseMlaGpu, SplitsByBatchTakeThePlanThatFitsTheGpu) {
   }
   if (resident == 132 && !testing::quick_mode()) {  // the H200: the cases reach every plan the comment names
     EXPECT_EQ(wgmma_splits, (std::vector<int>{16, 8, 4, 4, 2, 0, 0}));
-    EXPECT_EQ(mma_plans, (std::vector<int>{0, 1, 2}));  // twice kLatency's splits, kLatency's, kThroughput's
+  }
+  // The 8-head cases reach all three plans where 4 but not 8 clusters of 16
+  // and 8 but not 40 of 8 fit (the H200: 7 and 15); other parts differ by
+  // how their SMs spread over GPCs.
+  const auto plans_2048 = sparse_mla_batch_split_plans(8, 2048);
+  int clusters_of_16 = 0, clusters_of_8 = 0;
+  DSA_ASSERT_OK(sparse_mla_max_active_clusters(plans_2048[0], 8, 2048, &clusters_of_16));
+  DSA_ASSERT_OK(sparse_mla_max_active_clusters(plans_2048[1], 8, 2048, &clusters_of_8));
+  if (!testing::quick_mode() && clusters_of_16 >= 4 && clusters_of_16 < 8 && clusters_of_8 >= 8 && clusters_of_8 < 40) {
+    EXPECT_EQ(mma_plans, (std::vector<int>{0, 1, 2}));
   }
 }
 
