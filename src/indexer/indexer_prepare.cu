@@ -344,20 +344,29 @@ __device__ void compress_token_pool(const PrepareParams& p, const RowInputs& in,
                                     const float (&ape_columns)[kLaneValues][kPoolSize], int lane) {
   const TokenTarget& target = in.target;
   if (target.request < 0 || target.position % kPoolSize != kPoolSize - 1) return;
+  // All eight loads are issued before any is used (one memory round trip,
+  // not one per token), then every k is LayerNormed, the four butterflies
+  // side by side; a ring row keeps its loaded bits (LayerNormed when stashed).
   uint2 k[kPoolSize], gate[kPoolSize];
+  bool from_step[kPoolSize];
 #pragma unroll
   for (int j = 0; j < kPoolSize; ++j) {
     const int64_t position = target.position - (kPoolSize - 1) + j;
     const unsigned holders =
         __ballot_sync(kFullMask, in.lane_request == target.request && in.lane_position == position);
     const int holder = holders != 0 ? __ffs(holders) - 1 : -1;  // the step's first token at (request, position)
-    if (holder >= 0) {
-      k[j] = layernorm_lane(load_lane_bf16(p.keys.index_k + holder * p.keys.k_token_stride, lane), weight, bias);
-      gate[j] = load_lane_bf16(p.keys.gate + holder * p.keys.gate_token_stride, lane);
-    } else {
-      k[j] = load_lane_bf16(ring_row(p.state, target.request, 0, position), lane);
-      gate[j] = load_lane_bf16(ring_row(p.state, target.request, 1, position), lane);
-    }
+    from_step[j] = holder >= 0;
+    const uint16_t* k_row = from_step[j] ? p.keys.index_k + holder * p.keys.k_token_stride
+                                         : ring_row(p.state, target.request, 0, position);
+    const uint16_t* gate_row = from_step[j] ? p.keys.gate + holder * p.keys.gate_token_stride
+                                            : ring_row(p.state, target.request, 1, position);
+    k[j] = load_lane_bf16(k_row, lane);
+    gate[j] = load_lane_bf16(gate_row, lane);
+  }
+#pragma unroll
+  for (int j = 0; j < kPoolSize; ++j) {
+    const uint2 normalized = layernorm_lane(k[j], weight, bias);
+    if (from_step[j]) k[j] = normalized;
   }
   compress_pool(p.state, in.block, target.position / kPoolSize, k, gate, ape_columns, p.error_count, lane);
 }
