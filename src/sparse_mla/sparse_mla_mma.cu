@@ -142,10 +142,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     s.row_offset[j] = sparse_mla_row_offset(p, slot);
     out_of_range += slot >= p.capacity;
   }
-  if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTAs cover the row
-    out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
-    if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
-  }
+  if (group == 0) sparse_mla_count_out_of_range(p, out_of_range, lane);
   if (threadIdx.x < kHeads * (kLatent / 16)) {
     const int h = threadIdx.x / (kLatent / 16), unit = threadIdx.x % (kLatent / 16);
     uint4 codes = make_uint4(0, 0, 0, 0);

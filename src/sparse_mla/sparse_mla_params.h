@@ -88,6 +88,18 @@ __host__ __device__ inline int64_t sparse_mla_row_offset(const SparseMlaParams& 
   return block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
 }
 
+#ifdef __CUDACC__
+// Adds a warp's count of index entries past the cache to p.error_count (lane
+// 0, one atomic). Only the CTAs of head group 0 call it, so each entry of a
+// row counts once, not once per head group.
+__device__ __forceinline__ void sparse_mla_count_out_of_range(const SparseMlaParams& p, unsigned int out_of_range,
+                                                              int lane) {
+  if (p.error_count == nullptr) return;
+  out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
+  if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
+}
+#endif
+
 // The softmax runs in base 2: scores scaled by log2(e), the lse back by ln(2).
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;

@@ -82,6 +82,7 @@ using sparse_mla_steps::kPanelBytes;
 using sparse_mla_steps::kTileBytes;
 using sparse_mla_steps::listed_before;
 using sparse_mla_steps::listed_chunks;
+using sparse_mla_steps::mark_valid_rows;
 using sparse_mla_steps::round_and_store_probabilities;
 using sparse_mla_steps::scale_and_fold_max;
 using sparse_mla_steps::store_pieces_as_f16;
@@ -206,16 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       out_of_range += slots[k] >= p.capacity;
     }
     s.row_offset16[j] = offset >= 0 ? static_cast<uint32_t>(offset >> 4) : kNoRow;  // the launch checked the span
-    const unsigned int valid = __ballot_sync(0xFFFFFFFFu, offset >= 0);
-    if (lane == 0 && valid != 0) {
-      atomicOr(reinterpret_cast<unsigned long long*>(&s.valid_rows[j / kChunkRows]),
-               static_cast<unsigned long long>(valid) << (j % kChunkRows));
-    }
+    mark_valid_rows(s.valid_rows, j, offset >= 0, lane);
   }
-  if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTA covers the row
-    out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
-    if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
-  }
+  if (group == 0) sparse_mla_count_out_of_range(p, out_of_range, lane);
   __syncthreads();  // offsets and masks
   // The chunks with a valid entry, in order: every warp counts them (two
   // ballots), warp 0 lists them.
@@ -421,10 +415,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
     write_outputs(out, total_max, total_sum);
   }
 }
-
-}  // namespace
-
-namespace {
 
 // The kernel's shared memory limit raised, and its register count checked:
 // setmaxnreg moves registers within the CTA's launch allocation, so with

@@ -123,6 +123,12 @@ Exploration explore(const std::vector<Program>& programs, const Protocol& protoc
   return handover_check::explore(programs, {2, 2, 1}, arrivals_per_phase);
 }
 
+// One item of `chunks` chunks under `protocol`: its programs and the checker
+// built from the same protocol.
+Exploration explore_item(int chunks, const Protocol& protocol = {}) {
+  return explore(producer_programs({chunks}, protocol), protocol);
+}
+
 std::string describe(const std::vector<int>& items) {
   std::string name;
   for (const int chunks : items) name += std::to_string(chunks) + " ";
@@ -157,7 +163,7 @@ TEST(SparseMlaProducerDesign, ParityWaitsBuffersAndProgressHoldForEveryInterleav
 TEST(SparseMlaProducerDesign, OneSharedTileReadyBarrierAliases) {
   Protocol shared;
   shared.tile_ready_per_slot = false;
-  const Exploration e = explore(producer_programs({3}, shared), shared);
+  const Exploration e = explore_item(3, shared);
   EXPECT_NE(e.aliased.find("warpgroup 0 waits for phase 0 of barrier 0, which has completed 2"), std::string::npos)
       << e.aliased;
 }
@@ -169,7 +175,7 @@ TEST(SparseMlaProducerDesign, TilesFreedByWarpgroup0AloneAreOverwrittenInUse) {
   Protocol alone;
   alone.warpgroup_1_frees_tiles = false;
   alone.tile_free_arrivals = 1;
-  const Exploration e = explore(producer_programs({3}, alone), alone);
+  const Exploration e = explore_item(3, alone);
   EXPECT_NE(e.hazard.find("warpgroup 2 writes tile of chunk 2 before warpgroup 1 has read chunk 0's"),
             std::string::npos)
       << e.hazard;
@@ -182,7 +188,7 @@ TEST(SparseMlaProducerDesign, TilesFreedByWarpgroup0AloneAreOverwrittenInUse) {
 TEST(SparseMlaProducerDesign, TileFreeInitializedForOneWarpgroupReleasesEarly) {
   Protocol miscounted;
   miscounted.tile_free_arrivals = 1;
-  const Exploration e = explore(producer_programs({3}, miscounted), miscounted);
+  const Exploration e = explore_item(3, miscounted);
   EXPECT_NE(e.hazard.find("warpgroup 2 writes tile of chunk 2 before warpgroup "), std::string::npos) << e.hazard;
   EXPECT_NE(e.hazard.find(" has read chunk 0's"), std::string::npos) << e.hazard;
 }
@@ -193,8 +199,8 @@ TEST(SparseMlaProducerDesign, TileFreeInitializedForOneWarpgroupReleasesEarly) {
 TEST(SparseMlaProducerDesign, PVLaggingTwoChunksDeadlocks) {
   Protocol two;
   two.p_v_lag = 2;
-  EXPECT_TRUE(explore(producer_programs({3}, two), two).deadlock);
-  EXPECT_FALSE(explore(producer_programs({3})).deadlock);
+  EXPECT_TRUE(explore_item(3, two).deadlock);
+  EXPECT_FALSE(explore_item(3).deadlock);
 }
 
 // What compute-sanitizer's synccheck found on the H200 (7e2e4c3): without
@@ -203,10 +209,10 @@ TEST(SparseMlaProducerDesign, PVLaggingTwoChunksDeadlocks) {
 TEST(SparseMlaProducerDesign, UnwaitedFirstScoresDoneIsAMissingWait) {
   Protocol unwaited;
   unwaited.first_scores_waited = false;
-  const Exploration e = explore(producer_programs({3}, unwaited), unwaited);
+  const Exploration e = explore_item(3, unwaited);
   EXPECT_NE(e.missing_wait.find("arrives on barrier 8 before anyone waited for its phase 0"), std::string::npos)
       << e.missing_wait;
-  EXPECT_TRUE(explore(producer_programs({3})).missing_wait.empty());
+  EXPECT_TRUE(explore_item(3).missing_wait.empty());
 }
 
 // q's tile is in the model: without the wait for q_ready, S reads it before
@@ -214,7 +220,7 @@ TEST(SparseMlaProducerDesign, UnwaitedFirstScoresDoneIsAMissingWait) {
 TEST(SparseMlaProducerDesign, SWithoutQReadyReadsQBeforeItIsWritten) {
   Protocol eager;
   eager.q_waited = false;
-  const Exploration e = explore(producer_programs({2}, eager), eager);
+  const Exploration e = explore_item(2, eager);
   EXPECT_NE(e.hazard.find("warpgroup 0 reads q's tile of chunk 0 before warpgroup 1 has written it"), std::string::npos)
       << e.hazard;
 }

@@ -325,10 +325,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
                static_cast<unsigned long long>(valid) << (j % kChunkRows));
     }
   }
-  if (group == 0 && p.error_count != nullptr) {  // each entry once: group 0's CTAs cover the row
-    out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
-    if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
-  }
+  if (group == 0) sparse_mla_count_out_of_range(p, out_of_range, lane);
 
   __syncthreads();  // row offsets and masks
   // The chunks with a valid entry: bit n of `listed` for this CTA's chunk n,
@@ -1019,10 +1016,6 @@ Status launch_wgmma(void (*clustered)(KernelArgs...), void (*persistent)(KernelA
   }
   return launch_pdl_cooperative(persistent, grid, dim3(kThreads), kSharedBytes, stream, std::forward<Args>(args)...);
 }
-
-}  // namespace
-
-namespace {
 
 // When CTAs stream consecutive splits (Meeting::kWholeItem): kAuto by the
 // item count (one CTA per item with many items, the grouped stream where one

@@ -24,6 +24,16 @@ inline constexpr int kPanelBytes = kRows * 128;  // 64 rows x 64 FP16 dims, one 
 inline constexpr int kTileBytes = 8 * kPanelBytes;  // 64 rows x 512 FP16 dims
 inline constexpr uint32_t kNoRow = 0xFFFFFFFFu;     // a row offset / 16 (row_offset16) of an invalid entry
 
+// Sets bit j % 64 of valid_rows[j / 64] where entry j is valid, for the 32
+// consecutive entries of a warp (j this lane's; one ballot, one atomic).
+__device__ __forceinline__ void mark_valid_rows(uint64_t* valid_rows, int j, bool valid, int lane) {
+  const unsigned int ballot = __ballot_sync(0xFFFFFFFFu, valid);
+  if (lane == 0 && ballot != 0) {
+    atomicOr(reinterpret_cast<unsigned long long*>(&valid_rows[j / kRows]), static_cast<unsigned long long>(ballot)
+                                                                                << (j % kRows));
+  }
+}
+
 // The chunks with a valid entry among the first `chunks` (at most 64), bit
 // n for chunk n: two ballots over valid_rows (a 64-bit row mask per chunk),
 // so that every lane of every warp has them.
