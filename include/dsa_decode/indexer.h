@@ -279,6 +279,23 @@ struct IndexerSelectArgs {
   unsigned int* error_count = nullptr;
 };
 
+// Step 8 alone, for rows the caller brings (MTP draft steps 1+ reuse step
+// 0's selection instead of running the indexer): request-local positions to
+// global KV slots through the block table. A negative position stays -1; a
+// position at or past the token's context L = pos + 1 (a row from the
+// future), a page past the table's width or a block outside [0, blocks)
+// gives -1 and is counted. A padding token (request < 0) gets a row of -1;
+// an untrusted token (as in select) a row of -1 and one count.
+struct IndexerRemapArgs {
+  IndexerPlan plan;
+  TensorView positions;       // [m] int64, contiguous
+  TensorView token_requests;  // [m] int32, contiguous
+  IndexerState state;         // read only: block_table, and k_cache's blocks for the bound
+  TensorView topk_positions;  // [m, 2176] int32 in, request-local positions; dim 1 contiguous
+  TensorView slots;           // [m, 2176] int32 out, global KV slots; as topk_positions
+  unsigned int* error_count = nullptr;
+};
+
 // Step 9, prefill: the tokens at positions 0..n-1 of one request (LayerNorm,
 // every complete pool compressed into k_cache, the last min(n, RING) tokens
 // stashed in the ring), so that decode continues at position n. Gives the
@@ -302,6 +319,7 @@ struct IndexerPrefillArgs {
 Status check_indexer_prepare(const IndexerPrepareArgs& args);
 Status check_indexer_select(const IndexerSelectArgs& args);
 Status check_indexer_prefill(const IndexerPrefillArgs& args);
+Status check_indexer_remap(const IndexerRemapArgs& args);
 Status check_indexer_project(const IndexerProjectArgs& args);
 
 // Host copies of a step's token-to-request map, checked against the
@@ -395,6 +413,12 @@ Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream);
 // it outside a capture). Rows equal indexer_select of the CPU reference bit
 // for bit (under kFp32Accumulation: its selection over the GPU's logits, step 6).
 Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream);
+
+// Step 8 on the GPU for caller rows (IndexerRemapArgs): one PDL launch, one
+// CTA per token; every input is read after griddepcontrol.wait. Slots equal
+// reference::indexer_remap bit for bit. No allocation, no synchronization,
+// CUDA-graph capturable.
+Status indexer_remap(const IndexerRemapArgs& args, cudaStream_t stream);
 
 // The benchmark's straightforward baseline of the same step, same rows: the
 // same logits kernel, a key kernel, cub::DeviceSegmentedRadixSort (pairs,

@@ -224,6 +224,23 @@ Status check_indexer_select(const IndexerSelectArgs& a) {
        {&a.topk_positions, "topk_positions"}});
 }
 
+Status check_indexer_remap(const IndexerRemapArgs& a) {
+  DSA_RETURN_IF_ERROR(check_indexer_plan(a.plan));
+  DSA_RETURN_IF_ERROR(check_dtype(a.positions, "positions", DType::kI64));
+  DSA_RETURN_IF_ERROR(check_token_count(a.positions, "positions", a.plan));
+  const int64_t m = a.positions.size(0);
+  DSA_RETURN_IF_ERROR(check_token_vector(a.positions, "positions", DType::kI64, m));
+  DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
+  DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
+  DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
+  DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4));
+  DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
+  return check_written_apart({{&a.slots, "slots"}},
+                             {{&a.positions, "positions"}, {&a.token_requests, "token_requests"},
+                              {&a.state.block_table, "block_table"}, {&a.state.k_cache, "k_cache"},
+                              {&a.topk_positions, "topk_positions"}});
+}
+
 Status check_indexer_prefill(const IndexerPrefillArgs& a) {
   DSA_RETURN_IF_ERROR(check_indexer_plan(a.plan));
   DSA_RETURN_IF_ERROR(check_dtype(a.index_k, "index_k", DType::kBF16));

@@ -1,133 +1,17 @@
 // The indexer's projections (include/dsa_decode/indexer.h, indexer_project):
 // four cuBLASLt matmuls out[m, n] = in[m, k] x weight[n, k]^T, BF16 in, FP32
 // compute, BF16 or FP32 out.
-#include <cublasLt.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <memory>
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <vector>
 
-#include "dsa_decode/cuda_check.h"
+#include "core/linear.h"
 #include "dsa_decode/indexer.h"
 
 namespace dsa {
 
 namespace {
-
-// check_indexer_project guarantees 16-byte aligned data and row strides of a
-// multiple of 16 bytes; telling the heuristic so keeps it from picking an
-// algorithm that needs its default of 256-byte aligned matrices.
-constexpr uint32_t kMatrixAlignmentBytes = 16;
-
-template <class Handle, cublasStatus_t (*destroy)(Handle)>
-struct LtDestroy {
-  void operator()(Handle handle) const { destroy(handle); }
-};
-template <class Handle, cublasStatus_t (*destroy)(Handle)>
-using LtOwned = std::unique_ptr<std::remove_pointer_t<Handle>, LtDestroy<Handle, destroy>>;
-using OwnedHandle = LtOwned<cublasLtHandle_t, cublasLtDestroy>;
-using OwnedMatmulDesc = LtOwned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
-using OwnedLayout = LtOwned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
-using OwnedPreference = LtOwned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
-
-struct CudaFree {
-  void operator()(void* memory) const { cudaFree(memory); }
-};
-
-// What fixes a matmul's descriptors and algorithm: row-major out[m, n] =
-// in[m, k] x weight[n, k]^T with these row strides, in elements.
-struct MatmulShape {
-  int64_t m, n, k;
-  int64_t input_stride, weight_stride, output_stride;
-  cudaDataType_t output_type;
-
-  bool operator==(const MatmulShape& o) const {
-    return m == o.m && n == o.n && k == o.k && input_stride == o.input_stride && weight_stride == o.weight_stride &&
-           output_stride == o.output_stride && output_type == o.output_type;
-  }
-  std::string describe() const {
-    return "m " + std::to_string(m) + ", n " + std::to_string(n) + ", k " + std::to_string(k) + ", row strides " +
-           std::to_string(input_stride) + " / " + std::to_string(weight_stride) + " / " +
-           std::to_string(output_stride);
-  }
-};
-
-// One shape's descriptors and the heuristic's first algorithm for it.
-//
-// cuBLASLt is column-major, and a row-major [rows, cols] matrix with row
-// stride s is the column-major [cols, rows] matrix with leading dimension s.
-// So the library computes out^T [n, m] = op_T(weight as [k, n]) x (in as
-// [k, m]): every matrix is read and written where it lies, no copies.
-struct MatmulPlan {
-  MatmulShape shape = {};
-  OwnedMatmulDesc desc;
-  OwnedLayout weight_layout, input_layout, output_layout;
-  cublasLtMatmulAlgo_t algorithm = {};
-};
-
-Status make_matmul_plan(cublasLtHandle_t handle, const MatmulShape& shape, size_t workspace_bytes,
-                        const std::string& what, MatmulPlan* plan) {
-  plan->shape = shape;
-  cublasLtMatmulDesc_t desc = nullptr;
-  DSA_RETURN_IF_ERROR(cublas_status(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-                                    (what + ": cublasLtMatmulDescCreate").c_str()));
-  plan->desc.reset(desc);
-  const cublasOperation_t transpose = CUBLAS_OP_T, no_transpose = CUBLAS_OP_N;
-  DSA_RETURN_IF_ERROR(cublas_status(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
-      (what + ": cublasLtMatmulDescSetAttribute(TRANSA)").c_str()));
-  DSA_RETURN_IF_ERROR(cublas_status(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_transpose, sizeof(no_transpose)),
-      (what + ": cublasLtMatmulDescSetAttribute(TRANSB)").c_str()));
-
-  const auto make_layout = [&](OwnedLayout* owned, cudaDataType_t type, int64_t rows, int64_t cols,
-                               int64_t leading) {
-    cublasLtMatrixLayout_t layout = nullptr;
-    const Status made = cublas_status(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, leading),
-                                      (what + ": cublasLtMatrixLayoutCreate").c_str());
-    owned->reset(layout);
-    return made;
-  };
-  DSA_RETURN_IF_ERROR(make_layout(&plan->weight_layout, CUDA_R_16BF, shape.k, shape.n, shape.weight_stride));
-  DSA_RETURN_IF_ERROR(make_layout(&plan->input_layout, CUDA_R_16BF, shape.k, shape.m, shape.input_stride));
-  DSA_RETURN_IF_ERROR(make_layout(&plan->output_layout, shape.output_type, shape.n, shape.m, shape.output_stride));
-
-  cublasLtMatmulPreference_t raw_preference = nullptr;
-  DSA_RETURN_IF_ERROR(cublas_status(cublasLtMatmulPreferenceCreate(&raw_preference),
-                                    (what + ": cublasLtMatmulPreferenceCreate").c_str()));
-  const OwnedPreference preference(raw_preference);
-  const uint64_t max_workspace = workspace_bytes;
-  DSA_RETURN_IF_ERROR(cublas_status(
-      cublasLtMatmulPreferenceSetAttribute(raw_preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
-                                           sizeof(max_workspace)),
-      (what + ": cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)").c_str()));
-  for (const cublasLtMatmulPreferenceAttributes_t attribute :
-       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    DSA_RETURN_IF_ERROR(cublas_status(cublasLtMatmulPreferenceSetAttribute(raw_preference, attribute,
-                                                                           &kMatrixAlignmentBytes,
-                                                                           sizeof(kMatrixAlignmentBytes)),
-                                      (what + ": cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)").c_str()));
-  }
-
-  cublasLtMatmulHeuristicResult_t result = {};
-  int found = 0;
-  const cublasStatus_t searched = cublasLtMatmulAlgoGetHeuristic(
-      handle, desc, plan->weight_layout.get(), plan->input_layout.get(), plan->output_layout.get(),
-      plan->output_layout.get(), raw_preference, 1, &result, &found);
-  if (searched != CUBLAS_STATUS_SUCCESS) {
-    return cublas_status(searched, (what + ": cublasLtMatmulAlgoGetHeuristic").c_str());
-  }
-  if (found == 0) {
-    return Status(ErrorCode::kCublasError, what + ": cublasLtMatmulAlgoGetHeuristic found no algorithm");
-  }
-  plan->algorithm = result.algo;
-  return Status();
-}
 
 // One of indexer_project's four products: output[m, n] = input x weight^T.
 struct Product {
@@ -142,36 +26,7 @@ struct Product {
 }  // namespace
 
 struct IndexerProjectContext::State {
-  OwnedHandle handle;
-  std::unique_ptr<void, CudaFree> workspace;
-  size_t workspace_bytes = 0;
-  std::vector<MatmulPlan> plans;  // one per shape met, in the order met
-
-  Status run(const Product& product, cudaStream_t stream) {
-    const MatmulShape shape{product.input.size(0), product.weight.size(0), product.input.size(1),
-                            product.input.stride(0), product.weight.stride(0), product.output_stride,
-                            product.output_type};
-    const std::string what = std::string("indexer_project, ") + product.name + " (" + shape.describe() + ")";
-    const MatmulPlan* plan = nullptr;
-    for (const MatmulPlan& known : plans) {
-      if (known.shape == shape) plan = &known;
-    }
-    if (plan == nullptr) {
-      MatmulPlan made;
-      DSA_RETURN_IF_ERROR(make_matmul_plan(handle.get(), shape, workspace_bytes, what, &made));
-      plans.push_back(std::move(made));
-      plan = &plans.back();
-    }
-    // Host scalars: a cuBLASLt matmul descriptor's pointer mode is host by default.
-    const float alpha = 1.0f, beta = 0.0f;
-    // beta = 0: C is not read, so C and D are both the output.
-    return cublas_status(cublasLtMatmul(handle.get(), plan->desc.get(), &alpha, product.weight.data,
-                                        plan->weight_layout.get(), product.input.data, plan->input_layout.get(),
-                                        &beta, product.output, plan->output_layout.get(), product.output,
-                                        plan->output_layout.get(), &plan->algorithm, workspace.get(),
-                                        workspace_bytes, stream),
-                         (what + ": cublasLtMatmul").c_str());
-  }
+  LinearContext linear;
 };
 
 IndexerProjectContext::IndexerProjectContext() = default;
@@ -182,14 +37,7 @@ IndexerProjectContext& IndexerProjectContext::operator=(IndexerProjectContext&&)
 Status IndexerProjectContext::create(IndexerProjectContext* context, size_t workspace_bytes) {
   if (context == nullptr) return invalid_argument("context", "a context to fill", "a null pointer");
   auto state = std::make_unique<State>();
-  // The workspace first: without a device its error is kNoDevice.
-  void* workspace = nullptr;
-  DSA_CUDA_RETURN(cudaMalloc(&workspace, workspace_bytes));
-  state->workspace.reset(workspace);
-  state->workspace_bytes = workspace_bytes;
-  cublasLtHandle_t handle = nullptr;
-  DSA_CUBLAS_RETURN(cublasLtCreate(&handle));
-  state->handle.reset(handle);
+  DSA_RETURN_IF_ERROR(LinearContext::create(&state->linear, workspace_bytes));
   context->state_ = std::move(state);
   return Status();
 }
@@ -204,13 +52,17 @@ Status indexer_project(const IndexerProjectArgs& a, IndexerProjectContext& conte
   const int64_t index_q_width = int64_t(kIndexerHeads) * kIndexerDim;
   const int64_t index_q_stride = a.q_c.size(0) == 1 ? index_q_width : a.index_q.stride(0);
   const Product products[] = {
-      {"index_q = q_c @ wq_b^T", a.q_c, a.wq_b, a.index_q.data, index_q_stride, CUDA_R_16BF},
-      {"index_k = x @ wk^T", a.x, a.wk, a.index_k.data, a.index_k.stride(0), CUDA_R_16BF},
-      {"head_weights = x @ weights_proj^T", a.x, a.weights_proj, a.head_weights.data, a.head_weights.stride(0),
-       CUDA_R_32F},
-      {"gate = x @ compress_gate^T", a.x, a.compress_gate, a.gate.data, a.gate.stride(0), CUDA_R_16BF},
+      {"indexer_project, index_q = q_c @ wq_b^T", a.q_c, a.wq_b, a.index_q.data, index_q_stride, CUDA_R_16BF},
+      {"indexer_project, index_k = x @ wk^T", a.x, a.wk, a.index_k.data, a.index_k.stride(0), CUDA_R_16BF},
+      {"indexer_project, head_weights = x @ weights_proj^T", a.x, a.weights_proj, a.head_weights.data,
+       a.head_weights.stride(0), CUDA_R_32F},
+      {"indexer_project, gate = x @ compress_gate^T", a.x, a.compress_gate, a.gate.data, a.gate.stride(0),
+       CUDA_R_16BF},
   };
-  for (const Product& product : products) DSA_RETURN_IF_ERROR(context.state_->run(product, stream));
+  for (const Product& product : products) {
+    DSA_RETURN_IF_ERROR(context.state_->linear.run(product.name, product.input, product.weight, product.output,
+                                                    product.output_stride, product.output_type, stream));
+  }
   return Status();
 }
 

@@ -276,6 +276,35 @@ int64_t remap_row(const IndexerPlan& plan, const IndexerStateHost& state, int64_
   return errors;
 }
 
+Status indexer_remap(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerStateHost& state,
+                     const std::vector<int32_t>& topk_positions, IndexerRowsHost* rows) {
+  DSA_RETURN_IF_ERROR(check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests,
+                                          state.block_table_width));
+  if (topk_positions.size() != size_t(step.m) * kIndexerRowWidth) {
+    return invalid_argument("topk_positions", std::to_string(step.m) + " rows of " +
+                                                  std::to_string(kIndexerRowWidth),
+                            std::to_string(topk_positions.size()) + " values");
+  }
+  rows->topk_positions = topk_positions;
+  rows->slots.assign(topk_positions.size(), -1);
+  rows->errors = 0;
+  for (int t = 0; t < step.m; ++t) {
+    const int64_t request = step.token_requests[t];
+    if (request < 0) continue;
+    const int64_t context = step.positions[t] + 1;
+    const size_t row = size_t(t) * kIndexerRowWidth;
+    std::vector<int32_t> known(topk_positions.begin() + row, topk_positions.begin() + row + kIndexerRowWidth);
+    for (int32_t& position : known) {
+      if (position >= context) {
+        position = -1;
+        ++rows->errors;
+      }
+    }
+    rows->errors += remap_row(plan, state, request, known.data(), kIndexerRowWidth, &rows->slots[row]);
+  }
+  return Status();
+}
+
 namespace {
 
 // Steps 5, 7 and 8 with token t's logits from logits_of(t, request, n_pools).

@@ -122,6 +122,13 @@ void expand_row(int64_t context, const std::vector<int32_t>& top_pools, int32_t*
 int64_t remap_row(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request, const int32_t* positions,
                   int count, int32_t* slots);
 
+// Step 8 for caller rows (indexer_remap): topk_positions [m, 2176] to
+// rows->slots (rows->topk_positions is set to the input); a position at or
+// past the token's context gives -1 and is counted, as remap_row's untrusted
+// blocks; a padding token's row is -1. Checks the batch first.
+Status indexer_remap(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerStateHost& state,
+                     const std::vector<int32_t>& topk_positions, IndexerRowsHost* rows);
+
 // Steps 5-8 for every token; checks the batch first.
 Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerQueryHost& query,
                       const IndexerStateHost& state, IndexerRowsHost* rows);

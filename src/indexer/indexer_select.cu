@@ -98,6 +98,7 @@ struct Params {
   int32_t* slots;              // [m, stride]
   int64_t slots_stride;
   unsigned int* error_count;  // optional
+  bool count_untrusted_tokens;  // remap_rows_kernel: whether it counts them (the baseline's expand kernel already has)
   // Baseline only.
   uint32_t* keys_in;
   int32_t* values_in;
@@ -729,15 +730,23 @@ __global__ void __launch_bounds__(kIndexerTopPools) baseline_expand_kernel(const
   }
 }
 
-__global__ void __launch_bounds__(256) baseline_remap_kernel(const __grid_constant__ Params p) {
+// Step 8 over rows of request-local positions (the baseline's expanded rows,
+// or a caller's through indexer_remap): a position at or past the token's
+// context is a row from the future, -1 and counted (the baseline's never are).
+__global__ void __launch_bounds__(256) remap_rows_kernel(const __grid_constant__ Params p) {
   pdl_wait();
   pdl_release_dependents();
   const int t = blockIdx.x;
   int64_t request = 0;
-  const int64_t context = token_context(p, t, &request, false);
+  const int64_t context = token_context(p, t, &request, p.count_untrusted_tokens);
   for (int c = threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) {
     const int32_t position = p.topk_positions[t * p.topk_stride + c];
-    p.slots[t * p.slots_stride + c] = context > 0 ? slot_of(p, request, position) : -1;
+    if (context > 0 && position >= context) {
+      count_error(p);
+      p.slots[t * p.slots_stride + c] = -1;
+    } else {
+      p.slots[t * p.slots_stride + c] = context > 0 ? slot_of(p, request, position) : -1;
+    }
   }
 }
 
@@ -901,7 +910,23 @@ Status indexer_select_baseline(const IndexerSelectArgs& args, void* baseline_wor
       p.values_out, static_cast<int>(int64_t(p.m) * p.logits_stride), p.m, p.segment_begin, p.segment_end, 0, 32,
       stream));
   DSA_RETURN_IF_ERROR(launch_pdl(baseline_expand_kernel, dim3(p.m), dim3(kIndexerTopPools), 0, stream, p));
-  return launch_pdl(baseline_remap_kernel, dim3(p.m), dim3(256), 0, stream, p);
+  return launch_pdl(remap_rows_kernel, dim3(p.m), dim3(256), 0, stream, p);
+}
+
+Status indexer_remap(const IndexerRemapArgs& a, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_indexer_remap(a));
+  Params p = {};
+  p.m = static_cast<int>(a.positions.size(0));
+  p.positions = a.positions.ptr<const int64_t>();
+  p.token_requests = a.token_requests.ptr<const int32_t>();
+  p.state = make_indexer_state_params(a.plan, a.state);
+  p.topk_positions = a.topk_positions.ptr<int32_t>();  // read only here
+  p.topk_stride = a.topk_positions.stride(0);
+  p.slots = a.slots.ptr<int32_t>();
+  p.slots_stride = a.slots.stride(0);
+  p.error_count = a.error_count;
+  p.count_untrusted_tokens = true;
+  return launch_pdl(remap_rows_kernel, dim3(p.m), dim3(256), 0, stream, p);
 }
 
 }  // namespace dsa

@@ -4,7 +4,9 @@
 // for bit (the logits kernel's head dots are exact, as the reference's); with
 // plan.logits = kFp32Accumulation the logits within their bound and the rows
 // bitwise the reference's selection over the GPU's own logits.
-// GPU tests: IndexerSelectGpu.*; argument checks without a GPU: IndexerSelectChecks.*.
+// indexer_remap (caller rows) against reference::indexer_remap.
+// GPU tests: IndexerSelectGpu.*, IndexerRemapGpu.*; argument checks without a GPU: IndexerSelectChecks.*,
+// IndexerRemapChecks.*.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -638,6 +640,97 @@ TEST(IndexerSelectGpu, RepeatableGraphCapturableAndUntrustedBlocksCounted) {
     EXPECT_TRUE(d.slots.download() == s.rows.slots) << "baseline " << baseline;
   }
   cudaStreamDestroy(stream);
+}
+
+// Caller rows (MTP draft steps reusing step 0's selection) through
+// indexer_remap: every kind of entry (valid, -1, from the future, on a page
+// past the table, on a block outside the cache), a padding token, a graph
+// replay; the slots are the reference's bit for bit, and the counter counts.
+TEST(IndexerRemapGpu, CallerRowsMatchTheReference) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  IndexerPlan plan;
+  plan.max_tokens = 4;
+  plan.max_context = 8192;
+  plan.block_size = 128;
+  testing::IndexerHostState state(plan, /*requests=*/3, /*table_width=*/40, rng);
+  state.block_table[2 * state.width + 3] = static_cast<int32_t>(state.blocks + 9);  // request 2's page 3: untrusted
+  const std::vector<int64_t> positions = {5000, 700, 4800, 123};
+  const std::vector<int32_t> requests = {0, 1, 2, -1};
+  std::vector<int32_t> rows(size_t(4) * kWidth);
+  std::uniform_int_distribution<int> kind(0, 9);
+  for (int t = 0; t < 4; ++t) {
+    std::uniform_int_distribution<int32_t> in_context(0, static_cast<int32_t>(positions[t]));
+    for (int c = 0; c < kWidth; ++c) {
+      const int k = kind(rng);
+      int32_t& v = rows[size_t(t) * kWidth + c];
+      v = k == 0 ? -1 : k == 1 ? static_cast<int32_t>(positions[t] + 1 + c % 7) : k == 2 ? 40 * 128 + c : in_context(rng);
+    }
+  }
+  const reference::IndexerStepHost step{4, nullptr, nullptr, nullptr, nullptr, positions.data(), requests.data()};
+  reference::IndexerRowsHost expected;
+  DSA_ASSERT_OK(reference::indexer_remap(plan, step, state.view, rows, &expected));
+  ASSERT_GT(expected.errors, 0);
+
+  DeviceBuffer<int64_t> d_positions(positions);
+  DeviceBuffer<int32_t> d_requests(requests), d_rows(rows), d_table(state.block_table), d_slots(rows.size());
+  DeviceBuffer<uint16_t> d_ring(state.ring);
+  DeviceBuffer<uint8_t> d_cache(state.k_cache);
+  DeviceBuffer<unsigned int> d_errors(std::vector<unsigned int>{0});
+  IndexerRemapArgs a;
+  a.plan = plan;
+  a.positions = make_tensor(d_positions.get(), DType::kI64, {4});
+  a.token_requests = make_tensor(d_requests.get(), DType::kI32, {4});
+  a.state.block_table = make_tensor(d_table.get(), DType::kI32, {state.requests, state.width});
+  a.state.ring = make_tensor(d_ring.get(), DType::kBF16, {state.requests, 2, plan.ring, kDim});
+  a.state.k_cache = make_strided(d_cache.get(), DType::kU8, {state.blocks, plan.block_size / 4 * kIndexerPoolBytes},
+                                 {state.page_stride, 1});
+  a.topk_positions = make_tensor(d_rows.get(), DType::kI32, {4, kWidth});
+  a.slots = make_tensor(d_slots.get(), DType::kI32, {4, kWidth});
+  a.error_count = d_errors.get();
+  d_slots.fill_bytes(kPoison);
+  DSA_ASSERT_OK(indexer_remap(a, nullptr));
+  DSA_ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(d_slots.download() == expected.slots);
+  EXPECT_GT(d_errors.download()[0], 0u);
+
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = indexer_remap(a, stream);
+  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  DSA_ASSERT_OK(captured);
+  DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  d_slots.fill_bytes(kPoison);
+  DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(d_slots.download() == expected.slots);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(IndexerRemapChecks, RejectsBadRowsAndSlotsOverTheirInputs) {
+  IndexerRemapArgs a;
+  a.plan.max_tokens = 4;
+  a.positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x40000} << 16), DType::kI64, {4});
+  a.token_requests = make_tensor(reinterpret_cast<void*>(uintptr_t{0x41000} << 16), DType::kI32, {4});
+  a.state.block_table = make_tensor(reinterpret_cast<void*>(uintptr_t{0x10000} << 16), DType::kI32, {4, 512});
+  a.state.ring = make_tensor(reinterpret_cast<void*>(uintptr_t{0x20000} << 16), DType::kBF16, {4, 2, 4, kDim});
+  a.state.k_cache = make_tensor(reinterpret_cast<void*>(uintptr_t{0x30000} << 16), DType::kU8, {1000, 64 * 132});
+  a.topk_positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x70000} << 16), DType::kI32, {4, kWidth - 1});
+  a.slots = make_tensor(reinterpret_cast<void*>(uintptr_t{0x80000} << 16), DType::kI32, {4, kWidth});
+  Status s = indexer_remap(a, nullptr);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("'topk_positions'"), std::string::npos) << s.message();
+  a.topk_positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x70000} << 16), DType::kI32, {4, kWidth});
+  DSA_ASSERT_OK(check_indexer_remap(a));
+  a.slots.data = a.topk_positions.data;  // in place: the kernel reads a row while other CTAs write
+  const Status in_place = check_indexer_remap(a);
+  ASSERT_FALSE(in_place.ok());
+  EXPECT_NE(in_place.message().find("'slots'"), std::string::npos) << in_place.message();
 }
 
 // Without a GPU: the launchers check their arguments before launching.
