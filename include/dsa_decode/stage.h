@@ -1,0 +1,222 @@
+// The DSA attention stage (issue 6): one decode step of a DSA layer's
+// attention half, hidden states in and o_proj's output out, as vLLM's
+// MultiHeadLatentAttentionWrapper.forward of a glm5next (NoPE) DSA layer
+// computes it; the C++ form of the seed's DsaAttentionStage.
+//
+// Built once per layer from its configuration and device views of its
+// weights (used in place, never copied), it plans and allocates its
+// workspace for the largest step, then runs steps of m <= max_tokens decode
+// tokens through either path:
+//
+//   fused (forward):
+//     qkv_a_proj  qkv [m, Q + L] = hidden [m, D] x fused_qkv_a_proj^T     cuBLASLt
+//     norm        q_c [m, Q], kv_c [m, L]: both RMSNorms, one launch      qkv_rmsnorm (norm.h)
+//     q_b_proj    q [m, H * P] = q_c x q_b_proj^T                         cuBLASLt
+//     absorb      q_fp8 [m, H, L] = FP8(q x W_UK_T) and kv_c into the
+//                 KV cache at slot_mapping, one launch                    head_gemv (head_gemv.h)
+//     indexer     projections, prepare, select: top-k rows remapped to
+//                 global KV slots [m, 2176]                               indexer.h
+//       or, when the caller gives topk_positions (MTP draft steps 1+
+//       reuse step 0's selection), only their remap                       indexer_remap
+//     attention   latent [m, H, L] BF16, lse [m, H]                       sparse_mla (sparse_mla.h)
+//     value_up    heads [m, H, V] = latent x W_UV: head_gemv for the token
+//                 counts in plan.value_up_tokens, cuBLAS's bmm otherwise
+//     o_proj      out [m, D] = heads x o_proj^T                           cuBLASLt
+//   Every kernel of ours launches with programmatic dependent launch (PDL)
+//   and loads its weights before waiting for its predecessor; cuBLAS and
+//   cuBLASLt launches carry no PDL attribute.
+//
+//   stock (stock_forward): the same step in the stock engine's order with
+//   unfused kernels, the fallback and the baseline every speedup is measured
+//   against: qkv_a_proj, norm, q_b_proj, the indexer with its projections
+//   through cuBLASLt and the straightforward select (CUB sort, separate
+//   expand and remap), concat_and_cache_mla, cuBLAS absorb bmm, static FP8
+//   quant, a cudaMemsetAsync of the attention's split counters, the same
+//   attention (no stock Hopper kernel reads this cache format), cuBLAS W_UV
+//   bmm, o_proj.
+//
+// Numerics: both paths apply the same roundings (BF16 round to nearest even,
+// the stock static FP8 quant, the cache write's rounded division); they
+// differ in FP32 summation order only (head_gemv's fixed order against
+// cuBLAS's), so q_fp8 agrees within one FP8 step, the KV cache bytes and the
+// selected slots are equal, and latent and out agree within the attention's
+// and the GEMMs' tolerances (docs/stage.md has the measured differences).
+// The fused path is deterministic; a token's bits do not depend on the batch
+// around it when plan.attention_splits is batch invariant (the default) and
+// value_up_tokens holds every m or none (the two value-up kernels add in
+// different orders).
+//
+// Run path: no allocation, no synchronization; a step captures into a CUDA
+// graph once each path has run uncaptured at the same m (the first launch
+// of a kernel on a device sets its shared-memory and cluster limits, and the
+// first cuBLASLt call of a shape asks the heuristic: host work kept out of a
+// capture). One stream at a time: the workspace is the stage's own. Inputs
+// the indexer reads before its PDL wait (positions, token_requests, the
+// block table) must be complete when the step's first kernel starts (written
+// by host copies or by kernels outside this chain; indexer.h says why).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "dsa_decode/head_gemv.h"
+#include "dsa_decode/indexer.h"
+#include "dsa_decode/sparse_mla.h"
+#include "dsa_decode/status.h"
+#include "dsa_decode/tensor.h"
+
+namespace dsa {
+
+inline constexpr int kDsaStageMaxTokens = 16;  // MAX_TOKENS: larger steps run the engine's stock forward
+
+// What the engine knows of one DSA layer on this rank (vLLM's MLA wrapper
+// and its attention's attribute names in the comments). The flags are the
+// seed's checks: a layer this stage cannot run is refused at creation with
+// every missing requirement named.
+struct DsaLayerConfig {
+  int64_t hidden_size = 0;       // D
+  int64_t num_heads = 0;         // H on this rank: 1..128
+  int64_t q_lora_rank = 0;       // Q (q_lora_rank; 0 = the layer has none)
+  int64_t kv_lora_rank = 0;      // L: the latent, one KV cache entry (512)
+  int64_t qk_nope_head_dim = 0;  // P
+  int64_t qk_rope_head_dim = 0;  // must be 0: NoPE
+  int64_t v_head_dim = 0;        // V
+  float softmax_scale = 0;       // of the attention's scores (glm5next: 256^-0.5)
+  float rms_norm_eps = 0;        // of the q and kv a-norms (variance_epsilon)
+
+  bool fuse_qkv_rmsnorm = false;        // fuse_qkv_rmsnorm: one fused_qkv_a_proj, then both a-norms
+  bool rotary_embedding = false;        // rotary_emb is not None
+  bool indexer = false;                 // indexer is not None: the layer's own glm5next indexer
+  bool skip_topk = false;               // skip_topk: the layer reuses another layer's selection
+  bool gate_proj = false;               // g_proj is not None
+  bool dcp_query_replicate = false;     // dcp_q_replicate
+  std::string kv_cache_dtype = "auto";  // "fp8" or "fp8_e4m3" needed
+  bool padded_heads = false;            // q_pad_num_heads is not None
+  bool prefill_context_parallel = false;  // use_pcp
+  bool hisparse_cache = false;            // hisparse_cache is not None
+  int decode_context_parallel_size = 1;   // impl.dcp_world_size
+};
+
+// Device views of the layer's weights, BF16 unless noted, nn.Linear's
+// [out, in] layout for the projections (each view: last dim contiguous, row
+// stride a multiple of 8 elements, data 16-byte aligned, on CUDA). Views,
+// not copies: the weights must outlive the stage and stay where they are.
+struct DsaLayerWeights {
+  TensorView fused_qkv_a_proj;  // [Q + L, D]
+  TensorView q_a_norm;          // [Q], contiguous
+  TensorView kv_a_norm;         // [L], contiguous
+  TensorView q_b_proj;          // [H * P, Q]
+  TensorView w_uk_t;            // [H, P, L] (W_UK_T; L contiguous: "a column-major W_UK")
+  TensorView w_uv;              // [H, L, V] (W_UV; V contiguous, any head and row strides of a multiple of 8)
+  TensorView o_proj;            // [D, H * V]
+  TensorView q_scale;           // [1] f32: the absorbed query's static FP8 scale (_q_scale)
+  TensorView k_scale;           // [1] f32: the KV cache's (_k_scale)
+  // The indexer (indexer.h): its projections, then its LayerNorm and pool parameters in FP32.
+  TensorView index_wq_b;           // [32 * 128, Q]
+  TensorView index_wk;             // [128, D]
+  TensorView index_weights_proj;   // [32, D]
+  TensorView index_compress_gate;  // [128, D]
+  TensorView index_k_norm_weight;  // [128] f32
+  TensorView index_k_norm_bias;    // [128] f32
+  TensorView index_ape;            // [4, 128] f32
+};
+
+// Choices fixed at creation; the workspace is sized from them.
+struct DsaStagePlan {
+  int max_tokens = kDsaStageMaxTokens;  // largest m, 1..16
+  int64_t max_context = 131072;         // largest L = pos + 1 a step may hold
+  int ring = 4;                         // the indexer's RING: 4, or 8 with draft tokens
+  int block_size = 256;                 // tokens per KV block: a positive multiple of 128
+  // Token counts whose value-up runs as head_gemv (cuBLAS's bmm otherwise);
+  // unset: dsa_stage_measured_value_up_tokens(H, head_gemv_sums).
+  std::optional<std::set<int>> value_up_tokens;
+  HeadGemvSums head_gemv_sums = HeadGemvSums::kSeedOrder;        // the fused path's absorb and value-up
+  IndexerLogits indexer_logits = IndexerLogits::kExact;          // both paths' select
+  SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' attention
+  bool indexer_projections_cublaslt = false;  // the fused path's indexer projections: GEMV launch or cuBLASLt
+};
+
+// The token counts at which value-up's head_gemv beat cuBLAS's bmm on the
+// H200 (docs/head_gemv.md): seed order 1, 2 at 64 heads and 1..4 at 8 heads;
+// tensor-core sums 1..8 at 64 heads and 1..16 at 8 heads; head counts not
+// measured take 64 heads' set.
+std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sums);
+
+// One step's arguments. m = hidden.size(0), 1..plan.max_tokens.
+struct DsaStepArgs {
+  TensorView hidden;          // [m, D] BF16, dim 1 contiguous, row stride a multiple of 8, 16-byte aligned
+  TensorView positions;       // [m] int64: the tokens' positions (L = pos + 1)
+  TensorView token_requests;  // [m] int32: each token's row of the block table; negative = a padding token
+  TensorView slot_mapping;    // [n] int64: the step's KV cache slots (negative, or t >= n: not written)
+  TensorView kv_cache;        // [blocks, block_size, L] FP8 e4m3 (head_gemv.h's KvCacheWrite)
+  IndexerState indexer;       // block table (the KV cache's too), ring, indexer K cache
+  // Optional [m, 2176] int32 request-local positions, -1 = none: when given,
+  // the indexer does not run (its state is not updated for these tokens, as
+  // the seed skips it) and these rows are remapped to slots instead.
+  TensorView topk_positions;
+  TensorView out;                       // [m, D] BF16 out, as hidden
+  unsigned int* error_count = nullptr;  // optional: untrusted device values met (slots, indices, positions)
+};
+
+// Views of the stage's own buffers as the last step on its stream left
+// them (read them after that step; the next step overwrites them).
+struct DsaStageIntermediates {
+  TensorView q_c;             // [m, Q] BF16
+  TensorView kv_c;            // [m, L] BF16
+  TensorView q;               // [m, H, P] BF16
+  TensorView q_fp8;           // [m, H, L] e4m3
+  TensorView topk_positions;  // [m, 2176] int32: written by the stock select only
+  TensorView slots;           // [m, 2176] int32 global KV slots
+  TensorView latent;          // [m, H, L] BF16
+  TensorView lse;             // [m, H] f32
+  TensorView heads;           // [m, H, V] BF16: value-up's output
+};
+
+enum class DsaPath { kFused, kStock };
+
+class DsaAttentionStage {
+ public:
+  // Checks the configuration and the weights against every requirement and
+  // returns one error naming all that are missing (kUnsupported when only
+  // the layer's features are, kInvalidArgument when a view is wrong), as the
+  // seed's checks; then allocates the workspace (cudaMalloc, on the current
+  // device: call it outside a capture) and prepares the cuBLASLt plans of
+  // every m up to plan.max_tokens.
+  static Status create(const DsaLayerConfig& config, const DsaLayerWeights& weights, const DsaStagePlan& plan,
+                       std::unique_ptr<DsaAttentionStage>* stage);
+  ~DsaAttentionStage();
+  DsaAttentionStage(const DsaAttentionStage&) = delete;
+  DsaAttentionStage& operator=(const DsaAttentionStage&) = delete;
+
+  // The seed's supports(): a pure decode step of m <= max_tokens tokens
+  // (every token of the step a decode token).
+  bool supports(int64_t m, int64_t num_actual_tokens, int64_t num_decode_tokens) const;
+
+  Status forward(const DsaStepArgs& args, cudaStream_t stream);
+  Status stock_forward(const DsaStepArgs& args, cudaStream_t stream);
+
+  // A path's launches one by one, for per-kernel timing: the names of its
+  // steps for these arguments (value-up's kernel and the indexer's part
+  // depend on m and topk_positions), and a run of `count` of them from
+  // `first` (forward is run_steps over all of them).
+  Status step_names(DsaPath path, const DsaStepArgs& args, std::vector<std::string>* names) const;
+  Status run_steps(DsaPath path, const DsaStepArgs& args, size_t first, size_t count, cudaStream_t stream);
+
+  DsaStageIntermediates intermediates(int64_t m) const;
+  const DsaLayerConfig& config() const;
+  const DsaStagePlan& plan() const;
+
+ private:
+  DsaAttentionStage();
+  struct State;  // src/stage/stage.cpp
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace dsa

@@ -1,0 +1,603 @@
+// DsaAttentionStage (include/dsa_decode/stage.h): the creation checks, the
+// workspace, and each path as a list of steps, every step one library call.
+#include "dsa_decode/stage.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "core/linear.h"
+#include "dsa_decode/cuda_check.h"
+#include "dsa_decode/norm.h"
+#include "dsa_decode/stock.h"
+
+namespace dsa {
+
+namespace {
+
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;  // cuBLAS's advice for Hopper
+constexpr int64_t kLatentWidth = 512;                       // the attention kernels' row (sparse_mla.h)
+constexpr int kMaxHeads = 128;
+
+struct CudaFree {
+  void operator()(void* memory) const { cudaFree(memory); }
+};
+using DeviceMemory = std::unique_ptr<void, CudaFree>;
+
+Status allocate(size_t bytes, DeviceMemory* memory) {
+  void* data = nullptr;
+  DSA_CUDA_RETURN(cudaMalloc(&data, std::max<size_t>(bytes, 1)));
+  memory->reset(data);
+  return Status();
+}
+
+// The launches of both paths. A path is a sequence of these (steps_of).
+enum class Step {
+  kQkvAProj,
+  kNorm,
+  kQbProj,
+  kAbsorb,             // head_gemv: FP8 q and the cache write
+  kIndexerProject,     // the fused path's: GEMV launch (or cuBLASLt, plan.indexer_projections_cublaslt)
+  kIndexerPrepare,
+  kIndexerSelect,
+  kTopkRemap,          // caller rows instead of the indexer
+  kAttention,
+  kValueUpGemv,
+  kValueUpBmm,
+  kOProj,
+  kStockIndexerProject,  // cuBLASLt
+  kStockIndexerSelect,   // CUB sort, expand, remap
+  kStockCacheWrite,
+  kStockAbsorbBmm,
+  kStockFp8Quant,
+  kStockCounterMemset,
+};
+
+const char* step_name(Step step, bool projections_cublaslt) {
+  switch (step) {
+    case Step::kQkvAProj: return "qkv_a_proj (cuBLASLt)";
+    case Step::kNorm: return "norm";
+    case Step::kQbProj: return "q_b_proj (cuBLASLt)";
+    case Step::kAbsorb: return "absorb + cache write (head_gemv)";
+    case Step::kIndexerProject:
+      return projections_cublaslt ? "indexer projections (cuBLASLt)" : "indexer projections (GEMV)";
+    case Step::kIndexerPrepare: return "indexer prepare";
+    case Step::kIndexerSelect: return "indexer select";
+    case Step::kTopkRemap: return "top-k remap";
+    case Step::kAttention: return "attention (sparse_mla)";
+    case Step::kValueUpGemv: return "value_up (head_gemv)";
+    case Step::kValueUpBmm: return "value_up (cuBLAS bmm)";
+    case Step::kOProj: return "o_proj (cuBLASLt)";
+    case Step::kStockIndexerProject: return "indexer projections (cuBLASLt)";
+    case Step::kStockIndexerSelect: return "indexer select (CUB sort baseline)";
+    case Step::kStockCacheWrite: return "cache write (concat_and_cache_mla)";
+    case Step::kStockAbsorbBmm: return "absorb (cuBLAS bmm)";
+    case Step::kStockFp8Quant: return "static FP8 quant";
+    case Step::kStockCounterMemset: return "split counter memset";
+  }
+  return "?";
+}
+
+constexpr int kMaxSteps = 12;
+
+struct StepList {
+  Step steps[kMaxSteps];
+  int count = 0;
+  void add(Step step) { steps[count++] = step; }
+};
+
+// A weight view: present, dtype, shape, on CUDA, last dim contiguous, other
+// strides multiples of 8 elements, data 16-byte aligned.
+Status check_weight(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
+  DSA_RETURN_IF_ERROR(check_present(t, name));
+  DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
+  DSA_RETURN_IF_ERROR(check_shape(t, name, shape));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  DSA_RETURN_IF_ERROR(check_aligned(t, name, 16));
+  if (t.ndim >= 1 && t.size(t.ndim - 1) > 1) DSA_RETURN_IF_ERROR(check_stride(t, name, t.ndim - 1, 1));
+  for (int d = 0; d + 1 < t.ndim; ++d) {
+    if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
+      return invalid_argument(name, "strides of a multiple of 8 elements but the last (which is 1)", t.describe());
+    }
+  }
+  return Status();
+}
+
+// hidden or out: [m, D] BF16 rows as cuBLASLt reads and writes them.
+Status check_rows(const TensorView& t, const char* name, int64_t m, int64_t width) {
+  DSA_RETURN_IF_ERROR(check_present(t, name));
+  DSA_RETURN_IF_ERROR(check_dtype(t, name, DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(t, name, {m, width}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  DSA_RETURN_IF_ERROR(check_aligned(t, name, 16));
+  DSA_RETURN_IF_ERROR(check_stride(t, name, 1, 1));
+  if (m > 1 && (t.stride(0) % 8 != 0 || t.stride(0) < width)) {
+    return invalid_argument(name, "a row stride of a multiple of 8 elements, at least " + std::to_string(width),
+                            t.describe());
+  }
+  return Status();
+}
+
+}  // namespace
+
+std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sums) {
+  std::set<int> counts;
+  const int last = sums == HeadGemvSums::kTensorCores ? (heads == 8 ? kDsaStageMaxTokens : 8) : (heads == 8 ? 4 : 2);
+  for (int m = 1; m <= last; ++m) counts.insert(m);
+  return counts;
+}
+
+struct DsaAttentionStage::State {
+  DsaLayerConfig config;
+  DsaLayerWeights w;
+  DsaStagePlan plan;
+  std::set<int> value_up_tokens;
+  IndexerPlan indexer_plan;
+  int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
+
+  LinearContext linear;                        // qkv_a_proj, q_b_proj, o_proj
+  IndexerProjectContext indexer_projections;   // the indexer's cuBLASLt projections
+  cublasHandle_t cublas = nullptr;             // the absorb and value-up bmm
+  bool cublas_bound = false;
+  cudaStream_t cublas_stream = nullptr;        // the stream cublas is bound to, once bound
+  DeviceMemory cublas_workspace;
+
+  // Workspace, each [max_tokens, ...] (intermediates() has the shapes).
+  DeviceMemory qkv, q_c, kv_c, q, q_bf16, q_fp8, index_q, index_k, head_weights, gate, indexer_workspace,
+      baseline_workspace, topk_positions, slots, latent, lse, heads, split_counters, split_partials;
+  int64_t indexer_workspace_bytes = 0, baseline_workspace_bytes = 0, counter_count = 0, partial_count = 0;
+
+  ~State() {
+    if (cublas != nullptr) cublasDestroy(cublas);
+  }
+
+  TensorView bf16(const DeviceMemory& memory, std::initializer_list<int64_t> shape) const {
+    return make_tensor(memory.get(), DType::kBF16, shape);
+  }
+
+  StepList steps_of(DsaPath path, const DsaStepArgs& a) const {
+    const int64_t m = a.hidden.size(0);
+    const bool caller_rows = a.topk_positions.data != nullptr;
+    StepList list;
+    list.add(Step::kQkvAProj);
+    list.add(Step::kNorm);
+    list.add(Step::kQbProj);
+    if (path == DsaPath::kFused) {
+      list.add(Step::kAbsorb);
+      if (caller_rows) {
+        list.add(Step::kTopkRemap);
+      } else {
+        list.add(Step::kIndexerProject);
+        list.add(Step::kIndexerPrepare);
+        list.add(Step::kIndexerSelect);
+      }
+      list.add(Step::kAttention);
+      list.add(value_up_tokens.count(static_cast<int>(m)) > 0 ? Step::kValueUpGemv : Step::kValueUpBmm);
+    } else {
+      if (caller_rows) {
+        list.add(Step::kTopkRemap);
+      } else {
+        list.add(Step::kStockIndexerProject);
+        list.add(Step::kIndexerPrepare);
+        list.add(Step::kStockIndexerSelect);
+      }
+      list.add(Step::kStockCacheWrite);
+      list.add(Step::kStockAbsorbBmm);
+      list.add(Step::kStockFp8Quant);
+      list.add(Step::kStockCounterMemset);
+      list.add(Step::kAttention);
+      list.add(Step::kValueUpBmm);
+    }
+    list.add(Step::kOProj);
+    return list;
+  }
+
+  Status check_step(const DsaStepArgs& a) const {
+    DSA_RETURN_IF_ERROR(check_present(a.hidden, "hidden"));
+    const int64_t m = a.hidden.ndim == 2 ? a.hidden.size(0) : 0;
+    if (m < 1 || m > plan.max_tokens) {
+      return invalid_argument("hidden", "[m, " + std::to_string(D) + "] with m in 1.." +
+                                            std::to_string(plan.max_tokens) + " (the plan's max_tokens)",
+                              a.hidden.describe());
+    }
+    DSA_RETURN_IF_ERROR(check_rows(a.hidden, "hidden", m, D));
+    DSA_RETURN_IF_ERROR(check_rows(a.out, "out", m, D));
+    DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.hidden, "hidden"));
+    DSA_RETURN_IF_ERROR(check_present(a.kv_cache, "kv_cache"));
+    DSA_RETURN_IF_ERROR(check_present(a.indexer.k_cache, "k_cache"));
+    if (a.kv_cache.ndim != 3 || a.kv_cache.size(1) != plan.block_size ||
+        a.kv_cache.size(0) != a.indexer.k_cache.size(0)) {
+      return invalid_argument("kv_cache",
+                              "[blocks, plan.block_size = " + std::to_string(plan.block_size) + ", " +
+                                  std::to_string(L) + "] with the indexer k_cache's " +
+                                  std::to_string(a.indexer.k_cache.size(0)) + " blocks",
+                              a.kv_cache.describe());
+    }
+    if (a.topk_positions.data != nullptr) {
+      DSA_RETURN_IF_ERROR(check_dtype(a.topk_positions, "topk_positions", DType::kI32));
+      DSA_RETURN_IF_ERROR(check_shape(a.topk_positions, "topk_positions", {m, kIndexerRowWidth}));
+    }
+    // Every other argument is checked by the launch that takes it, under its own name.
+    return Status();
+  }
+
+  Status bind_cublas(cudaStream_t stream) {
+    if (cublas_bound && stream == cublas_stream) return Status();
+    // cublasSetStream resets the workspace to cuBLAS's own pool, which a capture cannot hold: set ours again.
+    DSA_CUBLAS_RETURN(cublasSetStream(cublas, stream));
+    DSA_CUBLAS_RETURN(cublasSetWorkspace(cublas, cublas_workspace.get(), kCublasWorkspaceBytes));
+    cublas_stream = stream;
+    cublas_bound = true;
+    return Status();
+  }
+
+  KvCacheWrite cache_write(const DsaStepArgs& a, int64_t m) const {
+    return KvCacheWrite{bf16(kv_c, {m, L}), a.kv_cache, a.slot_mapping, w.k_scale, a.error_count};
+  }
+
+  IndexerProjectArgs indexer_project_args(const DsaStepArgs& a, int64_t m) const {
+    IndexerProjectArgs p;
+    p.plan = indexer_plan;
+    p.q_c = bf16(q_c, {m, Q});
+    p.x = a.hidden;
+    p.wq_b = w.index_wq_b;
+    p.wk = w.index_wk;
+    p.weights_proj = w.index_weights_proj;
+    p.compress_gate = w.index_compress_gate;
+    p.index_q = bf16(index_q, {m, kIndexerHeads, kIndexerDim});
+    p.index_k = bf16(index_k, {m, kIndexerDim});
+    p.head_weights = make_tensor(head_weights.get(), DType::kF32, {m, kIndexerHeads});
+    p.gate = bf16(gate, {m, kIndexerDim});
+    return p;
+  }
+
+  TensorView indexer_workspace_view() const {
+    return make_tensor(indexer_workspace.get(), DType::kU8, {indexer_workspace_bytes});
+  }
+
+  IndexerSelectArgs indexer_select_args(const DsaStepArgs& a, int64_t m, bool with_positions) const {
+    IndexerSelectArgs s;
+    s.plan = indexer_plan;
+    s.positions = a.positions;
+    s.token_requests = a.token_requests;
+    s.state = a.indexer;
+    s.workspace = indexer_workspace_view();
+    if (with_positions) s.topk_positions = make_tensor(topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
+    s.slots = make_tensor(slots.get(), DType::kI32, {m, kIndexerRowWidth});
+    s.error_count = a.error_count;
+    return s;
+  }
+
+  Status run_step(Step step, const DsaStepArgs& a, cudaStream_t stream) {
+    const int64_t m = a.hidden.size(0);
+    switch (step) {
+      case Step::kQkvAProj:
+        return linear.run("qkv_a_proj", a.hidden, w.fused_qkv_a_proj, qkv.get(), Q + L, CUDA_R_16BF, stream);
+      case Step::kNorm:
+        return qkv_rmsnorm(bf16(qkv, {m, Q + L}), w.q_a_norm, w.kv_a_norm, config.rms_norm_eps, bf16(q_c, {m, Q}),
+                           bf16(kv_c, {m, L}), stream);
+      case Step::kQbProj:
+        return linear.run("q_b_proj", bf16(q_c, {m, Q}), w.q_b_proj, q.get(), H * P, CUDA_R_16BF, stream);
+      case Step::kAbsorb: {
+        const KvCacheWrite write = cache_write(a, m);
+        HeadGemvArgs g;
+        g.x = bf16(q, {m, H, P});
+        g.weight = w.w_uk_t;
+        g.out = make_tensor(q_fp8.get(), DType::kFP8E4M3, {m, H, L});
+        g.scale = w.q_scale;
+        g.cache = &write;
+        g.sums = plan.head_gemv_sums;
+        return head_gemv(g, stream);
+      }
+      case Step::kIndexerProject:
+        if (plan.indexer_projections_cublaslt) return indexer_project(indexer_project_args(a, m), indexer_projections, stream);
+        return indexer_project_gemv(indexer_project_args(a, m), stream);
+      case Step::kStockIndexerProject:
+        return indexer_project(indexer_project_args(a, m), indexer_projections, stream);
+      case Step::kIndexerPrepare: {
+        IndexerPrepareArgs p;
+        p.plan = indexer_plan;
+        p.index_q = bf16(index_q, {m, kIndexerHeads, kIndexerDim});
+        p.index_k = bf16(index_k, {m, kIndexerDim});
+        p.head_weights = make_tensor(head_weights.get(), DType::kF32, {m, kIndexerHeads});
+        p.gate = bf16(gate, {m, kIndexerDim});
+        p.k_norm_weight = w.index_k_norm_weight;
+        p.k_norm_bias = w.index_k_norm_bias;
+        p.ape = w.index_ape;
+        p.positions = a.positions;
+        p.token_requests = a.token_requests;
+        p.state = a.indexer;
+        p.workspace = indexer_workspace_view();
+        p.error_count = a.error_count;
+        return indexer_prepare(p, stream);
+      }
+      case Step::kIndexerSelect:
+        return indexer_select(indexer_select_args(a, m, false), stream);
+      case Step::kStockIndexerSelect:
+        return indexer_select_baseline(indexer_select_args(a, m, true), baseline_workspace.get(),
+                                       baseline_workspace_bytes, stream);
+      case Step::kTopkRemap: {
+        IndexerRemapArgs r;
+        r.plan = indexer_plan;
+        r.positions = a.positions;
+        r.token_requests = a.token_requests;
+        r.state = a.indexer;
+        r.topk_positions = a.topk_positions;
+        r.slots = make_tensor(slots.get(), DType::kI32, {m, kIndexerRowWidth});
+        r.error_count = a.error_count;
+        return indexer_remap(r, stream);
+      }
+      case Step::kAttention: {
+        SparseMlaArgs s;
+        s.q = make_tensor(q_fp8.get(), DType::kFP8E4M3, {m, H, L});
+        s.q_scale = w.q_scale;
+        s.kv_cache = a.kv_cache;
+        s.k_scale = w.k_scale;
+        s.indices = make_tensor(slots.get(), DType::kI32, {m, kIndexerRowWidth});
+        s.softmax_scale = config.softmax_scale;
+        s.latent = bf16(latent, {m, H, L});
+        s.lse = make_tensor(lse.get(), DType::kF32, {m, H});
+        s.split_counters = make_tensor(split_counters.get(), DType::kI32, {counter_count});
+        if (partial_count > 0) s.split_partials = make_tensor(split_partials.get(), DType::kF32, {partial_count});
+        s.error_count = a.error_count;
+        s.splits = plan.attention_splits;
+        return sparse_mla(s, stream);
+      }
+      case Step::kValueUpGemv: {
+        HeadGemvArgs g;
+        g.x = bf16(latent, {m, H, L});
+        g.weight = w.w_uv;
+        g.out = bf16(heads, {m, H, V});
+        g.sums = plan.head_gemv_sums;
+        return head_gemv(g, stream);
+      }
+      case Step::kValueUpBmm:
+        DSA_RETURN_IF_ERROR(bind_cublas(stream));
+        return cublas_head_bmm(cublas, bf16(latent, {m, H, L}), w.w_uv, bf16(heads, {m, H, V}));
+      case Step::kOProj:
+        return linear.run("o_proj", bf16(heads, {m, H * V}), w.o_proj, a.out.data, m > 1 ? a.out.stride(0) : D,
+                          CUDA_R_16BF, stream);
+      case Step::kStockCacheWrite:
+        return stock_concat_and_cache_mla(cache_write(a, m), stream);
+      case Step::kStockAbsorbBmm:
+        DSA_RETURN_IF_ERROR(bind_cublas(stream));
+        return cublas_head_bmm(cublas, bf16(q, {m, H, P}), w.w_uk_t, bf16(q_bf16, {m, H, L}));
+      case Step::kStockFp8Quant:
+        return stock_static_fp8_quant(bf16(q_bf16, {m, H, L}), make_tensor(q_fp8.get(), DType::kFP8E4M3, {m, H, L}),
+                                      w.q_scale, stream);
+      case Step::kStockCounterMemset:
+        DSA_CUDA_RETURN(cudaMemsetAsync(split_counters.get(), 0, size_t(counter_count) * sizeof(int32_t), stream));
+        return Status();
+    }
+    return unsupported("unknown stage step");
+  }
+
+  // Every requirement the seed checks, and each weight view; the messages of all that fail.
+  static void check_layer(const DsaLayerConfig& c, const DsaLayerWeights& w, const DsaStagePlan& plan,
+                          std::vector<std::string>* features, std::vector<std::string>* views);
+
+  Status allocate_workspace();
+};
+
+void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLayerWeights& w,
+                                           const DsaStagePlan& plan, std::vector<std::string>* features,
+                                           std::vector<std::string>* views) {
+  const auto need = [&](bool ok, const std::string& what) {
+    if (!ok) features->push_back(what);
+  };
+  need(c.q_lora_rank > 0 && c.fuse_qkv_rmsnorm, "a fused q/kv a-norm (q_lora_rank > 0, fuse_qkv_rmsnorm)");
+  need(!c.rotary_embedding && c.qk_rope_head_dim == 0, "NoPE (no rotary embedding, qk_rope_head_dim 0)");
+  need(c.indexer && !c.skip_topk, "its own indexer (indexer present, skip_topk false)");
+  need(!c.gate_proj && !c.dcp_query_replicate, "no gate or DCP query");
+  need(c.kv_cache_dtype == "fp8" || c.kv_cache_dtype == "fp8_e4m3",
+       "an FP8 KV cache (kv_cache_dtype fp8 or fp8_e4m3, got '" + c.kv_cache_dtype + "')");
+  need(!c.padded_heads && !c.prefill_context_parallel, "no padding or PCP");
+  need(!c.hisparse_cache && c.decode_context_parallel_size == 1, "no HiSparse or DCP");
+  need(w.w_uk_t.data == nullptr || w.w_uk_t.ndim != 3 || w.w_uk_t.stride(2) == 1,
+       "a column-major W_UK (W_UK_T's last dim contiguous)");
+  need(c.kv_lora_rank == kLatentWidth, "a 512-wide latent (kv_lora_rank 512, the attention's KV row)");
+  need(c.num_heads >= 1 && c.num_heads <= kMaxHeads, "1..128 heads on the rank");
+  need(c.hidden_size >= 8 && c.hidden_size % 8 == 0, "a hidden size of a multiple of 8");
+  need(c.q_lora_rank % 8 == 0 && c.q_lora_rank >= c.kv_lora_rank, "q_lora_rank a multiple of 8, >= kv_lora_rank");
+  need(c.qk_nope_head_dim > 0 && c.v_head_dim > 0, "qk_nope_head_dim and v_head_dim > 0");
+  need(std::isfinite(c.softmax_scale) && c.softmax_scale > 0, "a finite softmax_scale > 0");
+
+  const auto view = [&](const Status& s) {
+    if (!s.ok()) views->push_back(s.message());
+  };
+  const int64_t H = c.num_heads, D = c.hidden_size, Q = c.q_lora_rank, L = c.kv_lora_rank, P = c.qk_nope_head_dim,
+                V = c.v_head_dim;
+  view(check_weight(w.fused_qkv_a_proj, "fused_qkv_a_proj", DType::kBF16, {Q + L, D}));
+  view(check_weight(w.q_a_norm, "q_a_norm", DType::kBF16, {Q}));
+  view(check_weight(w.kv_a_norm, "kv_a_norm", DType::kBF16, {L}));
+  view(check_weight(w.q_b_proj, "q_b_proj", DType::kBF16, {H * P, Q}));
+  if (w.w_uk_t.data == nullptr || w.w_uk_t.ndim != 3 || w.w_uk_t.stride(2) == 1) {  // else named above
+    view(check_weight(w.w_uk_t, "w_uk_t", DType::kBF16, {H, P, L}));
+  }
+  view(check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V}));
+  view(check_weight(w.o_proj, "o_proj", DType::kBF16, {D, H * V}));
+  view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}));
+  view(check_weight(w.k_scale, "k_scale", DType::kF32, {1}));
+  view(check_weight(w.index_wq_b, "index_wq_b", DType::kBF16, {kIndexerHeads * kIndexerDim, Q}));
+  view(check_weight(w.index_wk, "index_wk", DType::kBF16, {kIndexerDim, D}));
+  view(check_weight(w.index_weights_proj, "index_weights_proj", DType::kBF16, {kIndexerHeads, D}));
+  view(check_weight(w.index_compress_gate, "index_compress_gate", DType::kBF16, {kIndexerDim, D}));
+  view(check_weight(w.index_k_norm_weight, "index_k_norm_weight", DType::kF32, {kIndexerDim}));
+  view(check_weight(w.index_k_norm_bias, "index_k_norm_bias", DType::kF32, {kIndexerDim}));
+  view(check_weight(w.index_ape, "index_ape", DType::kF32, {kIndexerPoolSize, kIndexerDim}));
+  if (plan.max_tokens < 1 || plan.max_tokens > kDsaStageMaxTokens) {
+    views->push_back(invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens),
+                                      std::to_string(plan.max_tokens))
+                         .message());
+  }
+  if (plan.value_up_tokens) {
+    for (int m : *plan.value_up_tokens) {
+      if (m < 1 || m > kDsaStageMaxTokens) {
+        views->push_back(invalid_argument("plan.value_up_tokens", "token counts in 1.." +
+                                                                      std::to_string(kDsaStageMaxTokens),
+                                          std::to_string(m))
+                             .message());
+      }
+    }
+  }
+}
+
+Status DsaAttentionStage::State::allocate_workspace() {
+  const int64_t T = plan.max_tokens;
+  const auto buffer = [](int64_t values, size_t value_bytes, DeviceMemory* memory) {
+    return allocate(size_t(values) * value_bytes, memory);
+  };
+  DSA_RETURN_IF_ERROR(buffer(T * (Q + L), 2, &qkv));
+  DSA_RETURN_IF_ERROR(buffer(T * Q, 2, &q_c));
+  DSA_RETURN_IF_ERROR(buffer(T * L, 2, &kv_c));
+  DSA_RETURN_IF_ERROR(buffer(T * H * P, 2, &q));
+  DSA_RETURN_IF_ERROR(buffer(T * H * L, 2, &q_bf16));
+  DSA_RETURN_IF_ERROR(buffer(T * H * L, 1, &q_fp8));
+  DSA_RETURN_IF_ERROR(buffer(T * kIndexerHeads * kIndexerDim, 2, &index_q));
+  DSA_RETURN_IF_ERROR(buffer(T * kIndexerDim, 2, &index_k));
+  DSA_RETURN_IF_ERROR(buffer(T * kIndexerHeads, 4, &head_weights));
+  DSA_RETURN_IF_ERROR(buffer(T * kIndexerDim, 2, &gate));
+  indexer_workspace_bytes = indexer_workspace_layout(indexer_plan).bytes;
+  DSA_RETURN_IF_ERROR(buffer(indexer_workspace_bytes, 1, &indexer_workspace));
+  DSA_RETURN_IF_ERROR(indexer_select_baseline_workspace_bytes(indexer_plan, &baseline_workspace_bytes));
+  DSA_RETURN_IF_ERROR(buffer(baseline_workspace_bytes, 1, &baseline_workspace));
+  DSA_RETURN_IF_ERROR(buffer(T * kIndexerRowWidth, 4, &topk_positions));
+  DSA_RETURN_IF_ERROR(buffer(T * kIndexerRowWidth, 4, &slots));
+  DSA_RETURN_IF_ERROR(buffer(T * H * L, 2, &latent));
+  DSA_RETURN_IF_ERROR(buffer(T * H, 4, &lse));
+  DSA_RETURN_IF_ERROR(buffer(T * H * V, 2, &heads));
+  counter_count = sparse_mla_split_counter_count(T, H, kIndexerRowWidth);
+  DSA_RETURN_IF_ERROR(buffer(counter_count, 4, &split_counters));
+  // Zeroed once: every completed launch leaves them zero (sparse_mla.h).
+  DSA_CUDA_RETURN(cudaMemset(split_counters.get(), 0, size_t(counter_count) * sizeof(int32_t)));
+  partial_count = sparse_mla_split_partials_count(T, H, kIndexerRowWidth);
+  if (partial_count > 0) DSA_RETURN_IF_ERROR(buffer(partial_count, 4, &split_partials));
+  DSA_RETURN_IF_ERROR(allocate(kCublasWorkspaceBytes, &cublas_workspace));
+  DSA_CUBLAS_RETURN(cublasCreate(&cublas));
+  DSA_RETURN_IF_ERROR(bind_cublas(nullptr));
+  DSA_RETURN_IF_ERROR(LinearContext::create(&linear));
+  DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_projections));
+  // The cuBLASLt plans of every m (host work), so that any step may be captured.
+  for (int64_t m = 1; m <= T; ++m) {
+    const TensorView hidden_rows = make_tensor(nullptr, DType::kBF16, {m, D});
+    DSA_RETURN_IF_ERROR(linear.prepare("qkv_a_proj", hidden_rows, w.fused_qkv_a_proj, Q + L, CUDA_R_16BF));
+    DSA_RETURN_IF_ERROR(linear.prepare("q_b_proj", bf16(q_c, {m, Q}), w.q_b_proj, H * P, CUDA_R_16BF));
+    // An out with a padded row stride gets its plan on its first run instead.
+    DSA_RETURN_IF_ERROR(linear.prepare("o_proj", bf16(heads, {m, H * V}), w.o_proj, D, CUDA_R_16BF));
+  }
+  DSA_CUDA_RETURN(cudaDeviceSynchronize());  // the counters' memset
+  return Status();
+}
+
+DsaAttentionStage::DsaAttentionStage() : state_(std::make_unique<State>()) {}
+DsaAttentionStage::~DsaAttentionStage() = default;
+
+Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWeights& weights,
+                                 const DsaStagePlan& plan, std::unique_ptr<DsaAttentionStage>* stage) {
+  if (stage == nullptr) return invalid_argument("stage", "a pointer to fill", "a null pointer");
+  std::vector<std::string> features, views;
+  State::check_layer(config, weights, plan, &features, &views);
+  IndexerPlan indexer_plan;
+  indexer_plan.max_tokens = plan.max_tokens;
+  indexer_plan.max_context = plan.max_context;
+  indexer_plan.ring = plan.ring;
+  indexer_plan.block_size = plan.block_size;
+  indexer_plan.logits = plan.indexer_logits;
+  if (plan.max_tokens >= 1 && plan.max_tokens <= kDsaStageMaxTokens) {
+    const Status indexer_ok = check_indexer_plan(indexer_plan);
+    if (!indexer_ok.ok()) views.push_back(indexer_ok.message());
+  }
+  if (!features.empty() || !views.empty()) {
+    std::string message = "DSA attention stage needs ";
+    for (size_t i = 0; i < features.size(); ++i) message += (i > 0 ? ", " : "") + features[i];
+    if (!views.empty()) {
+      message += std::string(features.empty() ? "" : "; ") + "valid weights and plan: ";
+      for (size_t i = 0; i < views.size(); ++i) message += (i > 0 ? "; " : "") + views[i];
+    }
+    return Status(views.empty() ? ErrorCode::kUnsupported : ErrorCode::kInvalidArgument, message);
+  }
+
+  std::unique_ptr<DsaAttentionStage> made(new DsaAttentionStage());
+  State& s = *made->state_;
+  s.config = config;
+  s.w = weights;
+  s.plan = plan;
+  s.value_up_tokens = plan.value_up_tokens ? *plan.value_up_tokens
+                                           : dsa_stage_measured_value_up_tokens(config.num_heads, plan.head_gemv_sums);
+  s.indexer_plan = indexer_plan;
+  s.H = config.num_heads;
+  s.D = config.hidden_size;
+  s.Q = config.q_lora_rank;
+  s.L = config.kv_lora_rank;
+  s.P = config.qk_nope_head_dim;
+  s.V = config.v_head_dim;
+  DSA_RETURN_IF_ERROR(s.allocate_workspace());
+  *stage = std::move(made);
+  return Status();
+}
+
+bool DsaAttentionStage::supports(int64_t m, int64_t num_actual_tokens, int64_t num_decode_tokens) const {
+  return m >= 1 && m <= state_->plan.max_tokens && num_actual_tokens == m && num_decode_tokens == m;
+}
+
+Status DsaAttentionStage::forward(const DsaStepArgs& args, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(state_->check_step(args));
+  const StepList list = state_->steps_of(DsaPath::kFused, args);
+  return run_steps(DsaPath::kFused, args, 0, size_t(list.count), stream);
+}
+
+Status DsaAttentionStage::stock_forward(const DsaStepArgs& args, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(state_->check_step(args));
+  const StepList list = state_->steps_of(DsaPath::kStock, args);
+  return run_steps(DsaPath::kStock, args, 0, size_t(list.count), stream);
+}
+
+Status DsaAttentionStage::step_names(DsaPath path, const DsaStepArgs& args, std::vector<std::string>* names) const {
+  DSA_RETURN_IF_ERROR(state_->check_step(args));
+  const StepList list = state_->steps_of(path, args);
+  names->clear();
+  for (int i = 0; i < list.count; ++i) {
+    names->push_back(step_name(list.steps[i], path == DsaPath::kFused && state_->plan.indexer_projections_cublaslt));
+  }
+  return Status();
+}
+
+Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_t first, size_t count,
+                                    cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(state_->check_step(args));
+  const StepList list = state_->steps_of(path, args);
+  if (first > size_t(list.count) || count > size_t(list.count) - first) {
+    return invalid_argument("first, count", "steps within the path's " + std::to_string(list.count),
+                            std::to_string(first) + ", " + std::to_string(count));
+  }
+  for (size_t i = first; i < first + count; ++i) {
+    const Status s = state_->run_step(list.steps[i], args, stream);
+    if (!s.ok()) {
+      return Status(s.code(), std::string("stage step '") + step_name(list.steps[i], false) + "': " + s.message());
+    }
+  }
+  return Status();
+}
+
+DsaStageIntermediates DsaAttentionStage::intermediates(int64_t m) const {
+  const State& s = *state_;
+  DsaStageIntermediates v;
+  v.q_c = s.bf16(s.q_c, {m, s.Q});
+  v.kv_c = s.bf16(s.kv_c, {m, s.L});
+  v.q = s.bf16(s.q, {m, s.H, s.P});
+  v.q_fp8 = make_tensor(s.q_fp8.get(), DType::kFP8E4M3, {m, s.H, s.L});
+  v.topk_positions = make_tensor(s.topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
+  v.slots = make_tensor(s.slots.get(), DType::kI32, {m, kIndexerRowWidth});
+  v.latent = s.bf16(s.latent, {m, s.H, s.L});
+  v.lse = make_tensor(s.lse.get(), DType::kF32, {m, s.H});
+  v.heads = s.bf16(s.heads, {m, s.H, s.V});
+  return v;
+}
+
+const DsaLayerConfig& DsaAttentionStage::config() const { return state_->config; }
+const DsaStagePlan& DsaAttentionStage::plan() const { return state_->plan; }
+
+}  // namespace dsa
