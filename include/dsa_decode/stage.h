@@ -149,6 +149,10 @@ struct DsaStagePlan {
 // measured take 64 heads' set.
 std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sums);
 
+// The seed's supports(): a pure decode step of 1..plan.max_tokens tokens
+// (every token of the batch is one of the step's decode tokens).
+bool dsa_stage_supports(const DsaStagePlan& plan, int64_t m, int64_t num_actual_tokens, int64_t num_decode_tokens);
+
 // One step's arguments. m = hidden.size(0), 1..plan.max_tokens.
 struct DsaStepArgs {
   TensorView hidden;          // [m, D] BF16, dim 1 contiguous, row stride a multiple of 8, 16-byte aligned
@@ -195,8 +199,7 @@ class DsaAttentionStage {
   DsaAttentionStage(const DsaAttentionStage&) = delete;
   DsaAttentionStage& operator=(const DsaAttentionStage&) = delete;
 
-  // The seed's supports(): a pure decode step of m <= max_tokens tokens
-  // (every token of the step a decode token).
+  // dsa_stage_supports with this stage's plan.
   bool supports(int64_t m, int64_t num_actual_tokens, int64_t num_decode_tokens) const;
 
   Status forward(const DsaStepArgs& args, cudaStream_t stream);

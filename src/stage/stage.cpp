@@ -539,8 +539,12 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   return Status();
 }
 
+bool dsa_stage_supports(const DsaStagePlan& plan, int64_t m, int64_t num_actual_tokens, int64_t num_decode_tokens) {
+  return m >= 1 && m <= plan.max_tokens && num_actual_tokens == m && num_decode_tokens == m;
+}
+
 bool DsaAttentionStage::supports(int64_t m, int64_t num_actual_tokens, int64_t num_decode_tokens) const {
-  return m >= 1 && m <= state_->plan.max_tokens && num_actual_tokens == m && num_decode_tokens == m;
+  return dsa_stage_supports(state_->plan, m, num_actual_tokens, num_decode_tokens);
 }
 
 Status DsaAttentionStage::forward(const DsaStepArgs& args, cudaStream_t stream) {

@@ -1,0 +1,622 @@
+// DsaAttentionStage (include/dsa_decode/stage.h). Without a GPU: the creation
+// checks name every missing requirement, supports(), the value-up sets
+// (DsaStageChecks.*). On the GPU (DsaStageGpu.*), a glm5next TP8 layer of
+// random weights at realistic scales over a context longer than the
+// indexer's 2048 tokens: the fused and the stock path against each other
+// (KV cache bytes and slots equal, q_fp8 within one FP8 step) and each
+// product of the fused path against a float64 CPU computation on the GPU's
+// own inputs; graph capture and replay; caller top-k rows; a padded slot
+// mapping; the step's argument checks.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "dsa_decode/numerics.h"
+#include "dsa_decode/stage.h"
+#include "sparse_mla/sparse_mla_reference.h"
+#include "support.h"
+
+namespace dsa {
+namespace {
+
+using testing::DeviceBuffer;
+
+// glm5next at TP8 (the shapes of presets.h, per rank).
+constexpr int64_t kD = 4096, kH = 8, kQ = 1536, kL = 512, kP = 256, kV = 256;
+constexpr int kBlock = 256;
+
+DsaLayerConfig glm5next_tp8() {
+  DsaLayerConfig c;
+  c.hidden_size = kD;
+  c.num_heads = kH;
+  c.q_lora_rank = kQ;
+  c.kv_lora_rank = kL;
+  c.qk_nope_head_dim = kP;
+  c.qk_rope_head_dim = 0;
+  c.v_head_dim = kV;
+  c.softmax_scale = 0.0625f;
+  c.rms_norm_eps = 1e-6f;
+  c.fuse_qkv_rmsnorm = true;
+  c.indexer = true;
+  c.kv_cache_dtype = "fp8_e4m3";
+  return c;
+}
+
+// Views at made-up device addresses: the creation checks read only shapes.
+DsaLayerWeights fake_weights() {
+  uintptr_t next = uintptr_t{1} << 40;
+  const auto at = [&next](DType dtype, std::initializer_list<int64_t> shape) {
+    next += uintptr_t{1} << 32;
+    return make_tensor(reinterpret_cast<void*>(next), dtype, shape);
+  };
+  DsaLayerWeights w;
+  w.fused_qkv_a_proj = at(DType::kBF16, {kQ + kL, kD});
+  w.q_a_norm = at(DType::kBF16, {kQ});
+  w.kv_a_norm = at(DType::kBF16, {kL});
+  w.q_b_proj = at(DType::kBF16, {kH * kP, kQ});
+  w.w_uk_t = at(DType::kBF16, {kH, kP, kL});
+  w.w_uv = at(DType::kBF16, {kH, kL, kV});
+  w.o_proj = at(DType::kBF16, {kD, kH * kV});
+  w.q_scale = at(DType::kF32, {1});
+  w.k_scale = at(DType::kF32, {1});
+  w.index_wq_b = at(DType::kBF16, {kIndexerHeads * kIndexerDim, kQ});
+  w.index_wk = at(DType::kBF16, {kIndexerDim, kD});
+  w.index_weights_proj = at(DType::kBF16, {kIndexerHeads, kD});
+  w.index_compress_gate = at(DType::kBF16, {kIndexerDim, kD});
+  w.index_k_norm_weight = at(DType::kF32, {kIndexerDim});
+  w.index_k_norm_bias = at(DType::kF32, {kIndexerDim});
+  w.index_ape = at(DType::kF32, {kIndexerPoolSize, kIndexerDim});
+  return w;
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+TEST(DsaStageChecks, CreationNamesEveryMissingRequirement) {
+  DsaLayerConfig c = glm5next_tp8();
+  c.fuse_qkv_rmsnorm = false;
+  c.qk_rope_head_dim = 64;
+  c.skip_topk = true;
+  c.gate_proj = true;
+  c.kv_cache_dtype = "auto";
+  c.padded_heads = true;
+  c.decode_context_parallel_size = 2;
+  DsaLayerWeights w = fake_weights();
+  w.w_uk_t = make_strided(w.w_uk_t.data, DType::kBF16, {kH, kP, kL}, {kP * kL, 1, kP});  // row-major W_UK
+  w.o_proj = TensorView();
+  std::unique_ptr<DsaAttentionStage> stage;
+  const Status s = DsaAttentionStage::create(c, w, DsaStagePlan(), &stage);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);  // a view is wrong too
+  for (const char* part : {"a fused q/kv a-norm", "NoPE", "its own indexer", "no gate or DCP query",
+                           "an FP8 KV cache", "got 'auto'", "no padding or PCP", "no HiSparse or DCP",
+                           "a column-major W_UK", "'o_proj'"}) {
+    EXPECT_TRUE(contains(s.message(), part)) << part << " missing from: " << s.message();
+  }
+  EXPECT_FALSE(contains(s.message(), "'w_uk_t'")) << "named once, as a requirement: " << s.message();
+  EXPECT_EQ(stage, nullptr);
+
+  // One feature missing, every view right: that feature alone, kUnsupported.
+  c = glm5next_tp8();
+  c.rotary_embedding = true;
+  const Status rope = DsaAttentionStage::create(c, fake_weights(), DsaStagePlan(), &stage);
+  EXPECT_EQ(rope.code(), ErrorCode::kUnsupported);
+  EXPECT_EQ(rope.message(), "DSA attention stage needs NoPE (no rotary embedding, qk_rope_head_dim 0)");
+
+  // Views: wrong dtype, wrong shape, and a plan out of range, all in one message.
+  w = fake_weights();
+  w.q_scale.dtype = DType::kBF16;
+  w.index_wk = make_tensor(w.index_wk.data, DType::kBF16, {kIndexerDim, kD + 8});
+  DsaStagePlan plan;
+  plan.max_tokens = 17;
+  plan.value_up_tokens = std::set<int>{0, 2};
+  const Status views = DsaAttentionStage::create(glm5next_tp8(), w, plan, &stage);
+  EXPECT_EQ(views.code(), ErrorCode::kInvalidArgument);
+  for (const char* part : {"'q_scale'", "'index_wk'", "'plan.max_tokens'", "'plan.value_up_tokens'"}) {
+    EXPECT_TRUE(contains(views.message(), part)) << part << " missing from: " << views.message();
+  }
+  plan = DsaStagePlan();
+  plan.block_size = 200;  // the indexer's plan: a multiple of 128
+  const Status block = DsaAttentionStage::create(glm5next_tp8(), fake_weights(), plan, &stage);
+  EXPECT_TRUE(contains(block.message(), "block_size")) << block.message();
+  EXPECT_FALSE(DsaAttentionStage::create(glm5next_tp8(), fake_weights(), DsaStagePlan(), nullptr).ok());
+}
+
+TEST(DsaStageChecks, SupportsPureDecodeStepsUpToMaxTokens) {
+  DsaStagePlan plan;
+  plan.max_tokens = 8;
+  EXPECT_TRUE(dsa_stage_supports(plan, 1, 1, 1));
+  EXPECT_TRUE(dsa_stage_supports(plan, 8, 8, 8));
+  EXPECT_FALSE(dsa_stage_supports(plan, 9, 9, 9));   // past max_tokens
+  EXPECT_FALSE(dsa_stage_supports(plan, 4, 5, 4));   // the batch holds other tokens
+  EXPECT_FALSE(dsa_stage_supports(plan, 4, 4, 3));   // a prefill token among them
+  EXPECT_FALSE(dsa_stage_supports(plan, 0, 0, 0));
+}
+
+TEST(DsaStageChecks, MeasuredValueUpTokens) {
+  EXPECT_EQ(dsa_stage_measured_value_up_tokens(64, HeadGemvSums::kSeedOrder), (std::set<int>{1, 2}));
+  EXPECT_EQ(dsa_stage_measured_value_up_tokens(8, HeadGemvSums::kSeedOrder), (std::set<int>{1, 2, 3, 4}));
+  EXPECT_EQ(dsa_stage_measured_value_up_tokens(64, HeadGemvSums::kTensorCores).size(), 8u);
+  EXPECT_EQ(dsa_stage_measured_value_up_tokens(8, HeadGemvSums::kTensorCores).size(), 16u);
+}
+
+// ---------------------------------------------------------------- GPU
+
+std::vector<uint16_t> bf16_normal(size_t count, float mean, float stddev, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(mean, stddev);
+  std::vector<uint16_t> bits(count);
+  for (uint16_t& b : bits) b = num::float_to_bf16(normal(rng));
+  return bits;
+}
+
+// Random e4m3 codes without NaN (0x7F, 0xFF).
+std::vector<uint8_t> fp8_codes(size_t count, std::mt19937_64& rng) {
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::vector<uint8_t> codes(count);
+  for (uint8_t& c : codes) {
+    c = static_cast<uint8_t>(byte(rng));
+    if ((c & 0x7F) == 0x7F) c ^= 1;
+  }
+  return codes;
+}
+
+template <class T>
+TensorView view(const DeviceBuffer<T>& b, DType dtype, std::initializer_list<int64_t> shape) {
+  return make_tensor(b.get(), dtype, shape);
+}
+
+// The layer's weights on the GPU, with host copies for the CPU products.
+struct Layer {
+  std::vector<uint16_t> qkv_a, q_norm, kv_norm, q_b, w_uk_t, w_uv, o_proj, wq_b, wk, weights_proj, gate;
+  std::vector<float> scales, k_norm_weight, k_norm_bias, ape;
+  DeviceBuffer<uint16_t> d_qkv_a, d_q_norm, d_kv_norm, d_q_b, d_w_uk_t, d_w_uv, d_o_proj, d_wq_b, d_wk,
+      d_weights_proj, d_gate;
+  DeviceBuffer<float> d_scales, d_k_norm_weight, d_k_norm_bias, d_ape;
+
+  explicit Layer(std::mt19937_64& rng) {
+    // Each product's output near unit scale: weights of stddev in^-0.5.
+    qkv_a = bf16_normal(size_t(kQ + kL) * kD, 0, 1 / std::sqrt(float(kD)), rng);
+    q_norm = bf16_normal(kQ, 1, 0.1f, rng);
+    kv_norm = bf16_normal(kL, 1, 0.1f, rng);
+    q_b = bf16_normal(size_t(kH * kP) * kQ, 0, 1 / std::sqrt(float(kQ)), rng);
+    w_uk_t = bf16_normal(size_t(kH) * kP * kL, 0, 1 / std::sqrt(float(kP)), rng);
+    w_uv = bf16_normal(size_t(kH) * kL * kV, 0, 1 / std::sqrt(float(kL)), rng);
+    o_proj = bf16_normal(size_t(kD) * kH * kV, 0, 1 / std::sqrt(float(kH * kV)), rng);
+    wq_b = bf16_normal(size_t(kIndexerHeads * kIndexerDim) * kQ, 0, 1 / std::sqrt(float(kQ)), rng);
+    wk = bf16_normal(size_t(kIndexerDim) * kD, 0, 1 / std::sqrt(float(kD)), rng);
+    weights_proj = bf16_normal(size_t(kIndexerHeads) * kD, 0, 1 / std::sqrt(float(kD)), rng);
+    gate = bf16_normal(size_t(kIndexerDim) * kD, 0, 1 / std::sqrt(float(kD)), rng);
+    scales = {5.0f / 448, 5.0f / 448};  // q_scale, k_scale: |values| up to ~5 use the FP8 range
+    k_norm_weight = testing::normal_floats(kIndexerDim, 1, 0.1f, rng);
+    k_norm_bias = testing::normal_floats(kIndexerDim, 0, 0.1f, rng);
+    ape = testing::normal_floats(kIndexerPoolSize * kIndexerDim, 0, 0.5f, rng);
+    for (float* v : {k_norm_weight.data(), k_norm_bias.data()}) {
+      for (int i = 0; i < kIndexerDim; ++i) v[i] = num::round_bf16(v[i]);
+    }
+    d_qkv_a = DeviceBuffer<uint16_t>(qkv_a);
+    d_q_norm = DeviceBuffer<uint16_t>(q_norm);
+    d_kv_norm = DeviceBuffer<uint16_t>(kv_norm);
+    d_q_b = DeviceBuffer<uint16_t>(q_b);
+    d_w_uk_t = DeviceBuffer<uint16_t>(w_uk_t);
+    d_w_uv = DeviceBuffer<uint16_t>(w_uv);
+    d_o_proj = DeviceBuffer<uint16_t>(o_proj);
+    d_wq_b = DeviceBuffer<uint16_t>(wq_b);
+    d_wk = DeviceBuffer<uint16_t>(wk);
+    d_weights_proj = DeviceBuffer<uint16_t>(weights_proj);
+    d_gate = DeviceBuffer<uint16_t>(gate);
+    d_scales = DeviceBuffer<float>(scales);
+    d_k_norm_weight = DeviceBuffer<float>(k_norm_weight);
+    d_k_norm_bias = DeviceBuffer<float>(k_norm_bias);
+    d_ape = DeviceBuffer<float>(ape);
+  }
+
+  DsaLayerWeights weights() const {
+    DsaLayerWeights w;
+    w.fused_qkv_a_proj = view(d_qkv_a, DType::kBF16, {kQ + kL, kD});
+    w.q_a_norm = view(d_q_norm, DType::kBF16, {kQ});
+    w.kv_a_norm = view(d_kv_norm, DType::kBF16, {kL});
+    w.q_b_proj = view(d_q_b, DType::kBF16, {kH * kP, kQ});
+    w.w_uk_t = view(d_w_uk_t, DType::kBF16, {kH, kP, kL});
+    w.w_uv = view(d_w_uv, DType::kBF16, {kH, kL, kV});
+    w.o_proj = view(d_o_proj, DType::kBF16, {kD, kH * kV});
+    w.q_scale = make_tensor(d_scales.get(), DType::kF32, {1});
+    w.k_scale = make_tensor(d_scales.get() + 1, DType::kF32, {1});
+    w.index_wq_b = view(d_wq_b, DType::kBF16, {kIndexerHeads * kIndexerDim, kQ});
+    w.index_wk = view(d_wk, DType::kBF16, {kIndexerDim, kD});
+    w.index_weights_proj = view(d_weights_proj, DType::kBF16, {kIndexerHeads, kD});
+    w.index_compress_gate = view(d_gate, DType::kBF16, {kIndexerDim, kD});
+    w.index_k_norm_weight = view(d_k_norm_weight, DType::kF32, {kIndexerDim});
+    w.index_k_norm_bias = view(d_k_norm_bias, DType::kF32, {kIndexerDim});
+    w.index_ape = view(d_ape, DType::kF32, {kIndexerPoolSize, kIndexerDim});
+    return w;
+  }
+};
+
+// A step of m tokens, one request each (RING 4 allows one token per request
+// and step), request r at position 2300 + 517 r: every token's indexer scores
+// pools. The KV cache holds random codes, the indexer state is prefilled on
+// the GPU from random rows.
+struct Step {
+  int m;
+  std::vector<int64_t> positions, slot_mapping;
+  std::vector<int32_t> token_requests, block_table;
+  int64_t width = 0, blocks = 0, page_bytes = 0;
+  std::vector<uint16_t> hidden;
+  std::vector<uint8_t> kv_cache;  // the cache before the step
+  DeviceBuffer<uint16_t> d_hidden, d_out, d_ring;
+  DeviceBuffer<int64_t> d_positions, d_slot_mapping;
+  DeviceBuffer<int32_t> d_token_requests, d_block_table;
+  DeviceBuffer<uint8_t> d_kv_cache, d_k_cache;
+  DeviceBuffer<unsigned int> d_errors;
+
+  Step(int tokens, const Layer& layer, const DsaStagePlan& plan, std::mt19937_64& rng) : m(tokens) {
+    for (int r = 0; r < m; ++r) {
+      positions.push_back(2300 + 517 * r);
+      token_requests.push_back(r);
+    }
+    width = (positions.back() + 1 + kBlock - 1) / kBlock;
+    blocks = m * width + 2;
+    std::vector<int32_t> order(blocks);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), rng);
+    block_table.assign(order.begin(), order.begin() + m * width);
+    for (int t = 0; t < m; ++t) {
+      const int64_t p = positions[t];
+      slot_mapping.push_back(int64_t(block_table[t * width + p / kBlock]) * kBlock + p % kBlock);
+    }
+    hidden = bf16_normal(size_t(m) * kD, 0, 1, rng);
+    kv_cache = fp8_codes(size_t(blocks) * kBlock * kL, rng);
+    page_bytes = kBlock / kIndexerPoolSize * kIndexerPoolBytes;
+    d_hidden = DeviceBuffer<uint16_t>(hidden);
+    d_out = DeviceBuffer<uint16_t>(size_t(m) * kD);
+    d_positions = DeviceBuffer<int64_t>(positions);
+    d_slot_mapping = DeviceBuffer<int64_t>(slot_mapping);
+    d_token_requests = DeviceBuffer<int32_t>(token_requests);
+    d_block_table = DeviceBuffer<int32_t>(block_table);
+    d_kv_cache = DeviceBuffer<uint8_t>(kv_cache);
+    d_ring = DeviceBuffer<uint16_t>(std::vector<uint16_t>(size_t(m) * 2 * plan.ring * kIndexerDim, 0));
+    d_k_cache = DeviceBuffer<uint8_t>(std::vector<uint8_t>(size_t(blocks) * page_bytes, 0));
+    d_errors = DeviceBuffer<unsigned int>(std::vector<unsigned int>{0});
+    prefill(layer, plan, rng);
+  }
+
+  IndexerState indexer() const {
+    return IndexerState{make_tensor(d_block_table.get(), DType::kI32, {m, width}),
+                        make_tensor(d_ring.get(), DType::kBF16, {m, 2, 4, kIndexerDim}),
+                        make_tensor(d_k_cache.get(), DType::kU8, {blocks, page_bytes})};
+  }
+
+  void prefill(const Layer& layer, const DsaStagePlan& plan, std::mt19937_64& rng) {
+    for (int r = 0; r < m; ++r) {
+      const int64_t n = positions[r];
+      DeviceBuffer<uint16_t> k(bf16_normal(size_t(n) * kIndexerDim, 0, 1, rng));
+      DeviceBuffer<uint16_t> g(bf16_normal(size_t(n) * kIndexerDim, 0, 1, rng));
+      IndexerPrefillArgs a;
+      a.plan.max_tokens = plan.max_tokens;
+      a.plan.max_context = plan.max_context;
+      a.plan.ring = plan.ring;
+      a.plan.block_size = plan.block_size;
+      a.index_k = make_tensor(k.get(), DType::kBF16, {n, kIndexerDim});
+      a.gate = make_tensor(g.get(), DType::kBF16, {n, kIndexerDim});
+      a.k_norm_weight = view(layer.d_k_norm_weight, DType::kF32, {kIndexerDim});
+      a.k_norm_bias = view(layer.d_k_norm_bias, DType::kF32, {kIndexerDim});
+      a.ape = view(layer.d_ape, DType::kF32, {kIndexerPoolSize, kIndexerDim});
+      a.request = r;
+      a.state = indexer();
+      EXPECT_TRUE(indexer_prefill(a, nullptr).ok());
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+  }
+
+  DsaStepArgs args() const {
+    DsaStepArgs a;
+    a.hidden = view(d_hidden, DType::kBF16, {m, kD});
+    a.positions = view(d_positions, DType::kI64, {m});
+    a.token_requests = view(d_token_requests, DType::kI32, {m});
+    a.slot_mapping = make_tensor(d_slot_mapping.get(), DType::kI64, {int64_t(d_slot_mapping.size())});
+    a.kv_cache = view(d_kv_cache, DType::kFP8E4M3, {blocks, kBlock, kL});
+    a.indexer = indexer();
+    a.out = view(d_out, DType::kBF16, {m, kD});
+    a.error_count = d_errors.get();
+    return a;
+  }
+};
+
+template <class T>
+std::vector<T> download(const TensorView& v) {
+  std::vector<T> host(size_t(v.numel()));
+  EXPECT_EQ(cudaMemcpy(host.data(), v.data, host.size() * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  return host;
+}
+
+// What one path left: its outputs and the intermediates the checks read.
+struct PathResult {
+  std::vector<uint16_t> q_c, kv_c, q, latent, heads, out;
+  std::vector<uint8_t> q_fp8, kv_cache;
+  std::vector<int32_t> topk_positions, slots;
+  std::vector<float> lse;
+  unsigned int errors = 0;
+};
+
+PathResult run_path(DsaAttentionStage& stage, Step& step, DsaPath path, const DsaStepArgs& args) {
+  step.d_kv_cache.upload(step.kv_cache);
+  step.d_out.fill_bytes(0xFF);
+  const Status s = path == DsaPath::kFused ? stage.forward(args, nullptr) : stage.stock_forward(args, nullptr);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const DsaStageIntermediates v = stage.intermediates(step.m);
+  PathResult r;
+  r.q_c = download<uint16_t>(v.q_c);
+  r.kv_c = download<uint16_t>(v.kv_c);
+  r.q = download<uint16_t>(v.q);
+  r.q_fp8 = download<uint8_t>(v.q_fp8);
+  r.topk_positions = download<int32_t>(v.topk_positions);
+  r.slots = download<int32_t>(v.slots);
+  r.latent = download<uint16_t>(v.latent);
+  r.lse = download<float>(v.lse);
+  r.heads = download<uint16_t>(v.heads);
+  r.out = step.d_out.download();
+  r.kv_cache = step.d_kv_cache.download();
+  r.errors = step.d_errors.download()[0];
+  return r;
+}
+
+// ||got - want|| / ||want|| of BF16 values against float64 ones.
+double relative_error(const std::vector<uint16_t>& got, const std::vector<double>& want) {
+  double error = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = num::bf16_to_float(got[i]) - want[i];
+    error += d * d;  // NaN fails the comparison below
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(error / norm);
+}
+
+// out[t, j] = sum_i in[t, i] * weight[j, i] in float64 (weight [n, k]).
+std::vector<double> linear(const std::vector<uint16_t>& in, int64_t m, int64_t k, const std::vector<uint16_t>& weight,
+                           int64_t n) {
+  std::vector<double> x(in.size());
+  for (size_t i = 0; i < in.size(); ++i) x[i] = num::bf16_to_float(in[i]);
+  std::vector<double> out(size_t(m) * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* w = &weight[size_t(j) * k];
+    for (int64_t t = 0; t < m; ++t) {
+      double sum = 0;
+      for (int64_t i = 0; i < k; ++i) sum += x[t * k + i] * num::bf16_to_float(w[i]);
+      out[size_t(t) * n + j] = sum;
+    }
+  }
+  return out;
+}
+
+// out[t, h, j] = sum_i in[t, h, i] * weight[h, i, j] in float64.
+std::vector<double> per_head(const std::vector<uint16_t>& in, int64_t m, int64_t I,
+                             const std::vector<uint16_t>& weight, int64_t J) {
+  std::vector<double> out(size_t(m) * kH * J, 0.0);
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t h = 0; h < kH; ++h) {
+      double* o = &out[(size_t(t) * kH + h) * J];
+      for (int64_t i = 0; i < I; ++i) {
+        const double x = num::bf16_to_float(in[(size_t(t) * kH + h) * I + i]);
+        const uint16_t* w = &weight[(size_t(h) * I + i) * J];
+        for (int64_t j = 0; j < J; ++j) o[j] += x * num::bf16_to_float(w[j]);
+      }
+    }
+  }
+  return out;
+}
+
+// RMSNorm of float64 rows, as norm.h states it (the BF16 rounding is the checks' tolerance).
+std::vector<double> rms_norm(const std::vector<double>& qkv, int64_t m, int64_t offset, int64_t size,
+                             const std::vector<uint16_t>& gamma) {
+  std::vector<double> out(size_t(m) * size);
+  for (int64_t t = 0; t < m; ++t) {
+    std::vector<double> x(size);
+    double squares = 0;
+    for (int64_t i = 0; i < size; ++i) {
+      x[i] = num::round_bf16(static_cast<float>(qkv[size_t(t) * (kQ + kL) + offset + i]));  // qkv is BF16
+      squares += x[i] * x[i];
+    }
+    const double rrms = 1 / std::sqrt(squares / size + 1e-6);
+    for (int64_t i = 0; i < size; ++i) out[size_t(t) * size + i] = x[i] * rrms * num::bf16_to_float(gamma[i]);
+  }
+  return out;
+}
+
+class DsaStageGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    DSA_REQUIRE_GPU();
+    rng_.seed(testing::test_seed());
+    layer_ = std::make_unique<Layer>(rng_);
+    plan_.max_context = 16384;
+    const Status s = DsaAttentionStage::create(glm5next_tp8(), layer_->weights(), plan_, &stage_);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+
+  std::mt19937_64 rng_;
+  std::unique_ptr<Layer> layer_;
+  DsaStagePlan plan_;
+  std::unique_ptr<DsaAttentionStage> stage_;
+};
+
+// Both paths of one step, each against the other and the fused path's
+// products against float64 on the GPU's own inputs.
+void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step) {
+  const int m = step.m;
+  const PathResult fused = run_path(stage, step, DsaPath::kFused, step.args());
+  const PathResult stock = run_path(stage, step, DsaPath::kStock, step.args());
+  const std::string at = "m = " + std::to_string(m);
+  EXPECT_EQ(fused.errors, 0u) << at;
+  EXPECT_EQ(stock.errors, 0u) << at;
+
+  // Cache: the step's slots written, equal in both paths; nothing else touched.
+  EXPECT_TRUE(fused.kv_cache == stock.kv_cache) << at;
+  size_t changed_rows = 0;
+  for (size_t row = 0; row * kL < step.kv_cache.size(); ++row) {
+    const bool changed = !std::equal(&fused.kv_cache[row * kL], &fused.kv_cache[row * kL] + kL,
+                                     &step.kv_cache[row * kL]);
+    const bool written = std::count(step.slot_mapping.begin(), step.slot_mapping.end(), int64_t(row)) > 0;
+    if (changed) ++changed_rows;
+    EXPECT_TRUE(!changed || written) << at << ": cache row " << row << " changed";
+  }
+  EXPECT_GE(changed_rows, size_t(m) - 1) << at;  // a random row may equal its write by chance only rarely
+  for (int t = 0; t < m; ++t) {
+    const float k_scale = layer.scales[1];
+    const uint8_t* row = &fused.kv_cache[size_t(step.slot_mapping[t]) * kL];
+    for (int i = 0; i < kL; ++i) {
+      ASSERT_EQ(row[i], num::cache_fp8(fused.kv_c[size_t(t) * kL + i], k_scale)) << at << " token " << t << " dim " << i;
+    }
+  }
+
+  // q_fp8: head_gemv's order against cuBLAS's, one FP8 step at most.
+  size_t q_differ = 0;
+  for (size_t i = 0; i < fused.q_fp8.size(); ++i) {
+    const int a = fused.q_fp8[i], b = stock.q_fp8[i];
+    const int ordered_a = a & 0x80 ? -(a & 0x7F) : a, ordered_b = b & 0x80 ? -(b & 0x7F) : b;
+    ASSERT_LE(std::abs(ordered_a - ordered_b), 1) << at << " q_fp8 " << i;
+    q_differ += a != b;
+  }
+  EXPECT_LT(q_differ, fused.q_fp8.size() / 20) << at;
+
+  // The indexer's rows: the exact select and the CUB-sort baseline agree.
+  EXPECT_TRUE(fused.slots == stock.slots) << at;
+  for (int t = 0; t < m; ++t) {
+    const int32_t* row = &fused.slots[size_t(t) * kIndexerRowWidth];
+    EXPECT_EQ(std::count(row, row + kIndexerRowWidth, -1), kIndexerRowWidth - 2048 - int(step.positions[t] + 1) % 4)
+        << at << " token " << t;
+  }
+
+  // Each product of the fused path against float64 on its own inputs.
+  const std::vector<double> qkv = linear(step.hidden, m, kD, layer.qkv_a, kQ + kL);
+  EXPECT_LT(relative_error(fused.q_c, rms_norm(qkv, m, 0, kQ, layer.q_norm)), 1e-2) << at;
+  EXPECT_LT(relative_error(fused.kv_c, rms_norm(qkv, m, kQ, kL, layer.kv_norm)), 1e-2) << at;
+  EXPECT_LT(relative_error(fused.q, linear(fused.q_c, m, kQ, layer.q_b, kH * kP)), 4e-3) << at;
+  reference::SparseMlaHost attention{fused.q_fp8.data(), kH * kL, kL,
+                                     fused.kv_cache.data(), step.blocks, kBlock, kBlock * kL, kL,
+                                     fused.slots.data(), kIndexerRowWidth, m, int(kH), kIndexerRowWidth,
+                                     layer.scales[0], layer.scales[1], 0.0625f};
+  const reference::SparseMlaResult want = reference::sparse_mla(attention);
+  std::vector<double> want_latent(want.latent.size());
+  for (size_t i = 0; i < want.latent.size(); ++i) want_latent[i] = num::bf16_to_float(want.latent[i]);
+  EXPECT_LT(relative_error(fused.latent, want_latent), 1e-2) << at;
+  for (size_t i = 0; i < want.lse.size(); ++i) EXPECT_NEAR(fused.lse[i], want.lse[i], 1e-3) << at << " lse " << i;
+  EXPECT_LT(relative_error(fused.heads, per_head(fused.latent, m, kL, layer.w_uv, kV)), 4e-3) << at;
+  EXPECT_LT(relative_error(fused.out, linear(fused.heads, m, kH * kV, layer.o_proj, kD)), 4e-3) << at;
+
+  // The stock path's output: its q_fp8 differs in a few codes, so within the attention's tolerance.
+  std::vector<double> fused_out(fused.out.size());
+  for (size_t i = 0; i < fused.out.size(); ++i) fused_out[i] = num::bf16_to_float(fused.out[i]);
+  EXPECT_LT(relative_error(stock.out, fused_out), 2e-2) << at;
+}
+
+TEST_F(DsaStageGpu, FusedAndStockAgreeWithTheReferences) {
+  const std::vector<int> counts = testing::quick_mode() ? std::vector<int>{1, 5} : std::vector<int>{1, 2, 5, 16};
+  for (int m : counts) {
+    Step step(m, *layer_, plan_, rng_);
+    expect_paths_agree(*stage_, *layer_, step);
+    if (HasFatalFailure()) return;
+  }
+}
+
+TEST_F(DsaStageGpu, StepCapturesIntoAGraphAndReplaysTheSameBits) {
+  Step step(4, *layer_, plan_, rng_);
+  const DsaStepArgs args = step.args();
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+    const PathResult once = run_path(*stage_, step, path, args);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status captured = path == DsaPath::kFused ? stage_->forward(args, stream) : stage_->stock_forward(args, stream);
+    DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+    DSA_ASSERT_OK(captured);
+    DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    for (int replay = 0; replay < 3; ++replay) {
+      step.d_kv_cache.upload(step.kv_cache);
+      step.d_out.fill_bytes(0xFF);
+      DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+      DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(step.d_out.download() == once.out) << (path == DsaPath::kFused ? "fused" : "stock") << " replay "
+                                                      << replay;
+      EXPECT_TRUE(step.d_kv_cache.download() == once.kv_cache);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(DsaStageGpu, CallerTopkRowsSkipTheIndexerAndGiveTheSameStep) {
+  Step step(3, *layer_, plan_, rng_);
+  const PathResult stock = run_path(*stage_, step, DsaPath::kStock, step.args());  // writes topk_positions
+  const PathResult fused = run_path(*stage_, step, DsaPath::kFused, step.args());
+  DeviceBuffer<int32_t> rows(stock.topk_positions);
+  DsaStepArgs args = step.args();
+  args.topk_positions = make_tensor(rows.get(), DType::kI32, {3, kIndexerRowWidth});
+  std::vector<std::string> names;
+  DSA_ASSERT_OK(stage_->step_names(DsaPath::kFused, args, &names));
+  EXPECT_TRUE(std::count(names.begin(), names.end(), "top-k remap") == 1);
+  EXPECT_TRUE(std::count(names.begin(), names.end(), "indexer select") == 0);
+  const PathResult reused = run_path(*stage_, step, DsaPath::kFused, args);
+  EXPECT_TRUE(reused.slots == fused.slots);
+  EXPECT_TRUE(reused.out == fused.out);
+  EXPECT_EQ(reused.errors, 0u);
+  // A position from the future remaps to -1 and is counted.
+  std::vector<int32_t> future = stock.topk_positions;
+  future[5] = static_cast<int32_t>(step.positions[0] + 1);
+  rows.upload(future);
+  const PathResult counted = run_path(*stage_, step, DsaPath::kFused, args);
+  EXPECT_EQ(counted.slots[5], -1);
+  EXPECT_GT(counted.errors, 0u);
+}
+
+TEST_F(DsaStageGpu, PaddedSlotMappingWritesOnlyRealSlots) {
+  Step step(4, *layer_, plan_, rng_);
+  const int64_t skipped = step.slot_mapping[1];
+  std::vector<int64_t> padded = step.slot_mapping;
+  padded[1] = -1;                          // token 1 is a padding token of the cache write
+  padded.push_back(step.slot_mapping[2]);  // CUDA-graph padding past m: never read
+  step.slot_mapping = padded;
+  step.d_slot_mapping = DeviceBuffer<int64_t>(padded);
+  const PathResult fused = run_path(*stage_, step, DsaPath::kFused, step.args());
+  const PathResult stock = run_path(*stage_, step, DsaPath::kStock, step.args());
+  EXPECT_TRUE(std::equal(&fused.kv_cache[skipped * kL], &fused.kv_cache[skipped * kL] + kL,
+                         &step.kv_cache[skipped * kL]));
+  EXPECT_TRUE(fused.kv_cache == stock.kv_cache);
+  EXPECT_EQ(fused.errors, 0u);
+}
+
+TEST_F(DsaStageGpu, StepArgumentsAreCheckedByName) {
+  Step step(2, *layer_, plan_, rng_);
+  DsaStepArgs args = step.args();
+  args.hidden = make_tensor(step.d_hidden.get(), DType::kBF16, {17, kD});
+  testing::expect_rejected(stage_->forward(args, nullptr), "hidden", "max_tokens");
+  args = step.args();
+  args.out = args.hidden;
+  testing::expect_rejected(stage_->forward(args, nullptr), "out", "disjoint");
+  args = step.args();
+  args.kv_cache = make_tensor(step.d_kv_cache.get(), DType::kFP8E4M3, {step.blocks * 2, kBlock / 2, kL});
+  testing::expect_rejected(stage_->stock_forward(args, nullptr), "kv_cache", "block_size");
+  args = step.args();
+  args.positions = make_tensor(step.d_positions.get(), DType::kI32, {2});
+  const Status s = stage_->forward(args, nullptr);
+  EXPECT_FALSE(s.ok());
+  EXPECT_TRUE(contains(s.message(), "'positions'")) << s.message();
+  args = step.args();
+  std::vector<std::string> names;
+  DSA_ASSERT_OK(stage_->step_names(DsaPath::kStock, args, &names));
+  testing::expect_rejected(stage_->run_steps(DsaPath::kStock, args, 2, names.size(), nullptr), "first, count",
+                           "within");
+}
+
+}  // namespace
+}  // namespace dsa
