@@ -1,0 +1,283 @@
+// The stage, fused (forward) against stock (stock_forward), in the same run:
+// glm5next at TP1 (H = 64) and TP8 (H = 8), contexts 32k and 128k, m = 1, 2,
+// 4, 8, 16, one request per token. Rows (DESIGN.md section 4):
+// `attention_half` (norm through value-up: every step but qkv_a_proj and
+// o_proj) and `whole_stage`. Cold L2: as many stages as it takes for their
+// weight copies to be twice the L2, replayed in turn; each request's KV rows
+// are its own (16 MiB at 32k), so the selected rows come from memory too.
+// Random weights at unit-output scales and random caches (the indexer's
+// prefilled from random rows): the times do not depend on the values.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/launch.cuh"
+#include "dsa_decode/cuda_check.h"
+#include "dsa_decode/stage.h"
+#include "harness.h"
+
+namespace dsa {
+namespace {
+
+constexpr int64_t kD = 4096, kQ = 1536, kL = 512, kP = 256, kV = 256;  // glm5next
+constexpr int kBlock = 256;
+
+// e4m3 codes from a hash of the index, never NaN (0x7F, 0xFF).
+__global__ void fill_fp8_kernel(uint8_t* codes, size_t count, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
+    uint64_t x = (i + seed) * 0x9E3779B97F4A7C15ull;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    uint8_t code = static_cast<uint8_t>(x >> 40);
+    if ((code & 0x7F) == 0x7F) code ^= 1;
+    codes[i] = code;
+  }
+}
+
+__global__ void fill_f32_kernel(float* values, size_t count, float value) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
+    values[i] = value;
+  }
+}
+
+Status fill_fp8(void* codes, size_t count, uint64_t seed, cudaStream_t stream) {
+  fill_fp8_kernel<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(codes), count, seed);
+  return cuda_status(cudaGetLastError(), "fill_fp8_kernel");
+}
+
+Status fill_f32(float* values, size_t count, float value, cudaStream_t stream) {
+  fill_f32_kernel<<<64, 256, 0, stream>>>(values, count, value);
+  return cuda_status(cudaGetLastError(), "fill_f32_kernel");
+}
+
+// One copy of a layer's weights in one allocation.
+struct Weights {
+  bench::DeviceMemory memory;
+  DsaLayerWeights views;
+  size_t bytes = 0;
+
+  Status make(int64_t H, uint64_t seed, cudaStream_t stream) {
+    struct Part {
+      TensorView* view;
+      DType dtype;
+      std::vector<int64_t> shape;
+      float scale;  // uniform [-scale, scale): stddev scale / sqrt(3); in^-0.5 keeps outputs near unit scale
+    };
+    const auto linear = [](int64_t in) { return std::sqrt(3.0f / float(in)); };
+    DsaLayerWeights& w = views;
+    const std::vector<Part> parts = {
+        {&w.fused_qkv_a_proj, DType::kBF16, {kQ + kL, kD}, linear(kD)},
+        {&w.q_a_norm, DType::kBF16, {kQ}, 1.0f},
+        {&w.kv_a_norm, DType::kBF16, {kL}, 1.0f},
+        {&w.q_b_proj, DType::kBF16, {H * kP, kQ}, linear(kQ)},
+        {&w.w_uk_t, DType::kBF16, {H, kP, kL}, linear(kP)},
+        {&w.w_uv, DType::kBF16, {H, kL, kV}, linear(kL)},
+        {&w.o_proj, DType::kBF16, {kD, H * kV}, linear(H * kV)},
+        {&w.q_scale, DType::kF32, {1}, 0.01f},
+        {&w.k_scale, DType::kF32, {1}, 0.01f},
+        {&w.index_wq_b, DType::kBF16, {kIndexerHeads * kIndexerDim, kQ}, linear(kQ)},
+        {&w.index_wk, DType::kBF16, {kIndexerDim, kD}, linear(kD)},
+        {&w.index_weights_proj, DType::kBF16, {kIndexerHeads, kD}, linear(kD)},
+        {&w.index_compress_gate, DType::kBF16, {kIndexerDim, kD}, linear(kD)},
+        {&w.index_k_norm_weight, DType::kF32, {kIndexerDim}, 1.0f},
+        {&w.index_k_norm_bias, DType::kF32, {kIndexerDim}, 0.0f},
+        {&w.index_ape, DType::kF32, {kIndexerPoolSize, kIndexerDim}, 0.0f},
+    };
+    std::vector<size_t> offsets;
+    for (const Part& p : parts) {
+      size_t count = 1;
+      for (int64_t s : p.shape) count *= size_t(s);
+      offsets.push_back(bytes);
+      bytes += (count * dtype_size(p.dtype) + 255) / 256 * 256;
+    }
+    DSA_RETURN_IF_ERROR(memory.allocate(bytes));
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      char* data = memory.as<char>() + offsets[i];
+      size_t count = 1;
+      for (int64_t s : p.shape) count *= size_t(s);
+      if (p.dtype == DType::kBF16) {
+        DSA_RETURN_IF_ERROR(bench::fill_random_bf16(data, count, seed + i, p.scale, stream));
+      } else {
+        DSA_RETURN_IF_ERROR(fill_f32(reinterpret_cast<float*>(data), count, p.scale, stream));
+      }
+      *p.view = p.shape.size() == 1   ? make_tensor(data, p.dtype, {p.shape[0]})
+                : p.shape.size() == 2 ? make_tensor(data, p.dtype, {p.shape[0], p.shape[1]})
+                                      : make_tensor(data, p.dtype, {p.shape[0], p.shape[1], p.shape[2]});
+    }
+    return Status();
+  }
+};
+
+// m requests of `context` cached tokens each, one decode token per request.
+struct Caches {
+  int m;
+  int64_t context, width, blocks, page_bytes;
+  bench::DeviceMemory hidden, out, positions, token_requests, slot_mapping, block_table, kv_cache, ring, k_cache,
+      rows, errors;
+
+  Status make(int tokens, int64_t cached, const DsaLayerWeights& w, const DsaStagePlan& plan, cudaStream_t stream) {
+    m = tokens;
+    context = cached;
+    width = (context + 1 + kBlock - 1) / kBlock;
+    blocks = m * width;
+    page_bytes = kBlock / kIndexerPoolSize * kIndexerPoolBytes;
+    std::vector<int64_t> host_positions(m, context), host_slots(m);
+    std::vector<int32_t> host_requests(m), host_table(size_t(m) * width);
+    for (int r = 0; r < m; ++r) {
+      host_requests[r] = r;
+      for (int64_t b = 0; b < width; ++b) host_table[r * width + b] = static_cast<int32_t>(r * width + b);
+      host_slots[r] = host_table[r * width + context / kBlock] * int64_t(kBlock) + context % kBlock;
+    }
+    DSA_RETURN_IF_ERROR(hidden.allocate(size_t(m) * kD * 2));
+    DSA_RETURN_IF_ERROR(bench::fill_random_bf16(hidden.get(), size_t(m) * kD, 0x68696464 + m, 1.7f, stream));
+    DSA_RETURN_IF_ERROR(out.allocate(size_t(m) * kD * 2));
+    DSA_RETURN_IF_ERROR(upload(host_positions, &positions, stream));
+    DSA_RETURN_IF_ERROR(upload(host_requests, &token_requests, stream));
+    DSA_RETURN_IF_ERROR(upload(host_slots, &slot_mapping, stream));
+    DSA_RETURN_IF_ERROR(upload(host_table, &block_table, stream));
+    DSA_RETURN_IF_ERROR(kv_cache.allocate(size_t(blocks) * kBlock * kL));
+    DSA_RETURN_IF_ERROR(fill_fp8(kv_cache.get(), kv_cache.bytes(), 0x6b76 + m, stream));
+    DSA_RETURN_IF_ERROR(ring.allocate(size_t(m) * 2 * plan.ring * kIndexerDim * 2));
+    DSA_CUDA_RETURN(cudaMemsetAsync(ring.get(), 0, ring.bytes(), stream));
+    DSA_RETURN_IF_ERROR(k_cache.allocate(size_t(blocks) * page_bytes));
+    DSA_CUDA_RETURN(cudaMemsetAsync(k_cache.get(), 0, k_cache.bytes(), stream));
+    DSA_RETURN_IF_ERROR(errors.allocate(sizeof(unsigned int)));
+    DSA_CUDA_RETURN(cudaMemsetAsync(errors.get(), 0, errors.bytes(), stream));
+    // Every request's context through the indexer's prefill, from one set of random rows.
+    DSA_RETURN_IF_ERROR(rows.allocate(size_t(context) * kIndexerDim * 2 * 2));
+    DSA_RETURN_IF_ERROR(bench::fill_random_bf16(rows.get(), size_t(context) * kIndexerDim * 2, 0x726f7773, 1.7f, stream));
+    for (int r = 0; r < m; ++r) {
+      IndexerPrefillArgs a;
+      a.plan = indexer_plan(plan);
+      a.index_k = make_tensor(rows.get(), DType::kBF16, {context, kIndexerDim});
+      a.gate = make_tensor(rows.as<uint16_t>() + context * kIndexerDim, DType::kBF16, {context, kIndexerDim});
+      a.k_norm_weight = w.index_k_norm_weight;
+      a.k_norm_bias = w.index_k_norm_bias;
+      a.ape = w.index_ape;
+      a.request = r;
+      a.state = indexer();
+      a.error_count = errors.as<unsigned int>();
+      DSA_RETURN_IF_ERROR(indexer_prefill(a, stream));
+    }
+    DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+    return Status();
+  }
+
+  static IndexerPlan indexer_plan(const DsaStagePlan& plan) {
+    IndexerPlan p;
+    p.max_tokens = plan.max_tokens;
+    p.max_context = plan.max_context;
+    p.ring = plan.ring;
+    p.block_size = plan.block_size;
+    p.logits = plan.indexer_logits;
+    return p;
+  }
+
+  template <class T>
+  static Status upload(const std::vector<T>& host, bench::DeviceMemory* device, cudaStream_t stream) {
+    DSA_RETURN_IF_ERROR(device->allocate(host.size() * sizeof(T)));
+    DSA_CUDA_RETURN(cudaMemcpyAsync(device->get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+    return cudaStreamSynchronize(stream) == cudaSuccess ? Status() : cuda_status(cudaGetLastError(), "upload");
+  }
+
+  IndexerState indexer() const {
+    return IndexerState{make_tensor(block_table.get(), DType::kI32, {m, width}),
+                        make_tensor(ring.get(), DType::kBF16, {m, 2, 4, kIndexerDim}),
+                        make_tensor(k_cache.get(), DType::kU8, {blocks, page_bytes})};
+  }
+
+  DsaStepArgs args() const {
+    DsaStepArgs a;
+    a.hidden = make_tensor(hidden.get(), DType::kBF16, {m, kD});
+    a.positions = make_tensor(positions.get(), DType::kI64, {m});
+    a.token_requests = make_tensor(token_requests.get(), DType::kI32, {m});
+    a.slot_mapping = make_tensor(slot_mapping.get(), DType::kI64, {m});
+    a.kv_cache = make_tensor(kv_cache.get(), DType::kFP8E4M3, {blocks, kBlock, kL});
+    a.indexer = indexer();
+    a.out = make_tensor(out.get(), DType::kBF16, {m, kD});
+    a.error_count = errors.as<unsigned int>();
+    return a;
+  }
+};
+
+DsaLayerConfig glm5next(int64_t heads) {
+  DsaLayerConfig c;
+  c.hidden_size = kD;
+  c.num_heads = heads;
+  c.q_lora_rank = kQ;
+  c.kv_lora_rank = kL;
+  c.qk_nope_head_dim = kP;
+  c.v_head_dim = kV;
+  c.softmax_scale = 0.0625f;
+  c.rms_norm_eps = 1e-6f;
+  c.fuse_qkv_rmsnorm = true;
+  c.indexer = true;
+  c.kv_cache_dtype = "fp8_e4m3";
+  return c;
+}
+
+Status bench_stage(bench::Context& ctx, bench::Report& report) {
+  DsaStagePlan plan;
+  plan.max_context = 131072 + 1;
+  for (int tp : {1, 8}) {
+    const int64_t H = 64 / tp;
+    Weights first;
+    DSA_RETURN_IF_ERROR(first.make(H, 0x7374 + tp, ctx.stream));
+    const int copies = bench::cold_copies(ctx, first.bytes);
+    std::vector<Weights> weights(copies);
+    weights[0] = std::move(first);
+    for (int c = 1; c < copies; ++c) DSA_RETURN_IF_ERROR(weights[c].make(H, 0x7374 + tp + 100 * c, ctx.stream));
+    DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
+    std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies);
+    for (int c = 0; c < copies; ++c) {
+      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(glm5next(H), weights[c].views, plan, &stages[c]));
+    }
+    for (int64_t context : {int64_t{32768}, int64_t{131072}}) {
+      for (int m : {1, 2, 4, 8, 16}) {
+        Caches caches;
+        DSA_RETURN_IF_ERROR(caches.make(m, context, weights[0].views, plan, ctx.stream));
+        const DsaStepArgs args = caches.args();
+        std::vector<std::string> fused_steps, stock_steps;
+        DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kFused, args, &fused_steps));
+        DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kStock, args, &stock_steps));
+        // [first, first + count) of each path's steps, stage i % copies.
+        const auto timed = [&](DsaPath path, size_t first, size_t count, double* us) {
+          return bench::time_graph(
+              ctx,
+              [&](cudaStream_t stream, int i) { return stages[i % copies]->run_steps(path, args, first, count, stream); },
+              us, std::max(copies, 4), 20);
+        };
+        double fused_whole = 0, stock_whole = 0, fused_half = 0, stock_half = 0;
+        DSA_RETURN_IF_ERROR(timed(DsaPath::kFused, 0, fused_steps.size(), &fused_whole));
+        DSA_RETURN_IF_ERROR(timed(DsaPath::kStock, 0, stock_steps.size(), &stock_whole));
+        // Without the first (qkv_a_proj) and the last (o_proj) step.
+        DSA_RETURN_IF_ERROR(timed(DsaPath::kFused, 1, fused_steps.size() - 2, &fused_half));
+        DSA_RETURN_IF_ERROR(timed(DsaPath::kStock, 1, stock_steps.size() - 2, &stock_half));
+        const std::vector<std::pair<std::string, double>> params = {
+            {"H", double(H)}, {"m", double(m)}, {"context", double(context)}};
+        const std::string value_up = fused_steps[fused_steps.size() - 2];
+        report.add(bench::Row{"attention_half", params, fused_half, "stock_forward, norm .. value_up", stock_half, 0, 0,
+                              value_up});
+        // The memory floor: every weight once, each token's selected KV rows and, past 2048 tokens, its indexer
+        // K cache scan (the activations are a few hundred KiB).
+        const double step_bytes = double(weights[0].bytes) +
+                                  double(m) * (double(kIndexerRowWidth) * kL +
+                                               (context + 1 > 2048 ? double(context + 1) / 4 * kIndexerPoolBytes : 0));
+        report.add(bench::Row{"whole_stage", params, fused_whole, "stock_forward", stock_whole,
+                              bench::floor_us(ctx, step_bytes), 0, value_up});
+      }
+    }
+  }
+  return Status();
+}
+
+DSA_BENCH("stage", bench_stage);
+
+}  // namespace
+}  // namespace dsa
