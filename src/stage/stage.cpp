@@ -90,13 +90,14 @@ struct StepList {
 };
 
 // A weight view: present, dtype, shape, on CUDA, last dim contiguous, other
-// strides multiples of 8 elements, data 16-byte aligned.
-Status check_weight(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape) {
+// strides multiples of 8 elements, data aligned (16 bytes; a scale, 4).
+Status check_weight(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape,
+                    size_t alignment = 16) {
   DSA_RETURN_IF_ERROR(check_present(t, name));
   DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
   DSA_RETURN_IF_ERROR(check_shape(t, name, shape));
   DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
-  DSA_RETURN_IF_ERROR(check_aligned(t, name, 16));
+  DSA_RETURN_IF_ERROR(check_aligned(t, name, alignment));
   if (t.ndim >= 1 && t.size(t.ndim - 1) > 1) DSA_RETURN_IF_ERROR(check_stride(t, name, t.ndim - 1, 1));
   for (int d = 0; d + 1 < t.ndim; ++d) {
     if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
@@ -419,8 +420,8 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   }
   view(check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V}));
   view(check_weight(w.o_proj, "o_proj", DType::kBF16, {D, H * V}));
-  view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}));
-  view(check_weight(w.k_scale, "k_scale", DType::kF32, {1}));
+  view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}, 4));
+  view(check_weight(w.k_scale, "k_scale", DType::kF32, {1}, 4));
   view(check_weight(w.index_wq_b, "index_wq_b", DType::kBF16, {kIndexerHeads * kIndexerDim, Q}));
   view(check_weight(w.index_wk, "index_wk", DType::kBF16, {kIndexerDim, D}));
   view(check_weight(w.index_weights_proj, "index_weights_proj", DType::kBF16, {kIndexerHeads, D}));
