@@ -28,18 +28,21 @@
 //
 //   stock (stock_forward): the same step in the stock engine's order with
 //   unfused kernels, the fallback and the baseline every speedup is measured
-//   against: qkv_a_proj, norm, q_b_proj, the indexer with its projections
-//   through cuBLASLt and the straightforward select (CUB sort, separate
-//   expand and remap), concat_and_cache_mla, cuBLAS absorb bmm, static FP8
-//   quant, a cudaMemsetAsync of the attention's split counters, the same
-//   attention (no stock Hopper kernel reads this cache format), cuBLAS W_UV
-//   bmm, o_proj.
+//   against: qkv_a_proj, norm, q_b_proj, the indexer with the
+//   straightforward select (CUB sort, separate expand and remap),
+//   concat_and_cache_mla, cuBLAS absorb bmm, static FP8 quant, a
+//   cudaMemsetAsync of the attention's split counters, the same attention
+//   (no stock Hopper kernel reads this cache format), cuBLAS W_UV bmm,
+//   o_proj. The indexer's projections and prepare are the fused path's
+//   (plan.indexer_projections_cublaslt picks the projections' kernel for
+//   both): with other projections' sums a near-tie could select another
+//   pool, and the paths could not be compared row for row.
 //
 // Numerics: both paths apply the same roundings (BF16 round to nearest even,
 // the stock static FP8 quant, the cache write's rounded division); they
 // differ in FP32 summation order only (head_gemv's fixed order against
 // cuBLAS's), so q_fp8 agrees within one FP8 step, the KV cache bytes and the
-// selected slots are equal, and latent and out agree within the attention's
+// selected slots are equal (both selects are exact over the same logits), and latent and out agree within the attention's
 // and the GEMMs' tolerances (docs/stage.md has the measured differences).
 // The fused path is deterministic; a token's bits do not depend on the batch
 // around it when plan.attention_splits is batch invariant (the default) and
@@ -140,7 +143,7 @@ struct DsaStagePlan {
   HeadGemvSums head_gemv_sums = HeadGemvSums::kSeedOrder;        // the fused path's absorb and value-up
   IndexerLogits indexer_logits = IndexerLogits::kExact;          // both paths' select
   SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' attention
-  bool indexer_projections_cublaslt = false;  // the fused path's indexer projections: GEMV launch or cuBLASLt
+  bool indexer_projections_cublaslt = false;  // both paths' indexer projections: GEMV launch or cuBLASLt
 };
 
 // The token counts at which value-up's head_gemv beat cuBLAS's bmm on the

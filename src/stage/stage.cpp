@@ -40,7 +40,7 @@ enum class Step {
   kNorm,
   kQbProj,
   kAbsorb,             // head_gemv: FP8 q and the cache write
-  kIndexerProject,     // the fused path's: GEMV launch (or cuBLASLt, plan.indexer_projections_cublaslt)
+  kIndexerProject,     // both paths': GEMV launch (or cuBLASLt, plan.indexer_projections_cublaslt)
   kIndexerPrepare,
   kIndexerSelect,
   kTopkRemap,          // caller rows instead of the indexer
@@ -48,7 +48,6 @@ enum class Step {
   kValueUpGemv,
   kValueUpBmm,
   kOProj,
-  kStockIndexerProject,  // cuBLASLt
   kStockIndexerSelect,   // CUB sort, expand, remap
   kStockCacheWrite,
   kStockAbsorbBmm,
@@ -71,7 +70,6 @@ const char* step_name(Step step, bool projections_cublaslt) {
     case Step::kValueUpGemv: return "value_up (head_gemv)";
     case Step::kValueUpBmm: return "value_up (cuBLAS bmm)";
     case Step::kOProj: return "o_proj (cuBLASLt)";
-    case Step::kStockIndexerProject: return "indexer projections (cuBLASLt)";
     case Step::kStockIndexerSelect: return "indexer select (CUB sort baseline)";
     case Step::kStockCacheWrite: return "cache write (concat_and_cache_mla)";
     case Step::kStockAbsorbBmm: return "absorb (cuBLAS bmm)";
@@ -181,7 +179,7 @@ struct DsaAttentionStage::State {
       if (caller_rows) {
         list.add(Step::kTopkRemap);
       } else {
-        list.add(Step::kStockIndexerProject);
+        list.add(Step::kIndexerProject);
         list.add(Step::kIndexerPrepare);
         list.add(Step::kStockIndexerSelect);
       }
@@ -296,8 +294,6 @@ struct DsaAttentionStage::State {
       case Step::kIndexerProject:
         if (plan.indexer_projections_cublaslt) return indexer_project(indexer_project_args(a, m), indexer_projections, stream);
         return indexer_project_gemv(indexer_project_args(a, m), stream);
-      case Step::kStockIndexerProject:
-        return indexer_project(indexer_project_args(a, m), indexer_projections, stream);
       case Step::kIndexerPrepare: {
         IndexerPrepareArgs p;
         p.plan = indexer_plan;
@@ -565,7 +561,7 @@ Status DsaAttentionStage::step_names(DsaPath path, const DsaStepArgs& args, std:
   const StepList list = state_->steps_of(path, args);
   names->clear();
   for (int i = 0; i < list.count; ++i) {
-    names->push_back(step_name(list.steps[i], path == DsaPath::kFused && state_->plan.indexer_projections_cublaslt));
+    names->push_back(step_name(list.steps[i], state_->plan.indexer_projections_cublaslt));
   }
   return Status();
 }
