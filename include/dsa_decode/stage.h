@@ -42,10 +42,9 @@
 // the stock static FP8 quant, the cache write's rounded division); they
 // differ in FP32 summation order only (head_gemv's fixed order against
 // cuBLAS's), so q_fp8 agrees within one FP8 step, the KV cache bytes and the
-// selected slots are equal (both selects are exact over the same logits), and latent and out agree within the attention's
-// and the GEMMs' tolerances (docs/stage.md has the measured differences).
-// The fused path is deterministic; a token's bits do not depend on the batch
-// around it when plan.attention_splits is batch invariant (the default) and
+// selected slots are equal (both selects are exact over the same logits), and latent and out agree within the
+// attention's and the GEMMs' tolerances (docs/stage.md has the measured differences). The fused path is deterministic;
+// a token's bits do not depend on the batch around it when plan.attention_splits is batch invariant (the default) and
 // value_up_tokens holds every m or none (the two value-up kernels add in
 // different orders).
 //
@@ -94,14 +93,14 @@ struct DsaLayerConfig {
   float softmax_scale = 0;       // of the attention's scores (glm5next: 256^-0.5)
   float rms_norm_eps = 0;        // of the q and kv a-norms (variance_epsilon)
 
-  bool fuse_qkv_rmsnorm = false;        // fuse_qkv_rmsnorm: one fused_qkv_a_proj, then both a-norms
-  bool rotary_embedding = false;        // rotary_emb is not None
-  bool indexer = false;                 // indexer is not None: the layer's own glm5next indexer
-  bool skip_topk = false;               // skip_topk: the layer reuses another layer's selection
-  bool gate_proj = false;               // g_proj is not None
-  bool dcp_query_replicate = false;     // dcp_q_replicate
-  std::string kv_cache_dtype = "auto";  // "fp8" or "fp8_e4m3" needed
-  bool padded_heads = false;            // q_pad_num_heads is not None
+  bool fuse_qkv_rmsnorm = false;          // fuse_qkv_rmsnorm: one fused_qkv_a_proj, then both a-norms
+  bool rotary_embedding = false;          // rotary_emb is not None
+  bool indexer = false;                   // indexer is not None: the layer's own glm5next indexer
+  bool skip_topk = false;                 // skip_topk: the layer reuses another layer's selection
+  bool gate_proj = false;                 // g_proj is not None
+  bool dcp_query_replicate = false;       // dcp_q_replicate
+  std::string kv_cache_dtype = "auto";    // "fp8" or "fp8_e4m3" needed
+  bool padded_heads = false;              // q_pad_num_heads is not None
   bool prefill_context_parallel = false;  // use_pcp
   bool hisparse_cache = false;            // hisparse_cache is not None
   int decode_context_parallel_size = 1;   // impl.dcp_world_size

@@ -47,8 +47,7 @@ struct MatmulShape {
   }
   std::string describe() const {
     return "m " + std::to_string(m) + ", n " + std::to_string(n) + ", k " + std::to_string(k) + ", row strides " +
-           std::to_string(input_stride) + " / " + std::to_string(weight_stride) + " / " +
-           std::to_string(output_stride);
+           std::to_string(input_stride) + " / " + std::to_string(weight_stride) + " / " + std::to_string(output_stride);
   }
 };
 
@@ -73,15 +72,14 @@ Status make_matmul_plan(cublasLtHandle_t handle, const MatmulShape& shape, size_
                                     (what + ": cublasLtMatmulDescCreate").c_str()));
   plan->desc.reset(desc);
   const cublasOperation_t transpose = CUBLAS_OP_T, no_transpose = CUBLAS_OP_N;
-  DSA_RETURN_IF_ERROR(cublas_status(
-      cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
-      (what + ": cublasLtMatmulDescSetAttribute(TRANSA)").c_str()));
+  DSA_RETURN_IF_ERROR(
+      cublas_status(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)),
+                    (what + ": cublasLtMatmulDescSetAttribute(TRANSA)").c_str()));
   DSA_RETURN_IF_ERROR(cublas_status(
       cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &no_transpose, sizeof(no_transpose)),
       (what + ": cublasLtMatmulDescSetAttribute(TRANSB)").c_str()));
 
-  const auto make_layout = [&](OwnedLayout* owned, cudaDataType_t type, int64_t rows, int64_t cols,
-                               int64_t leading) {
+  const auto make_layout = [&](OwnedLayout* owned, cudaDataType_t type, int64_t rows, int64_t cols, int64_t leading) {
     cublasLtMatrixLayout_t layout = nullptr;
     const Status made = cublas_status(cublasLtMatrixLayoutCreate(&layout, type, rows, cols, leading),
                                       (what + ": cublasLtMatrixLayoutCreate").c_str());
@@ -97,17 +95,17 @@ Status make_matmul_plan(cublasLtHandle_t handle, const MatmulShape& shape, size_
                                     (what + ": cublasLtMatmulPreferenceCreate").c_str()));
   const OwnedPreference preference(raw_preference);
   const uint64_t max_workspace = workspace_bytes;
-  DSA_RETURN_IF_ERROR(cublas_status(
-      cublasLtMatmulPreferenceSetAttribute(raw_preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
-                                           sizeof(max_workspace)),
-      (what + ": cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)").c_str()));
+  DSA_RETURN_IF_ERROR(
+      cublas_status(cublasLtMatmulPreferenceSetAttribute(raw_preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                         &max_workspace, sizeof(max_workspace)),
+                    (what + ": cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)").c_str()));
   for (const cublasLtMatmulPreferenceAttributes_t attribute :
        {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
         CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    DSA_RETURN_IF_ERROR(cublas_status(cublasLtMatmulPreferenceSetAttribute(raw_preference, attribute,
-                                                                           &kMatrixAlignmentBytes,
-                                                                           sizeof(kMatrixAlignmentBytes)),
-                                      (what + ": cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)").c_str()));
+    DSA_RETURN_IF_ERROR(
+        cublas_status(cublasLtMatmulPreferenceSetAttribute(raw_preference, attribute, &kMatrixAlignmentBytes,
+                                                           sizeof(kMatrixAlignmentBytes)),
+                      (what + ": cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)").c_str()));
   }
 
   cublasLtMatmulHeuristicResult_t result = {};

@@ -48,8 +48,8 @@ class LinearContext {
   // (the caller checks; cuBLASLt is told so); output [m, n] of output_type
   // (CUDA_R_16BF or CUDA_R_32F) with row stride output_stride elements.
   // `what` names the product in errors.
-  Status run(const char* what, const TensorView& input, const TensorView& weight, void* output,
-             int64_t output_stride, cudaDataType_t output_type, cudaStream_t stream);
+  Status run(const char* what, const TensorView& input, const TensorView& weight, void* output, int64_t output_stride,
+             cudaDataType_t output_type, cudaStream_t stream);
   // The same shape's plan without a launch, so that a later run may be captured.
   Status prepare(const char* what, const TensorView& input, const TensorView& weight, int64_t output_stride,
                  cudaDataType_t output_type);

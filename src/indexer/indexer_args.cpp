@@ -235,10 +235,11 @@ Status check_indexer_remap(const IndexerRemapArgs& a) {
   DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
   DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4));
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
-  return check_written_apart({{&a.slots, "slots"}},
-                             {{&a.positions, "positions"}, {&a.token_requests, "token_requests"},
-                              {&a.state.block_table, "block_table"}, {&a.state.k_cache, "k_cache"},
-                              {&a.topk_positions, "topk_positions"}});
+  return check_written_apart({{&a.slots, "slots"}}, {{&a.positions, "positions"},
+                                                     {&a.token_requests, "token_requests"},
+                                                     {&a.state.block_table, "block_table"},
+                                                     {&a.state.k_cache, "k_cache"},
+                                                     {&a.topk_positions, "topk_positions"}});
 }
 
 Status check_indexer_prefill(const IndexerPrefillArgs& a) {

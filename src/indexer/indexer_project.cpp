@@ -56,12 +56,11 @@ Status indexer_project(const IndexerProjectArgs& a, IndexerProjectContext& conte
       {"indexer_project, index_k = x @ wk^T", a.x, a.wk, a.index_k.data, a.index_k.stride(0), CUDA_R_16BF},
       {"indexer_project, head_weights = x @ weights_proj^T", a.x, a.weights_proj, a.head_weights.data,
        a.head_weights.stride(0), CUDA_R_32F},
-      {"indexer_project, gate = x @ compress_gate^T", a.x, a.compress_gate, a.gate.data, a.gate.stride(0),
-       CUDA_R_16BF},
+      {"indexer_project, gate = x @ compress_gate^T", a.x, a.compress_gate, a.gate.data, a.gate.stride(0), CUDA_R_16BF},
   };
   for (const Product& product : products) {
     DSA_RETURN_IF_ERROR(context.state_->linear.run(product.name, product.input, product.weight, product.output,
-                                                    product.output_stride, product.output_type, stream));
+                                                   product.output_stride, product.output_type, stream));
   }
   return Status();
 }

@@ -278,11 +278,10 @@ int64_t remap_row(const IndexerPlan& plan, const IndexerStateHost& state, int64_
 
 Status indexer_remap(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerStateHost& state,
                      const std::vector<int32_t>& topk_positions, IndexerRowsHost* rows) {
-  DSA_RETURN_IF_ERROR(check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests,
-                                          state.block_table_width));
+  DSA_RETURN_IF_ERROR(
+      check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests, state.block_table_width));
   if (topk_positions.size() != size_t(step.m) * kIndexerRowWidth) {
-    return invalid_argument("topk_positions", std::to_string(step.m) + " rows of " +
-                                                  std::to_string(kIndexerRowWidth),
+    return invalid_argument("topk_positions", std::to_string(step.m) + " rows of " + std::to_string(kIndexerRowWidth),
                             std::to_string(topk_positions.size()) + " values");
   }
   rows->topk_positions = topk_positions;

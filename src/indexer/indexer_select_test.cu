@@ -664,7 +664,10 @@ TEST(IndexerRemapGpu, CallerRowsMatchTheReference) {
     for (int c = 0; c < kWidth; ++c) {
       const int k = kind(rng);
       int32_t& v = rows[size_t(t) * kWidth + c];
-      v = k == 0 ? -1 : k == 1 ? static_cast<int32_t>(positions[t] + 1 + c % 7) : k == 2 ? 40 * 128 + c : in_context(rng);
+      v = k == 0   ? -1
+          : k == 1 ? static_cast<int32_t>(positions[t] + 1 + c % 7)
+          : k == 2 ? 40 * 128 + c
+                   : in_context(rng);
     }
   }
   const reference::IndexerStepHost step{4, nullptr, nullptr, nullptr, nullptr, positions.data(), requests.data()};

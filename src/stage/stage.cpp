@@ -39,16 +39,16 @@ enum class Step {
   kQkvAProj,
   kNorm,
   kQbProj,
-  kAbsorb,             // head_gemv: FP8 q and the cache write
-  kIndexerProject,     // both paths': GEMV launch (or cuBLASLt, plan.indexer_projections_cublaslt)
+  kAbsorb,          // head_gemv: FP8 q and the cache write
+  kIndexerProject,  // both paths': GEMV launch (or cuBLASLt, plan.indexer_projections_cublaslt)
   kIndexerPrepare,
   kIndexerSelect,
-  kTopkRemap,          // caller rows instead of the indexer
+  kTopkRemap,  // caller rows instead of the indexer
   kAttention,
   kValueUpGemv,
   kValueUpBmm,
   kOProj,
-  kStockIndexerSelect,   // CUB sort, expand, remap
+  kStockIndexerSelect,  // CUB sort, expand, remap
   kStockCacheWrite,
   kStockAbsorbBmm,
   kStockFp8Quant,
@@ -57,24 +57,40 @@ enum class Step {
 
 const char* step_name(Step step, bool projections_cublaslt) {
   switch (step) {
-    case Step::kQkvAProj: return "qkv_a_proj (cuBLASLt)";
-    case Step::kNorm: return "norm";
-    case Step::kQbProj: return "q_b_proj (cuBLASLt)";
-    case Step::kAbsorb: return "absorb + cache write (head_gemv)";
+    case Step::kQkvAProj:
+      return "qkv_a_proj (cuBLASLt)";
+    case Step::kNorm:
+      return "norm";
+    case Step::kQbProj:
+      return "q_b_proj (cuBLASLt)";
+    case Step::kAbsorb:
+      return "absorb + cache write (head_gemv)";
     case Step::kIndexerProject:
       return projections_cublaslt ? "indexer projections (cuBLASLt)" : "indexer projections (GEMV)";
-    case Step::kIndexerPrepare: return "indexer prepare";
-    case Step::kIndexerSelect: return "indexer select";
-    case Step::kTopkRemap: return "top-k remap";
-    case Step::kAttention: return "attention (sparse_mla)";
-    case Step::kValueUpGemv: return "value_up (head_gemv)";
-    case Step::kValueUpBmm: return "value_up (cuBLAS bmm)";
-    case Step::kOProj: return "o_proj (cuBLASLt)";
-    case Step::kStockIndexerSelect: return "indexer select (CUB sort baseline)";
-    case Step::kStockCacheWrite: return "cache write (concat_and_cache_mla)";
-    case Step::kStockAbsorbBmm: return "absorb (cuBLAS bmm)";
-    case Step::kStockFp8Quant: return "static FP8 quant";
-    case Step::kStockCounterMemset: return "split counter memset";
+    case Step::kIndexerPrepare:
+      return "indexer prepare";
+    case Step::kIndexerSelect:
+      return "indexer select";
+    case Step::kTopkRemap:
+      return "top-k remap";
+    case Step::kAttention:
+      return "attention (sparse_mla)";
+    case Step::kValueUpGemv:
+      return "value_up (head_gemv)";
+    case Step::kValueUpBmm:
+      return "value_up (cuBLAS bmm)";
+    case Step::kOProj:
+      return "o_proj (cuBLASLt)";
+    case Step::kStockIndexerSelect:
+      return "indexer select (CUB sort baseline)";
+    case Step::kStockCacheWrite:
+      return "cache write (concat_and_cache_mla)";
+    case Step::kStockAbsorbBmm:
+      return "absorb (cuBLAS bmm)";
+    case Step::kStockFp8Quant:
+      return "static FP8 quant";
+    case Step::kStockCounterMemset:
+      return "split counter memset";
   }
   return "?";
 }
@@ -137,11 +153,11 @@ struct DsaAttentionStage::State {
   IndexerPlan indexer_plan;
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
 
-  LinearContext linear;                        // qkv_a_proj, q_b_proj, o_proj
-  IndexerProjectContext indexer_projections;   // the indexer's cuBLASLt projections
-  cublasHandle_t cublas = nullptr;             // the absorb and value-up bmm
+  LinearContext linear;                       // qkv_a_proj, q_b_proj, o_proj
+  IndexerProjectContext indexer_projections;  // the indexer's cuBLASLt projections
+  cublasHandle_t cublas = nullptr;            // the absorb and value-up bmm
   bool cublas_bound = false;
-  cudaStream_t cublas_stream = nullptr;        // the stream cublas is bound to, once bound
+  cudaStream_t cublas_stream = nullptr;  // the stream cublas is bound to, once bound
   DeviceMemory cublas_workspace;
 
   // Workspace, each [max_tokens, ...] (intermediates() has the shapes).
@@ -198,9 +214,10 @@ struct DsaAttentionStage::State {
     DSA_RETURN_IF_ERROR(check_present(a.hidden, "hidden"));
     const int64_t m = a.hidden.ndim == 2 ? a.hidden.size(0) : 0;
     if (m < 1 || m > plan.max_tokens) {
-      return invalid_argument("hidden", "[m, " + std::to_string(D) + "] with m in 1.." +
-                                            std::to_string(plan.max_tokens) + " (the plan's max_tokens)",
-                              a.hidden.describe());
+      return invalid_argument(
+          "hidden",
+          "[m, " + std::to_string(D) + "] with m in 1.." + std::to_string(plan.max_tokens) + " (the plan's max_tokens)",
+          a.hidden.describe());
     }
     DSA_RETURN_IF_ERROR(check_rows(a.hidden, "hidden", m, D));
     DSA_RETURN_IF_ERROR(check_rows(a.out, "out", m, D));
@@ -292,7 +309,8 @@ struct DsaAttentionStage::State {
         return head_gemv(g, stream);
       }
       case Step::kIndexerProject:
-        if (plan.indexer_projections_cublaslt) return indexer_project(indexer_project_args(a, m), indexer_projections, stream);
+        if (plan.indexer_projections_cublaslt)
+          return indexer_project(indexer_project_args(a, m), indexer_projections, stream);
         return indexer_project_gemv(indexer_project_args(a, m), stream);
       case Step::kIndexerPrepare: {
         IndexerPrepareArgs p;
@@ -379,9 +397,8 @@ struct DsaAttentionStage::State {
   Status allocate_workspace();
 };
 
-void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLayerWeights& w,
-                                           const DsaStagePlan& plan, std::vector<std::string>* features,
-                                           std::vector<std::string>* views) {
+void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLayerWeights& w, const DsaStagePlan& plan,
+                                           std::vector<std::string>* features, std::vector<std::string>* views) {
   const auto need = [&](bool ok, const std::string& what) {
     if (!ok) features->push_back(what);
   };
@@ -426,16 +443,15 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   view(check_weight(w.index_k_norm_bias, "index_k_norm_bias", DType::kF32, {kIndexerDim}));
   view(check_weight(w.index_ape, "index_ape", DType::kF32, {kIndexerPoolSize, kIndexerDim}));
   if (plan.max_tokens < 1 || plan.max_tokens > kDsaStageMaxTokens) {
-    views->push_back(invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens),
-                                      std::to_string(plan.max_tokens))
-                         .message());
+    views->push_back(
+        invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens), std::to_string(plan.max_tokens))
+            .message());
   }
   if (plan.value_up_tokens) {
     for (int m : *plan.value_up_tokens) {
       if (m < 1 || m > kDsaStageMaxTokens) {
-        views->push_back(invalid_argument("plan.value_up_tokens", "token counts in 1.." +
-                                                                      std::to_string(kDsaStageMaxTokens),
-                                          std::to_string(m))
+        views->push_back(invalid_argument("plan.value_up_tokens",
+                                          "token counts in 1.." + std::to_string(kDsaStageMaxTokens), std::to_string(m))
                              .message());
       }
     }
@@ -492,8 +508,8 @@ Status DsaAttentionStage::State::allocate_workspace() {
 DsaAttentionStage::DsaAttentionStage() : state_(std::make_unique<State>()) {}
 DsaAttentionStage::~DsaAttentionStage() = default;
 
-Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWeights& weights,
-                                 const DsaStagePlan& plan, std::unique_ptr<DsaAttentionStage>* stage) {
+Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWeights& weights, const DsaStagePlan& plan,
+                                 std::unique_ptr<DsaAttentionStage>* stage) {
   if (stage == nullptr) return invalid_argument("stage", "a pointer to fill", "a null pointer");
   std::vector<std::string> features, views;
   State::check_layer(config, weights, plan, &features, &views);

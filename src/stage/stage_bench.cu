@@ -118,8 +118,8 @@ struct Weights {
 struct Caches {
   int m;
   int64_t context, width, blocks, page_bytes;
-  bench::DeviceMemory hidden, out, positions, token_requests, slot_mapping, block_table, kv_cache, ring, k_cache,
-      rows, errors;
+  bench::DeviceMemory hidden, out, positions, token_requests, slot_mapping, block_table, kv_cache, ring, k_cache, rows,
+      errors;
 
   Status make(int tokens, int64_t cached, const DsaLayerWeights& w, const DsaStagePlan& plan, cudaStream_t stream) {
     m = tokens;
@@ -151,7 +151,8 @@ struct Caches {
     DSA_CUDA_RETURN(cudaMemsetAsync(errors.get(), 0, errors.bytes(), stream));
     // Every request's context through the indexer's prefill, from one set of random rows.
     DSA_RETURN_IF_ERROR(rows.allocate(size_t(context) * kIndexerDim * 2 * 2));
-    DSA_RETURN_IF_ERROR(bench::fill_random_bf16(rows.get(), size_t(context) * kIndexerDim * 2, 0x726f7773, 1.7f, stream));
+    DSA_RETURN_IF_ERROR(
+        bench::fill_random_bf16(rows.get(), size_t(context) * kIndexerDim * 2, 0x726f7773, 1.7f, stream));
     for (int r = 0; r < m; ++r) {
       IndexerPrefillArgs a;
       a.plan = indexer_plan(plan);
@@ -182,7 +183,8 @@ struct Caches {
   template <class T>
   static Status upload(const std::vector<T>& host, bench::DeviceMemory* device, cudaStream_t stream) {
     DSA_RETURN_IF_ERROR(device->allocate(host.size() * sizeof(T)));
-    DSA_CUDA_RETURN(cudaMemcpyAsync(device->get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
+    DSA_CUDA_RETURN(
+        cudaMemcpyAsync(device->get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
     return cudaStreamSynchronize(stream) == cudaSuccess ? Status() : cuda_status(cudaGetLastError(), "upload");
   }
 
@@ -250,7 +252,9 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
         const auto timed = [&](DsaPath path, size_t first, size_t count, double* us) {
           return bench::time_graph(
               ctx,
-              [&](cudaStream_t stream, int i) { return stages[i % copies]->run_steps(path, args, first, count, stream); },
+              [&](cudaStream_t stream, int i) {
+                return stages[i % copies]->run_steps(path, args, first, count, stream);
+              },
               us, std::max(copies, 4), 20);
         };
         double fused_whole = 0, stock_whole = 0, fused_half = 0, stock_half = 0;

@@ -95,9 +95,9 @@ TEST(DsaStageChecks, CreationNamesEveryMissingRequirement) {
   const Status s = DsaAttentionStage::create(c, w, DsaStagePlan(), &stage);
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);  // a view is wrong too
-  for (const char* part : {"a fused q/kv a-norm", "NoPE", "its own indexer", "no gate or DCP query",
-                           "an FP8 KV cache", "got 'auto'", "no padding or PCP", "no HiSparse or DCP",
-                           "a column-major W_UK", "'o_proj'"}) {
+  for (const char* part :
+       {"a fused q/kv a-norm", "NoPE", "its own indexer", "no gate or DCP query", "an FP8 KV cache", "got 'auto'",
+        "no padding or PCP", "no HiSparse or DCP", "a column-major W_UK", "'o_proj'"}) {
     EXPECT_TRUE(contains(s.message(), part)) << part << " missing from: " << s.message();
   }
   EXPECT_FALSE(contains(s.message(), "'w_uk_t'")) << "named once, as a requirement: " << s.message();
@@ -134,9 +134,9 @@ TEST(DsaStageChecks, SupportsPureDecodeStepsUpToMaxTokens) {
   plan.max_tokens = 8;
   EXPECT_TRUE(dsa_stage_supports(plan, 1, 1, 1));
   EXPECT_TRUE(dsa_stage_supports(plan, 8, 8, 8));
-  EXPECT_FALSE(dsa_stage_supports(plan, 9, 9, 9));   // past max_tokens
-  EXPECT_FALSE(dsa_stage_supports(plan, 4, 5, 4));   // the batch holds other tokens
-  EXPECT_FALSE(dsa_stage_supports(plan, 4, 4, 3));   // a prefill token among them
+  EXPECT_FALSE(dsa_stage_supports(plan, 9, 9, 9));  // past max_tokens
+  EXPECT_FALSE(dsa_stage_supports(plan, 4, 5, 4));  // the batch holds other tokens
+  EXPECT_FALSE(dsa_stage_supports(plan, 4, 4, 3));  // a prefill token among them
   EXPECT_FALSE(dsa_stage_supports(plan, 0, 0, 0));
 }
 
@@ -176,8 +176,8 @@ TensorView view(const DeviceBuffer<T>& b, DType dtype, std::initializer_list<int
 struct Layer {
   std::vector<uint16_t> qkv_a, q_norm, kv_norm, q_b, w_uk_t, w_uv, o_proj, wq_b, wk, weights_proj, gate;
   std::vector<float> scales, k_norm_weight, k_norm_bias, ape;
-  DeviceBuffer<uint16_t> d_qkv_a, d_q_norm, d_kv_norm, d_q_b, d_w_uk_t, d_w_uv, d_o_proj, d_wq_b, d_wk,
-      d_weights_proj, d_gate;
+  DeviceBuffer<uint16_t> d_qkv_a, d_q_norm, d_kv_norm, d_q_b, d_w_uk_t, d_w_uv, d_o_proj, d_wq_b, d_wk, d_weights_proj,
+      d_gate;
   DeviceBuffer<float> d_scales, d_k_norm_weight, d_k_norm_bias, d_ape;
 
   explicit Layer(std::mt19937_64& rng) {
@@ -397,8 +397,8 @@ std::vector<double> linear(const std::vector<uint16_t>& in, int64_t m, int64_t k
 }
 
 // out[t, h, j] = sum_i in[t, h, i] * weight[h, i, j] in float64.
-std::vector<double> per_head(const std::vector<uint16_t>& in, int64_t m, int64_t I,
-                             const std::vector<uint16_t>& weight, int64_t J) {
+std::vector<double> per_head(const std::vector<uint16_t>& in, int64_t m, int64_t I, const std::vector<uint16_t>& weight,
+                             int64_t J) {
   std::vector<double> out(size_t(m) * kH * J, 0.0);
   for (int64_t t = 0; t < m; ++t) {
     for (int64_t h = 0; h < kH; ++h) {
@@ -461,8 +461,8 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
   EXPECT_TRUE(fused.kv_cache == stock.kv_cache) << at;
   size_t changed_rows = 0;
   for (size_t row = 0; row * kL < step.kv_cache.size(); ++row) {
-    const bool changed = !std::equal(&fused.kv_cache[row * kL], &fused.kv_cache[row * kL] + kL,
-                                     &step.kv_cache[row * kL]);
+    const bool changed =
+        !std::equal(&fused.kv_cache[row * kL], &fused.kv_cache[row * kL] + kL, &step.kv_cache[row * kL]);
     const bool written = std::count(step.slot_mapping.begin(), step.slot_mapping.end(), int64_t(row)) > 0;
     if (changed) ++changed_rows;
     EXPECT_TRUE(!changed || written) << at << ": cache row " << row << " changed";
@@ -472,7 +472,8 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
     const float k_scale = layer.scales[1];
     const uint8_t* row = &fused.kv_cache[size_t(step.slot_mapping[t]) * kL];
     for (int i = 0; i < kL; ++i) {
-      ASSERT_EQ(row[i], num::cache_fp8(fused.kv_c[size_t(t) * kL + i], k_scale)) << at << " token " << t << " dim " << i;
+      ASSERT_EQ(row[i], num::cache_fp8(fused.kv_c[size_t(t) * kL + i], k_scale))
+          << at << " token " << t << " dim " << i;
     }
   }
 
@@ -499,10 +500,22 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
   EXPECT_LT(relative_error(fused.q_c, rms_norm(qkv, m, 0, kQ, layer.q_norm)), 1e-2) << at;
   EXPECT_LT(relative_error(fused.kv_c, rms_norm(qkv, m, kQ, kL, layer.kv_norm)), 1e-2) << at;
   EXPECT_LT(relative_error(fused.q, linear(fused.q_c, m, kQ, layer.q_b, kH * kP)), 4e-3) << at;
-  reference::SparseMlaHost attention{fused.q_fp8.data(), kH * kL, kL,
-                                     fused.kv_cache.data(), step.blocks, kBlock, kBlock * kL, kL,
-                                     fused.slots.data(), kIndexerRowWidth, m, int(kH), kIndexerRowWidth,
-                                     layer.scales[0], layer.scales[1], 0.0625f};
+  reference::SparseMlaHost attention{fused.q_fp8.data(),
+                                     kH * kL,
+                                     kL,
+                                     fused.kv_cache.data(),
+                                     step.blocks,
+                                     kBlock,
+                                     kBlock * kL,
+                                     kL,
+                                     fused.slots.data(),
+                                     kIndexerRowWidth,
+                                     m,
+                                     int(kH),
+                                     kIndexerRowWidth,
+                                     layer.scales[0],
+                                     layer.scales[1],
+                                     0.0625f};
   const reference::SparseMlaResult want = reference::sparse_mla(attention);
   std::vector<double> want_latent(want.latent.size());
   for (size_t i = 0; i < want.latent.size(); ++i) want_latent[i] = num::bf16_to_float(want.latent[i]);
@@ -536,7 +549,8 @@ TEST_F(DsaStageGpu, StepCapturesIntoAGraphAndReplaysTheSameBits) {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const Status captured = path == DsaPath::kFused ? stage_->forward(args, stream) : stage_->stock_forward(args, stream);
+    const Status captured =
+        path == DsaPath::kFused ? stage_->forward(args, stream) : stage_->stock_forward(args, stream);
     DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
     DSA_ASSERT_OK(captured);
     DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
@@ -545,8 +559,8 @@ TEST_F(DsaStageGpu, StepCapturesIntoAGraphAndReplaysTheSameBits) {
       step.d_out.fill_bytes(0xFF);
       DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
       DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
-      EXPECT_TRUE(step.d_out.download() == once.out) << (path == DsaPath::kFused ? "fused" : "stock") << " replay "
-                                                      << replay;
+      EXPECT_TRUE(step.d_out.download() == once.out)
+          << (path == DsaPath::kFused ? "fused" : "stock") << " replay " << replay;
       EXPECT_TRUE(step.d_kv_cache.download() == once.kv_cache);
     }
     cudaGraphExecDestroy(exec);
@@ -589,8 +603,8 @@ TEST_F(DsaStageGpu, PaddedSlotMappingWritesOnlyRealSlots) {
   step.d_slot_mapping = DeviceBuffer<int64_t>(padded);
   const PathResult fused = run_path(*stage_, step, DsaPath::kFused, step.args());
   const PathResult stock = run_path(*stage_, step, DsaPath::kStock, step.args());
-  EXPECT_TRUE(std::equal(&fused.kv_cache[skipped * kL], &fused.kv_cache[skipped * kL] + kL,
-                         &step.kv_cache[skipped * kL]));
+  EXPECT_TRUE(
+      std::equal(&fused.kv_cache[skipped * kL], &fused.kv_cache[skipped * kL] + kL, &step.kv_cache[skipped * kL]));
   EXPECT_TRUE(fused.kv_cache == stock.kv_cache);
   EXPECT_EQ(fused.errors, 0u);
 }
