@@ -2,7 +2,8 @@
 // glm5next at TP1 (H = 64) and TP8 (H = 8), contexts 32k and 128k, m = 1, 2,
 // 4, 8, 16, one request per token. Rows (DESIGN.md section 4):
 // `attention_half` (norm through value-up: every step but qkv_a_proj and
-// o_proj) and `whole_stage`. Cold L2: as many stages as it takes for their
+// o_proj) and `whole_stage`; at 32k and m = 1, 16 also each step of each
+// path alone ("fused step: <name>", "stock step: <name>"). Cold L2: as many stages as it takes for their
 // weight copies to be twice the L2, replayed in turn; each request's KV rows
 // are its own (16 MiB at 32k), so the selected rows come from memory too.
 // Random weights at unit-output scales and random caches (the indexer's
@@ -275,6 +276,19 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
                                                (context + 1 > 2048 ? double(context + 1) / 4 * kIndexerPoolBytes : 0));
         report.add(bench::Row{"whole_stage", params, fused_whole, "stock_forward", stock_whole,
                               bench::floor_us(ctx, step_bytes), 0, value_up});
+        // Where the time goes: each step of each path alone (its inputs as the previous steps left them), at
+        // the two ends of m, 32k.
+        if (context == 32768 && (m == 1 || m == 16)) {
+          for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+            const std::vector<std::string>& names = path == DsaPath::kFused ? fused_steps : stock_steps;
+            for (size_t i = 0; i < names.size(); ++i) {
+              double us = 0;
+              DSA_RETURN_IF_ERROR(timed(path, i, 1, &us));
+              report.add(bench::Row{std::string(path == DsaPath::kFused ? "fused step: " : "stock step: ") + names[i],
+                                    params, us, "", 0, 0, 0, ""});
+            }
+          }
+        }
       }
     }
   }
