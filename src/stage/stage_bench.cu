@@ -3,7 +3,10 @@
 // 4, 8, 16, one request per token. Rows (DESIGN.md section 4):
 // `attention_half` (norm through value-up: every step but qkv_a_proj and
 // o_proj) and `whole_stage`; at 32k and m = 1, 16 also each step of each
-// path alone ("fused step: <name>", "stock step: <name>"). Cold L2: as many stages as it takes for their
+// path alone ("fused step: <name>", "stock step: <name>"); and both rows
+// again with the caller's top-k rows in both paths (`*_caller_topk`: the
+// indexer does not run, only the remap), which compares the stage without
+// the select, whose CUB-sort baseline takes 84-109 us. Cold L2: as many stages as it takes for their
 // weight copies to be twice the L2, replayed in turn; each request's KV rows
 // are its own (16 MiB at 32k), so the selected rows come from memory too.
 // Random weights at unit-output scales and random caches (the indexer's
@@ -276,6 +279,40 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
                                                (context + 1 > 2048 ? double(context + 1) / 4 * kIndexerPoolBytes : 0));
         report.add(bench::Row{"whole_stage", params, fused_whole, "stock_forward", stock_whole,
                               bench::floor_us(ctx, step_bytes), 0, value_up});
+        // The same step with the caller's top-k rows (MTP draft steps 1+; also the stage without the indexer,
+        // whose fused select against the CUB-sort baseline is most of the ratios above): the rows the stock
+        // select chose, remapped by both paths.
+        {
+          DSA_RETURN_IF_ERROR(stages[0]->stock_forward(args, ctx.stream));
+          bench::DeviceMemory caller_rows;
+          const TensorView chosen = stages[0]->intermediates(m).topk_positions;
+          DSA_RETURN_IF_ERROR(caller_rows.allocate(size_t(m) * kIndexerRowWidth * sizeof(int32_t)));
+          DSA_CUDA_RETURN(cudaMemcpyAsync(caller_rows.get(), chosen.data, caller_rows.bytes(), cudaMemcpyDeviceToDevice,
+                                          ctx.stream));
+          DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
+          DsaStepArgs with_rows = args;
+          with_rows.topk_positions = make_tensor(caller_rows.get(), DType::kI32, {m, kIndexerRowWidth});
+          std::vector<std::string> fused_rows_steps, stock_rows_steps;
+          DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kFused, with_rows, &fused_rows_steps));
+          DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kStock, with_rows, &stock_rows_steps));
+          const auto timed_rows = [&](DsaPath path, size_t first, size_t count, double* us) {
+            return bench::time_graph(
+                ctx,
+                [&](cudaStream_t stream, int i) {
+                  return stages[i % copies]->run_steps(path, with_rows, first, count, stream);
+                },
+                us, std::max(copies, 4), 20);
+          };
+          double fused_rows_whole = 0, stock_rows_whole = 0, fused_rows_half = 0, stock_rows_half = 0;
+          DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kFused, 0, fused_rows_steps.size(), &fused_rows_whole));
+          DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kStock, 0, stock_rows_steps.size(), &stock_rows_whole));
+          DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kFused, 1, fused_rows_steps.size() - 2, &fused_rows_half));
+          DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kStock, 1, stock_rows_steps.size() - 2, &stock_rows_half));
+          report.add(bench::Row{"attention_half_caller_topk", params, fused_rows_half,
+                                "stock_forward with the same rows, norm .. value_up", stock_rows_half, 0, 0, value_up});
+          report.add(bench::Row{"whole_stage_caller_topk", params, fused_rows_whole,
+                                "stock_forward with the same rows", stock_rows_whole, 0, 0, value_up});
+        }
         // Where the time goes: each step of each path alone (its inputs as the previous steps left them), at
         // the two ends of m, 32k.
         if (context == 32768 && (m == 1 || m == 16)) {
