@@ -145,6 +145,10 @@ struct DsaStagePlan {
   bool indexer_projections_cublaslt = false;  // both paths' indexer projections: GEMV launch or cuBLASLt
 };
 
+// The indexer's plan of a stage plan (its max_tokens, max_context, ring,
+// block_size and logits): what the caller's indexer state and prefill use.
+IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan);
+
 // The token counts at which value-up's head_gemv beat cuBLAS's bmm on the
 // H200 (docs/head_gemv.md): seed order 1, 2 at 64 heads and 1..4 at 8 heads;
 // tensor-core sums 1..8 at 64 heads and 1..16 at 8 heads; head counts not

@@ -202,14 +202,21 @@ Status check_indexer_prepare(const IndexerPrepareArgs& a) {
        {&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}});
 }
 
+// The step's tokens and the state, as select and remap read them.
+Status check_select_tokens(const IndexerPlan& plan, const TensorView& positions, const TensorView& token_requests,
+                           const IndexerState& state) {
+  DSA_RETURN_IF_ERROR(check_indexer_plan(plan));
+  DSA_RETURN_IF_ERROR(check_dtype(positions, "positions", DType::kI64));
+  DSA_RETURN_IF_ERROR(check_token_count(positions, "positions", plan));
+  const int64_t m = positions.size(0);
+  DSA_RETURN_IF_ERROR(check_token_vector(positions, "positions", DType::kI64, m));
+  DSA_RETURN_IF_ERROR(check_token_vector(token_requests, "token_requests", DType::kI32, m));
+  return check_state(state, plan);
+}
+
 Status check_indexer_select(const IndexerSelectArgs& a) {
-  DSA_RETURN_IF_ERROR(check_indexer_plan(a.plan));
-  DSA_RETURN_IF_ERROR(check_dtype(a.positions, "positions", DType::kI64));
-  DSA_RETURN_IF_ERROR(check_token_count(a.positions, "positions", a.plan));
+  DSA_RETURN_IF_ERROR(check_select_tokens(a.plan, a.positions, a.token_requests, a.state));
   const int64_t m = a.positions.size(0);
-  DSA_RETURN_IF_ERROR(check_token_vector(a.positions, "positions", DType::kI64, m));
-  DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
-  DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
   DSA_RETURN_IF_ERROR(check_workspace(a.workspace, a.plan));
   if (a.topk_positions.data != nullptr) {
     DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
@@ -225,13 +232,8 @@ Status check_indexer_select(const IndexerSelectArgs& a) {
 }
 
 Status check_indexer_remap(const IndexerRemapArgs& a) {
-  DSA_RETURN_IF_ERROR(check_indexer_plan(a.plan));
-  DSA_RETURN_IF_ERROR(check_dtype(a.positions, "positions", DType::kI64));
-  DSA_RETURN_IF_ERROR(check_token_count(a.positions, "positions", a.plan));
+  DSA_RETURN_IF_ERROR(check_select_tokens(a.plan, a.positions, a.token_requests, a.state));
   const int64_t m = a.positions.size(0);
-  DSA_RETURN_IF_ERROR(check_token_vector(a.positions, "positions", DType::kI64, m));
-  DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
-  DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
   DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
   DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4));
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));

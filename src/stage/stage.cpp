@@ -138,6 +138,16 @@ Status check_rows(const TensorView& t, const char* name, int64_t m, int64_t widt
 
 }  // namespace
 
+IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan) {
+  IndexerPlan p;
+  p.max_tokens = plan.max_tokens;
+  p.max_context = plan.max_context;
+  p.ring = plan.ring;
+  p.block_size = plan.block_size;
+  p.logits = plan.indexer_logits;
+  return p;
+}
+
 std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sums) {
   std::set<int> counts;
   const int last = sums == HeadGemvSums::kTensorCores ? (heads == 8 ? kDsaStageMaxTokens : 8) : (heads == 8 ? 4 : 2);
@@ -513,12 +523,7 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   if (stage == nullptr) return invalid_argument("stage", "a pointer to fill", "a null pointer");
   std::vector<std::string> features, views;
   State::check_layer(config, weights, plan, &features, &views);
-  IndexerPlan indexer_plan;
-  indexer_plan.max_tokens = plan.max_tokens;
-  indexer_plan.max_context = plan.max_context;
-  indexer_plan.ring = plan.ring;
-  indexer_plan.block_size = plan.block_size;
-  indexer_plan.logits = plan.indexer_logits;
+  const IndexerPlan indexer_plan = dsa_stage_indexer_plan(plan);
   if (plan.max_tokens >= 1 && plan.max_tokens <= kDsaStageMaxTokens) {
     const Status indexer_ok = check_indexer_plan(indexer_plan);
     if (!indexer_ok.ok()) views.push_back(indexer_ok.message());

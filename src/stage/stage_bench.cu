@@ -159,7 +159,7 @@ struct Caches {
         bench::fill_random_bf16(rows.get(), size_t(context) * kIndexerDim * 2, 0x726f7773, 1.7f, stream));
     for (int r = 0; r < m; ++r) {
       IndexerPrefillArgs a;
-      a.plan = indexer_plan(plan);
+      a.plan = dsa_stage_indexer_plan(plan);
       a.index_k = make_tensor(rows.get(), DType::kBF16, {context, kIndexerDim});
       a.gate = make_tensor(rows.as<uint16_t>() + context * kIndexerDim, DType::kBF16, {context, kIndexerDim});
       a.k_norm_weight = w.index_k_norm_weight;
@@ -172,16 +172,6 @@ struct Caches {
     }
     DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
     return Status();
-  }
-
-  static IndexerPlan indexer_plan(const DsaStagePlan& plan) {
-    IndexerPlan p;
-    p.max_tokens = plan.max_tokens;
-    p.max_context = plan.max_context;
-    p.ring = plan.ring;
-    p.block_size = plan.block_size;
-    p.logits = plan.indexer_logits;
-    return p;
   }
 
   template <class T>
@@ -252,14 +242,17 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
         std::vector<std::string> fused_steps, stock_steps;
         DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kFused, args, &fused_steps));
         DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kStock, args, &stock_steps));
-        // [first, first + count) of each path's steps, stage i % copies.
-        const auto timed = [&](DsaPath path, size_t first, size_t count, double* us) {
+        // [first, first + count) of each path's steps on `step`, stage i % copies.
+        const auto timed_on = [&](const DsaStepArgs& step, DsaPath path, size_t first, size_t count, double* us) {
           return bench::time_graph(
               ctx,
               [&](cudaStream_t stream, int i) {
-                return stages[i % copies]->run_steps(path, args, first, count, stream);
+                return stages[i % copies]->run_steps(path, step, first, count, stream);
               },
               us, std::max(copies, 4), 20);
+        };
+        const auto timed = [&](DsaPath path, size_t first, size_t count, double* us) {
+          return timed_on(args, path, first, count, us);
         };
         double fused_whole = 0, stock_whole = 0, fused_half = 0, stock_half = 0;
         DSA_RETURN_IF_ERROR(timed(DsaPath::kFused, 0, fused_steps.size(), &fused_whole));
@@ -296,12 +289,7 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
           DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kFused, with_rows, &fused_rows_steps));
           DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kStock, with_rows, &stock_rows_steps));
           const auto timed_rows = [&](DsaPath path, size_t first, size_t count, double* us) {
-            return bench::time_graph(
-                ctx,
-                [&](cudaStream_t stream, int i) {
-                  return stages[i % copies]->run_steps(path, with_rows, first, count, stream);
-                },
-                us, std::max(copies, 4), 20);
+            return timed_on(with_rows, path, first, count, us);
           };
           double fused_rows_whole = 0, stock_rows_whole = 0, fused_rows_half = 0, stock_rows_half = 0;
           DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kFused, 0, fused_rows_steps.size(), &fused_rows_whole));

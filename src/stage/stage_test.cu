@@ -299,10 +299,7 @@ struct Step {
       DeviceBuffer<uint16_t> k(bf16_normal(size_t(n) * kIndexerDim, 0, 1, rng));
       DeviceBuffer<uint16_t> g(bf16_normal(size_t(n) * kIndexerDim, 0, 1, rng));
       IndexerPrefillArgs a;
-      a.plan.max_tokens = plan.max_tokens;
-      a.plan.max_context = plan.max_context;
-      a.plan.ring = plan.ring;
-      a.plan.block_size = plan.block_size;
+      a.plan = dsa_stage_indexer_plan(plan);
       a.index_k = make_tensor(k.get(), DType::kBF16, {n, kIndexerDim});
       a.gate = make_tensor(g.get(), DType::kBF16, {n, kIndexerDim});
       a.k_norm_weight = view(layer.d_k_norm_weight, DType::kF32, {kIndexerDim});
