@@ -5,6 +5,7 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -95,12 +96,16 @@ const char* step_name(Step step, bool projections_cublaslt) {
   return "?";
 }
 
-constexpr int kMaxSteps = 12;
+// The longest path: the stock one with the indexer, 13 steps.
+constexpr int kMaxSteps = 13;
 
 struct StepList {
   Step steps[kMaxSteps];
   int count = 0;
-  void add(Step step) { steps[count++] = step; }
+  void add(Step step) {
+    assert(count < kMaxSteps);
+    steps[count++] = step;
+  }
 };
 
 // A weight view: present, dtype, shape, on CUDA, last dim contiguous, other
