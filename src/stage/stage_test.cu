@@ -625,6 +625,10 @@ TEST_F(DsaStageGpu, StepArgumentsAreCheckedByName) {
   args = step.args();
   std::vector<std::string> names;
   DSA_ASSERT_OK(stage_->step_names(DsaPath::kStock, args, &names));
+  // The longest path, whole: the stock order with the indexer ends at o_proj.
+  ASSERT_EQ(names.size(), 13u);
+  EXPECT_EQ(names.back(), "o_proj (cuBLASLt)");
+  EXPECT_EQ(names[names.size() - 2], "value_up (cuBLAS bmm)");
   testing::expect_rejected(stage_->run_steps(DsaPath::kStock, args, 2, names.size(), nullptr), "first, count",
                            "within");
 }
