@@ -70,6 +70,7 @@
 
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/indexer.h"
+#include "dsa_decode/presets.h"
 #include "dsa_decode/sparse_mla.h"
 #include "dsa_decode/status.h"
 #include "dsa_decode/tensor.h"
@@ -105,6 +106,13 @@ struct DsaLayerConfig {
   bool hisparse_cache = false;            // hisparse_cache is not None
   int decode_context_parallel_size = 1;   // impl.dcp_world_size
 };
+
+// The configuration vLLM builds for a preset's layer (presets.h, one rank):
+// its shapes and softmax scale, a fused q/kv a-norm, an FP8 KV cache, a
+// rotary embedding where the preset has rope dims, and the indexer flag
+// where its indexer is glm5next's (32 heads of 128, pools of 4). glm5next
+// passes the creation checks; the RoPE presets are refused, naming why.
+DsaLayerConfig dsa_layer_config(const ModelPreset& per_rank, float rms_norm_eps);
 
 // Device views of the layer's weights, BF16 unless noted, nn.Linear's
 // [out, in] layout for the projections (each view: last dim contiguous, row
@@ -214,7 +222,9 @@ class DsaAttentionStage {
   // A path's launches one by one, for per-kernel timing: the names of its
   // steps for these arguments (value-up's kernel and the indexer's part
   // depend on m and topk_positions), and a run of `count` of them from
-  // `first` (forward is run_steps over all of them).
+  // `first` (kAllSteps: to the end; forward is run_steps(kFused, args, 0,
+  // kAllSteps)).
+  static constexpr size_t kAllSteps = ~size_t{0};
   Status step_names(DsaPath path, const DsaStepArgs& args, std::vector<std::string>* names) const;
   Status run_steps(DsaPath path, const DsaStepArgs& args, size_t first, size_t count, cudaStream_t stream);
 

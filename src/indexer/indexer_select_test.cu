@@ -715,14 +715,19 @@ TEST(IndexerRemapGpu, CallerRowsMatchTheReference) {
   cudaStreamDestroy(stream);
 }
 
+// Checks without a GPU: a step of 4 tokens over 4 requests at made-up device addresses.
+void fake_step(TensorView* positions, TensorView* token_requests, IndexerState* state) {
+  *positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x40000} << 16), DType::kI64, {4});
+  *token_requests = make_tensor(reinterpret_cast<void*>(uintptr_t{0x41000} << 16), DType::kI32, {4});
+  state->block_table = make_tensor(reinterpret_cast<void*>(uintptr_t{0x10000} << 16), DType::kI32, {4, 512});
+  state->ring = make_tensor(reinterpret_cast<void*>(uintptr_t{0x20000} << 16), DType::kBF16, {4, 2, 4, kDim});
+  state->k_cache = make_tensor(reinterpret_cast<void*>(uintptr_t{0x30000} << 16), DType::kU8, {1000, 64 * 132});
+}
+
 TEST(IndexerRemapChecks, RejectsBadRowsAndSlotsOverTheirInputs) {
   IndexerRemapArgs a;
   a.plan.max_tokens = 4;
-  a.positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x40000} << 16), DType::kI64, {4});
-  a.token_requests = make_tensor(reinterpret_cast<void*>(uintptr_t{0x41000} << 16), DType::kI32, {4});
-  a.state.block_table = make_tensor(reinterpret_cast<void*>(uintptr_t{0x10000} << 16), DType::kI32, {4, 512});
-  a.state.ring = make_tensor(reinterpret_cast<void*>(uintptr_t{0x20000} << 16), DType::kBF16, {4, 2, 4, kDim});
-  a.state.k_cache = make_tensor(reinterpret_cast<void*>(uintptr_t{0x30000} << 16), DType::kU8, {1000, 64 * 132});
+  fake_step(&a.positions, &a.token_requests, &a.state);
   a.topk_positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x70000} << 16), DType::kI32, {4, kWidth - 1});
   a.slots = make_tensor(reinterpret_cast<void*>(uintptr_t{0x80000} << 16), DType::kI32, {4, kWidth});
   Status s = indexer_remap(a, nullptr);
@@ -740,11 +745,7 @@ TEST(IndexerRemapChecks, RejectsBadRowsAndSlotsOverTheirInputs) {
 TEST(IndexerSelectChecks, LaunchersRejectBadArgumentsBeforeLaunching) {
   IndexerSelectArgs a;
   a.plan.max_tokens = 4;
-  a.positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x40000} << 16), DType::kI64, {4});
-  a.token_requests = make_tensor(reinterpret_cast<void*>(uintptr_t{0x41000} << 16), DType::kI32, {4});
-  a.state.block_table = make_tensor(reinterpret_cast<void*>(uintptr_t{0x10000} << 16), DType::kI32, {4, 512});
-  a.state.ring = make_tensor(reinterpret_cast<void*>(uintptr_t{0x20000} << 16), DType::kBF16, {4, 2, 4, kDim});
-  a.state.k_cache = make_tensor(reinterpret_cast<void*>(uintptr_t{0x30000} << 16), DType::kU8, {1000, 64 * 132});
+  fake_step(&a.positions, &a.token_requests, &a.state);
   a.workspace = make_tensor(reinterpret_cast<void*>(uintptr_t{0x100000} << 16), DType::kU8, {indexer_workspace_layout(a.plan).bytes});
   a.topk_positions = make_tensor(reinterpret_cast<void*>(uintptr_t{0x70000} << 16), DType::kI32, {4, kWidth});
   a.slots = make_tensor(reinterpret_cast<void*>(uintptr_t{0x80000} << 16), DType::kI32, {3, kWidth});  // wrong m

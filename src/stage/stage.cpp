@@ -143,6 +143,24 @@ Status check_rows(const TensorView& t, const char* name, int64_t m, int64_t widt
 
 }  // namespace
 
+DsaLayerConfig dsa_layer_config(const ModelPreset& p, float rms_norm_eps) {
+  DsaLayerConfig c;
+  c.hidden_size = p.hidden;
+  c.num_heads = p.heads;
+  c.q_lora_rank = p.q_lora;
+  c.kv_lora_rank = p.kv_lora;
+  c.qk_nope_head_dim = p.qk_nope;
+  c.qk_rope_head_dim = p.qk_rope;
+  c.v_head_dim = p.v_head;
+  c.softmax_scale = p.softmax_scale;
+  c.rms_norm_eps = rms_norm_eps;
+  c.fuse_qkv_rmsnorm = true;
+  c.rotary_embedding = p.qk_rope > 0;
+  c.indexer = p.index_heads == kIndexerHeads && p.index_dim == kIndexerDim && p.pool_size == kIndexerPoolSize;
+  c.kv_cache_dtype = "fp8_e4m3";
+  return c;
+}
+
 IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan) {
   IndexerPlan p;
   p.max_tokens = plan.max_tokens;
@@ -169,7 +187,7 @@ struct DsaAttentionStage::State {
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
 
   LinearContext linear;                       // qkv_a_proj, q_b_proj, o_proj
-  IndexerProjectContext indexer_projections;  // the indexer's cuBLASLt projections
+  IndexerProjectContext indexer_projections;  // made only when plan.indexer_projections_cublaslt
   cublasHandle_t cublas = nullptr;            // the absorb and value-up bmm
   bool cublas_bound = false;
   cudaStream_t cublas_stream = nullptr;  // the stream cublas is bound to, once bound
@@ -190,30 +208,27 @@ struct DsaAttentionStage::State {
 
   StepList steps_of(DsaPath path, const DsaStepArgs& a) const {
     const int64_t m = a.hidden.size(0);
-    const bool caller_rows = a.topk_positions.data != nullptr;
     StepList list;
+    // The top-k rows: the caller's remapped, or the indexer with this path's select.
+    const auto add_rows = [&](Step select) {
+      if (a.topk_positions.data != nullptr) {
+        list.add(Step::kTopkRemap);
+        return;
+      }
+      list.add(Step::kIndexerProject);
+      list.add(Step::kIndexerPrepare);
+      list.add(select);
+    };
     list.add(Step::kQkvAProj);
     list.add(Step::kNorm);
     list.add(Step::kQbProj);
     if (path == DsaPath::kFused) {
       list.add(Step::kAbsorb);
-      if (caller_rows) {
-        list.add(Step::kTopkRemap);
-      } else {
-        list.add(Step::kIndexerProject);
-        list.add(Step::kIndexerPrepare);
-        list.add(Step::kIndexerSelect);
-      }
+      add_rows(Step::kIndexerSelect);
       list.add(Step::kAttention);
       list.add(value_up_tokens.count(static_cast<int>(m)) > 0 ? Step::kValueUpGemv : Step::kValueUpBmm);
     } else {
-      if (caller_rows) {
-        list.add(Step::kTopkRemap);
-      } else {
-        list.add(Step::kIndexerProject);
-        list.add(Step::kIndexerPrepare);
-        list.add(Step::kStockIndexerSelect);
-      }
+      add_rows(Step::kStockIndexerSelect);
       list.add(Step::kStockCacheWrite);
       list.add(Step::kStockAbsorbBmm);
       list.add(Step::kStockFp8Quant);
@@ -507,7 +522,7 @@ Status DsaAttentionStage::State::allocate_workspace() {
   DSA_CUBLAS_RETURN(cublasCreate(&cublas));
   DSA_RETURN_IF_ERROR(bind_cublas(nullptr));
   DSA_RETURN_IF_ERROR(LinearContext::create(&linear));
-  DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_projections));
+  if (plan.indexer_projections_cublaslt) DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_projections));
   // The cuBLASLt plans of every m (host work), so that any step may be captured.
   for (int64_t m = 1; m <= T; ++m) {
     const TensorView hidden_rows = make_tensor(nullptr, DType::kBF16, {m, D});
@@ -571,15 +586,11 @@ bool DsaAttentionStage::supports(int64_t m, int64_t num_actual_tokens, int64_t n
 }
 
 Status DsaAttentionStage::forward(const DsaStepArgs& args, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(state_->check_step(args));
-  const StepList list = state_->steps_of(DsaPath::kFused, args);
-  return run_steps(DsaPath::kFused, args, 0, size_t(list.count), stream);
+  return run_steps(DsaPath::kFused, args, 0, kAllSteps, stream);
 }
 
 Status DsaAttentionStage::stock_forward(const DsaStepArgs& args, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(state_->check_step(args));
-  const StepList list = state_->steps_of(DsaPath::kStock, args);
-  return run_steps(DsaPath::kStock, args, 0, size_t(list.count), stream);
+  return run_steps(DsaPath::kStock, args, 0, kAllSteps, stream);
 }
 
 Status DsaAttentionStage::step_names(DsaPath path, const DsaStepArgs& args, std::vector<std::string>* names) const {
@@ -596,6 +607,7 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
                                     cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(state_->check_step(args));
   const StepList list = state_->steps_of(path, args);
+  if (count == kAllSteps && first <= size_t(list.count)) count = size_t(list.count) - first;
   if (first > size_t(list.count) || count > size_t(list.count) - first) {
     return invalid_argument("first, count", "steps within the path's " + std::to_string(list.count),
                             std::to_string(first) + ", " + std::to_string(count));
@@ -603,7 +615,8 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
   for (size_t i = first; i < first + count; ++i) {
     const Status s = state_->run_step(list.steps[i], args, stream);
     if (!s.ok()) {
-      return Status(s.code(), std::string("stage step '") + step_name(list.steps[i], false) + "': " + s.message());
+      const char* name = step_name(list.steps[i], state_->plan.indexer_projections_cublaslt);
+      return Status(s.code(), std::string("stage step '") + name + "': " + s.message());
     }
   }
   return Status();

@@ -202,20 +202,12 @@ struct Caches {
   }
 };
 
-DsaLayerConfig glm5next(int64_t heads) {
-  DsaLayerConfig c;
-  c.hidden_size = kD;
-  c.num_heads = heads;
-  c.q_lora_rank = kQ;
-  c.kv_lora_rank = kL;
-  c.qk_nope_head_dim = kP;
-  c.v_head_dim = kV;
-  c.softmax_scale = 0.0625f;
-  c.rms_norm_eps = 1e-6f;
-  c.fuse_qkv_rmsnorm = true;
-  c.indexer = true;
-  c.kv_cache_dtype = "fp8_e4m3";
-  return c;
+Status glm5next(int tp, DsaLayerConfig* config) {
+  ModelPreset preset, rank;
+  DSA_RETURN_IF_ERROR(find_preset("glm5next", &preset));
+  DSA_RETURN_IF_ERROR(per_rank(preset, tp, &rank));
+  *config = dsa_layer_config(rank, 1e-6f);
+  return Status();
 }
 
 Status bench_stage(bench::Context& ctx, bench::Report& report) {
@@ -231,8 +223,10 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
     for (int c = 1; c < copies; ++c) DSA_RETURN_IF_ERROR(weights[c].make(H, 0x7374 + tp + 100 * c, ctx.stream));
     DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
     std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies);
+    DsaLayerConfig config;
+    DSA_RETURN_IF_ERROR(glm5next(tp, &config));
     for (int c = 0; c < copies; ++c) {
-      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(glm5next(H), weights[c].views, plan, &stages[c]));
+      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, plan, &stages[c]));
     }
     for (int64_t context : {int64_t{32768}, int64_t{131072}}) {
       for (int m : {1, 2, 4, 8, 16}) {
@@ -251,26 +245,32 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
               },
               us, std::max(copies, 4), 20);
         };
-        const auto timed = [&](DsaPath path, size_t first, size_t count, double* us) {
-          return timed_on(args, path, first, count, us);
+        // Both paths on `step`, whole and without the first (qkv_a_proj) and the last (o_proj) step.
+        struct PathTimes {
+          double fused_whole = 0, stock_whole = 0, fused_half = 0, stock_half = 0;
         };
-        double fused_whole = 0, stock_whole = 0, fused_half = 0, stock_half = 0;
-        DSA_RETURN_IF_ERROR(timed(DsaPath::kFused, 0, fused_steps.size(), &fused_whole));
-        DSA_RETURN_IF_ERROR(timed(DsaPath::kStock, 0, stock_steps.size(), &stock_whole));
-        // Without the first (qkv_a_proj) and the last (o_proj) step.
-        DSA_RETURN_IF_ERROR(timed(DsaPath::kFused, 1, fused_steps.size() - 2, &fused_half));
-        DSA_RETURN_IF_ERROR(timed(DsaPath::kStock, 1, stock_steps.size() - 2, &stock_half));
+        const auto time_paths = [&](const DsaStepArgs& step, PathTimes* t) {
+          std::vector<std::string> fused, stock;
+          DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kFused, step, &fused));
+          DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kStock, step, &stock));
+          DSA_RETURN_IF_ERROR(timed_on(step, DsaPath::kFused, 0, fused.size(), &t->fused_whole));
+          DSA_RETURN_IF_ERROR(timed_on(step, DsaPath::kStock, 0, stock.size(), &t->stock_whole));
+          DSA_RETURN_IF_ERROR(timed_on(step, DsaPath::kFused, 1, fused.size() - 2, &t->fused_half));
+          return timed_on(step, DsaPath::kStock, 1, stock.size() - 2, &t->stock_half);
+        };
+        PathTimes t;
+        DSA_RETURN_IF_ERROR(time_paths(args, &t));
         const std::vector<std::pair<std::string, double>> params = {
             {"H", double(H)}, {"m", double(m)}, {"context", double(context)}};
         const std::string value_up = fused_steps[fused_steps.size() - 2];
-        report.add(bench::Row{"attention_half", params, fused_half, "stock_forward, norm .. value_up", stock_half, 0, 0,
-                              value_up});
+        report.add(bench::Row{"attention_half", params, t.fused_half, "stock_forward, norm .. value_up", t.stock_half,
+                              0, 0, value_up});
         // The memory floor: every weight once, each token's selected KV rows and, past 2048 tokens, its indexer
         // K cache scan (the activations are a few hundred KiB).
         const double step_bytes = double(weights[0].bytes) +
                                   double(m) * (double(kIndexerRowWidth) * kL +
                                                (context + 1 > 2048 ? double(context + 1) / 4 * kIndexerPoolBytes : 0));
-        report.add(bench::Row{"whole_stage", params, fused_whole, "stock_forward", stock_whole,
+        report.add(bench::Row{"whole_stage", params, t.fused_whole, "stock_forward", t.stock_whole,
                               bench::floor_us(ctx, step_bytes), 0, value_up});
         // The same step with the caller's top-k rows (MTP draft steps 1+; also the stage without the indexer,
         // whose fused select against the CUB-sort baseline is most of the ratios above): the rows the stock
@@ -285,21 +285,13 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
           DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
           DsaStepArgs with_rows = args;
           with_rows.topk_positions = make_tensor(caller_rows.get(), DType::kI32, {m, kIndexerRowWidth});
-          std::vector<std::string> fused_rows_steps, stock_rows_steps;
-          DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kFused, with_rows, &fused_rows_steps));
-          DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kStock, with_rows, &stock_rows_steps));
-          const auto timed_rows = [&](DsaPath path, size_t first, size_t count, double* us) {
-            return timed_on(with_rows, path, first, count, us);
-          };
-          double fused_rows_whole = 0, stock_rows_whole = 0, fused_rows_half = 0, stock_rows_half = 0;
-          DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kFused, 0, fused_rows_steps.size(), &fused_rows_whole));
-          DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kStock, 0, stock_rows_steps.size(), &stock_rows_whole));
-          DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kFused, 1, fused_rows_steps.size() - 2, &fused_rows_half));
-          DSA_RETURN_IF_ERROR(timed_rows(DsaPath::kStock, 1, stock_rows_steps.size() - 2, &stock_rows_half));
-          report.add(bench::Row{"attention_half_caller_topk", params, fused_rows_half,
-                                "stock_forward with the same rows, norm .. value_up", stock_rows_half, 0, 0, value_up});
-          report.add(bench::Row{"whole_stage_caller_topk", params, fused_rows_whole,
-                                "stock_forward with the same rows", stock_rows_whole, 0, 0, value_up});
+          PathTimes same_rows;
+          DSA_RETURN_IF_ERROR(time_paths(with_rows, &same_rows));
+          report.add(bench::Row{"attention_half_caller_topk", params, same_rows.fused_half,
+                                "stock_forward with the same rows, norm .. value_up", same_rows.stock_half, 0, 0,
+                                value_up});
+          report.add(bench::Row{"whole_stage_caller_topk", params, same_rows.fused_whole,
+                                "stock_forward with the same rows", same_rows.stock_whole, 0, 0, value_up});
         }
         // Where the time goes: each step of each path alone (its inputs as the previous steps left them), at
         // the two ends of m, 32k.
@@ -308,7 +300,7 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
             const std::vector<std::string>& names = path == DsaPath::kFused ? fused_steps : stock_steps;
             for (size_t i = 0; i < names.size(); ++i) {
               double us = 0;
-              DSA_RETURN_IF_ERROR(timed(path, i, 1, &us));
+              DSA_RETURN_IF_ERROR(timed_on(args, path, i, 1, &us));
               report.add(bench::Row{std::string(path == DsaPath::kFused ? "fused step: " : "stock step: ") + names[i],
                                     params, us, "", 0, 0, 0, ""});
             }

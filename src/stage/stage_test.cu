@@ -34,19 +34,12 @@ constexpr int64_t kD = 4096, kH = 8, kQ = 1536, kL = 512, kP = 256, kV = 256;
 constexpr int kBlock = 256;
 
 DsaLayerConfig glm5next_tp8() {
-  DsaLayerConfig c;
-  c.hidden_size = kD;
-  c.num_heads = kH;
-  c.q_lora_rank = kQ;
-  c.kv_lora_rank = kL;
-  c.qk_nope_head_dim = kP;
-  c.qk_rope_head_dim = 0;
-  c.v_head_dim = kV;
-  c.softmax_scale = 0.0625f;
-  c.rms_norm_eps = 1e-6f;
-  c.fuse_qkv_rmsnorm = true;
-  c.indexer = true;
-  c.kv_cache_dtype = "fp8_e4m3";
+  ModelPreset preset, rank;
+  EXPECT_TRUE(find_preset("glm5next", &preset).ok());
+  EXPECT_TRUE(per_rank(preset, 8, &rank).ok());
+  const DsaLayerConfig c = dsa_layer_config(rank, 1e-6f);
+  EXPECT_TRUE(c.hidden_size == kD && c.num_heads == kH && c.q_lora_rank == kQ && c.kv_lora_rank == kL &&
+              c.qk_nope_head_dim == kP && c.v_head_dim == kV);
   return c;
 }
 
@@ -512,7 +505,7 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
                                      kIndexerRowWidth,
                                      layer.scales[0],
                                      layer.scales[1],
-                                     0.0625f};
+                                     stage.config().softmax_scale};
   const reference::SparseMlaResult want = reference::sparse_mla(attention);
   std::vector<double> want_latent(want.latent.size());
   for (size_t i = 0; i < want.latent.size(); ++i) want_latent[i] = num::bf16_to_float(want.latent[i]);
