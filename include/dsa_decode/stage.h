@@ -24,7 +24,12 @@
 //     o_proj      out [m, D] = heads x o_proj^T                           cuBLASLt
 //   Every kernel of ours launches with programmatic dependent launch (PDL)
 //   and loads its weights before waiting for its predecessor; cuBLAS and
-//   cuBLASLt launches carry no PDL attribute.
+//   cuBLASLt launches carry no PDL attribute. With plan.overlap_indexer (the
+//   default) the indexer's launches (or the remap) run on a stream of the
+//   stage's own, beside q_b_proj and the absorb: forked from the caller's
+//   stream after the norm, joined before the attention (in a capture, a
+//   fork and a join of the graph). Nothing else changes: the same kernels
+//   on the same inputs, the same bits.
 //
 //   stock (stock_forward): the same step in the stock engine's order with
 //   unfused kernels, the fallback and the baseline every speedup is measured
@@ -52,7 +57,9 @@
 // graph once each path has run uncaptured at the same m (the first launch
 // of a kernel on a device sets its shared-memory and cluster limits, and the
 // first cuBLASLt call of a shape asks the heuristic: host work kept out of a
-// capture). One stream at a time: the workspace is the stage's own. Inputs
+// capture). One stream at a time: the workspace and the indexer's stream
+// are the stage's own, and each call returns with all its work ordered
+// before the caller's next work on `stream`. Inputs
 // the indexer reads before its PDL wait (positions, token_requests, the
 // block table) must be complete when the step's first kernel starts (written
 // by host copies or by kernels outside this chain; indexer.h says why).
@@ -151,6 +158,14 @@ struct DsaStagePlan {
   IndexerLogits indexer_logits = IndexerLogits::kExact;          // both paths' select
   SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' attention
   bool indexer_projections_cublaslt = false;  // both paths' indexer projections: GEMV launch or cuBLASLt
+  // The fused path's indexer on a second stream beside q_b_proj and the
+  // absorb (the stock path stays in the stock engine's single-stream order).
+  bool overlap_indexer = true;
+  // The stock path's select: the straightforward baseline (CUB sort, expand,
+  // remap; false) or the fused path's select kernel (true), for comparing
+  // the paths with the same select (docs/open_decisions.md, 6.1). With the
+  // fused select the stock path leaves intermediates().topk_positions alone.
+  bool stock_select_fused = false;
 };
 
 // The indexer's plan of a stage plan (its max_tokens, max_context, ring,
@@ -221,9 +236,12 @@ class DsaAttentionStage {
 
   // A path's launches one by one, for per-kernel timing: the names of its
   // steps for these arguments (value-up's kernel and the indexer's part
-  // depend on m and topk_positions), and a run of `count` of them from
-  // `first` (kAllSteps: to the end; forward is run_steps(kFused, args, 0,
-  // kAllSteps)).
+  // depend on m and topk_positions), in the order they are issued, and a
+  // run of `count` of them from `first` (kAllSteps: to the end; forward is
+  // run_steps(kFused, args, 0, kAllSteps)). With plan.overlap_indexer the
+  // fused path lists the indexer's steps right after the norm; a range that
+  // holds some of them runs them on the indexer's stream and joins it before
+  // the attention or at the range's end.
   static constexpr size_t kAllSteps = ~size_t{0};
   Status step_names(DsaPath path, const DsaStepArgs& args, std::vector<std::string>* names) const;
   Status run_steps(DsaPath path, const DsaStepArgs& args, size_t first, size_t count, cudaStream_t stream);

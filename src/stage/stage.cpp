@@ -96,6 +96,14 @@ const char* step_name(Step step, bool projections_cublaslt) {
   return "?";
 }
 
+// The fused path's steps that run on the indexer's lane when
+// plan.overlap_indexer: they read only hidden and q_c, and only the attention
+// reads what they write (slots), so they run beside q_b_proj and the absorb.
+bool on_indexer_lane(Step step) {
+  return step == Step::kIndexerProject || step == Step::kIndexerPrepare || step == Step::kIndexerSelect ||
+         step == Step::kTopkRemap;
+}
+
 // The longest path: the stock one with the indexer, 13 steps.
 constexpr int kMaxSteps = 13;
 
@@ -192,6 +200,11 @@ struct DsaAttentionStage::State {
   bool cublas_bound = false;
   cudaStream_t cublas_stream = nullptr;  // the stream cublas is bound to, once bound
   DeviceMemory cublas_workspace;
+  // The indexer's lane (plan.overlap_indexer): a stream of the stage's own,
+  // forked from the caller's stream after the norm and joined before the
+  // attention through the two events (a fork and a join in a capture).
+  cudaStream_t indexer_stream = nullptr;
+  cudaEvent_t indexer_fork = nullptr, indexer_join = nullptr;
 
   // Workspace, each [max_tokens, ...] (intermediates() has the shapes).
   DeviceMemory qkv, q_c, kv_c, q, q_bf16, q_fp8, index_q, index_k, head_weights, gate, indexer_workspace,
@@ -200,6 +213,9 @@ struct DsaAttentionStage::State {
 
   ~State() {
     if (cublas != nullptr) cublasDestroy(cublas);
+    if (indexer_fork != nullptr) cudaEventDestroy(indexer_fork);
+    if (indexer_join != nullptr) cudaEventDestroy(indexer_join);
+    if (indexer_stream != nullptr) cudaStreamDestroy(indexer_stream);
   }
 
   TensorView bf16(const DeviceMemory& memory, std::initializer_list<int64_t> shape) const {
@@ -221,14 +237,18 @@ struct DsaAttentionStage::State {
     };
     list.add(Step::kQkvAProj);
     list.add(Step::kNorm);
-    list.add(Step::kQbProj);
     if (path == DsaPath::kFused) {
+      // With the overlap the indexer's lane is issued first: its select is
+      // the longer chain, so its kernels should take the SMs first.
+      if (plan.overlap_indexer) add_rows(Step::kIndexerSelect);
+      list.add(Step::kQbProj);
       list.add(Step::kAbsorb);
-      add_rows(Step::kIndexerSelect);
+      if (!plan.overlap_indexer) add_rows(Step::kIndexerSelect);
       list.add(Step::kAttention);
       list.add(value_up_tokens.count(static_cast<int>(m)) > 0 ? Step::kValueUpGemv : Step::kValueUpBmm);
     } else {
-      add_rows(Step::kStockIndexerSelect);
+      list.add(Step::kQbProj);
+      add_rows(plan.stock_select_fused ? Step::kIndexerSelect : Step::kStockIndexerSelect);
       list.add(Step::kStockCacheWrite);
       list.add(Step::kStockAbsorbBmm);
       list.add(Step::kStockFp8Quant);
@@ -523,6 +543,11 @@ Status DsaAttentionStage::State::allocate_workspace() {
   DSA_RETURN_IF_ERROR(bind_cublas(nullptr));
   DSA_RETURN_IF_ERROR(LinearContext::create(&linear));
   if (plan.indexer_projections_cublaslt) DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_projections));
+  if (plan.overlap_indexer) {
+    DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&indexer_stream, cudaStreamNonBlocking));
+    DSA_CUDA_RETURN(cudaEventCreateWithFlags(&indexer_fork, cudaEventDisableTiming));
+    DSA_CUDA_RETURN(cudaEventCreateWithFlags(&indexer_join, cudaEventDisableTiming));
+  }
   // The cuBLASLt plans of every m (host work), so that any step may be captured.
   for (int64_t m = 1; m <= T; ++m) {
     const TensorView hidden_rows = make_tensor(nullptr, DType::kBF16, {m, D});
@@ -612,14 +637,37 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
     return invalid_argument("first, count", "steps within the path's " + std::to_string(list.count),
                             std::to_string(first) + ", " + std::to_string(count));
   }
-  for (size_t i = first; i < first + count; ++i) {
-    const Status s = state_->run_step(list.steps[i], args, stream);
+  State& st = *state_;
+  const bool overlap = path == DsaPath::kFused && st.plan.overlap_indexer;
+  // The indexer's lane forks at its first step and joins before the
+  // attention, or at the end of the range, so that every step of the range
+  // is ordered before the caller's next work on `stream` (and a capture
+  // ends joined).
+  bool forked = false;
+  const auto join = [&]() -> Status {
+    forked = false;
+    DSA_CUDA_RETURN(cudaEventRecord(st.indexer_join, st.indexer_stream));
+    DSA_CUDA_RETURN(cudaStreamWaitEvent(stream, st.indexer_join, 0));
+    return Status();
+  };
+  Status failed;
+  for (size_t i = first; i < first + count && failed.ok(); ++i) {
+    const Step step = list.steps[i];
+    const bool indexer_lane = overlap && on_indexer_lane(step);
+    if (indexer_lane && !forked) {
+      DSA_CUDA_RETURN(cudaEventRecord(st.indexer_fork, stream));
+      DSA_CUDA_RETURN(cudaStreamWaitEvent(st.indexer_stream, st.indexer_fork, 0));
+      forked = true;
+    }
+    if (forked && step == Step::kAttention) DSA_RETURN_IF_ERROR(join());
+    const Status s = st.run_step(step, args, indexer_lane ? st.indexer_stream : stream);
     if (!s.ok()) {
-      const char* name = step_name(list.steps[i], state_->plan.indexer_projections_cublaslt);
-      return Status(s.code(), std::string("stage step '") + name + "': " + s.message());
+      const char* name = step_name(step, st.plan.indexer_projections_cublaslt);
+      failed = Status(s.code(), std::string("stage step '") + name + "': " + s.message());
     }
   }
-  return Status();
+  if (forked) DSA_RETURN_IF_ERROR(join());
+  return failed;
 }
 
 DsaStageIntermediates DsaAttentionStage::intermediates(int64_t m) const {

@@ -3,10 +3,12 @@
 // 4, 8, 16, one request per token. Rows (DESIGN.md section 4):
 // `attention_half` (norm through value-up: every step but qkv_a_proj and
 // o_proj) and `whole_stage`; at 32k and m = 1, 16 also each step of each
-// path alone ("fused step: <name>", "stock step: <name>"); and both rows
-// again with the caller's top-k rows in both paths (`*_caller_topk`: the
-// indexer does not run, only the remap), which compares the stage without
-// the select, whose CUB-sort baseline takes 84-109 us. Cold L2: as many stages as it takes for their
+// path alone ("fused step: <name>", "stock step: <name>"); both rows with
+// the fused select in the stock path too (`*_same_select`: the CUB-sort
+// baseline alone takes 84-109 us) and against the fused path with the
+// indexer on the caller's stream (`*_overlap`: what its own stream saves);
+// and both rows again with the caller's top-k rows in both paths
+// (`*_caller_topk`: the indexer does not run, only the remap). Cold L2: as many stages as it takes for their
 // weight copies to be twice the L2, replayed in turn; each request's KV rows
 // are its own (16 MiB at 32k), so the selected rows come from memory too.
 // Random weights at unit-output scales and random caches (the indexer's
@@ -222,11 +224,17 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
     weights[0] = std::move(first);
     for (int c = 1; c < copies; ++c) DSA_RETURN_IF_ERROR(weights[c].make(H, 0x7374 + tp + 100 * c, ctx.stream));
     DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
-    std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies);
+    // `stages`: the default plan. `variants`: the fused path with the indexer
+    // on the caller's stream (no overlap), the stock path with the fused select.
+    DsaStagePlan variant_plan = plan;
+    variant_plan.overlap_indexer = false;
+    variant_plan.stock_select_fused = true;
+    std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies), variants(copies);
     DsaLayerConfig config;
     DSA_RETURN_IF_ERROR(glm5next(tp, &config));
     for (int c = 0; c < copies; ++c) {
       DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, plan, &stages[c]));
+      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, variant_plan, &variants[c]));
     }
     for (int64_t context : {int64_t{32768}, int64_t{131072}}) {
       for (int m : {1, 2, 4, 8, 16}) {
@@ -236,30 +244,31 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
         std::vector<std::string> fused_steps, stock_steps;
         DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kFused, args, &fused_steps));
         DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kStock, args, &stock_steps));
-        // [first, first + count) of each path's steps on `step`, stage i % copies.
-        const auto timed_on = [&](const DsaStepArgs& step, DsaPath path, size_t first, size_t count, double* us) {
+        // [first, first + count) of each path's steps on `step`, stage i % copies of `set`.
+        const auto timed_on = [&](const std::vector<std::unique_ptr<DsaAttentionStage>>& set, const DsaStepArgs& step,
+                                  DsaPath path, size_t first, size_t count, double* us) {
           return bench::time_graph(
               ctx,
-              [&](cudaStream_t stream, int i) {
-                return stages[i % copies]->run_steps(path, step, first, count, stream);
-              },
+              [&](cudaStream_t stream, int i) { return set[i % copies]->run_steps(path, step, first, count, stream); },
               us, std::max(copies, 4), 20);
         };
-        // Both paths on `step`, whole and without the first (qkv_a_proj) and the last (o_proj) step.
+        // Both paths of `set` on `step`, whole and without the first (qkv_a_proj) and the last (o_proj) step.
         struct PathTimes {
           double fused_whole = 0, stock_whole = 0, fused_half = 0, stock_half = 0;
         };
-        const auto time_paths = [&](const DsaStepArgs& step, PathTimes* t) {
+        const auto time_paths = [&](const std::vector<std::unique_ptr<DsaAttentionStage>>& set, const DsaStepArgs& step,
+                                    PathTimes* t) {
           std::vector<std::string> fused, stock;
-          DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kFused, step, &fused));
-          DSA_RETURN_IF_ERROR(stages[0]->step_names(DsaPath::kStock, step, &stock));
-          DSA_RETURN_IF_ERROR(timed_on(step, DsaPath::kFused, 0, fused.size(), &t->fused_whole));
-          DSA_RETURN_IF_ERROR(timed_on(step, DsaPath::kStock, 0, stock.size(), &t->stock_whole));
-          DSA_RETURN_IF_ERROR(timed_on(step, DsaPath::kFused, 1, fused.size() - 2, &t->fused_half));
-          return timed_on(step, DsaPath::kStock, 1, stock.size() - 2, &t->stock_half);
+          DSA_RETURN_IF_ERROR(set[0]->step_names(DsaPath::kFused, step, &fused));
+          DSA_RETURN_IF_ERROR(set[0]->step_names(DsaPath::kStock, step, &stock));
+          DSA_RETURN_IF_ERROR(timed_on(set, step, DsaPath::kFused, 0, fused.size(), &t->fused_whole));
+          DSA_RETURN_IF_ERROR(timed_on(set, step, DsaPath::kStock, 0, stock.size(), &t->stock_whole));
+          DSA_RETURN_IF_ERROR(timed_on(set, step, DsaPath::kFused, 1, fused.size() - 2, &t->fused_half));
+          return timed_on(set, step, DsaPath::kStock, 1, stock.size() - 2, &t->stock_half);
         };
-        PathTimes t;
-        DSA_RETURN_IF_ERROR(time_paths(args, &t));
+        PathTimes t, v;
+        DSA_RETURN_IF_ERROR(time_paths(stages, args, &t));
+        DSA_RETURN_IF_ERROR(time_paths(variants, args, &v));
         const std::vector<std::pair<std::string, double>> params = {
             {"H", double(H)}, {"m", double(m)}, {"context", double(context)}};
         const std::string value_up = fused_steps[fused_steps.size() - 2];
@@ -272,6 +281,17 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
                                                (context + 1 > 2048 ? double(context + 1) / 4 * kIndexerPoolBytes : 0));
         report.add(bench::Row{"whole_stage", params, t.fused_whole, "stock_forward", t.stock_whole,
                               bench::floor_us(ctx, step_bytes), 0, value_up});
+        // The same select in both paths: the stock path with the fused select kernel (open decision 6.1).
+        report.add(bench::Row{"attention_half_same_select", params, t.fused_half,
+                              "stock_forward with the fused select, norm .. value_up", v.stock_half, 0, 0, value_up});
+        report.add(bench::Row{"whole_stage_same_select", params, t.fused_whole, "stock_forward with the fused select",
+                              v.stock_whole, 0, 0, value_up});
+        // What the indexer's own stream saves: the same fused path with the indexer after the absorb.
+        report.add(bench::Row{"attention_half_overlap", params, t.fused_half,
+                              "forward with the indexer on the caller's stream, norm .. value_up", v.fused_half, 0, 0,
+                              value_up});
+        report.add(bench::Row{"whole_stage_overlap", params, t.fused_whole,
+                              "forward with the indexer on the caller's stream", v.fused_whole, 0, 0, value_up});
         // The same step with the caller's top-k rows (MTP draft steps 1+; also the stage without the indexer,
         // whose fused select against the CUB-sort baseline is most of the ratios above): the rows the stock
         // select chose, remapped by both paths.
@@ -286,7 +306,7 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
           DsaStepArgs with_rows = args;
           with_rows.topk_positions = make_tensor(caller_rows.get(), DType::kI32, {m, kIndexerRowWidth});
           PathTimes same_rows;
-          DSA_RETURN_IF_ERROR(time_paths(with_rows, &same_rows));
+          DSA_RETURN_IF_ERROR(time_paths(stages, with_rows, &same_rows));
           report.add(bench::Row{"attention_half_caller_topk", params, same_rows.fused_half,
                                 "stock_forward with the same rows, norm .. value_up", same_rows.stock_half, 0, 0,
                                 value_up});
@@ -300,7 +320,7 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
             const std::vector<std::string>& names = path == DsaPath::kFused ? fused_steps : stock_steps;
             for (size_t i = 0; i < names.size(); ++i) {
               double us = 0;
-              DSA_RETURN_IF_ERROR(timed_on(args, path, i, 1, &us));
+              DSA_RETURN_IF_ERROR(timed_on(stages, args, path, i, 1, &us));
               report.add(bench::Row{std::string(path == DsaPath::kFused ? "fused step: " : "stock step: ") + names[i],
                                     params, us, "", 0, 0, 0, ""});
             }

@@ -559,6 +559,59 @@ TEST_F(DsaStageGpu, StepCapturesIntoAGraphAndReplaysTheSameBits) {
   cudaStreamDestroy(stream);
 }
 
+// plan.overlap_indexer only moves the indexer's launches to a second
+// stream: every product, the caches and the indexer's state keep their bits.
+// plan.stock_select_fused gives the stock path the fused select's slots.
+TEST_F(DsaStageGpu, IndexerOnItsOwnStreamGivesTheSerialBits) {
+  DsaStagePlan serial_plan = plan_;
+  serial_plan.overlap_indexer = false;
+  serial_plan.stock_select_fused = true;
+  std::unique_ptr<DsaAttentionStage> serial;
+  DSA_ASSERT_OK(DsaAttentionStage::create(glm5next_tp8(), layer_->weights(), serial_plan, &serial));
+  for (int m : {1, 5}) {
+    Step step(m, *layer_, plan_, rng_);
+    const std::string at = "m = " + std::to_string(m);
+    std::vector<std::string> overlapped_names, serial_names;
+    DSA_ASSERT_OK(stage_->step_names(DsaPath::kFused, step.args(), &overlapped_names));
+    DSA_ASSERT_OK(serial->step_names(DsaPath::kFused, step.args(), &serial_names));
+    ASSERT_EQ(overlapped_names.size(), serial_names.size());
+    EXPECT_TRUE(contains(overlapped_names[2], "indexer projections")) << overlapped_names[2];  // issued after the norm
+    EXPECT_EQ(serial_names[2], "q_b_proj (cuBLASLt)");
+
+    const PathResult a = run_path(*stage_, step, DsaPath::kFused, step.args());
+    const std::vector<uint16_t> ring_a = step.d_ring.download();
+    const std::vector<uint8_t> k_cache_a = step.d_k_cache.download();
+    const PathResult b = run_path(*serial, step, DsaPath::kFused, step.args());
+    EXPECT_TRUE(a.q_c == b.q_c && a.kv_c == b.kv_c && a.q == b.q) << at;
+    EXPECT_TRUE(a.q_fp8 == b.q_fp8 && a.kv_cache == b.kv_cache) << at;
+    EXPECT_TRUE(a.slots == b.slots) << at;
+    EXPECT_TRUE(a.latent == b.latent && a.lse == b.lse && a.heads == b.heads && a.out == b.out) << at;
+    EXPECT_TRUE(ring_a == step.d_ring.download() && k_cache_a == step.d_k_cache.download()) << at;
+    EXPECT_EQ(a.errors, 0u) << at;
+
+    std::vector<std::string> stock_names;
+    DSA_ASSERT_OK(serial->step_names(DsaPath::kStock, step.args(), &stock_names));
+    EXPECT_EQ(std::count(stock_names.begin(), stock_names.end(), "indexer select"), 1);
+    const PathResult stock = run_path(*serial, step, DsaPath::kStock, step.args());
+    EXPECT_TRUE(stock.slots == a.slots && stock.kv_cache == a.kv_cache) << at;
+  }
+
+  // A range that ends on the indexer's stream still returns joined: a
+  // capture of it ends (an unjoined fork would fail cudaStreamEndCapture).
+  Step step(2, *layer_, plan_, rng_);
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  DSA_ASSERT_OK(stage_->run_steps(DsaPath::kFused, step.args(), 0, 4, stream));  // uncaptured first
+  cudaGraph_t graph = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status captured = stage_->run_steps(DsaPath::kFused, step.args(), 0, 4, stream);
+  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  DSA_ASSERT_OK(captured);
+  cudaGraphDestroy(graph);
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  cudaStreamDestroy(stream);
+}
+
 TEST_F(DsaStageGpu, CallerTopkRowsSkipTheIndexerAndGiveTheSameStep) {
   Step step(3, *layer_, plan_, rng_);
   const PathResult stock = run_path(*stage_, step, DsaPath::kStock, step.args());  // writes topk_positions
