@@ -9,9 +9,9 @@
 // tokens through either path:
 //
 //   fused (forward):
-//     qkv_a_proj  qkv [m, Q + L] = hidden [m, D] x fused_qkv_a_proj^T     cuBLASLt
+//     qkv_a_proj  qkv [m, Q + L] = hidden [m, D] x fused_qkv_a_proj^T     linear_gemv or cuBLASLt
 //     norm        q_c [m, Q], kv_c [m, L]: both RMSNorms, one launch      qkv_rmsnorm (norm.h)
-//     q_b_proj    q [m, H * P] = q_c x q_b_proj^T                         cuBLASLt
+//     q_b_proj    q [m, H * P] = q_c x q_b_proj^T                         linear_gemv or cuBLASLt
 //     absorb      q_fp8 [m, H, L] = FP8(q x W_UK_T) and kv_c into the
 //                 KV cache at slot_mapping, one launch                    head_gemv (head_gemv.h)
 //     indexer     projections, prepare, select: top-k rows remapped to
@@ -21,7 +21,10 @@
 //     attention   latent [m, H, L] BF16, lse [m, H]                       sparse_mla (sparse_mla.h)
 //     value_up    heads [m, H, V] = latent x W_UV: head_gemv for the token
 //                 counts in plan.value_up_tokens, cuBLAS's bmm otherwise
-//     o_proj      out [m, D] = heads x o_proj^T                           cuBLASLt
+//     o_proj      out [m, D] = heads x o_proj^T                           linear_gemv or cuBLASLt
+//   The three projections run as linear_gemv (linear.h: one launch with PDL,
+//   a fixed order) for the token counts in plan.projection_gemv_tokens that
+//   the kernel takes, cuBLASLt otherwise.
 //   Every kernel of ours launches with programmatic dependent launch (PDL)
 //   and loads its weights before waiting for its predecessor; cuBLAS and
 //   cuBLASLt launches carry no PDL attribute. With plan.overlap_indexer (the
@@ -33,7 +36,8 @@
 //
 //   stock (stock_forward): the same step in the stock engine's order with
 //   unfused kernels, the fallback and the baseline every speedup is measured
-//   against: qkv_a_proj, norm, q_b_proj, the indexer with the
+//   against: qkv_a_proj (the fused path's kernel: the two paths' KV cache
+//   bytes and indexer inputs must agree), norm, q_b_proj, the indexer with the
 //   straightforward select (CUB sort, separate expand and remap),
 //   concat_and_cache_mla, cuBLAS absorb bmm, static FP8 quant, a
 //   cudaMemsetAsync of the attention's split counters, the same attention
@@ -158,6 +162,11 @@ struct DsaStagePlan {
   IndexerLogits indexer_logits = IndexerLogits::kExact;          // both paths' select
   SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' attention
   bool indexer_projections_cublaslt = false;  // both paths' indexer projections: GEMV launch or cuBLASLt
+  // Token counts whose projections run as linear_gemv (the fused path's
+  // three; qkv_a_proj in both paths), cuBLASLt otherwise or where the
+  // kernel's shared-memory rule refuses the shape (o_proj at TP1 past m = 4);
+  // unset: dsa_stage_measured_projection_gemv_tokens().
+  std::optional<std::set<int>> projection_gemv_tokens;
   // The fused path's indexer on a second stream beside q_b_proj and the
   // absorb (the stock path stays in the stock engine's single-stream order).
   bool overlap_indexer = true;
@@ -177,6 +186,10 @@ IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan);
 // tensor-core sums 1..8 at 64 heads and 1..16 at 8 heads; head counts not
 // measured take 64 heads' set.
 std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sums);
+
+// The token counts at which linear_gemv beat cuBLASLt on the stage's
+// projections on the H200 (docs/linear.md).
+std::set<int> dsa_stage_measured_projection_gemv_tokens();
 
 // The seed's supports(): a pure decode step of 1..plan.max_tokens tokens
 // (every token of the batch is one of the step's decode tokens).
@@ -201,10 +214,15 @@ struct DsaStepArgs {
 // Views of the stage's own buffers as the last step on its stream left
 // them (read them after that step; the next step overwrites them).
 struct DsaStageIntermediates {
+  TensorView qkv;             // [m, Q + L] BF16: qkv_a_proj's output
   TensorView q_c;             // [m, Q] BF16
   TensorView kv_c;            // [m, L] BF16
   TensorView q;               // [m, H, P] BF16
   TensorView q_fp8;           // [m, H, L] e4m3
+  TensorView index_q;         // [m, 32, 128] BF16: the indexer's projections (not written with caller rows)
+  TensorView index_k;         // [m, 128] BF16
+  TensorView head_weights;    // [m, 32] f32
+  TensorView gate;            // [m, 128] BF16
   TensorView topk_positions;  // [m, 2176] int32: written by the stock select only
   TensorView slots;           // [m, 2176] int32 global KV slots
   TensorView latent;          // [m, H, L] BF16

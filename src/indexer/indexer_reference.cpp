@@ -392,26 +392,6 @@ IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& in) {
   return out;
 }
 
-float gemv_sum(const uint16_t* input, const uint16_t* weight, int64_t k) {
-  constexpr int kLanes = 32, kLaneColumns = 8;
-  float lane_sums[kLanes];
-  for (int lane = 0; lane < kLanes; ++lane) {
-    float sum = 0.0f;
-    for (int64_t first = lane * kLaneColumns; first < k; first += kLanes * kLaneColumns) {
-      for (int i = 0; i < kLaneColumns; ++i) {
-        sum = std::fma(num::bf16_to_float(input[first + i]), num::bf16_to_float(weight[first + i]), sum);
-      }
-    }
-    lane_sums[lane] = sum;
-  }
-  for (int distance = 1; distance < kLanes; distance *= 2) {
-    float next[kLanes];
-    for (int lane = 0; lane < kLanes; ++lane) next[lane] = lane_sums[lane] + lane_sums[lane ^ distance];
-    std::copy(next, next + kLanes, lane_sums);
-  }
-  return lane_sums[0];
-}
-
 namespace {
 
 // out[t, j] = gemv_sum(input row t, weight row j) for input [m, k] and weight [n, k], as `store` keeps it.

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dsa_decode/indexer.h"
+#include "linear/linear_reference.h"
 
 namespace dsa::reference {
 
@@ -180,11 +181,8 @@ struct IndexerProjectionBitsHost {
   std::vector<uint16_t> gate;       // [m, 128] BF16 bits
 };
 
-// One output of indexer_project_gemv before its rounding: the FP32 sum of
-// input[i] * weight[i] over i < k (both [k] BF16 bits, k a multiple of 8) as
-// the 32 lanes of a warp add it: lane l chains columns 8l..8l+7, 8l+256.. with
-// fmaf from +0, then the xor butterfly over lane distances 1, 2, 4, 8, 16.
-float gemv_sum(const uint16_t* input, const uint16_t* weight, int64_t k);
+// One output of indexer_project_gemv before its rounding is
+// gemv_sum (linear/linear_reference.h): linear_gemv's order.
 
 // Q and D multiples of 8.
 IndexerProjectionBitsHost indexer_project_gemv(const IndexerProjectInputsHost& inputs);

@@ -12,6 +12,7 @@
 
 #include "core/linear.h"
 #include "dsa_decode/cuda_check.h"
+#include "dsa_decode/linear.h"
 #include "dsa_decode/norm.h"
 #include "dsa_decode/stock.h"
 
@@ -37,9 +38,11 @@ Status allocate(size_t bytes, DeviceMemory* memory) {
 
 // The launches of both paths. A path is a sequence of these (steps_of).
 enum class Step {
-  kQkvAProj,
+  kQkvAProj,  // cuBLASLt; the *Gemv steps: linear_gemv (plan.projection_gemv_tokens)
+  kQkvAProjGemv,
   kNorm,
   kQbProj,
+  kQbProjGemv,
   kAbsorb,          // head_gemv: FP8 q and the cache write
   kIndexerProject,  // both paths': GEMV launch (or cuBLASLt, plan.indexer_projections_cublaslt)
   kIndexerPrepare,
@@ -49,6 +52,7 @@ enum class Step {
   kValueUpGemv,
   kValueUpBmm,
   kOProj,
+  kOProjGemv,
   kStockIndexerSelect,  // CUB sort, expand, remap
   kStockCacheWrite,
   kStockAbsorbBmm,
@@ -60,10 +64,14 @@ const char* step_name(Step step, bool projections_cublaslt) {
   switch (step) {
     case Step::kQkvAProj:
       return "qkv_a_proj (cuBLASLt)";
+    case Step::kQkvAProjGemv:
+      return "qkv_a_proj (GEMV)";
     case Step::kNorm:
       return "norm";
     case Step::kQbProj:
       return "q_b_proj (cuBLASLt)";
+    case Step::kQbProjGemv:
+      return "q_b_proj (GEMV)";
     case Step::kAbsorb:
       return "absorb + cache write (head_gemv)";
     case Step::kIndexerProject:
@@ -82,6 +90,8 @@ const char* step_name(Step step, bool projections_cublaslt) {
       return "value_up (cuBLAS bmm)";
     case Step::kOProj:
       return "o_proj (cuBLASLt)";
+    case Step::kOProjGemv:
+      return "o_proj (GEMV)";
     case Step::kStockIndexerSelect:
       return "indexer select (CUB sort baseline)";
     case Step::kStockCacheWrite:
@@ -186,11 +196,13 @@ std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sum
   return counts;
 }
 
+std::set<int> dsa_stage_measured_projection_gemv_tokens() { return {1, 2, 4}; }
+
 struct DsaAttentionStage::State {
   DsaLayerConfig config;
   DsaLayerWeights w;
   DsaStagePlan plan;
-  std::set<int> value_up_tokens;
+  std::set<int> value_up_tokens, projection_gemv_tokens;
   IndexerPlan indexer_plan;
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
 
@@ -235,17 +247,20 @@ struct DsaAttentionStage::State {
       list.add(Step::kIndexerPrepare);
       list.add(select);
     };
-    list.add(Step::kQkvAProj);
+    // qkv_a_proj is the same kernel in both paths: their KV cache bytes and
+    // the indexer's inputs must agree bit for bit.
+    list.add(gemv_for(m, D) ? Step::kQkvAProjGemv : Step::kQkvAProj);
     list.add(Step::kNorm);
     if (path == DsaPath::kFused) {
       // With the overlap the indexer's lane is issued first: its select is
       // the longer chain, so its kernels should take the SMs first.
       if (plan.overlap_indexer) add_rows(Step::kIndexerSelect);
-      list.add(Step::kQbProj);
+      list.add(gemv_for(m, Q) ? Step::kQbProjGemv : Step::kQbProj);
       list.add(Step::kAbsorb);
       if (!plan.overlap_indexer) add_rows(Step::kIndexerSelect);
       list.add(Step::kAttention);
       list.add(value_up_tokens.count(static_cast<int>(m)) > 0 ? Step::kValueUpGemv : Step::kValueUpBmm);
+      list.add(gemv_for(m, H * V) ? Step::kOProjGemv : Step::kOProj);
     } else {
       list.add(Step::kQbProj);
       add_rows(plan.stock_select_fused ? Step::kIndexerSelect : Step::kStockIndexerSelect);
@@ -255,9 +270,15 @@ struct DsaAttentionStage::State {
       list.add(Step::kStockCounterMemset);
       list.add(Step::kAttention);
       list.add(Step::kValueUpBmm);
+      list.add(Step::kOProj);
     }
-    list.add(Step::kOProj);
     return list;
+  }
+
+  // A projection of m tokens over k columns as linear_gemv: m in the plan's
+  // set and within the kernel's shared-memory rule.
+  bool gemv_for(int64_t m, int64_t k) const {
+    return projection_gemv_tokens.count(static_cast<int>(m)) > 0 && linear_gemv_supports(m, k);
   }
 
   Status check_step(const DsaStepArgs& a) const {
@@ -345,8 +366,12 @@ struct DsaAttentionStage::State {
       case Step::kNorm:
         return qkv_rmsnorm(bf16(qkv, {m, Q + L}), w.q_a_norm, w.kv_a_norm, config.rms_norm_eps, bf16(q_c, {m, Q}),
                            bf16(kv_c, {m, L}), stream);
+      case Step::kQkvAProjGemv:
+        return linear_gemv(LinearGemvArgs{a.hidden, w.fused_qkv_a_proj, bf16(qkv, {m, Q + L})}, stream);
       case Step::kQbProj:
         return linear.run("q_b_proj", bf16(q_c, {m, Q}), w.q_b_proj, q.get(), H * P, CUDA_R_16BF, stream);
+      case Step::kQbProjGemv:
+        return linear_gemv(LinearGemvArgs{bf16(q_c, {m, Q}), w.q_b_proj, bf16(q, {m, H * P})}, stream);
       case Step::kAbsorb: {
         const KvCacheWrite write = cache_write(a, m);
         HeadGemvArgs g;
@@ -425,6 +450,8 @@ struct DsaAttentionStage::State {
       case Step::kOProj:
         return linear.run("o_proj", bf16(heads, {m, H * V}), w.o_proj, a.out.data, m > 1 ? a.out.stride(0) : D,
                           CUDA_R_16BF, stream);
+      case Step::kOProjGemv:
+        return linear_gemv(LinearGemvArgs{bf16(heads, {m, H * V}), w.o_proj, a.out}, stream);
       case Step::kStockCacheWrite:
         return stock_concat_and_cache_mla(cache_write(a, m), stream);
       case Step::kStockAbsorbBmm:
@@ -497,12 +524,14 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
         invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens), std::to_string(plan.max_tokens))
             .message());
   }
-  if (plan.value_up_tokens) {
-    for (int m : *plan.value_up_tokens) {
+  for (const auto& [set, name] : {std::pair{&plan.value_up_tokens, "plan.value_up_tokens"},
+                                  std::pair{&plan.projection_gemv_tokens, "plan.projection_gemv_tokens"}}) {
+    if (!*set) continue;
+    for (int m : **set) {
       if (m < 1 || m > kDsaStageMaxTokens) {
-        views->push_back(invalid_argument("plan.value_up_tokens",
-                                          "token counts in 1.." + std::to_string(kDsaStageMaxTokens), std::to_string(m))
-                             .message());
+        views->push_back(
+            invalid_argument(name, "token counts in 1.." + std::to_string(kDsaStageMaxTokens), std::to_string(m))
+                .message());
       }
     }
   }
@@ -590,6 +619,8 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   s.plan = plan;
   s.value_up_tokens = plan.value_up_tokens ? *plan.value_up_tokens
                                            : dsa_stage_measured_value_up_tokens(config.num_heads, plan.head_gemv_sums);
+  s.projection_gemv_tokens =
+      plan.projection_gemv_tokens ? *plan.projection_gemv_tokens : dsa_stage_measured_projection_gemv_tokens();
   s.indexer_plan = indexer_plan;
   s.H = config.num_heads;
   s.D = config.hidden_size;
@@ -673,10 +704,15 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
 DsaStageIntermediates DsaAttentionStage::intermediates(int64_t m) const {
   const State& s = *state_;
   DsaStageIntermediates v;
+  v.qkv = s.bf16(s.qkv, {m, s.Q + s.L});
   v.q_c = s.bf16(s.q_c, {m, s.Q});
   v.kv_c = s.bf16(s.kv_c, {m, s.L});
   v.q = s.bf16(s.q, {m, s.H, s.P});
   v.q_fp8 = make_tensor(s.q_fp8.get(), DType::kFP8E4M3, {m, s.H, s.L});
+  v.index_q = s.bf16(s.index_q, {m, kIndexerHeads, kIndexerDim});
+  v.index_k = s.bf16(s.index_k, {m, kIndexerDim});
+  v.head_weights = make_tensor(s.head_weights.get(), DType::kF32, {m, kIndexerHeads});
+  v.gate = s.bf16(s.gate, {m, kIndexerDim});
   v.topk_positions = make_tensor(s.topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
   v.slots = make_tensor(s.slots.get(), DType::kI32, {m, kIndexerRowWidth});
   v.latent = s.bf16(s.latent, {m, s.H, s.L});

@@ -6,7 +6,8 @@
 // path alone ("fused step: <name>", "stock step: <name>"); both rows with
 // the fused select in the stock path too (`*_same_select`: the CUB-sort
 // baseline alone takes 84-109 us) and against the fused path with the
-// indexer on the caller's stream (`*_overlap`: what its own stream saves);
+// indexer on the caller's stream (`*_overlap`: what its own stream saves)
+// and with cuBLASLt projections (`whole_stage_gemv_projections`);
 // and both rows again with the caller's top-k rows in both paths
 // (`*_caller_topk`: the indexer does not run, only the remap). Cold L2: as many stages as it takes for their
 // weight copies to be twice the L2, replayed in turn; each request's KV rows
@@ -19,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -225,16 +227,19 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
     for (int c = 1; c < copies; ++c) DSA_RETURN_IF_ERROR(weights[c].make(H, 0x7374 + tp + 100 * c, ctx.stream));
     DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
     // `stages`: the default plan. `variants`: the fused path with the indexer
-    // on the caller's stream (no overlap), the stock path with the fused select.
-    DsaStagePlan variant_plan = plan;
+    // on the caller's stream (no overlap), the stock path with the fused
+    // select. `cublaslt`: every projection through cuBLASLt.
+    DsaStagePlan variant_plan = plan, cublaslt_plan = plan;
     variant_plan.overlap_indexer = false;
     variant_plan.stock_select_fused = true;
-    std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies), variants(copies);
+    cublaslt_plan.projection_gemv_tokens = std::set<int>{};
+    std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies), variants(copies), cublaslt(copies);
     DsaLayerConfig config;
     DSA_RETURN_IF_ERROR(glm5next(tp, &config));
     for (int c = 0; c < copies; ++c) {
       DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, plan, &stages[c]));
       DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, variant_plan, &variants[c]));
+      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, cublaslt_plan, &cublaslt[c]));
     }
     for (int64_t context : {int64_t{32768}, int64_t{131072}}) {
       for (int m : {1, 2, 4, 8, 16}) {
@@ -266,9 +271,10 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
           DSA_RETURN_IF_ERROR(timed_on(set, step, DsaPath::kFused, 1, fused.size() - 2, &t->fused_half));
           return timed_on(set, step, DsaPath::kStock, 1, stock.size() - 2, &t->stock_half);
         };
-        PathTimes t, v;
+        PathTimes t, v, c;
         DSA_RETURN_IF_ERROR(time_paths(stages, args, &t));
         DSA_RETURN_IF_ERROR(time_paths(variants, args, &v));
+        DSA_RETURN_IF_ERROR(time_paths(cublaslt, args, &c));
         const std::vector<std::pair<std::string, double>> params = {
             {"H", double(H)}, {"m", double(m)}, {"context", double(context)}};
         const std::string value_up = fused_steps[fused_steps.size() - 2];
@@ -292,6 +298,10 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
                               value_up});
         report.add(bench::Row{"whole_stage_overlap", params, t.fused_whole,
                               "forward with the indexer on the caller's stream", v.fused_whole, 0, 0, value_up});
+        // What linear_gemv saves: the same fused path with every projection through cuBLASLt.
+        report.add(bench::Row{"whole_stage_gemv_projections", params, t.fused_whole,
+                              "forward with cuBLASLt projections", c.fused_whole, 0, 0,
+                              fused_steps.front() + ", " + fused_steps.back()});
         // The same step with the caller's top-k rows (MTP draft steps 1+; also the stage without the indexer,
         // whose fused select against the CUB-sort baseline is most of the ratios above): the rows the stock
         // select chose, remapped by both paths.
