@@ -6,6 +6,7 @@
 #include <system_error>
 
 #include "dsa_decode/presets.h"
+#include "dsa_decode/stage.h"
 
 namespace dsa::cli {
 
@@ -14,15 +15,14 @@ namespace {
 bool value_up_measured(int heads) { return heads == 64 || heads == 8; }
 }  // namespace
 
+// The stage's own sets (its plan's default value_up_tokens), so that what the
+// program says and what the stage runs cannot drift apart.
 std::set<int> measured_value_up_tokens(int heads) {
-  if (heads == 8) return {1, 2, 3, 4};
-  return {1, 2};  // 64 heads, and (options.h says why) the head counts not measured
+  return dsa_stage_measured_value_up_tokens(heads, HeadGemvSums::kSeedOrder);
 }
 
 std::set<int> measured_value_up_tokens_tensor_cores(int heads) {
-  std::set<int> counts;
-  for (int m = 1; m <= (heads == 8 ? kMaxDecodeTokens : 8); ++m) counts.insert(m);
-  return counts;
+  return dsa_stage_measured_value_up_tokens(heads, HeadGemvSums::kTensorCores);
 }
 
 std::string token_list(const std::set<int>& counts) {
