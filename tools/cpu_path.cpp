@@ -158,20 +158,22 @@ int run_cpu_path(const StepShape& shape, const Options& options) {
     cache = make_cache(s, weights, seed, first_block, s.cache_blocks() - first_block);
   });
   const double weight_mb =
-      2e-6 * double(weights.q_b_proj.size() + weights.w_uk_t.size() + weights.w_uv.size() + weights.index_wq_b.size() +
-                    weights.index_wk.size() + weights.index_weights_proj.size() + weights.index_compress_gate.size());
+      2e-6 * double(weights.fused_qkv_a_proj.size() + weights.q_b_proj.size() + weights.w_uk_t.size() +
+                    weights.w_uv.size() + weights.o_proj.size() + weights.index_wq_b.size() + weights.index_wk.size() +
+                    weights.index_weights_proj.size() + weights.index_compress_gate.size());
   std::printf(
-      "synthetic layer (seed %llu): %.1f MB of BF16 weights (q_b_proj [%lld, %d], W_UK_T [%d, %d, %d], "
-      "W_UV [%d, %d, %d]; the indexer's wq_b [%d, %d], wk and compress_gate [%d, %d], weights_proj [%d, %d]), "
-      "q_scale = k_scale = %.6g, eps %g; made in %.0f ms\n",
-      static_cast<unsigned long long>(seed), weight_mb, static_cast<long long>(s.q_width()), s.Q, s.H, s.P, s.L, s.H,
-      s.L, s.V, kIndexerHeads * kIndexerDim, s.Q, kIndexerDim, s.D, kIndexerHeads, s.D, weights.q_scale, weights.eps,
-      make_ms);
+      "synthetic layer (seed %llu): %.1f MB of BF16 weights (fused_qkv_a_proj [%d, %d], q_b_proj [%lld, %d], "
+      "W_UK_T [%d, %d, %d], W_UV [%d, %d, %d], o_proj [%d, %d]; the indexer's wq_b [%d, %d], wk and compress_gate "
+      "[%d, %d], weights_proj [%d, %d]), q_scale = k_scale = %.6g, eps %g, softmax scale %g; made in %.0f ms\n",
+      static_cast<unsigned long long>(seed), weight_mb, s.qkv_width(), s.D, static_cast<long long>(s.q_width()), s.Q,
+      s.H, s.P, s.L, s.H, s.L, s.V, s.D, s.H * s.V, kIndexerHeads * kIndexerDim, s.Q, kIndexerDim, s.D, kIndexerHeads,
+      s.D, weights.q_scale, weights.eps, s.softmax_scale, make_ms);
   std::printf(
-      "attention: over the glm5next indexer's slots (its CPU reference: prefill of the context from drawn "
-      "rows; the step's projections of q_c and synthetic hidden states [%d, %d], float64 sums stored as "
-      "the GPU stores them; prepare, select), float64 reference\n",
-      s.m, s.D);
+      "the stage's step from hidden states [%d, %d] to o_proj's output [%d, %d]; attention over the glm5next "
+      "indexer's slots (its CPU reference: prefill of the context from drawn rows; the step's projections of "
+      "q_c and the hidden states, float64 sums stored as the GPU stores them; prepare, select), float64 "
+      "reference\n",
+      s.m, s.D, s.m, s.D);
   std::printf("%s\n", s.describe_indexer().c_str());
   std::printf("KV cache [%lld blocks, %d, %d] FP8 e4m3, new tokens at slots %lld..%lld; the CPU holds blocks "
               "%lld..%lld only\n\n",
@@ -189,14 +191,15 @@ int run_cpu_path(const StepShape& shape, const Options& options) {
   const std::string prefilled_pool = first_pool(s, indexer);
 
   NormOutputs normed;
-  std::vector<uint16_t> q, out;
+  std::vector<uint16_t> qkv, q, heads, out;
   IndexerProjections projections;
   reference::IndexerRowsHost rows;
   reference::SparseMlaResult attended;
   std::vector<uint8_t> q_fp8;
   int skipped_slots = 0;
   const HeadGemvTactic absorb = absorb_tactic(s), value_up = value_up_tactic(s);
-  const double norm_ms = timed_ms([&] { normed = reference_norm(s, weights, inputs.qkv); });
+  const double qkv_a_ms = timed_ms([&] { qkv = reference_qkv_a_proj(s, weights, inputs.hidden); });
+  const double norm_ms = timed_ms([&] { normed = reference_norm(s, weights, qkv); });
   const double q_b_ms = timed_ms([&] { q = reference_q_b_proj(s, weights, normed.q_c); });
   const double absorb_ms = timed_ms([&] { q_fp8 = reference_absorb(s, weights, q, absorb); });
   const double cache_ms =
@@ -207,11 +210,14 @@ int run_cpu_path(const StepShape& shape, const Options& options) {
       [&] { status = reference_indexer_step(s, weights, projections, inputs, &indexer, &rows, &step_errors); });
   if (!status.ok()) return failed(status);
   const double attention_ms = timed_ms([&] { attended = attend(s, weights, seed, cache, q_fp8, rows.slots); });
-  const double value_up_ms = timed_ms([&] { out = reference_value_up(s, weights, attended.latent, value_up); });
+  const double value_up_ms = timed_ms([&] { heads = reference_value_up(s, weights, attended.latent, value_up); });
+  const double o_proj_ms = timed_ms([&] { out = reference_o_proj(s, weights, heads); });
 
   std::printf("%-12s %-30s %9s  %-16s  %s\n", "kernel", "output", "CPU ms", "fingerprint", "first values (token 0)");
   print_row("prefill", "indexer K cache " + shape_text({s.cache_blocks(), kIndexerPageBytes}), prefill_ms,
             prefilled_fingerprint, prefilled_pool);
+  print_row("qkv_a_proj", "qkv " + shape_text({s.m, s.qkv_width()}) + " BF16", qkv_a_ms, fingerprint(qkv),
+            first_bf16(qkv));
   print_row("norm", "q_c " + shape_text({s.m, s.Q}) + " BF16", norm_ms, fingerprint(normed.q_c),
             first_bf16(normed.q_c));
   print_row("", "kv_c " + shape_text({s.m, s.L}) + " BF16", -1, fingerprint(normed.kv_c), first_bf16(normed.kv_c));
@@ -235,8 +241,9 @@ int run_cpu_path(const StepShape& shape, const Options& options) {
   print_row("attention", "latent " + shape_text({s.m, s.H, s.L}) + " BF16", attention_ms, fingerprint(attended.latent),
             first_bf16(attended.latent));
   print_row("", "lse " + shape_text({s.m, s.H}) + " f32", -1, fingerprint(attended.lse), first_f32(attended.lse));
-  print_row("value_up", "out " + shape_text({s.m, s.H, s.V}) + " BF16", value_up_ms, fingerprint(out),
-            first_bf16(out));
+  print_row("value_up", "heads " + shape_text({s.m, s.H, s.V}) + " BF16", value_up_ms, fingerprint(heads),
+            first_bf16(heads));
+  print_row("o_proj", "out " + shape_text({s.m, s.D}) + " BF16", o_proj_ms, fingerprint(out), first_bf16(out));
   std::printf("\nhead_gemv tactics (tile/rows per thread): absorb %d/%d, value_up %d/%d; q_fp8 saturated at +-448: "
               "%zu of %zu; slots outside the cache: %d; indexer block table entries out of range: %lld\n",
               absorb.tile, absorb.rows_per_thread, value_up.tile, value_up.rows_per_thread,
@@ -246,7 +253,8 @@ int run_cpu_path(const StepShape& shape, const Options& options) {
   std::printf("value_up: the GPU's fused path would run %s; %s (the CPU sums in head_gemv's order)\n",
               value_up_kernel_name(value_up_choice.kernel), value_up_choice.reason.c_str());
   std::printf("CPU reference chain: %.0f ms (the indexer's prefill, %.0f ms, not counted)\n",
-              norm_ms + q_b_ms + absorb_ms + cache_ms + project_ms + indexer_ms + attention_ms + value_up_ms,
+              qkv_a_ms + norm_ms + q_b_ms + absorb_ms + cache_ms + project_ms + indexer_ms + attention_ms +
+                  value_up_ms + o_proj_ms,
               prefill_ms);
   return kExitOk;
 }

@@ -1,6 +1,7 @@
-// The CPU path of dsa-decode: the reference chain at the preset, for machines
-// without the GPU (or with --cpu). It shows what the GPU path computes and
-// checks against; it times nothing of the GPU's.
+// The CPU path of dsa-decode: the reference chain of the stage's step at the
+// preset (hidden states in, o_proj's output out), for machines without the
+// GPU (or with --cpu). It shows what the GPU path computes and checks
+// against; it times nothing of the GPU's.
 #pragma once
 
 #include "options.h"

@@ -1,14 +1,10 @@
 // dsa-decode: the project's main job. Builds a synthetic DSA layer at a model
-// preset, runs one decode step of its attention half through the fused and
-// the stock path on the GPU, checks them against each other and the CPU
-// reference, and times every kernel and both chains. Without a usable GPU
-// (or with --cpu) it runs the CPU reference chain at the preset.
-//
-// Today's chain runs the glm5next indexer (its projections of q_c and the
-// hidden states, prepare, then select: the top-k slots) and the sparse
-// attention over them between the absorb and the value-up. The hidden states
-// are synthetic and qkv stands in for fused_qkv_a_proj's output of them; the
-// stage (issue 6) puts the remaining projections around the chain.
+// preset and the library's stage over it (DsaAttentionStage,
+// include/dsa_decode/stage.h), runs one decode step, hidden states in and
+// o_proj's output out, through the stage's fused and stock path on the GPU,
+// checks them against each other and the CPU reference, and times every step,
+// the attention half and the whole stage. Without a usable GPU (or with
+// --cpu) it runs the CPU reference of the same step at the preset.
 #include <cstdio>
 #include <string>
 

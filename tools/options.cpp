@@ -6,6 +6,7 @@
 #include <system_error>
 
 #include "dsa_decode/presets.h"
+#include "dsa_decode/stage.h"
 
 namespace dsa::cli {
 
@@ -14,15 +15,14 @@ namespace {
 bool value_up_measured(int heads) { return heads == 64 || heads == 8; }
 }  // namespace
 
+// The stage's own sets (its plan's default value_up_tokens), so that what the
+// program says and what the stage runs cannot drift apart.
 std::set<int> measured_value_up_tokens(int heads) {
-  if (heads == 8) return {1, 2, 3, 4};
-  return {1, 2};  // 64 heads, and (options.h says why) the head counts not measured
+  return dsa_stage_measured_value_up_tokens(heads, HeadGemvSums::kSeedOrder);
 }
 
 std::set<int> measured_value_up_tokens_tensor_cores(int heads) {
-  std::set<int> counts;
-  for (int m = 1; m <= (heads == 8 ? kMaxDecodeTokens : 8); ++m) counts.insert(m);
-  return counts;
+  return dsa_stage_measured_value_up_tokens(heads, HeadGemvSums::kTensorCores);
 }
 
 std::string token_list(const std::set<int>& counts) {
@@ -56,10 +56,12 @@ void print_usage(FILE* to) {
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
                "                  [--value-up-tokens LIST] [--head-gemv-sums SUMS] [--indexer-projections KERNEL]\n"
                "                  [--indexer-logits DOTS] [--attention-splits PLAN] [--json FILE] [--cpu] [--help]\n"
-               "Runs one decode step of a DSA layer's attention half on a synthetic layer, through the\n"
-               "fused path and the stock path, checks they agree with each other and with the CPU\n"
-               "reference, and times each kernel and each chain (CUDA-graph replay, cold L2).\n"
-               "Without an sm_90 GPU (or with --cpu) it runs the CPU reference chain instead.\n"
+               "Runs one decode step of a DSA layer's attention half (hidden states in, o_proj's output\n"
+               "out) on a synthetic layer through the library's stage (DsaAttentionStage), its fused\n"
+               "path and its stock path, checks they agree with each other and with the CPU reference,\n"
+               "and times each step, the attention half and the whole stage (CUDA-graph replay, cold L2:\n"
+               "one stage per weight copy, rotated).\n"
+               "Without an sm_90 GPU (or with --cpu) it runs the CPU reference of the same step instead.\n"
                "  --preset NAME  model preset: %s (default glm5next; the RoPE presets\n"
                "                 glm5 and dsv32 are not supported yet)\n"
                "  --tp N         tensor-parallel degree: the layer of one rank has heads / N heads (default 1)\n"
@@ -69,7 +71,8 @@ void print_usage(FILE* to) {
                "  --steps N      graph replays per timing, 1..%d (default 200)\n"
                "  --seed N       seed of the synthetic weights and inputs (default 1)\n"
                "  --value-up-tokens LIST\n"
-               "                 token counts whose value-up the fused path runs as head_gemv, cuBLAS bmm\n"
+               "                 token counts whose value-up the fused path runs as head_gemv (the stage plan's\n"
+               "                 value_up_tokens), cuBLAS bmm\n"
                "                 otherwise: comma-separated counts 1..%d (e.g. 1,2), none, or auto (default):\n"
                "                 where head_gemv was faster on the H200, %s at 64 heads, %s at 8 heads,\n"
                "                 %s at other head counts (not measured); with --head-gemv-sums\n"

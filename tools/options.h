@@ -18,8 +18,9 @@ struct Options {
   uint64_t seed = 1;             // of the synthetic layer
   std::string json_path;         // empty: no JSON report
   // --value-up-tokens: the token counts whose value-up the fused path runs as
-  // head_gemv, cuBLAS's bmm otherwise (the seed's value_up_tokens). Unset:
-  // auto, measured_value_up_tokens() of the step's head count.
+  // head_gemv, cuBLAS's bmm otherwise (the stage plan's value_up_tokens, as
+  // the seed's). Unset: auto, the stage's measured sets
+  // (measured_value_up_tokens() of the step's head count).
   std::optional<std::set<int>> value_up_tokens;
   // --indexer-projections: the kernel of the indexer's four projections, a
   // step both paths share ("gemv": indexer_project_gemv; "cublaslt":
@@ -41,14 +42,16 @@ struct Options {
 };
 
 // The largest context: its KV cache (512 bytes a token at glm5next) is held
-// twice on the GPU (fused and stock path) and three times on the host (checks).
+// twice on the GPU (one per path) and up to six times on the host (the
+// initial cache, each run's read-back and the checks' expected cache).
 inline constexpr int64_t kMaxContext = int64_t{1} << 20;
 inline constexpr int kMaxSteps = 10000;
 inline constexpr int kMaxTp = 1024;  // the preset's head count must also divide by it
 
 void print_usage(FILE* to);
 
-// The token counts at which value-up's head_gemv (seed order) beat the cuBLAS bmm on the
+// The stage's measured sets (dsa_stage_measured_value_up_tokens), which are:
+// the token counts at which value-up's head_gemv (seed order) beat the cuBLAS bmm on the
 // H200 (bench/results/head_gemv_2026-11-30_54c2121.json, measured at m = 1, 2,
 // 4, 8, 16): at 64 heads m = 1, 2 (1.10x, 1.12x; 0.90x at m = 4); at 8 heads
 // m = 1, 2, 4 (1.54x, 1.47x, 1.18x; 0.81x at m = 8) and m = 3 between them

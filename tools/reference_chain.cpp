@@ -9,8 +9,6 @@
 
 namespace dsa::cli {
 
-float attention_softmax_scale(const StepShape& s) { return 1.0f / std::sqrt(static_cast<float>(s.P)); }
-
 reference::SparseMlaResult reference_attention(const StepShape& s, const HostWeights& w,
                                                const std::vector<uint8_t>& q_fp8, const std::vector<uint8_t>& cache,
                                                int64_t blocks, int64_t block_size, const std::vector<int32_t>& slots) {
@@ -30,7 +28,7 @@ reference::SparseMlaResult reference_attention(const StepShape& s, const HostWei
   a.top_k = kTopKWidth;
   a.q_scale = w.q_scale;
   a.k_scale = w.k_scale;
-  a.softmax_scale = attention_softmax_scale(s);
+  a.softmax_scale = s.softmax_scale;
   return reference::sparse_mla(a);
 }
 
@@ -46,28 +44,86 @@ NormOutputs reference_norm(const StepShape& s, const HostWeights& w, const std::
   return out;
 }
 
-std::vector<uint16_t> reference_q_b_proj(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q_c) {
-  // q_c transposed to [Q][kMaxDecodeTokens], zero-padded: the tokens' sums are
+namespace {
+
+// out [m, n] = in [m, k] x weight [n, k]^T, FP32 sums in k order, rounded to BF16.
+std::vector<uint16_t> linear_fp32(const std::vector<uint16_t>& in, int m, int k, const std::vector<uint16_t>& weight,
+                                  int64_t n) {
+  // `in` transposed to [k][kMaxDecodeTokens], zero-padded: the tokens' sums are
   // independent, so the innermost loop runs over them and vectorizes, while
   // each token's sum still goes through k in order.
-  std::vector<float> x(size_t(s.Q) * kMaxDecodeTokens, 0.0f);
-  for (int t = 0; t < s.m; ++t) {
-    for (int k = 0; k < s.Q; ++k) x[size_t(k) * kMaxDecodeTokens + t] = num::bf16_to_float(q_c[size_t(t) * s.Q + k]);
+  std::vector<float> x(size_t(k) * kMaxDecodeTokens, 0.0f);
+  for (int t = 0; t < m; ++t) {
+    for (int i = 0; i < k; ++i) x[size_t(i) * kMaxDecodeTokens + t] = num::bf16_to_float(in[size_t(t) * k + i]);
   }
-  const int64_t n_out = s.q_width();
-  std::vector<uint16_t> q(size_t(s.m) * n_out);
-  for (int64_t n = 0; n < n_out; ++n) {
-    const uint16_t* weight_row = &w.q_b_proj[size_t(n) * s.Q];
+  std::vector<uint16_t> out(size_t(m) * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* weight_row = &weight[size_t(j) * k];
     float acc[kMaxDecodeTokens] = {};
-    for (int k = 0; k < s.Q; ++k) {
-      const float weight = num::bf16_to_float(weight_row[k]);
-      const float* xk = &x[size_t(k) * kMaxDecodeTokens];
+    for (int i = 0; i < k; ++i) {
+      const float weight_value = num::bf16_to_float(weight_row[i]);
+      const float* xi = &x[size_t(i) * kMaxDecodeTokens];
       // A rounded product and a rounded sum: the build keeps them apart (-ffp-contract=off).
-      for (int t = 0; t < kMaxDecodeTokens; ++t) acc[t] += xk[t] * weight;
+      for (int t = 0; t < kMaxDecodeTokens; ++t) acc[t] += xi[t] * weight_value;
     }
-    for (int t = 0; t < s.m; ++t) q[size_t(t) * n_out + n] = num::float_to_bf16(acc[t]);
+    for (int t = 0; t < m; ++t) out[size_t(t) * n + j] = num::float_to_bf16(acc[t]);
   }
-  return q;
+  return out;
+}
+
+// RMSNorm of `size` float64 values of BF16-rounded `row`, as norm.h states it.
+void exact_rms_norm(const double* row, int size, const std::vector<uint16_t>& gamma, float eps, double* out) {
+  std::vector<double> x(size);
+  double squares = 0;
+  for (int i = 0; i < size; ++i) {
+    x[i] = num::bf16_to_float(num::float_to_bf16(static_cast<float>(row[i])));  // the GPU's qkv is BF16
+    squares += x[i] * x[i];
+  }
+  const double rrms = 1 / std::sqrt(squares / size + eps);
+  for (int i = 0; i < size; ++i) out[i] = x[i] * rrms * num::bf16_to_float(gamma[i]);
+}
+
+}  // namespace
+
+std::vector<uint16_t> reference_qkv_a_proj(const StepShape& s, const HostWeights& w,
+                                           const std::vector<uint16_t>& hidden) {
+  return linear_fp32(hidden, s.m, s.D, w.fused_qkv_a_proj, s.qkv_width());
+}
+
+std::vector<uint16_t> reference_q_b_proj(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q_c) {
+  return linear_fp32(q_c, s.m, s.Q, w.q_b_proj, s.q_width());
+}
+
+std::vector<uint16_t> reference_o_proj(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& heads) {
+  return linear_fp32(heads, s.m, s.H * s.V, w.o_proj, s.D);
+}
+
+std::vector<double> exact_linear(const std::vector<uint16_t>& in, int m, int k, const std::vector<uint16_t>& weight,
+                                 int64_t n) {
+  std::vector<double> out(size_t(m) * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint16_t* weight_row = &weight[size_t(j) * k];
+    for (int t = 0; t < m; ++t) {
+      const uint16_t* x = &in[size_t(t) * k];
+      double sum = 0;
+      for (int i = 0; i < k; ++i) sum += double{num::bf16_to_float(x[i])} * num::bf16_to_float(weight_row[i]);
+      out[size_t(t) * n + j] = sum;
+    }
+  }
+  return out;
+}
+
+ExactNormOutputs exact_qkv_a_proj_norm(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& hidden) {
+  const std::vector<double> qkv = exact_linear(hidden, s.m, s.D, w.fused_qkv_a_proj, s.qkv_width());
+  ExactNormOutputs out;
+  out.q_c.resize(size_t(s.m) * s.Q);
+  out.kv_c.resize(size_t(s.m) * s.L);
+  for (int t = 0; t < s.m; ++t) {
+    const double* row = &qkv[size_t(t) * s.qkv_width()];
+    exact_rms_norm(row, s.Q, w.q_norm_gamma, w.eps, &out.q_c[size_t(t) * s.Q]);
+    exact_rms_norm(row + s.Q, s.L, w.kv_norm_gamma, w.eps, &out.kv_c[size_t(t) * s.L]);
+  }
+  return out;
 }
 
 namespace {

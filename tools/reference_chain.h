@@ -1,10 +1,11 @@
-// The decode step's chain on the CPU, kernel by kernel, in the kernels' own
-// summation orders where they have a fixed one (src/*/..._reference.h):
-// norm -> q_b_proj -> absorb (FP8) + cache write -> indexer (prefill of the
-// context; the step's projections, float64 sums stored as the GPU stores
-// them; prepare and select: bit-exact) -> sparse attention (float64) ->
-// value-up. The CPU path runs it whole; the GPU path runs each piece on the
-// GPU's own inputs to check the kernel that made the same output.
+// The decode step of the library's stage on the CPU, kernel by kernel, in
+// the kernels' own summation orders where they have a fixed one
+// (src/*/..._reference.h): qkv_a_proj -> norm -> q_b_proj -> absorb (FP8) +
+// cache write -> indexer (prefill of the context; the step's projections,
+// float64 sums stored as the GPU stores them; prepare and select: bit-exact)
+// -> sparse attention (float64) -> value-up -> o_proj. The CPU path runs it
+// whole; the GPU path runs each piece on the GPU's own inputs to check the
+// kernel that made the same output.
 #pragma once
 
 #include <cstdint>
@@ -32,10 +33,29 @@ HeadGemvTactic value_up_tactic(const StepShape& s);
 // Both RMSNorms of qkv [m, Q + L].
 NormOutputs reference_norm(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& qkv);
 
-// q [m, H*P] = q_c [m, Q] x q_b_proj^T, FP32 products and sums in k order,
-// rounded to BF16. cuBLAS sums in another order, so this agrees with the
-// GPU's GEMM to BF16 rounding, not bitwise.
+// The stage's three cuBLASLt products, nn.Linear's out [m, n] = in [m, k] x
+// weight [n, k]^T with FP32 products and sums in k order, rounded to BF16.
+// cuBLASLt sums in another order, so these agree with the GPU's GEMMs to BF16
+// rounding, not bitwise.
+// qkv [m, Q + L] = hidden [m, D] x fused_qkv_a_proj^T.
+std::vector<uint16_t> reference_qkv_a_proj(const StepShape& s, const HostWeights& w,
+                                           const std::vector<uint16_t>& hidden);
+// q [m, H*P] = q_c [m, Q] x q_b_proj^T.
 std::vector<uint16_t> reference_q_b_proj(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q_c);
+// out [m, D] = heads [m, H*V] x o_proj^T.
+std::vector<uint16_t> reference_o_proj(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& heads);
+
+// A float64 product out [m, n] = in [m, k] x weight [n, k]^T of BF16 values:
+// what the GPU checks hold a cuBLASLt product to (relative Frobenius error).
+std::vector<double> exact_linear(const std::vector<uint16_t>& in, int m, int k, const std::vector<uint16_t>& weight,
+                                 int64_t n);
+
+// q_c [m, Q] and kv_c [m, L] in float64: qkv_a_proj of `hidden` [m, D], then
+// both RMSNorms (norm.h's formula) of the BF16-rounded qkv.
+struct ExactNormOutputs {
+  std::vector<double> q_c, kv_c;
+};
+ExactNormOutputs exact_qkv_a_proj_norm(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& hidden);
 
 // q_fp8 [m, H, L] = static FP8 quant of q [m, H, P] x W_UK_T, head_gemv's order.
 std::vector<uint8_t> reference_absorb(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
@@ -49,10 +69,6 @@ reference::HeadGemvDeviation absorb_deviation(const StepShape& s, const HostWeig
 reference::HeadGemvDeviation value_up_deviation(const StepShape& s, const HostWeights& w,
                                                 const std::vector<uint16_t>& latent, const std::vector<uint16_t>& out);
 
-// The attention's softmax scale: qk_nope^-0.5 (the absorbed query keeps the
-// scale of the per-head q.k product).
-float attention_softmax_scale(const StepShape& s);
-
 // latent [m, H, L] BF16 and lse [m, H] of q_fp8 [m, H, L] attending over
 // `cache` [blocks, block_size, L] e4m3 at `slots` [m, kTopKWidth] (-1 = none):
 // the float64 reference every sparse MLA kernel is checked against.
@@ -60,7 +76,7 @@ reference::SparseMlaResult reference_attention(const StepShape& s, const HostWei
                                                const std::vector<uint8_t>& q_fp8, const std::vector<uint8_t>& cache,
                                                int64_t blocks, int64_t block_size, const std::vector<int32_t>& slots);
 
-// out [m, H, V] BF16 = latent [m, H, L] x W_UV, head_gemv's order.
+// heads [m, H, V] BF16 = latent [m, H, L] x W_UV, head_gemv's order.
 std::vector<uint16_t> reference_value_up(const StepShape& s, const HostWeights& w,
                                          const std::vector<uint16_t>& latent, HeadGemvTactic tactic);
 

@@ -92,9 +92,11 @@ Status write_json(const RunReport& r, const std::string& path) {
        << ",\n \"indexer_logits\": " << json_string(r.indexer_logits)
        << ",\n \"head_gemv_sums\": " << json_string(r.head_gemv_sums)
        << ",\n \"attention_splits\": " << json_string(r.attention_splits)
-       << ",\n \"note\": \"attention over the glm5next indexer's slots (indexer_project of q_c and synthetic "
-          "hidden states, indexer_prepare, indexer_select; stock: indexer_select_baseline, a CUB sort), its state "
-          "prefilled with drawn rows of the context; the stock chain runs the same sparse_mla after a counter memset "
+       << ",\n \"note\": \"the library's stage (DsaAttentionStage): forward and stock_forward from hidden states to "
+          "o_proj's output, one stage per weight copy; chain and stock_chain: the attention half (norm .. value_up), "
+          "whole_stage and stock_whole_stage: every step; attention over the glm5next indexer's slots (projections "
+          "of q_c and the hidden states, prepare, select; stock: indexer_select_baseline, a CUB sort), its state "
+          "prefilled with drawn rows of the context; the stock path runs the same sparse_mla after a counter memset "
           "(no stock Hopper kernel takes this cache format)\",\n \"checks\": [";
   for (size_t i = 0; i < r.checks.size(); ++i) {
     const Check& c = r.checks[i];

@@ -17,7 +17,7 @@ struct Check {
   std::string detail;
 };
 
-// One timed CUDA graph: a kernel alone, or a chain of kernels.
+// One timed CUDA graph: a step of the stage alone, or a run of its steps.
 struct Timing {
   std::string name;   // JSON row name, e.g. "absorb"
   std::string label;  // table text, e.g. "absorb + cache write (head_gemv)"
@@ -33,7 +33,7 @@ struct RunReport {
   double copy_GBps = 0;
   StepShape shape{};
   int steps = 0;
-  int weight_copies = 0;
+  int weight_copies = 0;        // one stage each
   std::string value_up_kernel;  // what the fused path's value-up ran: "head_gemv" or "cuBLAS bmm"
   std::string value_up_reason;  // why (choose_value_up)
   std::string indexer_projections_kernel;  // both paths': "indexer_project_gemv" or "indexer_project"

@@ -27,7 +27,6 @@ enum class Tensor : uint64_t {
   kQBProj = 3,
   kWUkT = 4,
   kWUv = 5,
-  kQkv = 6,
   kCachedLatent = 8,
   kIndexK = 11,
   kIndexGate = 13,
@@ -40,6 +39,8 @@ enum class Tensor : uint64_t {
   kIndexWk = 20,
   kIndexWeightsProj = 21,
   kIndexCompressGate = 22,
+  kFusedQkvAProj = 23,
+  kOProj = 24,
 };
 
 // Hidden states after a layer's input RMSNorm have unit scale but a few
@@ -120,21 +121,25 @@ std::string StepShape::describe_indexer() const {
          "] bytes";
 }
 
-IndexerPlan StepShape::indexer_plan() const {
-  IndexerPlan plan;
+DsaStagePlan StepShape::stage_plan() const {
+  DsaStagePlan plan;
   plan.max_tokens = m;
   plan.max_context = context + m;
   plan.ring = kIndexerRing;
   plan.block_size = kCacheBlockSize;
-  plan.logits = indexer_logits;
+  plan.head_gemv_sums = head_gemv_sums;
+  plan.indexer_logits = indexer_logits;
+  plan.attention_splits = attention_splits;
   return plan;
 }
 
+IndexerPlan StepShape::indexer_plan() const { return dsa_stage_indexer_plan(stage_plan()); }
+
 StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context) {
-  return StepShape{per_rank.name,    per_rank.tp,     per_rank.hidden,
-                   per_rank.heads,   per_rank.q_lora, per_rank.kv_lora,
-                   per_rank.qk_nope, per_rank.v_head, m,
-                   context};
+  return StepShape{per_rank.name,    per_rank.tp,           per_rank.hidden,
+                   per_rank.heads,   per_rank.q_lora,       per_rank.kv_lora,
+                   per_rank.qk_nope, per_rank.v_head,       m,
+                   context,          per_rank.softmax_scale};
 }
 
 std::vector<int64_t> HostCache::window_slots(const std::vector<int64_t>& slots) const {
@@ -145,13 +150,16 @@ std::vector<int64_t> HostCache::window_slots(const std::vector<int64_t>& slots) 
 
 HostWeights make_weights(const StepShape& s, uint64_t seed) {
   HostWeights w;
+  // std 1/sqrt(fan-in): each product keeps its input's unit scale.
+  w.fused_qkv_a_proj =
+      normal_bf16(size_t(s.qkv_width()) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kFusedQkvAProj));
   // Norm gammas near 1, as trained RMSNorm weights mostly are.
   w.q_norm_gamma = normal_bf16(s.Q, 1.0f, 0.05f, ElementHash(seed, Tensor::kQNormGamma));
   w.kv_norm_gamma = normal_bf16(s.L, 1.0f, 0.05f, ElementHash(seed, Tensor::kKvNormGamma));
-  // std 1/sqrt(fan-in): each product keeps its input's unit scale.
   w.q_b_proj = normal_bf16(size_t(s.q_width()) * s.Q, 0.0f, inverse_sqrt(s.Q), ElementHash(seed, Tensor::kQBProj));
   w.w_uk_t = normal_bf16(size_t(s.H) * s.P * s.L, 0.0f, inverse_sqrt(s.P), ElementHash(seed, Tensor::kWUkT));
   w.w_uv = normal_bf16(size_t(s.H) * s.L * s.V, 0.0f, inverse_sqrt(s.L), ElementHash(seed, Tensor::kWUv));
+  w.o_proj = normal_bf16(size_t(s.D) * s.H * s.V, 0.0f, inverse_sqrt(s.H * s.V), ElementHash(seed, Tensor::kOProj));
   w.q_scale = kCalibratedAmax / num::kFp8E4M3Max;
   w.k_scale = kCalibratedAmax / num::kFp8E4M3Max;
   w.eps = kNormEps;
@@ -176,8 +184,6 @@ HostWeights make_weights(const StepShape& s, uint64_t seed) {
 
 HostStepInputs make_step_inputs(const StepShape& s, uint64_t seed) {
   HostStepInputs in;
-  // Not unit scale: the norm has something to normalize.
-  in.qkv = normal_bf16(size_t(s.m) * s.qkv_width(), 0.0f, 3.0f, ElementHash(seed, Tensor::kQkv));
   in.hidden = normal_bf16(size_t(s.m) * s.D, 0.0f, 1.0f, ElementHash(seed, Tensor::kHidden));
   const ElementHash outlier_hash(seed, Tensor::kHiddenOutlierChannels);
   std::set<size_t> outliers;  // distinct: no channel scaled twice

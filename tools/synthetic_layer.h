@@ -1,6 +1,8 @@
 // The synthetic DSA layer dsa-decode runs: one rank's weights at a preset's
-// shapes, one decode step's inputs, the layer's FP8 KV cache and the
-// indexer's rows of the cached tokens, all drawn from a seed on the host.
+// shapes (every weight the library's stage takes, include/dsa_decode/stage.h),
+// one decode step's inputs (the hidden states and where the step's tokens
+// go), the layer's FP8 KV cache and the indexer's rows of the cached tokens,
+// all drawn from a seed on the host.
 // Every element is a hash of (seed, tensor, index), so any part of a tensor (a
 // window of the cache) can be made on its own and the CPU and GPU paths see
 // the same values.
@@ -14,6 +16,7 @@
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/presets.h"
 #include "dsa_decode/sparse_mla.h"
+#include "dsa_decode/stage.h"
 
 namespace dsa::cli {
 
@@ -51,7 +54,7 @@ inline constexpr int64_t kIndexerPageBytes = int64_t{kCacheBlockSize} / kIndexer
 struct StepShape {
   std::string preset;
   int tp;
-  int D;  // hidden: the width of the hidden states the indexer's projections take
+  int D;  // hidden: the width of the hidden states (the stage's input and output rows)
   int H;  // heads on this rank
   int Q;  // q_lora
   int L;  // kv_lora: latent width, KV-cache entry width
@@ -59,6 +62,7 @@ struct StepShape {
   int V;  // v_head
   int m;  // decode tokens
   int64_t context;  // tokens already cached; the new ones go to slots context..context+m-1
+  float softmax_scale;                                   // the attention's, the preset's (glm5next: 256^-0.5)
   IndexerLogits indexer_logits = IndexerLogits::kExact;  // the select's dots (--indexer-logits)
   HeadGemvSums head_gemv_sums = HeadGemvSums::kSeedOrder;  // the fused path's head_gemv sums (--head-gemv-sums)
   SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' sparse_mla plan (--attention-splits)
@@ -70,7 +74,11 @@ struct StepShape {
   int64_t indexer_prefill_tokens(int request) const {
     return context + int64_t{request} * kIndexerTokensPerRequest;
   }
-  // max_tokens m, max_context context + m, RING kIndexerRing, block size kCacheBlockSize, indexer_logits.
+  // The stage's plan of this step: max_tokens m, max_context context + m, RING kIndexerRing, block size
+  // kCacheBlockSize, and the three numeric choices above (value_up_tokens and the indexer's projection kernel
+  // are the caller's).
+  DsaStagePlan stage_plan() const;
+  // dsa_stage_indexer_plan(stage_plan()): what the indexer's state, its prefill and its CPU reference use.
   IndexerPlan indexer_plan() const;
   std::string describe() const;  // "glm5next TP1 (D=4096, H=64, Q=1536, L=512, P=256, V=256), m=4, context 32768"
   // "indexer: RING 8, one request prefilled with the 32768 context positions; block table [1, 129] ..."
@@ -82,11 +90,13 @@ StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context);
 
 // BF16 values are held as their bit patterns.
 struct HostWeights {
-  std::vector<uint16_t> q_norm_gamma;   // [Q]
-  std::vector<uint16_t> kv_norm_gamma;  // [L]
-  std::vector<uint16_t> q_b_proj;       // [H*P, Q]: nn.Linear's [out, in]
-  std::vector<uint16_t> w_uk_t;         // [H, P, L]
-  std::vector<uint16_t> w_uv;           // [H, L, V]
+  std::vector<uint16_t> fused_qkv_a_proj;  // [Q + L, D]: nn.Linear's [out, in]
+  std::vector<uint16_t> q_norm_gamma;      // [Q]: q_a_norm
+  std::vector<uint16_t> kv_norm_gamma;     // [L]: kv_a_norm
+  std::vector<uint16_t> q_b_proj;          // [H*P, Q]: nn.Linear's [out, in]
+  std::vector<uint16_t> w_uk_t;            // [H, P, L]
+  std::vector<uint16_t> w_uv;              // [H, L, V]
+  std::vector<uint16_t> o_proj;            // [D, H*V]: nn.Linear's [out, in]
   float q_scale = 0;                    // static FP8 scale of the absorbed query
   float k_scale = 0;                    // static FP8 scale of the KV cache
   float eps = 0;                        // of both RMSNorms
@@ -114,11 +124,9 @@ struct IndexerTokenRows {
   std::vector<uint16_t> gate;     // [count, 128] BF16
 };
 
-// The step's inputs. qkv stands in for fused_qkv_a_proj's output of the
-// hidden states; the indexer's projections take the hidden states themselves
-// (an independent draw: nothing checks qkv against them).
+// The step's inputs: the hidden states (fused_qkv_a_proj's and the indexer's
+// projections' input) and where the step's tokens go.
 struct HostStepInputs {
-  std::vector<uint16_t> qkv;           // [m, Q + L]
   std::vector<uint16_t> hidden;        // [m, D] BF16: x, as the attention takes it (after the input RMSNorm)
   std::vector<int64_t> slot_mapping;   // [m]: context + t
   std::vector<int64_t> positions;      // [m]: context + t (the indexer's; the block table is the identity)
