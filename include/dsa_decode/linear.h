@@ -42,9 +42,10 @@ inline constexpr int kLinearGemvMaxTokens = 8;
 // One launch's views.
 //   x       [m, K] BF16, m in 1..kLinearGemvMaxTokens; dim 1 contiguous
 //   weight  [N, K] BF16, nn.Linear's [out, in]; dim 1 contiguous
-//   out     [m, N] BF16; dim 1 contiguous; disjoint from x and weight
-// K a multiple of 8; every row stride a multiple of 8 elements and every
-// base 16-byte aligned (the kernel moves 16-byte pieces); x's T rows of K
+//   out     [m, N] BF16; dim 1 contiguous, any row stride of at least N;
+//           disjoint from x and weight
+// K a multiple of 8; x's and weight's row strides multiples of 8 elements
+// and their bases 16-byte aligned (the kernel reads 16-byte pieces); x's T rows of K
 // BF16 fit in a CTA's shared memory (T * K * 2 bytes <= 227 KiB: K <= 14528
 // at T = 8, 29056 at T = 4); all on CUDA.
 struct LinearGemvArgs {

@@ -165,7 +165,7 @@ struct DsaStagePlan {
   // Token counts whose projections run as linear_gemv (the fused path's
   // three; qkv_a_proj in both paths), cuBLASLt otherwise or where the
   // kernel's shared-memory rule refuses the shape (o_proj at TP1 past m = 4);
-  // unset: dsa_stage_measured_projection_gemv_tokens().
+  // unset: dsa_stage_measured_projection_gemv_tokens(H).
   std::optional<std::set<int>> projection_gemv_tokens;
   // The fused path's indexer on a second stream beside q_b_proj and the
   // absorb (the stock path stays in the stock engine's single-stream order).
@@ -187,9 +187,11 @@ IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan);
 // measured take 64 heads' set.
 std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sums);
 
-// The token counts at which linear_gemv beat cuBLASLt on the stage's
-// projections on the H200 (docs/linear.md).
-std::set<int> dsa_stage_measured_projection_gemv_tokens();
+// The token counts at which the stage's whole step was faster with
+// linear_gemv projections than with cuBLASLt's on the H200 (docs/linear.md):
+// m = 1 at 64 heads, 1 and 2 at 8 heads; head counts not measured take 64
+// heads' set.
+std::set<int> dsa_stage_measured_projection_gemv_tokens(int64_t heads);
 
 // The seed's supports(): a pure decode step of 1..plan.max_tokens tokens
 // (every token of the batch is one of the step's decode tokens).

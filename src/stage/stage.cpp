@@ -196,7 +196,9 @@ std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sum
   return counts;
 }
 
-std::set<int> dsa_stage_measured_projection_gemv_tokens() { return {1, 2, 4}; }
+std::set<int> dsa_stage_measured_projection_gemv_tokens(int64_t heads) {
+  return heads == 8 ? std::set<int>{1, 2} : std::set<int>{1};
+}
 
 struct DsaAttentionStage::State {
   DsaLayerConfig config;
@@ -619,8 +621,8 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   s.plan = plan;
   s.value_up_tokens = plan.value_up_tokens ? *plan.value_up_tokens
                                            : dsa_stage_measured_value_up_tokens(config.num_heads, plan.head_gemv_sums);
-  s.projection_gemv_tokens =
-      plan.projection_gemv_tokens ? *plan.projection_gemv_tokens : dsa_stage_measured_projection_gemv_tokens();
+  s.projection_gemv_tokens = plan.projection_gemv_tokens ? *plan.projection_gemv_tokens
+                                                         : dsa_stage_measured_projection_gemv_tokens(config.num_heads);
   s.indexer_plan = indexer_plan;
   s.H = config.num_heads;
   s.D = config.hidden_size;

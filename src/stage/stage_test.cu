@@ -518,7 +518,7 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
   // The projections that ran as linear_gemv: its fixed order, bit for bit.
   std::vector<std::string> names;
   ASSERT_TRUE(stage.step_names(DsaPath::kFused, step.args(), &names).ok());
-  const bool gemv = dsa_stage_measured_projection_gemv_tokens().count(m) > 0;
+  const bool gemv = dsa_stage_measured_projection_gemv_tokens(kH).count(m) > 0;
   EXPECT_EQ(names.front(), gemv ? "qkv_a_proj (GEMV)" : "qkv_a_proj (cuBLASLt)") << at;
   EXPECT_EQ(names.back(), gemv ? "o_proj (GEMV)" : "o_proj (cuBLASLt)") << at;
   EXPECT_TRUE(fused.qkv == stock.qkv) << at;  // one kernel for both paths
