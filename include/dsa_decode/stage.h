@@ -170,11 +170,6 @@ struct DsaStagePlan {
   // The fused path's indexer on a second stream beside q_b_proj and the
   // absorb (the stock path stays in the stock engine's single-stream order).
   bool overlap_indexer = true;
-  // With overlap_indexer: bytes of the last steps' weights (W_UV, then
-  // o_proj from its start) the indexer's lane asks the L2 to fetch once its
-  // rows are out, while the attention leaves memory idle (0: none). A hint:
-  // no result depends on it.
-  int64_t l2_prefetch_bytes = int64_t{32} << 20;
   // The stock path's select: the straightforward baseline (CUB sort, expand,
   // remap; false) or the fused path's select kernel (true), for comparing
   // the paths with the same select (docs/open_decisions.md, 6.1). With the

@@ -10,7 +10,6 @@
 #include <string>
 #include <utility>
 
-#include "core/l2_prefetch.h"
 #include "core/linear.h"
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/linear.h"
@@ -54,7 +53,6 @@ enum class Step {
   kValueUpBmm,
   kOProj,
   kOProjGemv,
-  kL2Prefetch,          // the weights of value-up and o_proj, on the indexer's lane during the attention
   kStockIndexerSelect,  // CUB sort, expand, remap
   kStockCacheWrite,
   kStockAbsorbBmm,
@@ -94,8 +92,6 @@ const char* step_name(Step step, bool projections_cublaslt) {
       return "o_proj (cuBLASLt)";
     case Step::kOProjGemv:
       return "o_proj (GEMV)";
-    case Step::kL2Prefetch:
-      return "L2 prefetch (W_UV, o_proj)";
     case Step::kStockIndexerSelect:
       return "indexer select (CUB sort baseline)";
     case Step::kStockCacheWrite:
@@ -112,15 +108,11 @@ const char* step_name(Step step, bool projections_cublaslt) {
 
 // The fused path's steps that run on the indexer's lane when
 // plan.overlap_indexer: they read only hidden and q_c, and only the attention
-// reads what they write (slots), so they run beside q_b_proj and the absorb;
-// then the L2 prefetch, which writes nothing, beside the attention.
+// reads what they write (slots), so they run beside q_b_proj and the absorb.
 bool on_indexer_lane(Step step) {
   return step == Step::kIndexerProject || step == Step::kIndexerPrepare || step == Step::kIndexerSelect ||
-         step == Step::kTopkRemap || step == Step::kL2Prefetch;
+         step == Step::kTopkRemap;
 }
-
-// The lane's step whose output (the slots) the attention waits for.
-bool writes_rows(Step step) { return step == Step::kIndexerSelect || step == Step::kTopkRemap; }
 
 // The longest path: the stock one with the indexer, 13 steps.
 constexpr int kMaxSteps = 13;
@@ -133,14 +125,6 @@ struct StepList {
     steps[count++] = step;
   }
 };
-
-// The bytes from a view's first element to its last (its strides may leave gaps).
-size_t span_bytes(const TensorView& t) {
-  if (t.data == nullptr || t.numel() == 0) return 0;
-  int64_t last = 0;
-  for (int d = 0; d < t.ndim; ++d) last += (t.size(d) - 1) * t.stride(d);
-  return size_t(last + 1) * dtype_size(t.dtype);
-}
 
 // A weight view: present, dtype, shape, on CUDA, last dim contiguous, other
 // strides multiples of 8 elements, data aligned (16 bytes; a scale, 4).
@@ -231,11 +215,10 @@ struct DsaAttentionStage::State {
   cudaStream_t cublas_stream = nullptr;  // the stream cublas is bound to, once bound
   DeviceMemory cublas_workspace;
   // The indexer's lane (plan.overlap_indexer): a stream of the stage's own,
-  // forked from the caller's stream after the norm (indexer_fork); the
-  // attention waits for the lane's rows (rows_ready, recorded after the
-  // select or remap), and the range's end for the whole lane (lane_done).
+  // forked from the caller's stream after the norm and joined before the
+  // attention through the two events (a fork and a join in a capture).
   cudaStream_t indexer_stream = nullptr;
-  cudaEvent_t indexer_fork = nullptr, rows_ready = nullptr, lane_done = nullptr;
+  cudaEvent_t indexer_fork = nullptr, indexer_join = nullptr;
 
   // Workspace, each [max_tokens, ...] (intermediates() has the shapes).
   DeviceMemory qkv, q_c, kv_c, q, q_bf16, q_fp8, index_q, index_k, head_weights, gate, indexer_workspace,
@@ -244,9 +227,8 @@ struct DsaAttentionStage::State {
 
   ~State() {
     if (cublas != nullptr) cublasDestroy(cublas);
-    for (cudaEvent_t event : {indexer_fork, rows_ready, lane_done}) {
-      if (event != nullptr) cudaEventDestroy(event);
-    }
+    if (indexer_fork != nullptr) cudaEventDestroy(indexer_fork);
+    if (indexer_join != nullptr) cudaEventDestroy(indexer_join);
     if (indexer_stream != nullptr) cudaStreamDestroy(indexer_stream);
   }
 
@@ -274,10 +256,7 @@ struct DsaAttentionStage::State {
     if (path == DsaPath::kFused) {
       // With the overlap the indexer's lane is issued first: its select is
       // the longer chain, so its kernels should take the SMs first.
-      if (plan.overlap_indexer) {
-        add_rows(Step::kIndexerSelect);
-        if (plan.l2_prefetch_bytes > 0) list.add(Step::kL2Prefetch);
-      }
+      if (plan.overlap_indexer) add_rows(Step::kIndexerSelect);
       list.add(gemv_for(m, Q) ? Step::kQbProjGemv : Step::kQbProj);
       list.add(Step::kAbsorb);
       if (!plan.overlap_indexer) add_rows(Step::kIndexerSelect);
@@ -475,11 +454,6 @@ struct DsaAttentionStage::State {
                           CUDA_R_16BF, stream);
       case Step::kOProjGemv:
         return linear_gemv(LinearGemvArgs{bf16(heads, {m, H * V}), w.o_proj, a.out}, stream);
-      case Step::kL2Prefetch: {
-        const size_t uv = std::min(span_bytes(w.w_uv), size_t(plan.l2_prefetch_bytes));
-        DSA_RETURN_IF_ERROR(l2_prefetch(w.w_uv.data, uv, stream));
-        return l2_prefetch(w.o_proj.data, std::min(span_bytes(w.o_proj), size_t(plan.l2_prefetch_bytes) - uv), stream);
-      }
       case Step::kStockCacheWrite:
         return stock_concat_and_cache_mla(cache_write(a, m), stream);
       case Step::kStockAbsorbBmm:
@@ -547,10 +521,6 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   view(check_weight(w.index_k_norm_weight, "index_k_norm_weight", DType::kF32, {kIndexerDim}));
   view(check_weight(w.index_k_norm_bias, "index_k_norm_bias", DType::kF32, {kIndexerDim}));
   view(check_weight(w.index_ape, "index_ape", DType::kF32, {kIndexerPoolSize, kIndexerDim}));
-  if (plan.l2_prefetch_bytes < 0) {
-    views->push_back(
-        invalid_argument("plan.l2_prefetch_bytes", "0 or more", std::to_string(plan.l2_prefetch_bytes)).message());
-  }
   if (plan.max_tokens < 1 || plan.max_tokens > kDsaStageMaxTokens) {
     views->push_back(
         invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens), std::to_string(plan.max_tokens))
@@ -606,9 +576,8 @@ Status DsaAttentionStage::State::allocate_workspace() {
   if (plan.indexer_projections_cublaslt) DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_projections));
   if (plan.overlap_indexer) {
     DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&indexer_stream, cudaStreamNonBlocking));
-    for (cudaEvent_t* event : {&indexer_fork, &rows_ready, &lane_done}) {
-      DSA_CUDA_RETURN(cudaEventCreateWithFlags(event, cudaEventDisableTiming));
-    }
+    DSA_CUDA_RETURN(cudaEventCreateWithFlags(&indexer_fork, cudaEventDisableTiming));
+    DSA_CUDA_RETURN(cudaEventCreateWithFlags(&indexer_join, cudaEventDisableTiming));
   }
   // The cuBLASLt plans of every m (host work), so that any step may be captured.
   for (int64_t m = 1; m <= T; ++m) {
@@ -703,11 +672,17 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
   }
   State& st = *state_;
   const bool overlap = path == DsaPath::kFused && st.plan.overlap_indexer;
-  // The indexer's lane forks at its first step; the attention waits for its
-  // rows; the range's end waits for the whole lane, so that every step of
-  // the range is ordered before the caller's next work on `stream` (and a
-  // capture ends joined).
-  bool forked = false, rows_recorded = false;
+  // The indexer's lane forks at its first step and joins before the
+  // attention, or at the end of the range, so that every step of the range
+  // is ordered before the caller's next work on `stream` (and a capture
+  // ends joined).
+  bool forked = false;
+  const auto join = [&]() -> Status {
+    forked = false;
+    DSA_CUDA_RETURN(cudaEventRecord(st.indexer_join, st.indexer_stream));
+    DSA_CUDA_RETURN(cudaStreamWaitEvent(stream, st.indexer_join, 0));
+    return Status();
+  };
   Status failed;
   for (size_t i = first; i < first + count && failed.ok(); ++i) {
     const Step step = list.steps[i];
@@ -717,21 +692,14 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
       DSA_CUDA_RETURN(cudaStreamWaitEvent(st.indexer_stream, st.indexer_fork, 0));
       forked = true;
     }
-    if (rows_recorded && step == Step::kAttention) DSA_CUDA_RETURN(cudaStreamWaitEvent(stream, st.rows_ready, 0));
+    if (forked && step == Step::kAttention) DSA_RETURN_IF_ERROR(join());
     const Status s = st.run_step(step, args, indexer_lane ? st.indexer_stream : stream);
     if (!s.ok()) {
       const char* name = step_name(step, st.plan.indexer_projections_cublaslt);
       failed = Status(s.code(), std::string("stage step '") + name + "': " + s.message());
     }
-    if (indexer_lane && writes_rows(step)) {
-      DSA_CUDA_RETURN(cudaEventRecord(st.rows_ready, st.indexer_stream));
-      rows_recorded = true;
-    }
   }
-  if (forked) {
-    DSA_CUDA_RETURN(cudaEventRecord(st.lane_done, st.indexer_stream));
-    DSA_CUDA_RETURN(cudaStreamWaitEvent(stream, st.lane_done, 0));
-  }
+  if (forked) DSA_RETURN_IF_ERROR(join());
   return failed;
 }
 
