@@ -1,6 +1,6 @@
 // dsa-decode's command line (tools/options.h): --value-up-tokens's parsing,
 // its errors, the measured default and the choice it makes per step;
-// --indexer-projections, --indexer-logits and --head-gemv-sums.
+// --projections, --indexer-projections, --indexer-logits and --head-gemv-sums.
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -134,8 +134,31 @@ void expect_two_values(const std::string& option, const std::string& off, const 
 }
 
 TEST(DsaDecodeOptions, IndexerProjectionsDefaultsToTheGemvAndTakesOnlyItsTwoKernels) {
-  expect_two_values("--indexer-projections", "gemv", "cublaslt", &Options::projections_cublaslt,
+  expect_two_values("--indexer-projections", "gemv", "cublaslt", &Options::indexer_projections_cublaslt,
                     {"", "GEMV", "cublas", "gemv,cublaslt"});
+}
+
+// --projections maps to the stage plan's projection_gemv_tokens: auto leaves
+// it unset (the stage's measured set), gemv lists every count linear_gemv
+// takes, cublaslt none.
+TEST(DsaDecodeOptions, ProjectionsDefaultsToAutoAndMapsToTheStagesTokenCounts) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
+  EXPECT_EQ(options.projections, "auto");
+  EXPECT_FALSE(projection_gemv_tokens(options).has_value());
+  ASSERT_TRUE(parse({"--projections", "gemv"}, &options, &error)) << error;
+  EXPECT_EQ(projection_gemv_tokens(options), std::set<int>({1, 2, 3, 4, 5, 6, 7, 8}));
+  ASSERT_TRUE(parse({"--projections=cublaslt"}, &options, &error)) << error;
+  EXPECT_EQ(projection_gemv_tokens(options), std::set<int>());
+  ASSERT_TRUE(parse({"--projections", "auto"}, &options, &error)) << error;
+  EXPECT_FALSE(projection_gemv_tokens(options).has_value());
+  for (const std::string value : {"", "GEMV", "cublas", "none", "1,2", "gemv,cublaslt"}) {
+    EXPECT_FALSE(parse({"--projections=" + value}, &options, &error)) << value;
+    EXPECT_EQ(error, "--projections: got '" + value + "', expected auto, gemv or cublaslt");
+  }
+  EXPECT_FALSE(parse({"--projections"}, &options, &error));
+  EXPECT_EQ(error, "--projections: missing value, expected auto, gemv or cublaslt");
 }
 
 TEST(DsaDecodeOptions, IndexerLogitsDefaultsToExactAndTakesOnlyItsTwoValues) {

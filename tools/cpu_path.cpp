@@ -140,6 +140,9 @@ int run_cpu_path(const StepShape& shape, const Options& options) {
     std::printf("--head-gemv-sums tensor-cores applies to the GPU path; the CPU reference sums in the seed's order\n");
     s.head_gemv_sums = HeadGemvSums::kSeedOrder;
   }
+  if (options.projections != "auto") {
+    std::printf("--projections applies to the GPU path; the CPU reference's projections sum in FP32 in k order\n");
+  }
   if (s.attention_splits != SparseMlaSplits::kLatency) {
     std::printf("--attention-splits applies to the GPU path; the CPU reference sums in float64\n");
   }

@@ -4,7 +4,6 @@
 #include <string>
 
 #include "dsa_decode/cuda_check.h"
-#include "dsa_decode/norm.h"
 
 namespace dsa::cli {
 
@@ -44,7 +43,6 @@ Status read_back(const bench::DeviceMemory& device, std::vector<T>* host, cudaSt
 }
 
 TensorView bf16(void* data, std::initializer_list<int64_t> shape) { return make_tensor(data, DType::kBF16, shape); }
-TensorView f32(void* data, std::initializer_list<int64_t> shape) { return make_tensor(data, DType::kF32, shape); }
 
 // Every weight of the layer in one copy's order: the DsaLayerWeights field,
 // its dtype and shape, and its host values. `visit(field, dtype, shape, host)`.
@@ -91,9 +89,7 @@ Status DeviceLayer::init(const StepShape& shape, const HostWeights& w, const Hos
   }
   if (weight_copies < 1) return invalid_argument("weight_copies", ">= 1", std::to_string(weight_copies));
   s_ = shape;
-  plan_ = plan;
   indexer_plan_ = dsa_stage_indexer_plan(plan);
-  eps_ = w.eps;
   weight_copies_ = weight_copies;
 
   // Copy 0 from the host, weight by weight; the others copied from it on the device.
@@ -134,19 +130,11 @@ Status DeviceLayer::init(const StepShape& shape, const HostWeights& w, const Hos
   DSA_RETURN_IF_ERROR(allocate_filled(ring_bytes, 0, &indexer_ring_, stream));
   DSA_RETURN_IF_ERROR(allocate_filled(size_t(s_.cache_blocks()) * kIndexerPageBytes, 0, &indexer_k_cache_, stream));
 
-  const size_t m = size_t(s_.m);
-  DSA_RETURN_IF_ERROR(LinearContext::create(&linear_));
-  if (plan_.indexer_projections_cublaslt) DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_project_context_));
-  DSA_RETURN_IF_ERROR(replay_qkv_.allocate(m * s_.qkv_width() * sizeof(uint16_t)));
-  DSA_RETURN_IF_ERROR(replay_q_c_.allocate(m * s_.Q * sizeof(uint16_t)));
-  DSA_RETURN_IF_ERROR(replay_kv_c_.allocate(m * s_.L * sizeof(uint16_t)));
-  DSA_RETURN_IF_ERROR(replay_index_q_.allocate(m * kIndexerHeads * kIndexerDim * sizeof(uint16_t)));
-  DSA_RETURN_IF_ERROR(replay_index_k_.allocate(m * kIndexerDim * sizeof(uint16_t)));
-  DSA_RETURN_IF_ERROR(replay_head_weights_.allocate(m * kIndexerHeads * sizeof(float)));
-  DSA_RETURN_IF_ERROR(replay_gate_.allocate(m * kIndexerDim * sizeof(uint16_t)));
   DSA_RETURN_IF_ERROR(check_indexer_plan(indexer_plan_));
-  DSA_RETURN_IF_ERROR(replay_workspace_.allocate(size_t(indexer_workspace_layout(indexer_plan_).bytes)));
-  DSA_RETURN_IF_ERROR(replay_slots_.allocate(m * kTopKWidth * sizeof(int32_t)));
+  if (indexer_plan_.logits == IndexerLogits::kFp32Accumulation) {
+    DSA_RETURN_IF_ERROR(replay_workspace_.allocate(size_t(indexer_workspace_layout(indexer_plan_).bytes)));
+    DSA_RETURN_IF_ERROR(replay_slots_.allocate(size_t(s_.m) * kTopKWidth * sizeof(int32_t)));
+  }
 
   DSA_RETURN_IF_ERROR(prefill_indexer(indexer_history, stream));
   // The host vectors (the block table too) must outlive the copies that read them.
@@ -266,53 +254,20 @@ Status DeviceLayer::fill_out(int byte, cudaStream_t stream) {
   return Status();
 }
 
-Status DeviceLayer::replay_qkv(cudaStream_t stream, QkvReplay* out) {
-  const DsaLayerWeights w = weights(0);
-  const int64_t m = s_.m, Q = s_.Q, L = s_.L;
-  DSA_RETURN_IF_ERROR(linear_.run("qkv_a_proj replay", bf16(hidden_.get(), {m, s_.D}), w.fused_qkv_a_proj,
-                                  replay_qkv_.get(), Q + L, CUDA_R_16BF, stream));
-  DSA_RETURN_IF_ERROR(qkv_rmsnorm(bf16(replay_qkv_.get(), {m, Q + L}), w.q_a_norm, w.kv_a_norm, eps_,
-                                  bf16(replay_q_c_.get(), {m, Q}), bf16(replay_kv_c_.get(), {m, L}), stream));
-  DSA_RETURN_IF_ERROR(read_back(replay_qkv_, &out->qkv, stream));
-  DSA_RETURN_IF_ERROR(read_back(replay_q_c_, &out->q_c, stream));
-  return read_back(replay_kv_c_, &out->kv_c, stream);
-}
-
-Status DeviceLayer::replay_indexer(const TensorView& q_c, cudaStream_t stream, IndexerReplay* out) {
+Status DeviceLayer::replay_indexer_select(const DsaStageIntermediates& stage, cudaStream_t stream,
+                                          IndexerSelectReplay* out) {
   const DsaLayerWeights w = weights(0);
   const int64_t m = s_.m;
-  const TensorView index_q = bf16(replay_index_q_.get(), {m, kIndexerHeads, kIndexerDim});
-  const TensorView index_k = bf16(replay_index_k_.get(), {m, kIndexerDim});
-  const TensorView head_weights = f32(replay_head_weights_.get(), {m, kIndexerHeads});
-  const TensorView gate = bf16(replay_gate_.get(), {m, kIndexerDim});
   const TensorView workspace = make_tensor(replay_workspace_.get(), DType::kU8, {int64_t(replay_workspace_.bytes())});
   const TensorView positions = make_tensor(positions_.get(), DType::kI64, {m});
   const TensorView token_requests = make_tensor(token_requests_.get(), DType::kI32, {m});
 
-  IndexerProjectArgs project;
-  project.plan = indexer_plan_;
-  project.q_c = q_c;
-  project.x = bf16(hidden_.get(), {m, s_.D});
-  project.wq_b = w.index_wq_b;
-  project.wk = w.index_wk;
-  project.weights_proj = w.index_weights_proj;
-  project.compress_gate = w.index_compress_gate;
-  project.index_q = index_q;
-  project.index_k = index_k;
-  project.head_weights = head_weights;
-  project.gate = gate;
-  if (plan_.indexer_projections_cublaslt) {
-    DSA_RETURN_IF_ERROR(indexer_project(project, indexer_project_context_, stream));
-  } else {
-    DSA_RETURN_IF_ERROR(indexer_project_gemv(project, stream));
-  }
-
   IndexerPrepareArgs prepare;
   prepare.plan = indexer_plan_;
-  prepare.index_q = index_q;
-  prepare.index_k = index_k;
-  prepare.head_weights = head_weights;
-  prepare.gate = gate;
+  prepare.index_q = stage.index_q;
+  prepare.index_k = stage.index_k;
+  prepare.head_weights = stage.head_weights;
+  prepare.gate = stage.gate;
   prepare.k_norm_weight = w.index_k_norm_weight;
   prepare.k_norm_bias = w.index_k_norm_bias;
   prepare.ape = w.index_ape;
@@ -333,10 +288,6 @@ Status DeviceLayer::replay_indexer(const TensorView& q_c, cudaStream_t stream, I
   select.error_count = error_counter(kReplay);
   DSA_RETURN_IF_ERROR(indexer_select(select, stream));
 
-  DSA_RETURN_IF_ERROR(read_back(replay_index_q_, &out->projections.index_q, stream));
-  DSA_RETURN_IF_ERROR(read_back(replay_index_k_, &out->projections.index_k, stream));
-  DSA_RETURN_IF_ERROR(read_back(replay_head_weights_, &out->projections.head_weights, stream));
-  DSA_RETURN_IF_ERROR(read_back(replay_gate_, &out->projections.gate, stream));
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(indexer_plan_);
   out->logits.resize(size_t(m) * size_t(layout.logits_stride));
   DSA_RETURN_IF_ERROR(

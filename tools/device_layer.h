@@ -11,12 +11,12 @@
 // the same positions, which rewrites the same bytes (DeviceLayer::step_args
 // says why), so the checks and every timed replay see the same state.
 //
-// The stage does not expose every product the checks read (qkv_a_proj's
-// output, the indexer's projections and the select's logits stay in its
-// workspace), so the layer also replays those steps through the same library
-// calls on the stage's own inputs into buffers of its own: the same kernels
-// on the same inputs give the same bits, and the checks show that they did
-// (the replay's norm and slots against the stage's).
+// The stage exposes every product the checks read but one: the select's
+// logits, which the check of FP32-accumulated logits needs, stay in its
+// workspace. So the layer can replay the indexer's prepare and select through
+// the same library calls on the stage's own projections into a workspace of
+// its own: the same kernels on the same inputs give the same bits, and the
+// checks show that they did (the replay's slots against the stage's).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,30 +24,20 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/linear.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/stage.h"
 #include "dsa_decode/status.h"
 #include "dsa_decode/tensor.h"
 #include "harness.h"
-#include "reference_chain.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {
 
-// qkv_a_proj and the norm replayed on the stage's hidden states.
-struct QkvReplay {
-  std::vector<uint16_t> qkv;   // [m, Q + L] BF16: qkv_a_proj's output (cuBLASLt, the stage's call)
-  std::vector<uint16_t> q_c;   // [m, Q] BF16: qkv_rmsnorm of qkv
-  std::vector<uint16_t> kv_c;  // [m, L] BF16
-};
-
-// The indexer's three steps replayed on the stage's q_c and hidden states.
-struct IndexerReplay {
-  IndexerProjections projections;  // the projection kernel's outputs
-  std::vector<float> logits;       // [m, indexer_workspace_layout(plan).logits_stride]: the select's logits
-  std::vector<int32_t> slots;      // [m, 2176] int32: the select's rows of KV slots
-  unsigned int errors = 0;         // untrusted values prepare and select met
+// The indexer's prepare and select replayed on the stage's projections.
+struct IndexerSelectReplay {
+  std::vector<float> logits;   // [m, indexer_workspace_layout(plan).logits_stride]: the select's logits
+  std::vector<int32_t> slots;  // [m, 2176] int32: the select's rows of KV slots
+  unsigned int errors = 0;     // untrusted values prepare and select met
 };
 
 class DeviceLayer {
@@ -56,7 +46,7 @@ class DeviceLayer {
   // the step's inputs, the whole `cache` (first block 0) once per path; the
   // indexer's state, zeroed, then prefilled with `indexer_history`
   // (make_indexer_history) under `plan`'s indexer plan; and waits for it.
-  // `plan` is the stages': the replays follow its indexer plan and projection kernel.
+  // `plan` is the stages': the select replay follows its indexer plan.
   Status init(const StepShape& shape, const HostWeights& weights, const HostStepInputs& inputs,
               const IndexerTokenRows& indexer_history, const HostCache& cache, const DsaStagePlan& plan,
               int weight_copies, cudaStream_t stream);
@@ -70,7 +60,7 @@ class DeviceLayer {
   // that path's KV cache and error counter.
   DsaStepArgs step_args(DsaPath path) const;
 
-  // Zeroes the error counters (the paths', the prefill's, the replays').
+  // Zeroes the error counters (the paths', the prefill's, the select replay's).
   Status clear_error_counts(cudaStream_t stream);
   // Waits for `stream`, then reads back.
   Status download_cache(DsaPath path, cudaStream_t stream, std::vector<uint8_t>* cache) const;  // whole cache
@@ -81,15 +71,14 @@ class DeviceLayer {
   // Fills the step's output with `byte` (0xFF: BF16 NaN, so an unwritten output fails its check).
   Status fill_out(int byte, cudaStream_t stream);
 
-  // qkv_a_proj (cuBLASLt, as the stage calls it) of the hidden states with
-  // weight copy 0, then qkv_rmsnorm, into the layer's own buffers.
-  Status replay_qkv(cudaStream_t stream, QkvReplay* out);
-  // indexer projections, prepare and select, as the stage calls them, from
-  // `q_c` [m, Q] (the stage's, DsaStageIntermediates) and the hidden states
-  // with weight copy 0, into the layer's own buffers and workspace. Prepare
-  // rewrites the state's bytes at the same positions (step_args says why that
-  // leaves the state as it was).
-  Status replay_indexer(const TensorView& q_c, cudaStream_t stream, IndexerReplay* out);
+  // indexer prepare and select, as the stage calls them, from the stage's
+  // projections (`stage`'s index_q, index_k, head_weights and gate, read in
+  // place) with weight copy 0, into the layer's own workspace: under
+  // FP32-accumulated logits only (the plan init took), the one case whose
+  // check reads the logits, so the only one the workspace is made for.
+  // Prepare rewrites the state's bytes at the same positions (step_args says
+  // why that leaves the state as it was).
+  Status replay_indexer_select(const DsaStageIntermediates& stage, cudaStream_t stream, IndexerSelectReplay* out);
 
  private:
   enum ErrorCounter { kFusedStep, kStockStep, kPrefill, kReplay, kErrorCounters };
@@ -99,9 +88,7 @@ class DeviceLayer {
   Status prefill_indexer(const IndexerTokenRows& history, cudaStream_t stream);
 
   StepShape s_{};
-  DsaStagePlan plan_{};
   IndexerPlan indexer_plan_{};
-  float eps_ = 0;
   int weight_copies_ = 0;
   size_t copy_bytes_ = 0;               // bytes between two weight copies
   bench::DeviceMemory weights_;         // [weight_copies_] x every weight of the layer (DsaLayerWeights)
@@ -117,18 +104,9 @@ class DeviceLayer {
   bench::DeviceMemory indexer_block_table_;  // [indexer requests, cache blocks] int32
   bench::DeviceMemory indexer_ring_;         // [indexer requests, 2, kIndexerRing, 128] BF16
   bench::DeviceMemory indexer_k_cache_;      // [cache blocks, kIndexerPageBytes] uint8
-  // The replays' own buffers.
-  LinearContext linear_;                           // qkv_a_proj through cuBLASLt
-  IndexerProjectContext indexer_project_context_;  // made when the plan's projections are cuBLASLt's
-  bench::DeviceMemory replay_qkv_;                 // [m, Q + L] BF16
-  bench::DeviceMemory replay_q_c_;                 // [m, Q] BF16
-  bench::DeviceMemory replay_kv_c_;                // [m, L] BF16
-  bench::DeviceMemory replay_index_q_;             // [m, 32, 128] BF16
-  bench::DeviceMemory replay_index_k_;             // [m, 128] BF16
-  bench::DeviceMemory replay_head_weights_;        // [m, 32] f32
-  bench::DeviceMemory replay_gate_;                // [m, 128] BF16
-  bench::DeviceMemory replay_workspace_;           // [indexer_workspace_layout(plan).bytes] uint8
-  bench::DeviceMemory replay_slots_;               // [m, 2176] int32
+  // The select replay's own buffers (under FP32-accumulated logits).
+  bench::DeviceMemory replay_workspace_;  // [indexer_workspace_layout(plan).bytes] uint8
+  bench::DeviceMemory replay_slots_;      // [m, 2176] int32
 };
 
 }  // namespace dsa::cli

@@ -19,6 +19,7 @@
 #include "dsa_decode/sparse_mla.h"
 #include "dsa_decode/stage.h"
 #include "harness.h"
+#include "linear/linear_reference.h"
 #include "reference_chain.h"
 #include "report.h"
 
@@ -36,10 +37,10 @@ constexpr int kPoisonByte = 0xFF;  // BF16 0xFFFF, e4m3 0xFF and FP32 0xFFFFFFFF
 // a valid "none"), so an unwritten row fails its check and the attention's.
 constexpr int kPoisonSlotByte = 0x7F;
 
-// The stage's first and last step in both paths (include/dsa_decode/stage.h):
-// the attention half is every step between them.
-constexpr const char* kFirstStep = "qkv_a_proj (cuBLASLt)";
-constexpr const char* kLastStep = "o_proj (cuBLASLt)";
+// The stage's first and last step in both paths (include/dsa_decode/stage.h),
+// each as linear_gemv or cuBLASLt: the attention half is every step between them.
+constexpr const char* kFirstProjection = "qkv_a_proj";
+constexpr const char* kLastProjection = "o_proj";
 
 // A stream of our own: graph capture cannot use the legacy default stream.
 class OwnedStream {
@@ -72,13 +73,26 @@ std::string format(const char* pattern, ...) {
 
 using Stages = std::vector<std::unique_ptr<DsaAttentionStage>>;
 
+// The stage's name of a projection's step ("qkv_a_proj", "q_b_proj" or
+// "o_proj") run as linear_gemv or through cuBLASLt (plan.projection_gemv_tokens).
+std::string projection_step(const char* projection, bool gemv) {
+  return std::string(projection) + (gemv ? " (GEMV)" : " (cuBLASLt)");
+}
+
+// Whether a path's steps `names` run `projection` as linear_gemv.
+bool runs_gemv(const std::vector<std::string>& names, const char* projection) {
+  return std::count(names.begin(), names.end(), projection_step(projection, true)) > 0;
+}
+
+const char* kernel_name(bool gemv) { return gemv ? "GEMV" : "cuBLASLt"; }
+
 // ---------------------------------------------------------------- the stage's steps
 
 // What each step must move at the least (the memory floor's bytes), from the
 // step's shapes.
 struct StepBytes {
   double qkv_a_proj, norm, q_b_proj, absorb, project, prepare, select, stock_select, attention, value_up, o_proj,
-      cache_write, absorb_bmm, fp8_quant, counters;
+      l2_prefetch, cache_write, absorb_bmm, fp8_quant, counters;
 };
 
 StepBytes step_bytes(const StepShape& s) {
@@ -87,7 +101,8 @@ StepBytes step_bytes(const StepShape& s) {
   const double w_uk = bf16 * H * P * L, q = bf16 * m * H * P;
   StepBytes b{};
   b.cache_write = bf16 * m * L + fp8 * m * L;  // kv_c read, the new entries written
-  // Weights, hidden read, qkv written.
+  // The projections, linear_gemv or cuBLASLt alike: weights, input read, output written.
+  // qkv_a_proj: hidden read, qkv written.
   b.qkv_a_proj = bf16 * (Q + L) * D + bf16 * m * D + bf16 * m * (Q + L);
   b.norm = bf16 * (2 * m * (Q + L) + (Q + L));
   b.q_b_proj = bf16 * H * P * Q + bf16 * m * Q + q;
@@ -124,33 +139,57 @@ StepBytes step_bytes(const StepShape& s) {
   b.stock_select = b.select + top_k_rows;  // the request-local positions too
   b.value_up = bf16 * H * L * V + bf16 * m * H * L + bf16 * m * H * V;
   b.o_proj = bf16 * D * H * V + bf16 * m * H * V + bf16 * m * D;
+  // The stage's L2 prefetch (plan.l2_prefetch_bytes, the default plan's): W_UV's bytes, then o_proj's from its start.
+  const double prefetch_budget = double(s.stage_plan().l2_prefetch_bytes);
+  const double w_uv_prefetched = std::min(bf16 * H * L * V, prefetch_budget);
+  b.l2_prefetch = w_uv_prefetched + std::min(bf16 * D * H * V, prefetch_budget - w_uv_prefetched);
   b.absorb_bmm = w_uk + q + bf16 * m * H * L;
   b.fp8_quant = bf16 * m * H * L + fp8 * m * H * L;
   return b;
 }
 
+// Each path's steps for the step's arguments (DsaAttentionStage::step_names).
+struct PathSteps {
+  std::vector<std::string> fused, stock;
+};
+
 // One step of a path as the report shows it: its JSON row name, its label,
 // "shared" (both paths run it on the same inputs: timed once), "fused" or
-// "stock", and its bytes.
+// "stock", and its bytes; `in_range_floor` false: those bytes are later
+// steps' own, fetched early (the L2 prefetch), so a range of steps counts
+// them once, at those steps.
 struct StepRow {
   std::string name, label, path;
   double bytes = 0;
+  bool in_range_floor = true;
 };
 
-// The row of the stage's step `step` (a name from step_names) in `path`. A
-// step this program does not know is an error: the stage changed, and the
-// table would otherwise mislabel it.
-Status describe_step(const StepShape& s, DsaPath path, const std::string& step, StepRow* row) {
+// The row of the stage's step `step` (a name from step_names) in `path` of
+// `steps`. A step this program does not know is an error: the stage changed,
+// and the table would otherwise mislabel it.
+Status describe_step(const StepShape& s, const PathSteps& steps, DsaPath path, const std::string& step, StepRow* row) {
   const StepBytes b = step_bytes(s);
   const bool fused = path == DsaPath::kFused;
   const bool tensor_cores = s.head_gemv_sums == HeadGemvSums::kTensorCores;
-  const auto set = [&](const char* name, std::string label, const char* where, double bytes) {
-    *row = StepRow{name, std::move(label), where, bytes};
+  const auto set = [&](std::string name, std::string label, const char* where, double bytes) {
+    *row = StepRow{std::move(name), std::move(label), where, bytes};
     return Status();
   };
-  if (step == kFirstStep) return set("qkv_a_proj", "qkv_a_proj (cuBLASLt GEMM)", "shared", b.qkv_a_proj);
+  // The projections: one row where both paths run the same kernel (qkv_a_proj
+  // always; q_b_proj and o_proj where the fused path's are cuBLASLt's too),
+  // else one per path, the fused one's measured against the stock one's.
+  const std::vector<std::string>& other_path = fused ? steps.stock : steps.fused;
+  for (const auto& [projection, bytes] : {std::pair{kFirstProjection, b.qkv_a_proj}, std::pair{"q_b_proj", b.q_b_proj},
+                                          std::pair{kLastProjection, b.o_proj}}) {
+    for (const bool gemv : {true, false}) {
+      if (step != projection_step(projection, gemv)) continue;
+      const std::string name = std::string(projection) + (gemv ? "_gemv" : "");
+      const std::string label = std::string(projection) + (gemv ? " (GEMV, one launch)" : " (cuBLASLt GEMM)");
+      if (std::count(other_path.begin(), other_path.end(), step) > 0) return set(name, label, "shared", bytes);
+      return fused ? set(name, label, "fused", bytes) : set("stock_" + name, label, "stock", bytes);
+    }
+  }
   if (step == "norm") return set("norm", "norm (q and kv RMSNorm, one launch)", "shared", b.norm);
-  if (step == "q_b_proj (cuBLASLt)") return set("q_b_proj", "q_b_proj (cuBLASLt GEMM)", "shared", b.q_b_proj);
   if (step == "indexer projections (GEMV)") {
     return set("indexer_project_gemv", "indexer projections (GEMV, one launch)", "shared", b.project);
   }
@@ -160,7 +199,11 @@ Status describe_step(const StepShape& s, DsaPath path, const std::string& step, 
   if (step == "indexer prepare") {
     return set("indexer_prepare", "indexer prepare (k norm, q quant, pools)", "shared", b.prepare);
   }
-  if (step == kLastStep) return set("o_proj", "o_proj (cuBLASLt GEMM)", "shared", b.o_proj);
+  if (fused && step == "L2 prefetch (W_UV, o_proj)") {
+    DSA_RETURN_IF_ERROR(set("l2_prefetch", "L2 prefetch of W_UV and o_proj (a hint)", "fused", b.l2_prefetch));
+    row->in_range_floor = false;
+    return Status();
+  }
   if (fused && step == "absorb + cache write (head_gemv)") {
     return set("absorb",
                tensor_cores ? "absorb + FP8 quant + cache write (head_gemv TC)"
@@ -200,20 +243,28 @@ Status describe_step(const StepShape& s, DsaPath path, const std::string& step, 
                      step + "' (the stage changed: tools/gpu_path.cpp describe_step)");
 }
 
-// Each path's steps for the step's arguments, checked to begin with
-// qkv_a_proj and end with o_proj, as the attention half's range assumes.
-struct PathSteps {
-  std::vector<std::string> fused, stock;
-};
-
-Status path_steps(const DsaAttentionStage& stage, const DeviceLayer& layer, PathSteps* steps) {
+// Each path's steps, checked to begin with qkv_a_proj and end with o_proj
+// (either kernel), as the attention half's range assumes, and to be steps
+// this program knows (before the checks, which take minutes, rather than at
+// the timings).
+Status path_steps(const StepShape& s, const DsaAttentionStage& stage, const DeviceLayer& layer, PathSteps* steps) {
+  const auto starts_with = [](const std::string& name, const char* projection) {
+    return name.rfind(std::string(projection) + " (", 0) == 0;
+  };
   for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
     std::vector<std::string>& names = path == DsaPath::kFused ? steps->fused : steps->stock;
     DSA_RETURN_IF_ERROR(stage.step_names(path, layer.step_args(path), &names));
-    if (names.size() < 3 || names.front() != kFirstStep || names.back() != kLastStep) {
+    if (names.size() < 3 || !starts_with(names.front(), kFirstProjection) ||
+        !starts_with(names.back(), kLastProjection)) {
       return unsupported(std::string("the stage's ") + (path == DsaPath::kFused ? "fused" : "stock") +
-                         " path should run '" + kFirstStep + "' first and '" + kLastStep + "' last; it runs '" +
+                         " path should run " + kFirstProjection + " first and " + kLastProjection + " last; it runs '" +
                          (names.empty() ? "" : names.front()) + "' .. '" + (names.empty() ? "" : names.back()) + "'");
+    }
+  }
+  for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+    for (const std::string& name : path == DsaPath::kFused ? steps->fused : steps->stock) {
+      StepRow row;
+      DSA_RETURN_IF_ERROR(describe_step(s, *steps, path, name, &row));
     }
   }
   return Status();
@@ -230,10 +281,12 @@ ValueUpKernel fused_value_up_kernel(const PathSteps& steps) {
 // What one path's run left, read back: the stage's intermediates
 // (DsaStageIntermediates) and the caller's buffers.
 struct PathOutputs {
+  std::vector<uint16_t> qkv;             // [m, Q + L] BF16: qkv_a_proj's output
   std::vector<uint16_t> q_c;             // [m, Q] BF16
   std::vector<uint16_t> kv_c;            // [m, L] BF16
   std::vector<uint16_t> q;               // [m, H, P] BF16
   std::vector<uint8_t> q_fp8;            // [m, H, L] e4m3
+  IndexerProjections indexer_projections;  // the stage's index_q, index_k, head_weights and gate
   std::vector<int32_t> slots;            // [m, 2176] int32 global KV slots
   std::vector<uint16_t> latent;          // [m, H, L] BF16
   std::vector<float> lse;                // [m, H] f32
@@ -265,7 +318,8 @@ Status poison(const TensorView& v, int byte, cudaStream_t stream) {
 Status run_path(DsaAttentionStage& stage, DeviceLayer& layer, DsaPath path, int m, cudaStream_t stream,
                 PathOutputs* out) {
   const DsaStageIntermediates v = stage.intermediates(m);
-  for (const TensorView* view : {&v.q_c, &v.kv_c, &v.q, &v.q_fp8, &v.latent, &v.lse, &v.heads}) {
+  for (const TensorView* view : {&v.qkv, &v.q_c, &v.kv_c, &v.q, &v.q_fp8, &v.index_q, &v.index_k, &v.head_weights,
+                                 &v.gate, &v.latent, &v.lse, &v.heads}) {
     DSA_RETURN_IF_ERROR(poison(*view, kPoisonByte, stream));
   }
   DSA_RETURN_IF_ERROR(poison(v.slots, kPoisonSlotByte, stream));
@@ -274,10 +328,15 @@ Status run_path(DsaAttentionStage& stage, DeviceLayer& layer, DsaPath path, int 
   DSA_RETURN_IF_ERROR(path == DsaPath::kFused ? stage.forward(args, stream) : stage.stock_forward(args, stream));
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
   DSA_CUDA_RETURN(cudaGetLastError());
+  DSA_RETURN_IF_ERROR(download_view(v.qkv, stream, &out->qkv));
   DSA_RETURN_IF_ERROR(download_view(v.q_c, stream, &out->q_c));
   DSA_RETURN_IF_ERROR(download_view(v.kv_c, stream, &out->kv_c));
   DSA_RETURN_IF_ERROR(download_view(v.q, stream, &out->q));
   DSA_RETURN_IF_ERROR(download_view(v.q_fp8, stream, &out->q_fp8));
+  DSA_RETURN_IF_ERROR(download_view(v.index_q, stream, &out->indexer_projections.index_q));
+  DSA_RETURN_IF_ERROR(download_view(v.index_k, stream, &out->indexer_projections.index_k));
+  DSA_RETURN_IF_ERROR(download_view(v.head_weights, stream, &out->indexer_projections.head_weights));
+  DSA_RETURN_IF_ERROR(download_view(v.gate, stream, &out->indexer_projections.gate));
   DSA_RETURN_IF_ERROR(download_view(v.slots, stream, &out->slots));
   DSA_RETURN_IF_ERROR(download_view(v.latent, stream, &out->latent));
   DSA_RETURN_IF_ERROR(download_view(v.lse, stream, &out->lse));
@@ -320,78 +379,95 @@ std::vector<double> bf16_values(const std::vector<uint16_t>& bits) {
 bool within(double error, double bound) { return error <= bound; }
 
 // The tolerances of the stage's own test (src/stage/stage_test.cu): a
-// cuBLASLt product and the norm after it against float64 on the GPU's input.
+// projection (either kernel) and the norm after it against float64 on the
+// GPU's input. They hold the GEMV too, whose bitwise reference shares its
+// mapping of the operands: a wrong mapping fails these.
 constexpr double kQkvNormTolerance = 1e-2;  // q_c, kv_c: qkv_a_proj's BF16 output, then the norm's
 constexpr double kProductTolerance = 4e-3;  // o_proj's output
 // The stock path's outputs against the fused path's: its q_fp8 differs in a
 // few codes by one step, which the attention carries into latent and out.
 constexpr double kFusedVsStockTolerance = 2e-2;
 
-Check check_qkv_a_proj_norm(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
+Check check_qkv_a_proj_norm(const StepShape& s, const HostWeights& w, const HostStepInputs& in, bool gemv,
                             const PathOutputs& gpu) {
   const ExactNormOutputs exact = exact_qkv_a_proj_norm(s, w, in.hidden);
   const double q = relative_frobenius(gpu.q_c, exact.q_c), kv = relative_frobenius(gpu.kv_c, exact.kv_c);
-  return judged("qkv_a_proj (cuBLASLt) + norm vs float64",
+  return judged(std::string("qkv_a_proj (") + kernel_name(gemv) + ") + norm vs float64",
                 within(q, kQkvNormTolerance) && within(kv, kQkvNormTolerance),
                 format("relative Frobenius error q_c %.2e, kv_c %.2e (tolerance %.0e): float64 hidden x "
                        "fused_qkv_a_proj^T, BF16-rounded, RMSNorm",
                        q, kv, kQkvNormTolerance));
 }
 
-// The replay's norm (the library's qkv_rmsnorm on the replayed qkv) gives the
-// stage's q_c and kv_c bit for bit: the replayed qkv is what the stage normed,
-// so the bitwise norm check below may take it as the norm's input.
-Check check_qkv_replay(const QkvReplay& replay, const PathOutputs& gpu) {
-  const bool same = replay.q_c == gpu.q_c && replay.kv_c == gpu.kv_c;
-  return judged("qkv_a_proj + norm replayed through the library", same,
-                same ? "the replay (cuBLASLt qkv_a_proj, qkv_rmsnorm) gives the stage's q_c and kv_c bitwise"
-                     : "the replay's q_c or kv_c differ from the stage's: the norm check below is void");
-}
-
-Check check_norm(const StepShape& s, const HostWeights& w, const QkvReplay& replay, const PathOutputs& gpu) {
-  const NormOutputs cpu = reference_norm(s, w, replay.qkv);
+Check check_norm(const StepShape& s, const HostWeights& w, const PathOutputs& gpu) {
+  const NormOutputs cpu = reference_norm(s, w, gpu.qkv);
   const Difference q = bf16_difference(gpu.q_c, cpu.q_c), kv = bf16_difference(gpu.kv_c, cpu.kv_c);
   const int64_t worst = std::max(q.max_steps, kv.max_steps);
   return judged("norm vs CPU reference", worst <= 1,
                 format("max %lld BF16 ulp (tolerance 1: rsqrt.approx); q_c %zu of %zu values differ, kv_c %zu of %zu; "
-                       "on the replayed qkv",
+                       "on the GPU's qkv",
                        static_cast<long long>(worst), q.differing, cpu.q_c.size(), kv.differing, cpu.kv_c.size()));
 }
 
-// A cuBLAS product against a CPU reference that sums in another order: BF16
-// outputs within this many BF16 ulps at the values' scale
-// (bf16_error_in_scale_ulps). Not bitwise, but it catches a wrong GEMM
+// A product (cuBLAS's, or the GEMV's lanes) against a CPU reference that sums
+// in another order: BF16 outputs within this many BF16 ulps at the values'
+// scale (bf16_error_in_scale_ulps). Not bitwise, but it catches a wrong GEMM
 // mapping (transposed operands give errors of the values' own size, hundreds
 // of ulps), which the later checks, fed with the GPU's own outputs, would not see.
-constexpr double kCublasToleranceUlps = 2;
+constexpr double kReorderedToleranceUlps = 2;
 
-// `error` in BF16 ulps at the values' scale of a cuBLAS output fed with the GPU's `input`.
-Check cublas_check(const char* name, double error, const char* input) {
-  return judged(name, error <= kCublasToleranceUlps,
+// `error` in BF16 ulps at the values' scale of a product fed with the GPU's `input`.
+Check reordered_check(const std::string& name, double error, const char* input) {
+  return judged(name, error <= kReorderedToleranceUlps,
                 format("max error %.2f BF16 ulp at the values' scale (tolerance %.0f; summation order differs), on "
                        "the GPU's %s",
-                       error, kCublasToleranceUlps, input));
+                       error, kReorderedToleranceUlps, input));
 }
 
-Check check_q_b_proj(const StepShape& s, const HostWeights& w, const PathOutputs& gpu) {
-  return cublas_check("q_b_proj (cuBLASLt) vs CPU FP32 loop",
-                      bf16_error_in_scale_ulps(gpu.q, reference_q_b_proj(s, w, gpu.q_c)), "q_c");
+// `kernel`: "GEMV", "cuBLASLt" or "cuBLASLt, stock path".
+Check check_q_b_proj(const StepShape& s, const HostWeights& w, const std::string& kernel, const PathOutputs& gpu) {
+  return reordered_check("q_b_proj (" + kernel + ") vs CPU FP32 loop",
+                         bf16_error_in_scale_ulps(gpu.q, reference_q_b_proj(s, w, gpu.q_c)), "q_c");
+}
+
+// linear_gemv's output `got` [m, n] against reference::linear_gemv of the
+// GPU's own input `x` [m, k] and `weight` [n, k], bit for bit: the kernel's
+// contract (include/dsa_decode/linear.h) fixes the order of every sum.
+Check check_linear_gemv(const char* projection, const std::vector<uint16_t>& got, const std::vector<uint16_t>& x, int m,
+                        int64_t k, const std::vector<uint16_t>& weight, int64_t n, const char* input) {
+  const std::vector<uint16_t> cpu = reference::linear_gemv(x, m, k, weight, n);
+  const Difference d = bf16_difference(got, cpu);
+  return judged(std::string(projection) + " (GEMV) vs CPU reference", got.size() == cpu.size() && d.differing == 0,
+                format("bitwise: %zu of %zu BF16 values differ (first: token %lld, column %lld; max %lld ulp); on the "
+                       "GPU's %s",
+                       d.differing, cpu.size(), static_cast<long long>(d.first_index / n),
+                       static_cast<long long>(d.first_index % n), static_cast<long long>(d.max_steps), input));
 }
 
 // The steps both paths share left the same bits: the stock run's qkv_a_proj,
-// norm and q_b_proj, and its indexer prepare run again at the fused run's
-// positions (DeviceLayer::step_args says why that leaves the same state), or
-// the fused and the stock rows would come from different states (and every
-// timed replay from yet another). The projections' inputs are q_c and the
-// hidden states, so equal q_c means equal projections.
-Check check_shared_repeat(const PathOutputs& fused, const PathOutputs& stock) {
-  const bool same = fused.q_c == stock.q_c && fused.kv_c == stock.kv_c && fused.q == stock.q &&
+// norm, the indexer's projections, q_b_proj where both paths run it through
+// the same kernel (`same_q_b_proj`), and its indexer prepare run again at the
+// fused run's positions (DeviceLayer::step_args says why that leaves the same
+// state), or the fused and the stock rows would come from different states
+// (and every timed replay from yet another).
+Check check_shared_repeat(const PathOutputs& fused, const PathOutputs& stock, bool same_q_b_proj) {
+  const IndexerProjections &f = fused.indexer_projections, &b = stock.indexer_projections;
+  const bool same_projections =
+      f.index_q == b.index_q && f.index_k == b.index_k && f.head_weights == b.head_weights && f.gate == b.gate;
+  const bool same = fused.qkv == stock.qkv && fused.q_c == stock.q_c && fused.kv_c == stock.kv_c &&
+                    (!same_q_b_proj || fused.q == stock.q) && same_projections &&
                     fused.indexer_ring == stock.indexer_ring && fused.indexer_k_cache == stock.indexer_k_cache;
-  return judged("qkv_a_proj, norm, q_b_proj and indexer prepare repeat", same,
-                same ? "the fused and the stock run got the same q_c, kv_c and q bits and left the same indexer ring "
-                       "and K cache bytes (prepare run again at the same positions)"
-                     : "q_c, kv_c, q or the indexer state differ between the fused and the stock run: the "
-                       "comparisons below are void");
+  const char* q = same_q_b_proj ? ", q" : "";
+  return judged(same_q_b_proj ? "qkv_a_proj, norm, q_b_proj and the indexer's projections and prepare repeat"
+                              : "qkv_a_proj, norm and the indexer's projections and prepare repeat",
+                same,
+                same ? format("the fused and the stock run got the same qkv, q_c, kv_c%s and indexer projection bits "
+                              "and left the same indexer ring and K cache bytes (prepare run again at the same "
+                              "positions)%s",
+                              q, same_q_b_proj ? "" : "; q_b_proj runs another kernel in each path")
+                     : format("qkv, q_c, kv_c%s, the indexer's projections or its state differ between the fused and "
+                              "the stock run: the comparisons below are void",
+                              q));
 }
 
 double projection_value(uint16_t bf16) { return num::bf16_to_float(bf16); }
@@ -425,8 +501,8 @@ ProjectionError projection_error(const std::vector<T>& got, const reference::Exa
 
 // Either kernel's sums against the float64 reference with indexer_project's
 // tolerance (src/indexer/indexer_reference.h): cuBLASLt sums in an order it
-// does not state, the GEMV is also checked bit for bit below. On the replayed
-// projections, which the replay's slots show to be the stage's.
+// does not state, the GEMV is also checked bit for bit below. On the stage's
+// projections.
 Check check_indexer_projections(const StepShape& s, const HostWeights& w, const HostStepInputs& in, const char* kernel,
                                 const std::vector<uint16_t>& q_c, const IndexerProjections& p) {
   const reference::IndexerProjectionsHost exact = reference_indexer_project(s, w, q_c, in.hidden);
@@ -493,8 +569,8 @@ Check check_value_up(const StepShape& s, const HostWeights& w, ValueUpKernel ker
   const HeadGemvTactic tactic = value_up_tactic(s);
   const std::vector<uint16_t> cpu = reference_value_up(s, w, gpu.latent, tactic);
   if (kernel == ValueUpKernel::kCublasBmm) {
-    return cublas_check("value_up heads (cuBLAS bmm, m not in --value-up-tokens) vs CPU reference",
-                        bf16_error_in_scale_ulps(gpu.heads, cpu), "latent");
+    return reordered_check("value_up heads (cuBLAS bmm, m not in --value-up-tokens) vs CPU reference",
+                           bf16_error_in_scale_ulps(gpu.heads, cpu), "latent");
   }
   if (s.head_gemv_sums == HeadGemvSums::kTensorCores) {
     return head_gemv_bound_check("value_up heads (head_gemv, tensor cores) vs float64 reference",
@@ -504,10 +580,11 @@ Check check_value_up(const StepShape& s, const HostWeights& w, ValueUpKernel ker
                          "BF16", "ulp", tactic, "latent");
 }
 
-Check check_o_proj(const StepShape& s, const HostWeights& w, const PathOutputs& gpu) {
+// `kernel`: "GEMV", "cuBLASLt" or "cuBLASLt, stock path".
+Check check_o_proj(const StepShape& s, const HostWeights& w, const std::string& kernel, const PathOutputs& gpu) {
   const double error = relative_frobenius(gpu.out, exact_linear(gpu.heads, s.m, s.H * s.V, w.o_proj, s.D));
   return judged(
-      "o_proj (cuBLASLt) vs float64", within(error, kProductTolerance),
+      "o_proj (" + kernel + ") vs float64", within(error, kProductTolerance),
       format("out relative Frobenius error %.2e (tolerance %.0e), on the GPU's heads", error, kProductTolerance));
 }
 
@@ -540,14 +617,15 @@ struct IndexerReference {
   double ms = 0;            // CPU time
 };
 
+// `gpu_logits`: the GPU select's logits under FP32-accumulated logits, else null.
 Status run_indexer_reference(const StepShape& s, const HostWeights& w, const IndexerProjections& projections,
                              const HostStepInputs& in, const IndexerTokenRows& history,
-                             const std::vector<float>& gpu_logits, IndexerReference* cpu) {
+                             const std::vector<float>* gpu_logits, IndexerReference* cpu) {
   const auto start = std::chrono::steady_clock::now();
   cpu->state = make_indexer_state(s);
   int64_t prefill_errors = 0;
   DSA_RETURN_IF_ERROR(reference_indexer_prefill(s, w, history, &cpu->state, &prefill_errors));
-  cpu->logits.logits = &gpu_logits;
+  cpu->logits.logits = gpu_logits;
   DSA_RETURN_IF_ERROR(
       reference_indexer_step(s, w, projections, in, &cpu->state, &cpu->rows, &cpu->errors, &cpu->logits));
   cpu->errors += prefill_errors;
@@ -555,14 +633,14 @@ Status run_indexer_reference(const StepShape& s, const HostWeights& w, const Ind
   return Status();
 }
 
-// The library's indexer steps on the stage's q_c, hidden states and state
-// give the stage's slots bit for bit: the replayed projections and logits
-// the indexer checks read are the stage's.
-Check check_indexer_replay(const IndexerReplay& replay, const PathOutputs& gpu) {
+// The library's prepare and select on the stage's projections and state give
+// the stage's slots bit for bit: the replayed logits the logits check reads
+// are the stage's.
+Check check_indexer_select_replay(const IndexerSelectReplay& replay, const PathOutputs& gpu) {
   const Mismatches d = count_mismatches(replay.slots, gpu.slots);
-  return judged("indexer replayed through the library", d.count == 0 && replay.errors == 0,
-                format("projections, prepare and select on the stage's q_c and hidden states: %zu of %zu slots differ "
-                       "from the stage's (first: token %zu, column %zu); the replay's error counter %u",
+  return judged("indexer prepare + select replayed through the library", d.count == 0 && replay.errors == 0,
+                format("prepare and select on the stage's projections: %zu of %zu slots differ from the stage's "
+                       "(first: token %zu, column %zu); the replay's error counter %u",
                        d.count, gpu.slots.size(), d.first / kTopKWidth, d.first % kTopKWidth, replay.errors));
 }
 
@@ -713,53 +791,74 @@ Check check_error_counts(const PathOutputs& fused, const PathOutputs& fused_agai
                        fused.errors, fused_again.errors, stock.errors, prefill));
 }
 
-// Runs the fused path, replays the steps the stage keeps to itself, runs the
-// fused path again, then the stock path, all on stage 0, and checks what they
-// wrote; the indexer's CPU reference prefills from the same
-// `indexer_history`. Each check is printed as soon as it is known.
+// Runs the fused path, under FP32-accumulated logits replays its select (the
+// logits stay in the stage's workspace), runs the fused path again, then the
+// stock path, all on stage 0, and checks what they wrote; the indexer's CPU
+// reference prefills from the same `indexer_history`. Each check is printed
+// as soon as it is known.
 Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
-                  const IndexerTokenRows& indexer_history, const HostCache& initial_cache, ValueUpKernel value_up,
-                  bool projections_cublaslt, DsaAttentionStage& stage, DeviceLayer& layer, cudaStream_t stream,
-                  std::vector<Check>* checks) {
+                  const IndexerTokenRows& indexer_history, const HostCache& initial_cache, const PathSteps& steps,
+                  ValueUpKernel value_up, bool indexer_projections_cublaslt, DsaAttentionStage& stage,
+                  DeviceLayer& layer, cudaStream_t stream, std::vector<Check>* checks) {
+  const bool fp32_logits = s.indexer_logits == IndexerLogits::kFp32Accumulation;
   DSA_RETURN_IF_ERROR(layer.clear_error_counts(stream));
   PathOutputs fused, fused_again, stock;
-  QkvReplay qkv_replay;
-  IndexerReplay indexer_replay;
+  IndexerSelectReplay select_replay;
   DSA_RETURN_IF_ERROR(run_path(stage, layer, DsaPath::kFused, s.m, stream, &fused));
-  // The stage's q_c is still the fused run's: the replays read it.
-  DSA_RETURN_IF_ERROR(layer.replay_qkv(stream, &qkv_replay));
-  DSA_RETURN_IF_ERROR(layer.replay_indexer(stage.intermediates(s.m).q_c, stream, &indexer_replay));
+  // The stage's projections are still the fused run's: the replay reads them.
+  if (fp32_logits) DSA_RETURN_IF_ERROR(layer.replay_indexer_select(stage.intermediates(s.m), stream, &select_replay));
   DSA_RETURN_IF_ERROR(run_path(stage, layer, DsaPath::kFused, s.m, stream, &fused_again));
   // The stage's buffers serve both paths: the fused results are on the host already.
   DSA_RETURN_IF_ERROR(run_path(stage, layer, DsaPath::kStock, s.m, stream, &stock));
   unsigned int prefill_errors = 0;
   DSA_RETURN_IF_ERROR(layer.prefill_errors(stream, &prefill_errors));
   IndexerReference indexer;
-  DSA_RETURN_IF_ERROR(
-      run_indexer_reference(s, w, indexer_replay.projections, in, indexer_history, indexer_replay.logits, &indexer));
+  DSA_RETURN_IF_ERROR(run_indexer_reference(s, w, fused.indexer_projections, in, indexer_history,
+                                            fp32_logits ? &select_replay.logits : nullptr, &indexer));
 
-  std::printf("\nchecks (stage 0: fused path, the replays, fused path again, stock path):\n");
+  // Each projection's kernel per path. The stock path runs q_b_proj and
+  // o_proj through cuBLASLt at every m: where the fused path runs them as
+  // linear_gemv, the stock ones are checked on their own.
+  const bool qkv_gemv = runs_gemv(steps.fused, kFirstProjection);
+  const bool q_b_gemv = runs_gemv(steps.fused, "q_b_proj"), stock_q_b_gemv = runs_gemv(steps.stock, "q_b_proj");
+  const bool o_gemv = runs_gemv(steps.fused, kLastProjection), stock_o_gemv = runs_gemv(steps.stock, kLastProjection);
+  const std::string stock_q_b_kernel = std::string(kernel_name(stock_q_b_gemv)) + ", stock path";
+  const std::string stock_o_kernel = std::string(kernel_name(stock_o_gemv)) + ", stock path";
+
+  std::printf("\nchecks (stage 0: fused path,%s fused path again, stock path):\n",
+              fp32_logits ? " the select replay," : "");
   auto add = [&](Check check) {
     print_check(check);
     checks->push_back(std::move(check));
   };
-  add(check_qkv_a_proj_norm(s, w, in, fused));
-  add(check_qkv_replay(qkv_replay, fused));
-  add(check_norm(s, w, qkv_replay, fused));
-  add(check_q_b_proj(s, w, fused));
-  add(check_shared_repeat(fused, stock));
+  if (qkv_gemv) {
+    add(check_linear_gemv(kFirstProjection, fused.qkv, in.hidden, s.m, s.D, w.fused_qkv_a_proj, s.qkv_width(),
+                          "hidden states"));
+  }
+  add(check_qkv_a_proj_norm(s, w, in, qkv_gemv, fused));
+  add(check_norm(s, w, fused));
+  if (q_b_gemv) add(check_linear_gemv("q_b_proj", fused.q, fused.q_c, s.m, s.Q, w.q_b_proj, s.q_width(), "q_c"));
+  add(check_q_b_proj(s, w, kernel_name(q_b_gemv), fused));
+  if (stock_q_b_gemv != q_b_gemv) add(check_q_b_proj(s, w, stock_q_b_kernel, stock));
+  add(check_shared_repeat(fused, stock, stock_q_b_gemv == q_b_gemv));
   add(check_absorb(s, w, fused));
   add(check_cache_reference(s, w, in, initial_cache, fused));
-  add(check_indexer_replay(indexer_replay, fused));
-  add(check_indexer_projections(s, w, in, projections_cublaslt ? "cuBLASLt" : "GEMV", fused.q_c,
-                                indexer_replay.projections));
-  if (!projections_cublaslt) add(check_indexer_projections_gemv(s, w, in, fused.q_c, indexer_replay.projections));
+  add(check_indexer_projections(s, w, in, indexer_projections_cublaslt ? "cuBLASLt" : "GEMV", fused.q_c,
+                                fused.indexer_projections));
+  if (!indexer_projections_cublaslt) {
+    add(check_indexer_projections_gemv(s, w, in, fused.q_c, fused.indexer_projections));
+  }
   add(check_indexer_state(indexer, fused));
-  if (s.indexer_logits == IndexerLogits::kFp32Accumulation) add(check_indexer_logits(indexer));
+  if (fp32_logits) {
+    add(check_indexer_select_replay(select_replay, fused));
+    add(check_indexer_logits(indexer));
+  }
   add(check_indexer_rows(s, indexer, fused));
   add(check_attention(s, w, fused));
   add(check_value_up(s, w, value_up, fused));
-  add(check_o_proj(s, w, fused));
+  if (o_gemv) add(check_linear_gemv(kLastProjection, fused.out, fused.heads, s.m, s.H * s.V, w.o_proj, s.D, "heads"));
+  add(check_o_proj(s, w, kernel_name(o_gemv), fused));
+  if (stock_o_gemv != o_gemv) add(check_o_proj(s, w, stock_o_kernel, stock));
   add(check_fused_repeat(fused, fused_again));
   add(check_cache_fused_vs_stock(s, fused, stock));
   add(check_q_fp8_fused_vs_stock(fused, stock));
@@ -831,8 +930,8 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
     *bytes = 0;
     for (size_t i = first; i <= last; ++i) {
       StepRow row;
-      DSA_RETURN_IF_ERROR(describe_step(s, path, names[i], &row));
-      *bytes += row.bytes;
+      DSA_RETURN_IF_ERROR(describe_step(s, steps, path, names[i], &row));
+      if (row.in_range_floor) *bytes += row.bytes;
     }
     return Status();
   };
@@ -848,7 +947,7 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
     const std::vector<std::string>& names = path == DsaPath::kFused ? steps.fused : steps.stock;
     for (size_t i = 0; i < names.size(); ++i) {
       StepRow row;
-      DSA_RETURN_IF_ERROR(describe_step(s, path, names[i], &row));
+      DSA_RETURN_IF_ERROR(describe_step(s, steps, path, names[i], &row));
       if (path == DsaPath::kStock && row.path == "shared") continue;
       Timing t{row.name, row.label, row.path, true};
       t.bytes = row.bytes;
@@ -890,10 +989,12 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
   // Each fused timing against the stock one it replaces.
   for (const auto& [fused, stock] :
        std::vector<std::pair<const char*, const char*>>{{"absorb", "stock_absorb"},
+                                                        {"q_b_proj_gemv", "stock_q_b_proj"},
                                                         {"indexer_select", "stock_indexer_select"},
                                                         {"attention", "stock_attention"},
                                                         {"value_up", "stock_value_up_bmm"},
                                                         {"value_up_bmm", "stock_value_up_bmm"},
+                                                        {"o_proj_gemv", "stock_o_proj"},
                                                         {"chain", "stock_chain"},
                                                         {"whole_stage", "stock_whole_stage"}}) {
     const int f = index_of(fused), b = index_of(stock);
@@ -905,12 +1006,13 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
 // ---------------------------------------------------------------- setup
 
 // The stages' plan: the step's (StepShape::stage_plan) with the options'
-// value-up token counts (unset: the stage's measured sets) and indexer
-// projection kernel.
+// value-up and projection token counts (unset: the stage's measured sets)
+// and indexer projection kernel.
 DsaStagePlan stage_plan(const StepShape& s, const Options& options) {
   DsaStagePlan plan = s.stage_plan();
   plan.value_up_tokens = options.value_up_tokens;
-  plan.indexer_projections_cublaslt = options.projections_cublaslt;
+  plan.projection_gemv_tokens = projection_gemv_tokens(options);
+  plan.indexer_projections_cublaslt = options.indexer_projections_cublaslt;
   return plan;
 }
 
@@ -948,7 +1050,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
     if (!created.ok()) return Status(created.code(), "creating the stage: " + created.message());
   }
   PathSteps steps;
-  DSA_RETURN_IF_ERROR(path_steps(*stages[0], layer, &steps));
+  DSA_RETURN_IF_ERROR(path_steps(s, *stages[0], layer, &steps));
   const ValueUpKernel value_up = fused_value_up_kernel(steps);
   const ValueUpChoice value_up_choice = choose_value_up(options, s.H, s.m);
   if (value_up_choice.kernel != value_up) {
@@ -970,8 +1072,13 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   std::printf("sparse attention's split plan (both paths): %s\n", options.attention_splits.c_str());
   std::printf("indexer logits (both paths' selects): %s\n",
               s.indexer_logits == IndexerLogits::kExact ? "exact" : "FP32 accumulation");
+  std::printf(
+      "projections (--projections %s): qkv_a_proj %s (both paths); q_b_proj %s, o_proj %s (fused path; "
+      "the stock path's: cuBLASLt)\n",
+      options.projections.c_str(), kernel_name(runs_gemv(steps.fused, kFirstProjection)),
+      kernel_name(runs_gemv(steps.fused, "q_b_proj")), kernel_name(runs_gemv(steps.fused, kLastProjection)));
   std::printf("indexer projections (both paths): %s\n",
-              options.projections_cublaslt ? "indexer_project (cuBLASLt)" : "indexer_project_gemv");
+              options.indexer_projections_cublaslt ? "indexer_project (cuBLASLt)" : "indexer_project_gemv");
   for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
     const std::vector<std::string>& names = path == DsaPath::kFused ? steps.fused : steps.stock;
     std::string list;
@@ -988,12 +1095,17 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   report->weight_copies = copies;
   report->value_up_kernel = value_up_kernel_name(value_up);
   report->value_up_reason = value_up_choice.reason;
-  report->indexer_projections_kernel = options.projections_cublaslt ? "indexer_project" : "indexer_project_gemv";
+  report->projections_option = options.projections;
+  for (const char* projection : {kFirstProjection, "q_b_proj", kLastProjection}) {
+    report->fused_projection_kernels.emplace_back(projection, kernel_name(runs_gemv(steps.fused, projection)));
+  }
+  report->indexer_projections_kernel =
+      options.indexer_projections_cublaslt ? "indexer_project" : "indexer_project_gemv";
   report->indexer_logits = s.indexer_logits == IndexerLogits::kExact ? "exact" : "fp32_accumulation";
   report->head_gemv_sums = s.head_gemv_sums == HeadGemvSums::kTensorCores ? "tensor_cores" : "seed_order";
   report->attention_splits = options.attention_splits;
-  DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, value_up, options.projections_cublaslt,
-                                 *stages[0], layer, ctx.stream, &report->checks));
+  DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, steps, value_up,
+                                 options.indexer_projections_cublaslt, *stages[0], layer, ctx.stream, &report->checks));
   DSA_RETURN_IF_ERROR(warm_up(stages, layer, ctx.stream));
   DSA_RETURN_IF_ERROR(time_all(ctx, s, stages, layer, steps, options.steps, &report->timings));
   print_timings(*report);

@@ -5,6 +5,7 @@
 #include <limits>
 #include <system_error>
 
+#include "dsa_decode/linear.h"
 #include "dsa_decode/presets.h"
 #include "dsa_decode/stage.h"
 
@@ -51,11 +52,21 @@ ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
   return ValueUpChoice{head_gemv ? ValueUpKernel::kHeadGemv : ValueUpKernel::kCublasBmm, reason};
 }
 
+std::optional<std::set<int>> projection_gemv_tokens(const Options& options) {
+  if (options.projections == "auto") return std::nullopt;
+  std::set<int> counts;
+  if (options.projections == "gemv") {
+    for (int m = 1; m <= kLinearGemvMaxTokens; ++m) counts.insert(m);
+  }
+  return counts;
+}
+
 void print_usage(FILE* to) {
   std::fprintf(to,
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
-               "                  [--value-up-tokens LIST] [--head-gemv-sums SUMS] [--indexer-projections KERNEL]\n"
-               "                  [--indexer-logits DOTS] [--attention-splits PLAN] [--json FILE] [--cpu] [--help]\n"
+               "                  [--projections KERNEL] [--value-up-tokens LIST] [--head-gemv-sums SUMS]\n"
+               "                  [--indexer-projections KERNEL] [--indexer-logits DOTS] [--attention-splits PLAN]\n"
+               "                  [--json FILE] [--cpu] [--help]\n"
                "Runs one decode step of a DSA layer's attention half (hidden states in, o_proj's output\n"
                "out) on a synthetic layer through the library's stage (DsaAttentionStage), its fused\n"
                "path and its stock path, checks they agree with each other and with the CPU reference,\n"
@@ -70,6 +81,14 @@ void print_usage(FILE* to) {
                "                 N..N+M-1 (default 32768)\n"
                "  --steps N      graph replays per timing, 1..%d (default 200)\n"
                "  --seed N       seed of the synthetic weights and inputs (default 1)\n"
+               "  --projections KERNEL\n"
+               "                 the stage's projections: qkv_a_proj (both paths) and the fused path's q_b_proj\n"
+               "                 and o_proj (the stock path's stay cuBLASLt): auto (default; linear_gemv, one\n"
+               "                 launch with PDL, at the token counts where the stage measured it faster,\n"
+               "                 cuBLASLt otherwise), gemv (linear_gemv at every m it takes, 1..%d, cuBLASLt\n"
+               "                 past it; at TP1 it refuses o_proj past m = 4, whose 16384 input columns do not\n"
+               "                 fit its shared memory, and the stage falls back to cuBLASLt there) or cublaslt\n"
+               "                 (cuBLASLt at every m)\n"
                "  --value-up-tokens LIST\n"
                "                 token counts whose value-up the fused path runs as head_gemv (the stage plan's\n"
                "                 value_up_tokens), cuBLAS bmm\n"
@@ -100,7 +119,7 @@ void print_usage(FILE* to) {
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
                "Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS call failed, 2 bad command line.\n",
                preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps,
-               kMaxDecodeTokens, token_list(measured_value_up_tokens(64)).c_str(),
+               kLinearGemvMaxTokens, kMaxDecodeTokens, token_list(measured_value_up_tokens(64)).c_str(),
                token_list(measured_value_up_tokens(8)).c_str(), token_list(measured_value_up_tokens(1)).c_str(),
                token_list(measured_value_up_tokens_tensor_cores(64)).c_str(),
                token_list(measured_value_up_tokens_tensor_cores(8)).c_str());
@@ -121,6 +140,7 @@ std::string expected_value(const std::string& option) {
   if (option == "--steps") return range_text(1, kMaxSteps);
   if (option == "--seed") return "an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
   if (option == "--json") return "a file name";
+  if (option == "--projections") return "auto, gemv or cublaslt";
   if (option == "--indexer-projections") return "gemv or cublaslt";
   if (option == "--indexer-logits") return "exact or fp32-accumulation";
   if (option == "--head-gemv-sums") return "seed-order or tensor-cores";
@@ -194,12 +214,20 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
     return parse_integer<uint64_t>(option, value, 0, std::numeric_limits<uint64_t>::max(), &o->seed, error);
   }
   if (option == "--value-up-tokens") return parse_token_set(option, value, &o->value_up_tokens, error);
+  if (option == "--projections") {
+    if (value != "auto" && value != "gemv" && value != "cublaslt") {
+      *error = bad_value(option, value);
+      return false;
+    }
+    o->projections = value;
+    return true;
+  }
   if (option == "--indexer-projections") {
     if (value != "gemv" && value != "cublaslt") {
       *error = bad_value(option, value);
       return false;
     }
-    o->projections_cublaslt = value == "cublaslt";
+    o->indexer_projections_cublaslt = value == "cublaslt";
     return true;
   }
   if (option == "--indexer-logits") {

@@ -25,7 +25,12 @@ struct Options {
   // --indexer-projections: the kernel of the indexer's four projections, a
   // step both paths share ("gemv": indexer_project_gemv; "cublaslt":
   // indexer_project).
-  bool projections_cublaslt = false;
+  bool indexer_projections_cublaslt = false;
+  // --projections: the kernel of the stage's own projections (qkv_a_proj in
+  // both paths, q_b_proj and o_proj in the fused path), i.e. the plan's
+  // projection_gemv_tokens: "auto" (default), "gemv" or "cublaslt"
+  // (projection_gemv_tokens() below).
+  std::string projections = "auto";
   // --indexer-logits: the select's dots in both paths (IndexerPlan::logits):
   // exact (default) or fp32-accumulation.
   bool indexer_logits_fp32 = false;
@@ -80,6 +85,13 @@ struct ValueUpChoice {
 
 // The choice for a step of m tokens on `heads` heads.
 ValueUpChoice choose_value_up(const Options& options, int heads, int m);
+
+// The stage plan's projection_gemv_tokens for --projections: auto: unset
+// (the stage's measured set, dsa_stage_measured_projection_gemv_tokens);
+// gemv: every token count linear_gemv takes, 1..kLinearGemvMaxTokens (the
+// stage still runs cuBLASLt where the kernel refuses the shape: o_proj at TP1
+// past m = 4); cublaslt: none.
+std::optional<std::set<int>> projection_gemv_tokens(const Options& options);
 
 // Fills `options` from argv ("--name VALUE" or "--name=VALUE"). On a bad
 // command line returns false and a message naming the option, what was given

@@ -88,6 +88,12 @@ Status write_json(const RunReport& r, const std::string& path) {
        << ", \"weight_copies\": " << r.weight_copies
        << ",\n \"value_up\": {\"fused_kernel\": " << json_string(r.value_up_kernel)
        << ", \"reason\": " << json_string(r.value_up_reason) << "}"
+       << ",\n \"projections\": {\"option\": " << json_string(r.projections_option) << ", \"fused_kernels\": {";
+  for (size_t i = 0; i < r.fused_projection_kernels.size(); ++i) {
+    const auto& [projection, kernel] = r.fused_projection_kernels[i];
+    json << (i ? ", " : "") << json_string(projection) << ": " << json_string(kernel);
+  }
+  json << "}}"
        << ",\n \"indexer_projections\": " << json_string(r.indexer_projections_kernel)
        << ",\n \"indexer_logits\": " << json_string(r.indexer_logits)
        << ",\n \"head_gemv_sums\": " << json_string(r.head_gemv_sums)

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsa_decode/status.h"
@@ -36,6 +37,10 @@ struct RunReport {
   int weight_copies = 0;        // one stage each
   std::string value_up_kernel;  // what the fused path's value-up ran: "head_gemv" or "cuBLAS bmm"
   std::string value_up_reason;  // why (choose_value_up)
+  std::string projections_option;  // --projections: "auto", "gemv" or "cublaslt"
+  // The kernel ("GEMV" or "cuBLASLt") of each of the fused path's projections, in step order:
+  // qkv_a_proj (both paths'), q_b_proj, o_proj (the stock path's: cuBLASLt).
+  std::vector<std::pair<std::string, std::string>> fused_projection_kernels;
   std::string indexer_projections_kernel;  // both paths': "indexer_project_gemv" or "indexer_project"
   std::string indexer_logits;              // both selects': "exact" or "fp32_accumulation"
   std::string head_gemv_sums;              // the fused path's head_gemv: "seed_order" or "tensor_cores"
