@@ -92,7 +92,7 @@ const char* kernel_name(bool gemv) { return gemv ? "GEMV" : "cuBLASLt"; }
 // step's shapes.
 struct StepBytes {
   double qkv_a_proj, norm, q_b_proj, absorb, project, prepare, select, stock_select, attention, value_up, o_proj,
-      l2_prefetch, cache_write, absorb_bmm, fp8_quant, counters;
+      cache_write, absorb_bmm, fp8_quant, counters;
 };
 
 StepBytes step_bytes(const StepShape& s) {
@@ -139,10 +139,6 @@ StepBytes step_bytes(const StepShape& s) {
   b.stock_select = b.select + top_k_rows;  // the request-local positions too
   b.value_up = bf16 * H * L * V + bf16 * m * H * L + bf16 * m * H * V;
   b.o_proj = bf16 * D * H * V + bf16 * m * H * V + bf16 * m * D;
-  // The stage's L2 prefetch (plan.l2_prefetch_bytes, the default plan's): W_UV's bytes, then o_proj's from its start.
-  const double prefetch_budget = double(s.stage_plan().l2_prefetch_bytes);
-  const double w_uv_prefetched = std::min(bf16 * H * L * V, prefetch_budget);
-  b.l2_prefetch = w_uv_prefetched + std::min(bf16 * D * H * V, prefetch_budget - w_uv_prefetched);
   b.absorb_bmm = w_uk + q + bf16 * m * H * L;
   b.fp8_quant = bf16 * m * H * L + fp8 * m * H * L;
   return b;
@@ -155,13 +151,10 @@ struct PathSteps {
 
 // One step of a path as the report shows it: its JSON row name, its label,
 // "shared" (both paths run it on the same inputs: timed once), "fused" or
-// "stock", and its bytes; `in_range_floor` false: those bytes are later
-// steps' own, fetched early (the L2 prefetch), so a range of steps counts
-// them once, at those steps.
+// "stock", and its bytes.
 struct StepRow {
   std::string name, label, path;
   double bytes = 0;
-  bool in_range_floor = true;
 };
 
 // The row of the stage's step `step` (a name from step_names) in `path` of
@@ -198,11 +191,6 @@ Status describe_step(const StepShape& s, const PathSteps& steps, DsaPath path, c
   }
   if (step == "indexer prepare") {
     return set("indexer_prepare", "indexer prepare (k norm, q quant, pools)", "shared", b.prepare);
-  }
-  if (fused && step == "L2 prefetch (W_UV, o_proj)") {
-    DSA_RETURN_IF_ERROR(set("l2_prefetch", "L2 prefetch of W_UV and o_proj (a hint)", "fused", b.l2_prefetch));
-    row->in_range_floor = false;
-    return Status();
   }
   if (fused && step == "absorb + cache write (head_gemv)") {
     return set("absorb",
@@ -931,7 +919,7 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
     for (size_t i = first; i <= last; ++i) {
       StepRow row;
       DSA_RETURN_IF_ERROR(describe_step(s, steps, path, names[i], &row));
-      if (row.in_range_floor) *bytes += row.bytes;
+      *bytes += row.bytes;
     }
     return Status();
   };
