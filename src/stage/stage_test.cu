@@ -469,15 +469,30 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
     }
   }
 
-  // q_fp8: head_gemv's order against cuBLAS's, one FP8 step at most.
-  size_t q_differ = 0;
-  for (size_t i = 0; i < fused.q_fp8.size(); ++i) {
-    const int a = fused.q_fp8[i], b = stock.q_fp8[i];
-    const int ordered_a = a & 0x80 ? -(a & 0x7F) : a, ordered_b = b & 0x80 ? -(b & 0x7F) : b;
-    ASSERT_LE(std::abs(ordered_a - ordered_b), 1) << at << " q_fp8 " << i;
-    q_differ += a != b;
+  // q_fp8 of each path: the static quant of the float64 absorb of its own q,
+  // within one FP8 step (its FP32 sums are far closer than a step to the
+  // float64 ones; a value near a rounding boundary may take the next code).
+  const auto ordered = [](int code) { return code & 0x80 ? -(code & 0x7F) : code; };
+  for (const PathResult* r : {&fused, &stock}) {
+    const std::vector<double> absorbed = per_head(r->q, m, kP, layer.w_uk_t, kL);
+    for (size_t i = 0; i < r->q_fp8.size(); ++i) {
+      const int want = num::quant_fp8_static(float(absorbed[i]), 1.0f / layer.scales[0]);
+      ASSERT_LE(std::abs(ordered(r->q_fp8[i]) - ordered(want)), 1)
+          << at << (r == &fused ? " fused" : " stock") << " q_fp8 " << i << " of absorb " << absorbed[i];
+    }
   }
-  EXPECT_LT(q_differ, fused.q_fp8.size() / 20) << at;
+  // With the same q (q_b_proj through the same kernel), head_gemv's order
+  // against cuBLAS's: one FP8 step at most, few codes differ. A GEMV q_b_proj
+  // in the fused path gives another q (one BF16 rounding apart), and values
+  // near zero, where FP8 codes are dense, then differ by more codes.
+  if (fused.q == stock.q) {
+    size_t q_differ = 0;
+    for (size_t i = 0; i < fused.q_fp8.size(); ++i) {
+      ASSERT_LE(std::abs(ordered(fused.q_fp8[i]) - ordered(stock.q_fp8[i])), 1) << at << " q_fp8 " << i;
+      q_differ += fused.q_fp8[i] != stock.q_fp8[i];
+    }
+    EXPECT_LT(q_differ, fused.q_fp8.size() / 20) << at;
+  }
 
   // The indexer's rows: the exact select and the CUB-sort baseline agree.
   EXPECT_TRUE(fused.slots == stock.slots) << at;
