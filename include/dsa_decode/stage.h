@@ -49,13 +49,18 @@
 //
 // Numerics: both paths apply the same roundings (BF16 round to nearest even,
 // the stock static FP8 quant, the cache write's rounded division); they
-// differ in FP32 summation order only (head_gemv's fixed order against
-// cuBLAS's), so q_fp8 agrees within one FP8 step, the KV cache bytes and the
-// selected slots are equal (both selects are exact over the same logits), and latent and out agree within the
-// attention's and the GEMMs' tolerances (docs/stage.md has the measured differences). The fused path is deterministic;
-// a token's bits do not depend on the batch around it when plan.attention_splits is batch invariant (the default) and
-// value_up_tokens holds every m or none (the two value-up kernels add in
-// different orders).
+// differ in FP32 summation order only (head_gemv's and linear_gemv's fixed
+// orders against cuBLAS's), so the KV cache bytes and the selected slots are
+// equal (qkv_a_proj is one kernel for both; both selects are exact over the
+// same logits), q_fp8 agrees within one FP8 step when q_b_proj ran through
+// the same kernel (else each path's q_fp8 is within one step of the float64
+// absorb of its own q), and latent and out agree within the attention's and
+// the GEMMs' tolerances (docs/stage.md). The fused path is deterministic; a
+// token's bits do not depend on the batch around it when
+// plan.attention_splits is batch invariant (the default), value_up_tokens
+// holds every m or none (the two value-up kernels add in different orders)
+// and projection_gemv_tokens holds every m (cuBLASLt picks its algorithm,
+// hence its order, per m).
 //
 // Run path: no allocation, no synchronization; a step captures into a CUDA
 // graph once each path has run uncaptured at the same m (the first launch
