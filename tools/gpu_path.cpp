@@ -804,6 +804,9 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
                   ValueUpKernel value_up, bool indexer_projections_cublaslt, DsaAttentionStage& stage,
                   DeviceLayer& layer, cudaStream_t stream, std::vector<Check>* checks) {
   const bool fp32_logits = s.indexer_logits == IndexerLogits::kFp32Accumulation;
+  // The prefill ran in DeviceLayer::init: read its counter before the paths' are zeroed (which zeroes it too).
+  unsigned int prefill_errors = 0;
+  DSA_RETURN_IF_ERROR(layer.prefill_errors(stream, &prefill_errors));
   DSA_RETURN_IF_ERROR(layer.clear_error_counts(stream));
   PathOutputs fused, fused_again, stock;
   IndexerSelectReplay select_replay;
@@ -813,8 +816,6 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   DSA_RETURN_IF_ERROR(run_path(stage, layer, DsaPath::kFused, s.m, stream, &fused_again));
   // The stage's buffers serve both paths: the fused results are on the host already.
   DSA_RETURN_IF_ERROR(run_path(stage, layer, DsaPath::kStock, s.m, stream, &stock));
-  unsigned int prefill_errors = 0;
-  DSA_RETURN_IF_ERROR(layer.prefill_errors(stream, &prefill_errors));
   IndexerReference indexer;
   DSA_RETURN_IF_ERROR(run_indexer_reference(s, w, fused.indexer_projections, in, indexer_history,
                                             fp32_logits ? &select_replay.logits : nullptr, &indexer));
