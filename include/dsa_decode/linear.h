@@ -38,10 +38,12 @@
 namespace dsa {
 
 inline constexpr int kLinearGemvMaxTokens = 8;
+// Rows are counted in int32 on the device, a row plus the grid's warps included.
+inline constexpr int64_t kLinearGemvMaxRows = int64_t{1} << 30;
 
 // One launch's views.
 //   x       [m, K] BF16, m in 1..kLinearGemvMaxTokens; dim 1 contiguous
-//   weight  [N, K] BF16, nn.Linear's [out, in]; dim 1 contiguous
+//   weight  [N, K] BF16, nn.Linear's [out, in], N <= kLinearGemvMaxRows; dim 1 contiguous
 //   out     [m, N] BF16; dim 1 contiguous, any row stride of at least N;
 //           disjoint from x and weight
 // K a multiple of 8; x's and weight's row strides multiples of 8 elements

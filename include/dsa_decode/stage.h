@@ -59,8 +59,9 @@
 // token's bits do not depend on the batch around it when
 // plan.attention_splits is batch invariant (the default), value_up_tokens
 // holds every m or none (the two value-up kernels add in different orders)
-// and projection_gemv_tokens holds every m (cuBLASLt picks its algorithm,
-// hence its order, per m).
+// and every m the stage runs takes all three projections as linear_gemv (in
+// projection_gemv_tokens and within linear_gemv_supports: cuBLASLt picks its
+// algorithm, hence its order, per m).
 //
 // Run path: no allocation, no synchronization; a step captures into a CUDA
 // graph once each path has run uncaptured at the same m (the first launch
@@ -167,10 +168,11 @@ struct DsaStagePlan {
   IndexerLogits indexer_logits = IndexerLogits::kExact;          // both paths' select
   SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' attention
   bool indexer_projections_cublaslt = false;  // both paths' indexer projections: GEMV launch or cuBLASLt
-  // Token counts whose projections run as linear_gemv (the fused path's
-  // three; qkv_a_proj in both paths), cuBLASLt otherwise or where the
-  // kernel's shared-memory rule refuses the shape (o_proj at TP1 past m = 4);
-  // unset: dsa_stage_measured_projection_gemv_tokens(H).
+  // Token counts (1..kLinearGemvMaxTokens) whose projections run as
+  // linear_gemv (the fused path's three; qkv_a_proj in both paths),
+  // cuBLASLt otherwise and where the kernel's shared-memory rule refuses the
+  // shape (o_proj at TP1 past m = 4); unset:
+  // dsa_stage_measured_projection_gemv_tokens(H).
   std::optional<std::set<int>> projection_gemv_tokens;
   // The fused path's indexer on a second stream beside q_b_proj and the
   // absorb (the stock path stays in the stock engine's single-stream order).

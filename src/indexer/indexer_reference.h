@@ -173,16 +173,15 @@ struct IndexerProjectionsHost {
 IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& inputs);
 
 // indexer_project_gemv's outputs, bit for bit (the order is documented in
-// include/dsa_decode/indexer.h), row-major and contiguous.
+// include/dsa_decode/indexer.h; each output before its rounding is
+// gemv_sum, linear/linear_reference.h: linear_gemv's order), row-major and
+// contiguous.
 struct IndexerProjectionBitsHost {
   std::vector<uint16_t> index_q;    // [m, 32 * 128] BF16 bits
   std::vector<uint16_t> index_k;    // [m, 128] BF16 bits
   std::vector<float> head_weights;  // [m, 32]
   std::vector<uint16_t> gate;       // [m, 128] BF16 bits
 };
-
-// One output of indexer_project_gemv before its rounding is
-// gemv_sum (linear/linear_reference.h): linear_gemv's order.
 
 // Q and D multiples of 8.
 IndexerProjectionBitsHost indexer_project_gemv(const IndexerProjectInputsHost& inputs);

@@ -101,9 +101,8 @@ __global__ void __launch_bounds__(kThreads, 1) linear_gemv_kernel(const __grid_c
   pdl_release_dependents();
 
   // x after the wait (the previous kernel may have written it), past L1.
-  const int vectors_per_row = pieces;
-  for (int e = threadIdx.x; e < kTokens * vectors_per_row; e += kThreads) {
-    const int t = e / vectors_per_row, v = e % vectors_per_row;
+  for (int e = threadIdx.x; e < kTokens * pieces; e += kThreads) {
+    const int t = e / pieces, v = e % pieces;
     uint4 value = make_uint4(0, 0, 0, 0);
     if (t < p.m) value = __ldcg(reinterpret_cast<const uint4*>(p.x + int64_t(t) * p.x_stride) + v);
     reinterpret_cast<uint4*>(staged)[e] = value;
@@ -205,7 +204,9 @@ Status check_linear_gemv(const LinearGemvArgs& a) {
                                 " at m = " + std::to_string(m) + ")",
                             a.x.describe());
   }
-  if (n < 1 || n > INT32_MAX) return invalid_argument("weight", "[N, K] with N in 1..2^31-1", a.weight.describe());
+  if (n < 1 || n > kLinearGemvMaxRows) {
+    return invalid_argument("weight", "[N, K] with N in 1..2^30", a.weight.describe());
+  }
   DSA_RETURN_IF_ERROR(check_matrix(a.x, "x", m, k, true));
   DSA_RETURN_IF_ERROR(check_matrix(a.weight, "weight", n, k, true));
   DSA_RETURN_IF_ERROR(check_matrix(a.out, "out", m, n, false));

@@ -1,13 +1,16 @@
 // linear_gemv against reference::linear_gemv bit for bit: the stage's
 // projection shapes at glm5next (q_b_proj K = 1536, qkv_a_proj K = 4096,
-// o_proj K = 2048 at TP8 and 16384 at TP1) and odd ones (a row count that
-// leaves warps idle, K = 520 whose last group is partial), every m from 1 to
-// 8, outputs between poisoned guard bands with padded row strides, a token's
+// o_proj K = 2048 at TP8 and 16384 at TP1, whole: more rows than warps, so a
+// warp goes from a row's last group to its next row's first) and odd ones
+// (K = 4104: two groups, the last partial, more rows than warps; K = 520 /
+// N = 77: one partial group, idle warps), every m from 1 to 8, inputs and
+// outputs between poisoned guard bands with padded row strides, a token's
 // bits alone and in a batch, a CUDA-graph replay, and inputs written by the
 // kernel before it while its weights stream (PDL).
 // GPU tests: LinearGemvGpu.*; without a GPU: LinearGemvChecks.*, LinearGemvReference.*.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -66,6 +69,22 @@ TEST(LinearGemvChecks, NamesTheArgumentAtFault) {
   b = a;
   b.out = make_tensor(reinterpret_cast<void*>(0x20000000), DType::kF32, {2, 4096});
   expect_rejected(check_linear_gemv(b), "out", "bf16");
+  b = a;
+  b.out = make_tensor(reinterpret_cast<void*>(0x10000000 + 64), DType::kBF16, {2, 4096});
+  expect_rejected(check_linear_gemv(b), "out", "disjoint");  // over the weight
+  b = a;
+  b.x = make_strided(reinterpret_cast<void*>(0x100000), DType::kBF16, {2, 1536}, {1540, 1});
+  expect_rejected(check_linear_gemv(b), "x", "multiple of 8");
+  b = a;
+  b.x = make_tensor(reinterpret_cast<void*>(0x100000), DType::kBF16, {1536});
+  expect_rejected(check_linear_gemv(b), "x", "2-D");
+  b = a;
+  b.weight = make_tensor(reinterpret_cast<void*>(0x10000000), DType::kBF16, {kLinearGemvMaxRows + 1, 1536});
+  b.out = make_tensor(reinterpret_cast<void*>(0x20000000), DType::kBF16, {2, kLinearGemvMaxRows + 1});
+  expect_rejected(check_linear_gemv(b), "weight", "2^30");
+  b = a;
+  b.weight.device = Device{DeviceKind::kCPU, 0};
+  expect_rejected(check_linear_gemv(b), "weight", "");
   EXPECT_TRUE(linear_gemv_supports(4, 16384));
   EXPECT_FALSE(linear_gemv_supports(5, 16384));
   EXPECT_FALSE(linear_gemv_supports(0, 1536));
@@ -97,14 +116,14 @@ struct Problem {
     x = testing::random_bf16(size_t(m * k), 1.0f, rng);
     weight = testing::random_bf16(size_t(n * k), 0.02f, rng);
     d_x = DeviceBuffer<uint16_t>(testing::pad_rows(x, k, k + pad, kPoison));
-    d_weight = DeviceBuffer<uint16_t>(weight);
+    d_weight = DeviceBuffer<uint16_t>(testing::pad_rows(weight, k, k + pad, kPoison));
     d_out = DeviceBuffer<uint16_t>(size_t(m * (n + pad) + 2 * kGuard));
   }
   static constexpr int64_t kGuard = 64;
 
   LinearGemvArgs args() const {
     return LinearGemvArgs{make_strided(d_x.get(), DType::kBF16, {m, k}, {k + pad, 1}),
-                          make_tensor(d_weight.get(), DType::kBF16, {n, k}),
+                          make_strided(d_weight.get(), DType::kBF16, {n, k}, {k + pad, 1}),
                           make_strided(d_out.get() + kGuard, DType::kBF16, {m, n}, {n + pad, 1})};
   }
 
@@ -153,8 +172,9 @@ TEST(LinearGemvGpu, EqualsTheReferenceBitForBit) {
       {1536, 4096, quick ? std::vector<int>{1, 8} : std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8}},  // q_b_proj rows
       {4096, 2048, {1, 4, 8}},                                                                  // qkv_a_proj
       {2048, 4096, {1, 8}},                                                                     // o_proj, TP8
-      {16384, 1024, {1, 4}},  // o_proj, TP1 (a quarter of its rows)
-      {520, 77, {5}},         // a partial last group, idle warps
+      {16384, quick ? 1024 : 4096, {1}},  // o_proj, TP1: 8 groups a row, more rows than warps (quick: fewer)
+      {4104, 7000, {1, 3}},               // two groups, the last partial, more rows than warps
+      {520, 77, {5}},                     // one partial group, idle warps
   };
   for (const Shape& s : shapes) {
     for (int m : s.tokens) {

@@ -8,6 +8,7 @@
 #include <cassert>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "core/linear.h"
@@ -107,8 +108,12 @@ const char* step_name(Step step, bool projections_cublaslt) {
 }
 
 // The fused path's steps that run on the indexer's lane when
-// plan.overlap_indexer: they read only hidden and q_c, and only the attention
-// reads what they write (slots), so they run beside q_b_proj and the absorb.
+// plan.overlap_indexer, beside q_b_proj and the absorb. Race-free because the
+// two lanes share only inputs: the indexer reads hidden, q_c (both written
+// before the fork), positions, token_requests, the indexer state and the
+// caller's rows, and writes its workspace, ring, K cache and slots (and
+// bumps error_count atomically); q_b_proj and the absorb touch none of
+// these, and only the attention, after the join, reads the slots.
 bool on_indexer_lane(Step step) {
   return step == Step::kIndexerProject || step == Step::kIndexerPrepare || step == Step::kIndexerSelect ||
          step == Step::kTopkRemap;
@@ -526,14 +531,16 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
         invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens), std::to_string(plan.max_tokens))
             .message());
   }
-  for (const auto& [set, name] : {std::pair{&plan.value_up_tokens, "plan.value_up_tokens"},
-                                  std::pair{&plan.projection_gemv_tokens, "plan.projection_gemv_tokens"}}) {
+  // linear_gemv takes at most kLinearGemvMaxTokens tokens: a larger count in
+  // its set could never run as GEMV, so it is refused rather than ignored.
+  for (const auto& [set, name, most] :
+       {std::tuple{&plan.value_up_tokens, "plan.value_up_tokens", kDsaStageMaxTokens},
+        std::tuple{&plan.projection_gemv_tokens, "plan.projection_gemv_tokens", kLinearGemvMaxTokens}}) {
     if (!*set) continue;
     for (int m : **set) {
-      if (m < 1 || m > kDsaStageMaxTokens) {
+      if (m < 1 || m > most) {
         views->push_back(
-            invalid_argument(name, "token counts in 1.." + std::to_string(kDsaStageMaxTokens), std::to_string(m))
-                .message());
+            invalid_argument(name, "token counts in 1.." + std::to_string(most), std::to_string(m)).message());
       }
     }
   }

@@ -111,9 +111,11 @@ TEST(DsaStageChecks, CreationNamesEveryMissingRequirement) {
   DsaStagePlan plan;
   plan.max_tokens = 17;
   plan.value_up_tokens = std::set<int>{0, 2};
+  plan.projection_gemv_tokens = std::set<int>{1, 9};  // linear_gemv takes at most 8 tokens
   const Status views = DsaAttentionStage::create(glm5next_tp8(), w, plan, &stage);
   EXPECT_EQ(views.code(), ErrorCode::kInvalidArgument);
-  for (const char* part : {"'q_scale'", "'index_wk'", "'plan.max_tokens'", "'plan.value_up_tokens'"}) {
+  for (const char* part : {"'q_scale'", "'index_wk'", "'plan.max_tokens'", "'plan.value_up_tokens'",
+                           "'plan.projection_gemv_tokens'", "1..8, got 9"}) {
     EXPECT_TRUE(contains(views.message(), part)) << part << " missing from: " << views.message();
   }
   plan = DsaStagePlan();
@@ -132,6 +134,12 @@ TEST(DsaStageChecks, SupportsPureDecodeStepsUpToMaxTokens) {
   EXPECT_FALSE(dsa_stage_supports(plan, 4, 5, 4));  // the batch holds other tokens
   EXPECT_FALSE(dsa_stage_supports(plan, 4, 4, 3));  // a prefill token among them
   EXPECT_FALSE(dsa_stage_supports(plan, 0, 0, 0));
+}
+
+TEST(DsaStageChecks, MeasuredProjectionGemvTokens) {
+  EXPECT_EQ(dsa_stage_measured_projection_gemv_tokens(64), (std::set<int>{1}));
+  EXPECT_EQ(dsa_stage_measured_projection_gemv_tokens(8), (std::set<int>{1, 2}));
+  EXPECT_EQ(dsa_stage_measured_projection_gemv_tokens(32), (std::set<int>{1}));  // not measured: 64 heads' set
 }
 
 TEST(DsaStageChecks, MeasuredValueUpTokens) {
@@ -558,32 +566,35 @@ TEST_F(DsaStageGpu, FusedAndStockAgreeWithTheReferences) {
   }
 }
 
+// m = 2: the projections as linear_gemv (at 8 heads); m = 4: through cuBLASLt.
 TEST_F(DsaStageGpu, StepCapturesIntoAGraphAndReplaysTheSameBits) {
-  Step step(4, *layer_, plan_, rng_);
-  const DsaStepArgs args = step.args();
   cudaStream_t stream = nullptr;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
-    const PathResult once = run_path(*stage_, step, path, args);
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const Status captured =
-        path == DsaPath::kFused ? stage_->forward(args, stream) : stage_->stock_forward(args, stream);
-    DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
-    DSA_ASSERT_OK(captured);
-    DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    for (int replay = 0; replay < 3; ++replay) {
-      step.d_kv_cache.upload(step.kv_cache);
-      step.d_out.fill_bytes(0xFF);
-      DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
-      DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
-      EXPECT_TRUE(step.d_out.download() == once.out)
-          << (path == DsaPath::kFused ? "fused" : "stock") << " replay " << replay;
-      EXPECT_TRUE(step.d_kv_cache.download() == once.kv_cache);
+  for (int m : {2, 4}) {
+    Step step(m, *layer_, plan_, rng_);
+    const DsaStepArgs args = step.args();
+    for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+      const PathResult once = run_path(*stage_, step, path, args);
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const Status captured =
+          path == DsaPath::kFused ? stage_->forward(args, stream) : stage_->stock_forward(args, stream);
+      DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+      DSA_ASSERT_OK(captured);
+      DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      for (int replay = 0; replay < 3; ++replay) {
+        step.d_kv_cache.upload(step.kv_cache);
+        step.d_out.fill_bytes(0xFF);
+        DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+        DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+        EXPECT_TRUE(step.d_out.download() == once.out)
+            << (path == DsaPath::kFused ? "fused" : "stock") << " m = " << m << " replay " << replay;
+        EXPECT_TRUE(step.d_kv_cache.download() == once.kv_cache);
+      }
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
     }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
   }
   cudaStreamDestroy(stream);
 }
@@ -627,16 +638,30 @@ TEST_F(DsaStageGpu, IndexerOnItsOwnStreamGivesTheSerialBits) {
 
   // A range that ends on the indexer's stream still returns joined: a
   // capture of it ends (an unjoined fork would fail cudaStreamEndCapture).
+  // So does a range that starts inside it, and one whose lane step fails.
   Step step(2, *layer_, plan_, rng_);
   cudaStream_t stream = nullptr;
   DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   DSA_ASSERT_OK(stage_->run_steps(DsaPath::kFused, step.args(), 0, 4, stream));  // uncaptured first
-  cudaGraph_t graph = nullptr;
-  DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const Status captured = stage_->run_steps(DsaPath::kFused, step.args(), 0, 4, stream);
-  DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
-  DSA_ASSERT_OK(captured);
-  cudaGraphDestroy(graph);
+  DSA_ASSERT_OK(stage_->run_steps(DsaPath::kFused, step.args(), 3, 3, stream));  // prepare, select, q_b_proj
+  const DsaStepArgs good = step.args();
+  DsaStepArgs bad = step.args();
+  bad.positions = make_tensor(step.d_positions.get(), DType::kI32, {2});  // prepare, on the lane, refuses it
+  const DsaStepArgs* const cases[] = {&good, &bad};
+  for (const DsaStepArgs* args : cases) {
+    cudaGraph_t graph = nullptr;
+    DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status captured =
+        args == &bad ? stage_->forward(bad, stream) : stage_->run_steps(DsaPath::kFused, *args, 0, 4, stream);
+    DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+    if (args == &bad) {
+      EXPECT_FALSE(captured.ok());
+      EXPECT_TRUE(contains(captured.message(), "'positions'")) << captured.message();
+    } else {
+      DSA_ASSERT_OK(captured);
+    }
+    cudaGraphDestroy(graph);
+  }
   DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
   cudaStreamDestroy(stream);
 }
