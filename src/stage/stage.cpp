@@ -706,7 +706,10 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
       failed = Status(s.code(), std::string("stage step '") + name + "': " + s.message());
     }
   }
-  if (forked) DSA_RETURN_IF_ERROR(join());
+  if (forked) {
+    const Status joined = join();
+    if (failed.ok()) return joined;  // else the step's error is the one to report
+  }
   return failed;
 }
 
