@@ -5,7 +5,6 @@
 #include <cublas_v2.h>
 
 #include <algorithm>
-#include <cassert>
 #include <cmath>
 #include <string>
 #include <tuple>
@@ -16,6 +15,7 @@
 #include "dsa_decode/linear.h"
 #include "dsa_decode/norm.h"
 #include "dsa_decode/stock.h"
+#include "stage/stage_steps.h"
 
 namespace dsa {
 
@@ -36,100 +36,6 @@ Status allocate(size_t bytes, DeviceMemory* memory) {
   memory->reset(data);
   return Status();
 }
-
-// The launches of both paths. A path is a sequence of these (steps_of).
-enum class Step {
-  kQkvAProj,  // cuBLASLt; the *Gemv steps: linear_gemv (plan.projection_gemv_tokens)
-  kQkvAProjGemv,
-  kNorm,
-  kQbProj,
-  kQbProjGemv,
-  kAbsorb,          // head_gemv: FP8 q and the cache write
-  kIndexerProject,  // both paths': GEMV launch (or cuBLASLt, plan.indexer_projections_cublaslt)
-  kIndexerPrepare,
-  kIndexerSelect,
-  kTopkRemap,  // caller rows instead of the indexer
-  kAttention,
-  kValueUpGemv,
-  kValueUpBmm,
-  kOProj,
-  kOProjGemv,
-  kStockIndexerSelect,  // CUB sort, expand, remap
-  kStockCacheWrite,
-  kStockAbsorbBmm,
-  kStockFp8Quant,
-  kStockCounterMemset,
-};
-
-const char* step_name(Step step, bool projections_cublaslt) {
-  switch (step) {
-    case Step::kQkvAProj:
-      return "qkv_a_proj (cuBLASLt)";
-    case Step::kQkvAProjGemv:
-      return "qkv_a_proj (GEMV)";
-    case Step::kNorm:
-      return "norm";
-    case Step::kQbProj:
-      return "q_b_proj (cuBLASLt)";
-    case Step::kQbProjGemv:
-      return "q_b_proj (GEMV)";
-    case Step::kAbsorb:
-      return "absorb + cache write (head_gemv)";
-    case Step::kIndexerProject:
-      return projections_cublaslt ? "indexer projections (cuBLASLt)" : "indexer projections (GEMV)";
-    case Step::kIndexerPrepare:
-      return "indexer prepare";
-    case Step::kIndexerSelect:
-      return "indexer select";
-    case Step::kTopkRemap:
-      return "top-k remap";
-    case Step::kAttention:
-      return "attention (sparse_mla)";
-    case Step::kValueUpGemv:
-      return "value_up (head_gemv)";
-    case Step::kValueUpBmm:
-      return "value_up (cuBLAS bmm)";
-    case Step::kOProj:
-      return "o_proj (cuBLASLt)";
-    case Step::kOProjGemv:
-      return "o_proj (GEMV)";
-    case Step::kStockIndexerSelect:
-      return "indexer select (CUB sort baseline)";
-    case Step::kStockCacheWrite:
-      return "cache write (concat_and_cache_mla)";
-    case Step::kStockAbsorbBmm:
-      return "absorb (cuBLAS bmm)";
-    case Step::kStockFp8Quant:
-      return "static FP8 quant";
-    case Step::kStockCounterMemset:
-      return "split counter memset";
-  }
-  return "?";
-}
-
-// The fused path's steps that run on the indexer's lane when
-// plan.overlap_indexer, beside q_b_proj and the absorb. Race-free because the
-// two lanes share only inputs: the indexer reads hidden, q_c (both written
-// before the fork), positions, token_requests, the indexer state and the
-// caller's rows, and writes its workspace, ring, K cache and slots (and
-// bumps error_count atomically); q_b_proj and the absorb touch none of
-// these, and only the attention, after the join, reads the slots.
-bool on_indexer_lane(Step step) {
-  return step == Step::kIndexerProject || step == Step::kIndexerPrepare || step == Step::kIndexerSelect ||
-         step == Step::kTopkRemap;
-}
-
-// The longest path: the stock one with the indexer, 13 steps.
-constexpr int kMaxSteps = 13;
-
-struct StepList {
-  Step steps[kMaxSteps];
-  int count = 0;
-  void add(Step step) {
-    assert(count < kMaxSteps);
-    steps[count++] = step;
-  }
-};
 
 // A weight view: present, dtype, shape, on CUDA, last dim contiguous, other
 // strides multiples of 8 elements, data aligned (16 bytes; a scale, 4).
@@ -209,7 +115,7 @@ struct DsaAttentionStage::State {
   DsaLayerConfig config;
   DsaLayerWeights w;
   DsaStagePlan plan;
-  std::set<int> value_up_tokens, projection_gemv_tokens;
+  StepChoices step_choices;  // the plan's choices with its sets resolved
   IndexerPlan indexer_plan;
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
 
@@ -242,50 +148,7 @@ struct DsaAttentionStage::State {
   }
 
   StepList steps_of(DsaPath path, const DsaStepArgs& a) const {
-    const int64_t m = a.hidden.size(0);
-    StepList list;
-    // The top-k rows: the caller's remapped, or the indexer with this path's select.
-    const auto add_rows = [&](Step select) {
-      if (a.topk_positions.data != nullptr) {
-        list.add(Step::kTopkRemap);
-        return;
-      }
-      list.add(Step::kIndexerProject);
-      list.add(Step::kIndexerPrepare);
-      list.add(select);
-    };
-    // qkv_a_proj is the same kernel in both paths: their KV cache bytes and
-    // the indexer's inputs must agree bit for bit.
-    list.add(gemv_for(m, D) ? Step::kQkvAProjGemv : Step::kQkvAProj);
-    list.add(Step::kNorm);
-    if (path == DsaPath::kFused) {
-      // With the overlap the indexer's lane is issued first: its select is
-      // the longer chain, so its kernels should take the SMs first.
-      if (plan.overlap_indexer) add_rows(Step::kIndexerSelect);
-      list.add(gemv_for(m, Q) ? Step::kQbProjGemv : Step::kQbProj);
-      list.add(Step::kAbsorb);
-      if (!plan.overlap_indexer) add_rows(Step::kIndexerSelect);
-      list.add(Step::kAttention);
-      list.add(value_up_tokens.count(static_cast<int>(m)) > 0 ? Step::kValueUpGemv : Step::kValueUpBmm);
-      list.add(gemv_for(m, H * V) ? Step::kOProjGemv : Step::kOProj);
-    } else {
-      list.add(Step::kQbProj);
-      add_rows(plan.stock_select_fused ? Step::kIndexerSelect : Step::kStockIndexerSelect);
-      list.add(Step::kStockCacheWrite);
-      list.add(Step::kStockAbsorbBmm);
-      list.add(Step::kStockFp8Quant);
-      list.add(Step::kStockCounterMemset);
-      list.add(Step::kAttention);
-      list.add(Step::kValueUpBmm);
-      list.add(Step::kOProj);
-    }
-    return list;
-  }
-
-  // A projection of m tokens over k columns as linear_gemv: m in the plan's
-  // set and within the kernel's shared-memory rule.
-  bool gemv_for(int64_t m, int64_t k) const {
-    return projection_gemv_tokens.count(static_cast<int>(m)) > 0 && linear_gemv_supports(m, k);
+    return stage_steps(path, step_choices, a.hidden.size(0), a.topk_positions.data != nullptr);
   }
 
   Status check_step(const DsaStepArgs& a) const {
@@ -626,10 +489,18 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   s.config = config;
   s.w = weights;
   s.plan = plan;
-  s.value_up_tokens = plan.value_up_tokens ? *plan.value_up_tokens
-                                           : dsa_stage_measured_value_up_tokens(config.num_heads, plan.head_gemv_sums);
-  s.projection_gemv_tokens = plan.projection_gemv_tokens ? *plan.projection_gemv_tokens
-                                                         : dsa_stage_measured_projection_gemv_tokens(config.num_heads);
+  StepChoices& choices = s.step_choices;
+  choices.overlap_indexer = plan.overlap_indexer;
+  choices.stock_select_fused = plan.stock_select_fused;
+  choices.value_up_tokens = plan.value_up_tokens
+                                ? *plan.value_up_tokens
+                                : dsa_stage_measured_value_up_tokens(config.num_heads, plan.head_gemv_sums);
+  choices.projection_gemv_tokens = plan.projection_gemv_tokens
+                                       ? *plan.projection_gemv_tokens
+                                       : dsa_stage_measured_projection_gemv_tokens(config.num_heads);
+  choices.hidden = config.hidden_size;
+  choices.q_lora = config.q_lora_rank;
+  choices.heads_v = config.num_heads * config.v_head_dim;
   s.indexer_plan = indexer_plan;
   s.H = config.num_heads;
   s.D = config.hidden_size;

@@ -1,0 +1,78 @@
+// The stage's two paths as lists of steps, one library call each
+// (include/dsa_decode/stage.h says what each path runs and why). Pure host
+// logic: the lists for a step of m tokens follow from the plan's choices
+// alone, so they are tested without a GPU (stage_steps_test.cpp).
+#pragma once
+
+#include <cassert>
+#include <cstdint>
+#include <set>
+
+#include "dsa_decode/stage.h"
+
+namespace dsa {
+
+enum class Step {
+  kQkvAProj,  // cuBLASLt; the *Gemv steps: linear_gemv (plan.projection_gemv_tokens)
+  kQkvAProjGemv,
+  kNorm,
+  kQbProj,
+  kQbProjGemv,
+  kAbsorb,          // head_gemv: FP8 q and the cache write
+  kIndexerProject,  // both paths': GEMV launch (or cuBLASLt, plan.indexer_projections_cublaslt)
+  kIndexerPrepare,
+  kIndexerSelect,
+  kTopkRemap,  // caller rows instead of the indexer
+  kAttention,
+  kValueUpGemv,
+  kValueUpBmm,
+  kOProj,
+  kOProjGemv,
+  kStockIndexerSelect,  // CUB sort, expand, remap
+  kStockCacheWrite,
+  kStockAbsorbBmm,
+  kStockFp8Quant,
+  kStockCounterMemset,
+};
+
+// step_names' text of a step.
+const char* step_name(Step step, bool projections_cublaslt);
+
+// The fused path's steps that run on the indexer's lane when
+// plan.overlap_indexer, beside q_b_proj and the absorb. Race-free because the
+// two lanes share only inputs: the indexer reads hidden, q_c (both written
+// before the fork), positions, token_requests, the indexer state and the
+// caller's rows, and writes its workspace, ring, K cache and slots (and
+// bumps error_count atomically); q_b_proj and the absorb touch none of
+// these, and only the attention, after the join, reads the slots.
+bool on_indexer_lane(Step step);
+
+// The longest path: the stock one with the indexer, 13 steps.
+inline constexpr int kMaxSteps = 13;
+
+struct StepList {
+  Step steps[kMaxSteps];
+  int count = 0;
+  void add(Step step) {
+    assert(count < kMaxSteps);
+    steps[count++] = step;
+  }
+};
+
+// What the lists depend on: the plan's choices, its token sets resolved
+// (the measured defaults filled in), and the widths the projections read.
+struct StepChoices {
+  bool overlap_indexer = true;
+  bool stock_select_fused = false;
+  std::set<int> value_up_tokens;
+  std::set<int> projection_gemv_tokens;
+  int64_t hidden = 0;   // D: qkv_a_proj's K
+  int64_t q_lora = 0;   // Q: q_b_proj's K
+  int64_t heads_v = 0;  // H * V: o_proj's K
+};
+
+// The steps of `path` for m tokens, in the order they are issued; with
+// `caller_rows` the indexer's three steps become the remap.
+StepList stage_steps(DsaPath path, const StepChoices& c, int64_t m, bool caller_rows);
+
+}  // namespace dsa
