@@ -38,6 +38,7 @@
 #include <string>
 
 #include "core/async_copy.cuh"
+#include "core/bf16.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
 #include "dsa_decode/cuda_check.h"
@@ -118,16 +119,6 @@ __device__ Item x_item(const GemvParams& p, int row) {
   }
   row -= kIndexerHeads;
   return {p.compress_gate + row * p.compress_gate_stride, p.compress_gate_stride, p.gate + row, p.gate_stride, false};
-}
-
-// The eight BF16 values of a 16-byte load as FP32 (exact), in memory order.
-__device__ __forceinline__ void unpack_bf16(const uint4& v, float (&out)[kLaneColumns]) {
-  const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = __uint_as_float(pairs[i] << 16);
-    out[2 * i + 1] = __uint_as_float(pairs[i] & 0xFFFF0000u);
-  }
 }
 
 // Lane l's part of kRows rows: columns l * 8 + 256 s (s = 0, 1, ...) below
@@ -229,11 +220,11 @@ __device__ void sum_item(const Item& item, const uint16_t* staged, const uint16_
     if (column >= columns) continue;  // this lane has no columns in the last step
     float w[kRows][kLaneColumns];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) unpack_bf16(*reinterpret_cast<const uint4*>(slab + r * columns + column), w[r]);
+    for (int r = 0; r < kRows; ++r) unpack_bf16x8(*reinterpret_cast<const uint4*>(slab + r * columns + column), w[r]);
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
       float in[kLaneColumns];
-      unpack_bf16(*reinterpret_cast<const uint4*>(staged + t * columns + column), in);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(staged + t * columns + column), in);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
 #pragma unroll

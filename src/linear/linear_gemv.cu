@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/bf16.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
 #include "dsa_decode/cuda_check.h"
@@ -41,15 +42,6 @@ struct LinearGemvParams {
   int m, n, k;
 };
 
-__device__ __forceinline__ void unpack_bf16(const uint4& v, float (&out)[kPieceColumns]) {
-  const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = __uint_as_float(pairs[i] << 16);
-    out[2 * i + 1] = __uint_as_float(pairs[i] & 0xFFFF0000u);
-  }
-}
-
 // Group g of a row: this lane's pieces (g * kGroupPieces + j) * 32 + lane,
 // j < kGroupPieces, those below `pieces` (the others are never read).
 __device__ __forceinline__ void load_group(const uint16_t* row, int g, int pieces, int lane,
@@ -71,11 +63,11 @@ __device__ __forceinline__ void add_group(const uint4 (&group)[kGroupPieces], in
     const int piece = (g * kGroupPieces + j) * kLanes + lane;
     if (piece >= pieces) break;  // later pieces of the group are further still
     float w[kPieceColumns];
-    unpack_bf16(group[j], w);
+    unpack_bf16x8(group[j], w);
 #pragma unroll
     for (int t = 0; t < kTokens; ++t) {
       float in[kPieceColumns];
-      unpack_bf16(*reinterpret_cast<const uint4*>(staged + t * k + piece * kPieceColumns), in);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(staged + t * k + piece * kPieceColumns), in);
 #pragma unroll
       for (int i = 0; i < kPieceColumns; ++i) acc[t] = fmaf(in[i], w[i], acc[t]);
     }
