@@ -73,6 +73,11 @@ Status check_error_counter(const unsigned int* counter, const char* name);
 // of 8 elements and at least heads * dim (any when m == 1: a size-1 dimension's
 // stride is never used), data 16-byte aligned, on CUDA.
 Status check_head_rows(const TensorView& t, const char* name, DType dtype, int64_t m, int64_t heads, int64_t dim);
+// BF16 rows [rows, cols] as the kernels and cuBLASLt read them 16 bytes at
+// a time: dim 1 contiguous, a row stride that is a multiple of 8 elements
+// and at least cols (any when rows == 1: a size-1 dimension's stride is
+// never used), data 16-byte aligned, on CUDA.
+Status check_bf16_rows(const TensorView& t, const char* name, int64_t rows, int64_t cols);
 // Whether the byte ranges the two views can address intersect.
 bool tensors_overlap(const TensorView& a, const TensorView& b);
 // A tensor a kernel writes must not share memory with another argument.

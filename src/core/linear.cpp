@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/device_memory.h"
 #include "dsa_decode/cuda_check.h"
 
 namespace dsa {
@@ -29,10 +30,6 @@ using OwnedHandle = LtOwned<cublasLtHandle_t, cublasLtDestroy>;
 using OwnedMatmulDesc = LtOwned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
 using OwnedLayout = LtOwned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
 using OwnedPreference = LtOwned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
-
-struct CudaFree {
-  void operator()(void* memory) const { cudaFree(memory); }
-};
 
 // What fixes a matmul's descriptors and algorithm: row-major out[m, n] =
 // in[m, k] x weight[n, k]^T with these row strides, in elements.
@@ -127,7 +124,7 @@ Status make_matmul_plan(cublasLtHandle_t handle, const MatmulShape& shape, size_
 
 struct LinearContext::State {
   OwnedHandle handle;
-  std::unique_ptr<void, CudaFree> workspace;
+  DeviceMemory workspace;
   size_t workspace_bytes = 0;
   std::vector<MatmulPlan> plans;  // one per shape met, in the order met
 
@@ -155,9 +152,7 @@ Status LinearContext::create(LinearContext* context, size_t workspace_bytes) {
   if (context == nullptr) return invalid_argument("context", "a context to fill", "a null pointer");
   auto state = std::make_unique<State>();
   // The workspace first: without a device its error is kNoDevice.
-  void* workspace = nullptr;
-  DSA_CUDA_RETURN(cudaMalloc(&workspace, workspace_bytes));
-  state->workspace.reset(workspace);
+  DSA_RETURN_IF_ERROR(allocate_device(workspace_bytes, &state->workspace));
   state->workspace_bytes = workspace_bytes;
   cublasLtHandle_t handle = nullptr;
   DSA_CUBLAS_RETURN(cublasLtCreate(&handle));

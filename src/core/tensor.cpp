@@ -137,6 +137,20 @@ Status check_head_rows(const TensorView& t, const char* name, DType dtype, int64
   return check_aligned(t, name, 16);
 }
 
+Status check_bf16_rows(const TensorView& t, const char* name, int64_t rows, int64_t cols) {
+  DSA_RETURN_IF_ERROR(check_present(t, name));
+  DSA_RETURN_IF_ERROR(check_dtype(t, name, DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(t, name, {rows, cols}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  DSA_RETURN_IF_ERROR(check_aligned(t, name, 16));
+  DSA_RETURN_IF_ERROR(check_stride(t, name, 1, 1));
+  if (rows > 1 && (t.stride(0) % 8 != 0 || t.stride(0) < cols)) {
+    return invalid_argument(name, "a row stride of a multiple of 8 elements, at least " + std::to_string(cols),
+                            t.describe());
+  }
+  return Status();
+}
+
 bool tensors_overlap(const TensorView& a, const TensorView& b) {
   if (a.data == nullptr || b.data == nullptr || a.numel() == 0 || b.numel() == 0) return false;
   const auto begin_a = reinterpret_cast<uintptr_t>(a.data), begin_b = reinterpret_cast<uintptr_t>(b.data);

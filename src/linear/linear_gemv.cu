@@ -151,25 +151,6 @@ KernelFn kernel_for(int tokens) {
 
 size_t shared_bytes(int tokens, int64_t k) { return size_t(tokens) * size_t(k) * 2; }
 
-// [rows, columns] BF16 with contiguous rows, on CUDA; `pieces`: read in
-// 16-byte pieces (rows at 16-byte multiples, 16-byte aligned), else written
-// one value at a time (any row stride of at least the row).
-Status check_matrix(const TensorView& t, const char* name, int64_t rows, int64_t columns, bool pieces) {
-  DSA_RETURN_IF_ERROR(check_present(t, name));
-  DSA_RETURN_IF_ERROR(check_dtype(t, name, DType::kBF16));
-  DSA_RETURN_IF_ERROR(check_shape(t, name, {rows, columns}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
-  DSA_RETURN_IF_ERROR(check_aligned(t, name, pieces ? 16 : 2));
-  if (t.size(1) > 1) DSA_RETURN_IF_ERROR(check_stride(t, name, 1, 1));
-  if (t.size(0) > 1 && ((pieces && t.stride(0) % kPieceColumns != 0) || t.stride(0) < t.size(1))) {
-    return invalid_argument(
-        name,
-        pieces ? "a row stride of a multiple of 8 elements, at least the row" : "a row stride of at least the row",
-        t.describe());
-  }
-  return Status();
-}
-
 }  // namespace
 
 bool linear_gemv_supports(int64_t m, int64_t k) {
@@ -199,9 +180,17 @@ Status check_linear_gemv(const LinearGemvArgs& a) {
   if (n < 1 || n > kLinearGemvMaxRows) {
     return invalid_argument("weight", "[N, K] with N in 1..2^30", a.weight.describe());
   }
-  DSA_RETURN_IF_ERROR(check_matrix(a.x, "x", m, k, true));
-  DSA_RETURN_IF_ERROR(check_matrix(a.weight, "weight", n, k, true));
-  DSA_RETURN_IF_ERROR(check_matrix(a.out, "out", m, n, false));
+  DSA_RETURN_IF_ERROR(check_bf16_rows(a.x, "x", m, k));
+  DSA_RETURN_IF_ERROR(check_bf16_rows(a.weight, "weight", n, k));
+  // out is written one value at a time: any row stride of at least N.
+  DSA_RETURN_IF_ERROR(check_present(a.out, "out"));
+  DSA_RETURN_IF_ERROR(check_dtype(a.out, "out", DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(a.out, "out", {m, n}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(a.out, "out"));
+  DSA_RETURN_IF_ERROR(check_aligned(a.out, "out", 2));
+  if (n > 1) DSA_RETURN_IF_ERROR(check_stride(a.out, "out", 1, 1));
+  if (m > 1 && a.out.stride(0) < n)
+    return invalid_argument("out", "a row stride of at least the row", a.out.describe());
   DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.x, "x"));
   return check_no_overlap(a.out, "out", a.weight, "weight");
 }

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <utility>
 
+#include "core/device_memory.h"
 #include "core/linear.h"
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/linear.h"
@@ -25,18 +26,6 @@ constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;  // cuBLAS's advice f
 constexpr int64_t kLatentWidth = 512;                       // the attention kernels' row (sparse_mla.h)
 constexpr int kMaxHeads = 128;
 
-struct CudaFree {
-  void operator()(void* memory) const { cudaFree(memory); }
-};
-using DeviceMemory = std::unique_ptr<void, CudaFree>;
-
-Status allocate(size_t bytes, DeviceMemory* memory) {
-  void* data = nullptr;
-  DSA_CUDA_RETURN(cudaMalloc(&data, std::max<size_t>(bytes, 1)));
-  memory->reset(data);
-  return Status();
-}
-
 // A weight view: present, dtype, shape, on CUDA, last dim contiguous, other
 // strides multiples of 8 elements, data aligned (16 bytes; a scale, 4).
 Status check_weight(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape,
@@ -51,21 +40,6 @@ Status check_weight(const TensorView& t, const char* name, DType dtype, std::ini
     if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
       return invalid_argument(name, "strides of a multiple of 8 elements but the last (which is 1)", t.describe());
     }
-  }
-  return Status();
-}
-
-// hidden or out: [m, D] BF16 rows as cuBLASLt reads and writes them.
-Status check_rows(const TensorView& t, const char* name, int64_t m, int64_t width) {
-  DSA_RETURN_IF_ERROR(check_present(t, name));
-  DSA_RETURN_IF_ERROR(check_dtype(t, name, DType::kBF16));
-  DSA_RETURN_IF_ERROR(check_shape(t, name, {m, width}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
-  DSA_RETURN_IF_ERROR(check_aligned(t, name, 16));
-  DSA_RETURN_IF_ERROR(check_stride(t, name, 1, 1));
-  if (m > 1 && (t.stride(0) % 8 != 0 || t.stride(0) < width)) {
-    return invalid_argument(name, "a row stride of a multiple of 8 elements, at least " + std::to_string(width),
-                            t.describe());
   }
   return Status();
 }
@@ -160,8 +134,8 @@ struct DsaAttentionStage::State {
           "[m, " + std::to_string(D) + "] with m in 1.." + std::to_string(plan.max_tokens) + " (the plan's max_tokens)",
           a.hidden.describe());
     }
-    DSA_RETURN_IF_ERROR(check_rows(a.hidden, "hidden", m, D));
-    DSA_RETURN_IF_ERROR(check_rows(a.out, "out", m, D));
+    DSA_RETURN_IF_ERROR(check_bf16_rows(a.hidden, "hidden", m, D));
+    DSA_RETURN_IF_ERROR(check_bf16_rows(a.out, "out", m, D));
     DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.hidden, "hidden"));
     DSA_RETURN_IF_ERROR(check_present(a.kv_cache, "kv_cache"));
     DSA_RETURN_IF_ERROR(check_present(a.indexer.k_cache, "k_cache"));
@@ -412,7 +386,7 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
 Status DsaAttentionStage::State::allocate_workspace() {
   const int64_t T = plan.max_tokens;
   const auto buffer = [](int64_t values, size_t value_bytes, DeviceMemory* memory) {
-    return allocate(size_t(values) * value_bytes, memory);
+    return allocate_device(size_t(values) * value_bytes, memory);
   };
   DSA_RETURN_IF_ERROR(buffer(T * (Q + L), 2, &qkv));
   DSA_RETURN_IF_ERROR(buffer(T * Q, 2, &q_c));
@@ -439,7 +413,7 @@ Status DsaAttentionStage::State::allocate_workspace() {
   DSA_CUDA_RETURN(cudaMemset(split_counters.get(), 0, size_t(counter_count) * sizeof(int32_t)));
   partial_count = sparse_mla_split_partials_count(T, H, kIndexerRowWidth);
   if (partial_count > 0) DSA_RETURN_IF_ERROR(buffer(partial_count, 4, &split_partials));
-  DSA_RETURN_IF_ERROR(allocate(kCublasWorkspaceBytes, &cublas_workspace));
+  DSA_RETURN_IF_ERROR(allocate_device(kCublasWorkspaceBytes, &cublas_workspace));
   DSA_CUBLAS_RETURN(cublasCreate(&cublas));
   DSA_RETURN_IF_ERROR(bind_cublas(nullptr));
   DSA_RETURN_IF_ERROR(LinearContext::create(&linear));
