@@ -570,7 +570,8 @@ Check check_value_up(const StepShape& s, const HostWeights& w, ValueUpKernel ker
 
 // `kernel`: "GEMV", "cuBLASLt" or "cuBLASLt, stock path".
 Check check_o_proj(const StepShape& s, const HostWeights& w, const std::string& kernel, const PathOutputs& gpu) {
-  const double error = relative_frobenius(gpu.out, exact_linear(gpu.heads, s.m, s.H * s.V, w.o_proj, s.D));
+  const double error =
+      relative_frobenius(gpu.out, reference::exact_product(gpu.heads.data(), s.m, s.H * s.V, w.o_proj.data(), s.D).sum);
   return judged(
       "o_proj (" + kernel + ") vs float64", within(error, kProductTolerance),
       format("out relative Frobenius error %.2e (tolerance %.0e), on the GPU's heads", error, kProductTolerance));

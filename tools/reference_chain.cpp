@@ -5,6 +5,7 @@
 
 #include "dsa_decode/numerics.h"
 #include "head_gemv/head_gemv_reference.h"
+#include "linear/linear_reference.h"
 #include "norm/norm_reference.h"
 
 namespace dsa::cli {
@@ -71,18 +72,6 @@ std::vector<uint16_t> linear_fp32(const std::vector<uint16_t>& in, int m, int k,
   return out;
 }
 
-// RMSNorm of `size` float64 values of BF16-rounded `row`, as norm.h states it.
-void exact_rms_norm(const double* row, int size, const std::vector<uint16_t>& gamma, float eps, double* out) {
-  std::vector<double> x(size);
-  double squares = 0;
-  for (int i = 0; i < size; ++i) {
-    x[i] = num::bf16_to_float(num::float_to_bf16(static_cast<float>(row[i])));  // the GPU's qkv is BF16
-    squares += x[i] * x[i];
-  }
-  const double rrms = 1 / std::sqrt(squares / size + eps);
-  for (int i = 0; i < size; ++i) out[i] = x[i] * rrms * num::bf16_to_float(gamma[i]);
-}
-
 }  // namespace
 
 std::vector<uint16_t> reference_qkv_a_proj(const StepShape& s, const HostWeights& w,
@@ -98,30 +87,16 @@ std::vector<uint16_t> reference_o_proj(const StepShape& s, const HostWeights& w,
   return linear_fp32(heads, s.m, s.H * s.V, w.o_proj, s.D);
 }
 
-std::vector<double> exact_linear(const std::vector<uint16_t>& in, int m, int k, const std::vector<uint16_t>& weight,
-                                 int64_t n) {
-  std::vector<double> out(size_t(m) * n);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint16_t* weight_row = &weight[size_t(j) * k];
-    for (int t = 0; t < m; ++t) {
-      const uint16_t* x = &in[size_t(t) * k];
-      double sum = 0;
-      for (int i = 0; i < k; ++i) sum += double{num::bf16_to_float(x[i])} * num::bf16_to_float(weight_row[i]);
-      out[size_t(t) * n + j] = sum;
-    }
-  }
-  return out;
-}
-
 ExactNormOutputs exact_qkv_a_proj_norm(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& hidden) {
-  const std::vector<double> qkv = exact_linear(hidden, s.m, s.D, w.fused_qkv_a_proj, s.qkv_width());
+  const std::vector<double> qkv =
+      reference::exact_product(hidden.data(), s.m, s.D, w.fused_qkv_a_proj.data(), s.qkv_width()).sum;
   ExactNormOutputs out;
   out.q_c.resize(size_t(s.m) * s.Q);
   out.kv_c.resize(size_t(s.m) * s.L);
   for (int t = 0; t < s.m; ++t) {
     const double* row = &qkv[size_t(t) * s.qkv_width()];
-    exact_rms_norm(row, s.Q, w.q_norm_gamma, w.eps, &out.q_c[size_t(t) * s.Q]);
-    exact_rms_norm(row + s.Q, s.L, w.kv_norm_gamma, w.eps, &out.kv_c[size_t(t) * s.L]);
+    reference::rms_norm_exact(row, s.Q, w.q_norm_gamma.data(), w.eps, &out.q_c[size_t(t) * s.Q]);
+    reference::rms_norm_exact(row + s.Q, s.L, w.kv_norm_gamma.data(), w.eps, &out.kv_c[size_t(t) * s.L]);
   }
   return out;
 }

@@ -45,11 +45,6 @@ std::vector<uint16_t> reference_q_b_proj(const StepShape& s, const HostWeights& 
 // out [m, D] = heads [m, H*V] x o_proj^T.
 std::vector<uint16_t> reference_o_proj(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& heads);
 
-// A float64 product out [m, n] = in [m, k] x weight [n, k]^T of BF16 values:
-// what the GPU checks hold a cuBLASLt product to (relative Frobenius error).
-std::vector<double> exact_linear(const std::vector<uint16_t>& in, int m, int k, const std::vector<uint16_t>& weight,
-                                 int64_t n);
-
 // q_c [m, Q] and kv_c [m, L] in float64: qkv_a_proj of `hidden` [m, D], then
 // both RMSNorms (norm.h's formula) of the BF16-rounded qkv.
 struct ExactNormOutputs {

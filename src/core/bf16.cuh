@@ -1,4 +1,5 @@
-// BF16 values as the kernels load them: 8 in a 16-byte piece.
+// BF16 values as the kernels load them: 8 in a 16-byte piece (norm, the
+// GEMVs).
 #pragma once
 
 #include <cstdint>

@@ -120,6 +120,11 @@ Status make_matmul_plan(cublasLtHandle_t handle, const MatmulShape& shape, size_
   return Status();
 }
 
+// "what (the shape)", as errors name a product.
+std::string described(const char* what, const MatmulShape& shape) {
+  return std::string(what) + " (" + shape.describe() + ")";
+}
+
 }  // namespace
 
 struct LinearContext::State {
@@ -128,7 +133,9 @@ struct LinearContext::State {
   size_t workspace_bytes = 0;
   std::vector<MatmulPlan> plans;  // one per shape met, in the order met
 
-  Status plan_for(const MatmulShape& shape, const std::string& what, const MatmulPlan** plan) {
+  // The plan of `shape`, made on its first call (its description, for
+  // errors, built only then: run is on every step's path).
+  Status plan_for(const MatmulShape& shape, const char* what, const MatmulPlan** plan) {
     for (const MatmulPlan& known : plans) {
       if (known.shape == shape) {
         *plan = &known;
@@ -136,7 +143,7 @@ struct LinearContext::State {
       }
     }
     MatmulPlan made;
-    DSA_RETURN_IF_ERROR(make_matmul_plan(handle.get(), shape, workspace_bytes, what, &made));
+    DSA_RETURN_IF_ERROR(make_matmul_plan(handle.get(), shape, workspace_bytes, described(what, shape), &made));
     plans.push_back(std::move(made));
     *plan = &plans.back();
     return Status();
@@ -174,26 +181,25 @@ MatmulShape shape_of(const TensorView& input, const TensorView& weight, int64_t 
 Status LinearContext::prepare(const char* what, const TensorView& input, const TensorView& weight,
                               int64_t output_stride, cudaDataType_t output_type) {
   if (!created()) return invalid_argument("context", "a context made by create()", "an empty context");
-  const MatmulShape shape = shape_of(input, weight, output_stride, output_type);
   const MatmulPlan* plan = nullptr;
-  return state_->plan_for(shape, std::string(what) + " (" + shape.describe() + ")", &plan);
+  return state_->plan_for(shape_of(input, weight, output_stride, output_type), what, &plan);
 }
 
 Status LinearContext::run(const char* what, const TensorView& input, const TensorView& weight, void* output,
                           int64_t output_stride, cudaDataType_t output_type, cudaStream_t stream) {
   if (!created()) return invalid_argument("context", "a context made by create()", "an empty context");
   const MatmulShape shape = shape_of(input, weight, output_stride, output_type);
-  const std::string described = std::string(what) + " (" + shape.describe() + ")";
   const MatmulPlan* plan = nullptr;
-  DSA_RETURN_IF_ERROR(state_->plan_for(shape, described, &plan));
+  DSA_RETURN_IF_ERROR(state_->plan_for(shape, what, &plan));
   // Host scalars: a cuBLASLt matmul descriptor's pointer mode is host by default.
   const float alpha = 1.0f, beta = 0.0f;
   // beta = 0: C is not read, so C and D are both the output.
-  return cublas_status(cublasLtMatmul(state_->handle.get(), plan->desc.get(), &alpha, weight.data,
-                                      plan->weight_layout.get(), input.data, plan->input_layout.get(), &beta, output,
-                                      plan->output_layout.get(), output, plan->output_layout.get(), &plan->algorithm,
-                                      state_->workspace.get(), state_->workspace_bytes, stream),
-                       (described + ": cublasLtMatmul").c_str());
+  const cublasStatus_t status = cublasLtMatmul(
+      state_->handle.get(), plan->desc.get(), &alpha, weight.data, plan->weight_layout.get(), input.data,
+      plan->input_layout.get(), &beta, output, plan->output_layout.get(), output, plan->output_layout.get(),
+      &plan->algorithm, state_->workspace.get(), state_->workspace_bytes, stream);
+  if (status == CUBLAS_STATUS_SUCCESS) return Status();
+  return cublas_status(status, (described(what, shape) + ": cublasLtMatmul").c_str());
 }
 
 }  // namespace dsa

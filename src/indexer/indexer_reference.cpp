@@ -361,28 +361,6 @@ Status indexer_select_on_logits(const IndexerPlan& plan, const IndexerStepHost& 
       plan, step, state, [&](int t, int64_t, int64_t) { return logits[t]; }, rows);
 }
 
-ExactProduct exact_product(const uint16_t* input, int64_t m, int64_t k, const uint16_t* weight, int64_t n) {
-  ExactProduct out;
-  out.sum.assign(size_t(m) * n, 0.0);
-  out.magnitude.assign(size_t(m) * n, 0.0);
-  std::vector<double> row(k);
-  for (int64_t t = 0; t < m; ++t) {
-    for (int64_t i = 0; i < k; ++i) row[i] = num::bf16_to_float(input[t * k + i]);
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* w = weight + j * k;
-      double sum = 0.0, magnitude = 0.0;
-      for (int64_t i = 0; i < k; ++i) {
-        const double product = row[i] * num::bf16_to_float(w[i]);
-        sum += product;
-        magnitude += std::fabs(product);
-      }
-      out.sum[t * n + j] = sum;
-      out.magnitude[t * n + j] = magnitude;
-    }
-  }
-  return out;
-}
-
 IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& in) {
   IndexerProjectionsHost out;
   out.index_q = exact_product(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(kHeads) * kDim);
@@ -392,29 +370,17 @@ IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& in) {
   return out;
 }
 
-namespace {
-
-// out[t, j] = gemv_sum(input row t, weight row j) for input [m, k] and weight [n, k], as `store` keeps it.
-template <class T, class Store>
-std::vector<T> gemv_product(const uint16_t* input, int64_t m, int64_t k, const uint16_t* weight, int64_t n,
-                            Store store) {
-  std::vector<T> out(size_t(m * n));
-  for (int64_t t = 0; t < m; ++t) {
-    for (int64_t j = 0; j < n; ++j) out[size_t(t * n + j)] = store(gemv_sum(input + t * k, weight + j * k, k));
-  }
-  return out;
-}
-
-}  // namespace
-
 IndexerProjectionBitsHost indexer_project_gemv(const IndexerProjectInputsHost& in) {
-  const auto bf16 = [](float sum) { return num::float_to_bf16(sum); };
-  const auto fp32 = [](float sum) { return sum; };
+  const auto bf16 = [](const std::vector<float>& sums) {
+    std::vector<uint16_t> bits(sums.size());
+    std::transform(sums.begin(), sums.end(), bits.begin(), [](float sum) { return num::float_to_bf16(sum); });
+    return bits;
+  };
   IndexerProjectionBitsHost out;
-  out.index_q = gemv_product<uint16_t>(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(kHeads) * kDim, bf16);
-  out.index_k = gemv_product<uint16_t>(in.x, in.m, in.hidden, in.wk, kDim, bf16);
-  out.head_weights = gemv_product<float>(in.x, in.m, in.hidden, in.weights_proj, kHeads, fp32);
-  out.gate = gemv_product<uint16_t>(in.x, in.m, in.hidden, in.compress_gate, kDim, bf16);
+  out.index_q = bf16(gemv_sums(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(kHeads) * kDim));
+  out.index_k = bf16(gemv_sums(in.x, in.m, in.hidden, in.wk, kDim));
+  out.head_weights = gemv_sums(in.x, in.m, in.hidden, in.weights_proj, kHeads);
+  out.gate = bf16(gemv_sums(in.x, in.m, in.hidden, in.compress_gate, kDim));
   return out;
 }
 

@@ -154,15 +154,7 @@ struct IndexerProjectInputsHost {
   const uint16_t* compress_gate;  // [128, D]
 };
 
-// sum[t, j] = sum_i input[t, i] * weight[j, i] and magnitude[t, j] = sum_i
-// |input[t, i] * weight[j, i]|, both [m, n], in double. A product of two BF16
-// values is exact in double and k such products sum with an error below
-// k * 2^-53 * magnitude, negligible next to the FP32 bound below: the sums
-// count as exact.
-struct ExactProduct {
-  std::vector<double> sum, magnitude;
-};
-ExactProduct exact_product(const uint16_t* input, int64_t m, int64_t k, const uint16_t* weight, int64_t n);
+// The float64 products (ExactProduct, exact_product) are linear_reference.h's.
 
 struct IndexerProjectionsHost {
   ExactProduct index_q;       // [m, 32 * 128]

@@ -27,12 +27,39 @@ float gemv_sum(const uint16_t* input, const uint16_t* weight, int64_t k) {
   return lane_sums[0];
 }
 
+std::vector<float> gemv_sums(const uint16_t* x, int64_t m, int64_t k, const uint16_t* weight, int64_t n) {
+  std::vector<float> sums(size_t(m * n));
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < n; ++j) sums[size_t(t * n + j)] = gemv_sum(x + t * k, weight + j * k, k);
+  }
+  return sums;
+}
+
 std::vector<uint16_t> linear_gemv(const std::vector<uint16_t>& x, int64_t m, int64_t k,
                                   const std::vector<uint16_t>& weight, int64_t n) {
-  std::vector<uint16_t> out(size_t(m * n));
+  const std::vector<float> sums = gemv_sums(x.data(), m, k, weight.data(), n);
+  std::vector<uint16_t> out(sums.size());
+  std::transform(sums.begin(), sums.end(), out.begin(), [](float sum) { return num::float_to_bf16(sum); });
+  return out;
+}
+
+ExactProduct exact_product(const uint16_t* x, int64_t m, int64_t k, const uint16_t* weight, int64_t n) {
+  ExactProduct out;
+  out.sum.assign(size_t(m) * n, 0.0);
+  out.magnitude.assign(size_t(m) * n, 0.0);
+  std::vector<double> row(k);
   for (int64_t t = 0; t < m; ++t) {
+    for (int64_t i = 0; i < k; ++i) row[i] = num::bf16_to_float(x[t * k + i]);
     for (int64_t j = 0; j < n; ++j) {
-      out[size_t(t * n + j)] = num::float_to_bf16(gemv_sum(&x[size_t(t * k)], &weight[size_t(j * k)], k));
+      const uint16_t* w = weight + j * k;
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        const double product = row[i] * num::bf16_to_float(w[i]);
+        sum += product;
+        magnitude += std::fabs(product);
+      }
+      out.sum[t * n + j] = sum;
+      out.magnitude[t * n + j] = magnitude;
     }
   }
   return out;

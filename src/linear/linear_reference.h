@@ -1,5 +1,8 @@
-// CPU reference of linear_gemv (include/dsa_decode/linear.h), bit for bit:
-// the same fixed order of every sum, which indexer_project_gemv shares.
+// CPU references of nn.Linear products out[t, j] = sum_i x[t, i] * weight[j, i]
+// (x [m, k], weight [n, k], BF16 bits, row-major and contiguous):
+// linear_gemv's fixed order bit for bit (include/dsa_decode/linear.h; the
+// same order as indexer_project_gemv's), and the float64 truth that GEMMs in
+// an unstated order (cuBLASLt) are held to within a tolerance.
 #pragma once
 
 #include <cstdint>
@@ -13,9 +16,21 @@ namespace dsa::reference {
 // then the xor butterfly over lane distances 1, 2, 4, 8, 16.
 float gemv_sum(const uint16_t* input, const uint16_t* weight, int64_t k);
 
-// out [m, n] BF16 bits = BF16(gemv_sum(x row t, weight row j)) for x [m, k]
-// and weight [n, k] BF16 bits, all row-major and contiguous.
+// gemv_sum of every (x row t, weight row j), [m, n].
+std::vector<float> gemv_sums(const uint16_t* x, int64_t m, int64_t k, const uint16_t* weight, int64_t n);
+
+// linear_gemv's outputs: those sums rounded to BF16 bits, [m, n].
 std::vector<uint16_t> linear_gemv(const std::vector<uint16_t>& x, int64_t m, int64_t k,
                                   const std::vector<uint16_t>& weight, int64_t n);
+
+// sum[t, j] = sum_i x[t, i] * weight[j, i] and magnitude[t, j] = sum_i
+// |x[t, i] * weight[j, i]|, both [m, n], in double. A product of two BF16
+// values is exact in double and k such products sum with an error below
+// k * 2^-53 * magnitude, negligible next to any FP32 bound: the sums count
+// as exact (the magnitude sizes the tolerance of an unstated order).
+struct ExactProduct {
+  std::vector<double> sum, magnitude;
+};
+ExactProduct exact_product(const uint16_t* x, int64_t m, int64_t k, const uint16_t* weight, int64_t n);
 
 }  // namespace dsa::reference

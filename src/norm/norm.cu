@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <string>
 
+#include "core/bf16.cuh"
 #include "core/launch.cuh"
 #include "dsa_decode/norm.h"
 #include "dsa_decode/numerics.h"
@@ -20,15 +21,6 @@ constexpr int kMaxWarps = kMaxThreads / kWarpSize;
 
 int norm_threads(int q_size) {
   return (q_size / kValuesPerThread + kWarpSize - 1) / kWarpSize * kWarpSize;
-}
-
-__device__ __forceinline__ void unpack_bf16x8(uint4 words, float (&values)[kValuesPerThread]) {
-  const uint32_t word[4] = {words.x, words.y, words.z, words.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // little endian: the lower half is the earlier value
-    values[2 * i] = num::bf16_to_float(static_cast<uint16_t>(word[i] & 0xFFFFu));
-    values[2 * i + 1] = num::bf16_to_float(static_cast<uint16_t>(word[i] >> 16));
-  }
 }
 
 __device__ __forceinline__ uint4 pack_bf16x8(const float (&values)[kValuesPerThread]) {

@@ -1,6 +1,7 @@
 #include "norm/norm_reference.h"
 
 #include <cmath>
+#include <vector>
 
 #include "dsa_decode/numerics.h"
 
@@ -60,6 +61,17 @@ void qkv_rmsnorm(const uint16_t* qkv, int64_t qkv_row_pitch, const uint16_t* q_w
     norm_apply_rrms(kv, kv_weight, kv_size, norm_rrms(norm_sum_of_squares(kv, kv_size), kv_size, eps),
                     kv_out + static_cast<int64_t>(t) * kv_size);
   }
+}
+
+void rms_norm_exact(const double* row, int size, const uint16_t* gamma, float eps, double* out) {
+  std::vector<double> x(size);
+  double squares = 0;
+  for (int i = 0; i < size; ++i) {
+    x[i] = num::round_bf16(static_cast<float>(row[i]));
+    squares += x[i] * x[i];
+  }
+  const double rrms = 1 / std::sqrt(squares / size + eps);
+  for (int i = 0; i < size; ++i) out[i] = x[i] * rrms * num::bf16_to_float(gamma[i]);
 }
 
 }  // namespace dsa::reference

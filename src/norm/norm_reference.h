@@ -33,4 +33,9 @@ void qkv_rmsnorm(const uint16_t* qkv,  // [m, qkv_row_pitch] BF16; q part then k
                  uint16_t* q_out,    // [m, q_size] BF16
                  uint16_t* kv_out);  // [m, kv_size] BF16
 
+// The float64 truth GEMM-fed norms are held to: `row` [size] (float64 sums
+// of the a-projection) rounded to BF16 as the GPU's qkv is, then
+// out = x * (sum(x^2) / size + eps)^-0.5 * gamma in double.
+void rms_norm_exact(const double* row, int size, const uint16_t* gamma, float eps, double* out);
+
 }  // namespace dsa::reference

@@ -119,6 +119,7 @@ using sparse_mla_steps::kPanelBytes;
 using sparse_mla_steps::kTileBytes;
 using sparse_mla_steps::listed_before;
 using sparse_mla_steps::listed_chunks;
+using sparse_mla_steps::mark_valid_rows;
 using sparse_mla_steps::piece_row;
 using sparse_mla_steps::round_and_store_probabilities;
 using sparse_mla_steps::scale_and_fold_max;
@@ -319,11 +320,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     } else {
       s.row_offset[j] = offset;
     }
-    const unsigned int valid = __ballot_sync(0xFFFFFFFFu, offset >= 0);
-    if (lane == 0 && valid != 0) {
-      atomicOr(reinterpret_cast<unsigned long long*>(&s.valid_rows[j / kChunkRows]),
-               static_cast<unsigned long long>(valid) << (j % kChunkRows));
-    }
+    mark_valid_rows(s.valid_rows, j, offset >= 0, lane);
   }
   if (group == 0) sparse_mla_count_out_of_range(p, out_of_range, lane);
 

@@ -22,6 +22,7 @@
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/stage.h"
 #include "linear/linear_reference.h"
+#include "norm/norm_reference.h"
 #include "sparse_mla/sparse_mla_reference.h"
 #include "support.h"
 
@@ -382,18 +383,7 @@ double relative_error(const std::vector<uint16_t>& got, const std::vector<double
 // out[t, j] = sum_i in[t, i] * weight[j, i] in float64 (weight [n, k]).
 std::vector<double> linear(const std::vector<uint16_t>& in, int64_t m, int64_t k, const std::vector<uint16_t>& weight,
                            int64_t n) {
-  std::vector<double> x(in.size());
-  for (size_t i = 0; i < in.size(); ++i) x[i] = num::bf16_to_float(in[i]);
-  std::vector<double> out(size_t(m) * n);
-  for (int64_t j = 0; j < n; ++j) {
-    const uint16_t* w = &weight[size_t(j) * k];
-    for (int64_t t = 0; t < m; ++t) {
-      double sum = 0;
-      for (int64_t i = 0; i < k; ++i) sum += x[t * k + i] * num::bf16_to_float(w[i]);
-      out[size_t(t) * n + j] = sum;
-    }
-  }
-  return out;
+  return reference::exact_product(in.data(), m, k, weight.data(), n).sum;
 }
 
 // out[t, h, j] = sum_i in[t, h, i] * weight[h, i, j] in float64.
@@ -418,14 +408,8 @@ std::vector<double> rms_norm(const std::vector<double>& qkv, int64_t m, int64_t 
                              const std::vector<uint16_t>& gamma) {
   std::vector<double> out(size_t(m) * size);
   for (int64_t t = 0; t < m; ++t) {
-    std::vector<double> x(size);
-    double squares = 0;
-    for (int64_t i = 0; i < size; ++i) {
-      x[i] = num::round_bf16(static_cast<float>(qkv[size_t(t) * (kQ + kL) + offset + i]));  // qkv is BF16
-      squares += x[i] * x[i];
-    }
-    const double rrms = 1 / std::sqrt(squares / size + 1e-6);
-    for (int64_t i = 0; i < size; ++i) out[size_t(t) * size + i] = x[i] * rrms * num::bf16_to_float(gamma[i]);
+    reference::rms_norm_exact(&qkv[size_t(t) * (kQ + kL) + offset], int(size), gamma.data(), 1e-6f,
+                              &out[size_t(t) * size]);
   }
   return out;
 }
