@@ -232,6 +232,9 @@ struct DsaStageIntermediates {
   TensorView index_k;         // [m, 128] BF16
   TensorView head_weights;    // [m, 32] f32
   TensorView gate;            // [m, 128] BF16
+  // [m, ceil(max_context / 4)] f32: the last select's logits, valid at pools
+  // p < L / 4 of a token with L > 2048 (indexer.h, step 6)
+  TensorView index_logits;
   TensorView topk_positions;  // [m, 2176] int32: written by the stock select only
   TensorView slots;           // [m, 2176] int32 global KV slots
   TensorView latent;          // [m, H, L] BF16

@@ -570,6 +570,9 @@ DsaStageIntermediates DsaAttentionStage::intermediates(int64_t m) const {
   v.index_k = s.bf16(s.index_k, {m, kIndexerDim});
   v.head_weights = make_tensor(s.head_weights.get(), DType::kF32, {m, kIndexerHeads});
   v.gate = s.bf16(s.gate, {m, kIndexerDim});
+  const IndexerWorkspaceLayout layout = indexer_workspace_layout(s.indexer_plan);
+  v.index_logits = make_strided(static_cast<char*>(s.indexer_workspace.get()) + layout.logits, DType::kF32,
+                                {m, layout.logits_stride}, {layout.logits_stride, 1});
   v.topk_positions = make_tensor(s.topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
   v.slots = make_tensor(s.slots.get(), DType::kI32, {m, kIndexerRowWidth});
   v.latent = s.bf16(s.latent, {m, s.H, s.L});
