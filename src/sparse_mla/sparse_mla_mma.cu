@@ -466,7 +466,14 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
                             std::to_string(heads) + ", " + std::to_string(top_k));
   }
   DSA_RETURN_IF_ERROR(check_plan(plan, heads, top_k));
-  DSA_RETURN_IF_ERROR(prepare_kernel(plan.splits));
+  // A part that cannot set this cluster size's attributes or answer for it
+  // cannot launch the plan: 0, an answer like any other (kernel_answer_once
+  // keeps it, so it is not asked again on every launch).
+  *clusters = 0;
+  if (!prepare_kernel(plan.splits).ok()) {
+    (void)cudaGetLastError();
+    return Status();
+  }
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;
   attribute[0].val.clusterDim.x = plan.splits;
@@ -478,34 +485,31 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
   config.dynamicSmemBytes = sizeof(SharedStorage);
   config.attrs = attribute;
   config.numAttrs = 1;
-  DSA_CUDA_RETURN(cudaOccupancyMaxActiveClusters(clusters, sparse_mla_mma_kernel, &config));
+  if (cudaOccupancyMaxActiveClusters(clusters, sparse_mla_mma_kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    *clusters = 0;
+  }
   return Status();
 }
 
 Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   const int heads = static_cast<int>(a.q.size(1)), top_k = static_cast<int>(a.indices.size(1));
-  SparseMlaSplitPlan plan = sparse_mla_split_plan(heads, top_k, a.splits);
-  if (a.splits == SparseMlaSplits::kByBatch) {
-    // The plan with the most splits whose (token, group) clusters the GPU
-    // runs all at once, else the fewest; the occupancy answer is asked once
-    // per cluster size. A part that cannot answer for a cluster size (or
-    // schedule it) gets the next plan: the last one always launches.
-    const std::array<SparseMlaSplitPlan, 3> plans = sparse_mla_batch_split_plans(heads, top_k);
-    plan = plans.back();
-    for (size_t i = 0; i + 1 < plans.size(); ++i) {
-      int clusters = 0;
-      const Status answered = kernel_answer_once(
-          reinterpret_cast<const void*>(sparse_mla_mma_kernel), plans[i].splits,
-          [&](int* answer) { return sparse_mla_max_active_clusters(plans[i], heads, top_k, answer); }, &clusters);
-      if (!answered.ok()) {
-        (void)cudaGetLastError();  // the failed query's error is not the launch's
-        continue;
-      }
-      if (a.q.size(0) * plans[i].head_groups <= clusters) {
-        plan = plans[i];
-        break;
-      }
+  if (a.splits != SparseMlaSplits::kByBatch) return launch(a, sparse_mla_split_plan(heads, top_k, a.splits), stream);
+  // The plan with the most splits whose (token, group) clusters the GPU runs
+  // all at once, else the fewest; the occupancy answer is asked once per
+  // cluster size. A part that cannot answer for a cluster size (or schedule
+  // it) answers 0 and gets the next plan: the last one always launches.
+  const std::array<SparseMlaSplitPlan, 3> plans = sparse_mla_batch_split_plans(heads, top_k);
+  SparseMlaSplitPlan plan = plans.back();
+  for (size_t i = 0; i + 1 < plans.size(); ++i) {
+    int clusters = 0;
+    DSA_RETURN_IF_ERROR(kernel_answer_once(
+        reinterpret_cast<const void*>(sparse_mla_mma_kernel), plans[i].splits,
+        [&](int* answer) { return sparse_mla_max_active_clusters(plans[i], heads, top_k, answer); }, &clusters));
+    if (a.q.size(0) * plans[i].head_groups <= clusters) {
+      plan = plans[i];
+      break;
     }
   }
   return launch(a, plan, stream);

@@ -23,7 +23,9 @@ Status sparse_mla_mma(const SparseMlaArgs& args, cudaStream_t stream);
 Status sparse_mla_with_plan(const SparseMlaArgs& args, const SparseMlaSplitPlan& plan, cudaStream_t stream);
 
 // How many clusters of the 8-head kernel's `plan` the current device can run
-// at once (cudaOccupancyMaxActiveClusters); 0 means the plan cannot launch there.
+// at once (cudaOccupancyMaxActiveClusters); 0 means the plan cannot launch
+// there, also when the device cannot set the cluster size's attributes or
+// answer the query (those errors are cleared, not returned).
 Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads, int top_k, int* clusters);
 
 // The 8-head kernel's plans that SparseMlaSplits::kByBatch chooses from, most
