@@ -77,6 +77,16 @@ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// Random e4m3 codes from a hash of (seed, index), never NaN (0x7F / 0xFF
+// become +-448): NaN would turn every output into NaN.
+__global__ void fill_random_e4m3_kernel(uint8_t* data, size_t count, uint64_t seed) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const uint8_t code = static_cast<uint8_t>(mix64(seed + (i + 1) * 0x9E3779B97F4A7C15ull));
+    data[i] = (code & 0x7F) == 0x7F ? code - 1 : code;
+  }
+}
+
 __global__ void fill_random_bf16_kernel(uint16_t* data, size_t count, uint64_t seed, float scale) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
@@ -205,6 +215,14 @@ Status fill_random_bf16(void* data, size_t count, uint64_t seed, float scale, cu
   const size_t blocks = std::min<size_t>((count + kThreads - 1) / kThreads, 4096);
   fill_random_bf16_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(static_cast<uint16_t*>(data),
                                                                                   count, seed, scale);
+  DSA_CUDA_RETURN(cudaGetLastError());
+  return Status();
+}
+
+Status fill_random_e4m3(void* data, size_t count, uint64_t seed, cudaStream_t stream) {
+  if (count == 0) return Status();
+  if (data == nullptr) return invalid_argument("data", "a device pointer", "null");
+  fill_random_e4m3_kernel<<<4096, 256, 0, stream>>>(static_cast<uint8_t*>(data), count, seed);
   DSA_CUDA_RETURN(cudaGetLastError());
   return Status();
 }

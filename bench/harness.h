@@ -128,6 +128,8 @@ class DeviceMemory {
 // a hash of (seed, index): benchmarks never run on zeros (METHOD.md: zeros
 // can run faster than real data and hide unwritten outputs).
 Status fill_random_bf16(void* data, size_t count, uint64_t seed, float scale, cudaStream_t stream);
+// Fills `count` bytes with random e4m3 codes, a hash of (seed, index), never NaN.
+Status fill_random_e4m3(void* data, size_t count, uint64_t seed, cudaStream_t stream);
 
 // Bytes over the measured copy rate, in microseconds.
 inline double floor_us(const Context& ctx, double bytes) { return bytes / (ctx.copy_GBps * 1e3); }

@@ -45,31 +45,6 @@ constexpr int kMinCacheSlots = 65536;
 constexpr float kSoftmaxScale = 0.0625f;  // glm5next: 256^-0.5
 constexpr double kPairShared = 0.9;       // draft pairs: the share of a token's rows its sibling reads too
 
-__device__ __forceinline__ uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
-// Random e4m3 codes from a hash of (seed, index), never NaN (0x7F / 0xFF
-// become +-448): benchmarks never run on zeros, and NaN would turn every output
-// into NaN.
-__global__ void fill_random_e4m3_kernel(uint8_t* data, size_t count, uint64_t seed) {
-  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    const uint8_t code = static_cast<uint8_t>(mix64(seed + (i + 1) * 0x9E3779B97F4A7C15ull));
-    data[i] = (code & 0x7F) == 0x7F ? code - 1 : code;
-  }
-}
-
-Status fill_random_e4m3(void* data, size_t count, uint64_t seed, cudaStream_t stream) {
-  fill_random_e4m3_kernel<<<4096, 256, 0, stream>>>(static_cast<uint8_t*>(data), count, seed);
-  DSA_CUDA_RETURN(cudaGetLastError());
-  return Status();
-}
-
 struct Problem {
   int heads, m;
 };

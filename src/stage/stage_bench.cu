@@ -35,27 +35,10 @@ namespace {
 constexpr int64_t kD = 4096, kQ = 1536, kL = 512, kP = 256, kV = 256;  // glm5next
 constexpr int kBlock = 256;
 
-// e4m3 codes from a hash of the index, never NaN (0x7F, 0xFF).
-__global__ void fill_fp8_kernel(uint8_t* codes, size_t count, uint64_t seed) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
-    uint64_t x = (i + seed) * 0x9E3779B97F4A7C15ull;
-    x ^= x >> 31;
-    x *= 0xBF58476D1CE4E5B9ull;
-    uint8_t code = static_cast<uint8_t>(x >> 40);
-    if ((code & 0x7F) == 0x7F) code ^= 1;
-    codes[i] = code;
-  }
-}
-
 __global__ void fill_f32_kernel(float* values, size_t count, float value) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count; i += size_t(gridDim.x) * blockDim.x) {
     values[i] = value;
   }
-}
-
-Status fill_fp8(void* codes, size_t count, uint64_t seed, cudaStream_t stream) {
-  fill_fp8_kernel<<<1024, 256, 0, stream>>>(static_cast<uint8_t*>(codes), count, seed);
-  return cuda_status(cudaGetLastError(), "fill_fp8_kernel");
 }
 
 Status fill_f32(float* values, size_t count, float value, cudaStream_t stream) {
@@ -150,7 +133,7 @@ struct Caches {
     DSA_RETURN_IF_ERROR(upload(host_slots, &slot_mapping, stream));
     DSA_RETURN_IF_ERROR(upload(host_table, &block_table, stream));
     DSA_RETURN_IF_ERROR(kv_cache.allocate(size_t(blocks) * kBlock * kL));
-    DSA_RETURN_IF_ERROR(fill_fp8(kv_cache.get(), kv_cache.bytes(), 0x6b76 + m, stream));
+    DSA_RETURN_IF_ERROR(bench::fill_random_e4m3(kv_cache.get(), kv_cache.bytes(), 0x6b76 + m, stream));
     DSA_RETURN_IF_ERROR(ring.allocate(size_t(m) * 2 * plan.ring * kIndexerDim * 2));
     DSA_CUDA_RETURN(cudaMemsetAsync(ring.get(), 0, ring.bytes(), stream));
     DSA_RETURN_IF_ERROR(k_cache.allocate(size_t(blocks) * page_bytes));
