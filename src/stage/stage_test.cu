@@ -21,6 +21,7 @@
 
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/stage.h"
+#include "head_gemv/head_gemv_reference.h"
 #include "linear/linear_reference.h"
 #include "norm/norm_reference.h"
 #include "sparse_mla/sparse_mla_reference.h"
@@ -461,17 +462,18 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
     }
   }
 
-  // q_fp8 of each path: the static quant of the float64 absorb of its own q,
-  // within one FP8 step (its FP32 sums are far closer than a step to the
-  // float64 ones; a value near a rounding boundary may take the next code).
+  // q_fp8 of each path: the rounding (BF16, then the static quant) of the
+  // float64 absorb of its own q, within one FP8 step (its FP32 sums are far
+  // closer than a step to the float64 ones; a value near a rounding boundary
+  // may take the next code).
   const auto ordered = [](int code) { return code & 0x80 ? -(code & 0x7F) : code; };
   for (const PathResult* r : {&fused, &stock}) {
-    const std::vector<double> absorbed = per_head(r->q, m, kP, layer.w_uk_t, kL);
-    for (size_t i = 0; i < r->q_fp8.size(); ++i) {
-      const int want = num::quant_fp8_static(float(absorbed[i]), 1.0f / layer.scales[0]);
-      ASSERT_LE(std::abs(ordered(r->q_fp8[i]) - ordered(want)), 1)
-          << at << (r == &fused ? " fused" : " stock") << " q_fp8 " << i << " of absorb " << absorbed[i];
-    }
+    const reference::HeadGemvHost absorb{r->q.data(), kH * kP, layer.w_uk_t.data(), kP * kL, kL, m, int(kH),
+                                         int(kP),     int(kL)};
+    const reference::HeadGemvDeviation d =
+        reference::head_gemv_deviation(absorb, r->q_fp8.data(), true, layer.scales[0]);
+    EXPECT_LE(d.max_steps, 1) << at << (r == &fused ? " fused" : " stock") << ": " << d.differing << " of "
+                              << d.compared << " q_fp8 codes off the float64 absorb's";
   }
   // With the same q (q_b_proj through the same kernel), head_gemv's order
   // against cuBLAS's: one FP8 step at most, few codes differ. A GEMV q_b_proj
