@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "dsa_decode/stage.h"
 #include "tools/options.h"
 
 namespace dsa::cli {
@@ -77,9 +78,9 @@ TEST(DsaDecodeOptions, ValueUpTokensErrorsNameTheOptionAndTheBadItem) {
 // bench/results/head_gemv_2026-11-30_54c2121.json: head_gemv faster than the
 // cuBLAS bmm at m = 1, 2 for 64 heads and m <= 4 for 8 heads.
 TEST(DsaDecodeOptions, MeasuredValueUpTokens) {
-  EXPECT_EQ(measured_value_up_tokens(64), std::set<int>({1, 2}));
-  EXPECT_EQ(measured_value_up_tokens(8), std::set<int>({1, 2, 3, 4}));
-  EXPECT_EQ(measured_value_up_tokens(16), std::set<int>({1, 2}));
+  EXPECT_EQ(dsa_stage_measured_value_up_tokens(64, HeadGemvSums::kSeedOrder), std::set<int>({1, 2}));
+  EXPECT_EQ(dsa_stage_measured_value_up_tokens(8, HeadGemvSums::kSeedOrder), std::set<int>({1, 2, 3, 4}));
+  EXPECT_EQ(dsa_stage_measured_value_up_tokens(16, HeadGemvSums::kSeedOrder), std::set<int>({1, 2}));
 }
 
 TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {

@@ -2,6 +2,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "dsa_decode/cuda_check.h"
 
@@ -27,19 +28,6 @@ Status allocate_filled(size_t bytes, int byte, bench::DeviceMemory* device, cuda
   DSA_RETURN_IF_ERROR(device->allocate(bytes));
   DSA_CUDA_RETURN(cudaMemsetAsync(device->get(), byte, bytes, stream));
   return Status();
-}
-
-// Waits for `stream`'s earlier work, then copies `bytes` from the device.
-Status read_back(const void* device, size_t bytes, void* host, cudaStream_t stream) {
-  DSA_CUDA_RETURN(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream));
-  DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
-  return Status();
-}
-
-template <class T>
-Status read_back(const bench::DeviceMemory& device, std::vector<T>* host, cudaStream_t stream) {
-  host->resize(device.bytes() / sizeof(T));
-  return read_back(device.get(), bytes_of(*host), host->data(), stream);
 }
 
 TensorView bf16(void* data, std::initializer_list<int64_t> shape) { return make_tensor(data, DType::kBF16, shape); }
@@ -81,15 +69,14 @@ using WeightField = TensorView DsaLayerWeights::*;
 }  // namespace
 
 Status DeviceLayer::init(const StepShape& shape, const HostWeights& w, const HostStepInputs& in,
-                         const IndexerTokenRows& indexer_history, const HostCache& cache, const DsaStagePlan& plan,
-                         int weight_copies, cudaStream_t stream) {
+                         const IndexerTokenRows& indexer_history, const HostCache& cache, int weight_copies,
+                         cudaStream_t stream) {
   if (cache.first_block != 0 || cache.blocks != shape.cache_blocks()) {
     return invalid_argument("cache", "the whole cache (" + std::to_string(shape.cache_blocks()) + " blocks from 0)",
                             std::to_string(cache.blocks) + " blocks from " + std::to_string(cache.first_block));
   }
   if (weight_copies < 1) return invalid_argument("weight_copies", ">= 1", std::to_string(weight_copies));
   s_ = shape;
-  indexer_plan_ = dsa_stage_indexer_plan(plan);
   weight_copies_ = weight_copies;
 
   // Copy 0 from the host, weight by weight; the others copied from it on the device.
@@ -120,7 +107,7 @@ Status DeviceLayer::init(const StepShape& shape, const HostWeights& w, const Hos
   DSA_RETURN_IF_ERROR(copy_to_device(in.slot_mapping, &slot_mapping_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(cache.bytes, &cache_fused_, stream));
   DSA_RETURN_IF_ERROR(copy_to_device(cache.bytes, &cache_stock_, stream));
-  DSA_RETURN_IF_ERROR(allocate_filled(size_t(s_.m) * s_.D * sizeof(uint16_t), 0xFF, &out_, stream));
+  DSA_RETURN_IF_ERROR(out_.allocate(size_t(s_.m) * s_.D * sizeof(uint16_t)));
   DSA_RETURN_IF_ERROR(allocate_filled(kErrorCounters * sizeof(unsigned int), 0, &error_counts_, stream));
 
   const std::vector<int32_t> block_table = make_indexer_block_table(s_);
@@ -129,12 +116,6 @@ Status DeviceLayer::init(const StepShape& shape, const HostWeights& w, const Hos
   const size_t ring_bytes = size_t(s_.indexer_requests()) * 2 * kIndexerRing * kIndexerDim * sizeof(uint16_t);
   DSA_RETURN_IF_ERROR(allocate_filled(ring_bytes, 0, &indexer_ring_, stream));
   DSA_RETURN_IF_ERROR(allocate_filled(size_t(s_.cache_blocks()) * kIndexerPageBytes, 0, &indexer_k_cache_, stream));
-
-  DSA_RETURN_IF_ERROR(check_indexer_plan(indexer_plan_));
-  if (indexer_plan_.logits == IndexerLogits::kFp32Accumulation) {
-    DSA_RETURN_IF_ERROR(replay_workspace_.allocate(size_t(indexer_workspace_layout(indexer_plan_).bytes)));
-    DSA_RETURN_IF_ERROR(replay_slots_.allocate(size_t(s_.m) * kTopKWidth * sizeof(int32_t)));
-  }
 
   DSA_RETURN_IF_ERROR(prefill_indexer(indexer_history, stream));
   // The host vectors (the block table too) must outlive the copies that read them.
@@ -166,7 +147,7 @@ Status DeviceLayer::prefill_indexer(const IndexerTokenRows& history, cudaStream_
     const int64_t tokens = s_.indexer_prefill_tokens(request);
     if (tokens == 0) continue;  // no context: the state starts empty
     IndexerPrefillArgs args;
-    args.plan = indexer_plan_;
+    args.plan = s_.indexer_plan();
     args.index_k = bf16(index_k.get(), {tokens, kIndexerDim});
     args.gate = bf16(gate.get(), {tokens, kIndexerDim});
     args.k_norm_weight = w.index_k_norm_weight;
@@ -219,81 +200,6 @@ DsaStepArgs DeviceLayer::step_args(DsaPath path) const {
   a.out = bf16(out_.get(), {s_.m, s_.D});
   a.error_count = error_counter(path == DsaPath::kFused ? kFusedStep : kStockStep);
   return a;
-}
-
-Status DeviceLayer::clear_error_counts(cudaStream_t stream) {
-  DSA_CUDA_RETURN(cudaMemsetAsync(error_counts_.get(), 0, error_counts_.bytes(), stream));
-  return Status();
-}
-
-Status DeviceLayer::download_cache(DsaPath path, cudaStream_t stream, std::vector<uint8_t>* cache) const {
-  return read_back(path == DsaPath::kFused ? cache_fused_ : cache_stock_, cache, stream);
-}
-
-Status DeviceLayer::download_indexer_state(cudaStream_t stream, std::vector<uint16_t>* ring,
-                                           std::vector<uint8_t>* k_cache) const {
-  DSA_RETURN_IF_ERROR(read_back(indexer_ring_, ring, stream));
-  return read_back(indexer_k_cache_, k_cache, stream);
-}
-
-Status DeviceLayer::download_out(cudaStream_t stream, std::vector<uint16_t>* out) const {
-  return read_back(out_, out, stream);
-}
-
-Status DeviceLayer::path_errors(DsaPath path, cudaStream_t stream, unsigned int* count) const {
-  return read_back(error_counter(path == DsaPath::kFused ? kFusedStep : kStockStep), sizeof(unsigned int), count,
-                   stream);
-}
-
-Status DeviceLayer::prefill_errors(cudaStream_t stream, unsigned int* count) const {
-  return read_back(error_counter(kPrefill), sizeof(unsigned int), count, stream);
-}
-
-Status DeviceLayer::fill_out(int byte, cudaStream_t stream) {
-  DSA_CUDA_RETURN(cudaMemsetAsync(out_.get(), byte, out_.bytes(), stream));
-  return Status();
-}
-
-Status DeviceLayer::replay_indexer_select(const DsaStageIntermediates& stage, cudaStream_t stream,
-                                          IndexerSelectReplay* out) {
-  const DsaLayerWeights w = weights(0);
-  const int64_t m = s_.m;
-  const TensorView workspace = make_tensor(replay_workspace_.get(), DType::kU8, {int64_t(replay_workspace_.bytes())});
-  const TensorView positions = make_tensor(positions_.get(), DType::kI64, {m});
-  const TensorView token_requests = make_tensor(token_requests_.get(), DType::kI32, {m});
-
-  IndexerPrepareArgs prepare;
-  prepare.plan = indexer_plan_;
-  prepare.index_q = stage.index_q;
-  prepare.index_k = stage.index_k;
-  prepare.head_weights = stage.head_weights;
-  prepare.gate = stage.gate;
-  prepare.k_norm_weight = w.index_k_norm_weight;
-  prepare.k_norm_bias = w.index_k_norm_bias;
-  prepare.ape = w.index_ape;
-  prepare.positions = positions;
-  prepare.token_requests = token_requests;
-  prepare.state = indexer_state();
-  prepare.workspace = workspace;
-  prepare.error_count = error_counter(kReplay);
-  DSA_RETURN_IF_ERROR(indexer_prepare(prepare, stream));
-
-  IndexerSelectArgs select;
-  select.plan = indexer_plan_;
-  select.positions = positions;
-  select.token_requests = token_requests;
-  select.state = indexer_state();
-  select.workspace = workspace;
-  select.slots = make_tensor(replay_slots_.get(), DType::kI32, {m, kTopKWidth});
-  select.error_count = error_counter(kReplay);
-  DSA_RETURN_IF_ERROR(indexer_select(select, stream));
-
-  const IndexerWorkspaceLayout layout = indexer_workspace_layout(indexer_plan_);
-  out->logits.resize(size_t(m) * size_t(layout.logits_stride));
-  DSA_RETURN_IF_ERROR(
-      read_back(replay_workspace_.as<char>() + layout.logits, bytes_of(out->logits), out->logits.data(), stream));
-  DSA_RETURN_IF_ERROR(read_back(replay_slots_, &out->slots, stream));
-  return read_back(error_counter(kReplay), sizeof(unsigned int), &out->errors, stream);
 }
 
 }  // namespace dsa::cli

@@ -144,17 +144,22 @@ StepBytes step_bytes(const StepShape& s) {
   return b;
 }
 
-// Each path's steps for the step's arguments (DsaAttentionStage::step_names).
-struct PathSteps {
-  std::vector<std::string> fused, stock;
-};
-
 // One step of a path as the report shows it: its JSON row name, its label,
 // "shared" (both paths run it on the same inputs: timed once), "fused" or
 // "stock", and its bytes.
 struct StepRow {
   std::string name, label, path;
   double bytes = 0;
+};
+
+// Each path's steps for the step's arguments (DsaAttentionStage::step_names)
+// and their rows (describe_step), one per step.
+struct PathSteps {
+  std::vector<std::string> fused, stock;
+  std::vector<StepRow> fused_rows, stock_rows;
+
+  const std::vector<std::string>& names(DsaPath path) const { return path == DsaPath::kFused ? fused : stock; }
+  const std::vector<StepRow>& rows(DsaPath path) const { return path == DsaPath::kFused ? fused_rows : stock_rows; }
 };
 
 // The row of the stage's step `step` (a name from step_names) in `path` of
@@ -232,9 +237,9 @@ Status describe_step(const StepShape& s, const PathSteps& steps, DsaPath path, c
 }
 
 // Each path's steps, checked to begin with qkv_a_proj and end with o_proj
-// (either kernel), as the attention half's range assumes, and to be steps
-// this program knows (before the checks, which take minutes, rather than at
-// the timings).
+// (either kernel), as the attention half's range assumes, and described
+// (each a step this program knows: before the checks, which take minutes,
+// rather than at the timings).
 Status path_steps(const StepShape& s, const DsaAttentionStage& stage, const DeviceLayer& layer, PathSteps* steps) {
   const auto starts_with = [](const std::string& name, const char* projection) {
     return name.rfind(std::string(projection) + " (", 0) == 0;
@@ -250,9 +255,10 @@ Status path_steps(const StepShape& s, const DsaAttentionStage& stage, const Devi
     }
   }
   for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
-    for (const std::string& name : path == DsaPath::kFused ? steps->fused : steps->stock) {
-      StepRow row;
-      DSA_RETURN_IF_ERROR(describe_step(s, *steps, path, name, &row));
+    std::vector<StepRow>& rows = path == DsaPath::kFused ? steps->fused_rows : steps->stock_rows;
+    for (const std::string& name : steps->names(path)) {
+      rows.emplace_back();
+      DSA_RETURN_IF_ERROR(describe_step(s, *steps, path, name, &rows.back()));
     }
   }
   return Status();
@@ -275,6 +281,7 @@ struct PathOutputs {
   std::vector<uint16_t> q;               // [m, H, P] BF16
   std::vector<uint8_t> q_fp8;            // [m, H, L] e4m3
   IndexerProjections indexer_projections;  // the stage's index_q, index_k, head_weights and gate
+  std::vector<float> index_logits;         // [m, ceil(max_context / 4)] f32: the fused select's, FP32-accumulated only
   std::vector<int32_t> slots;            // [m, 2176] int32 global KV slots
   std::vector<uint16_t> latent;          // [m, H, L] BF16
   std::vector<float> lse;                // [m, H] f32
@@ -283,7 +290,7 @@ struct PathOutputs {
   std::vector<uint8_t> cache;            // [blocks, 256, L] e4m3: the path's whole KV cache
   std::vector<uint16_t> indexer_ring;    // [indexer requests, 2, kIndexerRing, 128] BF16
   std::vector<uint8_t> indexer_k_cache;  // [cache blocks, kIndexerPageBytes]
-  unsigned int errors = 0;               // the path's error counter: untrusted values met
+  unsigned int errors = 0;               // the path's error counter: untrusted values this run met
 };
 
 size_t view_bytes(const TensorView& v) { return size_t(v.numel()) * dtype_size(v.dtype); }
@@ -301,18 +308,31 @@ Status poison(const TensorView& v, int byte, cudaStream_t stream) {
   return Status();
 }
 
+// An error counter (DsaStepArgs::error_count) as a one-element view: 4 bytes, as an unsigned int.
+TensorView counter_view(unsigned int* counter) { return make_tensor(counter, DType::kI32, {1}); }
+
+Status download_count(unsigned int* counter, cudaStream_t stream, unsigned int* count) {
+  std::vector<unsigned int> host;
+  DSA_RETURN_IF_ERROR(download_view(counter_view(counter), stream, &host));
+  *count = host[0];
+  return Status();
+}
+
 // Poisons the stage's intermediates and the output (an output the path does
-// not write fails its check), runs the path once on stage 0, reads back.
-Status run_path(DsaAttentionStage& stage, DeviceLayer& layer, DsaPath path, int m, cudaStream_t stream,
+// not write fails its check), zeroes the path's error counter (its count is
+// this run's), runs the path once on stage 0, reads back; the fused select's
+// logits under FP32-accumulated logits only (the one case whose check reads
+// them).
+Status run_path(DsaAttentionStage& stage, const DeviceLayer& layer, DsaPath path, int m, cudaStream_t stream,
                 PathOutputs* out) {
   const DsaStageIntermediates v = stage.intermediates(m);
+  const DsaStepArgs args = layer.step_args(path);
   for (const TensorView* view : {&v.qkv, &v.q_c, &v.kv_c, &v.q, &v.q_fp8, &v.index_q, &v.index_k, &v.head_weights,
-                                 &v.gate, &v.latent, &v.lse, &v.heads}) {
+                                 &v.gate, &v.latent, &v.lse, &v.heads, &args.out}) {
     DSA_RETURN_IF_ERROR(poison(*view, kPoisonByte, stream));
   }
   DSA_RETURN_IF_ERROR(poison(v.slots, kPoisonSlotByte, stream));
-  DSA_RETURN_IF_ERROR(layer.fill_out(kPoisonByte, stream));
-  const DsaStepArgs args = layer.step_args(path);
+  DSA_RETURN_IF_ERROR(poison(counter_view(args.error_count), 0, stream));
   DSA_RETURN_IF_ERROR(path == DsaPath::kFused ? stage.forward(args, stream) : stage.stock_forward(args, stream));
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
   DSA_CUDA_RETURN(cudaGetLastError());
@@ -325,14 +345,18 @@ Status run_path(DsaAttentionStage& stage, DeviceLayer& layer, DsaPath path, int 
   DSA_RETURN_IF_ERROR(download_view(v.index_k, stream, &out->indexer_projections.index_k));
   DSA_RETURN_IF_ERROR(download_view(v.head_weights, stream, &out->indexer_projections.head_weights));
   DSA_RETURN_IF_ERROR(download_view(v.gate, stream, &out->indexer_projections.gate));
+  if (path == DsaPath::kFused && stage.plan().indexer_logits == IndexerLogits::kFp32Accumulation) {
+    DSA_RETURN_IF_ERROR(download_view(v.index_logits, stream, &out->index_logits));
+  }
   DSA_RETURN_IF_ERROR(download_view(v.slots, stream, &out->slots));
   DSA_RETURN_IF_ERROR(download_view(v.latent, stream, &out->latent));
   DSA_RETURN_IF_ERROR(download_view(v.lse, stream, &out->lse));
   DSA_RETURN_IF_ERROR(download_view(v.heads, stream, &out->heads));
-  DSA_RETURN_IF_ERROR(layer.download_out(stream, &out->out));
-  DSA_RETURN_IF_ERROR(layer.download_cache(path, stream, &out->cache));
-  DSA_RETURN_IF_ERROR(layer.download_indexer_state(stream, &out->indexer_ring, &out->indexer_k_cache));
-  return layer.path_errors(path, stream, &out->errors);
+  DSA_RETURN_IF_ERROR(download_view(args.out, stream, &out->out));
+  DSA_RETURN_IF_ERROR(download_view(args.kv_cache, stream, &out->cache));
+  DSA_RETURN_IF_ERROR(download_view(args.indexer.ring, stream, &out->indexer_ring));
+  DSA_RETURN_IF_ERROR(download_view(args.indexer.k_cache, stream, &out->indexer_k_cache));
+  return download_count(args.error_count, stream, &out->errors);
 }
 
 // ---------------------------------------------------------------- checks
@@ -501,8 +525,8 @@ Check check_indexer_projections(const StepShape& s, const HostWeights& w, const 
   const size_t outside = q.outside + k.outside + weights.outside + gate.outside;
   return judged(std::string("indexer projections (") + kernel + ") vs float64 reference", outside == 0,
                 format("worst |error| / tolerance: index_q %.3g, index_k %.3g, head_weights %.3g, gate %.3g; %zu "
-                       "values outside (tolerance 1e-5 x sum |products|, + 1 BF16 ulp for BF16); on the GPU's q_c",
-                       q.worst, k.worst, weights.worst, gate.worst, outside));
+                       "values outside (tolerance %.0e x sum |products|, + 1 BF16 ulp for BF16); on the GPU's q_c",
+                       q.worst, k.worst, weights.worst, gate.worst, outside, reference::kProjectionSumTolerance));
 }
 
 Check check_indexer_projections_gemv(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
@@ -622,17 +646,6 @@ Status run_indexer_reference(const StepShape& s, const HostWeights& w, const Ind
   return Status();
 }
 
-// The library's prepare and select on the stage's projections and state give
-// the stage's slots bit for bit: the replayed logits the logits check reads
-// are the stage's.
-Check check_indexer_select_replay(const IndexerSelectReplay& replay, const PathOutputs& gpu) {
-  const Mismatches d = count_mismatches(replay.slots, gpu.slots);
-  return judged("indexer prepare + select replayed through the library", d.count == 0 && replay.errors == 0,
-                format("prepare and select on the stage's projections: %zu of %zu slots differ from the stage's "
-                       "(first: token %zu, column %zu); the replay's error counter %u",
-                       d.count, gpu.slots.size(), d.first / kTopKWidth, d.first % kTopKWidth, replay.errors));
-}
-
 // Every step of the indexer is bit-exact (the select's head dots are exact),
 // so the slots must be equal bit for bit.
 Check check_indexer_rows(const StepShape& s, const IndexerReference& cpu, const PathOutputs& gpu) {
@@ -656,7 +669,7 @@ Check check_indexer_logits(const IndexerReference& cpu) {
   const GpuIndexerLogits& l = cpu.logits;
   return judged("indexer logits (FP32 accumulation) vs exact", l.outside == 0,
                 format("%lld of %lld pools outside their bound (reference::indexer_logit_bounds); worst |error| / "
-                       "bound %.3g; the replayed select's logits",
+                       "bound %.3g; the stage's select's logits",
                        static_cast<long long>(l.outside), static_cast<long long>(l.scored), l.worst));
 }
 
@@ -795,31 +808,26 @@ Check check_error_counts(const PathOutputs& fused, const PathOutputs& fused_agai
                        fused.errors, fused_again.errors, stock.errors, prefill));
 }
 
-// Runs the fused path, under FP32-accumulated logits replays its select (the
-// logits stay in the stage's workspace), runs the fused path again, then the
-// stock path, all on stage 0, and checks what they wrote; the indexer's CPU
-// reference prefills from the same `indexer_history`. Each check is printed
-// as soon as it is known.
+// Runs the fused path, the fused path again, then the stock path, all on
+// stage 0, and checks what they wrote; the indexer's CPU reference prefills
+// from the same `indexer_history`. Each check is printed as soon as it is
+// known.
 Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs& in,
                   const IndexerTokenRows& indexer_history, const HostCache& initial_cache, const PathSteps& steps,
                   ValueUpKernel value_up, bool indexer_projections_cublaslt, DsaAttentionStage& stage,
-                  DeviceLayer& layer, cudaStream_t stream, std::vector<Check>* checks) {
+                  const DeviceLayer& layer, cudaStream_t stream, std::vector<Check>* checks) {
   const bool fp32_logits = s.indexer_logits == IndexerLogits::kFp32Accumulation;
-  // The prefill ran in DeviceLayer::init: read its counter before the paths' are zeroed (which zeroes it too).
+  // The prefill ran in DeviceLayer::init.
   unsigned int prefill_errors = 0;
-  DSA_RETURN_IF_ERROR(layer.prefill_errors(stream, &prefill_errors));
-  DSA_RETURN_IF_ERROR(layer.clear_error_counts(stream));
+  DSA_RETURN_IF_ERROR(download_count(layer.prefill_error_count(), stream, &prefill_errors));
   PathOutputs fused, fused_again, stock;
-  IndexerSelectReplay select_replay;
   DSA_RETURN_IF_ERROR(run_path(stage, layer, DsaPath::kFused, s.m, stream, &fused));
-  // The stage's projections are still the fused run's: the replay reads them.
-  if (fp32_logits) DSA_RETURN_IF_ERROR(layer.replay_indexer_select(stage.intermediates(s.m), stream, &select_replay));
   DSA_RETURN_IF_ERROR(run_path(stage, layer, DsaPath::kFused, s.m, stream, &fused_again));
   // The stage's buffers serve both paths: the fused results are on the host already.
   DSA_RETURN_IF_ERROR(run_path(stage, layer, DsaPath::kStock, s.m, stream, &stock));
   IndexerReference indexer;
   DSA_RETURN_IF_ERROR(run_indexer_reference(s, w, fused.indexer_projections, in, indexer_history,
-                                            fp32_logits ? &select_replay.logits : nullptr, &indexer));
+                                            fp32_logits ? &fused.index_logits : nullptr, &indexer));
 
   // Each projection's kernel per path. The stock path runs q_b_proj and
   // o_proj through cuBLASLt at every m: where the fused path runs them as
@@ -830,8 +838,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   const std::string stock_q_b_kernel = std::string(kernel_name(stock_q_b_gemv)) + ", stock path";
   const std::string stock_o_kernel = std::string(kernel_name(stock_o_gemv)) + ", stock path";
 
-  std::printf("\nchecks (stage 0: fused path,%s fused path again, stock path):\n",
-              fp32_logits ? " the select replay," : "");
+  std::printf("\nchecks (stage 0: fused path, fused path again, stock path):\n");
   auto add = [&](Check check) {
     print_check(check);
     checks->push_back(std::move(check));
@@ -854,10 +861,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
     add(check_indexer_projections_gemv(s, w, in, fused.q_c, fused.indexer_projections));
   }
   add(check_indexer_state(indexer, fused));
-  if (fp32_logits) {
-    add(check_indexer_select_replay(select_replay, fused));
-    add(check_indexer_logits(indexer));
-  }
+  if (fp32_logits) add(check_indexer_logits(indexer));
   add(check_indexer_rows(s, indexer, fused));
   add(check_attention(s, w, fused));
   add(check_value_up(s, w, value_up, fused));
@@ -911,8 +915,8 @@ Status warm_up(Stages& stages, const DeviceLayer& layer, cudaStream_t stream) {
 // paths' attention halves (every step between qkv_a_proj and o_proj) and
 // both whole stages, each as CUDA-graph replays that walk the stages in
 // turn (cold weights).
-Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, const DeviceLayer& layer,
-                const PathSteps& steps, int replays, std::vector<Timing>* timings) {
+Status time_all(const bench::Context& ctx, Stages& stages, const DeviceLayer& layer, const PathSteps& steps,
+                int replays, std::vector<Timing>* timings) {
   const int copies = static_cast<int>(stages.size());
   // A whole number of rotations per graph: no stage's weights are read again
   // sooner than `copies` launches later, across replays too.
@@ -930,15 +934,10 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
         us, per_graph, replays);
   };
   // The bytes of steps [first, last] of a path.
-  const auto bytes_of = [&](DsaPath path, size_t first, size_t last, double* bytes) {
-    const std::vector<std::string>& names = path == DsaPath::kFused ? steps.fused : steps.stock;
-    *bytes = 0;
-    for (size_t i = first; i <= last; ++i) {
-      StepRow row;
-      DSA_RETURN_IF_ERROR(describe_step(s, steps, path, names[i], &row));
-      *bytes += row.bytes;
-    }
-    return Status();
+  const auto bytes_of = [&](DsaPath path, size_t first, size_t last) {
+    double bytes = 0;
+    for (size_t i = first; i <= last; ++i) bytes += steps.rows(path)[i].bytes;
+    return bytes;
   };
   const auto index_of = [&](const char* name) {
     for (size_t i = 0; i < timings->size(); ++i) {
@@ -949,10 +948,9 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
 
   // Each step alone; the steps both paths share, once (from the fused path).
   for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
-    const std::vector<std::string>& names = path == DsaPath::kFused ? steps.fused : steps.stock;
-    for (size_t i = 0; i < names.size(); ++i) {
-      StepRow row;
-      DSA_RETURN_IF_ERROR(describe_step(s, steps, path, names[i], &row));
+    const std::vector<StepRow>& rows = steps.rows(path);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const StepRow& row = rows[i];
       if (path == DsaPath::kStock && row.path == "shared") continue;
       Timing t{row.name, row.label, row.path, true};
       t.bytes = row.bytes;
@@ -968,7 +966,7 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
   }
   const size_t stock_absorb_first = size_t(cache_write - steps.stock.begin());
   Timing stock_absorb{"stock_absorb", "cache write + absorb bmm + FP8 quant", "stock", false};
-  DSA_RETURN_IF_ERROR(bytes_of(DsaPath::kStock, stock_absorb_first, stock_absorb_first + 2, &stock_absorb.bytes));
+  stock_absorb.bytes = bytes_of(DsaPath::kStock, stock_absorb_first, stock_absorb_first + 2);
   DSA_RETURN_IF_ERROR(time_steps(DsaPath::kStock, stock_absorb_first, 3, &stock_absorb.us));
   timings->push_back(stock_absorb);
   // The attention halves (norm .. value-up) and the whole stages. The row
@@ -984,9 +982,9 @@ Status time_all(const bench::Context& ctx, const StepShape& s, Stages& stages, c
                              Chain{"chain", "chain norm .. value_up", DsaPath::kFused, false},
                              Chain{"stock_whole_stage", "stock stage qkv_a_proj .. o_proj", DsaPath::kStock, true},
                              Chain{"whole_stage", "stage qkv_a_proj .. o_proj", DsaPath::kFused, true}}) {
-    const size_t count = (chain.path == DsaPath::kFused ? steps.fused : steps.stock).size();
+    const size_t count = steps.names(chain.path).size();
     Timing t{chain.name, chain.label, chain.path == DsaPath::kFused ? "fused" : "stock", false};
-    DSA_RETURN_IF_ERROR(bytes_of(chain.path, chain.whole ? 0 : 1, chain.whole ? count - 1 : count - 2, &t.bytes));
+    t.bytes = bytes_of(chain.path, chain.whole ? 0 : 1, chain.whole ? count - 1 : count - 2);
     DSA_RETURN_IF_ERROR(
         time_steps(chain.path, chain.whole ? 0 : 1, chain.whole ? DsaAttentionStage::kAllSteps : count - 2, &t.us));
     timings->push_back(t);
@@ -1042,13 +1040,10 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   const int copies = weight_copies(ctx, s);
   const DsaStagePlan plan = stage_plan(s, options);
   DeviceLayer layer;
-  DSA_RETURN_IF_ERROR(layer.init(s, weights, inputs, indexer_history, cache, plan, copies, ctx.stream));
+  DSA_RETURN_IF_ERROR(layer.init(s, weights, inputs, indexer_history, cache, copies, ctx.stream));
 
   // The configuration vLLM builds for the preset's layer, one stage per weight copy (as layers of a model).
-  ModelPreset preset{}, rank{};
-  DSA_RETURN_IF_ERROR(find_preset(s.preset, &preset));
-  DSA_RETURN_IF_ERROR(per_rank(preset, s.tp, &rank));
-  const DsaLayerConfig config = dsa_layer_config(rank, weights.eps);
+  const DsaLayerConfig config = dsa_layer_config(s.per_rank, weights.eps);
   Stages stages(copies);
   for (int c = 0; c < copies; ++c) {
     const Status created = DsaAttentionStage::create(config, layer.weights(c), plan, &stages[c]);
@@ -1056,13 +1051,9 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   }
   PathSteps steps;
   DSA_RETURN_IF_ERROR(path_steps(s, *stages[0], layer, &steps));
+  // The stage's kernel; dsa-decode's choice (from the same options and sets) says why.
   const ValueUpKernel value_up = fused_value_up_kernel(steps);
-  const ValueUpChoice value_up_choice = choose_value_up(options, s.H, s.m);
-  if (value_up_choice.kernel != value_up) {
-    return unsupported(std::string("the stage runs value_up as ") + value_up_kernel_name(value_up) +
-                       " where dsa-decode's choice says " + value_up_kernel_name(value_up_choice.kernel) + " (" +
-                       value_up_choice.reason + "): the two measured sets disagree");
-  }
+  const std::string value_up_reason = choose_value_up(options, s.H, s.m).reason;
 
   std::printf(
       "synthetic layer (seed %llu): %d weight copies of %.1f MB, one stage each; KV cache [%lld, %d, %d] FP8 "
@@ -1071,7 +1062,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
       static_cast<long long>(s.cache_blocks()), kCacheBlockSize, s.L, static_cast<long long>(s.context),
       static_cast<long long>(s.context + s.m - 1));
   std::printf("%s\n", s.describe_indexer().c_str());
-  std::printf("value_up in the fused path: %s; %s\n", value_up_kernel_name(value_up), value_up_choice.reason.c_str());
+  std::printf("value_up in the fused path: %s; %s\n", value_up_kernel_name(value_up), value_up_reason.c_str());
   std::printf("head_gemv sums in the fused path: %s\n",
               s.head_gemv_sums == HeadGemvSums::kTensorCores ? "tensor cores (opt-in)" : "seed order");
   std::printf("sparse attention's split plan (both paths): %s\n", options.attention_splits.c_str());
@@ -1085,7 +1076,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   std::printf("indexer projections (both paths): %s\n",
               options.indexer_projections_cublaslt ? "indexer_project (cuBLASLt)" : "indexer_project_gemv");
   for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
-    const std::vector<std::string>& names = path == DsaPath::kFused ? steps.fused : steps.stock;
+    const std::vector<std::string>& names = steps.names(path);
     std::string list;
     for (const std::string& name : names) list += (list.empty() ? "" : ", ") + name;
     std::printf("%s path, %zu steps: %s\n", path == DsaPath::kFused ? "fused" : "stock", names.size(), list.c_str());
@@ -1099,7 +1090,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   report->steps = options.steps;
   report->weight_copies = copies;
   report->value_up_kernel = value_up_kernel_name(value_up);
-  report->value_up_reason = value_up_choice.reason;
+  report->value_up_reason = value_up_reason;
   report->projections_option = options.projections;
   for (const char* projection : {kFirstProjection, "q_b_proj", kLastProjection}) {
     report->fused_projection_kernels.emplace_back(projection, kernel_name(runs_gemv(steps.fused, projection)));
@@ -1112,7 +1103,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, steps, value_up,
                                  options.indexer_projections_cublaslt, *stages[0], layer, ctx.stream, &report->checks));
   DSA_RETURN_IF_ERROR(warm_up(stages, layer, ctx.stream));
-  DSA_RETURN_IF_ERROR(time_all(ctx, s, stages, layer, steps, options.steps, &report->timings));
+  DSA_RETURN_IF_ERROR(time_all(ctx, stages, layer, steps, options.steps, &report->timings));
   print_timings(*report);
   return Status();
 }

@@ -14,17 +14,13 @@ namespace dsa::cli {
 namespace {
 // The head counts bench/results/head_gemv_2026-11-30_54c2121.json has value-up rows of.
 bool value_up_measured(int heads) { return heads == 64 || heads == 8; }
-}  // namespace
 
 // The stage's own sets (its plan's default value_up_tokens), so that what the
 // program says and what the stage runs cannot drift apart.
-std::set<int> measured_value_up_tokens(int heads) {
-  return dsa_stage_measured_value_up_tokens(heads, HeadGemvSums::kSeedOrder);
+std::string measured_list(int heads, HeadGemvSums sums) {
+  return token_list(dsa_stage_measured_value_up_tokens(heads, sums));
 }
-
-std::set<int> measured_value_up_tokens_tensor_cores(int heads) {
-  return dsa_stage_measured_value_up_tokens(heads, HeadGemvSums::kTensorCores);
-}
+}  // namespace
 
 std::string token_list(const std::set<int>& counts) {
   if (counts.empty()) return "none";
@@ -39,9 +35,10 @@ const char* value_up_kernel_name(ValueUpKernel kernel) {
 
 ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
   const bool automatic = !options.value_up_tokens.has_value();
-  const std::set<int> counts = !automatic                       ? *options.value_up_tokens
-                               : options.head_gemv_tensor_cores ? measured_value_up_tokens_tensor_cores(heads)
-                                                                : measured_value_up_tokens(heads);
+  const std::set<int> counts =
+      automatic ? dsa_stage_measured_value_up_tokens(
+                      heads, options.head_gemv_tensor_cores ? HeadGemvSums::kTensorCores : HeadGemvSums::kSeedOrder)
+                : *options.value_up_tokens;
   const bool head_gemv = counts.count(m) > 0;
   std::string reason =
       "m=" + std::to_string(m) + (head_gemv ? " in" : " not in") + " --value-up-tokens " + token_list(counts);
@@ -119,10 +116,10 @@ void print_usage(FILE* to) {
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
                "Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS call failed, 2 bad command line.\n",
                preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps,
-               kLinearGemvMaxTokens, kMaxDecodeTokens, token_list(measured_value_up_tokens(64)).c_str(),
-               token_list(measured_value_up_tokens(8)).c_str(), token_list(measured_value_up_tokens(1)).c_str(),
-               token_list(measured_value_up_tokens_tensor_cores(64)).c_str(),
-               token_list(measured_value_up_tokens_tensor_cores(8)).c_str());
+               kLinearGemvMaxTokens, kMaxDecodeTokens, measured_list(64, HeadGemvSums::kSeedOrder).c_str(),
+               measured_list(8, HeadGemvSums::kSeedOrder).c_str(), measured_list(1, HeadGemvSums::kSeedOrder).c_str(),
+               measured_list(64, HeadGemvSums::kTensorCores).c_str(),
+               measured_list(8, HeadGemvSums::kTensorCores).c_str());
 }
 
 namespace {

@@ -20,7 +20,7 @@ struct Options {
   // --value-up-tokens: the token counts whose value-up the fused path runs as
   // head_gemv, cuBLAS's bmm otherwise (the stage plan's value_up_tokens, as
   // the seed's). Unset: auto, the stage's measured sets
-  // (measured_value_up_tokens() of the step's head count).
+  // (dsa_stage_measured_value_up_tokens of the step's head count and sums).
   std::optional<std::set<int>> value_up_tokens;
   // --indexer-projections: the kernel of the indexer's four projections, a
   // step both paths share ("gemv": indexer_project_gemv; "cublaslt":
@@ -55,21 +55,6 @@ inline constexpr int kMaxTp = 1024;  // the preset's head count must also divide
 
 void print_usage(FILE* to);
 
-// The stage's measured sets (dsa_stage_measured_value_up_tokens), which are:
-// the token counts at which value-up's head_gemv (seed order) beat the cuBLAS bmm on the
-// H200 (bench/results/head_gemv_2026-11-30_54c2121.json, measured at m = 1, 2,
-// 4, 8, 16): at 64 heads m = 1, 2 (1.10x, 1.12x; 0.90x at m = 4); at 8 heads
-// m = 1, 2, 4 (1.54x, 1.47x, 1.18x; 0.81x at m = 8) and m = 3 between them
-// (head_gemv's time grows with m, cuBLAS's is flat: 3.3 us). Other head counts
-// were not measured: m = 1, 2, where head_gemv won at both.
-std::set<int> measured_value_up_tokens(int heads);
-// The same for head_gemv with tensor-core sums (--head-gemv-sums tensor-cores;
-// bench/results/head_gemv_2026-12-01_c2fd745.json): at 64 heads m = 1..8
-// (1.17x / 1.13x / 1.08x / 1.09x at m = 1, 2, 4, 8; 0.97x at m = 16), at 8
-// heads every m (1.81x at m = 1 .. 1.44x at m = 16); other head counts, not
-// measured: m = 1..8.
-std::set<int> measured_value_up_tokens_tensor_cores(int heads);
-
 // "1,2,4" (increasing), or "none" for an empty set: --value-up-tokens's syntax.
 std::string token_list(const std::set<int>& counts);
 
@@ -83,7 +68,20 @@ struct ValueUpChoice {
   std::string reason;  // e.g. "m=4 not in --value-up-tokens 1,2 (auto: measured at 64 heads)"
 };
 
-// The choice for a step of m tokens on `heads` heads.
+// The choice for a step of m tokens on `heads` heads: in --value-up-tokens,
+// or where it is unset the stage's measured sets
+// (dsa_stage_measured_value_up_tokens), which are: the token counts at which
+// value-up's head_gemv (seed order) beat the cuBLAS bmm on the H200
+// (bench/results/head_gemv_2026-11-30_54c2121.json, measured at m = 1, 2, 4,
+// 8, 16): at 64 heads m = 1, 2 (1.10x, 1.12x; 0.90x at m = 4); at 8 heads
+// m = 1, 2, 4 (1.54x, 1.47x, 1.18x; 0.81x at m = 8) and m = 3 between them
+// (head_gemv's time grows with m, cuBLAS's is flat: 3.3 us). Other head counts
+// were not measured: m = 1, 2, where head_gemv won at both. With tensor-core
+// sums (--head-gemv-sums tensor-cores;
+// bench/results/head_gemv_2026-12-01_c2fd745.json): at 64 heads m = 1..8
+// (1.17x / 1.13x / 1.08x / 1.09x at m = 1, 2, 4, 8; 0.97x at m = 16), at 8
+// heads every m (1.81x at m = 1 .. 1.44x at m = 16); other head counts, not
+// measured: m = 1..8.
 ValueUpChoice choose_value_up(const Options& options, int heads, int m);
 
 // The stage plan's projection_gemv_tokens for --projections: auto: unset

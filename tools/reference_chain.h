@@ -126,7 +126,7 @@ IndexerProjections stored_projections(const reference::IndexerProjectionsHost& e
 // The GPU select's logits under IndexerLogits::kFp32Accumulation, and what
 // reference_indexer_step found of them.
 struct GpuIndexerLogits {
-  // [m, indexer_workspace_layout(plan).logits_stride]: StepOutputs::indexer_logits
+  // [m, indexer_workspace_layout(plan).logits_stride]: the stage's intermediates().index_logits
   const std::vector<float>* logits = nullptr;
   double worst = 0;     // out: the largest |GPU - exact| / bound (reference::indexer_logit_bounds)
   int64_t outside = 0;  // out: pools outside their bound

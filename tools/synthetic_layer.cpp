@@ -136,10 +136,12 @@ DsaStagePlan StepShape::stage_plan() const {
 IndexerPlan StepShape::indexer_plan() const { return dsa_stage_indexer_plan(stage_plan()); }
 
 StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context) {
-  return StepShape{per_rank.name,    per_rank.tp,           per_rank.hidden,
-                   per_rank.heads,   per_rank.q_lora,       per_rank.kv_lora,
-                   per_rank.qk_nope, per_rank.v_head,       m,
-                   context,          per_rank.softmax_scale};
+  StepShape s{per_rank.name,    per_rank.tp,           per_rank.hidden,
+              per_rank.heads,   per_rank.q_lora,       per_rank.kv_lora,
+              per_rank.qk_nope, per_rank.v_head,       m,
+              context,          per_rank.softmax_scale};
+  s.per_rank = per_rank;
+  return s;
 }
 
 std::vector<int64_t> HostCache::window_slots(const std::vector<int64_t>& slots) const {

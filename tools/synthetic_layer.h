@@ -66,6 +66,7 @@ struct StepShape {
   IndexerLogits indexer_logits = IndexerLogits::kExact;  // the select's dots (--indexer-logits)
   HeadGemvSums head_gemv_sums = HeadGemvSums::kSeedOrder;  // the fused path's head_gemv sums (--head-gemv-sums)
   SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' sparse_mla plan (--attention-splits)
+  ModelPreset per_rank{};  // the preset on one rank, which the fields above come from (the stage's configuration)
 
   int64_t q_width() const { return int64_t{H} * P; }  // q_b_proj's out features
   int qkv_width() const { return Q + L; }
