@@ -328,7 +328,7 @@ Status run_path(DsaAttentionStage& stage, const DeviceLayer& layer, DsaPath path
   const DsaStageIntermediates v = stage.intermediates(m);
   const DsaStepArgs args = layer.step_args(path);
   for (const TensorView* view : {&v.qkv, &v.q_c, &v.kv_c, &v.q, &v.q_fp8, &v.index_q, &v.index_k, &v.head_weights,
-                                 &v.gate, &v.latent, &v.lse, &v.heads, &args.out}) {
+                                 &v.gate, &v.index_logits, &v.latent, &v.lse, &v.heads, &args.out}) {
     DSA_RETURN_IF_ERROR(poison(*view, kPoisonByte, stream));
   }
   DSA_RETURN_IF_ERROR(poison(v.slots, kPoisonSlotByte, stream));
