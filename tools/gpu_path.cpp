@@ -1045,9 +1045,13 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   // The configuration vLLM builds for the preset's layer, one stage per weight copy (as layers of a model).
   const DsaLayerConfig config = dsa_layer_config(s.per_rank, weights.eps);
   Stages stages(copies);
+  // One workspace for every copy's stage, as a model's layers on one stream
+  // share one (at TP8 the 60 copies would otherwise hold 4 GB of workspaces).
+  std::shared_ptr<DsaStageWorkspace> workspace;
   for (int c = 0; c < copies; ++c) {
-    const Status created = DsaAttentionStage::create(config, layer.weights(c), plan, &stages[c]);
+    const Status created = DsaAttentionStage::create(config, layer.weights(c), plan, &stages[c], workspace);
     if (!created.ok()) return Status(created.code(), "creating the stage: " + created.message());
+    if (c == 0) workspace = stages[0]->workspace();
   }
   PathSteps steps;
   DSA_RETURN_IF_ERROR(path_steps(s, *stages[0], layer, &steps));

@@ -68,7 +68,8 @@
 // of a kernel on a device sets its shared-memory and cluster limits, and the
 // first cuBLASLt call of a shape asks the heuristic: host work kept out of a
 // capture). One stream at a time: the workspace and the indexer's stream
-// are the stage's own, and each call returns with all its work ordered
+// are the stage's own (or shared, DsaStageWorkspace, with stages that run
+// on the same stream), and each call returns with all its work ordered
 // before the caller's next work on `stream`. Inputs
 // the indexer reads before its PDL wait (positions, token_requests, the
 // block table) must be complete when the step's first kernel starts (written
@@ -244,16 +245,45 @@ struct DsaStageIntermediates {
 
 enum class DsaPath { kFused, kStock };
 
+// The device buffers, library handles (cuBLAS, cuBLASLt) and the indexer's
+// stream a stage runs with: about 100 MiB at TP1, max_tokens 16 (two 32 MiB
+// cuBLAS workspaces, the attention's 16.5 MiB of split partials, the
+// indexer's). A model's layers have one configuration and plan and run one
+// after another on one stream, so they can share one: create it once and
+// pass it to every layer's DsaAttentionStage::create. Stages that share a
+// workspace must not run concurrently, and intermediates() shows whichever
+// of them ran last.
+class DsaStageWorkspace {
+ public:
+  // Allocates for this configuration and plan (cudaMalloc on the current
+  // device: call it outside a capture). The stage checks the rest.
+  static Status create(const DsaLayerConfig& config, const DsaStagePlan& plan,
+                       std::shared_ptr<DsaStageWorkspace>* workspace);
+  ~DsaStageWorkspace();
+  DsaStageWorkspace(const DsaStageWorkspace&) = delete;
+  DsaStageWorkspace& operator=(const DsaStageWorkspace&) = delete;
+
+  struct Buffers;  // src/stage/stage.cpp
+
+ private:
+  friend class DsaAttentionStage;
+  DsaStageWorkspace();
+  std::unique_ptr<Buffers> buffers_;
+};
+
 class DsaAttentionStage {
  public:
   // Checks the configuration and the weights against every requirement and
   // returns one error naming all that are missing (kUnsupported when only
   // the layer's features are, kInvalidArgument when a view is wrong), as the
-  // seed's checks; then allocates the workspace (cudaMalloc, on the current
-  // device: call it outside a capture) and prepares the cuBLASLt plans of
-  // every m up to plan.max_tokens.
+  // seed's checks; then takes `workspace` (one made for the same
+  // configuration and plan: else an error naming 'workspace') or, when it
+  // is null, allocates its own (cudaMalloc, on the current device: call it
+  // outside a capture), and prepares the cuBLASLt plans of every m up to
+  // plan.max_tokens.
   static Status create(const DsaLayerConfig& config, const DsaLayerWeights& weights, const DsaStagePlan& plan,
-                       std::unique_ptr<DsaAttentionStage>* stage);
+                       std::unique_ptr<DsaAttentionStage>* stage,
+                       std::shared_ptr<DsaStageWorkspace> workspace = nullptr);
   ~DsaAttentionStage();
   DsaAttentionStage(const DsaAttentionStage&) = delete;
   DsaAttentionStage& operator=(const DsaAttentionStage&) = delete;
@@ -277,6 +307,9 @@ class DsaAttentionStage {
   Status run_steps(DsaPath path, const DsaStepArgs& args, size_t first, size_t count, cudaStream_t stream);
 
   DsaStageIntermediates intermediates(int64_t m) const;
+  // The workspace this stage runs with (its own or the one passed to
+  // create): pass it to the next layer's create to share it.
+  std::shared_ptr<DsaStageWorkspace> workspace() const;
   const DsaLayerConfig& config() const;
   const DsaStagePlan& plan() const;
 

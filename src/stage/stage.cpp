@@ -85,6 +85,63 @@ std::set<int> dsa_stage_measured_projection_gemv_tokens(int64_t heads) {
   return heads == 8 ? std::set<int>{1, 2} : std::set<int>{1};
 }
 
+// What a workspace was made for: stages share it only when these agree.
+struct WorkspaceShape {
+  int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
+  int max_tokens = 0, ring = 0, block_size = 0;
+  int64_t max_context = 0;
+  IndexerLogits indexer_logits = IndexerLogits::kExact;
+  bool indexer_projections_cublaslt = false;
+
+  static WorkspaceShape of(const DsaLayerConfig& c, const DsaStagePlan& p) {
+    return WorkspaceShape{c.num_heads,        c.hidden_size, c.q_lora_rank,    c.kv_lora_rank,
+                          c.qk_nope_head_dim, c.v_head_dim,  p.max_tokens,     p.ring,
+                          p.block_size,       p.max_context, p.indexer_logits, p.indexer_projections_cublaslt};
+  }
+  bool operator==(const WorkspaceShape& o) const {
+    return H == o.H && D == o.D && Q == o.Q && L == o.L && P == o.P && V == o.V && max_tokens == o.max_tokens &&
+           ring == o.ring && block_size == o.block_size && max_context == o.max_context &&
+           indexer_logits == o.indexer_logits && indexer_projections_cublaslt == o.indexer_projections_cublaslt;
+  }
+  std::string describe() const {
+    return "H " + std::to_string(H) + ", D " + std::to_string(D) + ", Q " + std::to_string(Q) + ", L " +
+           std::to_string(L) + ", P " + std::to_string(P) + ", V " + std::to_string(V) + ", max_tokens " +
+           std::to_string(max_tokens) + ", max_context " + std::to_string(max_context) + ", ring " +
+           std::to_string(ring) + ", block_size " + std::to_string(block_size) + ", indexer_logits " +
+           std::to_string(int(indexer_logits)) + ", indexer_projections_cublaslt " +
+           std::to_string(int(indexer_projections_cublaslt));
+  }
+};
+
+struct DsaStageWorkspace::Buffers {
+  WorkspaceShape shape;
+  LinearContext linear;                       // qkv_a_proj, q_b_proj, o_proj
+  IndexerProjectContext indexer_projections;  // made only with indexer_projections_cublaslt
+  cublasHandle_t cublas = nullptr;            // the absorb and value-up bmm
+  bool cublas_bound = false;
+  cudaStream_t cublas_stream = nullptr;  // the stream cublas is bound to, once bound
+  DeviceMemory cublas_workspace;
+  // The indexer's lane (plan.overlap_indexer): a stream of the workspace's
+  // own, forked from the caller's stream after the norm and joined before
+  // the attention through the two events (a fork and a join in a capture).
+  cudaStream_t indexer_stream = nullptr;
+  cudaEvent_t indexer_fork = nullptr, indexer_join = nullptr;
+
+  // Each [max_tokens, ...] (intermediates() has the shapes).
+  DeviceMemory qkv, q_c, kv_c, q, q_bf16, q_fp8, index_q, index_k, head_weights, gate, indexer_workspace,
+      baseline_workspace, topk_positions, slots, latent, lse, heads, split_counters, split_partials;
+  int64_t indexer_workspace_bytes = 0, baseline_workspace_bytes = 0, counter_count = 0, partial_count = 0;
+
+  ~Buffers() {
+    if (cublas != nullptr) cublasDestroy(cublas);
+    if (indexer_fork != nullptr) cudaEventDestroy(indexer_fork);
+    if (indexer_join != nullptr) cudaEventDestroy(indexer_join);
+    if (indexer_stream != nullptr) cudaStreamDestroy(indexer_stream);
+  }
+
+  Status allocate(const WorkspaceShape& s, const IndexerPlan& indexer_plan);
+};
+
 struct DsaAttentionStage::State {
   DsaLayerConfig config;
   DsaLayerWeights w;
@@ -93,29 +150,10 @@ struct DsaAttentionStage::State {
   IndexerPlan indexer_plan;
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
 
-  LinearContext linear;                       // qkv_a_proj, q_b_proj, o_proj
-  IndexerProjectContext indexer_projections;  // made only when plan.indexer_projections_cublaslt
-  cublasHandle_t cublas = nullptr;            // the absorb and value-up bmm
-  bool cublas_bound = false;
-  cudaStream_t cublas_stream = nullptr;  // the stream cublas is bound to, once bound
-  DeviceMemory cublas_workspace;
-  // The indexer's lane (plan.overlap_indexer): a stream of the stage's own,
-  // forked from the caller's stream after the norm and joined before the
-  // attention through the two events (a fork and a join in a capture).
-  cudaStream_t indexer_stream = nullptr;
-  cudaEvent_t indexer_fork = nullptr, indexer_join = nullptr;
-
-  // Workspace, each [max_tokens, ...] (intermediates() has the shapes).
-  DeviceMemory qkv, q_c, kv_c, q, q_bf16, q_fp8, index_q, index_k, head_weights, gate, indexer_workspace,
-      baseline_workspace, topk_positions, slots, latent, lse, heads, split_counters, split_partials;
-  int64_t indexer_workspace_bytes = 0, baseline_workspace_bytes = 0, counter_count = 0, partial_count = 0;
-
-  ~State() {
-    if (cublas != nullptr) cublasDestroy(cublas);
-    if (indexer_fork != nullptr) cudaEventDestroy(indexer_fork);
-    if (indexer_join != nullptr) cudaEventDestroy(indexer_join);
-    if (indexer_stream != nullptr) cudaStreamDestroy(indexer_stream);
-  }
+  // The buffers, handles and the indexer's stream: the stage's own, or shared
+  // with other stages (DsaStageWorkspace).
+  std::shared_ptr<DsaStageWorkspace> workspace;
+  DsaStageWorkspace::Buffers* b = nullptr;
 
   TensorView bf16(const DeviceMemory& memory, std::initializer_list<int64_t> shape) const {
     return make_tensor(memory.get(), DType::kBF16, shape);
@@ -148,45 +186,45 @@ struct DsaAttentionStage::State {
                               a.kv_cache.describe());
     }
     if (a.topk_positions.data != nullptr) {
-      DSA_RETURN_IF_ERROR(check_dtype(a.topk_positions, "topk_positions", DType::kI32));
-      DSA_RETURN_IF_ERROR(check_shape(a.topk_positions, "topk_positions", {m, kIndexerRowWidth}));
+      DSA_RETURN_IF_ERROR(check_dtype(a.topk_positions, "b->topk_positions", DType::kI32));
+      DSA_RETURN_IF_ERROR(check_shape(a.topk_positions, "b->topk_positions", {m, kIndexerRowWidth}));
     }
     // Every other argument is checked by the launch that takes it, under its own name.
     return Status();
   }
 
   Status bind_cublas(cudaStream_t stream) {
-    if (cublas_bound && stream == cublas_stream) return Status();
+    if (b->cublas_bound && stream == b->cublas_stream) return Status();
     // cublasSetStream resets the workspace to cuBLAS's own pool, which a capture cannot hold: set ours again.
-    DSA_CUBLAS_RETURN(cublasSetStream(cublas, stream));
-    DSA_CUBLAS_RETURN(cublasSetWorkspace(cublas, cublas_workspace.get(), kCublasWorkspaceBytes));
-    cublas_stream = stream;
-    cublas_bound = true;
+    DSA_CUBLAS_RETURN(cublasSetStream(b->cublas, stream));
+    DSA_CUBLAS_RETURN(cublasSetWorkspace(b->cublas, b->cublas_workspace.get(), kCublasWorkspaceBytes));
+    b->cublas_stream = stream;
+    b->cublas_bound = true;
     return Status();
   }
 
   KvCacheWrite cache_write(const DsaStepArgs& a, int64_t m) const {
-    return KvCacheWrite{bf16(kv_c, {m, L}), a.kv_cache, a.slot_mapping, w.k_scale, a.error_count};
+    return KvCacheWrite{bf16(b->kv_c, {m, L}), a.kv_cache, a.slot_mapping, w.k_scale, a.error_count};
   }
 
   IndexerProjectArgs indexer_project_args(const DsaStepArgs& a, int64_t m) const {
     IndexerProjectArgs p;
     p.plan = indexer_plan;
-    p.q_c = bf16(q_c, {m, Q});
+    p.q_c = bf16(b->q_c, {m, Q});
     p.x = a.hidden;
     p.wq_b = w.index_wq_b;
     p.wk = w.index_wk;
     p.weights_proj = w.index_weights_proj;
     p.compress_gate = w.index_compress_gate;
-    p.index_q = bf16(index_q, {m, kIndexerHeads, kIndexerDim});
-    p.index_k = bf16(index_k, {m, kIndexerDim});
-    p.head_weights = make_tensor(head_weights.get(), DType::kF32, {m, kIndexerHeads});
-    p.gate = bf16(gate, {m, kIndexerDim});
+    p.index_q = bf16(b->index_q, {m, kIndexerHeads, kIndexerDim});
+    p.index_k = bf16(b->index_k, {m, kIndexerDim});
+    p.head_weights = make_tensor(b->head_weights.get(), DType::kF32, {m, kIndexerHeads});
+    p.gate = bf16(b->gate, {m, kIndexerDim});
     return p;
   }
 
   TensorView indexer_workspace_view() const {
-    return make_tensor(indexer_workspace.get(), DType::kU8, {indexer_workspace_bytes});
+    return make_tensor(b->indexer_workspace.get(), DType::kU8, {b->indexer_workspace_bytes});
   }
 
   IndexerSelectArgs indexer_select_args(const DsaStepArgs& a, int64_t m, bool with_positions) const {
@@ -196,8 +234,8 @@ struct DsaAttentionStage::State {
     s.token_requests = a.token_requests;
     s.state = a.indexer;
     s.workspace = indexer_workspace_view();
-    if (with_positions) s.topk_positions = make_tensor(topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
-    s.slots = make_tensor(slots.get(), DType::kI32, {m, kIndexerRowWidth});
+    if (with_positions) s.topk_positions = make_tensor(b->topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
+    s.slots = make_tensor(b->slots.get(), DType::kI32, {m, kIndexerRowWidth});
     s.error_count = a.error_count;
     return s;
   }
@@ -206,22 +244,22 @@ struct DsaAttentionStage::State {
     const int64_t m = a.hidden.size(0);
     switch (step) {
       case Step::kQkvAProj:
-        return linear.run("qkv_a_proj", a.hidden, w.fused_qkv_a_proj, qkv.get(), Q + L, CUDA_R_16BF, stream);
+        return b->linear.run("qkv_a_proj", a.hidden, w.fused_qkv_a_proj, b->qkv.get(), Q + L, CUDA_R_16BF, stream);
       case Step::kNorm:
-        return qkv_rmsnorm(bf16(qkv, {m, Q + L}), w.q_a_norm, w.kv_a_norm, config.rms_norm_eps, bf16(q_c, {m, Q}),
-                           bf16(kv_c, {m, L}), stream);
+        return qkv_rmsnorm(bf16(b->qkv, {m, Q + L}), w.q_a_norm, w.kv_a_norm, config.rms_norm_eps, bf16(b->q_c, {m, Q}),
+                           bf16(b->kv_c, {m, L}), stream);
       case Step::kQkvAProjGemv:
-        return linear_gemv(LinearGemvArgs{a.hidden, w.fused_qkv_a_proj, bf16(qkv, {m, Q + L})}, stream);
+        return linear_gemv(LinearGemvArgs{a.hidden, w.fused_qkv_a_proj, bf16(b->qkv, {m, Q + L})}, stream);
       case Step::kQbProj:
-        return linear.run("q_b_proj", bf16(q_c, {m, Q}), w.q_b_proj, q.get(), H * P, CUDA_R_16BF, stream);
+        return b->linear.run("q_b_proj", bf16(b->q_c, {m, Q}), w.q_b_proj, b->q.get(), H * P, CUDA_R_16BF, stream);
       case Step::kQbProjGemv:
-        return linear_gemv(LinearGemvArgs{bf16(q_c, {m, Q}), w.q_b_proj, bf16(q, {m, H * P})}, stream);
+        return linear_gemv(LinearGemvArgs{bf16(b->q_c, {m, Q}), w.q_b_proj, bf16(b->q, {m, H * P})}, stream);
       case Step::kAbsorb: {
         const KvCacheWrite write = cache_write(a, m);
         HeadGemvArgs g;
-        g.x = bf16(q, {m, H, P});
+        g.x = bf16(b->q, {m, H, P});
         g.weight = w.w_uk_t;
-        g.out = make_tensor(q_fp8.get(), DType::kFP8E4M3, {m, H, L});
+        g.out = make_tensor(b->q_fp8.get(), DType::kFP8E4M3, {m, H, L});
         g.scale = w.q_scale;
         g.cache = &write;
         g.sums = plan.head_gemv_sums;
@@ -229,15 +267,15 @@ struct DsaAttentionStage::State {
       }
       case Step::kIndexerProject:
         if (plan.indexer_projections_cublaslt)
-          return indexer_project(indexer_project_args(a, m), indexer_projections, stream);
+          return indexer_project(indexer_project_args(a, m), b->indexer_projections, stream);
         return indexer_project_gemv(indexer_project_args(a, m), stream);
       case Step::kIndexerPrepare: {
         IndexerPrepareArgs p;
         p.plan = indexer_plan;
-        p.index_q = bf16(index_q, {m, kIndexerHeads, kIndexerDim});
-        p.index_k = bf16(index_k, {m, kIndexerDim});
-        p.head_weights = make_tensor(head_weights.get(), DType::kF32, {m, kIndexerHeads});
-        p.gate = bf16(gate, {m, kIndexerDim});
+        p.index_q = bf16(b->index_q, {m, kIndexerHeads, kIndexerDim});
+        p.index_k = bf16(b->index_k, {m, kIndexerDim});
+        p.head_weights = make_tensor(b->head_weights.get(), DType::kF32, {m, kIndexerHeads});
+        p.gate = bf16(b->gate, {m, kIndexerDim});
         p.k_norm_weight = w.index_k_norm_weight;
         p.k_norm_bias = w.index_k_norm_bias;
         p.ape = w.index_ape;
@@ -251,8 +289,8 @@ struct DsaAttentionStage::State {
       case Step::kIndexerSelect:
         return indexer_select(indexer_select_args(a, m, false), stream);
       case Step::kStockIndexerSelect:
-        return indexer_select_baseline(indexer_select_args(a, m, true), baseline_workspace.get(),
-                                       baseline_workspace_bytes, stream);
+        return indexer_select_baseline(indexer_select_args(a, m, true), b->baseline_workspace.get(),
+                                       b->baseline_workspace_bytes, stream);
       case Step::kTopkRemap: {
         IndexerRemapArgs r;
         r.plan = indexer_plan;
@@ -260,52 +298,54 @@ struct DsaAttentionStage::State {
         r.token_requests = a.token_requests;
         r.state = a.indexer;
         r.topk_positions = a.topk_positions;
-        r.slots = make_tensor(slots.get(), DType::kI32, {m, kIndexerRowWidth});
+        r.slots = make_tensor(b->slots.get(), DType::kI32, {m, kIndexerRowWidth});
         r.error_count = a.error_count;
         return indexer_remap(r, stream);
       }
       case Step::kAttention: {
         SparseMlaArgs s;
-        s.q = make_tensor(q_fp8.get(), DType::kFP8E4M3, {m, H, L});
+        s.q = make_tensor(b->q_fp8.get(), DType::kFP8E4M3, {m, H, L});
         s.q_scale = w.q_scale;
         s.kv_cache = a.kv_cache;
         s.k_scale = w.k_scale;
-        s.indices = make_tensor(slots.get(), DType::kI32, {m, kIndexerRowWidth});
+        s.indices = make_tensor(b->slots.get(), DType::kI32, {m, kIndexerRowWidth});
         s.softmax_scale = config.softmax_scale;
-        s.latent = bf16(latent, {m, H, L});
-        s.lse = make_tensor(lse.get(), DType::kF32, {m, H});
-        s.split_counters = make_tensor(split_counters.get(), DType::kI32, {counter_count});
-        if (partial_count > 0) s.split_partials = make_tensor(split_partials.get(), DType::kF32, {partial_count});
+        s.latent = bf16(b->latent, {m, H, L});
+        s.lse = make_tensor(b->lse.get(), DType::kF32, {m, H});
+        s.split_counters = make_tensor(b->split_counters.get(), DType::kI32, {b->counter_count});
+        if (b->partial_count > 0)
+          s.split_partials = make_tensor(b->split_partials.get(), DType::kF32, {b->partial_count});
         s.error_count = a.error_count;
         s.splits = plan.attention_splits;
         return sparse_mla(s, stream);
       }
       case Step::kValueUpGemv: {
         HeadGemvArgs g;
-        g.x = bf16(latent, {m, H, L});
+        g.x = bf16(b->latent, {m, H, L});
         g.weight = w.w_uv;
-        g.out = bf16(heads, {m, H, V});
+        g.out = bf16(b->heads, {m, H, V});
         g.sums = plan.head_gemv_sums;
         return head_gemv(g, stream);
       }
       case Step::kValueUpBmm:
         DSA_RETURN_IF_ERROR(bind_cublas(stream));
-        return cublas_head_bmm(cublas, bf16(latent, {m, H, L}), w.w_uv, bf16(heads, {m, H, V}));
+        return cublas_head_bmm(b->cublas, bf16(b->latent, {m, H, L}), w.w_uv, bf16(b->heads, {m, H, V}));
       case Step::kOProj:
-        return linear.run("o_proj", bf16(heads, {m, H * V}), w.o_proj, a.out.data, m > 1 ? a.out.stride(0) : D,
-                          CUDA_R_16BF, stream);
+        return b->linear.run("o_proj", bf16(b->heads, {m, H * V}), w.o_proj, a.out.data, m > 1 ? a.out.stride(0) : D,
+                             CUDA_R_16BF, stream);
       case Step::kOProjGemv:
-        return linear_gemv(LinearGemvArgs{bf16(heads, {m, H * V}), w.o_proj, a.out}, stream);
+        return linear_gemv(LinearGemvArgs{bf16(b->heads, {m, H * V}), w.o_proj, a.out}, stream);
       case Step::kStockCacheWrite:
         return stock_concat_and_cache_mla(cache_write(a, m), stream);
       case Step::kStockAbsorbBmm:
         DSA_RETURN_IF_ERROR(bind_cublas(stream));
-        return cublas_head_bmm(cublas, bf16(q, {m, H, P}), w.w_uk_t, bf16(q_bf16, {m, H, L}));
+        return cublas_head_bmm(b->cublas, bf16(b->q, {m, H, P}), w.w_uk_t, bf16(b->q_bf16, {m, H, L}));
       case Step::kStockFp8Quant:
-        return stock_static_fp8_quant(bf16(q_bf16, {m, H, L}), make_tensor(q_fp8.get(), DType::kFP8E4M3, {m, H, L}),
-                                      w.q_scale, stream);
+        return stock_static_fp8_quant(bf16(b->q_bf16, {m, H, L}),
+                                      make_tensor(b->q_fp8.get(), DType::kFP8E4M3, {m, H, L}), w.q_scale, stream);
       case Step::kStockCounterMemset:
-        DSA_CUDA_RETURN(cudaMemsetAsync(split_counters.get(), 0, size_t(counter_count) * sizeof(int32_t), stream));
+        DSA_CUDA_RETURN(
+            cudaMemsetAsync(b->split_counters.get(), 0, size_t(b->counter_count) * sizeof(int32_t), stream));
         return Status();
     }
     return unsupported("unknown stage step");
@@ -314,8 +354,6 @@ struct DsaAttentionStage::State {
   // Every requirement the seed checks, and each weight view; the messages of all that fail.
   static void check_layer(const DsaLayerConfig& c, const DsaLayerWeights& w, const DsaStagePlan& plan,
                           std::vector<std::string>* features, std::vector<std::string>* views);
-
-  Status allocate_workspace();
 };
 
 void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLayerWeights& w, const DsaStagePlan& plan,
@@ -383,8 +421,9 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   }
 }
 
-Status DsaAttentionStage::State::allocate_workspace() {
-  const int64_t T = plan.max_tokens;
+Status DsaStageWorkspace::Buffers::allocate(const WorkspaceShape& s, const IndexerPlan& indexer_plan) {
+  shape = s;
+  const int64_t T = s.max_tokens, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V;
   const auto buffer = [](int64_t values, size_t value_bytes, DeviceMemory* memory) {
     return allocate_device(size_t(values) * value_bytes, memory);
   };
@@ -415,23 +454,39 @@ Status DsaAttentionStage::State::allocate_workspace() {
   if (partial_count > 0) DSA_RETURN_IF_ERROR(buffer(partial_count, 4, &split_partials));
   DSA_RETURN_IF_ERROR(allocate_device(kCublasWorkspaceBytes, &cublas_workspace));
   DSA_CUBLAS_RETURN(cublasCreate(&cublas));
-  DSA_RETURN_IF_ERROR(bind_cublas(nullptr));
   DSA_RETURN_IF_ERROR(LinearContext::create(&linear));
-  if (plan.indexer_projections_cublaslt) DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_projections));
-  if (plan.overlap_indexer) {
-    DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&indexer_stream, cudaStreamNonBlocking));
-    DSA_CUDA_RETURN(cudaEventCreateWithFlags(&indexer_fork, cudaEventDisableTiming));
-    DSA_CUDA_RETURN(cudaEventCreateWithFlags(&indexer_join, cudaEventDisableTiming));
-  }
-  // The cuBLASLt plans of every m (host work), so that any step may be captured.
-  for (int64_t m = 1; m <= T; ++m) {
-    const TensorView hidden_rows = make_tensor(nullptr, DType::kBF16, {m, D});
-    DSA_RETURN_IF_ERROR(linear.prepare("qkv_a_proj", hidden_rows, w.fused_qkv_a_proj, Q + L, CUDA_R_16BF));
-    DSA_RETURN_IF_ERROR(linear.prepare("q_b_proj", bf16(q_c, {m, Q}), w.q_b_proj, H * P, CUDA_R_16BF));
-    // An out with a padded row stride gets its plan on its first run instead.
-    DSA_RETURN_IF_ERROR(linear.prepare("o_proj", bf16(heads, {m, H * V}), w.o_proj, D, CUDA_R_16BF));
-  }
+  if (s.indexer_projections_cublaslt) DSA_RETURN_IF_ERROR(IndexerProjectContext::create(&indexer_projections));
+  // The lane's stream and events are made whatever the plan: a stage with
+  // plan.overlap_indexer may share a workspace made for one without.
+  DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&indexer_stream, cudaStreamNonBlocking));
+  DSA_CUDA_RETURN(cudaEventCreateWithFlags(&indexer_fork, cudaEventDisableTiming));
+  DSA_CUDA_RETURN(cudaEventCreateWithFlags(&indexer_join, cudaEventDisableTiming));
   DSA_CUDA_RETURN(cudaDeviceSynchronize());  // the counters' memset
+  return Status();
+}
+
+DsaStageWorkspace::DsaStageWorkspace() : buffers_(std::make_unique<Buffers>()) {}
+DsaStageWorkspace::~DsaStageWorkspace() = default;
+
+Status DsaStageWorkspace::create(const DsaLayerConfig& config, const DsaStagePlan& plan,
+                                 std::shared_ptr<DsaStageWorkspace>* workspace) {
+  if (workspace == nullptr) return invalid_argument("workspace", "a pointer to fill", "a null pointer");
+  // The sizes the buffers follow; every other requirement is the stage's to check at its creation.
+  const bool sized = config.num_heads >= 1 && config.num_heads <= kMaxHeads && config.kv_lora_rank == kLatentWidth &&
+                     config.hidden_size > 0 && config.q_lora_rank > 0 && config.qk_nope_head_dim > 0 &&
+                     config.v_head_dim > 0;
+  if (!sized) {
+    return invalid_argument("config", "1..128 heads, a 512-wide latent and positive sizes",
+                            "H " + std::to_string(config.num_heads) + ", L " + std::to_string(config.kv_lora_rank));
+  }
+  if (plan.max_tokens < 1 || plan.max_tokens > kDsaStageMaxTokens) {
+    return invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens),
+                            std::to_string(plan.max_tokens));
+  }
+  DSA_RETURN_IF_ERROR(check_indexer_plan(dsa_stage_indexer_plan(plan)));
+  std::shared_ptr<DsaStageWorkspace> made(new DsaStageWorkspace());
+  DSA_RETURN_IF_ERROR(made->buffers_->allocate(WorkspaceShape::of(config, plan), dsa_stage_indexer_plan(plan)));
+  *workspace = std::move(made);
   return Status();
 }
 
@@ -439,7 +494,8 @@ DsaAttentionStage::DsaAttentionStage() : state_(std::make_unique<State>()) {}
 DsaAttentionStage::~DsaAttentionStage() = default;
 
 Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWeights& weights, const DsaStagePlan& plan,
-                                 std::unique_ptr<DsaAttentionStage>* stage) {
+                                 std::unique_ptr<DsaAttentionStage>* stage,
+                                 std::shared_ptr<DsaStageWorkspace> workspace) {
   if (stage == nullptr) return invalid_argument("stage", "a pointer to fill", "a null pointer");
   std::vector<std::string> features, views;
   State::check_layer(config, weights, plan, &features, &views);
@@ -482,7 +538,27 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   s.L = config.kv_lora_rank;
   s.P = config.qk_nope_head_dim;
   s.V = config.v_head_dim;
-  DSA_RETURN_IF_ERROR(s.allocate_workspace());
+  if (workspace == nullptr) {
+    DSA_RETURN_IF_ERROR(DsaStageWorkspace::create(config, plan, &workspace));
+  } else if (!(workspace->buffers_->shape == WorkspaceShape::of(config, plan))) {
+    return invalid_argument(
+        "workspace", "one made for this configuration and plan (" + WorkspaceShape::of(config, plan).describe() + ")",
+        "one made for " + workspace->buffers_->shape.describe());
+  }
+  s.workspace = workspace;
+  s.b = workspace->buffers_.get();
+  DSA_RETURN_IF_ERROR(s.bind_cublas(nullptr));
+  // The cuBLASLt plans of every m (host work), so that any step may be captured.
+  for (int64_t m = 1; m <= plan.max_tokens; ++m) {
+    const TensorView hidden_rows = make_tensor(nullptr, DType::kBF16, {m, s.D});
+    DSA_RETURN_IF_ERROR(
+        s.b->linear.prepare("qkv_a_proj", hidden_rows, weights.fused_qkv_a_proj, s.Q + s.L, CUDA_R_16BF));
+    DSA_RETURN_IF_ERROR(
+        s.b->linear.prepare("q_b_proj", s.bf16(s.b->q_c, {m, s.Q}), weights.q_b_proj, s.H * s.P, CUDA_R_16BF));
+    // An out with a padded row stride gets its plan on its first run instead.
+    DSA_RETURN_IF_ERROR(
+        s.b->linear.prepare("o_proj", s.bf16(s.b->heads, {m, s.H * s.V}), weights.o_proj, s.D, CUDA_R_16BF));
+  }
   *stage = std::move(made);
   return Status();
 }
@@ -531,8 +607,8 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
   bool forked = false;
   const auto join = [&]() -> Status {
     forked = false;
-    DSA_CUDA_RETURN(cudaEventRecord(st.indexer_join, st.indexer_stream));
-    DSA_CUDA_RETURN(cudaStreamWaitEvent(stream, st.indexer_join, 0));
+    DSA_CUDA_RETURN(cudaEventRecord(st.b->indexer_join, st.b->indexer_stream));
+    DSA_CUDA_RETURN(cudaStreamWaitEvent(stream, st.b->indexer_join, 0));
     return Status();
   };
   Status failed;
@@ -540,12 +616,12 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
     const Step step = list.steps[i];
     const bool indexer_lane = overlap && on_indexer_lane(step);
     if (indexer_lane && !forked) {
-      DSA_CUDA_RETURN(cudaEventRecord(st.indexer_fork, stream));
-      DSA_CUDA_RETURN(cudaStreamWaitEvent(st.indexer_stream, st.indexer_fork, 0));
+      DSA_CUDA_RETURN(cudaEventRecord(st.b->indexer_fork, stream));
+      DSA_CUDA_RETURN(cudaStreamWaitEvent(st.b->indexer_stream, st.b->indexer_fork, 0));
       forked = true;
     }
     if (forked && step == Step::kAttention) DSA_RETURN_IF_ERROR(join());
-    const Status s = st.run_step(step, args, indexer_lane ? st.indexer_stream : stream);
+    const Status s = st.run_step(step, args, indexer_lane ? st.b->indexer_stream : stream);
     if (!s.ok()) {
       const char* name = step_name(step, st.plan.indexer_projections_cublaslt);
       failed = Status(s.code(), std::string("stage step '") + name + "': " + s.message());
@@ -561,26 +637,27 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
 DsaStageIntermediates DsaAttentionStage::intermediates(int64_t m) const {
   const State& s = *state_;
   DsaStageIntermediates v;
-  v.qkv = s.bf16(s.qkv, {m, s.Q + s.L});
-  v.q_c = s.bf16(s.q_c, {m, s.Q});
-  v.kv_c = s.bf16(s.kv_c, {m, s.L});
-  v.q = s.bf16(s.q, {m, s.H, s.P});
-  v.q_fp8 = make_tensor(s.q_fp8.get(), DType::kFP8E4M3, {m, s.H, s.L});
-  v.index_q = s.bf16(s.index_q, {m, kIndexerHeads, kIndexerDim});
-  v.index_k = s.bf16(s.index_k, {m, kIndexerDim});
-  v.head_weights = make_tensor(s.head_weights.get(), DType::kF32, {m, kIndexerHeads});
-  v.gate = s.bf16(s.gate, {m, kIndexerDim});
+  v.qkv = s.bf16(s.b->qkv, {m, s.Q + s.L});
+  v.q_c = s.bf16(s.b->q_c, {m, s.Q});
+  v.kv_c = s.bf16(s.b->kv_c, {m, s.L});
+  v.q = s.bf16(s.b->q, {m, s.H, s.P});
+  v.q_fp8 = make_tensor(s.b->q_fp8.get(), DType::kFP8E4M3, {m, s.H, s.L});
+  v.index_q = s.bf16(s.b->index_q, {m, kIndexerHeads, kIndexerDim});
+  v.index_k = s.bf16(s.b->index_k, {m, kIndexerDim});
+  v.head_weights = make_tensor(s.b->head_weights.get(), DType::kF32, {m, kIndexerHeads});
+  v.gate = s.bf16(s.b->gate, {m, kIndexerDim});
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(s.indexer_plan);
-  v.index_logits = make_strided(static_cast<char*>(s.indexer_workspace.get()) + layout.logits, DType::kF32,
+  v.index_logits = make_strided(static_cast<char*>(s.b->indexer_workspace.get()) + layout.logits, DType::kF32,
                                 {m, layout.logits_stride}, {layout.logits_stride, 1});
-  v.topk_positions = make_tensor(s.topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
-  v.slots = make_tensor(s.slots.get(), DType::kI32, {m, kIndexerRowWidth});
-  v.latent = s.bf16(s.latent, {m, s.H, s.L});
-  v.lse = make_tensor(s.lse.get(), DType::kF32, {m, s.H});
-  v.heads = s.bf16(s.heads, {m, s.H, s.V});
+  v.topk_positions = make_tensor(s.b->topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
+  v.slots = make_tensor(s.b->slots.get(), DType::kI32, {m, kIndexerRowWidth});
+  v.latent = s.bf16(s.b->latent, {m, s.H, s.L});
+  v.lse = make_tensor(s.b->lse.get(), DType::kF32, {m, s.H});
+  v.heads = s.bf16(s.b->heads, {m, s.H, s.V});
   return v;
 }
 
+std::shared_ptr<DsaStageWorkspace> DsaAttentionStage::workspace() const { return state_->workspace; }
 const DsaLayerConfig& DsaAttentionStage::config() const { return state_->config; }
 const DsaStagePlan& DsaAttentionStage::plan() const { return state_->plan; }
 

@@ -219,10 +219,13 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
     std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies), variants(copies), cublaslt(copies);
     DsaLayerConfig config;
     DSA_RETURN_IF_ERROR(glm5next(tp, &config));
+    // One workspace for all of them, as a model's layers on one stream share one.
+    std::shared_ptr<DsaStageWorkspace> workspace;
+    DSA_RETURN_IF_ERROR(DsaStageWorkspace::create(config, plan, &workspace));
     for (int c = 0; c < copies; ++c) {
-      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, plan, &stages[c]));
-      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, variant_plan, &variants[c]));
-      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, cublaslt_plan, &cublaslt[c]));
+      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, plan, &stages[c], workspace));
+      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, variant_plan, &variants[c], workspace));
+      DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, cublaslt_plan, &cublaslt[c], workspace));
     }
     for (int64_t context : {int64_t{32768}, int64_t{131072}}) {
       for (int m : {1, 2, 4, 8, 16}) {

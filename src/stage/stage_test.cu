@@ -652,6 +652,41 @@ TEST_F(DsaStageGpu, IndexerOnItsOwnStreamGivesTheSerialBits) {
   cudaStreamDestroy(stream);
 }
 
+// Stages of one configuration and plan can share one workspace (the layers
+// of a model on one stream): each gives the bits it gives with its own, in
+// either order; a workspace made for another plan is refused by name.
+TEST_F(DsaStageGpu, StagesShareOneWorkspace) {
+  std::shared_ptr<DsaStageWorkspace> shared;
+  DSA_ASSERT_OK(DsaStageWorkspace::create(glm5next_tp8(), plan_, &shared));
+  std::mt19937_64 other_rng(testing::test_seed() + 1);
+  const Layer other(other_rng);
+  std::unique_ptr<DsaAttentionStage> first, second, second_alone;
+  DSA_ASSERT_OK(DsaAttentionStage::create(glm5next_tp8(), layer_->weights(), plan_, &first, shared));
+  DSA_ASSERT_OK(DsaAttentionStage::create(glm5next_tp8(), other.weights(), plan_, &second, first->workspace()));
+  EXPECT_EQ(second->workspace(), shared);
+  DSA_ASSERT_OK(DsaAttentionStage::create(glm5next_tp8(), other.weights(), plan_, &second_alone));
+  for (int m : {1, 5}) {
+    Step step(m, *layer_, plan_, rng_);
+    const std::string at = "m = " + std::to_string(m);
+    const PathResult own_first = run_path(*stage_, step, DsaPath::kFused, step.args());
+    const PathResult own_second = run_path(*second_alone, step, DsaPath::kFused, step.args());
+    const PathResult shared_second = run_path(*second, step, DsaPath::kFused, step.args());
+    const PathResult shared_first = run_path(*first, step, DsaPath::kFused, step.args());
+    EXPECT_TRUE(shared_first.out == own_first.out && shared_first.kv_cache == own_first.kv_cache) << at;
+    EXPECT_TRUE(shared_second.out == own_second.out && shared_second.slots == own_second.slots) << at;
+    EXPECT_FALSE(own_first.out == own_second.out) << at << ": the two layers' weights differ";
+    const PathResult shared_stock = run_path(*first, step, DsaPath::kStock, step.args());
+    const PathResult own_stock = run_path(*stage_, step, DsaPath::kStock, step.args());
+    EXPECT_TRUE(shared_stock.out == own_stock.out) << at;
+  }
+  DsaStagePlan longer = plan_;
+  longer.max_tokens = 8;
+  std::unique_ptr<DsaAttentionStage> refused;
+  testing::expect_rejected(DsaAttentionStage::create(glm5next_tp8(), layer_->weights(), longer, &refused, shared),
+                           "workspace", "max_tokens 8");
+  EXPECT_EQ(refused, nullptr);
+}
+
 TEST_F(DsaStageGpu, CallerTopkRowsSkipTheIndexerAndGiveTheSameStep) {
   Step step(3, *layer_, plan_, rng_);
   const PathResult stock = run_path(*stage_, step, DsaPath::kStock, step.args());  // writes topk_positions
