@@ -19,6 +19,7 @@
 #include "dsa_decode/sparse_mla.h"
 #include "dsa_decode/stage.h"
 #include "harness.h"
+#include "kernel_trace.h"
 #include "linear/linear_reference.h"
 #include "reference_chain.h"
 #include "report.h"
@@ -1019,7 +1020,71 @@ DsaStagePlan stage_plan(const StepShape& s, const Options& options) {
   return plan;
 }
 
+// --trace: per path, one graph per stage (one whole forward on its weight
+// copy), launched in turn once to upload and settle, then again under
+// CUPTI; the middle stage's kernels of that second round are its trace.
+// One graph per stage, so that CUPTI's graph id tells the stages apart.
+Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t stream, std::vector<StageTrace>* traces) {
+  struct Graphs {
+    std::vector<cudaGraph_t> graphs;
+    std::vector<cudaGraphExec_t> execs;
+    ~Graphs() {
+      for (cudaGraphExec_t exec : execs) cudaGraphExecDestroy(exec);
+      for (cudaGraph_t graph : graphs) cudaGraphDestroy(graph);
+    }
+  };
+  KernelTrace trace;
+  DSA_RETURN_IF_ERROR(trace.start());
+  for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+    const DsaStepArgs args = layer.step_args(path);
+    Graphs g;
+    for (auto& stage : stages) {
+      DSA_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const Status ran = path == DsaPath::kFused ? stage->forward(args, stream) : stage->stock_forward(args, stream);
+      cudaGraph_t graph = nullptr;
+      const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+      if (graph != nullptr) g.graphs.push_back(graph);
+      DSA_RETURN_IF_ERROR(ran);
+      DSA_CUDA_RETURN(ended);
+      cudaGraphExec_t exec = nullptr;
+      DSA_CUDA_RETURN(cudaGraphInstantiate(&exec, graph, 0));
+      g.execs.push_back(exec);
+    }
+    std::vector<TracedKernel> kernels;
+    for (int round = 0; round < 2; ++round) {
+      DSA_RETURN_IF_ERROR(trace.collect(&kernels));  // drops the first round's (and earlier) records
+      for (cudaGraphExec_t exec : g.execs) DSA_CUDA_RETURN(cudaGraphLaunch(exec, stream));
+      DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+    }
+    DSA_RETURN_IF_ERROR(trace.collect(&kernels));
+    // The graphs' ids in order of their first kernel; the middle one's kernels.
+    std::vector<uint32_t> order;
+    for (const TracedKernel& k : kernels) {
+      if (std::find(order.begin(), order.end(), k.graph) == order.end()) order.push_back(k.graph);
+    }
+    if (order.size() != g.execs.size()) {
+      return unsupported("--trace: CUPTI reported kernels of " + std::to_string(order.size()) + " graphs, launched " +
+                         std::to_string(g.execs.size()));
+    }
+    StageTrace t;
+    t.path = path == DsaPath::kFused ? "fused" : "stock";
+    const uint32_t middle = order[order.size() / 2];
+    for (const TracedKernel& k : kernels) {
+      if (k.graph == middle) t.kernels.push_back(k);
+    }
+    const uint64_t origin = t.kernels.front().start_ns;
+    for (TracedKernel& k : t.kernels) {
+      k.start_ns -= origin;
+      k.end_ns -= origin;
+    }
+    t.main_stream = t.kernels.front().stream;
+    traces->push_back(std::move(t));
+  }
+  return trace.stop();
+}
+
 Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
+  if (std::string why_not; options.trace && !kernel_trace_available(&why_not)) return unsupported("--trace: " + why_not);
   OwnedStream stream;
   DSA_RETURN_IF_ERROR(stream.create());
   bench::Context ctx;
@@ -1109,6 +1174,10 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   DSA_RETURN_IF_ERROR(warm_up(stages, layer, ctx.stream));
   DSA_RETURN_IF_ERROR(time_all(ctx, stages, layer, steps, options.steps, &report->timings));
   print_timings(*report);
+  if (options.trace) {
+    DSA_RETURN_IF_ERROR(trace_stages(stages, layer, ctx.stream, &report->traces));
+    for (const StageTrace& trace : report->traces) print_trace(trace, copies);
+  }
   return Status();
 }
 

@@ -63,7 +63,7 @@ void print_usage(FILE* to) {
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
                "                  [--projections KERNEL] [--value-up-tokens LIST] [--head-gemv-sums SUMS]\n"
                "                  [--indexer-projections KERNEL] [--indexer-logits DOTS] [--attention-splits PLAN]\n"
-               "                  [--json FILE] [--cpu] [--help]\n"
+               "                  [--json FILE] [--trace] [--cpu] [--help]\n"
                "Runs one decode step of a DSA layer's attention half (hidden states in, o_proj's output\n"
                "out) on a synthetic layer through the library's stage (DsaAttentionStage), its fused\n"
                "path and its stock path, checks they agree with each other and with the CPU reference,\n"
@@ -111,6 +111,9 @@ void print_usage(FILE* to) {
                "                 m, but a token's bits depend on m) or whole-row (one CTA per token and 64\n"
                "                 heads over its whole row: batch invariant, fastest from m = 67 at H = 64)\n"
                "  --json FILE    write the timings and checks as JSON (GPU path)\n"
+               "  --trace        also print when each kernel of one whole stage ran, both paths (CUPTI's kernel\n"
+               "                 records of one graph replay: start, end, stream), the gaps no kernel ran in,\n"
+               "                 and write them to the JSON report\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
@@ -280,13 +283,15 @@ bool parse_options(int argc, char** argv, Options* options, std::string* error) 
         value = argv[++i];
       }
       if (!apply_value(option, value, options, error)) return false;
-    } else if (option == "--cpu" || option == "--help" || option == "-h") {
+    } else if (option == "--cpu" || option == "--trace" || option == "--help" || option == "-h") {
       if (has_value) {
         *error = option + ": takes no value, got '" + value + "'";
         return false;
       }
       if (option == "--cpu") {
         options->force_cpu = true;
+      } else if (option == "--trace") {
+        options->trace = true;
       } else {
         options->help = true;
       }

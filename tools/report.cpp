@@ -1,5 +1,6 @@
 #include "report.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -44,6 +45,38 @@ std::string json_row(const RunReport& r, const Timing& t) {
   return row.str();
 }
 
+// The time in [first start, last end] that no kernel of the trace covers.
+double idle_us(const StageTrace& trace) {
+  if (trace.kernels.empty()) return 0;
+  uint64_t covered_until = trace.kernels.front().start_ns, idle_ns = 0;
+  for (const TracedKernel& k : trace.kernels) {  // in order of start
+    if (k.start_ns > covered_until) idle_ns += k.start_ns - covered_until;
+    covered_until = std::max(covered_until, k.end_ns);
+  }
+  return idle_ns / 1e3;
+}
+
+double span_us(const StageTrace& trace) {
+  uint64_t end = 0;
+  for (const TracedKernel& k : trace.kernels) end = std::max(end, k.end_ns);
+  return trace.kernels.empty() ? 0 : (end - trace.kernels.front().start_ns) / 1e3;
+}
+
+std::string json_trace(const StageTrace& trace) {
+  std::ostringstream json;
+  json << "{\"path\": " << json_string(trace.path) << ", \"span_us\": " << json_number(span_us(trace))
+       << ", \"idle_us\": " << json_number(idle_us(trace)) << ", \"kernels\": [";
+  for (size_t i = 0; i < trace.kernels.size(); ++i) {
+    const TracedKernel& k = trace.kernels[i];
+    json << (i ? ",\n   " : "\n   ") << "{\"name\": " << json_string(k.name)
+         << ", \"stream\": " << json_string(k.stream == trace.main_stream ? "main" : "lane")
+         << ", \"start_us\": " << json_number(k.start_ns / 1e3) << ", \"end_us\": " << json_number(k.end_ns / 1e3)
+         << ", \"ctas\": " << k.ctas << ", \"threads\": " << k.threads << "}";
+  }
+  json << "]}";
+  return json.str();
+}
+
 }  // namespace
 
 void print_check(const Check& check) {
@@ -75,6 +108,25 @@ void print_timings(const RunReport& r) {
   std::printf("kernels alone, summed: fused path %.2f us, stock path %.2f us (a chain runs them back to back, "
               "with PDL on the fused kernels)\n",
               fused_sum, stock_sum);
+  std::fflush(stdout);
+}
+
+void print_trace(const StageTrace& t, int weight_copies) {
+  std::printf("\ntrace, %s path: one whole stage in a graph replay of the %d stages (cold weights), CUPTI's kernel "
+              "records; %zu kernels, %.2f us from the first start to the last end, %.2f us of it with no kernel "
+              "running\n",
+              t.path.c_str(), weight_copies, t.kernels.size(), span_us(t), idle_us(t));
+  std::printf("%9s %9s %8s %8s  %-6s %6s x %-5s %s\n", "start us", "end us", "us", "gap us", "stream", "ctas",
+              "thr", "kernel");
+  uint64_t covered_until = 0;
+  for (const TracedKernel& k : t.kernels) {
+    // gap: since every kernel that started earlier ended (negative: it overlaps one).
+    const double gap = (static_cast<double>(k.start_ns) - static_cast<double>(covered_until)) / 1e3;
+    std::printf("%9.2f %9.2f %8.2f %8.2f  %-6s %6d x %-5d %s\n", k.start_ns / 1e3, k.end_ns / 1e3,
+                (k.end_ns - k.start_ns) / 1e3, &k == &t.kernels.front() ? 0.0 : gap,
+                k.stream == t.main_stream ? "main" : "lane", k.ctas, k.threads, k.name.c_str());
+    covered_until = std::max(covered_until, k.end_ns);
+  }
   std::fflush(stdout);
 }
 
@@ -112,7 +164,13 @@ Status write_json(const RunReport& r, const std::string& path) {
   }
   json << "\n ],\n \"rows\": [";
   for (size_t i = 0; i < r.timings.size(); ++i) json << (i ? ",\n  " : "\n  ") << json_row(r, r.timings[i]);
-  json << "\n ]}\n";
+  json << "\n ]";
+  if (!r.traces.empty()) {
+    json << ",\n \"traces\": [";
+    for (size_t i = 0; i < r.traces.size(); ++i) json << (i ? ",\n  " : "\n  ") << json_trace(r.traces[i]);
+    json << "\n ]";
+  }
+  json << "}\n";
 
   std::ofstream file(path, std::ios::trunc);
   file << json.str();

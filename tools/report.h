@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dsa_decode/status.h"
+#include "kernel_trace.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {
@@ -29,6 +30,13 @@ struct Timing {
   int baseline = -1;  // index of the stock timing a fused one replaces, -1: none
 };
 
+// --trace: one whole stage's kernels in one graph replay, in order of start.
+struct StageTrace {
+  std::string path;                   // "fused" or "stock"
+  std::vector<TracedKernel> kernels;  // times from the first kernel's start
+  uint32_t main_stream = 0;           // the caller's stream (the first kernel's); any other is the indexer's lane
+};
+
 struct RunReport {
   std::string gpu, commit, date;
   double copy_GBps = 0;
@@ -47,10 +55,12 @@ struct RunReport {
   std::string attention_splits;  // both paths' sparse_mla plan: "latency", "throughput", "by-batch" or "whole-row"
   std::vector<Check> checks;
   std::vector<Timing> timings;
+  std::vector<StageTrace> traces;  // --trace
 };
 
 void print_check(const Check& check);
 void print_timings(const RunReport& report);
+void print_trace(const StageTrace& trace, int weight_copies);
 Status write_json(const RunReport& report, const std::string& path);
 
 }  // namespace dsa::cli

@@ -1,0 +1,165 @@
+#include "kernel_trace.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+
+#include "dsa_decode/cuda_check.h"
+
+#if DSA_HAVE_CUPTI
+#include <cupti.h>
+#include <cxxabi.h>
+#endif
+
+namespace dsa::cli {
+
+#if DSA_HAVE_CUPTI
+namespace {
+
+// CUPTI hands records over from its own thread, buffer by buffer.
+std::mutex records_mutex;
+std::vector<TracedKernel>* records = nullptr;  // set while a trace runs
+
+constexpr size_t kBufferBytes = size_t{8} << 20;
+constexpr size_t kBufferAlignment = 8;  // CUPTI's requirement for activity buffers
+
+// "void dsa::(anonymous namespace)::linear_gemv_kernel<4>(dsa::LinearGemvParams)" -> "linear_gemv_kernel".
+std::string short_name(const char* mangled) {
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled != nullptr ? demangled : mangled;
+  std::free(demangled);
+  // Cut at the first '<' or '(' outside "(anonymous namespace)", then drop the scopes.
+  size_t end = 0;
+  for (; end < name.size(); ++end) {
+    if (name.compare(end, 21, "(anonymous namespace)") == 0) {
+      end += 20;
+      continue;
+    }
+    if (name[end] == '<' || name[end] == '(') break;
+  }
+  name.resize(end);
+  if (const size_t scope = name.rfind("::"); scope != std::string::npos) name.erase(0, scope + 2);
+  if (const size_t space = name.rfind(' '); space != std::string::npos) name.erase(0, space + 1);
+  return name;
+}
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(kBufferAlignment, kBufferBytes));
+  *size = *buffer != nullptr ? kBufferBytes : 0;
+  *max_records = 0;  // as many as fit
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  {
+    std::lock_guard<std::mutex> lock(records_mutex);
+    CUpti_Activity* record = nullptr;
+    while (records != nullptr && cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
+      if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
+      const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
+      TracedKernel t;
+      t.name = short_name(k->name);
+      t.stream = k->streamId;
+      t.graph = k->graphId;
+      t.start_ns = k->start;
+      t.end_ns = k->end;
+      t.ctas = k->gridX * k->gridY * k->gridZ;
+      t.threads = k->blockX * k->blockY * k->blockZ;
+      records->push_back(std::move(t));
+    }
+  }
+  std::free(buffer);
+}
+
+Status cupti_status(CUptiResult result, const char* call) {
+  if (result == CUPTI_SUCCESS) return Status();
+  const char* text = nullptr;
+  cuptiGetResultString(result, &text);
+  return Status(ErrorCode::kCudaError, std::string(call) + ": " + (text != nullptr ? text : "unknown CUPTI error"));
+}
+
+}  // namespace
+
+bool kernel_trace_available(std::string*) { return true; }
+
+KernelTrace::~KernelTrace() {
+  if (!running_) return;
+  cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL);
+  std::lock_guard<std::mutex> lock(records_mutex);
+  delete records;
+  records = nullptr;
+}
+
+Status KernelTrace::start() {
+  if (running_) return Status(ErrorCode::kInvalidArgument, "KernelTrace::start: a trace is already running");
+  {
+    std::lock_guard<std::mutex> lock(records_mutex);
+    if (records != nullptr) {
+      return Status(ErrorCode::kInvalidArgument, "KernelTrace::start: another trace is running in the process");
+    }
+    records = new std::vector<TracedKernel>();
+  }
+  Status s = cupti_status(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed),
+                          "cuptiActivityRegisterCallbacks");
+  if (s.ok()) {
+    s = cupti_status(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL),
+                     "cuptiActivityEnable(CONCURRENT_KERNEL)");
+  }
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(records_mutex);
+    delete records;
+    records = nullptr;
+    return s;
+  }
+  running_ = true;
+  return Status();
+}
+
+Status KernelTrace::collect(std::vector<TracedKernel>* kernels) {
+  if (!running_) return Status(ErrorCode::kInvalidArgument, "KernelTrace::collect: no trace is running");
+  DSA_RETURN_IF_ERROR(
+      cupti_status(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll"));
+  std::lock_guard<std::mutex> lock(records_mutex);
+  kernels->clear();
+  kernels->swap(*records);
+  std::sort(kernels->begin(), kernels->end(),
+            [](const TracedKernel& a, const TracedKernel& b) { return a.start_ns < b.start_ns; });
+  return Status();
+}
+
+Status KernelTrace::stop() {
+  if (!running_) return Status(ErrorCode::kInvalidArgument, "KernelTrace::stop: no trace is running");
+  running_ = false;
+  const Status flushed = cupti_status(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll");
+  const Status disabled = cupti_status(cuptiActivityDisable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL),
+                                       "cuptiActivityDisable(CONCURRENT_KERNEL)");
+  std::lock_guard<std::mutex> lock(records_mutex);
+  delete records;
+  records = nullptr;
+  return flushed.ok() ? disabled : flushed;
+}
+
+#else  // built without CUPTI
+
+bool kernel_trace_available(std::string* why_not) {
+  *why_not = "this dsa-decode was built without CUPTI (CMake found no CUDA::cupti)";
+  return false;
+}
+
+KernelTrace::~KernelTrace() = default;
+
+Status KernelTrace::start() {
+  std::string why;
+  kernel_trace_available(&why);
+  return Status(ErrorCode::kUnsupported, why);
+}
+
+Status KernelTrace::collect(std::vector<TracedKernel>*) {
+  return Status(ErrorCode::kInvalidArgument, "KernelTrace::collect: no trace is running");
+}
+
+Status KernelTrace::stop() { return Status(ErrorCode::kInvalidArgument, "KernelTrace::stop: no trace is running"); }
+
+#endif
+
+}  // namespace dsa::cli
