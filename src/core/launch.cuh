@@ -3,9 +3,14 @@
 //
 // A PDL kernel may start while its predecessor in the stream still runs: it
 // loads what does not depend on the predecessor (weights), then waits. It
-// releases its dependents once its own wait has passed: a dependent still
-// waits for this kernel's completion before reading its outputs, so the
-// release only lets the dependent's prologue overlap this kernel.
+// releases its dependents once its own wait has passed (head_gemv before:
+// head_gemv.cu says why): a dependent still waits for this kernel's
+// completion before reading its outputs, so the release only lets the
+// dependent's prologue overlap this kernel.
+//
+// Every launch here asks for the largest shared-memory carveout, so that the
+// chain's kernels and the indexer's lane beside them can share SMs
+// (prefer_max_shared_carveout, core/shared_memory.h).
 //
 // Two rules the chain relies on:
 //  - before pdl_wait, read only what no kernel still in flight writes (weights
@@ -16,6 +21,7 @@
 
 #include <cuda_runtime.h>
 
+#include "core/shared_memory.h"
 #include "dsa_decode/cuda_check.h"
 
 namespace dsa {
@@ -43,6 +49,7 @@ Status launch_pdl_with(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, siz
   config.stream = stream;
   config.attrs = attribute;
   config.numAttrs = extra != nullptr ? 2 : 1;
+  DSA_RETURN_IF_ERROR(prefer_max_shared_carveout(reinterpret_cast<const void*>(kernel)));
   DSA_CUDA_RETURN(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   return Status();
 }

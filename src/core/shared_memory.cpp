@@ -12,8 +12,8 @@ namespace dsa {
 namespace {
 
 // Sets `attribute` of `kernel` on the current device to `value` unless a
-// value at least as large was set before (both attributes here only allow
-// more as they grow).
+// value at least as large was set before (the attributes here only allow
+// more as they grow, or are only ever set to one value).
 Status set_attribute_once(const void* kernel, cudaFuncAttribute attribute, int value, const std::string& what) {
   struct Set {
     const void* kernel;
@@ -45,6 +45,11 @@ Status raise_shared_memory_limit(const void* kernel, int bytes, const char* name
 Status allow_non_portable_clusters(const void* kernel, const char* name) {
   return set_attribute_once(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1,
                             std::string(name) + ", non-portable cluster sizes");
+}
+
+Status prefer_max_shared_carveout(const void* kernel) {
+  return set_attribute_once(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared,
+                            "a PDL kernel, preferred shared-memory carveout MaxShared");
 }
 
 Status kernel_answer_once(const void* kernel, int variant, const std::function<Status(int*)>& ask, int* answer) {

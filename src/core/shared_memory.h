@@ -20,6 +20,15 @@ Status raise_shared_memory_limit(const void* kernel, int bytes, const char* name
 // (kernel, device) in the same way: clusters of up to 16 CTAs on Hopper.
 Status allow_non_portable_clusters(const void* kernel, const char* name);
 
+// cudaFuncSetAttribute(kernel, PreferredSharedMemoryCarveout, MaxShared),
+// once per (kernel, device). An SM holds CTAs of one shared-memory/L1 split
+// at a time, so kernels the driver gives different splits cannot share an
+// SM: a GEMV with 3 KiB of shared memory then keeps the indexer's logits
+// kernel (42 KiB) off every SM it runs on until its CTAs drain (H200 trace,
+// dsa-decode --trace: the logits started 9 us after their inputs were
+// ready). Every PDL launch asks for the largest split (launch.cuh).
+Status prefer_max_shared_carveout(const void* kernel);
+
 // An answer about `kernel` on the current device that cannot change while the
 // process runs (an occupancy count): `ask` runs on the first call for
 // (kernel, variant, device) and its answer is kept; `variant` tells apart the
