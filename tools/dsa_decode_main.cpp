@@ -76,5 +76,6 @@ int main(int argc, char** argv) {
   if (!options.json_path.empty()) {
     std::printf("(--json: the CPU path times no GPU kernels; no JSON written)\n");
   }
+  if (options.trace) std::printf("(--trace: the CPU path runs no GPU kernels; nothing traced)\n");
   return dsa::cli::run_cpu_path(shape, options);
 }

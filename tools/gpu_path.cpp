@@ -1084,7 +1084,8 @@ Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t strea
 }
 
 Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
-  if (std::string why_not; options.trace && !kernel_trace_available(&why_not)) return unsupported("--trace: " + why_not);
+  if (std::string why_not; options.trace && !kernel_trace_available(&why_not))
+    return unsupported("--trace: " + why_not);
   OwnedStream stream;
   DSA_RETURN_IF_ERROR(stream.create());
   bench::Context ctx;

@@ -117,8 +117,7 @@ Status KernelTrace::start() {
 
 Status KernelTrace::collect(std::vector<TracedKernel>* kernels) {
   if (!running_) return Status(ErrorCode::kInvalidArgument, "KernelTrace::collect: no trace is running");
-  DSA_RETURN_IF_ERROR(
-      cupti_status(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll"));
+  DSA_RETURN_IF_ERROR(cupti_status(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED), "cuptiActivityFlushAll"));
   std::lock_guard<std::mutex> lock(records_mutex);
   kernels->clear();
   kernels->swap(*records);

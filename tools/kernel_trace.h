@@ -14,9 +14,9 @@ namespace dsa::cli {
 
 // One kernel execution as CUPTI saw it.
 struct TracedKernel {
-  std::string name;      // demangled, namespaces and template arguments dropped
-  uint32_t stream = 0;   // CUPTI's stream id
-  uint32_t graph = 0;    // CUPTI's graph id: which graph launch ran it
+  std::string name;                   // demangled, namespaces and template arguments dropped
+  uint32_t stream = 0;                // CUPTI's stream id
+  uint32_t graph = 0;                 // CUPTI's graph id: which graph launch ran it
   uint64_t start_ns = 0, end_ns = 0;  // GPU timestamps
   int ctas = 0, threads = 0;          // grid and block sizes (x * y * z)
 };

@@ -112,12 +112,13 @@ void print_timings(const RunReport& r) {
 }
 
 void print_trace(const StageTrace& t, int weight_copies) {
-  std::printf("\ntrace, %s path: one whole stage in a graph replay of the %d stages (cold weights), CUPTI's kernel "
-              "records; %zu kernels, %.2f us from the first start to the last end, %.2f us of it with no kernel "
-              "running\n",
-              t.path.c_str(), weight_copies, t.kernels.size(), span_us(t), idle_us(t));
-  std::printf("%9s %9s %8s %8s  %-6s %6s x %-5s %s\n", "start us", "end us", "us", "gap us", "stream", "ctas",
-              "thr", "kernel");
+  std::printf(
+      "\ntrace, %s path: one whole stage in a graph replay of the %d stages (cold weights), CUPTI's kernel "
+      "records; %zu kernels, %.2f us from the first start to the last end, %.2f us of it with no kernel "
+      "running\n",
+      t.path.c_str(), weight_copies, t.kernels.size(), span_us(t), idle_us(t));
+  std::printf("%9s %9s %8s %8s  %-6s %6s x %-5s %s\n", "start us", "end us", "us", "gap us", "stream", "ctas", "thr",
+              "kernel");
   uint64_t covered_until = 0;
   for (const TracedKernel& k : t.kernels) {
     // gap: since every kernel that started earlier ended (negative: it overlaps one).

@@ -85,6 +85,14 @@ struct HeadGemvArgs {
   TensorView scale;   // [1] f32: required when out is FP8, absent otherwise
   const KvCacheWrite* cache = nullptr;  // optional
   HeadGemvSums sums = HeadGemvSums::kSeedOrder;
+  // PDL: let the next kernel in the stream launch before this one's wait on
+  // its predecessor, not after it (kSeedOrder only; the tensor-core kernel
+  // always releases after). For a chain whose next kernel has a long weight
+  // prologue (the stage: o_proj after value-up): it then streams under this
+  // kernel's predecessor. Not for back-to-back head_gemv launches: each
+  // launch's CTAs then wait on SMs the running one needs (H200, value-up at
+  // H = 8 alone: 1.2-1.5x slower, bench/results/head_gemv_2026-12-01_f9661fd.json).
+  bool release_dependents_early = false;
 };
 
 // The table's tactic for these shapes and token count (src/head_gemv/tactics.cpp;

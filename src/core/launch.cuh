@@ -3,8 +3,8 @@
 //
 // A PDL kernel may start while its predecessor in the stream still runs: it
 // loads what does not depend on the predecessor (weights), then waits. It
-// releases its dependents once its own wait has passed (head_gemv before:
-// head_gemv.cu says why): a dependent still waits for this kernel's
+// releases its dependents once its own wait has passed (head_gemv before it
+// on request: HeadGemvArgs::release_dependents_early): a dependent still waits for this kernel's
 // completion before reading its outputs, so the release only lets the
 // dependent's prologue overlap this kernel.
 //

@@ -111,15 +111,10 @@ __global__ void __launch_bounds__(max_threads_for(kTokensPerThread))
     }
   }
 
-  // Released before the wait, unlike the other kernels of the chain: in the
-  // stage the next kernel is o_proj after value-up (or the attention after
-  // the absorb), and its weight prologue can then run under this kernel's
-  // predecessor (the attention), when memory is idle. Its own wait still
-  // orders it after this kernel's completion, which follows the
-  // predecessor's. H200, stage at m = 1 (2026-12-01): TP8 1.5-2.8 us faster,
-  // TP1 unchanged.
-  pdl_release_dependents();
+  // HeadGemvArgs::release_dependents_early says when to release.
+  if (p.release_early) pdl_release_dependents();
   pdl_wait();
+  if (!p.release_early) pdl_release_dependents();
 
   // x of this head, transposed so that one row's values for every token are
   // adjacent; neighbouring threads take neighbouring tokens, so their stores
@@ -397,6 +392,7 @@ HeadGemvParams make_params(const HeadGemvArgs& a, int* cache_ctas) {
   p.heads = static_cast<int>(a.x.size(1));
   p.rows = static_cast<int>(a.x.size(2));
   p.cols = static_cast<int>(a.weight.size(2));
+  p.release_early = a.release_dependents_early ? 1 : 0;
   *cache_ctas = 0;
   if (a.cache != nullptr) {
     const KvCacheWrite& c = *a.cache;

@@ -13,6 +13,7 @@
 namespace dsa {
 
 struct HeadGemvParams {
+  int release_early;  // HeadGemvArgs::release_dependents_early
   const uint16_t* x;  // [m, H, I] BF16 bits
   int64_t x_token_stride;
   const uint16_t* weight;  // [H, I, J] BF16 bits

@@ -784,8 +784,8 @@ class BlockingStream {
 
 // The contract's PDL promise (head_gemv.h, core/launch.cuh): head_gemv loads
 // its weights before griddepcontrol.wait, reads x and kv only after it,
-// releases its dependents after it, and launches with programmatic stream
-// serialization. A chain of steps: a slow producer writes new x and kv and
+// releases its dependents after it (before it when asked, with the same
+// bits), and launches with programmatic stream serialization. A chain of steps: a slow producer writes new x and kv and
 // releases its dependents at once; then three head_gemv launches with PDL,
 // the absorb A (x -> q, FP8 out with the fused cache write of kv), B (x -> y,
 // BF16) and V (y -> z, BF16: head_gemv reading head_gemv's output); then a
@@ -959,6 +959,17 @@ TEST(HeadGemvGpu, PdlChainMatchesSerializedLaunchesAndItsGraphReplays) {
     DSA_ASSERT_CUDA(cudaGetLastError());
     expect_same(Result{q_snapshots.download(), z_snapshots.download(), cache.download()}, serialized,
                 "PDL chain vs serialized launches");
+
+    // Back to back with every launch releasing its dependents before its wait
+    // (HeadGemvArgs::release_dependents_early): the same bits.
+    a.release_dependents_early = b.release_dependents_early = v.release_dependents_early = true;
+    reset(true);
+    DSA_ASSERT_OK(enqueue_chain(false));
+    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
+    DSA_ASSERT_CUDA(cudaGetLastError());
+    expect_same(Result{q_snapshots.download(), z_snapshots.download(), cache.download()}, serialized,
+                "PDL chain releasing early vs serialized launches");
+    a.release_dependents_early = b.release_dependents_early = v.release_dependents_early = false;
 
     // The PDL chain captured once and replayed: the first replay from the old
     // inputs, the second from what the first left in x and kv (the last

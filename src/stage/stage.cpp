@@ -263,6 +263,7 @@ struct DsaAttentionStage::State {
         g.scale = w.q_scale;
         g.cache = &write;
         g.sums = plan.head_gemv_sums;
+        g.release_dependents_early = true;  // the next kernel's weight prologue runs under the attention
         return head_gemv(g, stream);
       }
       case Step::kIndexerProject:
@@ -325,6 +326,7 @@ struct DsaAttentionStage::State {
         g.weight = w.w_uv;
         g.out = bf16(b->heads, {m, H, V});
         g.sums = plan.head_gemv_sums;
+        g.release_dependents_early = true;  // the next kernel's weight prologue runs under the attention
         return head_gemv(g, stream);
       }
       case Step::kValueUpBmm:
