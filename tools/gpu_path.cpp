@@ -1057,14 +1057,26 @@ Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t strea
       DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
     }
     DSA_RETURN_IF_ERROR(trace.collect(&kernels));
-    // The graphs' ids in order of their first kernel; the middle one's kernels.
+    // The graphs' ids in order of their first kernel (kernels outside a graph
+    // are not the stage's); every stage must show the same kernel count.
     std::vector<uint32_t> order;
+    std::vector<size_t> counts;
     for (const TracedKernel& k : kernels) {
-      if (std::find(order.begin(), order.end(), k.graph) == order.end()) order.push_back(k.graph);
+      if (k.graph == 0) continue;
+      const auto at = std::find(order.begin(), order.end(), k.graph);
+      if (at == order.end()) {
+        order.push_back(k.graph);
+        counts.push_back(1);
+      } else {
+        ++counts[size_t(at - order.begin())];
+      }
     }
-    if (order.size() != g.execs.size()) {
-      return unsupported("--trace: CUPTI reported kernels of " + std::to_string(order.size()) + " graphs, launched " +
-                         std::to_string(g.execs.size()));
+    if (order.size() != g.execs.size() ||
+        std::count(counts.begin(), counts.end(), counts.front()) != static_cast<long>(counts.size())) {
+      std::string per_graph;
+      for (size_t c : counts) per_graph += (per_graph.empty() ? "" : ", ") + std::to_string(c);
+      return unsupported("CUPTI reported kernels of " + std::to_string(order.size()) + " graphs, " +
+                         std::to_string(g.execs.size()) + " launched; kernels per graph: " + per_graph);
     }
     StageTrace t;
     t.path = path == DsaPath::kFused ? "fused" : "stock";
@@ -1076,16 +1088,14 @@ Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t strea
     for (TracedKernel& k : t.kernels) {
       k.start_ns -= origin;
       k.end_ns -= origin;
+      if (std::find(t.streams.begin(), t.streams.end(), k.stream) == t.streams.end()) t.streams.push_back(k.stream);
     }
-    t.main_stream = t.kernels.front().stream;
     traces->push_back(std::move(t));
   }
   return trace.stop();
 }
 
 Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
-  if (std::string why_not; options.trace && !kernel_trace_available(&why_not))
-    return unsupported("--trace: " + why_not);
   OwnedStream stream;
   DSA_RETURN_IF_ERROR(stream.create());
   bench::Context ctx;
@@ -1175,10 +1185,18 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   DSA_RETURN_IF_ERROR(warm_up(stages, layer, ctx.stream));
   DSA_RETURN_IF_ERROR(time_all(ctx, stages, layer, steps, options.steps, &report->timings));
   print_timings(*report);
-  if (options.trace) {
-    DSA_RETURN_IF_ERROR(trace_stages(stages, layer, ctx.stream, &report->traces));
+  // The trace is a view of the timings: a trace that cannot be taken is
+  // reported (and in the JSON), the checks and timings above stand.
+  if (std::string why_not; options.trace && !kernel_trace_available(&why_not)) {
+    report->trace_problem = "not traced: " + why_not;
+  } else if (options.trace) {
+    if (const Status traced = trace_stages(stages, layer, ctx.stream, &report->traces); !traced.ok()) {
+      report->traces.clear();
+      report->trace_problem = "the trace failed: " + traced.to_string();
+    }
     for (const StageTrace& trace : report->traces) print_trace(trace, copies);
   }
+  if (!report->trace_problem.empty()) std::printf("\n--trace: %s\n", report->trace_problem.c_str());
   return Status();
 }
 

@@ -1,5 +1,7 @@
 #include "kernel_trace.h"
 
+#include <cxxabi.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -8,35 +10,34 @@
 
 #if DSA_HAVE_CUPTI
 #include <cupti.h>
-#include <cxxabi.h>
+// The record layout read below (CUpti_ActivityKernel10) is CUPTI 13's.
+#if !defined(CUPTI_API_VERSION) || CUPTI_API_VERSION < 130000
+#error "dsa-decode --trace reads CUpti_ActivityKernel10 records: CUPTI 13 or later (configure without CUPTI otherwise)"
+#endif
 #endif
 
 namespace dsa::cli {
 
-#if DSA_HAVE_CUPTI
-namespace {
-
-// CUPTI hands records over from its own thread, buffer by buffer.
-std::mutex records_mutex;
-std::vector<TracedKernel>* records = nullptr;  // set while a trace runs
-
-constexpr size_t kBufferBytes = size_t{8} << 20;
-constexpr size_t kBufferAlignment = 8;  // CUPTI's requirement for activity buffers
-
-// "void dsa::(anonymous namespace)::linear_gemv_kernel<4>(dsa::LinearGemvParams)" -> "linear_gemv_kernel".
-std::string short_name(const char* mangled) {
+std::string kernel_short_name(const char* mangled) {
   int status = 0;
   char* demangled = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
-  std::string name = status == 0 && demangled != nullptr ? demangled : mangled;
+  if (status != 0 || demangled == nullptr) {
+    std::free(demangled);
+    return mangled;  // a C name (nvjet_..., cuBLAS's) or one the demangler does not take
+  }
+  std::string name = demangled;
   std::free(demangled);
-  // Cut at the first '<' or '(' outside "(anonymous namespace)", then drop the scopes.
+  // Cut at the first '<' or '(' outside "(anonymous namespace)", then drop the
+  // return type and the scopes.
+  static const std::string anonymous = "(anonymous namespace)";
   size_t end = 0;
-  for (; end < name.size(); ++end) {
-    if (name.compare(end, 21, "(anonymous namespace)") == 0) {
-      end += 20;
+  while (end < name.size()) {
+    if (name.compare(end, anonymous.size(), anonymous) == 0) {
+      end += anonymous.size();
       continue;
     }
     if (name[end] == '<' || name[end] == '(') break;
+    ++end;
   }
   name.resize(end);
   if (const size_t scope = name.rfind("::"); scope != std::string::npos) name.erase(0, scope + 2);
@@ -44,13 +45,45 @@ std::string short_name(const char* mangled) {
   return name;
 }
 
+double trace_span_us(const std::vector<TracedKernel>& kernels) {
+  if (kernels.empty()) return 0;
+  uint64_t end = 0;
+  for (const TracedKernel& k : kernels) end = std::max(end, k.end_ns);
+  return (end - kernels.front().start_ns) / 1e3;
+}
+
+double trace_idle_us(const std::vector<TracedKernel>& kernels) {
+  if (kernels.empty()) return 0;
+  uint64_t covered_until = kernels.front().start_ns, idle_ns = 0;
+  for (const TracedKernel& k : kernels) {  // in order of start
+    if (k.start_ns > covered_until) idle_ns += k.start_ns - covered_until;
+    covered_until = std::max(covered_until, k.end_ns);
+  }
+  return idle_ns / 1e3;
+}
+
+#if DSA_HAVE_CUPTI
+namespace {
+
+// CUPTI hands records over from its own thread, buffer by buffer.
+std::mutex records_mutex;
+std::vector<TracedKernel>* records = nullptr;  // set while a trace runs
+size_t lost_records = 0;                       // dropped by CUPTI, or no buffer to put them in
+
+constexpr size_t kBufferBytes = size_t{8} << 20;
+constexpr size_t kBufferAlignment = 8;  // CUPTI's requirement for activity buffers
+
 void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
   *buffer = static_cast<uint8_t*>(std::aligned_alloc(kBufferAlignment, kBufferBytes));
   *size = *buffer != nullptr ? kBufferBytes : 0;
   *max_records = 0;  // as many as fit
+  if (*buffer == nullptr) {
+    std::lock_guard<std::mutex> lock(records_mutex);
+    ++lost_records;  // CUPTI drops what it cannot store; counted so that collect fails
+  }
 }
 
-void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+void CUPTIAPI buffer_completed(CUcontext context, uint32_t stream, uint8_t* buffer, size_t, size_t valid) {
   {
     std::lock_guard<std::mutex> lock(records_mutex);
     CUpti_Activity* record = nullptr;
@@ -58,7 +91,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       if (record->kind != CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL) continue;
       const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(record);
       TracedKernel t;
-      t.name = short_name(k->name);
+      t.name = kernel_short_name(k->name);
       t.stream = k->streamId;
       t.graph = k->graphId;
       t.start_ns = k->start;
@@ -67,6 +100,8 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       t.threads = k->blockX * k->blockY * k->blockZ;
       records->push_back(std::move(t));
     }
+    size_t dropped = 0;
+    if (cuptiActivityGetNumDroppedRecords(context, stream, &dropped) == CUPTI_SUCCESS) lost_records += dropped;
   }
   std::free(buffer);
 }
@@ -80,7 +115,19 @@ Status cupti_status(CUptiResult result, const char* call) {
 
 }  // namespace
 
-bool kernel_trace_available(std::string*) { return true; }
+bool kernel_trace_available(std::string* why_not) {
+  uint32_t version = 0;
+  if (cuptiGetVersion(&version) != CUPTI_SUCCESS) {
+    *why_not = "cuptiGetVersion failed (no usable libcupti)";
+    return false;
+  }
+  if (version / 10000 != CUPTI_API_VERSION / 10000) {
+    *why_not = "libcupti API version " + std::to_string(version) + ", built against " +
+               std::to_string(CUPTI_API_VERSION) + " (the kernel records' layout may differ)";
+    return false;
+  }
+  return true;
+}
 
 KernelTrace::~KernelTrace() {
   if (!running_) return;
@@ -98,6 +145,7 @@ Status KernelTrace::start() {
       return Status(ErrorCode::kInvalidArgument, "KernelTrace::start: another trace is running in the process");
     }
     records = new std::vector<TracedKernel>();
+    lost_records = 0;
   }
   Status s = cupti_status(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed),
                           "cuptiActivityRegisterCallbacks");
@@ -123,6 +171,12 @@ Status KernelTrace::collect(std::vector<TracedKernel>* kernels) {
   kernels->swap(*records);
   std::sort(kernels->begin(), kernels->end(),
             [](const TracedKernel& a, const TracedKernel& b) { return a.start_ns < b.start_ns; });
+  if (lost_records > 0) {
+    const size_t lost = lost_records;
+    lost_records = 0;
+    return Status(ErrorCode::kCudaError,
+                  "CUPTI dropped " + std::to_string(lost) + " kernel records (or had no buffer for them)");
+  }
   return Status();
 }
 
@@ -150,7 +204,7 @@ KernelTrace::~KernelTrace() = default;
 Status KernelTrace::start() {
   std::string why;
   kernel_trace_available(&why);
-  return Status(ErrorCode::kUnsupported, why);
+  return unsupported(why);
 }
 
 Status KernelTrace::collect(std::vector<TracedKernel>*) {

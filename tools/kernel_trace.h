@@ -1,7 +1,9 @@
 // dsa-decode --trace: when each kernel of a captured stage ran, read from
-// CUPTI's kernel activity records (start and end on the GPU's clock), so the
-// overlap of the indexer's lane with the main stream, and the gaps between
-// dependent launches, can be seen rather than guessed from sums of timings.
+// CUPTI's kernel activity records (start and end on the GPU's clock), so that
+// the overlap of the stage's two streams and the kernels that run slower
+// inside the chain than alone can be seen rather than guessed from sums of
+// timings. A kernel counts from its first resident CTA: a PDL kernel waiting
+// in griddepcontrol.wait is "running" (so a PDL chain shows no gaps).
 #pragma once
 
 #include <cstdint>
@@ -14,14 +16,25 @@ namespace dsa::cli {
 
 // One kernel execution as CUPTI saw it.
 struct TracedKernel {
-  std::string name;                   // demangled, namespaces and template arguments dropped
-  uint32_t stream = 0;                // CUPTI's stream id
-  uint32_t graph = 0;                 // CUPTI's graph id: which graph launch ran it
+  std::string name;                   // kernel_short_name of CUPTI's (mangled) name
+  uint32_t stream = 0;                // CUPTI's stream id: in a graph launch, a stream the graph runtime picked
+  uint32_t graph = 0;                 // CUPTI's graph id: the graph (every launch of it has the same id); 0: none
   uint64_t start_ns = 0, end_ns = 0;  // GPU timestamps
   int ctas = 0, threads = 0;          // grid and block sizes (x * y * z)
 };
 
-// Whether this build can trace (linked with CUPTI); when not, why.
+// "void dsa::(anonymous namespace)::linear_gemv_kernel<4>(dsa::LinearGemvParams)"
+// (mangled) -> "linear_gemv_kernel": demangled, template arguments, parameters
+// and scopes dropped; a name that does not demangle is kept whole.
+std::string kernel_short_name(const char* mangled);
+
+// Over kernels in order of start: microseconds from the first start to the
+// last end, and the part of it in which no kernel was resident.
+double trace_span_us(const std::vector<TracedKernel>& kernels);
+double trace_idle_us(const std::vector<TracedKernel>& kernels);
+
+// Whether this build can trace (linked with a CUPTI of the version it was
+// compiled against); when not, why.
 bool kernel_trace_available(std::string* why_not);
 
 // Records every kernel that runs between start and stop, from any stream.
@@ -35,7 +48,8 @@ class KernelTrace {
 
   Status start();
   // Flushes CUPTI's buffers (the caller has synchronized the work) and hands
-  // over the records since start or the last collect, in order of start.
+  // over the records since start or the last collect, in order of start; an
+  // error when CUPTI dropped any.
   Status collect(std::vector<TracedKernel>* kernels);
   Status stop();
 

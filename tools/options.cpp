@@ -112,7 +112,7 @@ void print_usage(FILE* to) {
                "                 heads over its whole row: batch invariant, fastest from m = 67 at H = 64)\n"
                "  --json FILE    write the timings and checks as JSON (GPU path)\n"
                "  --trace        also print when each kernel of one whole stage ran, both paths (CUPTI's kernel\n"
-               "                 records of one graph replay: start, end, stream), the gaps no kernel ran in,\n"
+               "                 records of one graph replay: start, end, stream), the time no kernel was resident,\n"
                "                 and write them to the JSON report\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"

@@ -45,31 +45,20 @@ std::string json_row(const RunReport& r, const Timing& t) {
   return row.str();
 }
 
-// The time in [first start, last end] that no kernel of the trace covers.
-double idle_us(const StageTrace& trace) {
-  if (trace.kernels.empty()) return 0;
-  uint64_t covered_until = trace.kernels.front().start_ns, idle_ns = 0;
-  for (const TracedKernel& k : trace.kernels) {  // in order of start
-    if (k.start_ns > covered_until) idle_ns += k.start_ns - covered_until;
-    covered_until = std::max(covered_until, k.end_ns);
-  }
-  return idle_ns / 1e3;
-}
-
-double span_us(const StageTrace& trace) {
-  uint64_t end = 0;
-  for (const TracedKernel& k : trace.kernels) end = std::max(end, k.end_ns);
-  return trace.kernels.empty() ? 0 : (end - trace.kernels.front().start_ns) / 1e3;
+// "s0", "s1", ...: the stream's place in the trace's order of first appearance.
+std::string stream_label(const StageTrace& trace, uint32_t stream) {
+  const auto at = std::find(trace.streams.begin(), trace.streams.end(), stream);
+  return "s" + std::to_string(at - trace.streams.begin());
 }
 
 std::string json_trace(const StageTrace& trace) {
   std::ostringstream json;
-  json << "{\"path\": " << json_string(trace.path) << ", \"span_us\": " << json_number(span_us(trace))
-       << ", \"idle_us\": " << json_number(idle_us(trace)) << ", \"kernels\": [";
+  json << "{\"path\": " << json_string(trace.path) << ", \"span_us\": " << json_number(trace_span_us(trace.kernels))
+       << ", \"no_kernel_resident_us\": " << json_number(trace_idle_us(trace.kernels)) << ", \"kernels\": [";
   for (size_t i = 0; i < trace.kernels.size(); ++i) {
     const TracedKernel& k = trace.kernels[i];
     json << (i ? ",\n   " : "\n   ") << "{\"name\": " << json_string(k.name)
-         << ", \"stream\": " << json_string(k.stream == trace.main_stream ? "main" : "lane")
+         << ", \"stream\": " << json_string(stream_label(trace, k.stream))
          << ", \"start_us\": " << json_number(k.start_ns / 1e3) << ", \"end_us\": " << json_number(k.end_ns / 1e3)
          << ", \"ctas\": " << k.ctas << ", \"threads\": " << k.threads << "}";
   }
@@ -113,10 +102,10 @@ void print_timings(const RunReport& r) {
 
 void print_trace(const StageTrace& t, int weight_copies) {
   std::printf(
-      "\ntrace, %s path: one whole stage in a graph replay of the %d stages (cold weights), CUPTI's kernel "
-      "records; %zu kernels, %.2f us from the first start to the last end, %.2f us of it with no kernel "
-      "running\n",
-      t.path.c_str(), weight_copies, t.kernels.size(), span_us(t), idle_us(t));
+      "\ntrace, %s path: one whole stage in a graph replay of the %d stages, CUPTI's kernel records; %zu "
+      "kernels, %.2f us from the first start to the last end, %.2f us of it with no kernel resident (a PDL "
+      "kernel counts from its first CTA, waiting or not); streams s0, s1 in order of first use\n",
+      t.path.c_str(), weight_copies, t.kernels.size(), trace_span_us(t.kernels), trace_idle_us(t.kernels));
   std::printf("%9s %9s %8s %8s  %-6s %6s x %-5s %s\n", "start us", "end us", "us", "gap us", "stream", "ctas", "thr",
               "kernel");
   uint64_t covered_until = 0;
@@ -124,8 +113,8 @@ void print_trace(const StageTrace& t, int weight_copies) {
     // gap: since every kernel that started earlier ended (negative: it overlaps one).
     const double gap = (static_cast<double>(k.start_ns) - static_cast<double>(covered_until)) / 1e3;
     std::printf("%9.2f %9.2f %8.2f %8.2f  %-6s %6d x %-5d %s\n", k.start_ns / 1e3, k.end_ns / 1e3,
-                (k.end_ns - k.start_ns) / 1e3, &k == &t.kernels.front() ? 0.0 : gap,
-                k.stream == t.main_stream ? "main" : "lane", k.ctas, k.threads, k.name.c_str());
+                (k.end_ns - k.start_ns) / 1e3, &k == &t.kernels.front() ? 0.0 : gap, stream_label(t, k.stream).c_str(),
+                k.ctas, k.threads, k.name.c_str());
     covered_until = std::max(covered_until, k.end_ns);
   }
   std::fflush(stdout);
@@ -166,6 +155,7 @@ Status write_json(const RunReport& r, const std::string& path) {
   json << "\n ],\n \"rows\": [";
   for (size_t i = 0; i < r.timings.size(); ++i) json << (i ? ",\n  " : "\n  ") << json_row(r, r.timings[i]);
   json << "\n ]";
+  if (!r.trace_problem.empty()) json << ",\n \"trace_problem\": " << json_string(r.trace_problem);
   if (!r.traces.empty()) {
     json << ",\n \"traces\": [";
     for (size_t i = 0; i < r.traces.size(); ++i) json << (i ? ",\n  " : "\n  ") << json_trace(r.traces[i]);

@@ -34,7 +34,10 @@ struct Timing {
 struct StageTrace {
   std::string path;                   // "fused" or "stock"
   std::vector<TracedKernel> kernels;  // times from the first kernel's start
-  uint32_t main_stream = 0;           // the caller's stream (the first kernel's); any other is the indexer's lane
+  // CUPTI's stream ids in order of first appearance, printed as s0, s1, ...:
+  // a graph launch runs its branches on streams of the runtime's choosing,
+  // not on the ones they were captured on.
+  std::vector<uint32_t> streams;
 };
 
 struct RunReport {
@@ -56,6 +59,7 @@ struct RunReport {
   std::vector<Check> checks;
   std::vector<Timing> timings;
   std::vector<StageTrace> traces;  // --trace
+  std::string trace_problem;       // --trace: why there is no trace (the run's checks and timings stand)
 };
 
 void print_check(const Check& check);

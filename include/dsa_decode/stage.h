@@ -251,8 +251,11 @@ enum class DsaPath { kFused, kStock };
 // indexer's). A model's layers have one configuration and plan and run one
 // after another on one stream, so they can share one: create it once and
 // pass it to every layer's DsaAttentionStage::create. Stages that share a
-// workspace must not run concurrently, and intermediates() shows whichever
-// of them ran last.
+// workspace must be created, run and captured one at a time, on one thread
+// (they share buffers, the indexer's stream, its fork and join events and
+// the cuBLAS handle, which create unbinds); two captures in flight at once
+// must not both hold such stages. intermediates() shows whichever of them
+// ran last. A workspace belongs to the device it was made on.
 class DsaStageWorkspace {
  public:
   // Allocates for this configuration and plan (cudaMalloc on the current

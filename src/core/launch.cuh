@@ -3,14 +3,15 @@
 //
 // A PDL kernel may start while its predecessor in the stream still runs: it
 // loads what does not depend on the predecessor (weights), then waits. It
-// releases its dependents once its own wait has passed (head_gemv before it
-// on request: HeadGemvArgs::release_dependents_early): a dependent still waits for this kernel's
-// completion before reading its outputs, so the release only lets the
-// dependent's prologue overlap this kernel.
+// releases its dependents once its own wait has passed (head_gemv before it,
+// on request: HeadGemvArgs::release_dependents_early): a dependent still
+// waits for this kernel's completion before reading its outputs, so the
+// release only lets the dependent's prologue overlap this kernel.
 //
 // Every launch here asks for the largest shared-memory carveout, so that the
-// chain's kernels and the indexer's lane beside them can share SMs
-// (prefer_max_shared_carveout, core/shared_memory.h).
+// library's kernels on the stage's two streams can share SMs
+// (prefer_max_shared_carveout, core/shared_memory.h); cuBLAS's kernels and
+// the stock kernels (launched with <<<>>>) keep the driver's choice.
 //
 // Two rules the chain relies on:
 //  - before pdl_wait, read only what no kernel still in flight writes (weights

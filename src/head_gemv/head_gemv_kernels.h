@@ -41,8 +41,9 @@ struct HeadGemvParams {
 
 // concat_and_cache_mla for token t: CTA t of the cache part.
 __device__ inline void write_cache_row(const HeadGemvParams& p, int t) {
+  if (p.release_early) pdl_release_dependents();  // as the product CTAs (head_gemv.cu)
   pdl_wait();
-  pdl_release_dependents();
+  if (!p.release_early) pdl_release_dependents();
   if (t >= p.tokens_with_slot) return;  // CUDA-graph padding rows
   const int64_t slot = p.slots[t];
   if (slot < 0) return;  // padding slot

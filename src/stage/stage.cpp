@@ -87,26 +87,37 @@ std::set<int> dsa_stage_measured_projection_gemv_tokens(int64_t heads) {
 
 // What a workspace was made for: stages share it only when these agree.
 struct WorkspaceShape {
+  int device = -1;  // where its memory, handles and stream live
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
   int max_tokens = 0, ring = 0, block_size = 0;
   int64_t max_context = 0;
   IndexerLogits indexer_logits = IndexerLogits::kExact;
   bool indexer_projections_cublaslt = false;
 
-  static WorkspaceShape of(const DsaLayerConfig& c, const DsaStagePlan& p) {
-    return WorkspaceShape{c.num_heads,        c.hidden_size, c.q_lora_rank,    c.kv_lora_rank,
-                          c.qk_nope_head_dim, c.v_head_dim,  p.max_tokens,     p.ring,
-                          p.block_size,       p.max_context, p.indexer_logits, p.indexer_projections_cublaslt};
+  static WorkspaceShape of(int device, const DsaLayerConfig& c, const DsaStagePlan& p) {
+    return WorkspaceShape{device,
+                          c.num_heads,
+                          c.hidden_size,
+                          c.q_lora_rank,
+                          c.kv_lora_rank,
+                          c.qk_nope_head_dim,
+                          c.v_head_dim,
+                          p.max_tokens,
+                          p.ring,
+                          p.block_size,
+                          p.max_context,
+                          p.indexer_logits,
+                          p.indexer_projections_cublaslt};
   }
   bool operator==(const WorkspaceShape& o) const {
-    return H == o.H && D == o.D && Q == o.Q && L == o.L && P == o.P && V == o.V && max_tokens == o.max_tokens &&
-           ring == o.ring && block_size == o.block_size && max_context == o.max_context &&
+    return device == o.device && H == o.H && D == o.D && Q == o.Q && L == o.L && P == o.P && V == o.V &&
+           max_tokens == o.max_tokens && ring == o.ring && block_size == o.block_size && max_context == o.max_context &&
            indexer_logits == o.indexer_logits && indexer_projections_cublaslt == o.indexer_projections_cublaslt;
   }
   std::string describe() const {
-    return "H " + std::to_string(H) + ", D " + std::to_string(D) + ", Q " + std::to_string(Q) + ", L " +
-           std::to_string(L) + ", P " + std::to_string(P) + ", V " + std::to_string(V) + ", max_tokens " +
-           std::to_string(max_tokens) + ", max_context " + std::to_string(max_context) + ", ring " +
+    return "device " + std::to_string(device) + ", H " + std::to_string(H) + ", D " + std::to_string(D) + ", Q " +
+           std::to_string(Q) + ", L " + std::to_string(L) + ", P " + std::to_string(P) + ", V " + std::to_string(V) +
+           ", max_tokens " + std::to_string(max_tokens) + ", max_context " + std::to_string(max_context) + ", ring " +
            std::to_string(ring) + ", block_size " + std::to_string(block_size) + ", indexer_logits " +
            std::to_string(int(indexer_logits)) + ", indexer_projections_cublaslt " +
            std::to_string(int(indexer_projections_cublaslt));
@@ -186,8 +197,8 @@ struct DsaAttentionStage::State {
                               a.kv_cache.describe());
     }
     if (a.topk_positions.data != nullptr) {
-      DSA_RETURN_IF_ERROR(check_dtype(a.topk_positions, "b->topk_positions", DType::kI32));
-      DSA_RETURN_IF_ERROR(check_shape(a.topk_positions, "b->topk_positions", {m, kIndexerRowWidth}));
+      DSA_RETURN_IF_ERROR(check_dtype(a.topk_positions, "topk_positions", DType::kI32));
+      DSA_RETURN_IF_ERROR(check_shape(a.topk_positions, "topk_positions", {m, kIndexerRowWidth}));
     }
     // Every other argument is checked by the launch that takes it, under its own name.
     return Status();
@@ -263,7 +274,6 @@ struct DsaAttentionStage::State {
         g.scale = w.q_scale;
         g.cache = &write;
         g.sums = plan.head_gemv_sums;
-        g.release_dependents_early = true;  // the next kernel's weight prologue runs under the attention
         return head_gemv(g, stream);
       }
       case Step::kIndexerProject:
@@ -326,7 +336,10 @@ struct DsaAttentionStage::State {
         g.weight = w.w_uv;
         g.out = bf16(b->heads, {m, H, V});
         g.sums = plan.head_gemv_sums;
-        g.release_dependents_early = true;  // the next kernel's weight prologue runs under the attention
+        // o_proj's weight prologue then runs under the attention (seed-order
+        // sums; the tensor-core kernel ignores the flag). Not for the absorb:
+        // measured at f9661fd with its cache CTAs releasing after their wait.
+        g.release_dependents_early = true;
         return head_gemv(g, stream);
       }
       case Step::kValueUpBmm:
@@ -486,8 +499,10 @@ Status DsaStageWorkspace::create(const DsaLayerConfig& config, const DsaStagePla
                             std::to_string(plan.max_tokens));
   }
   DSA_RETURN_IF_ERROR(check_indexer_plan(dsa_stage_indexer_plan(plan)));
+  int device = 0;
+  DSA_CUDA_RETURN(cudaGetDevice(&device));
   std::shared_ptr<DsaStageWorkspace> made(new DsaStageWorkspace());
-  DSA_RETURN_IF_ERROR(made->buffers_->allocate(WorkspaceShape::of(config, plan), dsa_stage_indexer_plan(plan)));
+  DSA_RETURN_IF_ERROR(made->buffers_->allocate(WorkspaceShape::of(device, config, plan), dsa_stage_indexer_plan(plan)));
   *workspace = std::move(made);
   return Status();
 }
@@ -542,10 +557,15 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   s.V = config.v_head_dim;
   if (workspace == nullptr) {
     DSA_RETURN_IF_ERROR(DsaStageWorkspace::create(config, plan, &workspace));
-  } else if (!(workspace->buffers_->shape == WorkspaceShape::of(config, plan))) {
-    return invalid_argument(
-        "workspace", "one made for this configuration and plan (" + WorkspaceShape::of(config, plan).describe() + ")",
-        "one made for " + workspace->buffers_->shape.describe());
+  } else {
+    int device = 0;
+    DSA_CUDA_RETURN(cudaGetDevice(&device));
+    const WorkspaceShape wanted = WorkspaceShape::of(device, config, plan);
+    if (!(workspace->buffers_->shape == wanted)) {
+      return invalid_argument("workspace",
+                              "one made on this device for this configuration and plan (" + wanted.describe() + ")",
+                              "one made for " + workspace->buffers_->shape.describe());
+    }
   }
   s.workspace = workspace;
   s.b = workspace->buffers_.get();
