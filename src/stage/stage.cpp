@@ -491,8 +491,12 @@ Status DsaStageWorkspace::create(const DsaLayerConfig& config, const DsaStagePla
                      config.hidden_size > 0 && config.q_lora_rank > 0 && config.qk_nope_head_dim > 0 &&
                      config.v_head_dim > 0;
   if (!sized) {
-    return invalid_argument("config", "1..128 heads, a 512-wide latent and positive sizes",
-                            "H " + std::to_string(config.num_heads) + ", L " + std::to_string(config.kv_lora_rank));
+    return invalid_argument(
+        "config", "1..128 heads, a 512-wide latent and positive sizes",
+        "num_heads " + std::to_string(config.num_heads) + ", kv_lora_rank " + std::to_string(config.kv_lora_rank) +
+            ", hidden_size " + std::to_string(config.hidden_size) + ", q_lora_rank " +
+            std::to_string(config.q_lora_rank) + ", qk_nope_head_dim " + std::to_string(config.qk_nope_head_dim) +
+            ", v_head_dim " + std::to_string(config.v_head_dim));
   }
   if (plan.max_tokens < 1 || plan.max_tokens > kDsaStageMaxTokens) {
     return invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens),

@@ -127,6 +127,30 @@ TEST(DsaStageChecks, CreationNamesEveryMissingRequirement) {
   EXPECT_FALSE(DsaAttentionStage::create(glm5next_tp8(), fake_weights(), DsaStagePlan(), nullptr).ok());
 }
 
+// A shared workspace's own checks come before any allocation (no GPU needed).
+TEST(DsaStageChecks, WorkspaceCreationNamesItsArguments) {
+  const DsaLayerConfig config = glm5next_tp8();
+  const DsaStagePlan plan;
+  std::shared_ptr<DsaStageWorkspace> workspace;
+  testing::expect_rejected(DsaStageWorkspace::create(config, plan, nullptr), "workspace", "a pointer to fill");
+  DsaLayerConfig no_heads = config;
+  no_heads.num_heads = 0;
+  testing::expect_rejected(DsaStageWorkspace::create(no_heads, plan, &workspace), "config", "num_heads 0");
+  DsaLayerConfig narrow = config;
+  narrow.kv_lora_rank = 256;
+  testing::expect_rejected(DsaStageWorkspace::create(narrow, plan, &workspace), "config", "kv_lora_rank 256");
+  DsaLayerConfig no_hidden = config;
+  no_hidden.hidden_size = 0;
+  testing::expect_rejected(DsaStageWorkspace::create(no_hidden, plan, &workspace), "config", "hidden_size 0");
+  for (const int max_tokens : {0, kDsaStageMaxTokens + 1}) {
+    DsaStagePlan bad = plan;
+    bad.max_tokens = max_tokens;
+    testing::expect_rejected(DsaStageWorkspace::create(config, bad, &workspace), "plan.max_tokens",
+                             "1.." + std::to_string(kDsaStageMaxTokens));
+  }
+  EXPECT_EQ(workspace, nullptr);
+}
+
 TEST(DsaStageChecks, SupportsPureDecodeStepsUpToMaxTokens) {
   DsaStagePlan plan;
   plan.max_tokens = 8;
