@@ -952,23 +952,17 @@ TEST(HeadGemvGpu, PdlChainMatchesSerializedLaunchesAndItsGraphReplays) {
     }
     expect_same(serialized, expected, "serialized launches vs the reference");
 
-    // Back to back with PDL.
-    reset(true);
-    DSA_ASSERT_OK(enqueue_chain(false));
-    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
-    DSA_ASSERT_CUDA(cudaGetLastError());
-    expect_same(Result{q_snapshots.download(), z_snapshots.download(), cache.download()}, serialized,
-                "PDL chain vs serialized launches");
-
-    // Back to back with every launch releasing its dependents before its wait
-    // (HeadGemvArgs::release_dependents_early): the same bits.
-    a.release_dependents_early = b.release_dependents_early = v.release_dependents_early = true;
-    reset(true);
-    DSA_ASSERT_OK(enqueue_chain(false));
-    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
-    DSA_ASSERT_CUDA(cudaGetLastError());
-    expect_same(Result{q_snapshots.download(), z_snapshots.download(), cache.download()}, serialized,
-                "PDL chain releasing early vs serialized launches");
+    // Back to back with PDL; then with every launch releasing its dependents
+    // before its wait (HeadGemvArgs::release_dependents_early): the same bits.
+    for (const bool early : {false, true}) {
+      a.release_dependents_early = b.release_dependents_early = v.release_dependents_early = early;
+      reset(true);
+      DSA_ASSERT_OK(enqueue_chain(false));
+      DSA_ASSERT_CUDA(cudaStreamSynchronize(stream.get()));
+      DSA_ASSERT_CUDA(cudaGetLastError());
+      expect_same(Result{q_snapshots.download(), z_snapshots.download(), cache.download()}, serialized,
+                  early ? "PDL chain releasing early vs serialized launches" : "PDL chain vs serialized launches");
+    }
     a.release_dependents_early = b.release_dependents_early = v.release_dependents_early = false;
 
     // The PDL chain captured once and replayed: the first replay from the old
