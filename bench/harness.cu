@@ -23,21 +23,7 @@ constexpr int kQuickReplays = 5;
 constexpr int kCopyWarmups = 2;
 constexpr int kCopySamples = 9;
 
-// Owners of CUDA objects, so that every early error return releases them.
-struct GraphOwner {
-  cudaGraph_t graph = nullptr;
-  ~GraphOwner() {
-    if (graph != nullptr) cudaGraphDestroy(graph);
-  }
-};
-
-struct GraphExecOwner {
-  cudaGraphExec_t exec = nullptr;
-  ~GraphExecOwner() {
-    if (exec != nullptr) cudaGraphExecDestroy(exec);
-  }
-};
-
+// Owner of CUDA events, so that every early error return releases them.
 struct EventSequence {
   std::vector<cudaEvent_t> events;
   ~EventSequence() {
@@ -235,6 +221,30 @@ int cold_copies(const Context& ctx, size_t bytes) {
   return static_cast<int>(std::clamp<size_t>(copies, 1, kMaxColdCopies));
 }
 
+CapturedGraph::~CapturedGraph() {
+  if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  if (graph_ != nullptr) cudaGraphDestroy(graph_);
+}
+
+Status CapturedGraph::capture(cudaStream_t stream, const std::function<Status()>& enqueue) {
+  if (graph_ != nullptr) return invalid_argument("CapturedGraph", "a graph not yet captured", "one captured before");
+  DSA_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status enqueued = enqueue();
+  // End the capture even after a failed enqueue, so the stream stays usable.
+  const cudaError_t ended = cudaStreamEndCapture(stream, &graph_);
+  DSA_RETURN_IF_ERROR(enqueued);
+  DSA_RETURN_IF_ERROR(cuda_status(ended, "cudaStreamEndCapture"));
+  DSA_CUDA_RETURN(cudaGetLastError());
+  DSA_CUDA_RETURN(cudaGraphInstantiate(&exec_, graph_, 0));
+  return Status();
+}
+
+Status CapturedGraph::launch(cudaStream_t stream) const {
+  if (exec_ == nullptr) return invalid_argument("CapturedGraph", "a captured graph", "none captured");
+  DSA_CUDA_RETURN(cudaGraphLaunch(exec_, stream));
+  return Status();
+}
+
 Status time_graph(const Context& ctx, const Enqueue& enqueue, double* median_us, int per_graph, int replays) {
   if (median_us == nullptr) return invalid_argument("median_us", "a result pointer", "null");
   if (!enqueue) return invalid_argument("enqueue", "a function", "empty");
@@ -262,18 +272,9 @@ Status time_graph(const Context& ctx, const Enqueue& enqueue, double* median_us,
   // Thread-local mode: a benchmark that allocates or synchronizes inside
   // enqueue fails loudly instead of being timed wrong; cuBLAS with an explicit
   // workspace (cublas_bmm.h) does neither.
-  GraphOwner graph;
-  DSA_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const Status enqueued = enqueue_all();
-  // End the capture even after a failed enqueue, so the stream stays usable.
-  const cudaError_t ended = cudaStreamEndCapture(stream, &graph.graph);
-  DSA_RETURN_IF_ERROR(enqueued);
-  DSA_RETURN_IF_ERROR(cuda_status(ended, "cudaStreamEndCapture"));
-  DSA_CUDA_RETURN(cudaGetLastError());
-
-  GraphExecOwner exec;
-  DSA_CUDA_RETURN(cudaGraphInstantiate(&exec.exec, graph.graph, 0));
-  for (int i = 0; i < kWarmupReplays; ++i) DSA_CUDA_RETURN(cudaGraphLaunch(exec.exec, stream));
+  CapturedGraph graph;
+  DSA_RETURN_IF_ERROR(graph.capture(stream, enqueue_all));
+  for (int i = 0; i < kWarmupReplays; ++i) DSA_RETURN_IF_ERROR(graph.launch(stream));
 
   // Replays back to back, an event between each two: the device never idles
   // between samples, and one synchronization ends the run.
@@ -281,7 +282,7 @@ Status time_graph(const Context& ctx, const Enqueue& enqueue, double* median_us,
   DSA_RETURN_IF_ERROR(events.create(replays + 1));
   DSA_CUDA_RETURN(cudaEventRecord(events.events[0], stream));
   for (int r = 0; r < replays; ++r) {
-    DSA_CUDA_RETURN(cudaGraphLaunch(exec.exec, stream));
+    DSA_RETURN_IF_ERROR(graph.launch(stream));
     DSA_CUDA_RETURN(cudaEventRecord(events.events[r + 1], stream));
   }
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream));

@@ -95,6 +95,24 @@ using Enqueue = std::function<Status(cudaStream_t stream, int i)>;
 Status time_graph(const Context& ctx, const Enqueue& enqueue, double* median_us, int per_graph = 20,
                   int replays = 50);
 
+// A CUDA graph captured from `enqueue` on `stream` (thread-local mode; the
+// capture ends even when enqueue fails, so the stream stays usable), and its
+// executable instance; both released with the object.
+class CapturedGraph {
+ public:
+  CapturedGraph() = default;
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph();
+
+  Status capture(cudaStream_t stream, const std::function<Status()>& enqueue);
+  Status launch(cudaStream_t stream) const;
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // Device-to-device copy rate over `bytes` (read + written), median of several copies.
 Status measure_copy_GBps(cudaStream_t stream, size_t bytes, double* GBps);
 // The copy size dsa-bench measures Context::copy_GBps with (1 GiB copied, 2 GiB moved).

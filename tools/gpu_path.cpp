@@ -370,18 +370,6 @@ Check reported(std::string name, std::string detail) {
   return Check{std::move(name), Check::Verdict::kInfo, std::move(detail)};
 }
 
-// ||got - want|| / ||want|| (NaN in `got` gives NaN, which fails every bound).
-double relative_frobenius(const std::vector<uint16_t>& got, const std::vector<double>& want) {
-  if (got.size() != want.size()) return INFINITY;
-  double error = 0, norm = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = num::bf16_to_float(got[i]) - want[i];
-    error += d * d;
-    norm += want[i] * want[i];
-  }
-  return std::sqrt(error / norm);
-}
-
 std::vector<double> bf16_values(const std::vector<uint16_t>& bits) {
   std::vector<double> values(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) values[i] = num::bf16_to_float(bits[i]);
@@ -404,7 +392,8 @@ constexpr double kFusedVsStockTolerance = 2e-2;
 Check check_qkv_a_proj_norm(const StepShape& s, const HostWeights& w, const HostStepInputs& in, bool gemv,
                             const PathOutputs& gpu) {
   const ExactNormOutputs exact = exact_qkv_a_proj_norm(s, w, in.hidden);
-  const double q = relative_frobenius(gpu.q_c, exact.q_c), kv = relative_frobenius(gpu.kv_c, exact.kv_c);
+  const double q = reference::relative_frobenius(gpu.q_c, exact.q_c),
+               kv = reference::relative_frobenius(gpu.kv_c, exact.kv_c);
   return judged(std::string("qkv_a_proj (") + kernel_name(gemv) + ") + norm vs float64",
                 within(q, kQkvNormTolerance) && within(kv, kQkvNormTolerance),
                 format("relative Frobenius error q_c %.2e, kv_c %.2e (tolerance %.0e): float64 hidden x "
@@ -595,8 +584,8 @@ Check check_value_up(const StepShape& s, const HostWeights& w, ValueUpKernel ker
 
 // `kernel`: "GEMV", "cuBLASLt" or "cuBLASLt, stock path".
 Check check_o_proj(const StepShape& s, const HostWeights& w, const std::string& kernel, const PathOutputs& gpu) {
-  const double error =
-      relative_frobenius(gpu.out, reference::exact_product(gpu.heads.data(), s.m, s.H * s.V, w.o_proj.data(), s.D).sum);
+  const double error = reference::relative_frobenius(
+      gpu.out, reference::exact_product(gpu.heads.data(), s.m, s.H * s.V, w.o_proj.data(), s.D).sum);
   return judged(
       "o_proj (" + kernel + ") vs float64", within(error, kProductTolerance),
       format("out relative Frobenius error %.2e (tolerance %.0e), on the GPU's heads", error, kProductTolerance));
@@ -700,7 +689,7 @@ Check check_attention(const StepShape& s, const HostWeights& w, const PathOutput
   constexpr double kMaxRelativeFrobenius = 1e-2, kMaxLseError = 1e-3;
   const reference::SparseMlaResult cpu =
       reference_attention(s, w, gpu.q_fp8, gpu.cache, s.cache_blocks(), kCacheBlockSize, gpu.slots);
-  const double relative = relative_frobenius(gpu.latent, bf16_values(cpu.latent));
+  const double relative = reference::relative_frobenius(gpu.latent, bf16_values(cpu.latent));
   double worst_lse = 0;
   for (size_t i = 0; i < cpu.lse.size(); ++i) {
     const double error = std::fabs(double(gpu.lse[i]) - cpu.lse[i]);
@@ -774,7 +763,7 @@ Check check_q_fp8_fused_vs_stock(const StepShape& s, const HostWeights& w, const
 // latent or out of the stock path against the fused path's.
 Check check_fused_vs_stock(const char* name, const char* output, const std::vector<uint16_t>& fused,
                            const std::vector<uint16_t>& stock) {
-  const double error = relative_frobenius(stock, bf16_values(fused));
+  const double error = reference::relative_frobenius(stock, bf16_values(fused));
   return judged(name, within(error, kFusedVsStockTolerance),
                 format("%s relative Frobenius difference %.2e (tolerance %.0e: the inputs differ, q_fp8 by up to one "
                        "step); max %.2f BF16 ulp at the values' scale; %zu of %zu values differ",
@@ -1025,35 +1014,21 @@ DsaStagePlan stage_plan(const StepShape& s, const Options& options) {
 // CUPTI; the middle stage's kernels of that second round are its trace.
 // One graph per stage, so that CUPTI's graph id tells the stages apart.
 Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t stream, std::vector<StageTrace>* traces) {
-  struct Graphs {
-    std::vector<cudaGraph_t> graphs;
-    std::vector<cudaGraphExec_t> execs;
-    ~Graphs() {
-      for (cudaGraphExec_t exec : execs) cudaGraphExecDestroy(exec);
-      for (cudaGraph_t graph : graphs) cudaGraphDestroy(graph);
-    }
-  };
   KernelTrace trace;
   DSA_RETURN_IF_ERROR(trace.start());
   for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
     const DsaStepArgs args = layer.step_args(path);
-    Graphs g;
-    for (auto& stage : stages) {
-      DSA_CUDA_RETURN(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      const Status ran = path == DsaPath::kFused ? stage->forward(args, stream) : stage->stock_forward(args, stream);
-      cudaGraph_t graph = nullptr;
-      const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
-      if (graph != nullptr) g.graphs.push_back(graph);
-      DSA_RETURN_IF_ERROR(ran);
-      DSA_CUDA_RETURN(ended);
-      cudaGraphExec_t exec = nullptr;
-      DSA_CUDA_RETURN(cudaGraphInstantiate(&exec, graph, 0));
-      g.execs.push_back(exec);
+    std::vector<bench::CapturedGraph> graphs(stages.size());
+    for (size_t i = 0; i < stages.size(); ++i) {
+      DsaAttentionStage& stage = *stages[i];
+      DSA_RETURN_IF_ERROR(graphs[i].capture(stream, [&] {
+        return path == DsaPath::kFused ? stage.forward(args, stream) : stage.stock_forward(args, stream);
+      }));
     }
     std::vector<TracedKernel> kernels;
     for (int round = 0; round < 2; ++round) {
       DSA_RETURN_IF_ERROR(trace.collect(&kernels));  // drops the first round's (and earlier) records
-      for (cudaGraphExec_t exec : g.execs) DSA_CUDA_RETURN(cudaGraphLaunch(exec, stream));
+      for (const bench::CapturedGraph& graph : graphs) DSA_RETURN_IF_ERROR(graph.launch(stream));
       DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
     }
     DSA_RETURN_IF_ERROR(trace.collect(&kernels));
@@ -1071,12 +1046,12 @@ Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t strea
         ++counts[size_t(at - order.begin())];
       }
     }
-    if (order.size() != g.execs.size() ||
+    if (order.size() != graphs.size() ||
         std::count(counts.begin(), counts.end(), counts.front()) != static_cast<long>(counts.size())) {
       std::string per_graph;
       for (size_t c : counts) per_graph += (per_graph.empty() ? "" : ", ") + std::to_string(c);
       return unsupported("CUPTI reported kernels of " + std::to_string(order.size()) + " graphs, " +
-                         std::to_string(g.execs.size()) + " launched; kernels per graph: " + per_graph);
+                         std::to_string(graphs.size()) + " launched; kernels per graph: " + per_graph);
     }
     StageTrace t;
     t.path = path == DsaPath::kFused ? "fused" : "stock";

@@ -65,4 +65,15 @@ ExactProduct exact_product(const uint16_t* x, int64_t m, int64_t k, const uint16
   return out;
 }
 
+double relative_frobenius(const std::vector<uint16_t>& got, const std::vector<double>& want) {
+  if (got.size() != want.size()) return INFINITY;
+  double error = 0, norm = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = num::bf16_to_float(got[i]) - want[i];
+    error += d * d;
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(error / norm);
+}
+
 }  // namespace dsa::reference

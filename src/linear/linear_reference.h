@@ -33,4 +33,9 @@ struct ExactProduct {
 };
 ExactProduct exact_product(const uint16_t* x, int64_t m, int64_t k, const uint16_t* weight, int64_t n);
 
+// ||got - want|| / ||want||: BF16 outputs (bits) against float64 truth, such
+// as exact_product's sums. A size mismatch gives infinity and a NaN in `got`
+// gives NaN, so both fail any bound.
+double relative_frobenius(const std::vector<uint16_t>& got, const std::vector<double>& want);
+
 }  // namespace dsa::reference

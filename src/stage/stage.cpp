@@ -502,11 +502,12 @@ Status DsaStageWorkspace::create(const DsaLayerConfig& config, const DsaStagePla
     return invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens),
                             std::to_string(plan.max_tokens));
   }
-  DSA_RETURN_IF_ERROR(check_indexer_plan(dsa_stage_indexer_plan(plan)));
+  const IndexerPlan indexer_plan = dsa_stage_indexer_plan(plan);
+  DSA_RETURN_IF_ERROR(check_indexer_plan(indexer_plan));
   int device = 0;
   DSA_CUDA_RETURN(cudaGetDevice(&device));
   std::shared_ptr<DsaStageWorkspace> made(new DsaStageWorkspace());
-  DSA_RETURN_IF_ERROR(made->buffers_->allocate(WorkspaceShape::of(device, config, plan), dsa_stage_indexer_plan(plan)));
+  DSA_RETURN_IF_ERROR(made->buffers_->allocate(WorkspaceShape::of(device, config, plan), indexer_plan));
   *workspace = std::move(made);
   return Status();
 }

@@ -394,17 +394,6 @@ PathResult run_path(DsaAttentionStage& stage, Step& step, DsaPath path, const Ds
   return r;
 }
 
-// ||got - want|| / ||want|| of BF16 values against float64 ones.
-double relative_error(const std::vector<uint16_t>& got, const std::vector<double>& want) {
-  double error = 0, norm = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = num::bf16_to_float(got[i]) - want[i];
-    error += d * d;  // NaN fails the comparison below
-    norm += want[i] * want[i];
-  }
-  return std::sqrt(error / norm);
-}
-
 // out[t, j] = sum_i in[t, i] * weight[j, i] in float64 (weight [n, k]).
 std::vector<double> linear(const std::vector<uint16_t>& in, int64_t m, int64_t k, const std::vector<uint16_t>& weight,
                            int64_t n) {
@@ -522,9 +511,9 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
 
   // Each product of the fused path against float64 on its own inputs.
   const std::vector<double> qkv = linear(step.hidden, m, kD, layer.qkv_a, kQ + kL);
-  EXPECT_LT(relative_error(fused.q_c, rms_norm(qkv, m, 0, kQ, layer.q_norm)), 1e-2) << at;
-  EXPECT_LT(relative_error(fused.kv_c, rms_norm(qkv, m, kQ, kL, layer.kv_norm)), 1e-2) << at;
-  EXPECT_LT(relative_error(fused.q, linear(fused.q_c, m, kQ, layer.q_b, kH * kP)), 4e-3) << at;
+  EXPECT_LT(reference::relative_frobenius(fused.q_c, rms_norm(qkv, m, 0, kQ, layer.q_norm)), 1e-2) << at;
+  EXPECT_LT(reference::relative_frobenius(fused.kv_c, rms_norm(qkv, m, kQ, kL, layer.kv_norm)), 1e-2) << at;
+  EXPECT_LT(reference::relative_frobenius(fused.q, linear(fused.q_c, m, kQ, layer.q_b, kH * kP)), 4e-3) << at;
   reference::SparseMlaHost attention{fused.q_fp8.data(),
                                      kH * kL,
                                      kL,
@@ -544,10 +533,10 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
   const reference::SparseMlaResult want = reference::sparse_mla(attention);
   std::vector<double> want_latent(want.latent.size());
   for (size_t i = 0; i < want.latent.size(); ++i) want_latent[i] = num::bf16_to_float(want.latent[i]);
-  EXPECT_LT(relative_error(fused.latent, want_latent), 1e-2) << at;
+  EXPECT_LT(reference::relative_frobenius(fused.latent, want_latent), 1e-2) << at;
   for (size_t i = 0; i < want.lse.size(); ++i) EXPECT_NEAR(fused.lse[i], want.lse[i], 1e-3) << at << " lse " << i;
-  EXPECT_LT(relative_error(fused.heads, per_head(fused.latent, m, kL, layer.w_uv, kV)), 4e-3) << at;
-  EXPECT_LT(relative_error(fused.out, linear(fused.heads, m, kH * kV, layer.o_proj, kD)), 4e-3) << at;
+  EXPECT_LT(reference::relative_frobenius(fused.heads, per_head(fused.latent, m, kL, layer.w_uv, kV)), 4e-3) << at;
+  EXPECT_LT(reference::relative_frobenius(fused.out, linear(fused.heads, m, kH * kV, layer.o_proj, kD)), 4e-3) << at;
   // The projections that ran as linear_gemv: its fixed order, bit for bit.
   std::vector<std::string> names;
   ASSERT_TRUE(stage.step_names(DsaPath::kFused, step.args(), &names).ok());
@@ -564,7 +553,7 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
   // The stock path's output: its q_fp8 differs in a few codes, so within the attention's tolerance.
   std::vector<double> fused_out(fused.out.size());
   for (size_t i = 0; i < fused.out.size(); ++i) fused_out[i] = num::bf16_to_float(fused.out[i]);
-  EXPECT_LT(relative_error(stock.out, fused_out), 2e-2) << at;
+  EXPECT_LT(reference::relative_frobenius(stock.out, fused_out), 2e-2) << at;
 }
 
 TEST_F(DsaStageGpu, FusedAndStockAgreeWithTheReferences) {
