@@ -1,8 +1,10 @@
 // dsa-decode --trace's host logic (tools/kernel_trace.h): the kernel names it
-// prints and the span and idle time of a trace. The CUPTI part runs on the
+// prints, the span and idle time of a trace, and the cut of one graph
+// launch's kernels into its stages. The CUPTI part runs on the
 // GPU only (gpu-check's dsa-decode runs).
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "tools/kernel_trace.h"
@@ -40,6 +42,39 @@ TEST(KernelTraceTimes, SpanAndTheTimeNoKernelIsResident) {
   const std::vector<TracedKernel> nested = {span(0, 10000), span(2000, 3000), span(4000, 5000)};
   EXPECT_DOUBLE_EQ(trace_span_us(nested), 10.0);
   EXPECT_DOUBLE_EQ(trace_idle_us(nested), 0.0);
+}
+
+TracedKernel named(const char* name, uint64_t start_ns) {
+  TracedKernel k = span(start_ns, start_ns + 500);
+  k.name = name;
+  return k;
+}
+
+TEST(KernelTraceStages, CutsOneLaunchIntoItsStagesInOrderOfStart) {
+  // Two stages of three kernels; within a stage the kernels may start in any order of names.
+  const std::vector<TracedKernel> kernels = {named("a", 0),    named("c", 100),  named("b", 200),
+                                             named("a", 1000), named("b", 1100), named("c", 1200)};
+  std::vector<std::vector<TracedKernel>> per_stage;
+  ASSERT_TRUE(split_stages(kernels, 2, &per_stage).ok());
+  ASSERT_EQ(per_stage.size(), 2u);
+  EXPECT_EQ(per_stage[0].size(), 3u);
+  EXPECT_EQ(per_stage[1].front().start_ns, 1000u);
+  EXPECT_EQ(per_stage[1].back().name, "c");
+}
+
+TEST(KernelTraceStages, RefusesCountsAndStagesThatDoNotMatch) {
+  std::vector<std::vector<TracedKernel>> per_stage;
+  const std::vector<TracedKernel> five = {named("a", 0), named("b", 1), named("a", 2), named("b", 3), named("a", 4)};
+  const Status uneven = split_stages(five, 2, &per_stage);
+  EXPECT_FALSE(uneven.ok());
+  EXPECT_NE(uneven.message().find("5 kernels for 2 stages"), std::string::npos) << uneven.message();
+  EXPECT_FALSE(split_stages(five, 0, &per_stage).ok());
+  EXPECT_FALSE(split_stages({}, 1, &per_stage).ok());
+  // A kernel of stage 1 that started among stage 0's: the cut would mix them.
+  const std::vector<TracedKernel> mixed = {named("a", 0), named("a", 1), named("b", 2), named("b", 3)};
+  const Status other = split_stages(mixed, 2, &per_stage);
+  EXPECT_FALSE(other.ok());
+  EXPECT_NE(other.message().find("stage 1 ran other kernels"), std::string::npos) << other.message();
 }
 
 }  // namespace

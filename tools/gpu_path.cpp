@@ -1009,57 +1009,45 @@ DsaStagePlan stage_plan(const StepShape& s, const Options& options) {
   return plan;
 }
 
-// --trace: per path, one graph per stage (one whole forward on its weight
-// copy), launched in turn once to upload and settle, then again under
-// CUPTI; the middle stage's kernels of that second round are its trace.
-// One graph per stage, so that CUPTI's graph id tells the stages apart.
+// --trace: per path, the timed graph (every stage once, in turn, each on its
+// weight copy, chained as time_all chains them), launched once to upload and
+// settle, then again under CUPTI; the middle stage of that second launch is
+// the trace, with the time from its first start to the next stage's (its
+// period in the chain: what time_all's per-stage median measures) and the
+// end of the stage before it (the overlap of the two).
 Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t stream, std::vector<StageTrace>* traces) {
   KernelTrace trace;
   DSA_RETURN_IF_ERROR(trace.start());
   for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
     const DsaStepArgs args = layer.step_args(path);
-    std::vector<bench::CapturedGraph> graphs(stages.size());
-    for (size_t i = 0; i < stages.size(); ++i) {
-      DsaAttentionStage& stage = *stages[i];
-      DSA_RETURN_IF_ERROR(graphs[i].capture(stream, [&] {
-        return path == DsaPath::kFused ? stage.forward(args, stream) : stage.stock_forward(args, stream);
-      }));
-    }
+    bench::CapturedGraph graph;
+    DSA_RETURN_IF_ERROR(graph.capture(stream, [&]() -> Status {
+      for (const auto& stage : stages) {
+        DSA_RETURN_IF_ERROR(path == DsaPath::kFused ? stage->forward(args, stream) : stage->stock_forward(args, stream));
+      }
+      return Status();
+    }));
     std::vector<TracedKernel> kernels;
     for (int round = 0; round < 2; ++round) {
       DSA_RETURN_IF_ERROR(trace.collect(&kernels));  // drops the first round's (and earlier) records
-      for (const bench::CapturedGraph& graph : graphs) DSA_RETURN_IF_ERROR(graph.launch(stream));
+      DSA_RETURN_IF_ERROR(graph.launch(stream));
       DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
     }
     DSA_RETURN_IF_ERROR(trace.collect(&kernels));
-    // The graphs' ids in order of their first kernel (kernels outside a graph
-    // are not the stage's); every stage must show the same kernel count.
-    std::vector<uint32_t> order;
-    std::vector<size_t> counts;
-    for (const TracedKernel& k : kernels) {
-      if (k.graph == 0) continue;
-      const auto at = std::find(order.begin(), order.end(), k.graph);
-      if (at == order.end()) {
-        order.push_back(k.graph);
-        counts.push_back(1);
-      } else {
-        ++counts[size_t(at - order.begin())];
-      }
-    }
-    if (order.size() != graphs.size() ||
-        std::count(counts.begin(), counts.end(), counts.front()) != static_cast<long>(counts.size())) {
-      std::string per_graph;
-      for (size_t c : counts) per_graph += (per_graph.empty() ? "" : ", ") + std::to_string(c);
-      return unsupported("CUPTI reported kernels of " + std::to_string(order.size()) + " graphs, " +
-                         std::to_string(graphs.size()) + " launched; kernels per graph: " + per_graph);
-    }
+    std::vector<std::vector<TracedKernel>> per_stage;
+    DSA_RETURN_IF_ERROR(split_stages(kernels, stages.size(), &per_stage));
+    const size_t middle = per_stage.size() / 2;
     StageTrace t;
     t.path = path == DsaPath::kFused ? "fused" : "stock";
-    const uint32_t middle = order[order.size() / 2];
-    for (const TracedKernel& k : kernels) {
-      if (k.graph == middle) t.kernels.push_back(k);
-    }
+    t.kernels = per_stage[middle];
     const uint64_t origin = t.kernels.front().start_ns;
+    const auto us_from_origin = [&](uint64_t ns) { return (static_cast<double>(ns) - static_cast<double>(origin)) / 1e3; };
+    if (middle + 1 < per_stage.size()) t.next_start_us = us_from_origin(per_stage[middle + 1].front().start_ns);
+    if (middle > 0) {
+      uint64_t previous_end = 0;
+      for (const TracedKernel& k : per_stage[middle - 1]) previous_end = std::max(previous_end, k.end_ns);
+      t.previous_end_us = us_from_origin(previous_end);
+    }
     for (TracedKernel& k : t.kernels) {
       k.start_ns -= origin;
       k.end_ns -= origin;

@@ -62,6 +62,32 @@ double trace_idle_us(const std::vector<TracedKernel>& kernels) {
   return idle_ns / 1e3;
 }
 
+Status split_stages(const std::vector<TracedKernel>& kernels, size_t stages,
+                    std::vector<std::vector<TracedKernel>>* per_stage) {
+  if (stages == 0 || kernels.empty() || kernels.size() % stages != 0) {
+    return unsupported("CUPTI reported " + std::to_string(kernels.size()) + " kernels for " +
+                       std::to_string(stages) + " stages (expected a whole number per stage)");
+  }
+  const size_t per = kernels.size() / stages;
+  const auto sorted_names = [](std::vector<TracedKernel>::const_iterator first, size_t count) {
+    std::vector<std::string> names;
+    for (size_t i = 0; i < count; ++i) names.push_back(first[i].name);
+    std::sort(names.begin(), names.end());
+    return names;
+  };
+  const std::vector<std::string> first_stage = sorted_names(kernels.begin(), per);
+  per_stage->clear();
+  for (size_t stage = 0; stage < stages; ++stage) {
+    const auto first = kernels.begin() + static_cast<std::ptrdiff_t>(stage * per);
+    if (sorted_names(first, per) != first_stage) {
+      return unsupported("traced stage " + std::to_string(stage) + " ran other kernels than stage 0 (" +
+                         std::to_string(per) + " kernels each, cut in order of start)");
+    }
+    per_stage->emplace_back(first, first + static_cast<std::ptrdiff_t>(per));
+  }
+  return Status();
+}
+
 #if DSA_HAVE_CUPTI
 namespace {
 

@@ -33,6 +33,13 @@ std::string kernel_short_name(const char* mangled);
 double trace_span_us(const std::vector<TracedKernel>& kernels);
 double trace_idle_us(const std::vector<TracedKernel>& kernels);
 
+// The kernels of one graph launch that ran `stages` stages in turn, in order
+// of start, cut into the stages: a stage's kernels all start before the next
+// stage's first (each stage's first kernel waits in stream order on the one
+// before it). An error unless every stage shows the same kernels by name.
+Status split_stages(const std::vector<TracedKernel>& kernels, size_t stages,
+                    std::vector<std::vector<TracedKernel>>* per_stage);
+
 // Whether this build can trace (linked with a CUPTI of the version it was
 // compiled against); when not, why.
 bool kernel_trace_available(std::string* why_not);

@@ -54,7 +54,9 @@ std::string stream_label(const StageTrace& trace, uint32_t stream) {
 std::string json_trace(const StageTrace& trace) {
   std::ostringstream json;
   json << "{\"path\": " << json_string(trace.path) << ", \"span_us\": " << json_number(trace_span_us(trace.kernels))
-       << ", \"no_kernel_resident_us\": " << json_number(trace_idle_us(trace.kernels)) << ", \"kernels\": [";
+       << ", \"no_kernel_resident_us\": " << json_number(trace_idle_us(trace.kernels))
+       << ", \"next_stage_start_us\": " << json_number(trace.next_start_us)
+       << ", \"previous_stage_end_us\": " << json_number(trace.previous_end_us) << ", \"kernels\": [";
   for (size_t i = 0; i < trace.kernels.size(); ++i) {
     const TracedKernel& k = trace.kernels[i];
     json << (i ? ",\n   " : "\n   ") << "{\"name\": " << json_string(k.name)
@@ -102,10 +104,12 @@ void print_timings(const RunReport& r) {
 
 void print_trace(const StageTrace& t, int weight_copies) {
   std::printf(
-      "\ntrace, %s path: one whole stage in a graph replay of the %d stages, CUPTI's kernel records; %zu "
-      "kernels, %.2f us from the first start to the last end, %.2f us of it with no kernel resident (a PDL "
-      "kernel counts from its first CTA, waiting or not); streams s0, s1 in order of first use\n",
-      t.path.c_str(), weight_copies, t.kernels.size(), trace_span_us(t.kernels), trace_idle_us(t.kernels));
+      "\ntrace, %s path: the middle stage of a graph replay of the %d stages in turn (as timed), CUPTI's "
+      "kernel records; %zu kernels, %.2f us from the first start to the last end, %.2f us of it with no kernel "
+      "resident (a PDL kernel counts from its first CTA, waiting or not); the next stage starts at %.2f us (the "
+      "stage's period in the chain), the previous one ended at %.2f us; streams s0, s1 in order of first use\n",
+      t.path.c_str(), weight_copies, t.kernels.size(), trace_span_us(t.kernels), trace_idle_us(t.kernels),
+      t.next_start_us, t.previous_end_us);
   std::printf("%9s %9s %8s %8s  %-6s %6s x %-5s %s\n", "start us", "end us", "us", "gap us", "stream", "ctas", "thr",
               "kernel");
   uint64_t covered_until = 0;

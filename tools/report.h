@@ -2,6 +2,7 @@
 // written as JSON in the benchmarks' style (DESIGN.md section 4).
 #pragma once
 
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -38,6 +39,11 @@ struct StageTrace {
   // a graph launch runs its branches on streams of the runtime's choosing,
   // not on the ones they were captured on.
   std::vector<uint32_t> streams;
+  // From this stage's first kernel start: the next stage's first start (the
+  // stage's period in the chain) and the previous stage's last end; NaN
+  // when the stage is the first or the last.
+  double next_start_us = std::nan("");
+  double previous_end_us = std::nan("");
 };
 
 struct RunReport {
