@@ -4,6 +4,7 @@
 // GPU only (gpu-check's dsa-decode runs).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -75,6 +76,23 @@ TEST(KernelTraceStages, RefusesCountsAndStagesThatDoNotMatch) {
   const Status other = split_stages(mixed, 2, &per_stage);
   EXPECT_FALSE(other.ok());
   EXPECT_NE(other.message().find("stage 1 ran other kernels"), std::string::npos) << other.message();
+}
+
+TEST(KernelTraceStages, NeighboursGiveThePeriodAndTheOverlap) {
+  // Stage 0 [0, 5000], stage 1 [4000, 9000] (starts under stage 0's tail), stage 2 from 10000.
+  const std::vector<std::vector<TracedKernel>> three = {
+      {span(0, 3000), span(1000, 5000)}, {span(4000, 9000)}, {span(10000, 12000)}};
+  const StageNeighbours middle = stage_neighbours(three, 1);
+  EXPECT_DOUBLE_EQ(middle.next_stage_start_us, 6.0);
+  EXPECT_DOUBLE_EQ(middle.previous_stage_end_us, 1.0);  // the previous stage's last end, 1 us into this one
+  const StageNeighbours first = stage_neighbours(three, 0);
+  EXPECT_DOUBLE_EQ(first.next_stage_start_us, 4.0);
+  EXPECT_TRUE(std::isnan(first.previous_stage_end_us));
+  EXPECT_TRUE(std::isnan(stage_neighbours(three, 2).next_stage_start_us));
+  const StageNeighbours alone = stage_neighbours({{span(0, 1000)}}, 0);
+  EXPECT_TRUE(std::isnan(alone.next_stage_start_us));
+  EXPECT_TRUE(std::isnan(alone.previous_stage_end_us));
+  EXPECT_TRUE(std::isnan(stage_neighbours(three, 3).next_stage_start_us));  // no such stage
 }
 
 }  // namespace

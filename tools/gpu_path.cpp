@@ -1009,12 +1009,12 @@ DsaStagePlan stage_plan(const StepShape& s, const Options& options) {
   return plan;
 }
 
-// --trace: per path, the timed graph (every stage once, in turn, each on its
-// weight copy, chained as time_all chains them), launched once to upload and
-// settle, then again under CUPTI; the middle stage of that second launch is
-// the trace, with the time from its first start to the next stage's (its
-// period in the chain: what time_all's per-stage median measures) and the
-// end of the stage before it (the overlap of the two).
+// --trace: per path, one rotation of the stages (each stage once, in turn,
+// on its weight copy), chained as time_all's graph chains them, launched once
+// to upload and settle, then again under CUPTI; the middle stage of that
+// second launch is the trace, with its neighbours (stage_neighbours): the
+// next stage's start gives its period in the chain, what time_all's
+// per-stage median measures.
 Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t stream, std::vector<StageTrace>* traces) {
   KernelTrace trace;
   DSA_RETURN_IF_ERROR(trace.start());
@@ -1023,7 +1023,8 @@ Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t strea
     bench::CapturedGraph graph;
     DSA_RETURN_IF_ERROR(graph.capture(stream, [&]() -> Status {
       for (const auto& stage : stages) {
-        DSA_RETURN_IF_ERROR(path == DsaPath::kFused ? stage->forward(args, stream) : stage->stock_forward(args, stream));
+        DSA_RETURN_IF_ERROR(path == DsaPath::kFused ? stage->forward(args, stream)
+                                                    : stage->stock_forward(args, stream));
       }
       return Status();
     }));
@@ -1034,20 +1035,21 @@ Status trace_stages(Stages& stages, const DeviceLayer& layer, cudaStream_t strea
       DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
     }
     DSA_RETURN_IF_ERROR(trace.collect(&kernels));
+    // Only the graph's kernels are the stages' (a kernel outside it would spoil the cut).
+    for (const TracedKernel& k : kernels) {
+      if (k.graph == 0 || k.graph != kernels.front().graph) {
+        return unsupported("CUPTI reported kernel " + k.name + " outside the traced graph");
+      }
+    }
     std::vector<std::vector<TracedKernel>> per_stage;
     DSA_RETURN_IF_ERROR(split_stages(kernels, stages.size(), &per_stage));
-    const size_t middle = per_stage.size() / 2;
+    // (size - 1) / 2: two stages still show a next one.
+    const size_t middle = (per_stage.size() - 1) / 2;
     StageTrace t;
     t.path = path == DsaPath::kFused ? "fused" : "stock";
     t.kernels = per_stage[middle];
+    t.neighbours = stage_neighbours(per_stage, middle);
     const uint64_t origin = t.kernels.front().start_ns;
-    const auto us_from_origin = [&](uint64_t ns) { return (static_cast<double>(ns) - static_cast<double>(origin)) / 1e3; };
-    if (middle + 1 < per_stage.size()) t.next_start_us = us_from_origin(per_stage[middle + 1].front().start_ns);
-    if (middle > 0) {
-      uint64_t previous_end = 0;
-      for (const TracedKernel& k : per_stage[middle - 1]) previous_end = std::max(previous_end, k.end_ns);
-      t.previous_end_us = us_from_origin(previous_end);
-    }
     for (TracedKernel& k : t.kernels) {
       k.start_ns -= origin;
       k.end_ns -= origin;

@@ -3,6 +3,7 @@
 #include <cxxabi.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <mutex>
 
@@ -65,8 +66,8 @@ double trace_idle_us(const std::vector<TracedKernel>& kernels) {
 Status split_stages(const std::vector<TracedKernel>& kernels, size_t stages,
                     std::vector<std::vector<TracedKernel>>* per_stage) {
   if (stages == 0 || kernels.empty() || kernels.size() % stages != 0) {
-    return unsupported("CUPTI reported " + std::to_string(kernels.size()) + " kernels for " +
-                       std::to_string(stages) + " stages (expected a whole number per stage)");
+    return unsupported("CUPTI reported " + std::to_string(kernels.size()) + " kernels for " + std::to_string(stages) +
+                       " stages (expected a whole number per stage)");
   }
   const size_t per = kernels.size() / stages;
   const auto sorted_names = [](std::vector<TracedKernel>::const_iterator first, size_t count) {
@@ -86,6 +87,21 @@ Status split_stages(const std::vector<TracedKernel>& kernels, size_t stages,
     per_stage->emplace_back(first, first + static_cast<std::ptrdiff_t>(per));
   }
   return Status();
+}
+
+StageNeighbours stage_neighbours(const std::vector<std::vector<TracedKernel>>& per_stage, size_t stage) {
+  StageNeighbours n = {std::nan(""), std::nan("")};
+  if (stage >= per_stage.size() || per_stage[stage].empty()) return n;
+  const double origin = static_cast<double>(per_stage[stage].front().start_ns);
+  if (stage + 1 < per_stage.size() && !per_stage[stage + 1].empty()) {
+    n.next_stage_start_us = (static_cast<double>(per_stage[stage + 1].front().start_ns) - origin) / 1e3;
+  }
+  if (stage > 0 && !per_stage[stage - 1].empty()) {
+    uint64_t previous_end = 0;
+    for (const TracedKernel& k : per_stage[stage - 1]) previous_end = std::max(previous_end, k.end_ns);
+    n.previous_stage_end_us = (static_cast<double>(previous_end) - origin) / 1e3;
+  }
+  return n;
 }
 
 #if DSA_HAVE_CUPTI

@@ -40,6 +40,16 @@ double trace_idle_us(const std::vector<TracedKernel>& kernels);
 Status split_stages(const std::vector<TracedKernel>& kernels, size_t stages,
                     std::vector<std::vector<TracedKernel>>* per_stage);
 
+// Around stage `stage` of split_stages' result, in microseconds from that
+// stage's first start: the next stage's first start (the stage's period in
+// the chain) and the previous stage's last end (positive: the two overlap);
+// NaN where the stage has no such neighbour.
+struct StageNeighbours {
+  double next_stage_start_us;
+  double previous_stage_end_us;
+};
+StageNeighbours stage_neighbours(const std::vector<std::vector<TracedKernel>>& per_stage, size_t stage);
+
 // Whether this build can trace (linked with a CUPTI of the version it was
 // compiled against); when not, why.
 bool kernel_trace_available(std::string* why_not);

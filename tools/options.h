@@ -42,8 +42,9 @@ struct Options {
   // --attention-splits: sparse_mla's split plan in both paths
   // (SparseMlaArgs::splits): "latency" (default), "throughput", "by-batch" or "whole-row".
   std::string attention_splits = "latency";
-  // --trace: CUPTI's record of one graph replay of each path's whole stage
-  // (when each kernel started and ended, on which stream), printed and in the JSON.
+  // --trace: CUPTI's record of each path's stages in one replay of the timed
+  // chain (when each kernel of the middle stage started and ended, on which
+  // stream, and its period in the chain), printed and in the JSON.
   bool trace = false;
   bool force_cpu = false;
   bool help = false;

@@ -45,6 +45,14 @@ std::string json_row(const RunReport& r, const Timing& t) {
   return row.str();
 }
 
+// "12.34", or "none" for NaN (a stage without that neighbour).
+std::string us_or_none(double us) {
+  if (std::isnan(us)) return "none";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f", us);
+  return text;
+}
+
 // "s0", "s1", ...: the stream's place in the trace's order of first appearance.
 std::string stream_label(const StageTrace& trace, uint32_t stream) {
   const auto at = std::find(trace.streams.begin(), trace.streams.end(), stream);
@@ -55,8 +63,8 @@ std::string json_trace(const StageTrace& trace) {
   std::ostringstream json;
   json << "{\"path\": " << json_string(trace.path) << ", \"span_us\": " << json_number(trace_span_us(trace.kernels))
        << ", \"no_kernel_resident_us\": " << json_number(trace_idle_us(trace.kernels))
-       << ", \"next_stage_start_us\": " << json_number(trace.next_start_us)
-       << ", \"previous_stage_end_us\": " << json_number(trace.previous_end_us) << ", \"kernels\": [";
+       << ", \"next_stage_start_us\": " << json_number(trace.neighbours.next_stage_start_us)
+       << ", \"previous_stage_end_us\": " << json_number(trace.neighbours.previous_stage_end_us) << ", \"kernels\": [";
   for (size_t i = 0; i < trace.kernels.size(); ++i) {
     const TracedKernel& k = trace.kernels[i];
     json << (i ? ",\n   " : "\n   ") << "{\"name\": " << json_string(k.name)
@@ -106,10 +114,11 @@ void print_trace(const StageTrace& t, int weight_copies) {
   std::printf(
       "\ntrace, %s path: the middle stage of a graph replay of the %d stages in turn (as timed), CUPTI's "
       "kernel records; %zu kernels, %.2f us from the first start to the last end, %.2f us of it with no kernel "
-      "resident (a PDL kernel counts from its first CTA, waiting or not); the next stage starts at %.2f us (the "
-      "stage's period in the chain), the previous one ended at %.2f us; streams s0, s1 in order of first use\n",
+      "resident (a PDL kernel counts from its first CTA, waiting or not); the next stage starts at %s us (the "
+      "stage's period in the chain), the previous one ended at %s us (positive: overlapping this one); streams "
+      "s0, s1 in order of first use\n",
       t.path.c_str(), weight_copies, t.kernels.size(), trace_span_us(t.kernels), trace_idle_us(t.kernels),
-      t.next_start_us, t.previous_end_us);
+      us_or_none(t.neighbours.next_stage_start_us).c_str(), us_or_none(t.neighbours.previous_stage_end_us).c_str());
   std::printf("%9s %9s %8s %8s  %-6s %6s x %-5s %s\n", "start us", "end us", "us", "gap us", "stream", "ctas", "thr",
               "kernel");
   uint64_t covered_until = 0;

@@ -31,7 +31,8 @@ struct Timing {
   int baseline = -1;  // index of the stock timing a fused one replaces, -1: none
 };
 
-// --trace: one whole stage's kernels in one graph replay, in order of start.
+// --trace: one whole stage's kernels, the middle stage of one launch of the
+// timed graph (every stage in turn), in order of start.
 struct StageTrace {
   std::string path;                   // "fused" or "stock"
   std::vector<TracedKernel> kernels;  // times from the first kernel's start
@@ -39,11 +40,7 @@ struct StageTrace {
   // a graph launch runs its branches on streams of the runtime's choosing,
   // not on the ones they were captured on.
   std::vector<uint32_t> streams;
-  // From this stage's first kernel start: the next stage's first start (the
-  // stage's period in the chain) and the previous stage's last end; NaN
-  // when the stage is the first or the last.
-  double next_start_us = std::nan("");
-  double previous_end_us = std::nan("");
+  StageNeighbours neighbours = {std::nan(""), std::nan("")};  // stage_neighbours (kernel_trace.h)
 };
 
 struct RunReport {

@@ -11,8 +11,8 @@
 // times its load latency needs. The weight is read once, so its loads do not
 // allocate in L1: under the largest shared-memory carveout, which every PDL
 // launch asks for (core/launch.cuh), L1 keeps ~28 KiB per SM, and loads that
-// allocate there capped the bytes in flight (H200: o_proj TP1 at m = 1 / 4
-// took 35.0 / 48.4 us that way against 32.9 / 43.4 us without allocation).
+// allocate there capped the bytes in flight (H200, docs/linear.md v1.1:
+// o_proj TP1 at m = 1 / 4 took 34.4 / 49.0 us that way, 32.6 / 44.0 without).
 //
 // Budgets (ptxas, sm_90a): kGroupPieces = 8 keeps 2 x 32 registers of pieces,
 // T accumulators and 16 unpacked values per lane, under the 128 registers
