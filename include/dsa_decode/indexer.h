@@ -10,7 +10,8 @@
 // measured on the H200 (docs/indexer.md).
 //
 // Per DSA layer and decode step, m tokens (1..16), 32 index heads of 128,
-// pools of 4 tokens. The projections (indexer_project, cuBLASLt) give:
+// pools of 4 tokens. The projections (indexer_project_gemv, one GEMV launch,
+// or indexer_project through cuBLASLt) give:
 //
 //   index_q       [m, 32, 128] BF16   wq_b(q_c)
 //   index_k       [m, 128]     BF16   wk(x), before its LayerNorm
@@ -176,7 +177,7 @@ struct IndexerPlan {
 struct IndexerWorkspaceLayout {
   int64_t q_fp8 = 0;         // [max_tokens, 32, 128] e4m3 codes
   int64_t head_weights = 0;  // [max_tokens, 32] FP32: folded weights w'
-  int64_t logits = 0;        // [max_tokens, logits_stride] FP32 (the baseline's; see docs/indexer.md)
+  int64_t logits = 0;        // [max_tokens, logits_stride] FP32, written by indexer_select and its baseline
   int64_t logits_stride = 0; // pools per token row: ceil(max_context / 4)
   int64_t bytes = 0;         // total
 };
@@ -273,7 +274,8 @@ struct IndexerSelectArgs {
   IndexerState state;         // read only
   TensorView workspace;       // as prepare wrote it
   // [m, 2176] int32 out, request-local token positions; dim 1 contiguous,
-  // token stride >= 2176. Optional: absent (null data) = not written.
+  // token stride a multiple of 4 and >= 2176, data 16-byte aligned.
+  // Optional: absent (null data) = not written.
   TensorView topk_positions;
   TensorView slots;  // [m, 2176] int32 out, global KV slots; as topk_positions, required
   unsigned int* error_count = nullptr;
@@ -291,7 +293,7 @@ struct IndexerRemapArgs {
   TensorView positions;       // [m] int64, contiguous
   TensorView token_requests;  // [m] int32, contiguous
   IndexerState state;         // read only: block_table, and k_cache's blocks for the bound
-  TensorView topk_positions;  // [m, 2176] int32 in, request-local positions; dim 1 contiguous
+  TensorView topk_positions;  // [m, 2176] int32 in, request-local positions; as IndexerSelectArgs' rows
   TensorView slots;           // [m, 2176] int32 out, global KV slots; as topk_positions
   unsigned int* error_count = nullptr;
 };

@@ -75,9 +75,10 @@ namespace dsa {
 
 inline constexpr int kSparseMlaLatent = 512;    // L: kv_lora_rank of every supported preset
 inline constexpr int kSparseMlaMaxHeads = 128;  // dsv32 at TP1
-// Eight times the widest served top-k row (glm5next: 2176 = 2048 pooled + tail +
-// -1 padding). The bound keeps index arithmetic in int32 and gives the fast
-// kernel's split plan a finite range; raising it later breaks no caller.
+// 8 x 2048, over seven times the widest served top-k row (glm5next: 2176 =
+// 2048 pooled + tail + -1 padding). The bound keeps index arithmetic in int32
+// and gives the fast kernel's split plan a finite range; raising it later
+// breaks no caller.
 inline constexpr int kSparseMlaMaxTopK = 16384;
 // Tokens run on a grid dimension of at most 65535 CTAs; decode steps are far smaller.
 inline constexpr int kSparseMlaMaxTokens = 65535;
@@ -213,8 +214,8 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits s
 // tensor cores with FP32 accumulation, online softmax per 64-entry chunk,
 // split-K. H a multiple of 64 (TP1, TP2): 64 heads per CTA on warpgroup MMA
 // (wgmma), a cluster of up to 16 CTAs that combine their partials pushed in
-// FP16 (O / sum) (plans with several clusters combine those through
-// split_partials), or with kWholeRow (and kByBatch's large batches) one CTA
+// FP16 (O / sum) through split_partials (plans with several clusters also
+// combine the clusters' results there), or with kWholeRow (and kByBatch's large batches) one CTA
 // per (token, 64 heads) over the whole row; other H: 8 heads per CTA on mma.sync
 // (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic, and
 // batch invariant except with SparseMlaSplits::kByBatch (the kernel choice

@@ -141,8 +141,10 @@ struct DsaLayerWeights {
   TensorView q_a_norm;          // [Q], contiguous
   TensorView kv_a_norm;         // [L], contiguous
   TensorView q_b_proj;          // [H * P, Q]
-  TensorView w_uk_t;            // [H, P, L] (W_UK_T; L contiguous: "a column-major W_UK")
-  TensorView w_uv;              // [H, L, V] (W_UV; V contiguous, any head and row strides of a multiple of 8)
+  TensorView w_uk_t;            // [H, P, L] (W_UK_T; L contiguous: "a column-major W_UK"; rows, heads not overlapping)
+  // [H, L, V] (W_UV; V contiguous, head and row strides of a multiple of 8;
+  // where value-up runs as head_gemv, rows and heads that do not overlap)
+  TensorView w_uv;
   TensorView o_proj;            // [D, H * V]
   TensorView q_scale;           // [1] f32: the absorbed query's static FP8 scale (_q_scale)
   TensorView k_scale;           // [1] f32: the KV cache's (_k_scale)
@@ -213,7 +215,9 @@ struct DsaStepArgs {
   TensorView slot_mapping;    // [n] int64: the step's KV cache slots (negative, or t >= n: not written)
   TensorView kv_cache;        // [blocks, block_size, L] FP8 e4m3 (head_gemv.h's KvCacheWrite)
   IndexerState indexer;       // block table (the KV cache's too), ring, indexer K cache
-  // Optional [m, 2176] int32 request-local positions, -1 = none: when given,
+  // Optional [m, 2176] int32 request-local positions, -1 = none (the layout of
+  // IndexerSelectArgs::topk_positions: dim 1 contiguous, token stride a
+  // multiple of 4 and >= 2176, 16-byte aligned): when given,
   // the indexer does not run (its state is not updated for these tokens, as
   // the seed skips it) and these rows are remapped to slots instead.
   TensorView topk_positions;
@@ -247,7 +251,7 @@ enum class DsaPath { kFused, kStock };
 
 // The device buffers, library handles (cuBLAS, cuBLASLt) and the indexer's
 // stream a stage runs with: about 100 MiB at TP1, max_tokens 16 (two 32 MiB
-// cuBLAS workspaces, the attention's 16.5 MiB of split partials, the
+// cuBLAS workspaces, the attention's 16.1 MiB of split partials, the
 // indexer's). A model's layers have one configuration and plan and run one
 // after another on one stream, so they can share one: create it once and
 // pass it to every layer's DsaAttentionStage::create. Stages that share a

@@ -220,6 +220,37 @@ TEST(IndexerChecks, SelectAndPrefillErrorsNameTheArgument) {
   }
 }
 
+// What a launch writes (ring, K cache, workspace) shares no byte with
+// anything it reads or with each other: each pair named.
+TEST(IndexerChecks, WrittenViewsShareNoMemory) {
+  {
+    FakeArgs f;
+    f.prepare.workspace.data = f.prepare.index_q.data;
+    expect_rejected(check_indexer_prepare(f.prepare), "workspace", "memory disjoint from 'index_q'");
+  }
+  {
+    FakeArgs f;
+    f.prepare.state.ring.data = f.prepare.gate.data;
+    expect_rejected(check_indexer_prepare(f.prepare), "ring", "memory disjoint from 'gate'");
+  }
+  {
+    FakeArgs f;  // the K cache's last page overlapping the workspace's start
+    f.prepare.state.k_cache.data =
+        static_cast<char*>(f.prepare.workspace.data) - (f.blocks - 1) * f.prepare.state.k_cache.stride(0);
+    expect_rejected(check_indexer_prepare(f.prepare), "k_cache", "memory disjoint from 'workspace'");
+  }
+  {
+    FakeArgs f;
+    f.prefill.state.k_cache.data = f.prefill.index_k.data;
+    expect_rejected(check_indexer_prefill(f.prefill), "k_cache", "memory disjoint from 'index_k'");
+  }
+  {
+    FakeArgs f;
+    f.prefill.state.ring.data = f.prefill.state.block_table.data;
+    expect_rejected(check_indexer_prefill(f.prefill), "ring", "memory disjoint from 'block_table'");
+  }
+}
+
 TEST(IndexerChecks, BatchRulesNameTheToken) {
   IndexerPlan plan;  // RING 4: one token per request
   const int64_t positions[4] = {10, 20, 30, 40};

@@ -83,8 +83,17 @@ TEST(LinearGemvChecks, NamesTheArgumentAtFault) {
   b.out = make_tensor(reinterpret_cast<void*>(0x20000000), DType::kBF16, {2, kLinearGemvMaxRows + 1});
   expect_rejected(check_linear_gemv(b), "weight", "2^30");
   b = a;
+  b.out = make_strided(reinterpret_cast<void*>(0x20000000), DType::kBF16, {2, 4096}, {4095, 1});
+  expect_rejected(check_linear_gemv(b), "out", "a row stride of at least the row");  // rows would overlap
+  b = a;
+  b.out = make_strided(reinterpret_cast<void*>(0x20000000), DType::kBF16, {2, 4096}, {8192, 2});
+  expect_rejected(check_linear_gemv(b), "out", "stride 1 in dim 1");
+  b = a;
+  b.out.device = Device{DeviceKind::kCPU, 0};
+  expect_rejected(check_linear_gemv(b), "out", "a CUDA tensor");
+  b = a;
   b.weight.device = Device{DeviceKind::kCPU, 0};
-  expect_rejected(check_linear_gemv(b), "weight", "");
+  expect_rejected(check_linear_gemv(b), "weight", "a CUDA tensor");
   EXPECT_TRUE(linear_gemv_supports(4, 16384));
   EXPECT_FALSE(linear_gemv_supports(5, 16384));
   EXPECT_FALSE(linear_gemv_supports(0, 1536));

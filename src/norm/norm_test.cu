@@ -211,6 +211,21 @@ TEST(NormArgs, RejectsSizesNotMultipleOf8) {
   expect_rejected(args_with_sizes(4, 1536, 0).make(), {"'kv_size (kv_weight.size(0))'", "positive", "got 0"});
 }
 
+// The outputs are written while other CTAs still read qkv and the weights:
+// an in-place norm (the likeliest mistake) and every other shared byte are refused.
+TEST(NormArgs, RejectsOutputsSharingMemory) {
+  for (const char* out : {"q_out", "kv_out"}) {
+    for (const char* in : {"qkv", "q_weight", "kv_weight"}) {
+      NormArgs args;
+      args.tensor(out)->data = args.tensor(in)->data;
+      expect_rejected(args.make(), {std::string("'") + out + "'", std::string("memory disjoint from '") + in + "'"});
+    }
+  }
+  NormArgs args;
+  args.kv_out.data = static_cast<char*>(args.q_out.data) + 2 * (args.q_size - 8);  // the last 8 values of q_out's row 0
+  expect_rejected(args.make(), {"'q_out'", "memory disjoint from 'kv_out'"});
+}
+
 TEST(NormArgs, RejectsQSizeBelowKvSize) {
   expect_rejected(args_with_sizes(4, 512, 1536).make(),
                   {"'q_size (q_weight.size(0))'", "at least kv_size = 1536", "got 512"});

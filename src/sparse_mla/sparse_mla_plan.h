@@ -63,7 +63,9 @@ inline constexpr int kSparseMlaWgmmaDefaultSplits = 16;
 inline constexpr int kSparseMlaWgmmaDefaultCluster = 16;
 SparseMlaWgmmaSplits sparse_mla_wgmma_splits(int top_k, int max_splits = kSparseMlaWgmmaDefaultSplits,
                                              int max_cluster = kSparseMlaWgmmaDefaultCluster);
-// The FP32 values split_partials must hold for that plan (0 with one cluster).
+// The FP32 values split_partials must hold for that plan: every split's
+// partials (one cluster included), plus the clusters' results when there
+// are several; 0 for H not a multiple of 64.
 int64_t sparse_mla_wgmma_partials_count(int64_t m, int64_t heads, int top_k, int max_splits, int max_cluster);
 // How many of the kernel's CTAs the current device holds at once (one per SM):
 // a launch runs resident_ctas / splits items (token, group) at once.

@@ -44,6 +44,18 @@ Status check_weight(const TensorView& t, const char* name, DType dtype, std::ini
   return Status();
 }
 
+// head_gemv's weight layout (W_UK_T as the absorb's, W_UV as the value-up's),
+// so that a view creation accepts is one every step takes: row and head
+// strides of a multiple of 8 that do not overlap (as check_head_gemv asks).
+Status check_head_weight(const TensorView& t, const char* name) {
+  if (t.ndim != 3) return Status();  // check_weight names it
+  if (t.stride(1) % 8 != 0 || t.stride(1) < t.size(2) || t.stride(0) % 8 != 0 ||
+      t.stride(0) < t.size(1) * t.stride(1)) {
+    return invalid_argument(name, "row and head strides of a multiple of 8 that do not overlap", t.describe());
+  }
+  return Status();
+}
+
 }  // namespace
 
 DsaLayerConfig dsa_layer_config(const ModelPreset& p, float rms_norm_eps) {
@@ -403,9 +415,14 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   view(check_weight(w.kv_a_norm, "kv_a_norm", DType::kBF16, {L}));
   view(check_weight(w.q_b_proj, "q_b_proj", DType::kBF16, {H * P, Q}));
   if (w.w_uk_t.data == nullptr || w.w_uk_t.ndim != 3 || w.w_uk_t.stride(2) == 1) {  // else named above
-    view(check_weight(w.w_uk_t, "w_uk_t", DType::kBF16, {H, P, L}));
+    const Status uk = check_weight(w.w_uk_t, "w_uk_t", DType::kBF16, {H, P, L});
+    view(uk.ok() ? check_head_weight(w.w_uk_t, "w_uk_t") : uk);
   }
-  view(check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V}));
+  // W_UV meets head_gemv's layout only where value-up runs as head_gemv (cuBLAS's bmm takes any strides).
+  const bool value_up_gemv = plan.value_up_tokens ? !plan.value_up_tokens->empty()
+                                                  : !dsa_stage_measured_value_up_tokens(H, plan.head_gemv_sums).empty();
+  const Status uv = check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V});
+  view(uv.ok() && value_up_gemv ? check_head_weight(w.w_uv, "w_uv") : uv);
   view(check_weight(w.o_proj, "o_proj", DType::kBF16, {D, H * V}));
   view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}, 4));
   view(check_weight(w.k_scale, "k_scale", DType::kF32, {1}, 4));
@@ -416,6 +433,19 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   view(check_weight(w.index_k_norm_weight, "index_k_norm_weight", DType::kF32, {kIndexerDim}));
   view(check_weight(w.index_k_norm_bias, "index_k_norm_bias", DType::kF32, {kIndexerDim}));
   view(check_weight(w.index_ape, "index_ape", DType::kF32, {kIndexerPoolSize, kIndexerDim}));
+  // The plan's kernel choices, named here rather than by a step's first run.
+  if (plan.head_gemv_sums != HeadGemvSums::kSeedOrder && plan.head_gemv_sums != HeadGemvSums::kTensorCores) {
+    views->push_back(invalid_argument("plan.head_gemv_sums", "HeadGemvSums::kSeedOrder (0) or kTensorCores (1)",
+                                      std::to_string(static_cast<int>(plan.head_gemv_sums)))
+                         .message());
+  }
+  if (plan.attention_splits != SparseMlaSplits::kLatency && plan.attention_splits != SparseMlaSplits::kThroughput &&
+      plan.attention_splits != SparseMlaSplits::kByBatch && plan.attention_splits != SparseMlaSplits::kWholeRow) {
+    views->push_back(invalid_argument("plan.attention_splits",
+                                      "SparseMlaSplits::kLatency (0), kThroughput (1), kByBatch (2) or kWholeRow (3)",
+                                      std::to_string(static_cast<int32_t>(plan.attention_splits)))
+                         .message());
+  }
   if (plan.max_tokens < 1 || plan.max_tokens > kDsaStageMaxTokens) {
     views->push_back(
         invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens), std::to_string(plan.max_tokens))

@@ -120,6 +120,36 @@ TEST(DsaStageChecks, CreationNamesEveryMissingRequirement) {
                            "'plan.projection_gemv_tokens'", "1..8, got 9"}) {
     EXPECT_TRUE(contains(views.message(), part)) << part << " missing from: " << views.message();
   }
+  // Layouts head_gemv cannot take (overlapping rows, heads sharing rows) and
+  // kernel choices out of range: named at creation, not by a step's first run.
+  w = fake_weights();
+  w.w_uv = make_strided(w.w_uv.data, DType::kBF16, {kH, kL, kV}, {kL * kV, kV / 2, 1});
+  w.w_uk_t = make_strided(w.w_uk_t.data, DType::kBF16, {kH, kP, kL}, {0, kL, 1});
+  plan = DsaStagePlan();
+  plan.head_gemv_sums = static_cast<HeadGemvSums>(7);
+  plan.attention_splits = static_cast<SparseMlaSplits>(-1);
+  const Status layouts = DsaAttentionStage::create(glm5next_tp8(), w, plan, &stage);
+  EXPECT_EQ(layouts.code(), ErrorCode::kInvalidArgument);
+  for (const char* part : {"'w_uv'", "'w_uk_t'", "do not overlap", "'plan.head_gemv_sums'", "got 7",
+                           "'plan.attention_splits'", "got -1"}) {
+    EXPECT_TRUE(contains(layouts.message(), part)) << part << " missing from: " << layouts.message();
+  }
+  // With value-up always through cuBLAS's bmm, W_UV may take any strides.
+  plan = DsaStagePlan();
+  plan.value_up_tokens = std::set<int>{};
+  w = fake_weights();
+  w.w_uv = make_strided(w.w_uv.data, DType::kBF16, {kH, kL, kV}, {kL * kV, kV / 2, 1});
+  const Status bmm_only = DsaAttentionStage::create(glm5next_tp8(), w, plan, &stage);
+  EXPECT_FALSE(contains(bmm_only.message(), "'w_uv'")) << bmm_only.message();
+  stage.reset();
+  // Layer requirements without a view at fault: kUnsupported, each named.
+  c = glm5next_tp8();
+  c.softmax_scale = std::nanf("");
+  c.num_heads = 129;
+  const Status layer = DsaAttentionStage::create(c, fake_weights(), DsaStagePlan(), &stage);
+  for (const char* part : {"a finite softmax_scale > 0", "1..128 heads"}) {
+    EXPECT_TRUE(contains(layer.message(), part)) << part << " missing from: " << layer.message();
+  }
   plan = DsaStagePlan();
   plan.block_size = 200;  // the indexer's plan: a multiple of 128
   const Status block = DsaAttentionStage::create(glm5next_tp8(), fake_weights(), plan, &stage);
