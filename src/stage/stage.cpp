@@ -197,7 +197,16 @@ struct DsaAttentionStage::State {
     }
     DSA_RETURN_IF_ERROR(check_bf16_rows(a.hidden, "hidden", m, D));
     DSA_RETURN_IF_ERROR(check_bf16_rows(a.out, "out", m, D));
+    // o_proj writes out last, through linear_gemv or cuBLASLt by m: checked
+    // here, so that a step's m never decides whether an overlap is refused.
     DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.hidden, "hidden"));
+    DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", w.o_proj, "o_proj"));
+    for (const auto& [other, name] :
+         {std::pair{&a.positions, "positions"}, {&a.token_requests, "token_requests"},
+          {&a.slot_mapping, "slot_mapping"}, {&a.kv_cache, "kv_cache"}, {&a.indexer.block_table, "block_table"},
+          {&a.indexer.ring, "ring"}, {&a.indexer.k_cache, "k_cache"}, {&a.topk_positions, "topk_positions"}}) {
+      DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", *other, name));
+    }
     DSA_RETURN_IF_ERROR(check_present(a.kv_cache, "kv_cache"));
     DSA_RETURN_IF_ERROR(check_present(a.indexer.k_cache, "k_cache"));
     if (a.kv_cache.ndim != 3 || a.kv_cache.size(1) != plan.block_size ||

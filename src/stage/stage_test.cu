@@ -779,6 +779,11 @@ TEST_F(DsaStageGpu, StepArgumentsAreCheckedByName) {
   args.out = args.hidden;
   testing::expect_rejected(stage_->forward(args, nullptr), "out", "disjoint");
   args = step.args();
+  // Over the KV cache: refused by both paths, whatever kernel o_proj runs at this m.
+  args.out = make_tensor(step.d_kv_cache.get(), DType::kBF16, {2, kD});
+  testing::expect_rejected(stage_->forward(args, nullptr), "out", "memory disjoint from 'kv_cache'");
+  testing::expect_rejected(stage_->stock_forward(args, nullptr), "out", "memory disjoint from 'kv_cache'");
+  args = step.args();
   args.kv_cache = make_tensor(step.d_kv_cache.get(), DType::kFP8E4M3, {step.blocks * 2, kBlock / 2, kL});
   testing::expect_rejected(stage_->stock_forward(args, nullptr), "kv_cache", "block_size");
   args = step.args();
