@@ -1441,6 +1441,61 @@ void expect_graph_replays_direct_launch(const NamedKernel& kernel, const SparseM
 
 // H = 64 runs the 64-head kernel, H = 8 the 8-head one, each with every
 // split choice, at m = 4 and 40.
+// PDL: launched right after a kernel that writes q and the index rows late
+// (what the absorb and the indexer do in the stage), every kernel reads the
+// new values: its bits equal a run on them alone. Two rounds: the first
+// launch of each kernel loads its module, which synchronizes.
+TEST(SparseMlaGpu, ReadsInputsThatThePreviousKernelWrites) {
+  DSA_REQUIRE_GPU();
+  constexpr long long kSpinCycles = 200000;  // about 100 us at the H200's clocks
+  std::mt19937_64 rng(testing::test_seed() + 40);
+  // Quick mode (the sanitizers): K = 1024, as CapturedGraphReplaysTheSameResult below.
+  const std::vector<Case> cases = testing::quick_mode() ? std::vector<Case>{{64, 2, 1024}, {8, 2, 1024}}
+                                                        : std::vector<Case>{{64, 2, 2048, 125}, {8, 2, 2048, 125}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(describe(c));
+    const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
+    const Problem old = random_problem(c, /*padded=*/false, 3.0f, rng);  // what the late writer overwrites
+    DeviceBuffer<uint8_t> q_dev(old.q), new_q(p.q), cache_dev(p.cache);
+    DeviceBuffer<int32_t> indices_dev(old.indices), new_indices(p.indices);
+    DeviceBuffer<float> scales_dev(std::vector<float>{p.q_scale, p.k_scale});
+    DeviceBuffer<uint16_t> latent_dev(size_t(p.m) * p.heads * L);
+    DeviceBuffer<float> lse_dev(size_t(p.m) * p.heads);
+    DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(sparse_mla_split_counter_count(p.m, p.heads, p.top_k), 0));
+    DeviceBuffer<float> partials_dev(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k)));
+    SparseMlaArgs a;
+    a.q = make_tensor(q_dev.get(), DType::kFP8E4M3, {p.m, p.heads, L});
+    a.q_scale = make_tensor(scales_dev.get(), DType::kF32, {1});
+    a.kv_cache = make_tensor(cache_dev.get(), DType::kFP8E4M3, {p.blocks, p.block_size, L});
+    a.k_scale = make_tensor(scales_dev.get() + 1, DType::kF32, {1});
+    a.indices = make_tensor(indices_dev.get(), DType::kI32, {p.m, p.top_k});
+    a.softmax_scale = p.softmax_scale;
+    a.latent = make_tensor(latent_dev.get(), DType::kBF16, {p.m, p.heads, L});
+    a.lse = make_tensor(lse_dev.get(), DType::kF32, {p.m, p.heads});
+    a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {int64_t(counters_dev.size())});
+    a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
+    cudaStream_t stream = nullptr;  // blocking: it orders after the uploads on the legacy stream
+    DSA_ASSERT_CUDA(cudaStreamCreate(&stream));
+    for (const NamedKernel& kernel : kernels_for(p.heads)) {
+      SCOPED_TRACE(kernel.name);
+      const GpuResult alone = run_gpu(p, kernel);
+      for (int round = 0; round < 2; ++round) {
+        q_dev.upload(old.q);
+        indices_dev.upload(old.indices);
+        latent_dev.fill_bytes(kPoison);
+        DSA_ASSERT_CUDA(testing::launch_late_writer(new_q.get(), q_dev.get(), int(p.q.size() / 16), new_indices.get(),
+                                                    indices_dev.get(), int(p.indices.size() * 4 / 16), kSpinCycles, 8,
+                                                    256, stream));
+        DSA_ASSERT_OK(kernel.run(a, stream));
+        DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+        EXPECT_TRUE(latent_dev.download() == alone.latent) << "round " << round;
+        EXPECT_TRUE(lse_dev.download() == alone.lse) << "round " << round;
+      }
+    }
+    cudaStreamDestroy(stream);
+  }
+}
+
 TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 30);
