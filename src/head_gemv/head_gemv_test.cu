@@ -213,6 +213,36 @@ TEST(HeadGemvChecks, NamesEachBadArgument) {
     f.cache.k_scale.shape[0] = 2;
     expect_rejected(f.args(), "cache.k_scale", "shape [1]");
   }
+  // The rest of the layout rules, one case each.
+  const auto rejected = [](auto&& breaks, const std::string& argument, const std::string& words) {
+    FakeArgs f;
+    breaks(f);
+    expect_rejected(f.args(), argument, words);
+  };
+  rejected([](FakeArgs& f) { f.x.shape[2] = f.weight.shape[1] = 252; }, "x", "a multiple of 8");
+  rejected([](FakeArgs& f) { f.weight.strides[1] = 504; }, "weight", "do not overlap");  // rows overlap
+  rejected([](FakeArgs& f) { f.weight.strides[0] = 255 * 512; }, "weight", "do not overlap");  // heads overlap
+  rejected([](FakeArgs& f) { f.weight.strides[1] = 516; f.weight.strides[0] = 256 * 516; }, "weight",
+           "multiples of 8");
+  rejected([](FakeArgs& f) { f.weight.data = static_cast<char*>(f.weight.data) + 8; }, "weight", "aligned to 16");
+  rejected([](FakeArgs& f) { f.out.strides[1] = 520; f.out.strides[0] = 4 * 520; }, "out", "contiguous");
+  rejected([](FakeArgs& f) { f.scale.dtype = DType::kBF16; }, "scale", "f32");
+  rejected([](FakeArgs& f) { f.scale.data = static_cast<char*>(f.scale.data) + 2; }, "scale", "aligned to 4");
+  rejected([](FakeArgs& f) { f.cache.kv.strides[0] = 516; }, "cache.kv", "row stride a multiple of 8");
+  rejected([](FakeArgs& f) { f.cache.kv.data = static_cast<char*>(f.cache.kv.data) + 8; }, "cache.kv",
+           "aligned to 16");
+  rejected([](FakeArgs& f) { f.cache.cache.shape[0] = 0; }, "cache.cache", "do not overlap");  // no block
+  rejected([](FakeArgs& f) { f.cache.cache.data = static_cast<char*>(f.cache.cache.data) + 4; }, "cache.cache",
+           "aligned to 8");
+  rejected([](FakeArgs& f) { f.cache.slot_mapping.strides[0] = 2; }, "cache.slot_mapping", "a contiguous vector");
+  rejected([](FakeArgs& f) { f.cache.slot_mapping.data = static_cast<char*>(f.cache.slot_mapping.data) + 4; },
+           "cache.slot_mapping", "aligned to 8");
+  rejected([](FakeArgs& f) { f.cache.k_scale.dtype = DType::kBF16; }, "cache.k_scale", "f32");
+  rejected(
+      [](FakeArgs& f) {
+        f.cache.error_count = reinterpret_cast<unsigned int*>(static_cast<char*>(fake_address(9)) + 2);
+      },
+      "cache.error_count", "4-byte aligned");
 }
 
 TEST(HeadGemvChecks, TacticTableGivesValidTacticsAndBadOnesAreNamed) {

@@ -147,6 +147,24 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
       },
       "error_count", "4-byte aligned");
   rejected([](SparseMlaArgs& a) { a.splits = static_cast<SparseMlaSplits>(4); }, "splits", "kWholeRow (3)");
+  // Strides that overlap rows or heads although multiples of 16, views off the
+  // device, and the counters' layout.
+  rejected([](SparseMlaArgs& a) { a.q.strides[1] = 496; }, "q", "do not overlap");
+  rejected([](SparseMlaArgs& a) { a.q.strides[0] = 63 * 512; }, "q", "do not overlap");
+  rejected([](SparseMlaArgs& a) { a.q.strides[0] = 64 * 512 + 8; }, "q", "multiples of 16");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.strides[1] = 496; }, "kv_cache", "do not overlap");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.device.kind = DeviceKind::kCPU; }, "kv_cache", "a CUDA tensor");
+  rejected([](SparseMlaArgs& a) { a.q_scale.device.kind = DeviceKind::kCPU; }, "q_scale", "a CUDA tensor");
+  rejected([](SparseMlaArgs& a) { a.k_scale.shape[0] = 2; }, "k_scale", "shape [1]");
+  rejected([](SparseMlaArgs& a) { a.indices.device.kind = DeviceKind::kCPU; }, "indices", "a CUDA tensor");
+  rejected([](SparseMlaArgs& a) { a.indices.shape[1] = 0; }, "indices", "1..16384 entries");
+  rejected([](SparseMlaArgs& a) { a.indices.data = static_cast<char*>(a.indices.data) + 2; }, "indices",
+           "aligned to 4");
+  rejected([](SparseMlaArgs& a) { a.lse.dtype = DType::kBF16; }, "lse", "f32");
+  rejected([](SparseMlaArgs& a) { a.lse.device.kind = DeviceKind::kCPU; }, "lse", "a CUDA tensor");
+  rejected([](SparseMlaArgs& a) { a.split_counters.strides[0] = 2; }, "split_counters", "a contiguous vector");
+  rejected([](SparseMlaArgs& a) { a.split_counters.data = static_cast<char*>(a.split_counters.data) + 2; },
+           "split_counters", "aligned to 4");
 }
 
 // The 64-head kernel needs split_partials (a short or missing view is
