@@ -220,6 +220,37 @@ TEST(IndexerChecks, SelectAndPrefillErrorsNameTheArgument) {
   }
 }
 
+// The state's and the workspace's layout rules, one case each (through
+// select, which checks the same state as prepare and prefill).
+TEST(IndexerChecks, StateAndWorkspaceLayoutsAreNamed) {
+  const auto rejected = [](auto&& breaks, const std::string& argument, const std::string& words) {
+    FakeArgs f;
+    breaks(f.select);
+    expect_rejected(check_indexer_select(f.select), argument, words);
+  };
+  rejected([](IndexerSelectArgs& a) { a.state.block_table.strides[0] = 256; }, "block_table",
+           "a request stride of at least its width");
+  rejected([](IndexerSelectArgs& a) { a.state.block_table.shape[1] = 0; }, "block_table", "at least one request");
+  rejected([](IndexerSelectArgs& a) { a.state.ring.strides[0] = 2 * 4 * kDim + 4; }, "ring",
+           "a request stride that is a multiple of 8");
+  rejected([](IndexerSelectArgs& a) { a.state.ring.data = static_cast<char*>(a.state.ring.data) + 8; }, "ring",
+           "aligned to 16");
+  rejected([](IndexerSelectArgs& a) { a.state.k_cache.strides[0] = 64 * 132 + 8; }, "k_cache",
+           "a page stride that is a multiple of 16");
+  rejected([](IndexerSelectArgs& a) { a.state.k_cache.shape[0] = (int64_t(1) << 31) / 256 + 1; }, "k_cache",
+           "blocks (int32 slots)");
+  rejected([](IndexerSelectArgs& a) { a.workspace.data = static_cast<char*>(a.workspace.data) + 16; }, "workspace",
+           "aligned to 256");
+  rejected([](IndexerSelectArgs& a) { a.workspace.shape[0] -= 1; }, "workspace", "indexer_workspace_layout");
+  rejected([](IndexerSelectArgs& a) { a.positions.strides[0] = 2; }, "positions", "stride 1 in dim 0");
+  rejected([](IndexerSelectArgs& a) { a.token_requests.data = static_cast<char*>(a.token_requests.data) + 2; },
+           "token_requests", "aligned to 4");
+  FakeArgs f;  // prefill: more tokens than the plan's context
+  f.prefill.index_k = make_tensor(fake_device_pointer(0x90000), DType::kBF16, {f.plan.max_context + 1, kDim});
+  f.prefill.gate = f.prefill.index_k;
+  expect_rejected(check_indexer_prefill(f.prefill), "index_k", "the plan's max_context");
+}
+
 // What a launch writes (ring, K cache, workspace) shares no byte with
 // anything it reads or with each other: each pair named.
 TEST(IndexerChecks, WrittenViewsShareNoMemory) {
