@@ -76,6 +76,35 @@ TEST(TensorView, BadDimensionsAndOverlapsAreRejected) {
   EXPECT_NE(s.message().find("disjoint from 'x'"), std::string::npos) << s.message();
 }
 
+// The row helpers the kernels share: a single row takes any stride (it is
+// never stepped), more rows need non-overlapping strides of a multiple of 8.
+TEST(TensorView, RowHelpersTakeAnyStrideForOneRow) {
+  alignas(16) static uint16_t storage[64];
+  EXPECT_TRUE(check_bf16_rows(make_strided(storage, DType::kBF16, {1, 16}, {3, 1}), "x", 1, 16).ok());
+  Status s = check_bf16_rows(make_strided(storage, DType::kBF16, {2, 16}, {12, 1}), "x", 2, 16);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("a row stride of a multiple of 8 elements, at least 16"), std::string::npos)
+      << s.message();
+  EXPECT_FALSE(check_bf16_rows(make_strided(storage, DType::kBF16, {2, 16}, {20, 1}), "x", 2, 16).ok());
+  EXPECT_TRUE(check_bf16_rows(make_strided(storage, DType::kBF16, {2, 16}, {24, 1}), "x", 2, 16).ok());
+
+  EXPECT_TRUE(check_head_rows(make_strided(storage, DType::kBF16, {1, 2, 8}, {5, 8, 1}), "q", DType::kBF16, 1, 2, 8)
+                  .ok());
+  s = check_head_rows(make_strided(storage, DType::kBF16, {2, 2, 8}, {8, 8, 1}), "q", DType::kBF16, 2, 2, 8);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("at least heads * dim = 16"), std::string::npos) << s.message();
+  EXPECT_FALSE(check_head_rows(make_strided(storage, DType::kBF16, {1, 2, 8}, {16, 9, 1}), "q", DType::kBF16, 1, 2, 8)
+                   .ok())
+      << "heads are contiguous rows of dim values";
+
+  EXPECT_TRUE(check_error_counter(nullptr, "error_count").ok());
+  alignas(4) static unsigned int counter[2];
+  EXPECT_TRUE(check_error_counter(counter, "error_count").ok());
+  s = check_error_counter(reinterpret_cast<unsigned int*>(reinterpret_cast<char*>(counter) + 2), "error_count");
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("4-byte aligned"), std::string::npos) << s.message();
+}
+
 TEST(Status, ToStringCarriesCodeAndMessage) {
   Status s = invalid_argument("m", "1..16", "17");
   EXPECT_EQ(s.to_string(), "invalid argument: argument 'm': expected 1..16, got 17");
