@@ -741,7 +741,12 @@ TEST_F(DsaStageGpu, CallerTopkRowsSkipTheIndexerAndGiveTheSameStep) {
   DSA_ASSERT_OK(stage_->step_names(DsaPath::kFused, args, &names));
   EXPECT_TRUE(std::count(names.begin(), names.end(), "top-k remap") == 1);
   EXPECT_TRUE(std::count(names.begin(), names.end(), "indexer select") == 0);
+  // The indexer's state is not touched by a step with caller rows (stage.h).
+  const std::vector<uint16_t> ring_before = step.d_ring.download();
+  const std::vector<uint8_t> k_cache_before = step.d_k_cache.download();
   const PathResult reused = run_path(*stage_, step, DsaPath::kFused, args);
+  EXPECT_TRUE(step.d_ring.download() == ring_before);
+  EXPECT_TRUE(step.d_k_cache.download() == k_cache_before);
   EXPECT_TRUE(reused.slots == fused.slots);
   EXPECT_TRUE(reused.out == fused.out);
   EXPECT_EQ(reused.errors, 0u);
