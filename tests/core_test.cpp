@@ -86,15 +86,17 @@ TEST(TensorView, RowHelpersTakeAnyStrideForOneRow) {
   EXPECT_NE(s.message().find("a row stride of a multiple of 8 elements, at least 16"), std::string::npos)
       << s.message();
   EXPECT_FALSE(check_bf16_rows(make_strided(storage, DType::kBF16, {2, 16}, {20, 1}), "x", 2, 16).ok());
+  EXPECT_FALSE(check_bf16_rows(make_strided(storage, DType::kBF16, {2, 16}, {8, 1}), "x", 2, 16).ok())
+      << "a multiple of 8, but rows overlap";
   EXPECT_TRUE(check_bf16_rows(make_strided(storage, DType::kBF16, {2, 16}, {24, 1}), "x", 2, 16).ok());
 
-  EXPECT_TRUE(check_head_rows(make_strided(storage, DType::kBF16, {1, 2, 8}, {5, 8, 1}), "q", DType::kBF16, 1, 2, 8)
-                  .ok());
+  EXPECT_TRUE(
+      check_head_rows(make_strided(storage, DType::kBF16, {1, 2, 8}, {5, 8, 1}), "q", DType::kBF16, 1, 2, 8).ok());
   s = check_head_rows(make_strided(storage, DType::kBF16, {2, 2, 8}, {8, 8, 1}), "q", DType::kBF16, 2, 2, 8);
   ASSERT_FALSE(s.ok());
   EXPECT_NE(s.message().find("at least heads * dim = 16"), std::string::npos) << s.message();
-  EXPECT_FALSE(check_head_rows(make_strided(storage, DType::kBF16, {1, 2, 8}, {16, 9, 1}), "q", DType::kBF16, 1, 2, 8)
-                   .ok())
+  EXPECT_FALSE(
+      check_head_rows(make_strided(storage, DType::kBF16, {1, 2, 8}, {16, 9, 1}), "q", DType::kBF16, 1, 2, 8).ok())
       << "heads are contiguous rows of dim values";
 
   EXPECT_TRUE(check_error_counter(nullptr, "error_count").ok());

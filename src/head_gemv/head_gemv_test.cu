@@ -220,17 +220,25 @@ TEST(HeadGemvChecks, NamesEachBadArgument) {
     expect_rejected(f.args(), argument, words);
   };
   rejected([](FakeArgs& f) { f.x.shape[2] = f.weight.shape[1] = 252; }, "x", "a multiple of 8");
-  rejected([](FakeArgs& f) { f.weight.strides[1] = 504; }, "weight", "do not overlap");  // rows overlap
+  rejected([](FakeArgs& f) { f.weight.strides[1] = 504; }, "weight", "do not overlap");        // rows overlap
   rejected([](FakeArgs& f) { f.weight.strides[0] = 255 * 512; }, "weight", "do not overlap");  // heads overlap
-  rejected([](FakeArgs& f) { f.weight.strides[1] = 516; f.weight.strides[0] = 256 * 516; }, "weight",
-           "multiples of 8");
+  rejected(
+      [](FakeArgs& f) {
+        f.weight.strides[1] = 516;
+        f.weight.strides[0] = 256 * 516;
+      },
+      "weight", "multiples of 8");
   rejected([](FakeArgs& f) { f.weight.data = static_cast<char*>(f.weight.data) + 8; }, "weight", "aligned to 16");
-  rejected([](FakeArgs& f) { f.out.strides[1] = 520; f.out.strides[0] = 4 * 520; }, "out", "contiguous");
+  rejected(
+      [](FakeArgs& f) {
+        f.out.strides[1] = 520;
+        f.out.strides[0] = 4 * 520;
+      },
+      "out", "contiguous");
   rejected([](FakeArgs& f) { f.scale.dtype = DType::kBF16; }, "scale", "f32");
   rejected([](FakeArgs& f) { f.scale.data = static_cast<char*>(f.scale.data) + 2; }, "scale", "aligned to 4");
   rejected([](FakeArgs& f) { f.cache.kv.strides[0] = 516; }, "cache.kv", "row stride a multiple of 8");
-  rejected([](FakeArgs& f) { f.cache.kv.data = static_cast<char*>(f.cache.kv.data) + 8; }, "cache.kv",
-           "aligned to 16");
+  rejected([](FakeArgs& f) { f.cache.kv.data = static_cast<char*>(f.cache.kv.data) + 8; }, "cache.kv", "aligned to 16");
   rejected([](FakeArgs& f) { f.cache.cache.shape[0] = 0; }, "cache.cache", "do not overlap");  // no block
   rejected([](FakeArgs& f) { f.cache.cache.data = static_cast<char*>(f.cache.cache.data) + 4; }, "cache.cache",
            "aligned to 8");

@@ -1457,8 +1457,6 @@ void expect_graph_replays_direct_launch(const NamedKernel& kernel, const SparseM
   cudaGraphDestroy(graph);
 }
 
-// H = 64 runs the 64-head kernel, H = 8 the 8-head one, each with every
-// split choice, at m = 4 and 40.
 // PDL: launched right after a kernel that writes q and the index rows late
 // (what the absorb and the indexer do in the stage), every kernel reads the
 // new values: its bits equal a run on them alone. Two rounds: the first
@@ -1514,6 +1512,8 @@ TEST(SparseMlaGpu, ReadsInputsThatThePreviousKernelWrites) {
   }
 }
 
+// H = 64 runs the 64-head kernel, H = 8 the 8-head one, each with every
+// split choice, at m = 4 and 40.
 TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 30);

@@ -201,10 +201,14 @@ struct DsaAttentionStage::State {
     // here, so that a step's m never decides whether an overlap is refused.
     DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.hidden, "hidden"));
     DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", w.o_proj, "o_proj"));
-    for (const auto& [other, name] :
-         {std::pair{&a.positions, "positions"}, {&a.token_requests, "token_requests"},
-          {&a.slot_mapping, "slot_mapping"}, {&a.kv_cache, "kv_cache"}, {&a.indexer.block_table, "block_table"},
-          {&a.indexer.ring, "ring"}, {&a.indexer.k_cache, "k_cache"}, {&a.topk_positions, "topk_positions"}}) {
+    for (const auto& [other, name] : {std::pair{&a.positions, "positions"},
+                                      {&a.token_requests, "token_requests"},
+                                      {&a.slot_mapping, "slot_mapping"},
+                                      {&a.kv_cache, "kv_cache"},
+                                      {&a.indexer.block_table, "block_table"},
+                                      {&a.indexer.ring, "ring"},
+                                      {&a.indexer.k_cache, "k_cache"},
+                                      {&a.topk_positions, "topk_positions"}}) {
       DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", *other, name));
     }
     DSA_RETURN_IF_ERROR(check_present(a.kv_cache, "kv_cache"));
@@ -428,8 +432,10 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
     view(uk.ok() ? check_head_weight(w.w_uk_t, "w_uk_t") : uk);
   }
   // W_UV meets head_gemv's layout only where value-up runs as head_gemv (cuBLAS's bmm takes any strides).
-  const bool value_up_gemv = plan.value_up_tokens ? !plan.value_up_tokens->empty()
-                                                  : !dsa_stage_measured_value_up_tokens(H, plan.head_gemv_sums).empty();
+  const std::set<int> value_up_tokens =
+      plan.value_up_tokens ? *plan.value_up_tokens : dsa_stage_measured_value_up_tokens(H, plan.head_gemv_sums);
+  const bool value_up_gemv = std::any_of(value_up_tokens.begin(), value_up_tokens.end(),
+                                         [&](int m) { return m >= 1 && m <= plan.max_tokens; });
   const Status uv = check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V});
   view(uv.ok() && value_up_gemv ? check_head_weight(w.w_uv, "w_uv") : uv);
   view(check_weight(w.o_proj, "o_proj", DType::kBF16, {D, H * V}));
