@@ -1457,6 +1457,40 @@ void expect_graph_replays_direct_launch(const NamedKernel& kernel, const SparseM
   cudaGraphDestroy(graph);
 }
 
+// A problem's contiguous device copies and the args over them, with
+// split_partials for every plan of the 64-head kernel (at least one value).
+struct DeviceProblem {
+  DeviceBuffer<uint8_t> q, cache;
+  DeviceBuffer<int32_t> indices;
+  DeviceBuffer<float> scales;  // q_scale, k_scale
+  DeviceBuffer<uint16_t> latent;
+  DeviceBuffer<float> lse;
+  DeviceBuffer<int32_t> counters;
+  DeviceBuffer<float> partials;
+  SparseMlaArgs args;
+
+  explicit DeviceProblem(const Problem& p)
+      : q(p.q),
+        cache(p.cache),
+        indices(p.indices),
+        scales(std::vector<float>{p.q_scale, p.k_scale}),
+        latent(size_t(p.m) * p.heads * L),
+        lse(size_t(p.m) * p.heads),
+        counters(std::vector<int32_t>(sparse_mla_split_counter_count(p.m, p.heads, p.top_k), 0)),
+        partials(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k))) {
+    args.q = make_tensor(q.get(), DType::kFP8E4M3, {p.m, p.heads, L});
+    args.q_scale = make_tensor(scales.get(), DType::kF32, {1});
+    args.kv_cache = make_tensor(cache.get(), DType::kFP8E4M3, {p.blocks, p.block_size, L});
+    args.k_scale = make_tensor(scales.get() + 1, DType::kF32, {1});
+    args.indices = make_tensor(indices.get(), DType::kI32, {p.m, p.top_k});
+    args.softmax_scale = p.softmax_scale;
+    args.latent = make_tensor(latent.get(), DType::kBF16, {p.m, p.heads, L});
+    args.lse = make_tensor(lse.get(), DType::kF32, {p.m, p.heads});
+    args.split_counters = make_tensor(counters.get(), DType::kI32, {int64_t(counters.size())});
+    args.split_partials = make_tensor(partials.get(), DType::kF32, {int64_t(partials.size())});
+  }
+};
+
 // PDL: launched right after a kernel that writes q and the index rows late
 // (what the absorb and the indexer do in the stage), every kernel reads the
 // new values: its bits equal a run on them alone. Two rounds: the first
@@ -1472,40 +1506,25 @@ TEST(SparseMlaGpu, ReadsInputsThatThePreviousKernelWrites) {
     SCOPED_TRACE(describe(c));
     const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
     const Problem old = random_problem(c, /*padded=*/false, 3.0f, rng);  // what the late writer overwrites
-    DeviceBuffer<uint8_t> q_dev(old.q), new_q(p.q), cache_dev(p.cache);
-    DeviceBuffer<int32_t> indices_dev(old.indices), new_indices(p.indices);
-    DeviceBuffer<float> scales_dev(std::vector<float>{p.q_scale, p.k_scale});
-    DeviceBuffer<uint16_t> latent_dev(size_t(p.m) * p.heads * L);
-    DeviceBuffer<float> lse_dev(size_t(p.m) * p.heads);
-    DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(sparse_mla_split_counter_count(p.m, p.heads, p.top_k), 0));
-    DeviceBuffer<float> partials_dev(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k)));
-    SparseMlaArgs a;
-    a.q = make_tensor(q_dev.get(), DType::kFP8E4M3, {p.m, p.heads, L});
-    a.q_scale = make_tensor(scales_dev.get(), DType::kF32, {1});
-    a.kv_cache = make_tensor(cache_dev.get(), DType::kFP8E4M3, {p.blocks, p.block_size, L});
-    a.k_scale = make_tensor(scales_dev.get() + 1, DType::kF32, {1});
-    a.indices = make_tensor(indices_dev.get(), DType::kI32, {p.m, p.top_k});
-    a.softmax_scale = p.softmax_scale;
-    a.latent = make_tensor(latent_dev.get(), DType::kBF16, {p.m, p.heads, L});
-    a.lse = make_tensor(lse_dev.get(), DType::kF32, {p.m, p.heads});
-    a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {int64_t(counters_dev.size())});
-    a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
+    DeviceProblem d(p);
+    DeviceBuffer<uint8_t> new_q(p.q);
+    DeviceBuffer<int32_t> new_indices(p.indices);
     cudaStream_t stream = nullptr;  // blocking: it orders after the uploads on the legacy stream
     DSA_ASSERT_CUDA(cudaStreamCreate(&stream));
     for (const NamedKernel& kernel : kernels_for(p.heads)) {
       SCOPED_TRACE(kernel.name);
       const GpuResult alone = run_gpu(p, kernel);
       for (int round = 0; round < 2; ++round) {
-        q_dev.upload(old.q);
-        indices_dev.upload(old.indices);
-        latent_dev.fill_bytes(kPoison);
-        DSA_ASSERT_CUDA(testing::launch_late_writer(new_q.get(), q_dev.get(), int(p.q.size() / 16), new_indices.get(),
-                                                    indices_dev.get(), int(p.indices.size() * 4 / 16), kSpinCycles, 8,
+        d.q.upload(old.q);
+        d.indices.upload(old.indices);
+        d.latent.fill_bytes(kPoison);
+        DSA_ASSERT_CUDA(testing::launch_late_writer(new_q.get(), d.q.get(), int(p.q.size() / 16), new_indices.get(),
+                                                    d.indices.get(), int(p.indices.size() * 4 / 16), kSpinCycles, 8,
                                                     256, stream));
-        DSA_ASSERT_OK(kernel.run(a, stream));
+        DSA_ASSERT_OK(kernel.run(d.args, stream));
         DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
-        EXPECT_TRUE(latent_dev.download() == alone.latent) << "round " << round;
-        EXPECT_TRUE(lse_dev.download() == alone.lse) << "round " << round;
+        EXPECT_TRUE(d.latent.download() == alone.latent) << "round " << round;
+        EXPECT_TRUE(d.lse.download() == alone.lse) << "round " << round;
       }
     }
     cudaStreamDestroy(stream);
@@ -1531,30 +1550,12 @@ TEST(SparseMlaGpu, CapturedGraphReplaysTheSameResult) {
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     const Problem p = random_problem(c, /*padded=*/false, 3.0f, rng);
-    DeviceBuffer<uint8_t> q_dev(p.q), cache_dev(p.cache);
-    DeviceBuffer<int32_t> indices_dev(p.indices);
-    DeviceBuffer<float> scales_dev(std::vector<float>{p.q_scale, p.k_scale});
-    DeviceBuffer<uint16_t> latent_dev(size_t(p.m) * p.heads * L);
-    DeviceBuffer<float> lse_dev(size_t(p.m) * p.heads);
-    DeviceBuffer<int32_t> counters_dev(std::vector<int32_t>(sparse_mla_split_counter_count(p.m, p.heads, p.top_k), 0));
-    DeviceBuffer<float> partials_dev(std::max<int64_t>(1, largest_partials_count(p.m, p.heads, p.top_k)));
-    SparseMlaArgs a;
-    a.q = make_tensor(q_dev.get(), DType::kFP8E4M3, {p.m, p.heads, L});
-    a.q_scale = make_tensor(scales_dev.get(), DType::kF32, {1});
-    a.kv_cache = make_tensor(cache_dev.get(), DType::kFP8E4M3, {p.blocks, p.block_size, L});
-    a.k_scale = make_tensor(scales_dev.get() + 1, DType::kF32, {1});
-    a.indices = make_tensor(indices_dev.get(), DType::kI32, {p.m, p.top_k});
-    a.softmax_scale = p.softmax_scale;
-    a.latent = make_tensor(latent_dev.get(), DType::kBF16, {p.m, p.heads, L});
-    a.lse = make_tensor(lse_dev.get(), DType::kF32, {p.m, p.heads});
-    a.split_counters = make_tensor(counters_dev.get(), DType::kI32, {int64_t(counters_dev.size())});
-    a.split_partials = make_tensor(partials_dev.get(), DType::kF32, {int64_t(partials_dev.size())});
-
+    DeviceProblem d(p);
     std::vector<NamedKernel> kernels = kernels_for(p.heads);
     kernels.push_back(kByBatchKernel);
     for (const NamedKernel& kernel : kernels) {
       SCOPED_TRACE(kernel.name);
-      expect_graph_replays_direct_launch(kernel, a, stream, latent_dev, lse_dev, counters_dev);
+      expect_graph_replays_direct_launch(kernel, d.args, stream, d.latent, d.lse, d.counters);
     }
   }
   cudaStreamDestroy(stream);
