@@ -109,6 +109,9 @@ Status check_head_gemv_tactic(int rows, int cols, int m, HeadGemvTactic tactic);
 // J not of a 16..256 column tile) passes here and head_gemv reports it as
 // kUnsupported.
 Status check_head_gemv(const HeadGemvArgs& args);
+// The weight part of those checks, [heads, rows, J] BF16 under `name`: for a
+// caller that holds a weight before any launch (the stage, at creation).
+Status check_head_gemv_weight(const TensorView& weight, const char* name, int64_t heads, int64_t rows);
 // The cache-write part of the checks, shared with stock_concat_and_cache_mla.
 Status check_kv_cache_write(const KvCacheWrite& write, int64_t m);
 

@@ -308,6 +308,20 @@ Status check_kv_cache_write(const KvCacheWrite& c, int64_t m) {
   return Status();
 }
 
+Status check_head_gemv_weight(const TensorView& w, const char* name, int64_t heads, int64_t rows) {
+  DSA_RETURN_IF_ERROR(check_dtype(w, name, DType::kBF16));
+  DSA_RETURN_IF_ERROR(check_shape(w, name, {heads, rows, -1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(w, name));
+  const int64_t cols = w.size(2);
+  DSA_RETURN_IF_ERROR(check_stride(w, name, 2, 1));
+  if (cols < 1 || heads * cols > kMaxDim || w.stride(1) % 8 != 0 || w.stride(1) < cols || w.stride(0) % 8 != 0 ||
+      w.stride(0) < rows * w.stride(1)) {
+    return invalid_argument(
+        name, "J >= 1, H*J < 2^31, and row and head strides that are multiples of 8 and do not overlap", w.describe());
+  }
+  return check_aligned(w, name, 16);
+}
+
 Status check_head_gemv(const HeadGemvArgs& a) {
   if (a.sums != HeadGemvSums::kSeedOrder && a.sums != HeadGemvSums::kTensorCores) {
     return invalid_argument("sums", "HeadGemvSums::kSeedOrder or kTensorCores",
@@ -326,18 +340,8 @@ Status check_head_gemv(const HeadGemvArgs& a) {
   }
   DSA_RETURN_IF_ERROR(check_head_rows(a.x, "x", DType::kBF16, m, heads, rows));
 
-  DSA_RETURN_IF_ERROR(check_dtype(a.weight, "weight", DType::kBF16));
-  DSA_RETURN_IF_ERROR(check_shape(a.weight, "weight", {heads, rows, -1}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(a.weight, "weight"));
+  DSA_RETURN_IF_ERROR(check_head_gemv_weight(a.weight, "weight", heads, rows));
   const int64_t cols = a.weight.size(2);
-  DSA_RETURN_IF_ERROR(check_stride(a.weight, "weight", 2, 1));
-  if (cols < 1 || heads * cols > kMaxDim || a.weight.stride(1) % 8 != 0 || a.weight.stride(1) < cols ||
-      a.weight.stride(0) % 8 != 0 || a.weight.stride(0) < rows * a.weight.stride(1)) {
-    return invalid_argument("weight",
-                            "J >= 1, H*J < 2^31, and row and head strides that are multiples of 8 and do not overlap",
-                            a.weight.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(a.weight, "weight", 16));
 
   if (a.out.dtype != DType::kBF16 && a.out.dtype != DType::kFP8E4M3) {
     DSA_RETURN_IF_ERROR(check_present(a.out, "out"));

@@ -44,18 +44,6 @@ Status check_weight(const TensorView& t, const char* name, DType dtype, std::ini
   return Status();
 }
 
-// head_gemv's weight layout (W_UK_T as the absorb's, W_UV as the value-up's),
-// so that a view creation accepts is one every step takes: row and head
-// strides of a multiple of 8 that do not overlap (as check_head_gemv asks).
-Status check_head_weight(const TensorView& t, const char* name) {
-  if (t.ndim != 3) return Status();  // check_weight names it
-  if (t.stride(1) % 8 != 0 || t.stride(1) < t.size(2) || t.stride(0) % 8 != 0 ||
-      t.stride(0) < t.size(1) * t.stride(1)) {
-    return invalid_argument(name, "row and head strides of a multiple of 8 that do not overlap", t.describe());
-  }
-  return Status();
-}
-
 }  // namespace
 
 DsaLayerConfig dsa_layer_config(const ModelPreset& p, float rms_norm_eps) {
@@ -429,7 +417,8 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   view(check_weight(w.q_b_proj, "q_b_proj", DType::kBF16, {H * P, Q}));
   if (w.w_uk_t.data == nullptr || w.w_uk_t.ndim != 3 || w.w_uk_t.stride(2) == 1) {  // else named above
     const Status uk = check_weight(w.w_uk_t, "w_uk_t", DType::kBF16, {H, P, L});
-    view(uk.ok() ? check_head_weight(w.w_uk_t, "w_uk_t") : uk);
+    // head_gemv's layout (the absorb), so that a view creation accepts is one every step takes.
+    view(uk.ok() ? check_head_gemv_weight(w.w_uk_t, "w_uk_t", H, P) : uk);
   }
   // W_UV meets head_gemv's layout only where value-up runs as head_gemv (cuBLAS's bmm takes any strides).
   const std::set<int> value_up_tokens =
@@ -437,7 +426,7 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   const bool value_up_gemv = std::any_of(value_up_tokens.begin(), value_up_tokens.end(),
                                          [&](int m) { return m >= 1 && m <= plan.max_tokens; });
   const Status uv = check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V});
-  view(uv.ok() && value_up_gemv ? check_head_weight(w.w_uv, "w_uv") : uv);
+  view(uv.ok() && value_up_gemv ? check_head_gemv_weight(w.w_uv, "w_uv", H, L) : uv);
   view(check_weight(w.o_proj, "o_proj", DType::kBF16, {D, H * V}));
   view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}, 4));
   view(check_weight(w.k_scale, "k_scale", DType::kF32, {1}, 4));
