@@ -1,0 +1,52 @@
+"""Helpers shared by the package's wrappers: streams and FP8 views.
+
+The C++ layer takes any DLPack array. Two things it cannot learn from DLPack
+alone are settled here: which CUDA stream to launch on (PyTorch's current
+stream of the tensors' device, as a PyTorch op would, unless the caller names
+one), and FP8 tensors, which travel as their uint8 view (DLPack carries
+float8 only from version 1.1 on)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+
+def _torch():
+    # Only when the caller already imported PyTorch: the package never
+    # imports it itself.
+    return sys.modules.get("torch")
+
+
+def fp8_view(t: Any) -> Any:
+    """A torch.float8_e4m3fn tensor as its uint8 view; anything else as is."""
+    torch = _torch()
+    if torch is not None and isinstance(t, torch.Tensor) and t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8)
+    return t
+
+
+def stream_of(stream: Optional[Any], *tensors: Any) -> int:
+    """The cudaStream_t to launch on, as an integer.
+
+    stream: None (PyTorch's current stream on the first CUDA tensor's device,
+    else the legacy default stream 0), an int (a cudaStream_t's value), or
+    an object with a ``cuda_stream`` attribute (torch.cuda.Stream) or
+    ``ptr`` (cupy.cuda.Stream)."""
+    if stream is None:
+        torch = _torch()
+        if torch is not None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    return torch.cuda.current_stream(t.device).cuda_stream
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attribute in ("cuda_stream", "ptr"):
+        value = getattr(stream, attribute, None)
+        if isinstance(value, int):
+            return value
+    raise TypeError(
+        f"argument 'stream': expected None, an int (cudaStream_t) or a stream object "
+        f"with cuda_stream or ptr, got {type(stream).__name__}"
+    )

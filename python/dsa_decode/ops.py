@@ -1,0 +1,259 @@
+"""The library's kernels, one function each.
+
+Every tensor is any DLPack array on a CUDA device (PyTorch, CuPy, JAX), used
+in place: nothing is copied, nothing allocated, nothing synchronized, so
+every call can be captured in a CUDA graph (torch.cuda.graph) once the same
+call ran outside a capture (the first launch of a kernel on a device sets its
+shared-memory limits). Outputs are caller-owned. Shapes below use the
+headers' names (include/dsa_decode/*.h has each contract in full: the order
+in which sums are added, the roundings, the untrusted device values):
+
+  m tokens, H heads, Q q_lora_rank, L kv_lora_rank (512), P qk_nope_head_dim,
+  V v_head_dim, K top-k entries per row.
+
+FP8 e4m3 arguments take torch.float8_e4m3fn tensors or their uint8 views.
+``stream``: None launches on PyTorch's current stream of the tensors' device
+(the legacy default stream when no argument is a torch tensor); an int is a
+cudaStream_t. A bad argument raises dsa_decode.InvalidArgument (a
+ValueError) with the C++ check's message, which names the argument, what was
+expected and what was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from . import _C
+from ._tensors import fp8_view, stream_of
+
+HEAD_GEMV_SUMS = ("seed-order", "tensor-cores")
+ATTENTION_SPLITS = ("latency", "throughput", "by-batch", "whole-row")
+INDEXER_LOGITS = ("exact", "fp32-accumulation")
+
+
+def qkv_rmsnorm(qkv, q_weight, kv_weight, eps: float, q_out, kv_out, *, stream=None) -> None:
+    """Both RMSNorms of the a-projection in one launch (norm.h).
+
+    qkv [m, Q + L] BF16 (dim 1 contiguous, row pitch a multiple of 8),
+    q_weight [Q] and kv_weight [L] BF16; writes q_out [m, Q] and kv_out [m, L]
+    BF16 (contiguous, apart from qkv). Within 1 BF16 ulp of
+    reference.qkv_rmsnorm (rsqrt.approx), the same bits on every run."""
+    _C.qkv_rmsnorm(qkv, q_weight, kv_weight, float(eps), q_out, kv_out, stream_of(stream, qkv))
+
+
+@dataclass
+class KvCacheWrite:
+    """The KV-cache write head_gemv's absorb launch does on the side
+    (concat_and_cache_mla): kv [m, L] BF16 into cache [blocks, block_size,
+    L] FP8 e4m3 at slot_mapping [n] int64 (negative, or t >= n: skipped),
+    divided by k_scale [1] f32. error_count: an optional int32 CUDA counter
+    of slots past the cache's capacity (skipped)."""
+
+    kv: Any
+    cache: Any
+    slot_mapping: Any
+    k_scale: Any
+    error_count: Any = None
+
+
+def head_gemv(
+    x,
+    weight,
+    out,
+    *,
+    scale=None,
+    cache: Optional[KvCacheWrite] = None,
+    sums: str = "seed-order",
+    release_dependents_early: bool = False,
+    stream=None,
+) -> None:
+    """out[t, h, :] = x[t, h, :] @ weight[h] for the MLA absorb and value-up
+    (head_gemv.h), 1..16 tokens.
+
+    x [m, H, I] BF16, weight [H, I, J] BF16 (J contiguous); out [m, H, J]
+    BF16, or FP8 e4m3 quantized by scale [1] f32 (the stock static quant;
+    scale is required for FP8 out and refused otherwise). cache: the fused
+    KV-cache write (KvCacheWrite). sums: "seed-order" (the seed's FP32 order,
+    bitwise reference.head_gemv) or "tensor-cores" (BF16 MMA, FP32
+    accumulators, within 2^-14 of the sum of |products|; faster from m = 4).
+    release_dependents_early: let the next PDL kernel start before this one
+    waits (for a next kernel with a long weight prologue)."""
+    out_fp8 = scale is not None
+    args = dict(cache_kv=None, cache=None, slot_mapping=None, k_scale=None, cache_error_count=None)
+    if cache is not None:
+        args = dict(
+            cache_kv=cache.kv,
+            cache=fp8_view(cache.cache),
+            slot_mapping=cache.slot_mapping,
+            k_scale=cache.k_scale,
+            cache_error_count=cache.error_count,
+        )
+    _C.head_gemv(
+        x,
+        weight,
+        fp8_view(out),
+        out_fp8,
+        scale,
+        sums=sums,
+        release_dependents_early=release_dependents_early,
+        stream=stream_of(stream, x),
+        **args,
+    )
+
+
+def linear_gemv(x, weight, out, *, stream=None) -> None:
+    """nn.Linear for 1..8 tokens in one launch (linear.h): out [m, N] =
+    x [m, K] @ weight [N, K]^T, all BF16, K a multiple of 8. Bitwise
+    reference.linear_gemv (a fixed order), the same bits for a token alone or
+    in any batch."""
+    _C.linear_gemv(x, weight, out, stream_of(stream, x))
+
+
+def linear_gemv_supports(m: int, k: int) -> bool:
+    """Whether linear_gemv takes m tokens of k columns (its shared-memory rule)."""
+    return _C.linear_gemv_supports(m, k)
+
+
+def sparse_mla_split_counter_count(m: int, heads: int, top_k: int) -> int:
+    """int32 counters sparse_mla needs for m tokens (zero them once; every
+    launch leaves them zero). Non-decreasing in m: size them for the largest."""
+    return _C.sparse_mla_split_counter_count(m, heads, top_k)
+
+
+def sparse_mla_split_partials_count(m: int, heads: int, top_k: int) -> int:
+    """f32 values of sparse_mla's split partials for m tokens (no initial value needed)."""
+    return _C.sparse_mla_split_partials_count(m, heads, top_k)
+
+
+def sparse_mla(
+    q,
+    q_scale,
+    kv_cache,
+    k_scale,
+    indices,
+    softmax_scale: float,
+    latent,
+    lse,
+    split_counters,
+    split_partials=None,
+    *,
+    splits: str = "latency",
+    error_count=None,
+    stream=None,
+) -> None:
+    """Sparse MLA decode attention over the selected KV-cache entries (sparse_mla.h).
+
+    q [m, H, 512] FP8 e4m3 (times q_scale [1] f32), kv_cache [blocks,
+    block_size, 512] FP8 e4m3 (times k_scale [1] f32), indices [m, K] int32
+    global slots (negative: none; past the cache: skipped and counted in
+    error_count). Writes latent [m, H, 512] BF16 and lse [m, H] f32.
+    split_counters [sparse_mla_split_counter_count(m, H, K)] int32, zero
+    before the first launch and left zero by each; split_partials
+    [sparse_mla_split_partials_count(m, H, K)] f32 (None when that is 0).
+    splits: "latency" (default, batch invariant), "throughput", "by-batch"
+    (fastest, not batch invariant) or "whole-row"."""
+    _C.sparse_mla(
+        fp8_view(q),
+        q_scale,
+        fp8_view(kv_cache),
+        k_scale,
+        indices,
+        float(softmax_scale),
+        latent,
+        lse,
+        split_counters,
+        split_partials,
+        splits,
+        error_count,
+        stream_of(stream, q),
+    )
+
+
+@dataclass(frozen=True)
+class IndexerPlan:
+    """The glm5next indexer's fixed shapes (indexer.h IndexerPlan): the
+    largest step (max_tokens, 1..16) and context (max_context), the tail
+    ring (4, or 8 with draft tokens), the KV block size (a multiple of 128)
+    and the logits' sums ("exact" FP64, or "fp32-accumulation")."""
+
+    max_tokens: int = 16
+    max_context: int = 131072
+    ring: int = 4
+    block_size: int = 256
+    logits: str = "exact"
+
+    def _args(self):
+        return (self.max_tokens, self.max_context, self.ring, self.block_size, self.logits)
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the uint8 workspace prepare writes and select reads."""
+        return _C.indexer_workspace_bytes(*self._args())
+
+
+@dataclass
+class IndexerState:
+    """The paged indexer state every step shares: block_table [requests,
+    width] int32, ring [requests, 2, RING, 128] BF16 (k and gate of the tail
+    tokens), k_cache [blocks, block_size / 4 * 132] uint8 (pooled FP8 keys
+    and their scales, page by page)."""
+
+    block_table: Any
+    ring: Any
+    k_cache: Any
+
+    def _args(self):
+        return (self.block_table, self.ring, self.k_cache)
+
+
+def indexer_project(plan: IndexerPlan, q_c, x, wq_b, wk, weights_proj, compress_gate, index_q, index_k,
+                    head_weights, gate, *, stream=None) -> None:
+    """The indexer's four projections as one GEMV launch (indexer_project_gemv):
+    index_q [m, 32, 128] = q_c [m, Q] @ wq_b^T, index_k [m, 128] = x [m, D] @
+    wk^T, head_weights [m, 32] f32 = x @ weights_proj^T, gate [m, 128] = x @
+    compress_gate^T; BF16 but head_weights; a fixed order, bitwise its CPU
+    reference."""
+    _C.indexer_project(*plan._args(), q_c, x, wq_b, wk, weights_proj, compress_gate, index_q, index_k,
+                       head_weights, gate, stream_of(stream, q_c))
+
+
+def indexer_prepare(plan: IndexerPlan, index_q, index_k, head_weights, gate, k_norm_weight, k_norm_bias, ape,
+                    positions, token_requests, state: IndexerState, workspace, *, error_count=None,
+                    stream=None) -> None:
+    """Steps 1-4 of a decode step (indexer_prepare): LayerNorm of k, the
+    Hadamard and FP8 quant of q with the folded head weights (into
+    workspace), the pools the step completes (into state.k_cache) and the
+    ring. positions [m] int64, token_requests [m] int32 (negative: padding);
+    k_norm_weight, k_norm_bias [128] f32, ape [4, 128] f32."""
+    _C.indexer_prepare(*plan._args(), index_q, index_k, head_weights, gate, k_norm_weight, k_norm_bias, ape,
+                       positions, token_requests, *state._args(), workspace, error_count,
+                       stream_of(stream, index_q))
+
+
+def indexer_select(plan: IndexerPlan, positions, token_requests, state: IndexerState, workspace, slots, *,
+                   topk_positions=None, error_count=None, stream=None) -> None:
+    """Steps 5-8 (indexer_select): logits over the complete pools, the top
+    512 pools (ties to the lower index), expanded to tokens with the tail,
+    remapped to global KV slots: slots [m, 2176] int32 (and the request-local
+    positions into topk_positions [m, 2176] int32 when given)."""
+    _C.indexer_select(*plan._args(), positions, token_requests, *state._args(), workspace, slots, topk_positions,
+                      error_count, stream_of(stream, positions))
+
+
+def indexer_remap(plan: IndexerPlan, positions, token_requests, state: IndexerState, topk_positions, slots, *,
+                  error_count=None, stream=None) -> None:
+    """Step 8 alone, for rows the caller brings (MTP draft steps 1+):
+    topk_positions [m, 2176] int32 request-local -> slots [m, 2176] int32
+    global (-1 stays -1; positions from the future and bad pages become -1
+    and are counted)."""
+    _C.indexer_remap(*plan._args(), positions, token_requests, *state._args(), topk_positions, slots, error_count,
+                     stream_of(stream, positions))
+
+
+def indexer_prefill(plan: IndexerPlan, index_k, gate, k_norm_weight, k_norm_bias, ape, request: int,
+                    state: IndexerState, *, error_count=None, stream=None) -> None:
+    """Step 9: positions 0..n-1 of one request (index_k, gate [n, 128] BF16)
+    into its pools and ring, so that decode continues at position n; the
+    same bytes as prepare token by token."""
+    _C.indexer_prefill(*plan._args(), index_k, gate, k_norm_weight, k_norm_bias, ape, int(request),
+                       *state._args(), error_count, stream_of(stream, index_k))

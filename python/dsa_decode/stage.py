@@ -1,0 +1,201 @@
+"""The DSA attention stage (stage.h): one decode step of a DSA layer's
+attention half, hidden states in and o_proj's output out."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+from . import _C
+from ._tensors import fp8_view, stream_of
+from .ops import IndexerPlan, IndexerState
+
+MAX_TOKENS = 16
+
+# The weights a stage takes (DsaLayerWeights), BF16 unless noted; nn.Linear's
+# [out, in] layout for the projections.
+WEIGHT_NAMES = (
+    "fused_qkv_a_proj",  # [Q + L, D]
+    "q_a_norm",  # [Q]
+    "kv_a_norm",  # [L]
+    "q_b_proj",  # [H * P, Q]
+    "w_uk_t",  # [H, P, L], L contiguous (vLLM's W_UK_T)
+    "w_uv",  # [H, L, V], V contiguous (vLLM's W_UV)
+    "o_proj",  # [D, H * V]
+    "q_scale",  # [1] f32 (the attention's _q_scale)
+    "k_scale",  # [1] f32 (_k_scale)
+    "index_wq_b",  # [32 * 128, Q]
+    "index_wk",  # [128, D]
+    "index_weights_proj",  # [32, D]
+    "index_compress_gate",  # [128, D]
+    "index_k_norm_weight",  # [128] f32
+    "index_k_norm_bias",  # [128] f32
+    "index_ape",  # [4, 128] f32
+)
+
+
+@dataclass
+class LayerConfig:
+    """What the engine knows of one DSA layer on this rank (DsaLayerConfig;
+    vLLM's attribute names in stage.h). The flags are the seed's checks: a
+    layer the stage cannot run is refused at creation, every missing
+    requirement named."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float
+    rms_norm_eps: float
+    fuse_qkv_rmsnorm: bool = True
+    rotary_embedding: bool = False
+    indexer: bool = True
+    skip_topk: bool = False
+    gate_proj: bool = False
+    dcp_query_replicate: bool = False
+    kv_cache_dtype: str = "fp8"
+    padded_heads: bool = False
+    prefill_context_parallel: bool = False
+    hisparse_cache: bool = False
+    decode_context_parallel_size: int = 1
+
+
+def layer_config(preset: str = "glm5next", tp: int = 1, rms_norm_eps: float = 1e-6) -> LayerConfig:
+    """The configuration vLLM builds for a preset's layer on one of tp ranks
+    (presets: glm5next, glm5, dsv32; only glm5next passes the stage's checks)."""
+    return LayerConfig(**_C.layer_config(preset, tp, rms_norm_eps))
+
+
+@dataclass
+class StagePlan:
+    """Choices fixed at creation (DsaStagePlan); the workspace is sized from them.
+
+    value_up_tokens / projection_gemv_tokens: None takes the sets measured on
+    the H200 (stage.h). head_gemv_sums: "seed-order" or "tensor-cores";
+    indexer_logits: "exact" or "fp32-accumulation"; attention_splits:
+    "latency", "throughput", "by-batch" or "whole-row"."""
+
+    max_tokens: int = MAX_TOKENS
+    max_context: int = 131072
+    ring: int = 4
+    block_size: int = 256
+    value_up_tokens: Optional[set] = None
+    head_gemv_sums: str = "seed-order"
+    indexer_logits: str = "exact"
+    attention_splits: str = "latency"
+    indexer_projections_cublaslt: bool = False
+    projection_gemv_tokens: Optional[set] = None
+    overlap_indexer: bool = True
+    stock_select_fused: bool = False
+
+    def indexer_plan(self) -> IndexerPlan:
+        """The plan the caller's indexer state, workspace and prefill use."""
+        return IndexerPlan(self.max_tokens, self.max_context, self.ring, self.block_size, self.indexer_logits)
+
+
+def supports(m: int, num_actual_tokens: int, num_decode_tokens: int, max_tokens: int = MAX_TOKENS) -> bool:
+    """The seed's supports(): a pure decode step of 1..max_tokens tokens."""
+    return _C.stage_supports(max_tokens, m, num_actual_tokens, num_decode_tokens)
+
+
+@dataclass
+class StepArgs:
+    """One step's tensors (DsaStepArgs); m = hidden.shape[0].
+
+    hidden [m, D] BF16; positions [m] int64; token_requests [m] int32
+    (each token's block-table row, negative = padding); slot_mapping [n]
+    int64 (the step's KV slots; negative or t >= n: not written); kv_cache
+    [blocks, block_size, L] FP8 e4m3; indexer: the IndexerState (its block
+    table is the KV cache's too); out [m, D] BF16. topk_positions: optional
+    [m, 2176] int32 request-local rows (MTP draft steps 1+): the indexer is
+    skipped and these are remapped instead. error_count: an optional int32
+    CUDA counter of untrusted device values met."""
+
+    hidden: Any
+    positions: Any
+    token_requests: Any
+    slot_mapping: Any
+    kv_cache: Any
+    indexer: IndexerState
+    out: Any
+    topk_positions: Any = None
+    error_count: Any = None
+
+    def _args(self):
+        return (
+            self.hidden,
+            self.positions,
+            self.token_requests,
+            self.slot_mapping,
+            fp8_view(self.kv_cache),
+            self.indexer.block_table,
+            self.indexer.ring,
+            self.indexer.k_cache,
+            self.out,
+            self.topk_positions,
+        )
+
+
+class Stage:
+    """A DsaAttentionStage: built once per layer from its configuration and
+    weights (used in place, never copied: keep them where they are; the
+    stage holds references so they outlive it), its workspace planned and
+    allocated at creation (call it outside a graph capture).
+
+    forward(args) runs the fused path, stock_forward(args) the stock engine
+    order (the fallback and the baseline); both neither allocate nor
+    synchronize and capture into a CUDA graph once each path ran uncaptured
+    at the same m. One stream at a time."""
+
+    def __init__(self, config: LayerConfig, weights: Mapping[str, Any], plan: Optional[StagePlan] = None):
+        plan = plan if plan is not None else StagePlan()
+        unknown = sorted(set(weights) - set(WEIGHT_NAMES))
+        if unknown:
+            raise ValueError(f"argument 'weights': unknown names {unknown}; expected names from {list(WEIGHT_NAMES)}")
+        self.config = config
+        self.plan = plan
+        self._weights = dict(weights)  # keeps the arrays alive as long as the stage
+        self._stage = _C.Stage(asdict(config), self._weights, asdict(plan))
+
+    @property
+    def max_tokens(self) -> int:
+        return self._stage.max_tokens
+
+    @property
+    def value_up_tokens(self) -> set:
+        """The token counts whose value-up runs as head_gemv (cuBLAS's bmm otherwise)."""
+        return set(self._stage.value_up_tokens)
+
+    def indexer_plan(self) -> IndexerPlan:
+        return self.plan.indexer_plan()
+
+    def supports(self, m: int, num_actual_tokens: int, num_decode_tokens: int) -> bool:
+        """A pure decode step of 1..max_tokens tokens: forward may run it."""
+        return self._stage.supports(m, num_actual_tokens, num_decode_tokens)
+
+    def forward(self, args: StepArgs, *, stream=None) -> None:
+        """The fused path: writes args.out and the step's KV-cache entries (and,
+        without topk_positions, the indexer's ring and pools)."""
+        self._stage.run(False, *args._args(), args.error_count, stream_of(stream, args.hidden))
+
+    def stock_forward(self, args: StepArgs, *, stream=None) -> None:
+        """The same step in the stock engine's order with unfused kernels."""
+        self._stage.run(True, *args._args(), args.error_count, stream_of(stream, args.hidden))
+
+    def step_names(self, args: StepArgs, *, stock: bool = False) -> list:
+        """The names of the path's launches for these arguments, in order."""
+        return list(self._stage.step_names(stock, *args._args()))
+
+    def intermediates(self, m: int) -> dict:
+        """Views of the stage's buffers as the last step left them (DLPack
+        arrays: torch.from_dlpack(v) reads them without a copy; FP8 as
+        uint8). Keys: qkv, q_c, kv_c, q, q_fp8, index_q, index_k,
+        head_weights, gate, index_logits, topk_positions, slots, latent, lse,
+        heads. Read them before the next step."""
+        return dict(self._stage.intermediates(m))
+
+
+__all__ = ["LayerConfig", "MAX_TOKENS", "Stage", "StagePlan", "StepArgs", "WEIGHT_NAMES", "layer_config", "supports"]

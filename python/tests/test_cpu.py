@@ -1,0 +1,204 @@
+"""CPU tests of the Python package: import, DLPack round trips, argument
+errors surfacing from the C++ checks, and the bound CPU references against
+float64 NumPy. No GPU and no PyTorch needed (CI runs these)."""
+
+import numpy as np
+import pytest
+
+import dsa_decode as dd
+
+
+def bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> BF16 bits (uint16), round to nearest even (finite values)."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).astype(np.uint16)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def random_bf16(rng, shape, scale=1.0):
+    return bf16_bits(rng.standard_normal(shape).astype(np.float32) * scale)
+
+
+# --- the package ------------------------------------------------------------
+
+
+def test_imports_without_torch_and_exposes_the_api():
+    assert dd.__version__ == "0.1.0"
+    for name in ("qkv_rmsnorm", "head_gemv", "linear_gemv", "sparse_mla", "indexer_select", "Stage", "StagePlan"):
+        assert callable(getattr(dd, name)), name
+    assert issubclass(dd.InvalidArgument, ValueError)
+    assert issubclass(dd.Unsupported, NotImplementedError)
+    assert issubclass(dd.CudaError, RuntimeError)
+
+
+# --- DLPack round trips -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype, name", [(np.float32, "f32"), (np.float16, "f16"), (np.int32, "i32"), (np.int64, "i64"), (np.uint8, "u8")]
+)
+def test_dlpack_dtypes_map_to_the_library_dtypes(dtype, name):
+    array = np.zeros((4, 8), dtype=dtype)
+    assert dd.describe(array) == f"{name}[4, 8] strides [8, 1] on cpu"
+
+
+def test_dlpack_strides_of_views_are_kept_in_elements():
+    array = np.zeros((4, 6, 8), dtype=np.float32)
+    assert dd.describe(array[:, 1:5:2, :]) == "f32[4, 2, 8] strides [48, 16, 1] on cpu"
+    assert dd.describe(array.transpose(2, 0, 1)) == "f32[8, 4, 6] strides [1, 48, 8] on cpu"
+    assert dd.describe(np.zeros((), dtype=np.float32)) == "f32[] strides [] on cpu"
+
+
+def test_fp8_arguments_take_byte_views():
+    assert dd.describe(np.zeros((2, 3), dtype=np.uint8), fp8=True) == "fp8_e4m3[2, 3] strides [3, 1] on cpu"
+    assert dd.describe(np.zeros((2, 3), dtype=np.int8), fp8=True).startswith("fp8_e4m3[2, 3]")
+    with pytest.raises(dd.InvalidArgument, match="argument 'array'.*FP8 e4m3"):
+        dd.describe(np.zeros(3, dtype=np.float32), fp8=True)
+
+
+def test_dlpack_refuses_what_the_library_cannot_name():
+    with pytest.raises(dd.InvalidArgument, match="argument 'array'.*bfloat16, float16, float32"):
+        dd.describe(np.zeros(3, dtype=np.float64))
+    with pytest.raises(dd.InvalidArgument, match="argument 'array': expected at most 4 dimensions, got 5"):
+        dd.describe(np.zeros((1, 1, 1, 1, 1), dtype=np.float32))
+
+
+# --- errors from the C++ checks -----------------------------------------------
+
+
+def test_kernel_argument_errors_name_the_argument():
+    qkv = np.zeros((1, 2048), dtype=np.float32)
+    q_weight, kv_weight = np.zeros(1536, dtype=np.float32), np.zeros(512, dtype=np.float32)
+    q_out, kv_out = np.zeros((1, 1536), dtype=np.float32), np.zeros((1, 512), dtype=np.float32)
+    with pytest.raises(dd.InvalidArgument) as error:
+        dd.qkv_rmsnorm(qkv, q_weight, kv_weight, 1e-6, q_out, kv_out)
+    assert str(error.value).startswith("invalid argument: argument 'qkv': expected")
+    assert "f32[1, 2048]" in str(error.value)
+
+
+def test_host_memory_is_refused_by_name():
+    x = np.zeros((1, 64), dtype=np.uint8)
+    with pytest.raises(dd.InvalidArgument, match="argument 'x'"):
+        dd.linear_gemv(x, np.zeros((8, 64), dtype=np.uint8), np.zeros((1, 8), dtype=np.uint8))
+
+
+def test_choices_are_checked_by_name():
+    x = np.zeros((1, 1, 8), dtype=np.uint8)
+    with pytest.raises(dd.InvalidArgument, match="argument 'sums': expected one of seed-order, tensor-cores, got 'x'"):
+        dd.head_gemv(x, x, x, sums="x")
+    with pytest.raises(dd.InvalidArgument, match="argument 'splits'.*latency, throughput, by-batch, whole-row"):
+        dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, splits="fast")
+    with pytest.raises(TypeError, match="argument 'stream'"):
+        dd.linear_gemv(x, x, x, stream=object())
+
+
+def test_error_counters_must_be_device_words():
+    x = np.zeros((1, 1, 8), dtype=np.uint8)
+    with pytest.raises(dd.InvalidArgument, match="argument 'error_count'.*int32 or uint32"):
+        dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, error_count=np.zeros(1, dtype=np.float32))
+    with pytest.raises(dd.InvalidArgument, match="argument 'error_count': expected a CUDA array"):
+        dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, error_count=np.zeros(1, dtype=np.int32))
+
+
+# --- sizes and plans ------------------------------------------------------------
+
+
+def test_split_buffer_counts_grow_with_m():
+    counters = [dd.sparse_mla_split_counter_count(m, 64, 2176) for m in (1, 2, 16)]
+    partials = [dd.sparse_mla_split_partials_count(m, 64, 2176) for m in (1, 2, 16)]
+    assert counters[0] >= 64 and counters == sorted(counters)
+    assert partials[0] > 0 and partials == sorted(partials)
+    assert dd.sparse_mla_split_partials_count(4, 8, 2176) == 0
+
+
+def test_indexer_plan_workspace_and_its_checks():
+    small = dd.IndexerPlan(max_tokens=1, max_context=32768).workspace_bytes()
+    large = dd.IndexerPlan(max_tokens=16, max_context=131072).workspace_bytes()
+    assert 0 < small < large
+    with pytest.raises(dd.InvalidArgument, match="ring"):
+        dd.IndexerPlan(ring=5).workspace_bytes()
+    with pytest.raises(dd.InvalidArgument, match="argument 'logits'"):
+        dd.IndexerPlan(logits="fp16").workspace_bytes()
+
+
+def test_layer_config_of_the_presets():
+    config = dd.layer_config("glm5next", tp=8)
+    assert (config.num_heads, config.kv_lora_rank, config.qk_rope_head_dim, config.indexer) == (8, 512, 0, True)
+    assert dd.layer_config("glm5next").num_heads == 64
+    with pytest.raises(dd.InvalidArgument):
+        dd.layer_config("nonesuch")
+    with pytest.raises(dd.InvalidArgument):
+        dd.layer_config("glm5next", tp=3)
+
+
+def test_supports_is_the_seeds_rule():
+    assert dd.supports(4, 4, 4)
+    assert not dd.supports(17, 17, 17)
+    assert not dd.supports(4, 4, 3)  # a prefill token in the batch
+    assert not dd.supports(4, 4, 4, max_tokens=2)
+
+
+def test_stage_names_every_missing_weight_without_a_gpu():
+    with pytest.raises(dd.InvalidArgument) as error:
+        dd.Stage(dd.layer_config("glm5next", tp=8), {})
+    for name in dd.WEIGHT_NAMES:
+        assert name in str(error.value), name
+
+
+def test_stage_refuses_unknown_weight_names():
+    with pytest.raises(ValueError, match="unknown names \\['W_UK'\\]"):
+        dd.Stage(dd.layer_config("glm5next"), {"W_UK": np.zeros(1)})
+
+
+def test_stage_names_the_seeds_unmet_checks():
+    config = dd.layer_config("glm5next", tp=8)
+    config.rotary_embedding = True
+    config.kv_cache_dtype = "auto"
+    with pytest.raises((dd.InvalidArgument, dd.Unsupported)) as error:
+        dd.Stage(config, {})
+    message = str(error.value)
+    assert "rotary" in message.lower() or "nope" in message.lower(), message
+    assert "fp8" in message.lower(), message
+
+
+# --- CPU references against float64 ------------------------------------------------
+
+
+def test_reference_linear_gemv_is_the_float64_product_within_fp32_error():
+    rng = np.random.default_rng(1)
+    x, weight = random_bf16(rng, (3, 256)), random_bf16(rng, (40, 256), 0.05)
+    got = bf16_values(dd.reference.linear_gemv(x, weight))
+    exact = bf16_values(x) @ bf16_values(weight).T
+    magnitude = np.abs(bf16_values(x)) @ np.abs(bf16_values(weight)).T
+    assert got.shape == (3, 40)
+    assert np.all(np.abs(got - exact) <= np.abs(exact) * 2.0**-8 + magnitude * 1e-5)
+
+
+def test_reference_qkv_rmsnorm_is_the_float64_norm_within_a_bf16_ulp():
+    rng = np.random.default_rng(2)
+    q_size, kv_size, eps = 64, 32, 1e-6
+    qkv = random_bf16(rng, (2, q_size + kv_size))
+    q_weight, kv_weight = random_bf16(rng, q_size), random_bf16(rng, kv_size)
+    q_out, kv_out = dd.reference.qkv_rmsnorm(qkv, q_weight, kv_weight, eps)
+    values = bf16_values(qkv)
+    for out, part, gamma in ((q_out, values[:, :q_size], q_weight), (kv_out, values[:, q_size:], kv_weight)):
+        exact = part / np.sqrt(np.mean(part**2, axis=1, keepdims=True) + eps) * bf16_values(gamma)
+        assert np.all(np.abs(bf16_values(out) - exact) <= np.abs(exact) * 2.0**-7 + 1e-30)
+
+
+def test_reference_head_gemv_bf16_and_fp8_outputs():
+    rng = np.random.default_rng(3)
+    x, weight = random_bf16(rng, (2, 8, 128)), random_bf16(rng, (8, 128, 512), 0.05)
+    got = bf16_values(dd.reference.head_gemv(x, weight))
+    exact = np.einsum("thi,hij->thj", bf16_values(x), bf16_values(weight))
+    assert got.shape == (2, 8, 512)
+    assert np.all(np.abs(got - exact) <= np.abs(exact) * 2.0**-8 + 1e-4)
+    codes = dd.reference.head_gemv(x, weight, fp8_scale=0.01)
+    assert codes.dtype == np.uint8 and codes.shape == (2, 8, 512)
+    assert not np.any((codes & 0x7F) == 0x7F)  # saturating: no NaN codes
+    with pytest.raises(dd.InvalidArgument, match="argument 'x, weight'"):
+        dd.reference.head_gemv(x, weight[:, :64])

@@ -1,0 +1,326 @@
+"""GPU tests of the Python package through PyTorch: every op bitwise equal to
+the library's C++ CPU reference on the same inputs (or within the header's
+bound where the contract has no fixed order), graph capture and replay with
+torch.cuda.CUDAGraph, stream semantics, and the stage's two paths. They skip,
+with a message, without PyTorch or without a Hopper GPU."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the GPU tests drive the package through PyTorch, not installed here")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU: the package's GPU tests skip", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the kernels are built for sm_90a (H100/H200) only", allow_module_level=True)
+
+import dsa_decode as dd  # noqa: E402
+
+DEVICE = "cuda"
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def generator():
+    return torch.Generator(device=DEVICE).manual_seed(7)
+
+
+def bf16(shape, generator, scale=1.0):
+    return (torch.randn(shape, generator=generator, device=DEVICE) * scale).to(torch.bfloat16)
+
+
+def fp8_codes(shape, generator, scale=1.0):
+    """Random e4m3 values (saturated, so no NaN codes)."""
+    values = torch.randn(shape, generator=generator, device=DEVICE) * scale
+    return values.clamp(-448, 448).to(FP8)
+
+
+def bits(t):
+    """BF16 bits (uint16) or FP8 codes (uint8) on the host, for the references."""
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).cpu().numpy().view(np.uint16)
+    if t.dtype == FP8:
+        return t.view(torch.uint8).cpu().numpy()
+    return t.cpu().numpy()
+
+
+def ulp_distance(a: np.ndarray, b: np.ndarray) -> int:
+    """Largest distance in BF16 steps between same-sign values' bits."""
+    return int(np.max(np.abs(a.astype(np.int32) - b.astype(np.int32)))) if a.size else 0
+
+
+# --- kernels against the C++ references ---------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_linear_gemv_is_bitwise_the_reference(m, generator):
+    x, weight = bf16((m, 1536), generator), bf16((512, 1536), generator, 0.02)
+    out = torch.empty((m, 512), dtype=torch.bfloat16, device=DEVICE)
+    dd.linear_gemv(x, weight, out)
+    torch.cuda.synchronize()
+    assert np.array_equal(bits(out), dd.reference.linear_gemv(bits(x), bits(weight)))
+
+
+def test_qkv_rmsnorm_is_within_one_ulp_of_the_reference_and_repeats(generator):
+    m, q_size, kv_size = 4, 1536, 512
+    qkv = bf16((m, q_size + kv_size), generator)
+    q_weight, kv_weight = bf16((q_size,), generator), bf16((kv_size,), generator)
+    q_out = torch.empty((m, q_size), dtype=torch.bfloat16, device=DEVICE)
+    kv_out = torch.empty((m, kv_size), dtype=torch.bfloat16, device=DEVICE)
+    dd.qkv_rmsnorm(qkv, q_weight, kv_weight, 1e-6, q_out, kv_out)
+    first = (q_out.clone(), kv_out.clone())
+    dd.qkv_rmsnorm(qkv, q_weight, kv_weight, 1e-6, q_out, kv_out)
+    want_q, want_kv = dd.reference.qkv_rmsnorm(bits(qkv), bits(q_weight), bits(kv_weight), 1e-6)
+    assert ulp_distance(bits(q_out), want_q) <= 1 and ulp_distance(bits(kv_out), want_kv) <= 1
+    assert torch.equal(first[0], q_out) and torch.equal(first[1], kv_out)
+
+
+@pytest.mark.parametrize("heads", [8, 64])
+def test_head_gemv_absorb_fp8_and_cache_write_are_bitwise(heads, generator):
+    m, rows, latent = 4, 256, 512
+    x, weight = bf16((m, heads, rows), generator), bf16((heads, rows, latent), generator, 0.05)
+    q_scale = torch.tensor([0.02], device=DEVICE)
+    k_scale = torch.tensor([0.05], device=DEVICE)
+    out = torch.empty((m, heads, latent), dtype=FP8, device=DEVICE)
+    kv = bf16((m, latent), generator)
+    cache = torch.zeros((4, 256, latent), dtype=FP8, device=DEVICE)
+    slots = torch.tensor([5, 300, -1, 700], dtype=torch.int64, device=DEVICE)
+    errors = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    dd.head_gemv(x, weight, out, scale=q_scale, cache=dd.KvCacheWrite(kv, cache, slots, k_scale, errors))
+    torch.cuda.synchronize()
+    assert np.array_equal(bits(out), dd.reference.head_gemv(bits(x), bits(weight), fp8_scale=0.02))
+    flat = cache.view(-1, latent)
+    want = (kv.float() / k_scale).clamp(-448, 448).to(FP8)
+    for t, slot in enumerate([5, 300, -1, 700]):
+        if slot >= 0:
+            assert torch.equal(flat[slot].view(torch.uint8), want[t].view(torch.uint8)), t
+    written = torch.zeros(flat.shape[0], dtype=torch.bool, device=DEVICE)
+    written[[5, 300, 700]] = True
+    assert not flat[~written].view(torch.uint8).any()
+    assert errors.item() == 0
+
+
+def test_head_gemv_value_up_is_bitwise_the_reference(generator):
+    m, heads, value = 2, 8, 256
+    latent, weight = bf16((m, heads, 512), generator), bf16((heads, 512, value), generator, 0.05)
+    out = torch.empty((m, heads, value), dtype=torch.bfloat16, device=DEVICE)
+    dd.head_gemv(latent, weight, out)
+    torch.cuda.synchronize()
+    assert np.array_equal(bits(out), dd.reference.head_gemv(bits(latent), bits(weight)))
+
+
+def sparse_mla_problem(generator, m, heads, top_k=2176, blocks=16):
+    q = fp8_codes((m, heads, 512), generator, 4.0)
+    cache = fp8_codes((blocks, 256, 512), generator, 4.0)
+    indices = torch.randint(0, blocks * 256, (m, top_k), generator=generator, device=DEVICE, dtype=torch.int32)
+    indices[:, -100:] = -1  # the padding of a top-k row
+    return dict(
+        q=q,
+        q_scale=torch.tensor([0.05], device=DEVICE),
+        kv_cache=cache,
+        k_scale=torch.tensor([0.05], device=DEVICE),
+        indices=indices,
+        softmax_scale=256**-0.5,
+        latent=torch.empty((m, heads, 512), dtype=torch.bfloat16, device=DEVICE),
+        lse=torch.empty((m, heads), dtype=torch.float32, device=DEVICE),
+        split_counters=torch.zeros(dd.sparse_mla_split_counter_count(m, heads, top_k), dtype=torch.int32,
+                                   device=DEVICE),
+        split_partials=torch.empty(max(dd.sparse_mla_split_partials_count(m, heads, top_k), 1),
+                                   dtype=torch.float32, device=DEVICE),
+    )
+
+
+def sparse_mla_float64(p):
+    q = p["q"].double() * p["q_scale"].double()
+    kv = p["kv_cache"].view(-1, 512).double() * p["k_scale"].double()
+    latent, lse = [], []
+    for t in range(q.shape[0]):
+        rows = p["indices"][t]
+        keys = kv[rows[rows >= 0].long()]
+        scores = p["softmax_scale"] * q[t] @ keys.T  # [H, valid]
+        lse.append(torch.logsumexp(scores, dim=1))
+        latent.append(torch.softmax(scores, dim=1) @ keys)
+    return torch.stack(latent), torch.stack(lse)
+
+
+@pytest.mark.parametrize("heads", [8, 64])
+def test_sparse_mla_matches_float64(heads, generator):
+    p = sparse_mla_problem(generator, 2, heads)
+    dd.sparse_mla(**p)
+    want_latent, want_lse = sparse_mla_float64(p)
+    error = torch.linalg.norm(p["latent"].double() - want_latent) / torch.linalg.norm(want_latent)
+    assert error < 1e-2, error
+    assert torch.max(torch.abs(p["lse"].double() - want_lse)) < 1e-3
+    assert not p["split_counters"].any()  # left zero for the next launch
+
+
+# --- errors ---------------------------------------------------------------------
+
+
+def test_errors_from_the_checks_name_the_argument(generator):
+    x, weight = bf16((1, 64), generator), bf16((8, 64), generator)
+    with pytest.raises(dd.InvalidArgument, match="argument 'out': expected dtype bf16, got f32"):
+        dd.linear_gemv(x, weight, torch.empty((1, 8), device=DEVICE))
+    with pytest.raises(dd.InvalidArgument, match="argument 'out'"):
+        dd.linear_gemv(x, weight, torch.empty((1, 8), dtype=torch.bfloat16))  # host memory
+
+
+# --- graphs and streams ---------------------------------------------------------
+
+
+def test_captured_graph_replays_the_eager_bits_on_new_inputs(generator):
+    x, weight = bf16((4, 1536), generator), bf16((512, 1536), generator, 0.02)
+    out = torch.empty((4, 512), dtype=torch.bfloat16, device=DEVICE)
+    p = sparse_mla_problem(generator, 4, 64)
+    dd.linear_gemv(x, weight, out)  # outside the capture first: sets the kernels' limits
+    dd.sparse_mla(**p)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dd.linear_gemv(x, weight, out)
+        dd.sparse_mla(**p)
+    x.copy_(bf16((4, 1536), generator))
+    p["q"].copy_(fp8_codes(p["q"].shape, generator, 4.0))
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = (out.clone(), p["latent"].clone(), p["lse"].clone())
+    dd.linear_gemv(x, weight, out)
+    dd.sparse_mla(**p)
+    torch.cuda.synchronize()
+    assert torch.equal(replayed[0], out)
+    assert torch.equal(replayed[1], p["latent"]) and torch.equal(replayed[2], p["lse"])
+
+
+def slow_then_copy(source, target):
+    """Work on the current stream that ends by writing `target`: a launch on
+    another stream would read target's old contents."""
+    big = torch.randn((4096, 4096), device=DEVICE)
+    for _ in range(8):
+        big = big @ big * 1e-3
+    target.copy_(source + big[:1, :1].to(source.dtype) * 0)
+
+
+@pytest.mark.parametrize("how", ["current", "int", "object"])
+def test_launches_go_to_the_callers_stream(how, generator):
+    x, weight = bf16((2, 1536), generator), bf16((256, 1536), generator, 0.02)
+    staged = torch.zeros_like(x)
+    out = torch.zeros((2, 256), dtype=torch.bfloat16, device=DEVICE)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        slow_then_copy(x, staged)
+        stream = {"current": None, "int": side.cuda_stream, "object": side}[how]
+        dd.linear_gemv(staged, weight, out, stream=stream)
+    side.synchronize()
+    assert np.array_equal(bits(out), dd.reference.linear_gemv(bits(x), bits(weight)))
+
+
+# --- the stage ------------------------------------------------------------------
+
+
+def stage_layer(generator, tp=8):
+    c = dd.layer_config("glm5next", tp=tp)
+    D, H, Q, L, P, V = (c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
+                        c.v_head_dim)
+    weights = dict(
+        fused_qkv_a_proj=bf16((Q + L, D), generator, D**-0.5),
+        q_a_norm=bf16((Q,), generator, 0.1) + 1,
+        kv_a_norm=bf16((L,), generator, 0.1) + 1,
+        q_b_proj=bf16((H * P, Q), generator, Q**-0.5),
+        w_uk_t=bf16((H, P, L), generator, P**-0.5),
+        w_uv=bf16((H, L, V), generator, L**-0.5),
+        o_proj=bf16((D, H * V), generator, (H * V) ** -0.5),
+        q_scale=torch.tensor([0.02], device=DEVICE),
+        k_scale=torch.tensor([0.02], device=DEVICE),
+        index_wq_b=bf16((32 * 128, Q), generator, Q**-0.5),
+        index_wk=bf16((128, D), generator, D**-0.5),
+        index_weights_proj=bf16((32, D), generator, D**-0.5),
+        index_compress_gate=bf16((128, D), generator, D**-0.5),
+        index_k_norm_weight=torch.ones(128, device=DEVICE),
+        index_k_norm_bias=torch.zeros(128, device=DEVICE),
+        index_ape=torch.randn((4, 128), generator=generator, device=DEVICE) * 0.1,
+    )
+    return c, weights
+
+
+def stage_step(stage, c, weights, generator, m, context=3000):
+    """m requests of one decode token each at position `context`, their
+    indexer state prefilled with `context` random tokens."""
+    plan = stage.indexer_plan()
+    pages = plan.max_context // plan.block_size
+    block_table = torch.arange(m * pages, dtype=torch.int32, device=DEVICE).view(m, pages)
+    state = dd.IndexerState(
+        block_table,
+        torch.zeros((m, 2, plan.ring, 128), dtype=torch.bfloat16, device=DEVICE),
+        torch.zeros((m * pages, plan.block_size // 4 * 132), dtype=torch.uint8, device=DEVICE),
+    )
+    for request in range(m):
+        dd.indexer_prefill(plan, bf16((context, 128), generator), bf16((context, 128), generator),
+                           weights["index_k_norm_weight"], weights["index_k_norm_bias"], weights["index_ape"],
+                           request, state)
+    positions = torch.full((m,), context, dtype=torch.int64, device=DEVICE)
+    slots = block_table[:, context // plan.block_size].long() * plan.block_size + context % plan.block_size
+    return dd.StepArgs(
+        hidden=bf16((m, c.hidden_size), generator),
+        positions=positions,
+        token_requests=torch.arange(m, dtype=torch.int32, device=DEVICE),
+        slot_mapping=slots,
+        kv_cache=fp8_codes((m * pages, plan.block_size, 512), generator, 8.0),
+        indexer=state,
+        out=torch.empty((m, c.hidden_size), dtype=torch.bfloat16, device=DEVICE),
+        error_count=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+    )
+
+
+def caches_of(args):
+    return [args.kv_cache, args.indexer.ring, args.indexer.k_cache]
+
+
+def restore(args, saved):
+    for tensor, copy in zip(caches_of(args), saved):
+        tensor.copy_(copy)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_stage_fused_agrees_with_stock_and_replays_in_a_graph(m, generator):
+    c, weights = stage_layer(generator)
+    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=4, max_context=8192))
+    args = stage_step(stage, c, weights, generator, m)
+    initial = [t.clone() for t in caches_of(args)]
+    assert stage.supports(m, m, m) and not stage.supports(5, 5, 5)
+
+    stage.stock_forward(args)
+    stock_out, stock_caches = args.out.clone(), [t.clone() for t in caches_of(args)]
+    restore(args, initial)
+    stage.forward(args)
+    torch.cuda.synchronize()
+    fused_out = args.out.clone()
+    error = torch.linalg.norm(fused_out.double() - stock_out.double()) / torch.linalg.norm(stock_out.double())
+    assert error < 2e-2, error
+    for fused, stock in zip(caches_of(args), stock_caches):  # KV cache, ring and pools: bitwise
+        assert torch.equal(fused.view(torch.uint8), stock.view(torch.uint8))
+    assert args.error_count.item() == 0
+    names = stage.step_names(args)
+    assert names[0].startswith("qkv_a_proj") and "attention" in " ".join(names)
+
+    views = stage.intermediates(m)
+    slots = torch.from_dlpack(views["slots"])
+    assert slots.shape == (m, 2176) and slots.dtype == torch.int32
+    assert torch.from_dlpack(views["latent"]).shape == (m, c.num_heads, 512)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stage.forward(args)
+    restore(args, initial)
+    args.out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(args.out, fused_out)
+
+
+def test_stage_step_errors_name_the_argument(generator):
+    c, weights = stage_layer(generator)
+    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=2, max_context=8192))
+    args = stage_step(stage, c, weights, generator, 1)
+    args.out = torch.empty((1, c.hidden_size), dtype=torch.float32, device=DEVICE)
+    with pytest.raises(dd.InvalidArgument, match="out"):
+        stage.forward(args)
