@@ -28,14 +28,18 @@ is written.
   linear_gemv(x, weight, out!)
   head_gemv(x, weight, out!, scale, sums, release_dependents_early=False)
   head_gemv_absorb(x, weight, out!, scale, cache_kv, cache!, slot_mapping, k_scale, sums,
-                   error_count!=None, release_dependents_early=False)
+                   error_count!, release_dependents_early=False)
   sparse_mla(q, q_scale, kv_cache, k_scale, indices, softmax_scale, latent!, lse!, split_counters!,
-             split_partials!, splits, error_count!=None)
+             split_partials!, splits, error_count!)
   stage_forward(handle, hidden, positions, token_requests, slot_mapping, kv_cache!, block_table, ring!,
-                index_k_cache!, out!, topk_positions=None, error_count!=None, stock=False)
+                index_k_cache!, out!, topk_positions, error_count!, stock=False)
 
 String choices (sums, splits) have no defaults: PyTorch 2.4's schema
-inference takes defaults of int, float, bool and None only.
+inference takes defaults of int, float, bool and None only. The optional
+tensors (error_count, split_partials, topk_positions) have none either: pass
+None. PyTorch bumps the version of every written argument by its position,
+so a written argument left to its default is out of range (IndexError,
+seen on PyTorch 2.11).
 
 The stage: a Stage object cannot be an operator argument, so stage_forward
 takes an int handle from register_stage(stage). The registry holds the stage
@@ -210,7 +214,7 @@ def head_gemv_absorb(
     slot_mapping: Tensor,
     k_scale: Tensor,
     sums: str,
-    error_count: Optional[Tensor] = None,
+    error_count: Optional[Tensor],
     release_dependents_early: bool = False,
 ) -> None:
     """The MLA absorb with FP8 out and the KV-cache write fused in, one launch
@@ -247,7 +251,7 @@ def _head_gemv_absorb_fake(
     slot_mapping,
     k_scale,
     sums,
-    error_count=None,
+    error_count,
     release_dependents_early=False,
 ):
     return None
@@ -271,7 +275,7 @@ def sparse_mla(
     split_counters: Tensor,
     split_partials: Optional[Tensor],
     splits: str,
-    error_count: Optional[Tensor] = None,
+    error_count: Optional[Tensor],
 ) -> None:
     """Sparse MLA decode attention over the selected KV-cache entries (dsa_decode.sparse_mla).
 
@@ -315,7 +319,7 @@ def _sparse_mla_fake(
     split_counters,
     split_partials,
     splits,
-    error_count=None,
+    error_count,
 ):
     return None
 
@@ -338,8 +342,8 @@ def stage_forward(
     ring: Tensor,
     index_k_cache: Tensor,
     out: Tensor,
-    topk_positions: Optional[Tensor] = None,
-    error_count: Optional[Tensor] = None,
+    topk_positions: Optional[Tensor],
+    error_count: Optional[Tensor],
     stock: bool = False,
 ) -> None:
     """One decode step of the registered stage (Stage.forward, or
@@ -385,8 +389,8 @@ def _stage_forward_fake(
     ring,
     index_k_cache,
     out,
-    topk_positions=None,
-    error_count=None,
+    topk_positions,
+    error_count,
     stock=False,
 ):
     return None

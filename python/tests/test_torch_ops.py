@@ -108,6 +108,7 @@ def test_fake_implementations_take_meta_tensors():
             meta(m * H, dtype=torch.int32),
             None,
             "latency",
+            None,
         )
         is None
     )
@@ -124,6 +125,8 @@ def test_fake_implementations_take_meta_tensors():
             meta(1, 2, 8, 128),
             meta(4, 8448, dtype=torch.uint8),
             meta(m, 4096),
+            None,
+            None,
         )
         is None
     )
