@@ -185,6 +185,16 @@ class Stage:
         """The same step in the stock engine's order with unfused kernels."""
         self._stage.run(True, *args._args(), args.error_count, stream_of(stream, args.hidden))
 
+    def run_steps(self, args: StepArgs, first: int, count: int, *, stock: bool = False, stream=None) -> None:
+        """Launches `count` of the path's steps from `first` (the order of
+        step_names), for per-kernel timing; forward is run_steps(args, 0,
+        len(step_names(args))). A range that holds some of the indexer's
+        steps runs them on the indexer's stream and joins it at the range's
+        end, as the C++ run_steps does."""
+        if first < 0 or count < 0:
+            raise ValueError(f"argument 'first, count': expected non-negative values, got {first}, {count}")
+        self._stage.run_steps(stock, first, count, *args._args(), args.error_count, stream_of(stream, args.hidden))
+
     def step_names(self, args: StepArgs, *, stock: bool = False) -> list:
         """The names of the path's launches for these arguments, in order."""
         return list(self._stage.step_names(stock, *args._args()))

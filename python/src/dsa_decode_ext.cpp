@@ -662,6 +662,25 @@ NB_MODULE(_C, m) {
           "stock"_a, "hidden"_a, "positions"_a, "token_requests"_a, "slot_mapping"_a, "kv_cache"_a, "block_table"_a,
           "ring"_a, "index_k_cache"_a, "out"_a, "topk_positions"_a.none(), "error_count"_a.none(), "stream"_a)
       .def(
+          "run_steps",
+          [](Stage& s, bool stock, size_t first, size_t count, const Array& hidden, const Array& positions,
+             const Array& token_requests, const Array& slot_mapping, const Array& kv_cache, const Array& block_table,
+             const Array& ring, const Array& index_k_cache, const Array& out, const OptArray& topk_positions,
+             const OptArray& error_count, uintptr_t stream) {
+            const dsa::DsaStepArgs args = step_args(hidden, positions, token_requests, slot_mapping, kv_cache,
+                                                    block_table, ring, index_k_cache, out, topk_positions, error_count);
+            dsa::Status status;
+            {
+              nb::gil_scoped_release release;
+              status = s.stage->run_steps(stock ? dsa::DsaPath::kStock : dsa::DsaPath::kFused, args, first, count,
+                                          to_stream(stream));
+            }
+            throw_if_error(status);
+          },
+          "stock"_a, "first"_a, "count"_a, "hidden"_a, "positions"_a, "token_requests"_a, "slot_mapping"_a,
+          "kv_cache"_a, "block_table"_a, "ring"_a, "index_k_cache"_a, "out"_a, "topk_positions"_a.none(),
+          "error_count"_a.none(), "stream"_a)
+      .def(
           "step_names",
           [](const Stage& s, bool stock, const Array& hidden, const Array& positions, const Array& token_requests,
              const Array& slot_mapping, const Array& kv_cache, const Array& block_table, const Array& ring,

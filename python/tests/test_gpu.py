@@ -324,3 +324,85 @@ def test_stage_step_errors_name_the_argument(generator):
     args.out = torch.empty((1, c.hidden_size), dtype=torch.float32, device=DEVICE)
     with pytest.raises(dd.InvalidArgument, match="out"):
         stage.forward(args)
+
+
+def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator):
+    """Each op through the binding, fed the stage's own intermediates, gives
+    the bits the C++ stage (DsaAttentionStage::forward) wrote: at TP8, m = 1
+    every step of the fused path is one of the package's ops (linear_gemv
+    projections, head_gemv value-up)."""
+    m = 1
+    c, weights = stage_layer(generator)
+    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=2, max_context=8192))
+    args = stage_step(stage, c, weights, generator, m)
+    initial = [t.clone() for t in caches_of(args)]
+    stage.forward(args)
+    torch.cuda.synchronize()
+    assert "o_proj (GEMV)" in stage.step_names(args) and "value_up (head_gemv)" in stage.step_names(args)
+    v = {name: torch.from_dlpack(array) for name, array in stage.intermediates(m).items() if array is not None}
+    H, P, V, D = c.num_heads, c.qk_nope_head_dim, c.v_head_dim, c.hidden_size
+
+    def empty(shape, dtype=torch.bfloat16):
+        return torch.empty(shape, dtype=dtype, device=DEVICE)
+
+    qkv = empty(v["qkv"].shape)
+    dd.linear_gemv(args.hidden, weights["fused_qkv_a_proj"], qkv)
+    q_c, kv_c = empty(v["q_c"].shape), empty(v["kv_c"].shape)
+    dd.qkv_rmsnorm(v["qkv"], weights["q_a_norm"], weights["kv_a_norm"], c.rms_norm_eps, q_c, kv_c)
+    q = empty((m, H * P))
+    dd.linear_gemv(v["q_c"], weights["q_b_proj"], q)
+
+    kv_cache = initial[0].clone()
+    q_fp8 = empty((m, H, 512), FP8)
+    dd.head_gemv(v["q"], weights["w_uk_t"], q_fp8, scale=weights["q_scale"],
+                 cache=dd.KvCacheWrite(v["kv_c"], kv_cache, args.slot_mapping, weights["k_scale"]))
+
+    plan = stage.indexer_plan()
+    index_q, index_k = empty((m, 32, 128)), empty((m, 128))
+    head_weights, gate = empty((m, 32), torch.float32), empty((m, 128))
+    dd.indexer_project(plan, v["q_c"], args.hidden, weights["index_wq_b"], weights["index_wk"],
+                       weights["index_weights_proj"], weights["index_compress_gate"], index_q, index_k,
+                       head_weights, gate)
+    state = dd.IndexerState(args.indexer.block_table, initial[1].clone(), initial[2].clone())
+    workspace = empty((plan.workspace_bytes(),), torch.uint8)
+    dd.indexer_prepare(plan, v["index_q"], v["index_k"], v["head_weights"], v["gate"],
+                       weights["index_k_norm_weight"], weights["index_k_norm_bias"], weights["index_ape"],
+                       args.positions, args.token_requests, state, workspace)
+    slots = empty((m, 2176), torch.int32)
+    dd.indexer_select(plan, args.positions, args.token_requests, state, workspace, slots)
+
+    top_k = v["slots"].shape[1]
+    latent, lse = empty((m, H, 512)), empty((m, H), torch.float32)
+    counters = torch.zeros(dd.sparse_mla_split_counter_count(m, H, top_k), dtype=torch.int32, device=DEVICE)
+    partials = empty((max(dd.sparse_mla_split_partials_count(m, H, top_k), 1),), torch.float32)
+    dd.sparse_mla(v["q_fp8"], weights["q_scale"], args.kv_cache, weights["k_scale"], v["slots"], c.softmax_scale,
+                  latent, lse, counters, partials)
+    heads = empty((m, H, V))
+    dd.head_gemv(v["latent"], weights["w_uv"], heads)
+    out = empty((m, D))
+    dd.linear_gemv(v["heads"].reshape(m, H * V), weights["o_proj"], out)
+    torch.cuda.synchronize()
+
+    def same(a, b):
+        return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+    checks = {
+        "qkv_a_proj": same(qkv, v["qkv"]),
+        "norm q_c": same(q_c, v["q_c"]),
+        "norm kv_c": same(kv_c, v["kv_c"]),
+        "q_b_proj": same(q, v["q"].reshape(m, H * P)),
+        "absorb q_fp8": same(q_fp8, v["q_fp8"]),
+        "cache write": same(kv_cache, args.kv_cache),
+        "indexer index_q": same(index_q, v["index_q"]),
+        "indexer index_k": same(index_k, v["index_k"]),
+        "indexer head_weights": same(head_weights, v["head_weights"]),
+        "indexer gate": same(gate, v["gate"]),
+        "indexer ring": same(state.ring, args.indexer.ring),
+        "indexer k_cache": same(state.k_cache, args.indexer.k_cache),
+        "indexer slots": same(slots, v["slots"]),
+        "attention latent": same(latent, v["latent"]),
+        "attention lse": same(lse, v["lse"]),
+        "value_up": same(heads, v["heads"]),
+        "o_proj": same(out, args.out),
+    }
+    assert all(checks.values()), [name for name, ok in checks.items() if not ok]

@@ -90,7 +90,7 @@ def test_fake_implementations_take_meta_tensors():
     slots = meta(m, dtype=torch.int64)
     assert (
         OPS.head_gemv_absorb(
-            meta(m, H, P), meta(H, P, L), absorb_out, scale, meta(m, L), cache, slots, scale, "seed-order"
+            meta(m, H, P), meta(H, P, L), absorb_out, scale, meta(m, L), cache, slots, scale, "seed-order", None
         )
         is None
     )
