@@ -68,14 +68,33 @@ void throw_if_error(const dsa::Status& status) {
   if (status.ok()) return;
   const std::string text = status.to_string();
   switch (status.code()) {
-    case dsa::ErrorCode::kInvalidArgument: throw InvalidArgumentError(text);
-    case dsa::ErrorCode::kUnsupported: throw UnsupportedError(text);
-    case dsa::ErrorCode::kCudaError: throw CudaError(text);
-    case dsa::ErrorCode::kCublasError: throw CublasError(text);
-    case dsa::ErrorCode::kNoDevice: throw NoDeviceError(text);
-    case dsa::ErrorCode::kOk: return;
+    case dsa::ErrorCode::kInvalidArgument:
+      throw InvalidArgumentError(text);
+    case dsa::ErrorCode::kUnsupported:
+      throw UnsupportedError(text);
+    case dsa::ErrorCode::kCudaError:
+      throw CudaError(text);
+    case dsa::ErrorCode::kCublasError:
+      throw CublasError(text);
+    case dsa::ErrorCode::kNoDevice:
+      throw NoDeviceError(text);
+    case dsa::ErrorCode::kOk:
+      return;
   }
   throw CudaError(text);
+}
+
+// Runs a launch without the GIL (the kernels are asynchronous, but the
+// argument checks and cuBLAS's host work take microseconds another Python
+// thread can use) and raises its Status.
+template <class Launch>
+void launch_released(Launch&& launch) {
+  dsa::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = launch();
+  }
+  throw_if_error(status);
 }
 
 [[noreturn]] void throw_invalid(const std::string& name, const std::string& expected, const std::string& got) {
@@ -95,8 +114,8 @@ dsa::DType to_dtype(nb::dlpack::dtype t, const char* name, bool fp8) {
   using Code = nb::dlpack::dtype_code;
   if (t.lanes != 1) throw_invalid(name, "one lane per element", dlpack_dtype_name(t));
   if (fp8) {
-    const bool byte = t.bits == 8 && (t.code == uint8_t(Code::UInt) || t.code == uint8_t(Code::Int) ||
-                                      t.code == kDlpackFloat8E4m3fn);
+    const bool byte =
+        t.bits == 8 && (t.code == uint8_t(Code::UInt) || t.code == uint8_t(Code::Int) || t.code == kDlpackFloat8E4m3fn);
     if (!byte) throw_invalid(name, "FP8 e4m3 (float8_e4m3fn, or its uint8 view)", dlpack_dtype_name(t));
     return dsa::DType::kFP8E4M3;
   }
@@ -177,7 +196,8 @@ dsa::SparseMlaSplits sparse_mla_splits(const std::string& s) {
 }
 dsa::IndexerLogits indexer_logits(const std::string& s) {
   return enum_from<dsa::IndexerLogits>(
-      s, "logits", {{"exact", dsa::IndexerLogits::kExact}, {"fp32-accumulation", dsa::IndexerLogits::kFp32Accumulation}});
+      s, "logits",
+      {{"exact", dsa::IndexerLogits::kExact}, {"fp32-accumulation", dsa::IndexerLogits::kFp32Accumulation}});
 }
 
 dsa::IndexerPlan indexer_plan(int max_tokens, int64_t max_context, int ring, int block_size,
@@ -249,13 +269,25 @@ nb::object stage_array(const dsa::TensorView& v, nb::handle owner) {
   if (v.data == nullptr) return nb::none();
   nb::dlpack::dtype t;
   switch (v.dtype) {
-    case dsa::DType::kBF16: t = {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1}; break;
-    case dsa::DType::kF16: t = {uint8_t(nb::dlpack::dtype_code::Float), 16, 1}; break;
-    case dsa::DType::kF32: t = nb::dtype<float>(); break;
-    case dsa::DType::kI32: t = nb::dtype<int32_t>(); break;
-    case dsa::DType::kI64: t = nb::dtype<int64_t>(); break;
+    case dsa::DType::kBF16:
+      t = {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+      break;
+    case dsa::DType::kF16:
+      t = {uint8_t(nb::dlpack::dtype_code::Float), 16, 1};
+      break;
+    case dsa::DType::kF32:
+      t = nb::dtype<float>();
+      break;
+    case dsa::DType::kI32:
+      t = nb::dtype<int32_t>();
+      break;
+    case dsa::DType::kI64:
+      t = nb::dtype<int64_t>();
+      break;
     case dsa::DType::kFP8E4M3:  // handed out as its uint8 view
-    case dsa::DType::kU8: t = nb::dtype<uint8_t>(); break;
+    case dsa::DType::kU8:
+      t = nb::dtype<uint8_t>();
+      break;
   }
   std::vector<size_t> shape(v.shape, v.shape + v.ndim);
   std::vector<int64_t> strides(v.strides, v.strides + v.ndim);
@@ -269,29 +301,28 @@ nb::object stage_array(const dsa::TensorView& v, nb::handle owner) {
 NB_MODULE(_C, m) {
   m.doc() = "dsa-decode's C++ API for Python (use the dsa_decode package, not this module)";
 
-  nb::exception<InvalidArgumentError> invalid_argument(m, "InvalidArgument", PyExc_ValueError);
+  nb::exception<InvalidArgumentError>(m, "InvalidArgument", PyExc_ValueError);
   nb::exception<UnsupportedError>(m, "Unsupported", PyExc_NotImplementedError);
   nb::exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
   nb::exception<CublasError>(m, "CublasError", PyExc_RuntimeError);
   nb::exception<NoDeviceError>(m, "NoDevice", PyExc_RuntimeError);
 
   m.def(
-      "describe",
-      [](const Array& a, bool fp8) { return to_view(a, "array", fp8).describe(); }, "array"_a, "fp8"_a = false,
-      "The TensorView the library would see for this array (for tests and debugging).");
+      "describe", [](const Array& a, bool fp8) { return to_view(a, "array", fp8).describe(); }, "array"_a,
+      "fp8"_a = false, "The TensorView the library would see for this array (for tests and debugging).");
 
   // --- kernels -------------------------------------------------------------
   m.def(
       "qkv_rmsnorm",
       [](const Array& qkv, const Array& q_weight, const Array& kv_weight, float eps, const Array& q_out,
          const Array& kv_out, uintptr_t stream) {
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::qkv_rmsnorm(to_view(qkv, "qkv"), to_view(q_weight, "q_weight"), to_view(kv_weight, "kv_weight"),
-                                    eps, to_view(q_out, "q_out"), to_view(kv_out, "kv_out"), to_stream(stream));
-        }
-        throw_if_error(status);
+        const dsa::TensorView qkv_view = to_view(qkv, "qkv"), q_weight_view = to_view(q_weight, "q_weight"),
+                              kv_weight_view = to_view(kv_weight, "kv_weight"), q_out_view = to_view(q_out, "q_out"),
+                              kv_out_view = to_view(kv_out, "kv_out");
+        launch_released([&] {
+          return dsa::qkv_rmsnorm(qkv_view, q_weight_view, kv_weight_view, eps, q_out_view, kv_out_view,
+                                  to_stream(stream));
+        });
       },
       "qkv"_a, "q_weight"_a, "kv_weight"_a, "eps"_a, "q_out"_a, "kv_out"_a, "stream"_a);
 
@@ -299,8 +330,7 @@ NB_MODULE(_C, m) {
       "head_gemv",
       [](const Array& x, const Array& weight, const Array& out, bool out_fp8, const OptArray& scale,
          const OptArray& cache_kv, const OptArray& cache, const OptArray& slot_mapping, const OptArray& k_scale,
-         const OptArray& cache_error_count, const std::string& sums, bool release_dependents_early,
-         uintptr_t stream) {
+         const OptArray& cache_error_count, const std::string& sums, bool release_dependents_early, uintptr_t stream) {
         dsa::HeadGemvArgs args;
         args.x = to_view(x, "x");
         args.weight = to_view(weight, "weight");
@@ -317,27 +347,17 @@ NB_MODULE(_C, m) {
           write.error_count = to_counter(cache_error_count, "cache.error_count");
           args.cache = &write;
         }
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::head_gemv(args, to_stream(stream));
-        }
-        throw_if_error(status);
+        launch_released([&] { return dsa::head_gemv(args, to_stream(stream)); });
       },
       "x"_a, "weight"_a, "out"_a, "out_fp8"_a, "scale"_a.none(), "cache_kv"_a.none(), "cache"_a.none(),
-      "slot_mapping"_a.none(), "k_scale"_a.none(), "cache_error_count"_a.none(), "sums"_a,
-      "release_dependents_early"_a, "stream"_a);
+      "slot_mapping"_a.none(), "k_scale"_a.none(), "cache_error_count"_a.none(), "sums"_a, "release_dependents_early"_a,
+      "stream"_a);
 
   m.def(
       "linear_gemv",
       [](const Array& x, const Array& weight, const Array& out, uintptr_t stream) {
         dsa::LinearGemvArgs args{to_view(x, "x"), to_view(weight, "weight"), to_view(out, "out")};
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::linear_gemv(args, to_stream(stream));
-        }
-        throw_if_error(status);
+        launch_released([&] { return dsa::linear_gemv(args, to_stream(stream)); });
       },
       "x"_a, "weight"_a, "out"_a, "stream"_a);
   m.def("linear_gemv_supports", &dsa::linear_gemv_supports, "m"_a, "k"_a);
@@ -360,12 +380,7 @@ NB_MODULE(_C, m) {
         args.split_partials = to_view(split_partials, "split_partials");
         args.splits = sparse_mla_splits(splits);
         args.error_count = to_counter(error_count, "error_count");
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::sparse_mla(args, to_stream(stream));
-        }
-        throw_if_error(status);
+        launch_released([&] { return dsa::sparse_mla(args, to_stream(stream)); });
       },
       "q"_a, "q_scale"_a, "kv_cache"_a, "k_scale"_a, "indices"_a, "softmax_scale"_a, "latent"_a, "lse"_a,
       "split_counters"_a, "split_partials"_a.none(), "splits"_a, "error_count"_a.none(), "stream"_a);
@@ -399,23 +414,18 @@ NB_MODULE(_C, m) {
         args.index_k = to_view(index_k, "index_k");
         args.head_weights = to_view(head_weights, "head_weights");
         args.gate = to_view(gate, "gate");
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::indexer_project_gemv(args, to_stream(stream));
-        }
-        throw_if_error(status);
+        launch_released([&] { return dsa::indexer_project_gemv(args, to_stream(stream)); });
       },
       "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "q_c"_a, "x"_a, "wq_b"_a, "wk"_a,
       "weights_proj"_a, "compress_gate"_a, "index_q"_a, "index_k"_a, "head_weights"_a, "gate"_a, "stream"_a);
 
   m.def(
       "indexer_prepare",
-      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits,
-         const Array& index_q, const Array& index_k, const Array& head_weights, const Array& gate,
-         const Array& k_norm_weight, const Array& k_norm_bias, const Array& ape, const Array& positions,
-         const Array& token_requests, const Array& block_table, const Array& ring_cache, const Array& k_cache,
-         const Array& workspace, const OptArray& error_count, uintptr_t stream) {
+      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits, const Array& index_q,
+         const Array& index_k, const Array& head_weights, const Array& gate, const Array& k_norm_weight,
+         const Array& k_norm_bias, const Array& ape, const Array& positions, const Array& token_requests,
+         const Array& block_table, const Array& ring_cache, const Array& k_cache, const Array& workspace,
+         const OptArray& error_count, uintptr_t stream) {
         dsa::IndexerPrepareArgs args;
         args.plan = indexer_plan(max_tokens, max_context, ring, block_size, logits);
         args.index_q = to_view(index_q, "index_q");
@@ -430,16 +440,11 @@ NB_MODULE(_C, m) {
         args.state = indexer_state(block_table, ring_cache, k_cache);
         args.workspace = to_view(workspace, "workspace");
         args.error_count = to_counter(error_count, "error_count");
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::indexer_prepare(args, to_stream(stream));
-        }
-        throw_if_error(status);
+        launch_released([&] { return dsa::indexer_prepare(args, to_stream(stream)); });
       },
-      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "index_q"_a, "index_k"_a,
-      "head_weights"_a, "gate"_a, "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a, "positions"_a, "token_requests"_a,
-      "block_table"_a, "ring_cache"_a, "k_cache"_a, "workspace"_a, "error_count"_a.none(), "stream"_a);
+      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "index_q"_a, "index_k"_a, "head_weights"_a,
+      "gate"_a, "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a, "positions"_a, "token_requests"_a, "block_table"_a,
+      "ring_cache"_a, "k_cache"_a, "workspace"_a, "error_count"_a.none(), "stream"_a);
 
   m.def(
       "indexer_select",
@@ -456,12 +461,7 @@ NB_MODULE(_C, m) {
         args.slots = to_view(slots, "slots");
         args.topk_positions = to_view(topk_positions, "topk_positions");
         args.error_count = to_counter(error_count, "error_count");
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::indexer_select(args, to_stream(stream));
-        }
-        throw_if_error(status);
+        launch_released([&] { return dsa::indexer_select(args, to_stream(stream)); });
       },
       "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "positions"_a, "token_requests"_a,
       "block_table"_a, "ring_cache"_a, "k_cache"_a, "workspace"_a, "slots"_a, "topk_positions"_a.none(),
@@ -481,23 +481,17 @@ NB_MODULE(_C, m) {
         args.topk_positions = to_view(topk_positions, "topk_positions");
         args.slots = to_view(slots, "slots");
         args.error_count = to_counter(error_count, "error_count");
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::indexer_remap(args, to_stream(stream));
-        }
-        throw_if_error(status);
+        launch_released([&] { return dsa::indexer_remap(args, to_stream(stream)); });
       },
       "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "positions"_a, "token_requests"_a,
-      "block_table"_a, "ring_cache"_a, "k_cache"_a, "topk_positions"_a, "slots"_a, "error_count"_a.none(),
-      "stream"_a);
+      "block_table"_a, "ring_cache"_a, "k_cache"_a, "topk_positions"_a, "slots"_a, "error_count"_a.none(), "stream"_a);
 
   m.def(
       "indexer_prefill",
-      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits,
-         const Array& index_k, const Array& gate, const Array& k_norm_weight, const Array& k_norm_bias,
-         const Array& ape, int request, const Array& block_table, const Array& ring_cache, const Array& k_cache,
-         const OptArray& error_count, uintptr_t stream) {
+      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits, const Array& index_k,
+         const Array& gate, const Array& k_norm_weight, const Array& k_norm_bias, const Array& ape, int request,
+         const Array& block_table, const Array& ring_cache, const Array& k_cache, const OptArray& error_count,
+         uintptr_t stream) {
         dsa::IndexerPrefillArgs args;
         args.plan = indexer_plan(max_tokens, max_context, ring, block_size, logits);
         args.index_k = to_view(index_k, "index_k");
@@ -508,16 +502,11 @@ NB_MODULE(_C, m) {
         args.request = request;
         args.state = indexer_state(block_table, ring_cache, k_cache);
         args.error_count = to_counter(error_count, "error_count");
-        dsa::Status status;
-        {
-          nb::gil_scoped_release release;
-          status = dsa::indexer_prefill(args, to_stream(stream));
-        }
-        throw_if_error(status);
+        launch_released([&] { return dsa::indexer_prefill(args, to_stream(stream)); });
       },
-      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "index_k"_a, "gate"_a,
-      "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a, "request"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a,
-      "error_count"_a.none(), "stream"_a);
+      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "index_k"_a, "gate"_a, "k_norm_weight"_a,
+      "k_norm_bias"_a, "ape"_a, "request"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a, "error_count"_a.none(),
+      "stream"_a);
 
   // --- presets and the stage ----------------------------------------------
   m.def(
@@ -647,17 +636,14 @@ NB_MODULE(_C, m) {
           "run",
           [](Stage& s, bool stock, const Array& hidden, const Array& positions, const Array& token_requests,
              const Array& slot_mapping, const Array& kv_cache, const Array& block_table, const Array& ring,
-             const Array& index_k_cache, const Array& out, const OptArray& topk_positions,
-             const OptArray& error_count, uintptr_t stream) {
+             const Array& index_k_cache, const Array& out, const OptArray& topk_positions, const OptArray& error_count,
+             uintptr_t stream) {
             const dsa::DsaStepArgs args = step_args(hidden, positions, token_requests, slot_mapping, kv_cache,
                                                     block_table, ring, index_k_cache, out, topk_positions, error_count);
-            dsa::Status status;
-            {
-              nb::gil_scoped_release release;
-              status = stock ? s.stage->stock_forward(args, to_stream(stream))
-                             : s.stage->forward(args, to_stream(stream));
-            }
-            throw_if_error(status);
+            launch_released([&] {
+              return stock ? s.stage->stock_forward(args, to_stream(stream))
+                           : s.stage->forward(args, to_stream(stream));
+            });
           },
           "stock"_a, "hidden"_a, "positions"_a, "token_requests"_a, "slot_mapping"_a, "kv_cache"_a, "block_table"_a,
           "ring"_a, "index_k_cache"_a, "out"_a, "topk_positions"_a.none(), "error_count"_a.none(), "stream"_a)
@@ -669,13 +655,10 @@ NB_MODULE(_C, m) {
              const OptArray& error_count, uintptr_t stream) {
             const dsa::DsaStepArgs args = step_args(hidden, positions, token_requests, slot_mapping, kv_cache,
                                                     block_table, ring, index_k_cache, out, topk_positions, error_count);
-            dsa::Status status;
-            {
-              nb::gil_scoped_release release;
-              status = s.stage->run_steps(stock ? dsa::DsaPath::kStock : dsa::DsaPath::kFused, args, first, count,
-                                          to_stream(stream));
-            }
-            throw_if_error(status);
+            launch_released([&] {
+              return s.stage->run_steps(stock ? dsa::DsaPath::kStock : dsa::DsaPath::kFused, args, first, count,
+                                        to_stream(stream));
+            });
           },
           "stock"_a, "first"_a, "count"_a, "hidden"_a, "positions"_a, "token_requests"_a, "slot_mapping"_a,
           "kv_cache"_a, "block_table"_a, "ring"_a, "index_k_cache"_a, "out"_a, "topk_positions"_a.none(),
@@ -739,9 +722,8 @@ NB_MODULE(_C, m) {
         if (k % 8 != 0) throw_invalid("x", "k a multiple of 8", std::to_string(k));
         const uint16_t* xp = host_data<uint16_t>(x, "x", nb::dtype<uint16_t>(), m_ * k);
         const uint16_t* wp = host_data<uint16_t>(weight, "weight", nb::dtype<uint16_t>(), n * k);
-        std::vector<uint16_t> out =
-            dsa::reference::linear_gemv(std::vector<uint16_t>(xp, xp + m_ * k), m_, k,
-                                        std::vector<uint16_t>(wp, wp + n * k), n);
+        std::vector<uint16_t> out = dsa::reference::linear_gemv(std::vector<uint16_t>(xp, xp + m_ * k), m_, k,
+                                                                std::vector<uint16_t>(wp, wp + n * k), n);
         return numpy_from(std::move(out), {size_t(m_), size_t(n)});
       },
       "x"_a, "weight"_a, "linear_gemv's fixed order: [m, k] x [n, k]^T BF16 bits (uint16) -> [m, n] BF16 bits");
@@ -756,8 +738,8 @@ NB_MODULE(_C, m) {
         const uint16_t* qw = host_data<uint16_t>(q_weight, "q_weight", nb::dtype<uint16_t>(), q_size);
         const uint16_t* kw = host_data<uint16_t>(kv_weight, "kv_weight", nb::dtype<uint16_t>(), kv_size);
         std::vector<uint16_t> q_out(size_t(m_ * q_size)), kv_out(size_t(m_ * kv_size));
-        dsa::reference::qkv_rmsnorm(xp, q_size + kv_size, qw, kw, int(m_), int(q_size), int(kv_size), eps,
-                                    q_out.data(), kv_out.data());
+        dsa::reference::qkv_rmsnorm(xp, q_size + kv_size, qw, kw, int(m_), int(q_size), int(kv_size), eps, q_out.data(),
+                                    kv_out.data());
         return nb::make_tuple(numpy_from(std::move(q_out), {size_t(m_), size_t(q_size)}),
                               numpy_from(std::move(kv_out), {size_t(m_), size_t(kv_size)}));
       },
