@@ -16,6 +16,13 @@ the context's positions), then prints a table like dsa-decode's:
     sparse_mla, head_gemv value-up, linear_gemv o_proj at m = 1), on the
     stage's own intermediates, with PyTorch's cuBLAS call as the baseline
     where one call does the same product;
+  - dsa-decode's two tables of the stage's steps (tools/gpu_path.cpp
+    time_all, tools/report.cpp print_timings): each step of each path alone
+    (Stage.run_steps(args, i, 1), on what the last whole run left in the
+    stage's buffers), with GB/s and % of the memory floor (dsa-decode's
+    bytes over the device's measured copy rate); then fused vs stock: the
+    steps one path replaces in the other, the chain norm .. value_up and the
+    whole stage;
   - the host time of one eager call: the plain binding, the torch.library
     op (dsa_decode.torch_ops) and an empty PyTorch op, on tiny shapes.
 
@@ -62,6 +69,16 @@ FP8_E4M3_MAX = 448.0
 CALIBRATED_AMAX = 6.0
 # Launches per captured graph at the least: the graph launch's own cost is spread over them (as in dsa-bench).
 LAUNCHES_PER_GRAPH = 20
+# The indexer's select (include/dsa_decode/indexer.h): the top 512 pools of 4
+# positions, in rows of kIndexerRowWidth slots (2048 pooled + up to 3 tail + -1 padding).
+INDEXER_TOP_POOLS = 512
+INDEXER_POOLED_COLUMNS = INDEXER_TOP_POOLS * INDEXER_POOL
+TOP_K_WIDTH = 2176
+# The copy rate the memory floor divides by, measured as dsa-bench measures it
+# (bench/harness.cu: kCopyProbeBytes copied kCopySamples times after kCopyWarmups).
+COPY_PROBE_BYTES = 1 << 30
+COPY_WARMUPS = 2
+COPY_SAMPLES = 9
 # Eager calls before an overhead measurement (first-launch setup, caches).
 OVERHEAD_WARMUP_CALLS = 200
 OVERHEAD_REPEATS = 5
@@ -272,6 +289,35 @@ def time_graph(enqueue: Callable[[int], None], replays: int, per_graph: int = LA
     return statistics.median(samples)
 
 
+def launches_per_graph(copies: int) -> int:
+    """LAUNCHES_PER_GRAPH rounded up to whole rotations of the weight copies:
+    no copy's weights are read again sooner than `copies` launches later,
+    across replays too (dsa-decode's time_all)."""
+    return copies * ((LAUNCHES_PER_GRAPH + copies - 1) // copies)
+
+
+def measure_copy_gbps(probe_bytes: int = COPY_PROBE_BYTES) -> float:
+    """The device's copy rate, bytes read + written per second / 1e9, as
+    bench/harness.cu measure_copy_GBps takes it: a device-to-device copy of
+    probe_bytes (a cudaMemcpyAsync), COPY_WARMUPS untimed, then the median of
+    COPY_SAMPLES copies each timed by CUDA events. dsa-decode's memory floor
+    divides a step's bytes by it."""
+    source = torch.full((probe_bytes,), 0x5A, dtype=torch.uint8, device="cuda")
+    destination = torch.empty_like(source)
+    for _ in range(COPY_WARMUPS):
+        destination.copy_(source)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(COPY_SAMPLES + 1)]
+    events[0].record()
+    for event in events[1:]:
+        destination.copy_(source)
+        event.record()
+    torch.cuda.synchronize()
+    copy_ms = statistics.median(start.elapsed_time(end) for start, end in zip(events, events[1:]))
+    del source, destination
+    torch.cuda.empty_cache()  # 2 GiB the timings after it need not see held by the allocator
+    return 2.0 * probe_bytes / (copy_ms * 1e-3) / 1e9
+
+
 def host_us_per_call(call: Callable[[], None], calls: int) -> Dict[str, float]:
     """Host microseconds per eager call: time.perf_counter around `calls`
     calls (median of OVERHEAD_REPEATS loops), and the same with the final
@@ -330,7 +376,7 @@ def time_kernels(layer: SyntheticLayer, replays: int) -> List[KernelRow]:
     c, m, w = layer.config, layer.tokens, layer.weights
     H, Q, L, V, D = c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.v_head_dim, c.hidden_size
     copies = len(w)
-    per_graph = copies * ((LAUNCHES_PER_GRAPH + copies - 1) // copies)
+    per_graph = launches_per_graph(copies)
     inter = stage_intermediates(layer)
     device = inter["qkv"].device
     args = layer.args
@@ -460,7 +506,7 @@ def time_kernels(layer: SyntheticLayer, replays: int) -> List[KernelRow]:
 def time_stage(layer: SyntheticLayer, replays: int) -> Dict[str, float]:
     """The whole step, each path, as graph replays walking the stages in turn."""
     copies = len(layer.stages)
-    per_graph = copies * ((LAUNCHES_PER_GRAPH + copies - 1) // copies)
+    per_graph = launches_per_graph(copies)
     stages, args = layer.stages, layer.args
     return {
         "fused": time_graph(lambda i: stages[i % copies].forward(args), replays, per_graph),
@@ -500,6 +546,323 @@ def check_stage(layer: SyntheticLayer) -> List[str]:
     difference = (outputs["fused"].float() - outputs["stock"].float()).norm() / outputs["stock"].float().norm()
     lines.append(f"info  out fused vs stock: relative Frobenius difference {difference.item():.2e}")
     return lines
+
+
+# --- the stage's steps, as dsa-decode times them -----------------------------
+
+PATHS = ("fused", "stock")
+# Both paths begin and end with these (as linear_gemv or cuBLASLt): the chain is every step between them.
+FIRST_PROJECTION, LAST_PROJECTION = "qkv_a_proj", "o_proj"
+# The stock path's three launches the fused absorb replaces, in a row (dsa-decode times them as one range).
+STOCK_ABSORB_STEPS = ("cache write (concat_and_cache_mla)", "absorb (cuBLAS bmm)", "static FP8 quant")
+# Each fused row against the stock row it replaces, by dsa-decode's row names
+# (tools/gpu_path.cpp time_all); the table lists them in the fused path's order.
+FUSED_VS_STOCK = {
+    "absorb": "stock_absorb",
+    "q_b_proj_gemv": "stock_q_b_proj",
+    "indexer_select": "stock_indexer_select",
+    "attention": "stock_attention",
+    "value_up": "stock_value_up_bmm",
+    "value_up_bmm": "stock_value_up_bmm",
+    "o_proj_gemv": "stock_o_proj",
+    "chain": "stock_chain",
+    "whole_stage": "stock_whole_stage",
+}
+
+
+def step_bytes(layer: SyntheticLayer) -> Dict[str, float]:
+    """What each step must move at the least (the memory floor's bytes), from
+    the step's shapes: tools/gpu_path.cpp step_bytes(const StepShape&), term
+    for term (keys: its StepBytes fields). Change them together."""
+    c = layer.config
+    m, D, H, Q = float(layer.tokens), c.hidden_size, c.num_heads, c.q_lora_rank
+    L, P, V = c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
+    bf16, fp8 = 2.0, 1.0
+    w_uk, q = bf16 * H * P * L, bf16 * m * H * P
+    b = {}
+    b["cache_write"] = bf16 * m * L + fp8 * m * L  # kv_c read, the new entries written
+    # The projections, linear_gemv or cuBLASLt alike: weights, input read, output written.
+    b["qkv_a_proj"] = bf16 * (Q + L) * D + bf16 * m * D + bf16 * m * (Q + L)
+    b["norm"] = bf16 * (2 * m * (Q + L) + (Q + L))
+    b["q_b_proj"] = bf16 * H * P * Q + bf16 * m * Q + q
+    b["absorb"] = w_uk + q + fp8 * m * H * L + b["cache_write"]
+    # q, the index rows, every token's own cache rows (no sharing assumed), latent and lse.
+    b["attention"] = (
+        fp8 * m * H * L + 4.0 * m * TOP_K_WIDTH + fp8 * m * INDEXER_POOLED_COLUMNS * L + bf16 * m * H * L + 4.0 * m * H
+    )
+    b["counters"] = 4.0 * dsa_decode.sparse_mla_split_counter_count(layer.tokens, H, TOP_K_WIDTH)
+    # The indexer: each pool up to the last token's read once (gpu_path.cpp says why).
+    index_row = bf16 * m * INDEXER_DIM  # index_k or gate [m, 128], or their ring rows
+    index_q = bf16 * m * INDEXER_HEADS * INDEXER_DIM
+    b["project"] = (
+        bf16 * (INDEXER_HEADS * INDEXER_DIM * Q + (2.0 * INDEXER_DIM + INDEXER_HEADS) * D)
+        + bf16 * m * (Q + D)
+        + index_q
+        + 2 * index_row
+        + 4.0 * m * INDEXER_HEADS
+    )
+    q_fp8_and_weights = fp8 * m * INDEXER_HEADS * INDEXER_DIM + 4.0 * m * INDEXER_HEADS
+    last_context = layer.context + layer.tokens
+    pools_completed = float(last_context // INDEXER_POOL - layer.context // INDEXER_POOL)
+    pools_scored = float(last_context // INDEXER_POOL) if last_context > INDEXER_POOLED_COLUMNS else 0.0
+    b["prepare"] = (
+        index_q
+        + 2 * index_row
+        + 4.0 * m * INDEXER_HEADS
+        + 4.0 * (2 + INDEXER_POOL) * INDEXER_DIM
+        + 12.0 * m
+        + q_fp8_and_weights
+        + 2 * index_row
+        + pools_completed * (3 * 2 * bf16 * INDEXER_DIM + INDEXER_POOL_BYTES)
+    )
+    top_k_rows = 4.0 * m * TOP_K_WIDTH
+    b["select"] = q_fp8_and_weights + 12.0 * m + pools_scored * INDEXER_POOL_BYTES + top_k_rows
+    b["stock_select"] = b["select"] + top_k_rows  # the request-local positions too
+    b["value_up"] = bf16 * H * L * V + bf16 * m * H * L + bf16 * m * H * V
+    b["o_proj"] = bf16 * D * H * V + bf16 * m * H * V + bf16 * m * D
+    b["absorb_bmm"] = w_uk + q + bf16 * m * H * L
+    b["fp8_quant"] = bf16 * m * H * L + fp8 * m * H * L
+    return b
+
+
+@dataclass
+class StepRow:
+    """One step of a path as dsa-decode's report shows it (gpu_path.cpp StepRow)."""
+
+    name: str  # dsa-decode's JSON row name, e.g. "absorb", "stock_q_b_proj"
+    label: str  # its table text
+    path: str  # "shared" (both paths run it on the same inputs: timed once), "fused" or "stock"
+    bytes: Optional[float]  # the floor's bytes; None: a step dsa-decode does not know
+
+
+# Steps whose row does not depend on the path or the plan: the stage step's name -> (row name, label, bytes key).
+SHARED_STEPS = {
+    "norm": ("norm", "norm (q and kv RMSNorm, one launch)", "norm"),
+    "indexer projections (GEMV)": ("indexer_project_gemv", "indexer projections (GEMV, one launch)", "project"),
+    "indexer projections (cuBLASLt)": ("indexer_project", "indexer projections (cuBLASLt, 4 GEMMs)", "project"),
+    "indexer prepare": ("indexer_prepare", "indexer prepare (k norm, q quant, pools)", "prepare"),
+}
+STOCK_STEPS = {
+    "indexer select (CUB sort baseline)": (
+        "stock_indexer_select",
+        "indexer select baseline (CUB sort)",
+        "stock_select",
+    ),
+    "cache write (concat_and_cache_mla)": ("stock_cache_write", "concat_and_cache_mla", "cache_write"),
+    "absorb (cuBLAS bmm)": ("stock_absorb_bmm", "absorb bmm (cuBLAS)", "absorb_bmm"),
+    "static FP8 quant": ("stock_fp8_quant", "static FP8 quant", "fp8_quant"),
+    "split counter memset": ("stock_counter_memset", "split counters memset", "counters"),
+    "attention (sparse_mla)": ("stock_attention", "sparse attention (sparse_mla, stock inputs)", "attention"),
+    "value_up (cuBLAS bmm)": ("stock_value_up_bmm", "value_up bmm (cuBLAS)", "value_up"),
+}
+
+
+def fused_steps(plan: dsa_decode.StagePlan) -> Dict[str, tuple]:
+    """The fused path's own steps, labelled by the plan's choices as dsa-decode labels them."""
+    tensor_cores = plan.head_gemv_sums == "tensor-cores"
+    exact = plan.indexer_logits == "exact"
+    return {
+        "absorb + cache write (head_gemv)": (
+            "absorb",
+            f"absorb + FP8 quant + cache write (head_gemv{' TC' if tensor_cores else ''})",
+            "absorb",
+        ),
+        "indexer select": (
+            "indexer_select",
+            f"indexer select ({'logits' if exact else 'FP32-acc. logits'}, top-512, slots)",
+            "select",
+        ),
+        "attention (sparse_mla)": ("attention", "sparse attention (sparse_mla)", "attention"),
+        "value_up (head_gemv)": ("value_up", f"value_up (head_gemv{' TC' if tensor_cores else ''})", "value_up"),
+        "value_up (cuBLAS bmm)": ("value_up_bmm", "value_up (cuBLAS bmm, m not in value_up_tokens)", "value_up"),
+    }
+
+
+def describe_step(layer: SyntheticLayer, b: Dict[str, float], path: str, step: str, other: List[str]) -> StepRow:
+    """The row of the stage's step `step` in `path` (`other`: the other path's
+    step names), as tools/gpu_path.cpp describe_step names it. dsa-decode
+    refuses a step it does not know; here it gets a row of its own name and
+    no bytes (GB/s left blank), so the timing still shows."""
+    # The projections: one row where both paths run the same kernel, else one per path.
+    for projection in (FIRST_PROJECTION, "q_b_proj", LAST_PROJECTION):
+        for gemv in (True, False):
+            if step != f"{projection} ({'GEMV' if gemv else 'cuBLASLt'})":
+                continue
+            name = projection + ("_gemv" if gemv else "")
+            label = projection + (" (GEMV, one launch)" if gemv else " (cuBLASLt GEMM)")
+            if step in other:
+                return StepRow(name, label, "shared", b[projection])
+            return StepRow(name if path == "fused" else "stock_" + name, label, path, b[projection])
+    if step in SHARED_STEPS:
+        name, label, key = SHARED_STEPS[step]
+        return StepRow(name, label, "shared", b[key])
+    own = fused_steps(layer.plan) if path == "fused" else STOCK_STEPS
+    if step in own:
+        name, label, key = own[step]
+        return StepRow(name, label, path, b[key])
+    return StepRow(f"{path}_{step}", step, "shared" if step in other else path, None)
+
+
+@dataclass
+class StepTiming:
+    """One timed range of a path's steps: a step alone, the stock absorb's
+    three, a chain or the whole stage."""
+
+    name: str  # the JSON row's name, e.g. "step fused norm", "chain stock norm .. value_up"
+    row: str  # dsa-decode's row name (FUSED_VS_STOCK's keys and values)
+    label: str
+    path: str  # "shared", "fused" or "stock"
+    steps: List[str]  # the stage's step names it runs
+    us: float
+    bytes: Optional[float]
+    alone: bool  # one step alone: a row of the "step, alone" table and of the sums
+    baseline: Optional["StepTiming"] = None  # the stock timing a fused one replaces
+
+
+@dataclass
+class StepTables:
+    """dsa-decode's two tables from Python: each path's step names and the timings, in dsa-decode's order."""
+
+    names: Dict[str, List[str]]  # per path
+    timings: List[StepTiming]
+    copy_gbps: float
+
+    def floor_us(self, bytes_: float) -> float:
+        return bytes_ / (self.copy_gbps * 1e3)
+
+    def summed_us(self, path: str) -> float:
+        """A path's steps alone, summed: the shared ones count for both paths."""
+        other = "stock" if path == "fused" else "fused"
+        return sum(t.us for t in self.timings if t.alone and t.path != other)
+
+
+# Per path ("fused", "stock"): the stage's step names, and their rows.
+PathNames = Dict[str, List[str]]
+PathRows = Dict[str, List[StepRow]]
+
+
+def path_step_names(layer: SyntheticLayer) -> PathNames:
+    """Each path's step names, checked to run qkv_a_proj first and o_proj last
+    (either kernel), as the chain's range (every step between them) assumes."""
+    names = {path: layer.stages[0].step_names(layer.args, stock=path == "stock") for path in PATHS}
+    for path, steps in names.items():
+        ends = (FIRST_PROJECTION + " (", LAST_PROJECTION + " (")
+        if len(steps) < 3 or not steps[0].startswith(ends[0]) or not steps[-1].startswith(ends[1]):
+            raise RuntimeError(
+                f"the stage's {path} path should run {FIRST_PROJECTION} first and {LAST_PROJECTION} last; it runs "
+                f"{steps[:1]} .. {steps[-1:]} (bench_python.py's step tables assume it)"
+            )
+    return names
+
+
+def warm_up_stages(layer: SyntheticLayer) -> None:
+    """Each stage runs both paths once uncaptured, as dsa-decode's warm_up: a
+    step timed alone then reads what these runs left in its stage's buffers
+    (the stock path's where the paths share one)."""
+    for stage in layer.stages:
+        stage.forward(layer.args)
+        stage.stock_forward(layer.args)
+    torch.cuda.synchronize()
+
+
+def time_step_range(layer: SyntheticLayer, path: str, first: int, count: int, replays: int) -> float:
+    """Steps [first, first + count) of a path: Stage.run_steps captured once
+    per launch, walking the stages in turn (cold weights)."""
+    stages, args = layer.stages, layer.args
+    copies = len(stages)
+    stock = path == "stock"
+    return time_graph(
+        lambda i: stages[i % copies].run_steps(args, first, count, stock=stock), replays, launches_per_graph(copies)
+    )
+
+
+def range_bytes(rows: List[StepRow]) -> Optional[float]:
+    """The floor's bytes of a run of steps: their sum, None if one is unknown."""
+    return None if any(r.bytes is None for r in rows) else sum(r.bytes for r in rows)
+
+
+def time_steps_alone(layer: SyntheticLayer, names: PathNames, rows: PathRows, replays: int) -> List[StepTiming]:
+    """Each step of each path alone; a step both paths share, once (the fused path's)."""
+    timings = []
+    for path in PATHS:
+        for i, (step, row) in enumerate(zip(names[path], rows[path])):
+            if path == "stock" and row.path == "shared":
+                continue
+            us = time_step_range(layer, path, i, 1, replays)
+            timings.append(
+                StepTiming(f"step {path} {step}", row.name, row.label, row.path, [step], us, row.bytes, True)
+            )
+    return timings
+
+
+def time_stock_absorb(layer: SyntheticLayer, names: PathNames, rows: PathRows, replays: int) -> List[StepTiming]:
+    """The stock path's cache write, absorb bmm and FP8 quant as one range:
+    what the fused absorb replaces (none where the stock path runs them
+    otherwise; dsa-decode refuses that)."""
+    stock = names["stock"]
+    firsts = [i for i in range(len(stock) - 2) if tuple(stock[i : i + 3]) == STOCK_ABSORB_STEPS]
+    if not firsts:
+        return []
+    first = firsts[0]
+    us = time_step_range(layer, "stock", first, 3, replays)
+    steps = list(STOCK_ABSORB_STEPS)
+    label = "cache write + absorb bmm + FP8 quant"
+    bytes_ = range_bytes(rows["stock"][first : first + 3])
+    return [StepTiming(f"steps stock {label}", "stock_absorb", label, "stock", steps, us, bytes_, False)]
+
+
+def time_chains(layer: SyntheticLayer, names: PathNames, rows: PathRows, replays: int) -> List[StepTiming]:
+    """Each path's attention half, norm .. value_up (every step between
+    qkv_a_proj and o_proj), as one run_steps range."""
+    timings = []
+    for path in ("stock", "fused"):
+        count = len(names[path]) - 2
+        us = time_step_range(layer, path, 1, count, replays)
+        row = "chain" if path == "fused" else "stock_chain"
+        label = ("" if path == "fused" else "stock ") + "chain norm .. value_up"
+        bytes_ = range_bytes(rows[path][1 : 1 + count])
+        timings.append(
+            StepTiming(
+                f"chain {path} norm .. value_up", row, label, path, names[path][1 : 1 + count], us, bytes_, False
+            )
+        )
+    return timings
+
+
+def whole_stage_timings(stage_us: Dict[str, float], names: PathNames, rows: PathRows) -> List[StepTiming]:
+    """The whole stages, qkv_a_proj .. o_proj: time_stage's Stage.forward and
+    stock_forward graphs (dsa-decode times them the same way, forward rather
+    than run_steps): the whole_stage row's timings again, with their floor."""
+    timings = []
+    for path in ("stock", "fused"):
+        row = "whole_stage" if path == "fused" else "stock_whole_stage"
+        label = ("" if path == "fused" else "stock ") + "stage qkv_a_proj .. o_proj"
+        name = f"stage {path} qkv_a_proj .. o_proj"
+        bytes_ = range_bytes(rows[path])
+        timings.append(StepTiming(name, row, label, path, list(names[path]), stage_us[path], bytes_, False))
+    return timings
+
+
+def time_stage_steps(layer: SyntheticLayer, stage_us: Dict[str, float], replays: int, copy_gbps: float) -> StepTables:
+    """dsa-decode's step timings (tools/gpu_path.cpp time_all) through
+    Stage.run_steps: each step alone, the stock absorb's three steps, both
+    chains and both whole stages, each fused row linked to its stock row."""
+    names = path_step_names(layer)
+    b = step_bytes(layer)
+    rows = {
+        path: [describe_step(layer, b, path, step, names["stock" if path == "fused" else "fused"]) for step in steps]
+        for path, steps in names.items()
+    }
+    warm_up_stages(layer)
+    timings = time_steps_alone(layer, names, rows, replays)
+    timings += time_stock_absorb(layer, names, rows, replays)
+    timings += time_chains(layer, names, rows, replays)
+    timings += whole_stage_timings(stage_us, names, rows)
+    by_row = {t.row: t for t in timings}
+    for fused, stock in FUSED_VS_STOCK.items():
+        if fused in by_row and stock in by_row:
+            by_row[fused].baseline = by_row[stock]
+    return StepTables(names, timings, copy_gbps)
 
 
 def measure_call_overhead(calls: int) -> Dict[str, Dict[str, float]]:
@@ -555,6 +918,41 @@ def number(value: float) -> float:
     return float(f"{value:.6g}")
 
 
+def step_json_rows(tables: StepTables, params: dict) -> List[dict]:
+    """The step tables' rows in dsa-decode's JSON style (tools/report.cpp
+    json_row): floor_us, bw_fraction and GBps where the bytes are known,
+    and each fused row's stock baseline; then the summed steps alone."""
+    rows = []
+    for t in tables.timings:
+        row = {"name": t.name, "label": t.label, "params": params, "path": t.path, "us": number(t.us)}
+        row.update(steps=t.steps, dsa_decode_row=t.row)
+        if t.baseline is not None:
+            stock = t.baseline
+            row.update(baseline=stock.label, baseline_name=stock.name, baseline_us=number(stock.us))
+            row["speedup"] = number(stock.us / t.us)
+        if t.bytes is not None:
+            floor = tables.floor_us(t.bytes)
+            row.update(floor_us=number(floor), bw_fraction=number(floor / t.us), GBps=number(t.bytes / t.us / 1e3))
+        if t.alone:
+            row["note"] = "Stage.run_steps(args, i, 1) alone, on what the last whole run left in the stage's buffers"
+        rows.append(row)
+    fused, stock = tables.summed_us("fused"), tables.summed_us("stock")
+    rows.append(
+        {
+            "name": "steps alone summed",
+            "label": "kernels alone, summed",
+            "params": params,
+            "path": "fused",
+            "us": number(fused),
+            "baseline": "stock path's steps alone, summed",
+            "baseline_us": number(stock),
+            "speedup": number(stock / fused),
+            "note": "the step rows' us summed per path (shared steps in both); a chain runs them back to back",
+        }
+    )
+    return rows
+
+
 def build_report(
     layer: SyntheticLayer,
     options: argparse.Namespace,
@@ -562,6 +960,7 @@ def build_report(
     stage_us: Dict[str, float],
     kernels: List[KernelRow],
     overhead: Dict[str, Dict[str, float]],
+    steps: StepTables,
 ) -> dict:
     c, m = layer.config, layer.tokens
     params = {"H": c.num_heads, "m": m, "context": layer.context}
@@ -585,6 +984,7 @@ def build_report(
         if k.note:
             row["note"] = k.note
         rows.append(row)
+    rows += step_json_rows(steps, params)
     overhead_params = {"calls": options.overhead_calls, "m": 1, "k": 64, "n": 64}
     for key, label in OVERHEAD_LABELS.items():
         row = {
@@ -610,6 +1010,7 @@ def build_report(
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "dsa_decode": dsa_decode.__version__,
+        "copy_GBps": number(steps.copy_gbps),
         "preset": layer.preset,
         "tp": layer.tp,
         "params": params,
@@ -620,12 +1021,50 @@ def build_report(
         "attention_splits": layer.plan.attention_splits,
         "indexer_logits": layer.plan.indexer_logits,
         "value_up": value_up,
+        "step_names": steps.names,
         "checks": checks,
         "rows": rows,
     }
 
 
-def print_report(layer: SyntheticLayer, report: dict, kernels: List[KernelRow], step_names: List[str]) -> None:
+def floor_cells(tables: StepTables, t: StepTiming) -> tuple:
+    """GB/s and % of floor as dsa-decode prints them ("%9.0f", "%7.0f%%"), blank where the bytes are unknown."""
+    if t.bytes is None:
+        return " " * 9, " " * 8
+    return f"{t.bytes / t.us / 1e3:9.0f}", f"{100 * tables.floor_us(t.bytes) / t.us:7.0f}%"
+
+
+def print_step_tables(layer: SyntheticLayer, report: dict, tables: StepTables) -> None:
+    """dsa-decode's two tables (tools/report.cpp print_timings), the same
+    columns and labels: each step alone, then fused vs stock."""
+    print(
+        f"\nthe stage's steps (Stage.run_steps, as dsa-decode times them): CUDA-graph replay, median of "
+        f"{report['steps']} replays of {launches_per_graph(len(layer.stages))} launches; weights rotated through "
+        f"{len(layer.stages)} copies (cold L2); floor = bytes / measured copy rate {tables.copy_gbps:.0f} GB/s; "
+        f"a step alone reads what the last whole run left in its stage's buffers; the stage row: Stage.forward vs "
+        f"stock_forward (the whole_stage timing)"
+    )
+    print(f"{'step, alone':50} {'path':6} {'us':>9} {'GB/s':>9} {'% floor':>8}")
+    for t in tables.timings:
+        if t.alone:
+            gbps, floor = floor_cells(tables, t)
+            print(f"{t.label:50} {t.path:6} {t.us:9.2f} {gbps} {floor}")
+
+    print(f"\n{'fused vs stock':50} {'fused us':>9} {'% floor':>8} {'stock us':>9} {'% floor':>8} {'speedup':>8}")
+    for t in tables.timings:
+        if t.baseline is not None:
+            stock = t.baseline
+            print(
+                f"{t.label:50} {t.us:9.2f} {floor_cells(tables, t)[1]} {stock.us:9.2f} "
+                f"{floor_cells(tables, stock)[1]} {stock.us / t.us:7.2f}x"
+            )
+    print(
+        f"kernels alone, summed: fused path {tables.summed_us('fused'):.2f} us, stock path "
+        f"{tables.summed_us('stock'):.2f} us (a chain runs them back to back, with PDL on the fused kernels)"
+    )
+
+
+def print_report(layer: SyntheticLayer, report: dict, kernels: List[KernelRow], tables: StepTables) -> None:
     c = layer.config
     print(
         f"dsa_decode (Python) on {report['gpu']}, torch {report['torch']}, commit {report['commit']}: "
@@ -645,7 +1084,8 @@ def print_report(layer: SyntheticLayer, report: dict, kernels: List[KernelRow], 
         f"{sorted(layer.stages[0].value_up_tokens)}); head_gemv sums {report['head_gemv_sums']}; attention splits "
         f"{report['attention_splits']}; indexer logits {report['indexer_logits']}"
     )
-    print(f"fused path launches: {', '.join(step_names)}")
+    for path, names in tables.names.items():
+        print(f"{path} path, {len(names)} steps: {', '.join(names)}")
     print("\nchecks (each path once per stage, uncaptured):")
     for line in report["checks"]:
         print(line)
@@ -664,12 +1104,8 @@ def print_report(layer: SyntheticLayer, report: dict, kernels: List[KernelRow], 
             line += f"   {k.baseline:24} {k.baseline_us:9.2f} {k.baseline_us / k.us:7.2f}x"
         print(line)
 
-    whole = report["rows"][0]
-    print(f"\n{'fused vs stock':50} {'fused us':>9} {'stock us':>9} {'speedup':>8}")
-    print(
-        f"{'whole stage (Stage.forward vs stock_forward)':50} {whole['us']:9.2f} {whole['baseline_us']:9.2f} "
-        f"{whole['speedup']:7.2f}x"
-    )
+    # The whole stage is the fused vs stock table's last row, "stage qkv_a_proj .. o_proj".
+    print_step_tables(layer, report, tables)
 
     overhead = {row["name"][len("call_overhead_") :]: row for row in report["rows"] if row["name"].startswith("call_")}
     print(
@@ -725,12 +1161,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         options.indexer_logits,
     )
     checks = check_stage(layer)
-    step_names = layer.stages[0].step_names(layer.args)
+    copy_gbps = measure_copy_gbps()
     stage_us = time_stage(layer, options.steps)
+    steps = time_stage_steps(layer, stage_us, options.steps, copy_gbps)
     kernels = time_kernels(layer, options.steps)
     overhead = measure_call_overhead(options.overhead_calls)
-    report = build_report(layer, options, checks, stage_us, kernels, overhead)
-    print_report(layer, report, kernels, step_names)
+    report = build_report(layer, options, checks, stage_us, kernels, overhead, steps)
+    print_report(layer, report, kernels, steps)
     if options.json:
         Path(options.json).parent.mkdir(parents=True, exist_ok=True)
         with open(options.json, "w") as f:
