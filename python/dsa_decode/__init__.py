@@ -49,3 +49,40 @@ def describe(array, fp8: bool = False) -> str:
     """The tensor view the library sees for this array, e.g.
     'bf16[4, 64, 256] strides [16384, 256, 1] on cuda:0'."""
     return _C.describe(array, fp8)
+
+
+__all__ = [
+    "ATTENTION_SPLITS",
+    "CublasError",
+    "CudaError",
+    "HEAD_GEMV_SUMS",
+    "INDEXER_LOGITS",
+    "IndexerPlan",
+    "IndexerState",
+    "InvalidArgument",
+    "KvCacheWrite",
+    "LayerConfig",
+    "MAX_TOKENS",
+    "NoDevice",
+    "Stage",
+    "StagePlan",
+    "StepArgs",
+    "Unsupported",
+    "WEIGHT_NAMES",
+    "describe",
+    "head_gemv",
+    "indexer_prefill",
+    "indexer_prepare",
+    "indexer_project",
+    "indexer_remap",
+    "indexer_select",
+    "layer_config",
+    "linear_gemv",
+    "linear_gemv_supports",
+    "qkv_rmsnorm",
+    "reference",
+    "sparse_mla",
+    "sparse_mla_split_counter_count",
+    "sparse_mla_split_partials_count",
+    "supports",
+]

@@ -18,6 +18,16 @@ def _torch():
     return sys.modules.get("torch")
 
 
+def plain(t: Any) -> Any:
+    """A tensor that takes part in autograd (an nn.Linear's weight) as its
+    detached view, the same memory: PyTorch refuses to export such a tensor
+    through DLPack, and the kernels do not differentiate."""
+    torch = _torch()
+    if torch is not None and isinstance(t, torch.Tensor) and t.requires_grad:
+        return t.detach()
+    return t
+
+
 def fp8_view(t: Any) -> Any:
     """A torch.float8_e4m3fn tensor as its uint8 view; anything else as is."""
     torch = _torch()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import _C
-from ._tensors import fp8_view, stream_of
+from ._tensors import fp8_view, plain, stream_of
 
 HEAD_GEMV_SUMS = ("seed-order", "tensor-cores")
 ATTENTION_SPLITS = ("latency", "throughput", "by-batch", "whole-row")
@@ -39,7 +39,7 @@ def qkv_rmsnorm(qkv, q_weight, kv_weight, eps: float, q_out, kv_out, *, stream=N
     q_weight [Q] and kv_weight [L] BF16; writes q_out [m, Q] and kv_out [m, L]
     BF16 (contiguous, apart from qkv). Within 1 BF16 ulp of
     reference.qkv_rmsnorm (rsqrt.approx), the same bits on every run."""
-    _C.qkv_rmsnorm(qkv, q_weight, kv_weight, float(eps), q_out, kv_out, stream_of(stream, qkv))
+    _C.qkv_rmsnorm(qkv, plain(q_weight), plain(kv_weight), float(eps), q_out, kv_out, stream_of(stream, qkv))
 
 
 @dataclass
@@ -71,9 +71,12 @@ def head_gemv(
     """out[t, h, :] = x[t, h, :] @ weight[h] for the MLA absorb and value-up
     (head_gemv.h), 1..16 tokens.
 
-    x [m, H, I] BF16, weight [H, I, J] BF16 (J contiguous); out [m, H, J]
-    BF16, or FP8 e4m3 quantized by scale [1] f32 (the stock static quant;
-    scale is required for FP8 out and refused otherwise). cache: the fused
+    x [m, H, I] BF16 (dims 1-2 packed, token stride a multiple of 8, 16-byte
+    aligned), weight [H, I, J] BF16 (J contiguous, head and row strides
+    multiples of 8, 16-byte aligned); out [m, H, J] contiguous, BF16, or FP8
+    e4m3 quantized by scale [1] f32 (the stock static quant; scale is
+    required for FP8 out and refused otherwise); out shares no memory with
+    the inputs. m 1..16. cache: the fused
     KV-cache write (KvCacheWrite). sums: "seed-order" (the seed's FP32 order,
     bitwise reference.head_gemv) or "tensor-cores" (BF16 MMA, FP32
     accumulators, within 2^-14 of the sum of |products|; faster from m = 4).
@@ -91,7 +94,7 @@ def head_gemv(
         )
     _C.head_gemv(
         x,
-        weight,
+        plain(weight),
         fp8_view(out),
         out_fp8,
         scale,
@@ -107,7 +110,7 @@ def linear_gemv(x, weight, out, *, stream=None) -> None:
     x [m, K] @ weight [N, K]^T, all BF16, K a multiple of 8. Bitwise
     reference.linear_gemv (a fixed order), the same bits for a token alone or
     in any batch."""
-    _C.linear_gemv(x, weight, out, stream_of(stream, x))
+    _C.linear_gemv(x, plain(weight), out, stream_of(stream, x))
 
 
 def linear_gemv_supports(m: int, k: int) -> bool:
@@ -144,10 +147,14 @@ def sparse_mla(
 ) -> None:
     """Sparse MLA decode attention over the selected KV-cache entries (sparse_mla.h).
 
-    q [m, H, 512] FP8 e4m3 (times q_scale [1] f32), kv_cache [blocks,
-    block_size, 512] FP8 e4m3 (times k_scale [1] f32), indices [m, K] int32
-    global slots (negative: none; past the cache: skipped and counted in
-    error_count). Writes latent [m, H, 512] BF16 and lse [m, H] f32.
+    q [m, H, 512] FP8 e4m3 (times q_scale [1] f32; dim 2 contiguous, head
+    and token strides multiples of 16), kv_cache [blocks, block_size, 512]
+    FP8 e4m3 (times k_scale [1] f32; dim 2 contiguous, entry and block
+    strides multiples of 16), indices [m, K] int32 global slots (dim 1
+    contiguous; negative: none; past the cache: skipped and counted in
+    error_count). Writes latent [m, H, 512] BF16 (dims 1-2 contiguous, token
+    stride a multiple of 8) and lse [m, H] f32 (contiguous); neither shares
+    memory with an input. 16-byte aligned data throughout.
     split_counters [sparse_mla_split_counter_count(m, H, K)] int32, zero
     before the first launch and left zero by each; split_partials
     [sparse_mla_split_partials_count(m, H, K)] f32 (None when that is 0).
@@ -206,54 +213,169 @@ class IndexerState:
         return (self.block_table, self.ring, self.k_cache)
 
 
-def indexer_project(plan: IndexerPlan, q_c, x, wq_b, wk, weights_proj, compress_gate, index_q, index_k,
-                    head_weights, gate, *, stream=None) -> None:
+def indexer_project(
+    plan: IndexerPlan,
+    q_c,
+    x,
+    wq_b,
+    wk,
+    weights_proj,
+    compress_gate,
+    index_q,
+    index_k,
+    head_weights,
+    gate,
+    *,
+    stream=None,
+) -> None:
     """The indexer's four projections as one GEMV launch (indexer_project_gemv):
     index_q [m, 32, 128] = q_c [m, Q] @ wq_b^T, index_k [m, 128] = x [m, D] @
     wk^T, head_weights [m, 32] f32 = x @ weights_proj^T, gate [m, 128] = x @
-    compress_gate^T; BF16 but head_weights; a fixed order, bitwise its CPU
-    reference."""
-    _C.indexer_project(*plan._args(), q_c, x, wq_b, wk, weights_proj, compress_gate, index_q, index_k,
-                       head_weights, gate, stream_of(stream, q_c))
+    compress_gate^T, with wq_b [32 * 128, Q], wk [128, D], weights_proj [32,
+    D] and compress_gate [128, D] in nn.Linear's [out, in] layout; BF16 but
+    head_weights; rows with dim 1 contiguous, row strides multiples of 16
+    bytes, 16-byte aligned; Q and D multiples of 8. A fixed order, bitwise
+    its CPU reference."""
+    _C.indexer_project(
+        *plan._args(),
+        q_c,
+        x,
+        plain(wq_b),
+        plain(wk),
+        plain(weights_proj),
+        plain(compress_gate),
+        index_q,
+        index_k,
+        head_weights,
+        gate,
+        stream_of(stream, q_c),
+    )
 
 
-def indexer_prepare(plan: IndexerPlan, index_q, index_k, head_weights, gate, k_norm_weight, k_norm_bias, ape,
-                    positions, token_requests, state: IndexerState, workspace, *, error_count=None,
-                    stream=None) -> None:
+def indexer_prepare(
+    plan: IndexerPlan,
+    index_q,
+    index_k,
+    head_weights,
+    gate,
+    k_norm_weight,
+    k_norm_bias,
+    ape,
+    positions,
+    token_requests,
+    state: IndexerState,
+    workspace,
+    *,
+    error_count=None,
+    stream=None,
+) -> None:
     """Steps 1-4 of a decode step (indexer_prepare): LayerNorm of k, the
     Hadamard and FP8 quant of q with the folded head weights (into
     workspace), the pools the step completes (into state.k_cache) and the
-    ring. positions [m] int64, token_requests [m] int32 (negative: padding);
-    k_norm_weight, k_norm_bias [128] f32, ape [4, 128] f32."""
-    _C.indexer_prepare(*plan._args(), index_q, index_k, head_weights, gate, k_norm_weight, k_norm_bias, ape,
-                       positions, token_requests, *state._args(), workspace, error_count,
-                       stream_of(stream, index_q))
+    ring. index_q [m, 32, 128], index_k [m, 128] and gate [m, 128] BF16,
+    head_weights [m, 32] f32 (indexer_project's outputs); positions [m]
+    int64, token_requests [m] int32 (negative: padding); k_norm_weight,
+    k_norm_bias [128] f32, ape [4, 128] f32; workspace: uint8
+    [plan.workspace_bytes()], 256-byte aligned, which indexer_select reads."""
+    _C.indexer_prepare(
+        *plan._args(),
+        index_q,
+        index_k,
+        head_weights,
+        gate,
+        plain(k_norm_weight),
+        plain(k_norm_bias),
+        plain(ape),
+        positions,
+        token_requests,
+        *state._args(),
+        workspace,
+        error_count,
+        stream_of(stream, index_q),
+    )
 
 
-def indexer_select(plan: IndexerPlan, positions, token_requests, state: IndexerState, workspace, slots, *,
-                   topk_positions=None, error_count=None, stream=None) -> None:
+def indexer_select(
+    plan: IndexerPlan,
+    positions,
+    token_requests,
+    state: IndexerState,
+    workspace,
+    slots,
+    *,
+    topk_positions=None,
+    error_count=None,
+    stream=None,
+) -> None:
     """Steps 5-8 (indexer_select): logits over the complete pools, the top
     512 pools (ties to the lower index), expanded to tokens with the tail,
     remapped to global KV slots: slots [m, 2176] int32 (and the request-local
     positions into topk_positions [m, 2176] int32 when given)."""
-    _C.indexer_select(*plan._args(), positions, token_requests, *state._args(), workspace, slots, topk_positions,
-                      error_count, stream_of(stream, positions))
+    _C.indexer_select(
+        *plan._args(),
+        positions,
+        token_requests,
+        *state._args(),
+        workspace,
+        slots,
+        topk_positions,
+        error_count,
+        stream_of(stream, positions),
+    )
 
 
-def indexer_remap(plan: IndexerPlan, positions, token_requests, state: IndexerState, topk_positions, slots, *,
-                  error_count=None, stream=None) -> None:
+def indexer_remap(
+    plan: IndexerPlan,
+    positions,
+    token_requests,
+    state: IndexerState,
+    topk_positions,
+    slots,
+    *,
+    error_count=None,
+    stream=None,
+) -> None:
     """Step 8 alone, for rows the caller brings (MTP draft steps 1+):
     topk_positions [m, 2176] int32 request-local -> slots [m, 2176] int32
     global (-1 stays -1; positions from the future and bad pages become -1
     and are counted)."""
-    _C.indexer_remap(*plan._args(), positions, token_requests, *state._args(), topk_positions, slots, error_count,
-                     stream_of(stream, positions))
+    _C.indexer_remap(
+        *plan._args(),
+        positions,
+        token_requests,
+        *state._args(),
+        topk_positions,
+        slots,
+        error_count,
+        stream_of(stream, positions),
+    )
 
 
-def indexer_prefill(plan: IndexerPlan, index_k, gate, k_norm_weight, k_norm_bias, ape, request: int,
-                    state: IndexerState, *, error_count=None, stream=None) -> None:
+def indexer_prefill(
+    plan: IndexerPlan,
+    index_k,
+    gate,
+    k_norm_weight,
+    k_norm_bias,
+    ape,
+    request: int,
+    state: IndexerState,
+    *,
+    error_count=None,
+    stream=None,
+) -> None:
     """Step 9: positions 0..n-1 of one request (index_k, gate [n, 128] BF16)
     into its pools and ring, so that decode continues at position n; the
     same bytes as prepare token by token."""
-    _C.indexer_prefill(*plan._args(), index_k, gate, k_norm_weight, k_norm_bias, ape, int(request),
-                       *state._args(), error_count, stream_of(stream, index_k))
+    _C.indexer_prefill(
+        *plan._args(),
+        index_k,
+        gate,
+        plain(k_norm_weight),
+        plain(k_norm_bias),
+        plain(ape),
+        int(request),
+        *state._args(),
+        error_count,
+        stream_of(stream, index_k),
+    )

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 from . import _C
-from ._tensors import fp8_view, stream_of
+from ._tensors import fp8_view, plain, stream_of
 from .ops import IndexerPlan, IndexerState
 
 MAX_TOKENS = 16
@@ -145,6 +145,17 @@ class Stage:
     stage holds references so they outlive it), its workspace planned and
     allocated at creation (call it outside a graph capture).
 
+    weights: a mapping of WEIGHT_NAMES to tensors, BF16 unless noted,
+    nn.Linear's [out, in] layout for the projections (last dim contiguous,
+    row strides multiples of 8, 16-byte aligned): fused_qkv_a_proj [Q + L,
+    D], q_a_norm [Q], kv_a_norm [L], q_b_proj [H * P, Q], w_uk_t [H, P, L]
+    (L contiguous), w_uv [H, L, V] (V contiguous), o_proj [D, H * V],
+    q_scale and k_scale [1] f32, index_wq_b [4096, Q], index_wk [128, D],
+    index_weights_proj [32, D], index_compress_gate [128, D],
+    index_k_norm_weight and index_k_norm_bias [128] f32, index_ape [4, 128]
+    f32. A missing or wrong one is named, with every other, in one
+    InvalidArgument.
+
     forward(args) runs the fused path, stock_forward(args) the stock engine
     order (the fallback and the baseline); both neither allocate nor
     synchronize and capture into a CUDA graph once each path ran uncaptured
@@ -157,7 +168,9 @@ class Stage:
             raise ValueError(f"argument 'weights': unknown names {unknown}; expected names from {list(WEIGHT_NAMES)}")
         self.config = config
         self.plan = plan
-        self._weights = dict(weights)  # keeps the arrays alive as long as the stage
+        # Views of the caller's tensors (detached where they take part in
+        # autograd), kept as long as the stage: it holds their pointers.
+        self._weights = {name: plain(tensor) for name, tensor in weights.items()}
         self._stage = _C.Stage(asdict(config), self._weights, asdict(plan))
 
     @property
@@ -202,9 +215,12 @@ class Stage:
     def intermediates(self, m: int) -> dict:
         """Views of the stage's buffers as the last step left them (DLPack
         arrays: torch.from_dlpack(v) reads them without a copy; FP8 as
-        uint8). Keys: qkv, q_c, kv_c, q, q_fp8, index_q, index_k,
-        head_weights, gate, index_logits, topk_positions, slots, latent, lse,
-        heads. Read them before the next step."""
+        uint8): qkv [m, Q + L], q_c [m, Q], kv_c [m, L], q [m, H, P] BF16;
+        q_fp8 [m, H, L] e4m3; index_q [m, 32, 128], index_k [m, 128] BF16,
+        head_weights [m, 32] f32, gate [m, 128] BF16; index_logits [m,
+        ceil(max_context / 4)] f32; topk_positions and slots [m, 2176] int32;
+        latent [m, H, L] BF16, lse [m, H] f32, heads [m, H, V] BF16. Read
+        them before the next step."""
         return dict(self._stage.intermediates(m))
 
 

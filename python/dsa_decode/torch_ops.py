@@ -74,22 +74,6 @@ Tensor = torch.Tensor
 
 # --- streams ---------------------------------------------------------------
 
-# The raw getter is what Inductor's generated code uses: one C call, no
-# torch.cuda.Stream object per launch (the per-call cost matters at decode
-# sizes: python/bench/bench_python.py measures it). The public path is the fallback.
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
-def _current_stream(tensor: Tensor) -> int:
-    """The cudaStream_t (as an int) of torch.cuda.current_stream() on the tensor's device."""
-    if tensor.device.type != "cuda":
-        # The library's check names the argument that is not on CUDA.
-        return 0
-    if _current_raw_stream is not None:
-        return _current_raw_stream(tensor.device.index)
-    return torch.cuda.current_stream(tensor.device).cuda_stream
-
-
 # --- the stage registry ----------------------------------------------------
 
 _registry_lock = threading.Lock()
@@ -149,7 +133,7 @@ def qkv_rmsnorm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, eps: float, q_
     qkv [m, Q + L] BF16 (dim 1 contiguous, row pitch a multiple of 8),
     q_weight [Q] and kv_weight [L] BF16, eps >= 0; writes q_out [m, Q] and
     kv_out [m, L] BF16, contiguous."""
-    _qkv_rmsnorm(qkv, q_weight, kv_weight, eps, q_out, kv_out, stream=_current_stream(qkv))
+    _qkv_rmsnorm(qkv, q_weight, kv_weight, eps, q_out, kv_out)
 
 
 @qkv_rmsnorm.register_fake
@@ -162,7 +146,7 @@ def linear_gemv(x: Tensor, weight: Tensor, out: Tensor) -> None:
     """nn.Linear for 1..8 tokens in one launch (dsa_decode.linear_gemv):
     out [m, N] = x [m, K] @ weight [N, K]^T, all BF16, K a multiple of 8
     (dsa_decode.linear_gemv_supports(m, K) for the shared-memory bound)."""
-    _linear_gemv(x, weight, out, stream=_current_stream(x))
+    _linear_gemv(x, weight, out)
 
 
 @linear_gemv.register_fake
@@ -192,7 +176,6 @@ def head_gemv(
         scale=scale,
         sums=sums,
         release_dependents_early=release_dependents_early,
-        stream=_current_stream(x),
     )
 
 
@@ -236,7 +219,6 @@ def head_gemv_absorb(
         cache=write,
         sums=sums,
         release_dependents_early=release_dependents_early,
-        stream=_current_stream(x),
     )
 
 
@@ -302,7 +284,6 @@ def sparse_mla(
         split_partials,
         splits=splits,
         error_count=error_count,
-        stream=_current_stream(q),
     )
 
 
@@ -372,9 +353,9 @@ def stage_forward(
     )
     stage = registered_stage(handle)
     if stock:
-        stage.stock_forward(args, stream=_current_stream(hidden))
+        stage.stock_forward(args)
     else:
-        stage.forward(args, stream=_current_stream(hidden))
+        stage.forward(args)
 
 
 @stage_forward.register_fake

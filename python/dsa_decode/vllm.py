@@ -30,6 +30,7 @@ compiled whole would call torch.ops.dsa_decode.stage_forward instead
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
@@ -348,7 +349,19 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
         slot_mapping = slot_mappings[layer_name] if slot_mappings is not None else metadata.slot_mapping
         state = {field: _resolve(metadata, path) for field, path in METADATA_ATTRIBUTES.items()}
         state.update({field: _resolve(w.indexer, path) for field, path in INDEXER_STATE_ATTRIBUTES.items()})
-        if _MISSING in state.values():
+        missing = [field for field, value in state.items() if value is _MISSING]
+        if missing:
+            # Not a step the stage can run, but maybe a wrong name in the
+            # tables above: say so once per layer, or every step would run
+            # stock silently.
+            if not getattr(adapter, "_warned_missing_state", False):
+                adapter._warned_missing_state = True
+                warnings.warn(
+                    f"dsa_decode.vllm: layer {layer_name}: no {', '.join(missing)} found "
+                    "(METADATA_ATTRIBUTES / INDEXER_STATE_ATTRIBUTES); its steps run the stock forward",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             return None
         m = hidden_states.shape[0]
         return StepInputs(

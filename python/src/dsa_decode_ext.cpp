@@ -16,8 +16,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <stdexcept>
@@ -129,8 +131,24 @@ dsa::DType to_dtype(nb::dlpack::dtype t, const char* name, bool fp8) {
   throw_invalid(name, "bfloat16, float16, float32, int32, int64, uint8 or float8_e4m3fn", dlpack_dtype_name(t));
 }
 
-// A view of the array's memory under the C++ argument name `name`. Only the
-// shape, strides, dtype and device are translated: the C++ checks judge them.
+// The CUDA device the library launches on (cudaGetDevice), asked only when a
+// CUDA array arrives, so CPU-only machines never ask.
+int current_device() {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return -1;
+  return device;
+}
+
+// A view of the array's memory under the C++ argument name `name`. The shape,
+// strides, dtype and device are translated, and the C++ checks judge them,
+// with three rules of the translation's own:
+//  - a size-1 dimension's stride carries no information, and DLPack
+//    producers disagree on it (PyTorch exports 1 where the tensor breaks the
+//    contiguous pattern); it is set to the contiguous value, which every
+//    check takes;
+//  - negative strides are refused (the library's overlap and span rules
+//    assume non-negative ones);
+//  - a CUDA array must be on the current device, where the launch goes.
 dsa::TensorView to_view(const Array& a, const char* name, bool fp8 = false) {
   dsa::TensorView v;
   if (a.ndim() > size_t(dsa::kMaxDims)) {
@@ -140,13 +158,23 @@ dsa::TensorView to_view(const Array& a, const char* name, bool fp8 = false) {
   v.data = a.data();
   v.dtype = to_dtype(a.dtype(), name, fp8);
   v.ndim = int(a.ndim());
-  for (size_t d = 0; d < a.ndim(); ++d) {
+  int64_t contiguous_stride = 1;
+  for (size_t d = a.ndim(); d-- > 0;) {
     v.shape[d] = a.shape(d);
-    v.strides[d] = a.stride(d);
+    v.strides[d] = a.shape(d) == 1 ? contiguous_stride : a.stride(d);
+    if (v.strides[d] < 0) throw_invalid(name, "non-negative strides", v.describe());
+    contiguous_stride = v.strides[d] * std::max<int64_t>(v.shape[d], 1);
   }
   const int device_type = a.device_type();
   if (device_type == nb::device::cuda::value) {
     v.device = dsa::Device{dsa::DeviceKind::kCUDA, a.device_id()};
+    const int device = current_device();
+    if (a.device_id() != device) {
+      throw_invalid(
+          name,
+          "an array on the current device cuda:" + std::to_string(device) + " (torch.cuda.device(...) selects it)",
+          v.describe());
+    }
   } else if (device_type == nb::device::cpu::value) {
     v.device = dsa::Device{dsa::DeviceKind::kCPU, 0};
   } else {
@@ -165,7 +193,8 @@ unsigned int* to_counter(const OptArray& a, const char* name) {
   const nb::dlpack::dtype t = a->dtype();
   const bool word = t.bits == 32 && t.lanes == 1 &&
                     (t.code == uint8_t(nb::dlpack::dtype_code::Int) || t.code == uint8_t(nb::dlpack::dtype_code::UInt));
-  if (!word || a->size() < 1) throw_invalid(name, "at least one int32 or uint32 element", dlpack_dtype_name(t));
+  if (!word) throw_invalid(name, "an int32 or uint32 counter", dlpack_dtype_name(t));
+  if (a->size() < 1) throw_invalid(name, "at least one element", "an empty array");
   if (a->device_type() != nb::device::cuda::value) throw_invalid(name, "a CUDA array", "another device");
   return static_cast<unsigned int*>(a->data());
 }
@@ -241,10 +270,14 @@ nb::ndarray<nb::numpy, T> numpy_from(std::vector<T> values, std::vector<size_t> 
 
 // --- the stage -------------------------------------------------------------
 
-// Python's handle of a DsaAttentionStage. The weight arrays are kept alive
-// by the Python object that owns this one (dsa_decode.Stage).
+// Python's handle of a DsaAttentionStage. It keeps the weight arrays it was
+// made from (a DLPack capsule has no other owner once imported), and runs
+// one call at a time: launches release the GIL, and two threads must not
+// share the stage's workspace, events and cuBLAS handle at once.
 struct Stage {
   std::unique_ptr<dsa::DsaAttentionStage> stage;
+  std::vector<Array> weights;
+  std::mutex calls;
 };
 
 dsa::DsaStepArgs step_args(const Array& hidden, const Array& positions, const Array& token_requests,
@@ -541,9 +574,12 @@ NB_MODULE(_C, m) {
       },
       "preset"_a, "tp"_a, "rms_norm_eps"_a);
 
-  m.def("measured_value_up_tokens", [](int64_t heads, const std::string& sums) {
-    return dsa::dsa_stage_measured_value_up_tokens(heads, head_gemv_sums(sums));
-  });
+  m.def(
+      "measured_value_up_tokens",
+      [](int64_t heads, const std::string& sums) {
+        return dsa::dsa_stage_measured_value_up_tokens(heads, head_gemv_sums(sums));
+      },
+      "heads"_a, "sums"_a);
   m.def("measured_projection_gemv_tokens", &dsa::dsa_stage_measured_projection_gemv_tokens, "heads"_a);
   m.def(
       "stage_supports",
@@ -581,9 +617,11 @@ NB_MODULE(_C, m) {
             c.decode_context_parallel_size = nb::cast<int>(config["decode_context_parallel_size"]);
 
             // Absent weights stay empty views: create names each one missing.
+            std::vector<Array> imported;
             auto weight = [&](const char* key) {
               if (!weights.contains(key) || weights[key].is_none()) return dsa::TensorView{};
-              return to_view(nb::cast<Array>(weights[key]), key);
+              imported.push_back(nb::cast<Array>(weights[key]));
+              return to_view(imported.back(), key);
             };
             dsa::DsaLayerWeights w;
             w.fused_qkv_a_proj = weight("fused_qkv_a_proj");
@@ -623,7 +661,7 @@ NB_MODULE(_C, m) {
 
             std::unique_ptr<dsa::DsaAttentionStage> stage;
             throw_if_error(dsa::DsaAttentionStage::create(c, w, p, &stage));
-            new (self) Stage{std::move(stage)};
+            new (self) Stage{std::move(stage), std::move(imported), {}};
           },
           "config"_a, "weights"_a, "plan"_a)
       .def(
@@ -641,6 +679,7 @@ NB_MODULE(_C, m) {
             const dsa::DsaStepArgs args = step_args(hidden, positions, token_requests, slot_mapping, kv_cache,
                                                     block_table, ring, index_k_cache, out, topk_positions, error_count);
             launch_released([&] {
+              const std::lock_guard<std::mutex> one_call(s.calls);
               return stock ? s.stage->stock_forward(args, to_stream(stream))
                            : s.stage->forward(args, to_stream(stream));
             });
@@ -656,6 +695,7 @@ NB_MODULE(_C, m) {
             const dsa::DsaStepArgs args = step_args(hidden, positions, token_requests, slot_mapping, kv_cache,
                                                     block_table, ring, index_k_cache, out, topk_positions, error_count);
             launch_released([&] {
+              const std::lock_guard<std::mutex> one_call(s.calls);
               return s.stage->run_steps(stock ? dsa::DsaPath::kStock : dsa::DsaPath::kFused, args, first, count,
                                         to_stream(stream));
             });

@@ -123,10 +123,12 @@ def sparse_mla_problem(generator, m, heads, top_k=2176, blocks=16):
         softmax_scale=256**-0.5,
         latent=torch.empty((m, heads, 512), dtype=torch.bfloat16, device=DEVICE),
         lse=torch.empty((m, heads), dtype=torch.float32, device=DEVICE),
-        split_counters=torch.zeros(dd.sparse_mla_split_counter_count(m, heads, top_k), dtype=torch.int32,
-                                   device=DEVICE),
-        split_partials=torch.empty(max(dd.sparse_mla_split_partials_count(m, heads, top_k), 1),
-                                   dtype=torch.float32, device=DEVICE),
+        split_counters=torch.zeros(
+            dd.sparse_mla_split_counter_count(m, heads, top_k), dtype=torch.int32, device=DEVICE
+        ),
+        split_partials=torch.empty(
+            max(dd.sparse_mla_split_partials_count(m, heads, top_k), 1), dtype=torch.float32, device=DEVICE
+        ),
     )
 
 
@@ -219,8 +221,7 @@ def test_launches_go_to_the_callers_stream(how, generator):
 
 def stage_layer(generator, tp=8):
     c = dd.layer_config("glm5next", tp=tp)
-    D, H, Q, L, P, V = (c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
-                        c.v_head_dim)
+    D, H, Q, L, P, V = (c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim)
     weights = dict(
         fused_qkv_a_proj=bf16((Q + L, D), generator, D**-0.5),
         q_a_norm=bf16((Q,), generator, 0.1) + 1,
@@ -254,9 +255,16 @@ def stage_step(stage, c, weights, generator, m, context=3000):
         torch.zeros((m * pages, plan.block_size // 4 * 132), dtype=torch.uint8, device=DEVICE),
     )
     for request in range(m):
-        dd.indexer_prefill(plan, bf16((context, 128), generator), bf16((context, 128), generator),
-                           weights["index_k_norm_weight"], weights["index_k_norm_bias"], weights["index_ape"],
-                           request, state)
+        dd.indexer_prefill(
+            plan,
+            bf16((context, 128), generator),
+            bf16((context, 128), generator),
+            weights["index_k_norm_weight"],
+            weights["index_k_norm_bias"],
+            weights["index_ape"],
+            request,
+            state,
+        )
     positions = torch.full((m,), context, dtype=torch.int64, device=DEVICE)
     slots = block_table[:, context // plan.block_size].long() * plan.block_size + context % plan.block_size
     return dd.StepArgs(
@@ -354,20 +362,46 @@ def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator):
 
     kv_cache = initial[0].clone()
     q_fp8 = empty((m, H, 512), FP8)
-    dd.head_gemv(v["q"], weights["w_uk_t"], q_fp8, scale=weights["q_scale"],
-                 cache=dd.KvCacheWrite(v["kv_c"], kv_cache, args.slot_mapping, weights["k_scale"]))
+    dd.head_gemv(
+        v["q"],
+        weights["w_uk_t"],
+        q_fp8,
+        scale=weights["q_scale"],
+        cache=dd.KvCacheWrite(v["kv_c"], kv_cache, args.slot_mapping, weights["k_scale"]),
+    )
 
     plan = stage.indexer_plan()
     index_q, index_k = empty((m, 32, 128)), empty((m, 128))
     head_weights, gate = empty((m, 32), torch.float32), empty((m, 128))
-    dd.indexer_project(plan, v["q_c"], args.hidden, weights["index_wq_b"], weights["index_wk"],
-                       weights["index_weights_proj"], weights["index_compress_gate"], index_q, index_k,
-                       head_weights, gate)
+    dd.indexer_project(
+        plan,
+        v["q_c"],
+        args.hidden,
+        weights["index_wq_b"],
+        weights["index_wk"],
+        weights["index_weights_proj"],
+        weights["index_compress_gate"],
+        index_q,
+        index_k,
+        head_weights,
+        gate,
+    )
     state = dd.IndexerState(args.indexer.block_table, initial[1].clone(), initial[2].clone())
     workspace = empty((plan.workspace_bytes(),), torch.uint8)
-    dd.indexer_prepare(plan, v["index_q"], v["index_k"], v["head_weights"], v["gate"],
-                       weights["index_k_norm_weight"], weights["index_k_norm_bias"], weights["index_ape"],
-                       args.positions, args.token_requests, state, workspace)
+    dd.indexer_prepare(
+        plan,
+        v["index_q"],
+        v["index_k"],
+        v["head_weights"],
+        v["gate"],
+        weights["index_k_norm_weight"],
+        weights["index_k_norm_bias"],
+        weights["index_ape"],
+        args.positions,
+        args.token_requests,
+        state,
+        workspace,
+    )
     slots = empty((m, 2176), torch.int32)
     dd.indexer_select(plan, args.positions, args.token_requests, state, workspace, slots)
 
@@ -375,8 +409,18 @@ def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator):
     latent, lse = empty((m, H, 512)), empty((m, H), torch.float32)
     counters = torch.zeros(dd.sparse_mla_split_counter_count(m, H, top_k), dtype=torch.int32, device=DEVICE)
     partials = empty((max(dd.sparse_mla_split_partials_count(m, H, top_k), 1),), torch.float32)
-    dd.sparse_mla(v["q_fp8"], weights["q_scale"], args.kv_cache, weights["k_scale"], v["slots"], c.softmax_scale,
-                  latent, lse, counters, partials)
+    dd.sparse_mla(
+        v["q_fp8"],
+        weights["q_scale"],
+        args.kv_cache,
+        weights["k_scale"],
+        v["slots"],
+        c.softmax_scale,
+        latent,
+        lse,
+        counters,
+        partials,
+    )
     heads = empty((m, H, V))
     dd.head_gemv(v["latent"], weights["w_uv"], heads)
     out = empty((m, D))
@@ -406,3 +450,50 @@ def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator):
         "o_proj": same(out, args.out),
     }
     assert all(checks.values()), [name for name, ok in checks.items() if not ok]
+
+
+def test_single_token_slices_pass_the_checks(generator):
+    """A token's row sliced out of a wider one ([1, 512] of a [1, 2048]
+    buffer): PyTorch exports its size-1 dimension's stride as 1, which the
+    binding takes as the contiguous value, so the absorb's cache write takes
+    kv_c as the norm left it in qkv's layout."""
+    qkv = bf16((1, 2048), generator)
+    kv = qkv[:, 1536:]
+    x, weight = bf16((1, 8, 256), generator), bf16((8, 256, 512), generator, 0.05)
+    out = torch.empty((1, 8, 512), dtype=FP8, device=DEVICE)
+    cache = torch.zeros((2, 256, 512), dtype=FP8, device=DEVICE)
+    k_scale = torch.tensor([0.05], device=DEVICE)
+    slot = torch.tensor([300], dtype=torch.int64, device=DEVICE)
+    dd.head_gemv(
+        x, weight, out, scale=torch.tensor([0.02], device=DEVICE), cache=dd.KvCacheWrite(kv, cache, slot, k_scale)
+    )
+    torch.cuda.synchronize()
+    want = (kv.float() / k_scale).clamp(-448, 448).to(FP8)
+    assert torch.equal(cache.view(-1, 512)[300].view(torch.uint8), want[0].view(torch.uint8))
+
+
+def test_stage_keeps_its_weights_alive_and_takes_parameters(generator):
+    """Weights given as DLPack capsules of temporaries (nothing else owns
+    them) and as nn.Parameters (autograd tensors, refused by DLPack as they
+    are) give the same step as plain tensors."""
+    c, weights = stage_layer(generator)
+    plan = dd.StagePlan(max_tokens=1, max_context=8192)
+    reference = dd.Stage(c, weights, plan)
+    as_parameters = dd.Stage(
+        c,
+        {k: torch.nn.Parameter(w.clone(), requires_grad=True) for k, w in weights.items() if w.is_floating_point()}
+        | {k: w for k, w in weights.items() if not w.is_floating_point()},
+        plan,
+    )
+    as_capsules = dd.Stage(c, {k: torch.utils.dlpack.to_dlpack(w.clone()) for k, w in weights.items()}, plan)
+    torch.cuda.empty_cache()
+    scribble = torch.full((64 << 20,), 0x7F, dtype=torch.uint8, device=DEVICE)  # reuses freed memory, if any
+    args = stage_step(reference, c, weights, generator, 1)
+    initial = [t.clone() for t in caches_of(args)]
+    outs = []
+    for stage in (reference, as_parameters, as_capsules):
+        restore(args, initial)
+        stage.forward(args)
+        outs.append(args.out.clone())
+    del scribble
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
