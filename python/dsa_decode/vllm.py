@@ -121,15 +121,6 @@ def _resolve(root: Any, dotted: str) -> Any:
     return value
 
 
-def _plain(tensor: Any) -> Any:
-    """A parameter that requires grad as its detached view (the same memory):
-    PyTorch refuses to export such a tensor through DLPack. vLLM's weights
-    do not require grad; a test's nn.Parameter may."""
-    if getattr(tensor, "requires_grad", False):
-        return tensor.detach()
-    return tensor
-
-
 # The seed's checks, in its order and with its words, less its
 # isinstance(impl, FlashInferMLASparseImpl): the stage runs its own attention
 # kernel on the FP8 cache, so the backend vLLM picked does not matter to it.
@@ -273,7 +264,8 @@ def _read_layer(w: Any, mla: Any, impl: Any) -> Tuple[LayerConfig, Dict[str, Any
         hisparse_cache=mla.hisparse_cache is not None,
         decode_context_parallel_size=int(impl.dcp_world_size),
     )
-    return config, {name: _plain(weights[name]) for name in WEIGHT_NAMES}
+    # Stage passes autograd tensors (a test's nn.Parameter) detached.
+    return config, {name: weights[name] for name in WEIGHT_NAMES}
 
 
 @dataclass

@@ -225,14 +225,6 @@ def test_read_layer_takes_vllm_attributes_and_weights_in_place():
         assert read[name] is weights[name], name
 
 
-def test_read_layer_detaches_parameters_that_require_grad():
-    weights = fake_weights()
-    weights["o_proj"].requires_grad = True
-    _, read = adapter_module.read_layer(fake_attention(weights))
-    assert read["o_proj"].detached_from is weights["o_proj"]  # DLPack refuses a tensor that requires grad
-    assert read["w_uv"] is weights["w_uv"]
-
-
 def test_read_layer_takes_an_fp8_e4m3_cache_dtype():
     config, _ = adapter_module.read_layer(fake_attention(fake_weights(), attention={"kv_cache_dtype": "fp8_e4m3"}))
     assert config.kv_cache_dtype == "fp8_e4m3"
