@@ -62,6 +62,10 @@ def test_size_one_dimensions_take_the_contiguous_stride():
     assert dd.describe(np.zeros((3, 1, 8), dtype=np.float32)[:, :, ::2]) == "f32[3, 1, 4] strides [8, 8, 2] on cpu"
 
 
+def test_dlpack_capsules_are_taken_as_arrays():
+    assert dd.describe(np.zeros((2, 3), dtype=np.int32).__dlpack__()) == "i32[2, 3] strides [3, 1] on cpu"
+
+
 def test_negative_strides_are_refused_by_name():
     with pytest.raises(dd.InvalidArgument, match="argument 'array': expected non-negative strides"):
         dd.describe(np.zeros((4, 8), dtype=np.float32)[::-1])

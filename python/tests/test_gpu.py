@@ -497,3 +497,28 @@ def test_stage_keeps_its_weights_alive_and_takes_parameters(generator):
         outs.append(args.out.clone())
     del scribble
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_indexer_remap_reproduces_the_stages_caller_rows(generator):
+    """With caller rows (MTP draft steps 1+) the C++ stage skips the indexer
+    and remaps the rows (DsaAttentionStage's indexer_remap step): the op
+    gives the same slots, block_table[request, pos / 256] * 256 + pos % 256
+    with -1 kept, and the indexer's state is left as it was."""
+    m = 1
+    c, weights = stage_layer(generator)
+    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=2, max_context=8192))
+    args = stage_step(stage, c, weights, generator, m)
+    rows = torch.full((m, 2176), -1, dtype=torch.int32, device=DEVICE)
+    rows[:, :2048] = torch.randint(0, 3000, (m, 2048), generator=generator, device=DEVICE, dtype=torch.int32)
+    args.topk_positions = rows
+    ring, pools = args.indexer.ring.clone(), args.indexer.k_cache.clone()
+    stage.forward(args)
+    slots = torch.empty((m, 2176), dtype=torch.int32, device=DEVICE)
+    dd.indexer_remap(stage.indexer_plan(), args.positions, args.token_requests, args.indexer, rows, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(slots, torch.from_dlpack(stage.intermediates(m)["slots"]))
+    positions = rows.clamp(min=0).long()
+    block_size = stage.indexer_plan().block_size
+    want = args.indexer.block_table[0].long()[positions // block_size] * block_size + positions % block_size
+    assert torch.equal(slots.long(), torch.where(rows >= 0, want, -1))
+    assert torch.equal(args.indexer.ring, ring) and torch.equal(args.indexer.k_cache, pools)
