@@ -522,3 +522,46 @@ def test_indexer_remap_reproduces_the_stages_caller_rows(generator):
     want = args.indexer.block_table[0].long()[positions // block_size] * block_size + positions % block_size
     assert torch.equal(slots.long(), torch.where(rows >= 0, want, -1))
     assert torch.equal(args.indexer.ring, ring) and torch.equal(args.indexer.k_cache, pools)
+
+
+def test_indexer_prefill_equals_prepare_token_by_token(generator):
+    """indexer.h's promise for prefill, through the binding: n tokens
+    prefilled at once leave the same ring and pooled keys as a shorter
+    prefill continued by prepare one token at a time."""
+    plan = dd.IndexerPlan(max_tokens=1, max_context=8192, ring=4)
+    pages = plan.max_context // plan.block_size
+    n, prefilled = 67, 57  # neither a whole number of pools
+    state = dd.IndexerState(
+        torch.arange(2 * pages, dtype=torch.int32, device=DEVICE).view(2, pages),
+        torch.zeros((2, 2, plan.ring, 128), dtype=torch.bfloat16, device=DEVICE),
+        torch.zeros((2 * pages, plan.block_size // 4 * 132), dtype=torch.uint8, device=DEVICE),
+    )
+    index_k, gate = bf16((n, 128), generator), bf16((n, 128), generator)
+    norm_weight = torch.rand(128, generator=generator, device=DEVICE) + 0.5
+    norm_bias = torch.randn(128, generator=generator, device=DEVICE) * 0.1
+    ape = torch.randn((4, 128), generator=generator, device=DEVICE) * 0.1
+    dd.indexer_prefill(plan, index_k, gate, norm_weight, norm_bias, ape, 0, state)
+    dd.indexer_prefill(plan, index_k[:prefilled], gate[:prefilled], norm_weight, norm_bias, ape, 1, state)
+    workspace = torch.empty(plan.workspace_bytes(), dtype=torch.uint8, device=DEVICE)
+    index_q = torch.zeros((1, 32, 128), dtype=torch.bfloat16, device=DEVICE)
+    head_weights = torch.zeros((1, 32), dtype=torch.float32, device=DEVICE)
+    request = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    for position in range(prefilled, n):
+        dd.indexer_prepare(
+            plan,
+            index_q,
+            index_k[position : position + 1],
+            head_weights,
+            gate[position : position + 1],
+            norm_weight,
+            norm_bias,
+            ape,
+            torch.tensor([position], dtype=torch.int64, device=DEVICE),
+            request,
+            state,
+            workspace,
+        )
+    torch.cuda.synchronize()
+    assert torch.equal(state.ring[0], state.ring[1])
+    assert torch.equal(state.k_cache[:pages], state.k_cache[pages:])
+    assert state.k_cache[0].any()  # the pools were written
