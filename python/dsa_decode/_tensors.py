@@ -1,10 +1,9 @@
-"""Helpers shared by the package's wrappers: streams and FP8 views.
-
-The C++ layer takes any DLPack array. Two things it cannot learn from DLPack
-alone are settled here: which CUDA stream to launch on (PyTorch's current
-stream of the tensors' device, as a PyTorch op would, unless the caller names
-one), and FP8 tensors, which travel as their uint8 view (DLPack carries
-float8 only from version 1.1 on)."""
+"""The rules the package's wrappers share, for what the C++ layer cannot
+learn from DLPack alone: which CUDA stream to launch on (PyTorch's current
+stream of the tensor's device, as a PyTorch op would, unless the caller
+names one), FP8 tensors (passed as their uint8 views: DLPack carries float8
+only from version 1.1 on), and tensors that take part in autograd (passed
+detached: PyTorch will not export them)."""
 
 from __future__ import annotations
 
@@ -36,19 +35,18 @@ def fp8_view(t: Any) -> Any:
     return t
 
 
-def stream_of(stream: Optional[Any], *tensors: Any) -> int:
+def stream_of(stream: Optional[Any], tensor: Any) -> int:
     """The cudaStream_t to launch on, as an integer.
 
-    stream: None (PyTorch's current stream on the first CUDA tensor's device,
-    else the legacy default stream 0), an int (a cudaStream_t's value), or
-    an object with a ``cuda_stream`` attribute (torch.cuda.Stream) or
-    ``ptr`` (cupy.cuda.Stream)."""
+    stream: None (PyTorch's current stream on the device of `tensor`, the
+    call's first tensor argument, when it is a CUDA torch.Tensor, else the
+    legacy default stream 0), an int (a cudaStream_t's value), or an object
+    with a ``cuda_stream`` attribute (torch.cuda.Stream) or ``ptr``
+    (cupy.cuda.Stream)."""
     if stream is None:
         torch = _torch()
-        if torch is not None:
-            for t in tensors:
-                if isinstance(t, torch.Tensor) and t.is_cuda:
-                    return _current_raw_stream(torch, t.device)
+        if torch is not None and isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            return _current_raw_stream(torch, tensor.device)
         return 0
     if isinstance(stream, int):
         return stream

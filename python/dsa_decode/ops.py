@@ -12,9 +12,9 @@ in which sums are added, the roundings, the untrusted device values):
   V v_head_dim, K top-k entries per row.
 
 FP8 e4m3 arguments take torch.float8_e4m3fn tensors or their uint8 views.
-``stream``: None launches on PyTorch's current stream of the tensors' device
-(the legacy default stream when no argument is a torch tensor); an int is a
-cudaStream_t. A bad argument raises dsa_decode.InvalidArgument (a
+``stream``: None launches on PyTorch's current stream of the first tensor
+argument's device (the legacy default stream when that is not a CUDA torch
+tensor); an int is a cudaStream_t. A bad argument raises dsa_decode.InvalidArgument (a
 ValueError) with the C++ check's message, which names the argument, what was
 expected and what was given.
 """
@@ -27,9 +27,10 @@ from typing import Any, Optional
 from . import _C
 from ._tensors import fp8_view, plain, stream_of
 
-HEAD_GEMV_SUMS = ("seed-order", "tensor-cores")
-ATTENTION_SPLITS = ("latency", "throughput", "by-batch", "whole-row")
-INDEXER_LOGITS = ("exact", "fp32-accumulation")
+# The string choices, as the extension parses them.
+HEAD_GEMV_SUMS = _C.HEAD_GEMV_SUMS  # head_gemv's sums and StagePlan.head_gemv_sums
+ATTENTION_SPLITS = _C.ATTENTION_SPLITS  # sparse_mla's splits and StagePlan.attention_splits
+INDEXER_LOGITS = _C.INDEXER_LOGITS  # IndexerPlan.logits and StagePlan.indexer_logits
 
 
 def qkv_rmsnorm(qkv, q_weight, kv_weight, eps: float, q_out, kv_out, *, stream=None) -> None:
@@ -82,26 +83,20 @@ def head_gemv(
     accumulators, within 2^-14 of the sum of |products|; faster from m = 4).
     release_dependents_early: let the next PDL kernel start before this one
     waits (for a next kernel with a long weight prologue)."""
-    out_fp8 = scale is not None
-    args = dict(cache_kv=None, cache=None, slot_mapping=None, k_scale=None, cache_error_count=None)
-    if cache is not None:
-        args = dict(
-            cache_kv=cache.kv,
-            cache=fp8_view(cache.cache),
-            slot_mapping=cache.slot_mapping,
-            k_scale=cache.k_scale,
-            cache_error_count=cache.error_count,
-        )
+    cache = cache if cache is not None else KvCacheWrite(None, None, None, None)
     _C.head_gemv(
         x,
         plain(weight),
         fp8_view(out),
-        out_fp8,
         scale,
-        sums=sums,
-        release_dependents_early=release_dependents_early,
-        stream=stream_of(stream, x),
-        **args,
+        cache.kv,
+        fp8_view(cache.cache),
+        cache.slot_mapping,
+        cache.k_scale,
+        cache.error_count,
+        sums,
+        release_dependents_early,
+        stream_of(stream, x),
     )
 
 

@@ -168,10 +168,8 @@ class Stage:
             raise ValueError(f"argument 'weights': unknown names {unknown}; expected names from {list(WEIGHT_NAMES)}")
         self.config = config
         self.plan = plan
-        # Views of the caller's tensors (detached where they take part in
-        # autograd), kept as long as the stage: it holds their pointers.
-        self._weights = {name: plain(tensor) for name, tensor in weights.items()}
-        self._stage = _C.Stage(asdict(config), self._weights, asdict(plan))
+        # The extension's Stage keeps the arrays it imports for its lifetime.
+        self._stage = _C.Stage(asdict(config), {name: plain(t) for name, t in weights.items()}, asdict(plan))
 
     @property
     def max_tokens(self) -> int:

@@ -72,8 +72,6 @@ OPS = ("qkv_rmsnorm", "linear_gemv", "head_gemv", "head_gemv_absorb", "sparse_ml
 
 Tensor = torch.Tensor
 
-# --- streams ---------------------------------------------------------------
-
 # --- the stage registry ----------------------------------------------------
 
 _registry_lock = threading.Lock()

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .ops import IndexerState
-from .stage import WEIGHT_NAMES, LayerConfig, Stage, StagePlan, StepArgs
+from .stage import LayerConfig, Stage, StagePlan, StepArgs
 
 # The layer's weights, by dsa_decode.WEIGHT_NAMES key: vLLM's attribute paths
 # from w (the wrapper) and mla (its MLAAttention). W_UV is passed as vLLM holds
@@ -210,7 +210,7 @@ def read_layer(attention: Any) -> Tuple[LayerConfig, Dict[str, Any]]:
 
 
 def _read_layer(w: Any, mla: Any, impl: Any) -> Tuple[LayerConfig, Dict[str, Any]]:
-    roots = {"w": w, "mla": mla, "impl": impl}
+    roots = {"w": w, "mla": mla}
     missing = _missing_requirements(w, mla, impl)
 
     def lookup(path: str) -> Any:
@@ -264,8 +264,7 @@ def _read_layer(w: Any, mla: Any, impl: Any) -> Tuple[LayerConfig, Dict[str, Any
         hisparse_cache=mla.hisparse_cache is not None,
         decode_context_parallel_size=int(impl.dcp_world_size),
     )
-    # Stage passes autograd tensors (a test's nn.Parameter) detached.
-    return config, {name: weights[name] for name in WEIGHT_NAMES}
+    return config, weights
 
 
 @dataclass
@@ -346,8 +345,8 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
             # Not a step the stage can run, but maybe a wrong name in the
             # tables above: say so once per layer, or every step would run
             # stock silently.
-            if not getattr(adapter, "_warned_missing_state", False):
-                adapter._warned_missing_state = True
+            if not adapter.warned_missing_state:
+                adapter.warned_missing_state = True
                 warnings.warn(
                     f"dsa_decode.vllm: layer {layer_name}: no {', '.join(missing)} found "
                     "(METADATA_ATTRIBUTES / INDEXER_STATE_ATTRIBUTES); its steps run the stock forward",
@@ -406,6 +405,9 @@ class DsaStageAdapter:
         # The wrapper's own attribute, if it had one, comes back on uninstall;
         # else the class's forward shows through again.
         self._had_own_forward = "forward" in getattr(w, "__dict__", {})
+        # vllm_step_inputs says once per layer when the engine's state is not
+        # where the tables look for it.
+        self.warned_missing_state = False
         w.forward = self.forward
 
     @property
@@ -434,7 +436,7 @@ class DsaStageAdapter:
         given, when step_inputs answers None (no forward context or
         metadata: profile and dummy runs), or when the stage does not support
         the step (not a pure decode step of 1..plan.max_tokens tokens: a
-        prefill, a mixed batch, a padded batch, m > 16). Otherwise the fused
+        prefill, a mixed batch, a padded batch, m > plan.max_tokens). Otherwise the fused
         path writes a new [m, D] tensor (hidden_states.new_empty: PyTorch's
         caching allocator, which a CUDA graph capture serves from its pool)
         and the step's KV cache and indexer entries. positions go to the

@@ -100,8 +100,7 @@ void launch_released(Launch&& launch) {
 }
 
 [[noreturn]] void throw_invalid(const std::string& name, const std::string& expected, const std::string& got) {
-  throw_if_error(dsa::invalid_argument(name, expected, got));
-  throw InvalidArgumentError("unreachable");
+  throw InvalidArgumentError(dsa::invalid_argument(name, expected, got).to_string());
 }
 
 std::string dlpack_dtype_name(nb::dlpack::dtype t) {
@@ -201,10 +200,24 @@ unsigned int* to_counter(const OptArray& a, const char* name) {
 
 cudaStream_t to_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
 
+// The string choices of the C++ enums, one table each: the parsers below and
+// the package's HEAD_GEMV_SUMS, ATTENTION_SPLITS and INDEXER_LOGITS read them.
 template <class Enum>
-Enum enum_from(const std::string& value, const char* name, std::initializer_list<std::pair<const char*, Enum>> table) {
+using Choices = std::vector<std::pair<std::string, Enum>>;
+
+const Choices<dsa::HeadGemvSums> kHeadGemvSums = {{"seed-order", dsa::HeadGemvSums::kSeedOrder},
+                                                  {"tensor-cores", dsa::HeadGemvSums::kTensorCores}};
+const Choices<dsa::SparseMlaSplits> kSparseMlaSplits = {{"latency", dsa::SparseMlaSplits::kLatency},
+                                                        {"throughput", dsa::SparseMlaSplits::kThroughput},
+                                                        {"by-batch", dsa::SparseMlaSplits::kByBatch},
+                                                        {"whole-row", dsa::SparseMlaSplits::kWholeRow}};
+const Choices<dsa::IndexerLogits> kIndexerLogits = {{"exact", dsa::IndexerLogits::kExact},
+                                                    {"fp32-accumulation", dsa::IndexerLogits::kFp32Accumulation}};
+
+template <class Enum>
+Enum enum_from(const std::string& value, const char* name, const Choices<Enum>& choices) {
   std::string names;
-  for (const auto& [text, e] : table) {
+  for (const auto& [text, e] : choices) {
     if (value == text) return e;
     names += names.empty() ? "" : ", ";
     names += text;
@@ -212,22 +225,16 @@ Enum enum_from(const std::string& value, const char* name, std::initializer_list
   throw_invalid(name, "one of " + names, "'" + value + "'");
 }
 
-dsa::HeadGemvSums head_gemv_sums(const std::string& s) {
-  return enum_from<dsa::HeadGemvSums>(
-      s, "sums", {{"seed-order", dsa::HeadGemvSums::kSeedOrder}, {"tensor-cores", dsa::HeadGemvSums::kTensorCores}});
+template <class Enum>
+nb::tuple choice_names(const Choices<Enum>& choices) {
+  nb::list names;
+  for (const auto& choice : choices) names.append(choice.first);
+  return nb::tuple(names);
 }
-dsa::SparseMlaSplits sparse_mla_splits(const std::string& s) {
-  return enum_from<dsa::SparseMlaSplits>(s, "splits",
-                                         {{"latency", dsa::SparseMlaSplits::kLatency},
-                                          {"throughput", dsa::SparseMlaSplits::kThroughput},
-                                          {"by-batch", dsa::SparseMlaSplits::kByBatch},
-                                          {"whole-row", dsa::SparseMlaSplits::kWholeRow}});
-}
-dsa::IndexerLogits indexer_logits(const std::string& s) {
-  return enum_from<dsa::IndexerLogits>(
-      s, "logits",
-      {{"exact", dsa::IndexerLogits::kExact}, {"fp32-accumulation", dsa::IndexerLogits::kFp32Accumulation}});
-}
+
+dsa::HeadGemvSums head_gemv_sums(const std::string& s) { return enum_from(s, "sums", kHeadGemvSums); }
+dsa::SparseMlaSplits sparse_mla_splits(const std::string& s) { return enum_from(s, "splits", kSparseMlaSplits); }
+dsa::IndexerLogits indexer_logits(const std::string& s) { return enum_from(s, "logits", kIndexerLogits); }
 
 dsa::IndexerPlan indexer_plan(int max_tokens, int64_t max_context, int ring, int block_size,
                               const std::string& logits) {
@@ -339,6 +346,9 @@ NB_MODULE(_C, m) {
   nb::exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
   nb::exception<CublasError>(m, "CublasError", PyExc_RuntimeError);
   nb::exception<NoDeviceError>(m, "NoDevice", PyExc_RuntimeError);
+  m.attr("HEAD_GEMV_SUMS") = choice_names(kHeadGemvSums);
+  m.attr("ATTENTION_SPLITS") = choice_names(kSparseMlaSplits);
+  m.attr("INDEXER_LOGITS") = choice_names(kIndexerLogits);
 
   m.def(
       "describe", [](const Array& a, bool fp8) { return to_view(a, "array", fp8).describe(); }, "array"_a,
@@ -361,13 +371,13 @@ NB_MODULE(_C, m) {
 
   m.def(
       "head_gemv",
-      [](const Array& x, const Array& weight, const Array& out, bool out_fp8, const OptArray& scale,
-         const OptArray& cache_kv, const OptArray& cache, const OptArray& slot_mapping, const OptArray& k_scale,
+      [](const Array& x, const Array& weight, const Array& out, const OptArray& scale, const OptArray& cache_kv,
+         const OptArray& cache, const OptArray& slot_mapping, const OptArray& k_scale,
          const OptArray& cache_error_count, const std::string& sums, bool release_dependents_early, uintptr_t stream) {
         dsa::HeadGemvArgs args;
         args.x = to_view(x, "x");
         args.weight = to_view(weight, "weight");
-        args.out = to_view(out, "out", out_fp8);
+        args.out = to_view(out, "out", /*fp8=*/scale.has_value());  // the FP8 out takes the quant's scale
         args.scale = to_view(scale, "scale");
         args.sums = head_gemv_sums(sums);
         args.release_dependents_early = release_dependents_early;
@@ -382,9 +392,8 @@ NB_MODULE(_C, m) {
         }
         launch_released([&] { return dsa::head_gemv(args, to_stream(stream)); });
       },
-      "x"_a, "weight"_a, "out"_a, "out_fp8"_a, "scale"_a.none(), "cache_kv"_a.none(), "cache"_a.none(),
-      "slot_mapping"_a.none(), "k_scale"_a.none(), "cache_error_count"_a.none(), "sums"_a, "release_dependents_early"_a,
-      "stream"_a);
+      "x"_a, "weight"_a, "out"_a, "scale"_a.none(), "cache_kv"_a.none(), "cache"_a.none(), "slot_mapping"_a.none(),
+      "k_scale"_a.none(), "cache_error_count"_a.none(), "sums"_a, "release_dependents_early"_a, "stream"_a);
 
   m.def(
       "linear_gemv",
@@ -574,13 +583,6 @@ NB_MODULE(_C, m) {
       },
       "preset"_a, "tp"_a, "rms_norm_eps"_a);
 
-  m.def(
-      "measured_value_up_tokens",
-      [](int64_t heads, const std::string& sums) {
-        return dsa::dsa_stage_measured_value_up_tokens(heads, head_gemv_sums(sums));
-      },
-      "heads"_a, "sums"_a);
-  m.def("measured_projection_gemv_tokens", &dsa::dsa_stage_measured_projection_gemv_tokens, "heads"_a);
   m.def(
       "stage_supports",
       [](int max_tokens, int64_t m, int64_t num_actual_tokens, int64_t num_decode_tokens) {

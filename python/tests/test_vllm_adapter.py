@@ -35,27 +35,20 @@ class FakeTensor:
     """What the adapter reads of a tensor without PyTorch: shape, stride(),
     new_empty (the output) and a slice (token_requests[:m])."""
 
-    def __init__(self, *shape, strides=None, requires_grad=False, name=""):
+    def __init__(self, *shape, strides=None, name=""):
         self.shape = tuple(shape)
         contiguous, step = [], 1
         for size in reversed(self.shape):
             contiguous.insert(0, step)
             step *= size
         self._strides = tuple(strides) if strides is not None else tuple(contiguous)
-        self.requires_grad = requires_grad
         self.name = name
-        self.detached_from = None
 
     def stride(self, dim=None):
         return self._strides if dim is None else self._strides[dim]
 
     def new_empty(self, shape):
         return FakeTensor(*shape, name=f"new_empty of {self.name}")
-
-    def detach(self):
-        view = FakeTensor(*self.shape, strides=self._strides, name=self.name)
-        view.detached_from = self
-        return view
 
     def __getitem__(self, index):
         assert isinstance(index, slice) and index.start is None and index.step is None
@@ -151,7 +144,6 @@ def fake_attention(weights, *, wrapper=None, attention=None, impl=None, indexer=
         kv_a_layernorm=SimpleNamespace(weight=weights["kv_a_norm"], variance_epsilon=rms_norm_eps),
         q_b_proj=SimpleNamespace(weight=weights["q_b_proj"]),
         o_proj=SimpleNamespace(weight=weights["o_proj"]),
-        indexer_rope_emb=None,
     )
     wrapper_attributes.update(wrapper or {})
     return SimpleNamespace(mla_attn=FakeMlaWrapper(**wrapper_attributes))
@@ -159,7 +151,8 @@ def fake_attention(weights, *, wrapper=None, attention=None, impl=None, indexer=
 
 class FakeStage:
     """A stage that needs no GPU: records its creation and steps, answers
-    supports() as told."""
+    supports() as told, or by the library's rule (dsa_decode.supports) when
+    told None."""
 
     def __init__(self, config, weights, plan, supported=True):
         self.config, self.weights, self.plan = config, weights, plan
@@ -168,6 +161,8 @@ class FakeStage:
 
     def supports(self, m, num_actual_tokens, num_decode_tokens):
         self.supports_calls.append((m, num_actual_tokens, num_decode_tokens))
+        if self.supported is None:
+            return dsa_decode.supports(m, num_actual_tokens, num_decode_tokens)
         return self.supported
 
     def forward(self, args):
@@ -420,9 +415,11 @@ def test_llama_4_scaling_runs_stock_without_asking_for_inputs():
     assert calls == [] and adapter.stage.forward_calls == []
 
 
-@pytest.mark.parametrize("m, actual, decode", [(4, 4, 4), (4, 3, 3), (17, 17, 17)])
+@pytest.mark.parametrize("m, actual, decode", [(4, 5, 5), (4, 4, 3), (17, 17, 17)])
 def test_a_step_the_stage_does_not_support_runs_stock(m, actual, decode):
-    adapter = install_fake(supported=False, step_inputs=lambda *args: fake_step_inputs(m, actual=actual, decode=decode))
+    # Counts the library's rule refuses: more tokens in the batch, a prefill
+    # token among them, more than max_tokens.
+    adapter = install_fake(supported=None, step_inputs=lambda *args: fake_step_inputs(m, actual=actual, decode=decode))
     positions, hidden = FakeTensor(m), FakeTensor(m, HIDDEN)
     assert adapter.forward(positions, hidden) == ("stock", hidden)
     assert adapter.stage.supports_calls == [(m, actual, decode)]
@@ -723,7 +720,7 @@ def test_the_installed_forward_runs_stock_past_16_tokens_and_raises_the_stages_e
 
     # A bad argument is the stage's error, named, not a silent stock step.
     layer.set_step([0], [303])
-    with pytest.raises(ValueError, match="positions"):
+    with pytest.raises(ValueError, match="argument 'positions'"):
         wrapper.forward(layer.step["positions"].to(torch.int32), layer.normal(1, HIDDEN, scale=1.0))
     torch.cuda.synchronize()
     adapter.uninstall()
