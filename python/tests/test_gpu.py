@@ -568,3 +568,37 @@ def test_indexer_prefill_equals_prepare_token_by_token(generator):
     assert torch.equal(state.ring[0], state.ring[1])
     assert torch.equal(state.k_cache[:pages], state.k_cache[pages:])
     assert state.k_cache[0].any()  # the pools were written
+
+
+def test_stage_stock_path_replays_in_a_graph_and_forward_runs_on_a_side_stream(generator):
+    """The stock path (cuBLAS, CUB, a memset) captured through PyTorch gives
+    its eager bits; the fused path launched on a side stream (its indexer
+    forked from and joined to that stream) gives the bits it gives on the
+    default stream."""
+    m = 2
+    c, weights = stage_layer(generator)
+    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=2, max_context=8192))
+    args = stage_step(stage, c, weights, generator, m)
+    initial = [t.clone() for t in caches_of(args)]
+    stage.stock_forward(args)
+    stock_out = args.out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stage.stock_forward(args)
+    restore(args, initial)
+    args.out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(args.out, stock_out)
+
+    restore(args, initial)
+    stage.forward(args)
+    fused_out = args.out.clone()
+    restore(args, initial)
+    args.out.zero_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        stage.forward(args)
+    side.synchronize()
+    assert torch.equal(args.out, fused_out)
