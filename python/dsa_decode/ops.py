@@ -185,12 +185,13 @@ class IndexerPlan:
     block_size: int = 256
     logits: str = "exact"
 
-    def _args(self):
+    def _fields(self):
+        # The extension's IndexerPlanFields, in its order.
         return (self.max_tokens, self.max_context, self.ring, self.block_size, self.logits)
 
     def workspace_bytes(self) -> int:
         """Bytes of the uint8 workspace prepare writes and select reads."""
-        return _C.indexer_workspace_bytes(*self._args())
+        return _C.indexer_workspace_bytes(self._fields())
 
 
 @dataclass
@@ -232,7 +233,7 @@ def indexer_project(
     bytes, 16-byte aligned; Q and D multiples of 8. A fixed order, bitwise
     its CPU reference."""
     _C.indexer_project(
-        *plan._args(),
+        plan._fields(),
         q_c,
         x,
         plain(wq_b),
@@ -273,7 +274,7 @@ def indexer_prepare(
     k_norm_bias [128] f32, ape [4, 128] f32; workspace: uint8
     [plan.workspace_bytes()], 256-byte aligned, which indexer_select reads."""
     _C.indexer_prepare(
-        *plan._args(),
+        plan._fields(),
         index_q,
         index_k,
         head_weights,
@@ -307,7 +308,7 @@ def indexer_select(
     remapped to global KV slots: slots [m, 2176] int32 (and the request-local
     positions into topk_positions [m, 2176] int32 when given)."""
     _C.indexer_select(
-        *plan._args(),
+        plan._fields(),
         positions,
         token_requests,
         *state._args(),
@@ -335,7 +336,7 @@ def indexer_remap(
     global (-1 stays -1; positions from the future and bad pages become -1
     and are counted)."""
     _C.indexer_remap(
-        *plan._args(),
+        plan._fields(),
         positions,
         token_requests,
         *state._args(),
@@ -363,7 +364,7 @@ def indexer_prefill(
     into its pools and ring, so that decode continues at position n; the
     same bytes as prepare token by token."""
     _C.indexer_prefill(
-        *plan._args(),
+        plan._fields(),
         index_k,
         gate,
         plain(k_norm_weight),

@@ -14,6 +14,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/set.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -24,6 +25,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dsa_decode/head_gemv.h"
@@ -236,14 +238,17 @@ dsa::HeadGemvSums head_gemv_sums(const std::string& s) { return enum_from(s, "su
 dsa::SparseMlaSplits sparse_mla_splits(const std::string& s) { return enum_from(s, "splits", kSparseMlaSplits); }
 dsa::IndexerLogits indexer_logits(const std::string& s) { return enum_from(s, "logits", kIndexerLogits); }
 
-dsa::IndexerPlan indexer_plan(int max_tokens, int64_t max_context, int ring, int block_size,
-                              const std::string& logits) {
+// dsa_decode.IndexerPlan as it crosses: (max_tokens, max_context, ring,
+// block_size, logits), one argument of every indexer function.
+using IndexerPlanFields = std::tuple<int, int64_t, int, int, std::string>;
+
+dsa::IndexerPlan indexer_plan(const IndexerPlanFields& fields) {
   dsa::IndexerPlan plan;
-  plan.max_tokens = max_tokens;
-  plan.max_context = max_context;
-  plan.ring = ring;
-  plan.block_size = block_size;
-  plan.logits = indexer_logits(logits);
+  plan.max_tokens = std::get<0>(fields);
+  plan.max_context = std::get<1>(fields);
+  plan.ring = std::get<2>(fields);
+  plan.block_size = std::get<3>(fields);
+  plan.logits = indexer_logits(std::get<4>(fields));
   return plan;
 }
 
@@ -432,20 +437,20 @@ NB_MODULE(_C, m) {
   // --- indexer -------------------------------------------------------------
   m.def(
       "indexer_workspace_bytes",
-      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits) {
-        const dsa::IndexerPlan plan = indexer_plan(max_tokens, max_context, ring, block_size, logits);
+      [](const IndexerPlanFields& plan_fields) {
+        const dsa::IndexerPlan plan = indexer_plan(plan_fields);
         throw_if_error(dsa::check_indexer_plan(plan));
         return dsa::indexer_workspace_layout(plan).bytes;
       },
-      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a);
+      "plan"_a);
 
   m.def(
       "indexer_project",
-      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits, const Array& q_c,
-         const Array& x, const Array& wq_b, const Array& wk, const Array& weights_proj, const Array& compress_gate,
-         const Array& index_q, const Array& index_k, const Array& head_weights, const Array& gate, uintptr_t stream) {
+      [](const IndexerPlanFields& plan_fields, const Array& q_c, const Array& x, const Array& wq_b, const Array& wk,
+         const Array& weights_proj, const Array& compress_gate, const Array& index_q, const Array& index_k,
+         const Array& head_weights, const Array& gate, uintptr_t stream) {
         dsa::IndexerProjectArgs args;
-        args.plan = indexer_plan(max_tokens, max_context, ring, block_size, logits);
+        args.plan = indexer_plan(plan_fields);
         args.q_c = to_view(q_c, "q_c");
         args.x = to_view(x, "x");
         args.wq_b = to_view(wq_b, "wq_b");
@@ -458,18 +463,17 @@ NB_MODULE(_C, m) {
         args.gate = to_view(gate, "gate");
         launch_released([&] { return dsa::indexer_project_gemv(args, to_stream(stream)); });
       },
-      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "q_c"_a, "x"_a, "wq_b"_a, "wk"_a,
-      "weights_proj"_a, "compress_gate"_a, "index_q"_a, "index_k"_a, "head_weights"_a, "gate"_a, "stream"_a);
+      "plan"_a, "q_c"_a, "x"_a, "wq_b"_a, "wk"_a, "weights_proj"_a, "compress_gate"_a, "index_q"_a, "index_k"_a,
+      "head_weights"_a, "gate"_a, "stream"_a);
 
   m.def(
       "indexer_prepare",
-      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits, const Array& index_q,
-         const Array& index_k, const Array& head_weights, const Array& gate, const Array& k_norm_weight,
-         const Array& k_norm_bias, const Array& ape, const Array& positions, const Array& token_requests,
-         const Array& block_table, const Array& ring_cache, const Array& k_cache, const Array& workspace,
-         const OptArray& error_count, uintptr_t stream) {
+      [](const IndexerPlanFields& plan_fields, const Array& index_q, const Array& index_k, const Array& head_weights,
+         const Array& gate, const Array& k_norm_weight, const Array& k_norm_bias, const Array& ape,
+         const Array& positions, const Array& token_requests, const Array& block_table, const Array& ring_cache,
+         const Array& k_cache, const Array& workspace, const OptArray& error_count, uintptr_t stream) {
         dsa::IndexerPrepareArgs args;
-        args.plan = indexer_plan(max_tokens, max_context, ring, block_size, logits);
+        args.plan = indexer_plan(plan_fields);
         args.index_q = to_view(index_q, "index_q");
         args.index_k = to_view(index_k, "index_k");
         args.head_weights = to_view(head_weights, "head_weights");
@@ -484,18 +488,17 @@ NB_MODULE(_C, m) {
         args.error_count = to_counter(error_count, "error_count");
         launch_released([&] { return dsa::indexer_prepare(args, to_stream(stream)); });
       },
-      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "index_q"_a, "index_k"_a, "head_weights"_a,
-      "gate"_a, "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a, "positions"_a, "token_requests"_a, "block_table"_a,
-      "ring_cache"_a, "k_cache"_a, "workspace"_a, "error_count"_a.none(), "stream"_a);
+      "plan"_a, "index_q"_a, "index_k"_a, "head_weights"_a, "gate"_a, "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a,
+      "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a, "workspace"_a,
+      "error_count"_a.none(), "stream"_a);
 
   m.def(
       "indexer_select",
-      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits,
-         const Array& positions, const Array& token_requests, const Array& block_table, const Array& ring_cache,
-         const Array& k_cache, const Array& workspace, const Array& slots, const OptArray& topk_positions,
-         const OptArray& error_count, uintptr_t stream) {
+      [](const IndexerPlanFields& plan_fields, const Array& positions, const Array& token_requests,
+         const Array& block_table, const Array& ring_cache, const Array& k_cache, const Array& workspace,
+         const Array& slots, const OptArray& topk_positions, const OptArray& error_count, uintptr_t stream) {
         dsa::IndexerSelectArgs args;
-        args.plan = indexer_plan(max_tokens, max_context, ring, block_size, logits);
+        args.plan = indexer_plan(plan_fields);
         args.positions = to_view(positions, "positions");
         args.token_requests = to_view(token_requests, "token_requests");
         args.state = indexer_state(block_table, ring_cache, k_cache);
@@ -505,18 +508,16 @@ NB_MODULE(_C, m) {
         args.error_count = to_counter(error_count, "error_count");
         launch_released([&] { return dsa::indexer_select(args, to_stream(stream)); });
       },
-      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "positions"_a, "token_requests"_a,
-      "block_table"_a, "ring_cache"_a, "k_cache"_a, "workspace"_a, "slots"_a, "topk_positions"_a.none(),
-      "error_count"_a.none(), "stream"_a);
+      "plan"_a, "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a, "workspace"_a,
+      "slots"_a, "topk_positions"_a.none(), "error_count"_a.none(), "stream"_a);
 
   m.def(
       "indexer_remap",
-      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits,
-         const Array& positions, const Array& token_requests, const Array& block_table, const Array& ring_cache,
-         const Array& k_cache, const Array& topk_positions, const Array& slots, const OptArray& error_count,
-         uintptr_t stream) {
+      [](const IndexerPlanFields& plan_fields, const Array& positions, const Array& token_requests,
+         const Array& block_table, const Array& ring_cache, const Array& k_cache, const Array& topk_positions,
+         const Array& slots, const OptArray& error_count, uintptr_t stream) {
         dsa::IndexerRemapArgs args;
-        args.plan = indexer_plan(max_tokens, max_context, ring, block_size, logits);
+        args.plan = indexer_plan(plan_fields);
         args.positions = to_view(positions, "positions");
         args.token_requests = to_view(token_requests, "token_requests");
         args.state = indexer_state(block_table, ring_cache, k_cache);
@@ -525,17 +526,16 @@ NB_MODULE(_C, m) {
         args.error_count = to_counter(error_count, "error_count");
         launch_released([&] { return dsa::indexer_remap(args, to_stream(stream)); });
       },
-      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "positions"_a, "token_requests"_a,
-      "block_table"_a, "ring_cache"_a, "k_cache"_a, "topk_positions"_a, "slots"_a, "error_count"_a.none(), "stream"_a);
+      "plan"_a, "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a, "topk_positions"_a,
+      "slots"_a, "error_count"_a.none(), "stream"_a);
 
   m.def(
       "indexer_prefill",
-      [](int max_tokens, int64_t max_context, int ring, int block_size, const std::string& logits, const Array& index_k,
-         const Array& gate, const Array& k_norm_weight, const Array& k_norm_bias, const Array& ape, int request,
-         const Array& block_table, const Array& ring_cache, const Array& k_cache, const OptArray& error_count,
-         uintptr_t stream) {
+      [](const IndexerPlanFields& plan_fields, const Array& index_k, const Array& gate, const Array& k_norm_weight,
+         const Array& k_norm_bias, const Array& ape, int request, const Array& block_table, const Array& ring_cache,
+         const Array& k_cache, const OptArray& error_count, uintptr_t stream) {
         dsa::IndexerPrefillArgs args;
-        args.plan = indexer_plan(max_tokens, max_context, ring, block_size, logits);
+        args.plan = indexer_plan(plan_fields);
         args.index_k = to_view(index_k, "index_k");
         args.gate = to_view(gate, "gate");
         args.k_norm_weight = to_view(k_norm_weight, "k_norm_weight");
@@ -546,9 +546,8 @@ NB_MODULE(_C, m) {
         args.error_count = to_counter(error_count, "error_count");
         launch_released([&] { return dsa::indexer_prefill(args, to_stream(stream)); });
       },
-      "max_tokens"_a, "max_context"_a, "ring"_a, "block_size"_a, "logits"_a, "index_k"_a, "gate"_a, "k_norm_weight"_a,
-      "k_norm_bias"_a, "ape"_a, "request"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a, "error_count"_a.none(),
-      "stream"_a);
+      "plan"_a, "index_k"_a, "gate"_a, "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a, "request"_a, "block_table"_a,
+      "ring_cache"_a, "k_cache"_a, "error_count"_a.none(), "stream"_a);
 
   // --- presets and the stage ----------------------------------------------
   m.def(

@@ -139,6 +139,27 @@ def test_indexer_plan_workspace_and_its_checks():
         dd.IndexerPlan(logits="fp16").workspace_bytes()
 
 
+def test_indexer_functions_reach_their_checks_with_the_plan():
+    # Host arrays fail a check in every function; what matters is that the
+    # plan crossed intact (a bad one is named first) and the arrays by name.
+    a = np.zeros((1, 128), dtype=np.float32)
+    state = dd.IndexerState(a, a, a)
+    calls = {
+        "project": lambda plan: dd.indexer_project(plan, a, a, a, a, a, a, a, a, a, a),
+        "prepare": lambda plan: dd.indexer_prepare(plan, a, a, a, a, a, a, a, a, a, state, a),
+        "select": lambda plan: dd.indexer_select(plan, a, a, state, a, a),
+        "remap": lambda plan: dd.indexer_remap(plan, a, a, state, a, a),
+        "prefill": lambda plan: dd.indexer_prefill(plan, a, a, a, a, a, 0, state),
+    }
+    for name, call in calls.items():
+        with pytest.raises(dd.InvalidArgument, match="plan.ring"):
+            call(dd.IndexerPlan(ring=5))
+        with pytest.raises(dd.InvalidArgument, match="argument '"):
+            call(dd.IndexerPlan())
+        with pytest.raises(dd.InvalidArgument, match="argument 'logits'"):
+            call(dd.IndexerPlan(logits="fp16"))
+
+
 def test_layer_config_of_the_presets():
     config = dd.layer_config("glm5next", tp=8)
     assert (config.num_heads, config.kv_lora_rank, config.qk_rope_head_dim, config.indexer) == (8, 512, 0, True)

@@ -281,6 +281,13 @@ def stage_step(stage, c, weights, generator, m, context=3000):
     )
 
 
+def small_stage(generator, m, max_tokens):
+    """A TP8 glm5next layer, its stage (contexts up to 8192) and one step of m tokens."""
+    c, weights = stage_layer(generator)
+    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=max_tokens, max_context=8192))
+    return c, weights, stage, stage_step(stage, c, weights, generator, m)
+
+
 def caches_of(args):
     return [args.kv_cache, args.indexer.ring, args.indexer.k_cache]
 
@@ -292,9 +299,7 @@ def restore(args, saved):
 
 @pytest.mark.parametrize("m", [1, 4])
 def test_stage_fused_agrees_with_stock_and_replays_in_a_graph(m, generator):
-    c, weights = stage_layer(generator)
-    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=4, max_context=8192))
-    args = stage_step(stage, c, weights, generator, m)
+    c, weights, stage, args = small_stage(generator, m, max_tokens=4)
     initial = [t.clone() for t in caches_of(args)]
     assert stage.supports(m, m, m) and not stage.supports(5, 5, 5)
 
@@ -328,9 +333,7 @@ def test_stage_fused_agrees_with_stock_and_replays_in_a_graph(m, generator):
 
 
 def test_stage_step_errors_name_the_argument(generator):
-    c, weights = stage_layer(generator)
-    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=2, max_context=8192))
-    args = stage_step(stage, c, weights, generator, 1)
+    c, weights, stage, args = small_stage(generator, 1, max_tokens=2)
     args.out = torch.empty((1, c.hidden_size), dtype=torch.float32, device=DEVICE)
     with pytest.raises(dd.InvalidArgument, match="argument 'out'"):
         stage.forward(args)
@@ -342,9 +345,7 @@ def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator):
     every step of the fused path is one of the package's ops (linear_gemv
     projections, head_gemv value-up)."""
     m = 1
-    c, weights = stage_layer(generator)
-    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=2, max_context=8192))
-    args = stage_step(stage, c, weights, generator, m)
+    c, weights, stage, args = small_stage(generator, m, max_tokens=2)
     initial = [t.clone() for t in caches_of(args)]
     stage.forward(args)
     torch.cuda.synchronize()
@@ -508,9 +509,7 @@ def test_indexer_remap_reproduces_the_stages_caller_rows(generator):
     gives the same slots, block_table[request, pos / 256] * 256 + pos % 256
     with -1 kept, and the indexer's state is left as it was."""
     m = 1
-    c, weights = stage_layer(generator)
-    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=2, max_context=8192))
-    args = stage_step(stage, c, weights, generator, m)
+    c, weights, stage, args = small_stage(generator, m, max_tokens=2)
     rows = torch.full((m, 2176), -1, dtype=torch.int32, device=DEVICE)
     rows[:, :2048] = torch.randint(0, 3000, (m, 2048), generator=generator, device=DEVICE, dtype=torch.int32)
     args.topk_positions = rows
@@ -576,9 +575,7 @@ def test_stage_stock_path_replays_in_a_graph_and_forward_runs_on_a_side_stream(g
     forked from and joined to that stream) gives the bits it gives on the
     default stream."""
     m = 2
-    c, weights = stage_layer(generator)
-    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=2, max_context=8192))
-    args = stage_step(stage, c, weights, generator, m)
+    c, weights, stage, args = small_stage(generator, m, max_tokens=2)
     initial = [t.clone() for t in caches_of(args)]
     stage.stock_forward(args)
     stock_out = args.out.clone()
