@@ -281,6 +281,18 @@ def stage_step(stage, c, weights, generator, m, context=3000):
     )
 
 
+def replay_captured(step, args, initial):
+    """Captures step() (a path that already ran uncaptured at this m), puts
+    the caches back to `initial`, clears out, replays once and waits."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    restore(args, initial)
+    args.out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def small_stage(generator, m, max_tokens):
     """A TP8 glm5next layer, its stage (contexts up to 8192) and one step of m tokens."""
     c, weights = stage_layer(generator)
@@ -322,13 +334,7 @@ def test_stage_fused_agrees_with_stock_and_replays_in_a_graph(m, generator):
     assert slots.shape == (m, 2176) and slots.dtype == torch.int32
     assert torch.from_dlpack(views["latent"]).shape == (m, c.num_heads, 512)
 
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        stage.forward(args)
-    restore(args, initial)
-    args.out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_captured(lambda: stage.forward(args), args, initial)
     assert torch.equal(args.out, fused_out)
 
 
@@ -579,13 +585,7 @@ def test_stage_stock_path_replays_in_a_graph_and_forward_runs_on_a_side_stream(g
     initial = [t.clone() for t in caches_of(args)]
     stage.stock_forward(args)
     stock_out = args.out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        stage.stock_forward(args)
-    restore(args, initial)
-    args.out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    replay_captured(lambda: stage.stock_forward(args), args, initial)
     assert torch.equal(args.out, stock_out)
 
     restore(args, initial)
