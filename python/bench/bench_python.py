@@ -24,7 +24,9 @@ the context's positions), then prints a table like dsa-decode's:
     steps one path replaces in the other, the chain norm .. value_up and the
     whole stage;
   - the host time of one eager call: the plain binding, the torch.library
-    op (dsa_decode.torch_ops) and an empty PyTorch op, on tiny shapes.
+    op (dsa_decode.torch_ops) and an empty PyTorch op, on tiny shapes; and
+    of one eager whole-stage step (ten tensors) through the extension, the
+    binding and the torch.library op.
 
 Timings are dsa-decode's: each launch captured `LAUNCHES_PER_GRAPH` times
 into one CUDA graph (torch.cuda.CUDAGraph), the graph replayed --steps
@@ -82,6 +84,9 @@ COPY_SAMPLES = 9
 # Eager calls before an overhead measurement (first-launch setup, caches).
 OVERHEAD_WARMUP_CALLS = 200
 OVERHEAD_REPEATS = 5
+# Whole stage steps per timed loop: their launches (about 20 each) stay within
+# the device's queue of pending launches, so the host never waits for the GPU.
+STAGE_OVERHEAD_CALLS = 10
 
 
 # --- the synthetic layer -----------------------------------------------------
@@ -887,6 +892,28 @@ def measure_call_overhead(calls: int) -> Dict[str, Dict[str, float]]:
     }
 
 
+def measure_stage_call_overhead(layer: SyntheticLayer) -> Dict[str, Dict[str, float]]:
+    """Host time of one eager whole-stage step (Stage.forward's ten tensors):
+    the extension's run with its arguments prepared and the stream given
+    (the C++ stage's checks and ~20 launches), the binding (which builds
+    those arguments from StepArgs and looks up the current stream) and the
+    torch.library op stage_forward."""
+    stage, args = layer.stages[0], layer.args
+    stream = torch.cuda.current_stream().cuda_stream
+    prepared = (False, *args._args(), args.error_count, stream)
+    handle = dsa_decode.torch_ops.register_stage(stage)
+    try:
+        return {
+            "stage_extension": host_us_per_call(lambda: stage._stage.run(*prepared), STAGE_OVERHEAD_CALLS),
+            "stage_binding": host_us_per_call(lambda: stage.forward(args), STAGE_OVERHEAD_CALLS),
+            "stage_torch_op": host_us_per_call(
+                lambda: dsa_decode.torch_ops.run_stage(handle, args), STAGE_OVERHEAD_CALLS
+            ),
+        }
+    finally:
+        dsa_decode.torch_ops.unregister_stage(handle)
+
+
 # --- report ------------------------------------------------------------------
 
 OVERHEAD_LABELS = {
@@ -894,6 +921,11 @@ OVERHEAD_LABELS = {
     "extension": "dsa_decode._C.linear_gemv (extension, stream given)",
     "binding": "dsa_decode.linear_gemv (the binding)",
     "torch_op": "torch.ops.dsa_decode.linear_gemv (torch.library)",
+}
+STAGE_OVERHEAD_LABELS = {
+    "stage_extension": "the extension's Stage.run (arguments prepared)",
+    "stage_binding": "dsa_decode.Stage.forward (the binding)",
+    "stage_torch_op": "torch.ops.dsa_decode.stage_forward (torch.library)",
 }
 
 
@@ -960,6 +992,7 @@ def build_report(
     stage_us: Dict[str, float],
     kernels: List[KernelRow],
     overhead: Dict[str, Dict[str, float]],
+    stage_overhead: Dict[str, Dict[str, float]],
     steps: StepTables,
 ) -> dict:
     c, m = layer.config, layer.tokens
@@ -1001,6 +1034,23 @@ def build_report(
                 baseline=OVERHEAD_LABELS["binding"],
                 baseline_us=number(overhead["binding"]["host_us"]),
                 speedup=number(overhead["binding"]["host_us"] / overhead["torch_op"]["host_us"]),
+            )
+        rows.append(row)
+    for key, label in STAGE_OVERHEAD_LABELS.items():
+        row = {
+            "name": f"call_overhead_{key}",
+            "label": label,
+            "params": dict(params, calls=STAGE_OVERHEAD_CALLS),
+            "us": number(stage_overhead[key]["host_us"]),
+            "synced_us": number(stage_overhead[key]["synced_us"]),
+            "note": "host microseconds per eager whole-stage step (the C++ checks and launches included); "
+            "synced_us: with the final synchronize (the GPU's time when it is the longer)",
+        }
+        if key != "stage_extension":
+            row.update(
+                baseline=STAGE_OVERHEAD_LABELS["stage_extension"],
+                baseline_us=number(stage_overhead["stage_extension"]["host_us"]),
+                speedup=number(stage_overhead["stage_extension"]["host_us"] / stage_overhead[key]["host_us"]),
             )
         rows.append(row)
     return {
@@ -1109,7 +1159,7 @@ def print_report(layer: SyntheticLayer, report: dict, kernels: List[KernelRow], 
 
     overhead = {row["name"][len("call_overhead_") :]: row for row in report["rows"] if row["name"].startswith("call_")}
     print(
-        f"\nper-call host overhead: eager, {report['rows'][-1]['params']['calls']} calls x {OVERHEAD_REPEATS} "
+        f"\nper-call host overhead: eager, {overhead['binding']['params']['calls']} calls x {OVERHEAD_REPEATS} "
         f"(median), linear_gemv [1, 64] x [64, 64]^T"
     )
     print(f"{'call':55} {'us/call':>9} {'with sync':>10}")
@@ -1119,6 +1169,18 @@ def print_report(layer: SyntheticLayer, report: dict, kernels: List[KernelRow], 
         f"torch.library over the binding: {overhead['torch_op']['us'] - overhead['binding']['us']:+.2f} us per call; "
         f"the binding over the extension: {overhead['binding']['us'] - overhead['extension']['us']:+.2f} us "
         f"(the current-stream lookup and argument handling in Python)"
+    )
+    print(
+        f"\nper-step host time of the whole stage: eager, {STAGE_OVERHEAD_CALLS} steps x {OVERHEAD_REPEATS} (median), "
+        f"m = {layer.tokens}"
+    )
+    print(f"{'call':55} {'us/step':>9} {'with sync':>10}")
+    for key, label in STAGE_OVERHEAD_LABELS.items():
+        print(f"{label:55} {overhead[key]['us']:9.2f} {overhead[key]['synced_us']:10.2f}")
+    print(
+        f"the binding over the extension: {overhead['stage_binding']['us'] - overhead['stage_extension']['us']:+.2f} "
+        f"us per step; torch.library over the binding: "
+        f"{overhead['stage_torch_op']['us'] - overhead['stage_binding']['us']:+.2f} us"
     )
 
 
@@ -1166,7 +1228,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     steps = time_stage_steps(layer, stage_us, options.steps, copy_gbps)
     kernels = time_kernels(layer, options.steps)
     overhead = measure_call_overhead(options.overhead_calls)
-    report = build_report(layer, options, checks, stage_us, kernels, overhead, steps)
+    stage_overhead = measure_stage_call_overhead(layer)
+    report = build_report(layer, options, checks, stage_us, kernels, overhead, stage_overhead, steps)
     print_report(layer, report, kernels, steps)
     if options.json:
         Path(options.json).parent.mkdir(parents=True, exist_ok=True)

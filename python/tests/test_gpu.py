@@ -293,10 +293,11 @@ def replay_captured(step, args, initial):
     torch.cuda.synchronize()
 
 
-def small_stage(generator, m, max_tokens):
-    """A TP8 glm5next layer, its stage (contexts up to 8192) and one step of m tokens."""
+def small_stage(generator, m, max_tokens, **choices):
+    """A TP8 glm5next layer, its stage (contexts up to 8192, StagePlan
+    `choices`) and one step of m tokens."""
     c, weights = stage_layer(generator)
-    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=max_tokens, max_context=8192))
+    stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=max_tokens, max_context=8192, **choices))
     return c, weights, stage, stage_step(stage, c, weights, generator, m)
 
 
@@ -345,13 +346,32 @@ def test_stage_step_errors_name_the_argument(generator):
         stage.forward(args)
 
 
-def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator):
-    """Each op through the binding, fed the stage's own intermediates, gives
-    the bits the C++ stage (DsaAttentionStage::forward) wrote: at TP8, m = 1
-    every step of the fused path is one of the package's ops (linear_gemv
-    projections, head_gemv value-up)."""
-    m = 1
-    c, weights, stage, args = small_stage(generator, m, max_tokens=2)
+# The plan choices the fused path's ops take, and a token count for each.
+# value_up_tokens and projection_gemv_tokens put every step of the fused
+# path on one of the package's ops (head_gemv value-up, linear_gemv
+# projections) at that m; m = 1 at TP8 does so by default.
+OP_CHOICES = {
+    "defaults": (1, {}),
+    "tensor-cores, throughput, fp32-accumulation": (
+        4,
+        dict(head_gemv_sums="tensor-cores", attention_splits="throughput", indexer_logits="fp32-accumulation"),
+    ),
+    "by-batch": (4, dict(attention_splits="by-batch")),
+    "whole-row": (2, dict(attention_splits="whole-row")),
+}
+
+
+@pytest.mark.parametrize("choice", list(OP_CHOICES))
+def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator, choice):
+    """Each op through the binding, fed the stage's own intermediates and
+    given the plan's choices (sums, splits, logits), gives the bits the C++
+    stage (DsaAttentionStage::forward) wrote."""
+    m, choices = OP_CHOICES[choice]
+    if m > 1:
+        choices = dict(choices, value_up_tokens=set(range(1, m + 1)), projection_gemv_tokens=set(range(1, m + 1)))
+    c, weights, stage, args = small_stage(generator, m, max_tokens=max(m, 2), **choices)
+    sums = choices.get("head_gemv_sums", "seed-order")
+    splits = choices.get("attention_splits", "latency")
     initial = [t.clone() for t in caches_of(args)]
     stage.forward(args)
     torch.cuda.synchronize()
@@ -376,6 +396,7 @@ def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator):
         weights["w_uk_t"],
         q_fp8,
         scale=weights["q_scale"],
+        sums=sums,
         cache=dd.KvCacheWrite(v["kv_c"], kv_cache, args.slot_mapping, weights["k_scale"]),
     )
 
@@ -429,9 +450,10 @@ def test_every_op_reproduces_the_stages_cpp_path_bit_for_bit(generator):
         lse,
         counters,
         partials,
+        splits=splits,
     )
     heads = empty((m, H, V))
-    dd.head_gemv(v["latent"], weights["w_uv"], heads)
+    dd.head_gemv(v["latent"], weights["w_uv"], heads, sums=sums)
     out = empty((m, D))
     dd.linear_gemv(v["heads"].reshape(m, H * V), weights["o_proj"], out)
     torch.cuda.synchronize()

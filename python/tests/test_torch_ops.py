@@ -312,6 +312,66 @@ def test_stage_forward_op_gives_the_stage_bits(small_layer, stock):
     assert args.error_count.item() == 0
 
 
+@requires_hopper
+def test_torch_compile_fullgraph_runs_stage_forward_with_the_stage_bits(small_layer):
+    """stage_forward inside a compiled function (its handle a constant of the
+    trace, the written tensors functionalized and written back) gives
+    Stage.forward's bits, and the op after it reads what it wrote."""
+    torch._dynamo.reset()
+    stage, args = small_layer.stages[0], small_layer.args
+    state = (args.kv_cache, args.indexer.ring, args.indexer.k_cache, args.error_count)
+    before = [t.clone() for t in state]
+    stage.forward(args)
+    torch.cuda.synchronize()
+    expected_out, expected_state = args.out.clone(), [t.clone() for t in state]
+    for t, saved in zip(state, before):
+        t.copy_(saved)
+    args.out.fill_(float("nan"))
+
+    handle = torch_ops.register_stage(stage)
+    try:
+
+        def step(hidden, positions, token_requests, slot_mapping, kv_cache, block_table, ring, k_cache, out, errors):
+            torch.ops.dsa_decode.stage_forward(
+                handle,
+                hidden,
+                positions,
+                token_requests,
+                slot_mapping,
+                kv_cache,
+                block_table,
+                ring,
+                k_cache,
+                out,
+                None,
+                errors,
+                False,
+            )
+            return out.float().sum(dim=-1)
+
+        compiled = torch.compile(step, fullgraph=True)
+        row_sums = compiled(
+            args.hidden,
+            args.positions,
+            args.token_requests,
+            args.slot_mapping,
+            args.kv_cache,
+            args.indexer.block_table,
+            args.indexer.ring,
+            args.indexer.k_cache,
+            args.out,
+            args.error_count,
+        )
+        torch.cuda.synchronize()
+    finally:
+        torch_ops.unregister_stage(handle)
+    assert same_bits(args.out, expected_out)
+    for name, t, expected in zip(("kv_cache", "ring", "k_cache", "error_count"), state, expected_state):
+        assert same_bits(t, expected), name
+    # Inductor's reduction may add in another order than eager's: close, not bitwise.
+    torch.testing.assert_close(row_sums, expected_out.float().sum(dim=-1))
+
+
 # --- tracing: torch.compile, fake tensors, opcheck (GPU) --------------------
 
 
