@@ -41,6 +41,9 @@ TEST(TensorView, ChecksNameTheArgumentAndTheExpectation) {
   s = check_stride(t, "x", 1, 2);
   EXPECT_FALSE(s.ok());
   EXPECT_TRUE(check_stride(t, "x", 1, 1).ok());
+  // A size-1 dimension's stride is never used, so never checked.
+  EXPECT_TRUE(check_stride(make_strided(&storage, DType::kF32, {1, 3}, {3, 1}), "x", 0, 4).ok());
+  EXPECT_FALSE(check_stride(make_strided(&storage, DType::kF32, {2, 3}, {3, 1}), "x", 0, 4).ok());
 
   TensorView empty;
   s = check_dtype(empty, "scale", DType::kF32);
@@ -98,6 +101,9 @@ TEST(TensorView, RowHelpersTakeAnyStrideForOneRow) {
   EXPECT_FALSE(
       check_head_rows(make_strided(storage, DType::kBF16, {1, 2, 8}, {16, 9, 1}), "q", DType::kBF16, 1, 2, 8).ok())
       << "heads are contiguous rows of dim values";
+  EXPECT_TRUE(
+      check_head_rows(make_strided(storage, DType::kBF16, {1, 1, 8}, {16, 3, 1}), "q", DType::kBF16, 1, 1, 8).ok())
+      << "a single head is never stepped over";
 
   EXPECT_TRUE(check_error_counter(nullptr, "error_count").ok());
   alignas(4) static unsigned int counter[2];

@@ -212,8 +212,7 @@ struct IndexerProjectArgs {
   TensorView wk;             // [128, D] BF16
   TensorView weights_proj;   // [32, D] BF16
   TensorView compress_gate;  // [128, D] BF16
-  // Outputs, in the layouts indexer_prepare takes (index_q's token stride may
-  // be anything when m == 1, as there):
+  // Outputs, in the layouts indexer_prepare takes:
   TensorView index_q;       // [m, 32, 128] BF16: q_c @ wq_b^T, head h = columns 128 h .. 128 h + 127
   TensorView index_k;       // [m, 128] BF16: x @ wk^T, before its LayerNorm
   TensorView head_weights;  // [m, 32] FP32: x @ weights_proj^T, the FP32 sum itself (no BF16 rounding)

@@ -44,7 +44,7 @@ struct QkvNormParams {
   const void* kv_weight;  // [kv_size] BF16 gamma of the kv part
   void* q_out;            // [m, q_size] BF16, contiguous; must not overlap qkv
   void* kv_out;           // [m, kv_size] BF16, contiguous; must not overlap qkv
-  int64_t qkv_row_pitch;  // elements from one token's row of qkv to the next
+  int64_t qkv_row_pitch;  // elements from one token's row of qkv to the next (any when m == 1)
   int m;                  // tokens
   int q_size;             // multiple of 8, kv_size <= q_size <= kNormMaxSize
   int kv_size;            // multiple of 8, >= 8
@@ -54,7 +54,8 @@ struct QkvNormParams {
 // Validates the views and fills `params`. Requirements (each violation returns
 // kInvalidArgument naming the argument, what it was and what was expected):
 //   qkv       [m, q_size + kv_size] BF16, m >= 1, stride(1) == 1, stride(0) a
-//             multiple of 8 and >= q_size + kv_size (a padded row pitch is fine)
+//             multiple of 8 and >= q_size + kv_size (a padded row pitch is
+//             fine; any when m == 1)
 //   q_weight  [q_size] BF16 contiguous;  kv_weight [kv_size] BF16 contiguous
 //   q_out     [m, q_size] BF16 contiguous; kv_out [m, kv_size] BF16 contiguous
 //   q_size and kv_size multiples of 8, 8 <= kv_size <= q_size <= kNormMaxSize;

@@ -2,6 +2,12 @@
 // elements) and device. It owns nothing. Every kernel entry point takes views
 // and checks them with the helpers below, whose errors name the argument, what
 // it was and what was expected.
+//
+// Every check, here and in the entry points, follows one rule: the stride of
+// a dimension of size 1 is never checked. Its index is always 0, so no kernel
+// steps by it, and producers disagree on it (PyTorch's DLPack export gives 1
+// where a tensor breaks the contiguous pattern): a single decode token's rows
+// come with any token stride.
 #pragma once
 
 #include <cstddef>
@@ -62,6 +68,7 @@ Status check_present(const TensorView& t, const char* name);
 Status check_dtype(const TensorView& t, const char* name, DType expected);
 // `expected` entries of -1 match any size.
 Status check_shape(const TensorView& t, const char* name, std::initializer_list<int64_t> expected);
+// Passes for any stride when dim `dim` has size 1 (the rule above).
 Status check_stride(const TensorView& t, const char* name, int dim, int64_t expected);
 // data pointer aligned to `bytes`
 Status check_aligned(const TensorView& t, const char* name, size_t bytes);

@@ -170,10 +170,23 @@ Status LinearContext::create(LinearContext* context, size_t workspace_bytes) {
 
 namespace {
 
+// cuBLASLt wants a leading dimension of at least the row even where it steps
+// no further: a single row is given its contiguous stride, whatever the
+// view's (never used, tensor.h) one.
+int64_t leading_dimension(int64_t rows, int64_t row_stride, int64_t row_length) {
+  return rows > 1 ? row_stride : row_length;
+}
+
 MatmulShape shape_of(const TensorView& input, const TensorView& weight, int64_t output_stride,
                      cudaDataType_t output_type) {
-  return MatmulShape{input.size(0),    weight.size(0), input.size(1), input.stride(0),
-                     weight.stride(0), output_stride,  output_type};
+  const int64_t m = input.size(0), n = weight.size(0), k = input.size(1);
+  return MatmulShape{m,
+                     n,
+                     k,
+                     leading_dimension(m, input.stride(0), k),
+                     leading_dimension(n, weight.stride(0), k),
+                     leading_dimension(m, output_stride, n),
+                     output_type};
 }
 
 }  // namespace

@@ -46,7 +46,8 @@ class LinearContext {
   // out = input x weight^T. input [m, k] and weight [n, k] BF16, dim 1
   // contiguous, row strides of a multiple of 16 bytes, data 16-byte aligned
   // (the caller checks; cuBLASLt is told so); output [m, n] of output_type
-  // (CUDA_R_16BF or CUDA_R_32F) with row stride output_stride elements.
+  // (CUDA_R_16BF or CUDA_R_32F) with row stride output_stride elements. A
+  // single row's stride is never used (any, as tensor.h's checks take it).
   // `what` names the product in errors.
   Status run(const char* what, const TensorView& input, const TensorView& weight, void* output, int64_t output_stride,
              cudaDataType_t output_type, cudaStream_t stream);

@@ -270,8 +270,8 @@ Status check_kv_cache_write(const KvCacheWrite& c, int64_t m) {
   DSA_RETURN_IF_ERROR(check_shape(c.kv, "cache.kv", {m, -1}));
   DSA_RETURN_IF_ERROR(check_on_cuda(c.kv, "cache.kv"));
   const int64_t width = c.kv.size(1);
-  if (width < 8 || width % 8 != 0 || width > kMaxDim || c.kv.stride(1) != 1 || c.kv.stride(0) % 8 != 0 ||
-      (m > 1 && c.kv.stride(0) < width)) {
+  if (width < 8 || width % 8 != 0 || width > kMaxDim || c.kv.stride(1) != 1 ||
+      (m > 1 && (c.kv.stride(0) % 8 != 0 || c.kv.stride(0) < width))) {
     return invalid_argument("cache.kv",
                             "a latent width that is a multiple of 8, contiguous rows, row stride a multiple of 8",
                             c.kv.describe());
@@ -280,9 +280,13 @@ Status check_kv_cache_write(const KvCacheWrite& c, int64_t m) {
   DSA_RETURN_IF_ERROR(check_dtype(c.cache, "cache.cache", DType::kFP8E4M3));
   DSA_RETURN_IF_ERROR(check_shape(c.cache, "cache.cache", {-1, -1, width}));
   DSA_RETURN_IF_ERROR(check_on_cuda(c.cache, "cache.cache"));
-  if (c.cache.size(0) < 1 || c.cache.size(1) < 1 || c.cache.size(1) > kMaxDim || c.cache.stride(2) != 1 ||
-      c.cache.stride(1) % 8 != 0 || c.cache.stride(1) < width || c.cache.stride(0) % 8 != 0 ||
-      c.cache.stride(0) < c.cache.size(1) * c.cache.stride(1)) {
+  // A size-1 dimension's stride is never used (tensor.h): one block's goes
+  // unchecked, and a block of one entry spans just the entry's width.
+  const int64_t blocks = c.cache.size(0), block_size = c.cache.size(1);
+  const int64_t entry_stride = block_size > 1 ? c.cache.stride(1) : width;
+  if (blocks < 1 || block_size < 1 || block_size > kMaxDim || c.cache.stride(2) != 1 ||
+      (block_size > 1 && (entry_stride % 8 != 0 || entry_stride < width)) ||
+      (blocks > 1 && (c.cache.stride(0) % 8 != 0 || c.cache.stride(0) < block_size * entry_stride))) {
     return invalid_argument("cache.cache",
                             "[blocks, block_size, L] with L contiguous and entry and block strides that are "
                             "multiples of 8 and do not overlap",
@@ -314,8 +318,8 @@ Status check_head_gemv_weight(const TensorView& w, const char* name, int64_t hea
   DSA_RETURN_IF_ERROR(check_on_cuda(w, name));
   const int64_t cols = w.size(2);
   DSA_RETURN_IF_ERROR(check_stride(w, name, 2, 1));
-  if (cols < 1 || heads * cols > kMaxDim || w.stride(1) % 8 != 0 || w.stride(1) < cols || w.stride(0) % 8 != 0 ||
-      w.stride(0) < rows * w.stride(1)) {
+  if (cols < 1 || heads * cols > kMaxDim || w.stride(1) % 8 != 0 || w.stride(1) < cols ||
+      (heads > 1 && (w.stride(0) % 8 != 0 || w.stride(0) < rows * w.stride(1)))) {
     return invalid_argument(
         name, "J >= 1, H*J < 2^31, and row and head strides that are multiples of 8 and do not overlap", w.describe());
   }

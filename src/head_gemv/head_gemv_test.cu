@@ -51,8 +51,34 @@ TEST(HeadGemvChecks, AcceptsTheGlm5NextAbsorb) {
   EXPECT_TRUE(check_head_gemv(f.args()).ok()) << check_head_gemv(f.args()).to_string();
   // One token: its stride is never used, so any stride is fine (PyTorch size-1 dims).
   f.x.shape[0] = f.out.shape[0] = f.cache.kv.shape[0] = 1;
-  f.x.strides[0] = 3;
+  f.x.strides[0] = f.cache.kv.strides[0] = 3;
   EXPECT_TRUE(check_head_gemv(f.args()).ok()) << check_head_gemv(f.args()).to_string();
+}
+
+// So are the strides of one head, one cache block and blocks of one entry;
+// where the dimension is stepped, the same stride is refused.
+TEST(HeadGemvChecks, SizeOneDimensionsTakeAnyStride) {
+  FakeArgs one_head;
+  one_head.x = make_tensor(one_head.x.data, DType::kBF16, {2, 1, 256});
+  one_head.weight = make_strided(one_head.weight.data, DType::kBF16, {1, 256, 512}, {3, 512, 1});
+  one_head.out = make_tensor(one_head.out.data, DType::kFP8E4M3, {2, 1, 512});
+  EXPECT_TRUE(check_head_gemv(one_head.args()).ok()) << check_head_gemv(one_head.args()).to_string();
+  FakeArgs one_block;
+  one_block.cache.cache = make_strided(one_block.cache.cache.data, DType::kFP8E4M3, {1, 128, 512}, {3, 512, 1});
+  EXPECT_TRUE(check_head_gemv(one_block.args()).ok()) << check_head_gemv(one_block.args()).to_string();
+  FakeArgs one_entry;
+  one_entry.cache.cache = make_strided(one_entry.cache.cache.data, DType::kFP8E4M3, {8, 1, 512}, {512, 3, 1});
+  EXPECT_TRUE(check_head_gemv(one_entry.args()).ok()) << check_head_gemv(one_entry.args()).to_string();
+
+  const auto rejected = [](auto&& breaks, const std::string& argument, const std::string& words) {
+    FakeArgs f;
+    breaks(f);
+    expect_rejected(f.args(), argument, words);
+  };
+  rejected([](FakeArgs& f) { f.cache.kv.strides[0] = 3; }, "cache.kv", "row stride a multiple of 8");
+  rejected([](FakeArgs& f) { f.weight.strides[0] = 3; }, "weight", "multiples of 8");
+  rejected([](FakeArgs& f) { f.cache.cache.strides[0] = 3; }, "cache.cache", "multiples of 8");
+  rejected([](FakeArgs& f) { f.cache.cache.strides[1] = 3; }, "cache.cache", "multiples of 8");
 }
 
 TEST(HeadGemvChecks, ShapesWithoutATacticAreUnsupportedNotMisnamed) {
@@ -112,6 +138,17 @@ TEST(HeadGemvChecks, StockEntryPointsNameTheirArguments) {
   const Status in_place =
       stock_static_fp8_quant(in, make_tensor(in.data, DType::kFP8E4M3, {2, 4, 512}), f.scale, nullptr);
   EXPECT_NE(in_place.message().find("disjoint from 'in'"), std::string::npos) << in_place.message();
+  // cuBLAS's int leading dimension: one token's stride is never used, so it is not refused past 2^31 (the call
+  // then fails on the null handle, not on the arguments); two tokens' is.
+  const int64_t past_int = int64_t(1) << 40;
+  const TensorView one_token = make_strided(f.x.data, DType::kBF16, {1, 4, 256}, {past_int, 256, 1});
+  const Status one =
+      cublas_head_bmm(nullptr, one_token, f.weight, make_tensor(fake_address(11), DType::kBF16, {1, 4, 512}));
+  EXPECT_NE(one.code(), ErrorCode::kInvalidArgument) << one.to_string();
+  const TensorView two_tokens = make_strided(f.x.data, DType::kBF16, {2, 4, 256}, {past_int, 256, 1});
+  testing::expect_rejected(
+      cublas_head_bmm(nullptr, two_tokens, f.weight, make_tensor(fake_address(11), DType::kBF16, {2, 4, 512})),
+      "x, weight", "token stride");
 }
 
 TEST(HeadGemvChecks, NamesEachBadArgument) {

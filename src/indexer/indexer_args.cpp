@@ -26,14 +26,14 @@ Status check_parameter(const TensorView& t, const char* name, std::initializer_l
 
 // [m, width] rows of `dtype`, dim 1 contiguous, the stride of dim 0 (a
 // `row_kind` stride in the message) a multiple of `stride_multiple` and
-// >= width, data 16-byte aligned.
+// >= width (any for a single row), data 16-byte aligned.
 Status check_rows(const TensorView& t, const char* name, DType dtype, int64_t m, int64_t width,
                   int64_t stride_multiple, const char* row_kind = "token") {
   DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
   DSA_RETURN_IF_ERROR(check_shape(t, name, {m, width}));
   DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
   DSA_RETURN_IF_ERROR(check_stride(t, name, 1, 1));
-  if (t.stride(0) % stride_multiple != 0 || t.stride(0) < width) {
+  if (m > 1 && (t.stride(0) % stride_multiple != 0 || t.stride(0) < width)) {
     return invalid_argument(name, std::string("a ") + row_kind + " stride that is a multiple of " +
                                       std::to_string(stride_multiple) + " and at least " + std::to_string(width),
                             t.describe());
@@ -93,7 +93,7 @@ Status check_state(const IndexerState& s, const IndexerPlan& plan) {
   DSA_RETURN_IF_ERROR(check_stride(s.ring, "ring", 3, 1));
   DSA_RETURN_IF_ERROR(check_stride(s.ring, "ring", 2, dim));
   DSA_RETURN_IF_ERROR(check_stride(s.ring, "ring", 1, ring * dim));
-  if (s.ring.stride(0) % 8 != 0 || s.ring.stride(0) < 2 * ring * dim) {
+  if (requests > 1 && (s.ring.stride(0) % 8 != 0 || s.ring.stride(0) < 2 * ring * dim)) {
     return invalid_argument("ring", "a request stride that is a multiple of 8 and at least 2*RING*128",
                             s.ring.describe());
   }
@@ -108,7 +108,7 @@ Status check_state(const IndexerState& s, const IndexerPlan& plan) {
     return invalid_argument("k_cache", range(1, max_blocks) + " blocks (int32 slots)", s.k_cache.describe());
   }
   DSA_RETURN_IF_ERROR(check_stride(s.k_cache, "k_cache", 1, 1));
-  if (s.k_cache.stride(0) % 16 != 0 || s.k_cache.stride(0) < page_bytes) {
+  if (s.k_cache.size(0) > 1 && (s.k_cache.stride(0) % 16 != 0 || s.k_cache.stride(0) < page_bytes)) {
     return invalid_argument("k_cache", "a page stride that is a multiple of 16 and at least block_size/4*132 = " +
                                            std::to_string(page_bytes),
                             s.k_cache.describe());

@@ -47,12 +47,8 @@ Status indexer_project(const IndexerProjectArgs& a, IndexerProjectContext& conte
   if (!context.created()) {
     return invalid_argument("context", "a context made by IndexerProjectContext::create", "an empty context");
   }
-  // index_q's token stride is any when m == 1 (as indexer_prepare takes it);
-  // cuBLASLt needs a leading dimension of at least the row's length.
-  const int64_t index_q_width = int64_t(kIndexerHeads) * kIndexerDim;
-  const int64_t index_q_stride = a.q_c.size(0) == 1 ? index_q_width : a.index_q.stride(0);
   const Product products[] = {
-      {"indexer_project, index_q = q_c @ wq_b^T", a.q_c, a.wq_b, a.index_q.data, index_q_stride, CUDA_R_16BF},
+      {"indexer_project, index_q = q_c @ wq_b^T", a.q_c, a.wq_b, a.index_q.data, a.index_q.stride(0), CUDA_R_16BF},
       {"indexer_project, index_k = x @ wk^T", a.x, a.wk, a.index_k.data, a.index_k.stride(0), CUDA_R_16BF},
       {"indexer_project, head_weights = x @ weights_proj^T", a.x, a.weights_proj, a.head_weights.data,
        a.head_weights.stride(0), CUDA_R_32F},

@@ -82,9 +82,11 @@ TEST(IndexerProjectChecks, AcceptsGlm5NextShapes) {
   padded.index_q = make_strided(padded.index_q.data, DType::kBF16, {4, kHeads, kDim}, {kQWidth + 8, kDim, 1});
   padded.head_weights = make_strided(padded.head_weights.data, DType::kF32, {4, kHeads}, {kHeads + 4, 1});
   expect_accepted(padded, "padded row strides");
-  IndexerProjectArgs one = fake_args(1);  // a size-1 dimension's stride is never used, as indexer_prepare takes it
-  one.index_q = make_strided(one.index_q.data, DType::kBF16, {1, kHeads, kDim}, {1, kDim, 1});
-  expect_accepted(one, "m 1, index_q token stride 1");
+  IndexerProjectArgs one = fake_args(1);  // a size-1 dimension's stride is never used (tensor.h)
+  for (TensorView* t : {&one.q_c, &one.x, &one.index_q, &one.index_k, &one.head_weights, &one.gate}) t->strides[0] = 3;
+  expect_accepted(one, "m 1, token strides 3");
+  const Status gemv = check_indexer_project_gemv(one);
+  EXPECT_TRUE(gemv.ok()) << "indexer_project_gemv, m 1, token strides 3: " << gemv.to_string();
 }
 
 TEST(IndexerProjectChecks, ErrorsNameTheArgument) {
@@ -493,6 +495,30 @@ TEST(IndexerProjectGpu, PaddedRowStrides) {
   IndexerProjectContext context;
   DSA_ASSERT_OK(IndexerProjectContext::create(&context));
   check_projection(4, kPadded, weights, device_weights, context, rng, "m 4 padded");
+}
+
+// One token's rows with a token stride of 3 (never used: cuBLASLt is given
+// the contiguous one) give the bytes of the contiguous views.
+TEST(IndexerProjectGpu, OneTokenTakesAnyTokenStride) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed());
+  const HostWeights weights(rng);
+  const DeviceWeights device_weights(weights, 0);
+  DeviceStep device(random_step(1, rng), kTight);
+  IndexerProjectArgs args = project_args(device, device_weights);
+  IndexerProjectContext context;
+  DSA_ASSERT_OK(IndexerProjectContext::create(&context));
+  cudaStream_t stream = new_stream();
+  device.poison();
+  DSA_ASSERT_OK(project_and_wait(args, context, stream));
+  const std::vector<uint8_t> contiguous = device.all_bytes();
+  for (TensorView* t : {&args.q_c, &args.x, &args.index_q, &args.index_k, &args.head_weights, &args.gate}) {
+    t->strides[0] = 3;
+  }
+  device.poison();
+  DSA_ASSERT_OK(project_and_wait(args, context, stream));
+  EXPECT_TRUE(device.all_bytes() == contiguous) << "token stride 3 gave other bytes";
+  cudaStreamDestroy(stream);
 }
 
 // A warm-up call outside the capture (it builds the shape's descriptors),

@@ -44,7 +44,9 @@ struct FakeArgs {
   IndexerPrepareArgs prepare;
   IndexerSelectArgs select;
   IndexerPrefillArgs prefill;
-  FakeArgs() {
+  FakeArgs() : FakeArgs(4, 8, 1000) {}
+  FakeArgs(int64_t tokens, int64_t request_count, int64_t block_count)
+      : m(tokens), requests(request_count), blocks(block_count) {
     state.block_table = make_tensor(fake_device_pointer(0x10000), DType::kI32, {requests, width});
     state.ring = make_tensor(fake_device_pointer(0x20000), DType::kBF16, {requests, 2, plan.ring, kDim});
     state.k_cache = make_tensor(fake_device_pointer(0x30000), DType::kU8, {blocks, plan.block_size / 4 * 132});
@@ -249,6 +251,32 @@ TEST(IndexerChecks, StateAndWorkspaceLayoutsAreNamed) {
   f.prefill.index_k = make_tensor(fake_device_pointer(0x90000), DType::kBF16, {f.plan.max_context + 1, kDim});
   f.prefill.gate = f.prefill.index_k;
   expect_rejected(check_indexer_prefill(f.prefill), "index_k", "the plan's max_context");
+}
+
+// A size-1 dimension's stride is never used (tensor.h): one token, one
+// request and one K-cache block take any; more take only the strides above.
+TEST(IndexerChecks, SizeOneDimensionsTakeAnyStride) {
+  FakeArgs one(1, 1, 1);
+  for (TensorView* t : {&one.prepare.index_q, &one.prepare.index_k, &one.prepare.head_weights, &one.prepare.gate,
+                        &one.prepare.positions, &one.prepare.token_requests, &one.prepare.state.ring,
+                        &one.prepare.state.k_cache, &one.select.slots, &one.select.topk_positions}) {
+    t->strides[0] = 3;
+  }
+  one.select.positions = one.prepare.positions;
+  one.select.token_requests = one.prepare.token_requests;
+  one.select.state = one.prefill.state = one.prepare.state;
+  one.prefill.request = 0;
+  one.prefill.index_k = make_strided(one.prefill.index_k.data, DType::kBF16, {1, kDim}, {3, 1});
+  one.prefill.gate = make_strided(one.prefill.gate.data, DType::kBF16, {1, kDim}, {3, 1});
+  EXPECT_TRUE(check_indexer_prepare(one.prepare).ok()) << check_indexer_prepare(one.prepare).to_string();
+  EXPECT_TRUE(check_indexer_select(one.select).ok()) << check_indexer_select(one.select).to_string();
+  EXPECT_TRUE(check_indexer_prefill(one.prefill).ok()) << check_indexer_prefill(one.prefill).to_string();
+
+  FakeArgs f;
+  f.prepare.index_k.strides[0] = 3;
+  expect_rejected(check_indexer_prepare(f.prepare), "index_k", "a token stride that is a multiple of 8");
+  f.select.slots.strides[0] = 3;
+  expect_rejected(check_indexer_select(f.select), "slots", "a token stride that is a multiple of 4");
 }
 
 // What a launch writes (ring, K cache, workspace) shares no byte with

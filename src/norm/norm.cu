@@ -117,7 +117,8 @@ Status check_sizes(int64_t m, int64_t q_size, int64_t kv_size, int64_t pitch, fl
                             "at least kv_size = " + std::to_string(kv_size) + " (the kv CTA uses the q CTA's threads)",
                             std::to_string(q_size));
   }
-  if (pitch % kValuesPerThread != 0 || pitch < q_size + kv_size) {
+  // The pitch only steps to rows 1..m-1: any for one token (tensor.h).
+  if (m > 1 && (pitch % kValuesPerThread != 0 || pitch < q_size + kv_size)) {
     return invalid_argument("qkv_row_pitch (qkv.stride(0))",
                             "a multiple of 8 elements (16-byte rows) of at least q_size + kv_size = " +
                                 std::to_string(q_size + kv_size),

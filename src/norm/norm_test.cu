@@ -203,6 +203,19 @@ NormArgs args_with_sizes(int64_t m, int64_t q_size, int64_t kv_size) {
   return args;
 }
 
+// One token's row pitch is never used (tensor.h): any is taken, and the
+// params carry it through the launch's recheck; two tokens' is checked.
+TEST(NormArgs, AcceptsAnyRowPitchForOneToken) {
+  NormArgs one = args_with_sizes(1, 1536, 512);
+  one.qkv = make_strided(one.qkv.data, DType::kBF16, {1, 2048}, {3, 1});
+  QkvNormParams params;
+  DSA_ASSERT_OK(one.make(&params));
+  EXPECT_EQ(params.qkv_row_pitch, 3);
+  NormArgs two = args_with_sizes(2, 1536, 512);
+  two.qkv = make_strided(two.qkv.data, DType::kBF16, {2, 2048}, {3, 1});
+  expect_rejected(two.make(), {"'qkv_row_pitch (qkv.stride(0))'", "got 3"});
+}
+
 TEST(NormArgs, RejectsSizesNotMultipleOf8) {
   // q_size + kv_size stays a multiple of 8, so only the part sizes are wrong.
   expect_rejected(args_with_sizes(4, 1532, 516).make(), {"'kv_size (kv_weight.size(0))'", "multiple of 8", "got 516"});

@@ -34,7 +34,7 @@ Status check_split_partials(const TensorView& partials, int64_t count) {
   DSA_RETURN_IF_ERROR(check_dtype(partials, "split_partials", DType::kF32));
   DSA_RETURN_IF_ERROR(check_shape(partials, "split_partials", {-1}));
   DSA_RETURN_IF_ERROR(check_on_cuda(partials, "split_partials"));
-  if (partials.size(0) < count || partials.stride(0) != 1) {
+  if (partials.size(0) < count || (partials.size(0) > 1 && partials.stride(0) != 1)) {
     return invalid_argument("split_partials",
                             "a contiguous vector of at least " + std::to_string(count) +
                                 " values (sparse_mla_split_partials_count(m, H, K) for sparse_mla)",
@@ -66,8 +66,11 @@ Status check_sparse_mla_against(const SparseMlaArgs& a,
     return invalid_argument("q", range(1, kSparseMlaMaxHeads) + " heads in dim 1", a.q.describe());
   }
   DSA_RETURN_IF_ERROR(check_stride(a.q, "q", 2, 1));
-  if (a.q.stride(1) % 16 != 0 || a.q.stride(1) < L || a.q.stride(0) % 16 != 0 ||
-      a.q.stride(0) < heads * a.q.stride(1)) {
+  // A size-1 dimension's stride is never used (tensor.h): one token's goes
+  // unchecked, and a token of one head spans just the head's width.
+  const int64_t q_head_stride = heads > 1 ? a.q.stride(1) : L;
+  if ((heads > 1 && (q_head_stride % 16 != 0 || q_head_stride < L)) ||
+      (m > 1 && (a.q.stride(0) % 16 != 0 || a.q.stride(0) < heads * q_head_stride))) {
     return invalid_argument("q", "head and token strides that are multiples of 16 and do not overlap",
                             a.q.describe());
   }
@@ -82,7 +85,11 @@ Status check_sparse_mla_against(const SparseMlaArgs& a,
     return invalid_argument("kv_cache", "at least one block of at least one entry", c.describe());
   }
   DSA_RETURN_IF_ERROR(check_stride(c, "kv_cache", 2, 1));
-  if (c.stride(1) % 16 != 0 || c.stride(1) < L || c.stride(0) % 16 != 0 || c.stride(0) < c.size(1) * c.stride(1)) {
+  // Likewise one block's stride, and a block of one entry spans just the entry's width.
+  const int64_t blocks = c.size(0), block_size = c.size(1);
+  const int64_t entry_stride = block_size > 1 ? c.stride(1) : L;
+  if ((block_size > 1 && (entry_stride % 16 != 0 || entry_stride < L)) ||
+      (blocks > 1 && (c.stride(0) % 16 != 0 || c.stride(0) < block_size * entry_stride))) {
     return invalid_argument("kv_cache", "entry and block strides that are multiples of 16 and do not overlap",
                             c.describe());
   }
@@ -126,7 +133,7 @@ Status check_sparse_mla_against(const SparseMlaArgs& a,
   DSA_RETURN_IF_ERROR(check_shape(a.split_counters, "split_counters", {-1}));
   DSA_RETURN_IF_ERROR(check_on_cuda(a.split_counters, "split_counters"));
   const int64_t counters = sparse_mla_split_counter_count(m, heads, top_k);
-  if (a.split_counters.size(0) < counters || a.split_counters.stride(0) != 1) {
+  if (a.split_counters.size(0) < counters || (a.split_counters.size(0) > 1 && a.split_counters.stride(0) != 1)) {
     return invalid_argument("split_counters",
                             "a contiguous vector of at least sparse_mla_split_counter_count(m, H, K) = " +
                                 std::to_string(counters) + " counters",

@@ -167,6 +167,33 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
            "split_counters", "aligned to 4");
 }
 
+// A size-1 dimension's stride is never used (tensor.h): one token, one head,
+// one entry, one cache block or blocks of one entry take any; where the
+// dimension is stepped, the same stride is refused.
+TEST(SparseMlaChecks, SizeOneDimensionsTakeAnyStride) {
+  FakeArgs small;
+  small.args.q = make_strided(fake_device_pointer(0x10000), DType::kFP8E4M3, {1, 1, L}, {3, 3, 1});
+  small.args.indices = make_strided(fake_device_pointer(0x50000), DType::kI32, {1, 1}, {3, 3});
+  small.args.latent = make_strided(fake_device_pointer(0x60000), DType::kBF16, {1, 1, L}, {3, 3, 1});
+  small.args.lse = make_strided(fake_device_pointer(0x70000), DType::kF32, {1, 1}, {3, 3});
+  small.args.split_counters = make_strided(fake_device_pointer(0x80000), DType::kI32, {1}, {3});
+  small.args.kv_cache = make_strided(fake_device_pointer(0x30000), DType::kFP8E4M3, {1, 256, L}, {3, L, 1});
+  EXPECT_TRUE(check_sparse_mla(small.args).ok()) << check_sparse_mla(small.args).to_string();
+  small.args.kv_cache = make_strided(fake_device_pointer(0x30000), DType::kFP8E4M3, {100, 1, L}, {L, 3, 1});
+  EXPECT_TRUE(check_sparse_mla(small.args).ok()) << check_sparse_mla(small.args).to_string();
+
+  const auto rejected = [](auto&& breaks, const std::string& argument, const std::string& words) {
+    FakeArgs f;
+    breaks(f.args);
+    expect_rejected(f.args, argument, words);
+  };
+  rejected([](SparseMlaArgs& a) { a.q.strides[0] = 3; }, "q", "multiples of 16");
+  rejected([](SparseMlaArgs& a) { a.q.strides[1] = 3; }, "q", "multiples of 16");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.strides[0] = 3; }, "kv_cache", "multiples of 16");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.strides[1] = 3; }, "kv_cache", "multiples of 16");
+  rejected([](SparseMlaArgs& a) { a.split_counters.strides[0] = 3; }, "split_counters", "a contiguous vector");
+}
+
 // The 64-head kernel needs split_partials (a short or missing view is
 // refused); the 8-head kernel does not (the view may be empty), but a view
 // that is given is still checked.

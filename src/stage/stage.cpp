@@ -359,8 +359,8 @@ struct DsaAttentionStage::State {
         DSA_RETURN_IF_ERROR(bind_cublas(stream));
         return cublas_head_bmm(b->cublas, bf16(b->latent, {m, H, L}), w.w_uv, bf16(b->heads, {m, H, V}));
       case Step::kOProj:
-        return b->linear.run("o_proj", bf16(b->heads, {m, H * V}), w.o_proj, a.out.data, m > 1 ? a.out.stride(0) : D,
-                             CUDA_R_16BF, stream);
+        return b->linear.run("o_proj", bf16(b->heads, {m, H * V}), w.o_proj, a.out.data, a.out.stride(0), CUDA_R_16BF,
+                             stream);
       case Step::kOProjGemv:
         return linear_gemv(LinearGemvArgs{bf16(b->heads, {m, H * V}), w.o_proj, a.out}, stream);
       case Step::kStockCacheWrite:

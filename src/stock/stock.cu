@@ -59,10 +59,15 @@ Status cublas_head_bmm(cublasHandle_t handle, const TensorView& x, const TensorV
   DSA_RETURN_IF_ERROR(check_shape(out, "out", {m, heads, cols}));
   DSA_RETURN_IF_ERROR(check_on_cuda(out, "out"));
   if (!out.is_contiguous()) return invalid_argument("out", "a contiguous tensor", out.describe());
+  // cuBLAS wants a leading dimension of at least the row even where it steps
+  // no further: a single token or weight row is given its contiguous stride,
+  // whatever the view's (never used) one.
+  const int64_t x_token_stride = m > 1 ? x.stride(0) : heads * rows;
+  const int64_t weight_row_stride = rows > 1 ? weight.stride(1) : cols;
   // cuBLAS takes int sizes and leading dimensions.
   constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
-  if (m < 1 || heads < 1 || rows < 1 || cols < 1 || heads * cols > kIntMax || x.stride(0) > kIntMax ||
-      weight.stride(1) > kIntMax) {
+  if (m < 1 || heads < 1 || rows < 1 || cols < 1 || heads * cols > kIntMax || x_token_stride > kIntMax ||
+      weight_row_stride > kIntMax) {
     return invalid_argument("x, weight", "sizes >= 1 and H*J, x's token stride and weight's row stride < 2^31",
                             x.describe() + ", " + weight.describe());
   }
@@ -73,8 +78,8 @@ Status cublas_head_bmm(cublasHandle_t handle, const TensorView& x, const TensorV
   const float alpha = 1.0f, beta = 0.0f;
   DSA_CUBLAS_RETURN(cublasGemmStridedBatchedEx(
       handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(cols), static_cast<int>(m), static_cast<int>(rows), &alpha,
-      weight.data, CUDA_R_16BF, static_cast<int>(weight.stride(1)), weight.stride(0), x.data, CUDA_R_16BF,
-      static_cast<int>(x.stride(0)), rows, &beta, out.data, CUDA_R_16BF, static_cast<int>(heads * cols), cols,
+      weight.data, CUDA_R_16BF, static_cast<int>(weight_row_stride), weight.stride(0), x.data, CUDA_R_16BF,
+      static_cast<int>(x_token_stride), rows, &beta, out.data, CUDA_R_16BF, static_cast<int>(heads * cols), cols,
       static_cast<int>(heads), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return Status();
 }
