@@ -141,14 +141,12 @@ int current_device() {
 }
 
 // A view of the array's memory under the C++ argument name `name`. The shape,
-// strides, dtype and device are translated, and the C++ checks judge them,
-// with three rules of the translation's own:
-//  - a size-1 dimension's stride carries no information, and DLPack
-//    producers disagree on it (PyTorch exports 1 where the tensor breaks the
-//    contiguous pattern); it is set to the contiguous value, which every
-//    check takes;
-//  - negative strides are refused (the library's overlap and span rules
-//    assume non-negative ones);
+// strides, dtype and device are translated, and the C++ checks judge them
+// (a size-1 dimension's stride, on which DLPack producers disagree, they
+// never judge: it is passed on as given), with two rules of the
+// translation's own:
+//  - negative strides are refused where the size is not 1 (the library's
+//    overlap and span rules assume non-negative ones);
 //  - a CUDA array must be on the current device, where the launch goes.
 dsa::TensorView to_view(const Array& a, const char* name, bool fp8 = false) {
   dsa::TensorView v;
@@ -159,12 +157,12 @@ dsa::TensorView to_view(const Array& a, const char* name, bool fp8 = false) {
   v.data = a.data();
   v.dtype = to_dtype(a.dtype(), name, fp8);
   v.ndim = int(a.ndim());
-  int64_t contiguous_stride = 1;
-  for (size_t d = a.ndim(); d-- > 0;) {
+  for (int d = 0; d < v.ndim; ++d) {
     v.shape[d] = a.shape(d);
-    v.strides[d] = a.shape(d) == 1 ? contiguous_stride : a.stride(d);
-    if (v.strides[d] < 0) throw_invalid(name, "non-negative strides", v.describe());
-    contiguous_stride = v.strides[d] * std::max<int64_t>(v.shape[d], 1);
+    v.strides[d] = a.stride(d);
+  }
+  for (int d = 0; d < v.ndim; ++d) {
+    if (v.shape[d] != 1 && v.strides[d] < 0) throw_invalid(name, "non-negative strides", v.describe());
   }
   const int device_type = a.device_type();
   if (device_type == nb::device::cuda::value) {

@@ -53,13 +53,15 @@ def test_dlpack_strides_of_views_are_kept_in_elements():
     assert dd.describe(np.zeros((), dtype=np.float32)) == "f32[] strides [] on cpu"
 
 
-def test_size_one_dimensions_take_the_contiguous_stride():
+def test_size_one_dimensions_keep_their_stride():
     # Producers disagree on a size-1 dimension's stride (PyTorch exports 1
-    # where the tensor breaks the contiguous pattern); it means nothing, and
-    # the checks get the contiguous value.
+    # where the tensor breaks the contiguous pattern); it addresses nothing,
+    # the C++ checks never judge it, and the binding passes it on as given,
+    # a negative one included.
     row = np.zeros((1, 2048), dtype=np.float32)
-    assert dd.describe(row[:, 1536:]) == "f32[1, 512] strides [512, 1] on cpu"
+    assert dd.describe(row[:, 1536:]) == "f32[1, 512] strides [2048, 1] on cpu"
     assert dd.describe(np.zeros((3, 1, 8), dtype=np.float32)[:, :, ::2]) == "f32[3, 1, 4] strides [8, 8, 2] on cpu"
+    assert dd.describe(np.zeros((1, 4), dtype=np.float32)[::-1]) == "f32[1, 4] strides [-4, 1] on cpu"
 
 
 def test_dlpack_capsules_are_taken_as_arrays():
