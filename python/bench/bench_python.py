@@ -87,6 +87,8 @@ OVERHEAD_REPEATS = 5
 # Whole stage steps per timed loop: their launches (about 20 each) stay within
 # the device's queue of pending launches, so the host never waits for the GPU.
 STAGE_OVERHEAD_CALLS = 10
+# One step alone per call (Stage.run_steps(args, i, 1)): a few launches each.
+STEP_OVERHEAD_CALLS = 20
 
 
 # --- the synthetic layer -----------------------------------------------------
@@ -897,13 +899,28 @@ def measure_stage_call_overhead(layer: SyntheticLayer) -> Dict[str, Dict[str, fl
     the extension's run with its arguments prepared and the stream given
     (the C++ stage's checks and ~20 launches), the binding (which builds
     those arguments from StepArgs and looks up the current stream) and the
-    torch.library op stage_forward."""
+    torch.library op stage_forward; and under "steps", each path's steps
+    alone through the extension (run_steps(args, i, 1): the C++ checks of
+    the step arguments, then the step's launches)."""
     stage, args = layer.stages[0], layer.args
     stream = torch.cuda.current_stream().cuda_stream
     prepared = (False, *args._args(), args.error_count, stream)
     handle = dsa_decode.torch_ops.register_stage(stage)
     try:
+        per_step = {}
+        for stock in (False, True):
+            names = stage.step_names(args, stock=stock)
+            per_step["stock" if stock else "fused"] = [
+                (
+                    name,
+                    host_us_per_call(
+                        lambda i=i, s=stock: stage._stage.run_steps(s, i, 1, *prepared[1:]), STEP_OVERHEAD_CALLS
+                    ),
+                )
+                for i, name in enumerate(names)
+            ]
         return {
+            "steps": per_step,
             "stage_extension": host_us_per_call(lambda: stage._stage.run(*prepared), STAGE_OVERHEAD_CALLS),
             "stage_binding": host_us_per_call(lambda: stage.forward(args), STAGE_OVERHEAD_CALLS),
             "stage_torch_op": host_us_per_call(
@@ -1053,6 +1070,19 @@ def build_report(
                 speedup=number(stage_overhead["stage_extension"]["host_us"] / stage_overhead[key]["host_us"]),
             )
         rows.append(row)
+    for path, timings in stage_overhead["steps"].items():
+        for i, (name, t) in enumerate(timings):
+            rows.append(
+                {
+                    "name": f"host_step_{path}_{i}",
+                    "label": name,
+                    "path": path,
+                    "params": dict(params, calls=STEP_OVERHEAD_CALLS),
+                    "us": number(t["host_us"]),
+                    "synced_us": number(t["synced_us"]),
+                    "note": "host microseconds per eager Stage.run_steps(args, i, 1) through the extension",
+                }
+            )
     return {
         "bench": "python",
         "gpu": torch.cuda.get_device_name(),
@@ -1182,6 +1212,13 @@ def print_report(layer: SyntheticLayer, report: dict, kernels: List[KernelRow], 
         f"us per step; torch.library over the binding: "
         f"{overhead['stage_torch_op']['us'] - overhead['stage_binding']['us']:+.2f} us"
     )
+    print(f"\nhost time of each step alone (the extension's run_steps(args, i, 1)), eager, {STEP_OVERHEAD_CALLS} calls")
+    for path in ("fused", "stock"):
+        rows = [row for row in report["rows"] if row["name"].startswith(f"host_step_{path}_")]
+        print(f"{path + ' path step':55} {'us/call':>9} {'with sync':>10}")
+        for row in rows:
+            print(f"{row['label']:55} {row['us']:9.2f} {row['synced_us']:10.2f}")
+        print(f"{'summed':55} {sum(row['us'] for row in rows):9.2f}")
 
 
 def parse_options(argv: Optional[List[str]] = None) -> argparse.Namespace:
