@@ -4,10 +4,11 @@
 // it was and what was expected.
 //
 // Every check, here and in the entry points, follows one rule: the stride of
-// a dimension of size 1 is never checked. Its index is always 0, so no kernel
-// steps by it, and producers disagree on it (PyTorch's DLPack export gives 1
-// where a tensor breaks the contiguous pattern): a single decode token's rows
-// come with any token stride.
+// a dimension of size 1 is never checked (dimensions whose size checks
+// already refuse 1, such as a 512-wide latent row, keep their stride checks).
+// Its index is always 0, so no kernel steps by it, and producers disagree on
+// it (PyTorch's DLPack export gives 1 where a tensor breaks the contiguous
+// pattern): a single decode token's rows come with any token stride.
 #pragma once
 
 #include <cstddef>

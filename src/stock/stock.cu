@@ -64,6 +64,7 @@ Status cublas_head_bmm(cublasHandle_t handle, const TensorView& x, const TensorV
   // whatever the view's (never used) one.
   const int64_t x_token_stride = m > 1 ? x.stride(0) : heads * rows;
   const int64_t weight_row_stride = rows > 1 ? weight.stride(1) : cols;
+  const int64_t weight_head_stride = heads > 1 ? weight.stride(0) : rows * weight_row_stride;
   // cuBLAS takes int sizes and leading dimensions.
   constexpr int64_t kIntMax = (int64_t{1} << 31) - 1;
   if (m < 1 || heads < 1 || rows < 1 || cols < 1 || heads * cols > kIntMax || x_token_stride > kIntMax ||
@@ -78,7 +79,7 @@ Status cublas_head_bmm(cublasHandle_t handle, const TensorView& x, const TensorV
   const float alpha = 1.0f, beta = 0.0f;
   DSA_CUBLAS_RETURN(cublasGemmStridedBatchedEx(
       handle, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(cols), static_cast<int>(m), static_cast<int>(rows), &alpha,
-      weight.data, CUDA_R_16BF, static_cast<int>(weight_row_stride), weight.stride(0), x.data, CUDA_R_16BF,
+      weight.data, CUDA_R_16BF, static_cast<int>(weight_row_stride), weight_head_stride, x.data, CUDA_R_16BF,
       static_cast<int>(x_token_stride), rows, &beta, out.data, CUDA_R_16BF, static_cast<int>(heads * cols), cols,
       static_cast<int>(heads), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return Status();
