@@ -283,21 +283,38 @@ def small_layer():
     return load_bench_module().build_synthetic_layer("glm5next", tp=8, tokens=2, context=3000, seed=3)
 
 
+STEP_WRITES = ("out", "kv_cache", "ring", "k_cache", "error_count")
+
+
+def step_writes(args):
+    """The tensors a stage step writes, in STEP_WRITES order."""
+    return [args.out, args.kv_cache, args.indexer.ring, args.indexer.k_cache, args.error_count]
+
+
+def run_then_restore(stage, args, stock=False):
+    """Runs one step directly and returns copies of what it wrote; then puts
+    the written state back as it was and fills out with NaN."""
+    before = [t.clone() for t in step_writes(args)]
+    (stage.stock_forward if stock else stage.forward)(args)
+    torch.cuda.synchronize()
+    written = [t.clone() for t in step_writes(args)]
+    for t, saved in zip(step_writes(args), before):
+        t.copy_(saved)
+    args.out.fill_(float("nan"))
+    return written
+
+
+def assert_wrote(args, expected):
+    for name, t, wanted in zip(STEP_WRITES, step_writes(args), expected):
+        assert same_bits(t, wanted), name
+    assert args.error_count.item() == 0
+
+
 @requires_hopper
 @pytest.mark.parametrize("stock", [False, True])
 def test_stage_forward_op_gives_the_stage_bits(small_layer, stock):
     stage, args = small_layer.stages[0], small_layer.args
-    state = (args.kv_cache, args.indexer.ring, args.indexer.k_cache, args.error_count)
-    before = [t.clone() for t in state]
-
-    (stage.stock_forward if stock else stage.forward)(args)
-    torch.cuda.synchronize()
-    expected_out = args.out.clone()
-    expected_state = [t.clone() for t in state]
-
-    for t, saved in zip(state, before):
-        t.copy_(saved)
-    args.out.fill_(float("nan"))
+    expected = run_then_restore(stage, args, stock)
     handle = torch_ops.register_stage(stage)
     try:
         assert torch_ops.register_stage(stage) == handle
@@ -306,10 +323,7 @@ def test_stage_forward_op_gives_the_stage_bits(small_layer, stock):
         torch.cuda.synchronize()
     finally:
         torch_ops.unregister_stage(handle)
-    assert same_bits(args.out, expected_out)
-    for name, t, expected in zip(("kv_cache", "ring", "k_cache", "error_count"), state, expected_state):
-        assert same_bits(t, expected), name
-    assert args.error_count.item() == 0
+    assert_wrote(args, expected)
 
 
 @requires_hopper
@@ -319,57 +333,24 @@ def test_torch_compile_fullgraph_runs_stage_forward_with_the_stage_bits(small_la
     Stage.forward's bits, and the op after it reads what it wrote."""
     torch._dynamo.reset()
     stage, args = small_layer.stages[0], small_layer.args
-    state = (args.kv_cache, args.indexer.ring, args.indexer.k_cache, args.error_count)
-    before = [t.clone() for t in state]
-    stage.forward(args)
-    torch.cuda.synchronize()
-    expected_out, expected_state = args.out.clone(), [t.clone() for t in state]
-    for t, saved in zip(state, before):
-        t.copy_(saved)
-    args.out.fill_(float("nan"))
-
+    expected = run_then_restore(stage, args)
     handle = torch_ops.register_stage(stage)
     try:
 
-        def step(hidden, positions, token_requests, slot_mapping, kv_cache, block_table, ring, k_cache, out, errors):
-            torch.ops.dsa_decode.stage_forward(
-                handle,
-                hidden,
-                positions,
-                token_requests,
-                slot_mapping,
-                kv_cache,
-                block_table,
-                ring,
-                k_cache,
-                out,
-                None,
-                errors,
-                False,
-            )
+        def step(*tensors):
+            *inputs, out, errors = tensors
+            torch.ops.dsa_decode.stage_forward(handle, *inputs, out, None, errors, False)
             return out.float().sum(dim=-1)
 
-        compiled = torch.compile(step, fullgraph=True)
-        row_sums = compiled(
-            args.hidden,
-            args.positions,
-            args.token_requests,
-            args.slot_mapping,
-            args.kv_cache,
-            args.indexer.block_table,
-            args.indexer.ring,
-            args.indexer.k_cache,
-            args.out,
-            args.error_count,
-        )
+        inputs = (args.hidden, args.positions, args.token_requests, args.slot_mapping, args.kv_cache)
+        indexer = (args.indexer.block_table, args.indexer.ring, args.indexer.k_cache)
+        row_sums = torch.compile(step, fullgraph=True)(*inputs, *indexer, args.out, args.error_count)
         torch.cuda.synchronize()
     finally:
         torch_ops.unregister_stage(handle)
-    assert same_bits(args.out, expected_out)
-    for name, t, expected in zip(("kv_cache", "ring", "k_cache", "error_count"), state, expected_state):
-        assert same_bits(t, expected), name
+    assert_wrote(args, expected)
     # Inductor's reduction may add in another order than eager's: close, not bitwise.
-    torch.testing.assert_close(row_sums, expected_out.float().sum(dim=-1))
+    torch.testing.assert_close(row_sums, expected[0].float().sum(dim=-1))
 
 
 # --- tracing: torch.compile, fake tensors, opcheck (GPU) --------------------
