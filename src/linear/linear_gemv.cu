@@ -193,7 +193,7 @@ Status check_linear_gemv(const LinearGemvArgs& a) {
   DSA_RETURN_IF_ERROR(check_shape(a.out, "out", {m, n}));
   DSA_RETURN_IF_ERROR(check_on_cuda(a.out, "out"));
   DSA_RETURN_IF_ERROR(check_aligned(a.out, "out", 2));
-  if (n > 1) DSA_RETURN_IF_ERROR(check_stride(a.out, "out", 1, 1));
+  DSA_RETURN_IF_ERROR(check_stride(a.out, "out", 1, 1));
   if (m > 1 && a.out.stride(0) < n)
     return invalid_argument("out", "a row stride of at least the row", a.out.describe());
   DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.x, "x"));

@@ -35,7 +35,7 @@ Status check_weight(const TensorView& t, const char* name, DType dtype, std::ini
   DSA_RETURN_IF_ERROR(check_shape(t, name, shape));
   DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
   DSA_RETURN_IF_ERROR(check_aligned(t, name, alignment));
-  if (t.ndim >= 1 && t.size(t.ndim - 1) > 1) DSA_RETURN_IF_ERROR(check_stride(t, name, t.ndim - 1, 1));
+  if (t.ndim >= 1) DSA_RETURN_IF_ERROR(check_stride(t, name, t.ndim - 1, 1));
   for (int d = 0; d + 1 < t.ndim; ++d) {
     if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
       return invalid_argument(name, "strides of a multiple of 8 elements but the last (which is 1)", t.describe());
