@@ -324,8 +324,8 @@ Status measure_copy_GBps(cudaStream_t stream, size_t bytes, double* GBps) {
 // ---------------------------------------------------------------- report
 
 std::string Report::json_path(const Context& ctx, const std::string& dir) const {
-  const std::string file = file_name_part(bench_) + "_" + file_name_part(ctx.date) + "_" +
-                           file_name_part(ctx.commit) + ".json";
+  (void)ctx;  // the date and commit are inside the file: one file per benchmark, overwritten by each run
+  const std::string file = file_name_part(bench_) + ".json";
   return (std::filesystem::path(dir) / file).string();
 }
 

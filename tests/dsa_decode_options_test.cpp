@@ -75,8 +75,7 @@ TEST(DsaDecodeOptions, ValueUpTokensErrorsNameTheOptionAndTheBadItem) {
   EXPECT_EQ(error, "--value-up-tokens: missing value, " + syntax);
 }
 
-// bench/results/head_gemv_2026-11-30_54c2121.json: head_gemv faster than the
-// cuBLAS bmm at m = 1, 2 for 64 heads and m <= 4 for 8 heads.
+// The stage's measured sets: where head_gemv beat cuBLAS's bmm (docs/head_gemv.md).
 TEST(DsaDecodeOptions, MeasuredValueUpTokens) {
   EXPECT_EQ(dsa_stage_measured_value_up_tokens(64, HeadGemvSums::kSeedOrder), std::set<int>({1, 2}));
   EXPECT_EQ(dsa_stage_measured_value_up_tokens(8, HeadGemvSums::kSeedOrder), std::set<int>({1, 2, 3, 4}));
@@ -84,14 +83,23 @@ TEST(DsaDecodeOptions, MeasuredValueUpTokens) {
 }
 
 TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {
-  Options automatic;
-  EXPECT_EQ(choose_value_up(automatic, 64, 2).kernel, ValueUpKernel::kHeadGemv);
-  const ValueUpChoice tp1_m4 = choose_value_up(automatic, 64, 4);
+  Options automatic;  // tensor-core sums, the default
+  const ValueUpChoice tc_m16 = choose_value_up(automatic, 64, 16);
+  EXPECT_EQ(tc_m16.kernel, ValueUpKernel::kCublasBmm);
+  EXPECT_EQ(tc_m16.reason,
+            "m=16 not in --value-up-tokens 1,2,3,4,5,6,7,8 (auto: tensor-cores sums, measured at 64 heads)");
+  EXPECT_EQ(choose_value_up(automatic, 64, 8).kernel, ValueUpKernel::kHeadGemv);
+  EXPECT_EQ(choose_value_up(automatic, 8, 16).kernel, ValueUpKernel::kHeadGemv);
+  Options seed;
+  seed.head_gemv_sums = HeadGemvSums::kSeedOrder;
+  EXPECT_EQ(choose_value_up(seed, 64, 2).kernel, ValueUpKernel::kHeadGemv);
+  const ValueUpChoice tp1_m4 = choose_value_up(seed, 64, 4);
   EXPECT_EQ(tp1_m4.kernel, ValueUpKernel::kCublasBmm);
-  EXPECT_EQ(tp1_m4.reason, "m=4 not in --value-up-tokens 1,2 (auto: measured at 64 heads)");
-  EXPECT_EQ(choose_value_up(automatic, 8, 4).kernel, ValueUpKernel::kHeadGemv);
-  EXPECT_EQ(choose_value_up(automatic, 8, 8).kernel, ValueUpKernel::kCublasBmm);
-  EXPECT_EQ(choose_value_up(automatic, 32, 1).reason, "m=1 in --value-up-tokens 1,2 (auto: not measured at 32 heads)");
+  EXPECT_EQ(tp1_m4.reason, "m=4 not in --value-up-tokens 1,2 (auto: seed-order sums, measured at 64 heads)");
+  EXPECT_EQ(choose_value_up(seed, 8, 4).kernel, ValueUpKernel::kHeadGemv);
+  EXPECT_EQ(choose_value_up(seed, 8, 8).kernel, ValueUpKernel::kCublasBmm);
+  EXPECT_EQ(choose_value_up(seed, 32, 1).reason,
+            "m=1 in --value-up-tokens 1,2 (auto: seed-order sums, not measured at 32 heads)");
 
   Options listed;
   listed.value_up_tokens = std::set<int>{4, 16};
@@ -99,45 +107,39 @@ TEST(DsaDecodeOptions, ChooseValueUpFollowsTheSet) {
   EXPECT_EQ(m16.kernel, ValueUpKernel::kHeadGemv);
   EXPECT_EQ(m16.reason, "m=16 in --value-up-tokens 4,16");
   EXPECT_EQ(choose_value_up(listed, 64, 1).kernel, ValueUpKernel::kCublasBmm);
+  listed.value_up_tokens = std::set<int>{1};
+  EXPECT_EQ(choose_value_up(listed, 8, 2).kernel, ValueUpKernel::kCublasBmm) << "a given list wins over auto";
   Options none;
   none.value_up_tokens = std::set<int>();
   EXPECT_EQ(choose_value_up(none, 8, 1).reason, "m=1 not in --value-up-tokens none");
-  Options tensor_cores;
-  tensor_cores.head_gemv_tensor_cores = true;
-  const ValueUpChoice tc_m16 = choose_value_up(tensor_cores, 64, 16);
-  EXPECT_EQ(tc_m16.kernel, ValueUpKernel::kCublasBmm);
-  EXPECT_EQ(tc_m16.reason,
-            "m=16 not in --value-up-tokens 1,2,3,4,5,6,7,8 (auto: tensor-core sums, measured at 64 heads)");
-  EXPECT_EQ(choose_value_up(tensor_cores, 64, 8).kernel, ValueUpKernel::kHeadGemv);
-  EXPECT_EQ(choose_value_up(tensor_cores, 8, 16).kernel, ValueUpKernel::kHeadGemv);
-  tensor_cores.value_up_tokens = std::set<int>{1};
-  EXPECT_EQ(choose_value_up(tensor_cores, 8, 2).kernel, ValueUpKernel::kCublasBmm) << "a given list wins over auto";
+  Options invariant;
+  invariant.batch_invariant = true;
+  invariant.value_up_tokens = std::set<int>();
+  EXPECT_EQ(choose_value_up(invariant, 64, 16).kernel, ValueUpKernel::kHeadGemv) << "--batch-invariant wins";
   EXPECT_EQ(token_list({}), "none");
   EXPECT_EQ(token_list({2, 1, 8}), "1,2,8");
 }
 
-// An option of two values: unset means `off`, `on` sets `field`, `off` clears
-// it again, anything else is refused with the option's two values named.
-void expect_two_values(const std::string& option, const std::string& off, const std::string& on, bool Options::*field,
-                       const std::vector<std::string>& bad_values) {
+// A choice option: unset means the first (default) value, each name sets its
+// value, anything else is refused with the names listed.
+template <class E, size_t N>
+void expect_choices(const std::string& option, const Choice<E> (&choices)[N], E Options::*field,
+                    const std::vector<std::string>& bad_values) {
   Options options;
   std::string error;
   ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
-  EXPECT_FALSE(options.*field) << option;
-  ASSERT_TRUE(parse({option, on}, &options, &error)) << error;
-  EXPECT_TRUE(options.*field) << option;
-  ASSERT_TRUE(parse({option + "=" + off}, &options, &error)) << error;
-  EXPECT_FALSE(options.*field) << option;
+  EXPECT_TRUE(options.*field == choices[0].value) << option << ": the default is the first choice";
+  for (const Choice<E>& c : choices) {
+    ASSERT_TRUE(parse({option, c.name}, &options, &error)) << error;
+    EXPECT_TRUE(options.*field == c.value) << option << " " << c.name;
+    ASSERT_TRUE(parse({option + "=" + c.name}, &options, &error)) << error;
+  }
   for (const std::string& value : bad_values) {
     EXPECT_FALSE(parse({option + "=" + value}, &options, &error)) << value;
-    EXPECT_EQ(error, option + ": got '" + value + "', expected " + off + " or " + on);
+    EXPECT_EQ(error, option + ": got '" + value + "', expected " + choice_list(choices));
   }
 }
 
-TEST(DsaDecodeOptions, IndexerProjectionsDefaultsToTheGemvAndTakesOnlyItsTwoKernels) {
-  expect_two_values("--indexer-projections", "gemv", "cublaslt", &Options::indexer_projections_cublaslt,
-                    {"", "GEMV", "cublas", "gemv,cublaslt"});
-}
 
 // --projections maps to the stage plan's projection_gemv_tokens: auto leaves
 // it unset (the stage's measured set), gemv lists every count linear_gemv
@@ -162,29 +164,47 @@ TEST(DsaDecodeOptions, ProjectionsDefaultsToAutoAndMapsToTheStagesTokenCounts) {
   EXPECT_EQ(error, "--projections: missing value, expected auto, gemv or cublaslt");
 }
 
-TEST(DsaDecodeOptions, IndexerLogitsDefaultsToExactAndTakesOnlyItsTwoValues) {
-  expect_two_values("--indexer-logits", "exact", "fp32-accumulation", &Options::indexer_logits_fp32,
-                    {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"});
+TEST(DsaDecodeOptions, IndexerLogitsDefaultsToFp32AccumulationAndTakesOnlyItsValues) {
+  expect_choices("--indexer-logits", kIndexerLogitsChoices, &Options::indexer_logits,
+                 {"", "fp8", "FP32-accumulation", "exact,fp32-accumulation"});
 }
 
-TEST(DsaDecodeOptions, AttentionSplitsDefaultsToLatencyAndTakesOnlyItsFourValues) {
+TEST(DsaDecodeOptions, AttentionPlanDefaultsToAutoAndTakesOnlyItsValues) {
+  expect_choices("--attention-plan", kSparseMlaPlanChoices, &Options::attention_plan,
+                 {"", "8", "Auto", "latency", "by-batch", "whole-row", "auto,batch-invariant"});
+}
+
+TEST(DsaDecodeOptions, HeadGemvSumsDefaultsToTensorCoresAndTakesOnlyItsValues) {
+  expect_choices("--head-gemv-sums", kHeadGemvSumsChoices, &Options::head_gemv_sums,
+                 {"", "tc", "Tensor-Cores", "seed-order,tensor-cores"});
+}
+
+TEST(DsaDecodeOptions, BatchInvariantIsAFlagAndOptionsGivenAreRecorded) {
   Options options;
   std::string error;
   ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
-  EXPECT_EQ(options.attention_splits, "latency");
-  for (const std::string value : {"throughput", "by-batch", "whole-row", "latency"}) {
-    ASSERT_TRUE(parse({"--attention-splits", value}, &options, &error)) << error;
-    EXPECT_EQ(options.attention_splits, value);
-  }
-  for (const std::string value : {"", "8", "Throughput", "by_batch", "whole_row", "latency,throughput"}) {
-    EXPECT_FALSE(parse({"--attention-splits=" + value}, &options, &error)) << value;
-    EXPECT_EQ(error, "--attention-splits: got '" + value + "', expected latency, throughput, by-batch or whole-row");
-  }
+  EXPECT_FALSE(options.batch_invariant);
+  EXPECT_EQ(options.given, std::set<std::string>({"--tokens"}));
+  ASSERT_TRUE(parse({"--batch-invariant", "--steps=3"}, &options, &error)) << error;
+  EXPECT_TRUE(options.batch_invariant);
+  EXPECT_EQ(options.given.count("--steps"), 1u);
+  EXPECT_FALSE(parse({"--batch-invariant=1"}, &options, &error));
+  EXPECT_EQ(error, "--batch-invariant: takes no value, got '1'");
 }
 
-TEST(DsaDecodeOptions, HeadGemvSumsDefaultsToTheSeedOrderAndTakesOnlyItsTwoValues) {
-  expect_two_values("--head-gemv-sums", "seed-order", "tensor-cores", &Options::head_gemv_tensor_cores,
-                    {"", "tc", "Tensor-Cores", "seed-order,tensor-cores"});
+TEST(DsaDecodeOptions, IndexerProjectionsDefaultsToTheGemvAndTakesOnlyItsTwoKernels) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--tokens", "2"}, &options, &error)) << error;
+  EXPECT_FALSE(options.indexer_projections_cublaslt);
+  ASSERT_TRUE(parse({"--indexer-projections", "cublaslt"}, &options, &error)) << error;
+  EXPECT_TRUE(options.indexer_projections_cublaslt);
+  ASSERT_TRUE(parse({"--indexer-projections=gemv"}, &options, &error)) << error;
+  EXPECT_FALSE(options.indexer_projections_cublaslt);
+  for (const std::string value : {"", "GEMV", "cublas", "gemv,cublaslt"}) {
+    EXPECT_FALSE(parse({"--indexer-projections=" + value}, &options, &error)) << value;
+    EXPECT_EQ(error, "--indexer-projections: got '" + value + "', expected gemv or cublaslt");
+  }
 }
 
 }  // namespace

@@ -130,21 +130,18 @@ int failed(const Status& status) {
 }  // namespace
 
 int run_cpu_path(const StepShape& shape, const Options& options) {
-  // The reference's logits are exact: --indexer-logits chooses the GPU's dots.
+  // The reference's orders are fixed (exact logits, the seed's head_gemv
+  // order, FP32 projections in k order, float64 attention): the kernel
+  // choices and the timing options apply to the GPU path only.
   StepShape s = shape;
-  if (s.indexer_logits != IndexerLogits::kExact) {
-    std::printf("--indexer-logits fp32-accumulation applies to the GPU path; the CPU reference's logits are exact\n");
-    s.indexer_logits = IndexerLogits::kExact;
-  }
-  if (s.head_gemv_sums != HeadGemvSums::kSeedOrder) {
-    std::printf("--head-gemv-sums tensor-cores applies to the GPU path; the CPU reference sums in the seed's order\n");
-    s.head_gemv_sums = HeadGemvSums::kSeedOrder;
-  }
-  if (options.projections != "auto") {
-    std::printf("--projections applies to the GPU path; the CPU reference's projections sum in FP32 in k order\n");
-  }
-  if (s.attention_splits != SparseMlaSplits::kLatency) {
-    std::printf("--attention-splits applies to the GPU path; the CPU reference sums in float64\n");
+  s.indexer_logits = IndexerLogits::kExact;
+  s.head_gemv_sums = HeadGemvSums::kSeedOrder;
+  for (const char* gpu_only : {"--indexer-logits", "--head-gemv-sums", "--projections", "--attention-plan",
+                               "--batch-invariant", "--steps", "--indexer-projections", "--value-up-tokens",
+                               "--trace"}) {
+    if (options.given.count(gpu_only) > 0) {
+      std::printf("%s applies to the GPU path only; the CPU reference ignores it\n", gpu_only);
+    }
   }
   const uint64_t seed = options.seed;
   HostWeights weights;

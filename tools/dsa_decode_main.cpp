@@ -39,11 +39,10 @@ bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape,
     return false;
   }
   *shape = dsa::cli::make_step_shape(rank, options.tokens, options.context);
-  if (options.indexer_logits_fp32) shape->indexer_logits = dsa::IndexerLogits::kFp32Accumulation;
-  if (options.head_gemv_tensor_cores) shape->head_gemv_sums = dsa::HeadGemvSums::kTensorCores;
-  if (options.attention_splits == "throughput") shape->attention_splits = dsa::SparseMlaSplits::kThroughput;
-  if (options.attention_splits == "by-batch") shape->attention_splits = dsa::SparseMlaSplits::kByBatch;
-  if (options.attention_splits == "whole-row") shape->attention_splits = dsa::SparseMlaSplits::kWholeRow;
+  shape->indexer_logits = options.indexer_logits;
+  shape->head_gemv_sums = options.head_gemv_sums;
+  shape->attention_plan = options.attention_plan;
+  shape->batch_invariant = options.batch_invariant;
   return true;
 }
 

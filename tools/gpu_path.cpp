@@ -14,6 +14,7 @@
 
 #include "compare.h"
 #include "device_layer.h"
+#include "dsa_decode/choices.h"
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/sparse_mla.h"
@@ -798,6 +799,56 @@ Check check_error_counts(const PathOutputs& fused, const PathOutputs& fused_agai
                        fused.errors, fused_again.errors, stock.errors, prefill));
 }
 
+// Rows [t, t + 1) of a view whose dim 0 is the step's tokens.
+TensorView token_row(const TensorView& v, int64_t t) {
+  TensorView r = v;
+  r.data = static_cast<char*>(v.data) + size_t(t) * size_t(v.stride(0)) * dtype_size(v.dtype);
+  r.shape[0] = 1;
+  return r;
+}
+
+// --batch-invariant: each token of the step alone (m = 1: its rows of every
+// input, the same caches and indexer state, whose writes repeat the batch's)
+// through the fused path gives the out, latent and slots bits it had in the
+// batch of m.
+Status check_tokens_alone(const StepShape& s, DsaAttentionStage& stage, const DeviceLayer& layer,
+                          const PathOutputs& batch, cudaStream_t stream, Check* check) {
+  const DsaStepArgs args = layer.step_args(DsaPath::kFused);
+  const size_t out_row = size_t(s.D), latent_row = size_t(s.H) * s.L, slot_row = size_t(kIndexerRowWidth);
+  int differing = 0;
+  std::string first;
+  for (int t = 0; t < s.m; ++t) {
+    DsaStepArgs alone = args;
+    alone.hidden = token_row(args.hidden, t);
+    alone.positions = token_row(args.positions, t);
+    alone.token_requests = token_row(args.token_requests, t);
+    if (t < args.slot_mapping.size(0)) {
+      alone.slot_mapping = token_row(args.slot_mapping, t);
+    } else {
+      alone.slot_mapping.shape[0] = 0;
+    }
+    alone.out = token_row(args.out, t);
+    DSA_RETURN_IF_ERROR(stage.forward(alone, stream));
+    DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+    const DsaStageIntermediates v = stage.intermediates(1);
+    std::vector<uint16_t> out, latent;
+    std::vector<int32_t> slots;
+    DSA_RETURN_IF_ERROR(download_view(alone.out, stream, &out));
+    DSA_RETURN_IF_ERROR(download_view(v.latent, stream, &latent));
+    DSA_RETURN_IF_ERROR(download_view(v.slots, stream, &slots));
+    const bool same = std::equal(out.begin(), out.end(), batch.out.begin() + t * out_row) &&
+                      std::equal(latent.begin(), latent.end(), batch.latent.begin() + t * latent_row) &&
+                      std::equal(slots.begin(), slots.end(), batch.slots.begin() + t * slot_row);
+    if (!same && differing++ == 0) first = "token " + std::to_string(t);
+  }
+  *check = judged("batch invariance", differing == 0,
+                  differing == 0 ? format("each of the %d tokens alone gives its out, latent and slots bits in the batch",
+                                          s.m)
+                                 : format("%d of %d tokens alone differ from the batch (first: %s)", differing, s.m,
+                                          first.c_str()));
+  return Status();
+}
+
 // Runs the fused path, the fused path again, then the stock path, all on
 // stage 0, and checks what they wrote; the indexer's CPU reference prefills
 // from the same `indexer_history`. Each check is printed as soon as it is
@@ -867,6 +918,11 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   add(check_fused_vs_stock("output fused vs stock", "out", fused.out, stock.out));
   add(check_error_counts(fused, fused_again, stock, prefill_errors));
   add(report_saturation(s, fused));
+  if (s.batch_invariant) {
+    Check alone;
+    DSA_RETURN_IF_ERROR(check_tokens_alone(s, stage, layer, fused, stream, &alone));
+    add(alone);
+  }
   return Status();
 }
 
@@ -1108,11 +1164,11 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
       static_cast<long long>(s.context + s.m - 1));
   std::printf("%s\n", s.describe_indexer().c_str());
   std::printf("value_up in the fused path: %s; %s\n", value_up_kernel_name(value_up), value_up_reason.c_str());
-  std::printf("head_gemv sums in the fused path: %s\n",
-              s.head_gemv_sums == HeadGemvSums::kTensorCores ? "tensor cores (opt-in)" : "seed order");
-  std::printf("sparse attention's split plan (both paths): %s\n", options.attention_splits.c_str());
-  std::printf("indexer logits (both paths' selects): %s\n",
-              s.indexer_logits == IndexerLogits::kExact ? "exact" : "FP32 accumulation");
+  std::printf("batch invariant: %s\n", s.batch_invariant ? "yes (--batch-invariant)" : "no (default)");
+  std::printf("head_gemv sums in the fused path: %s\n", choice_name(kHeadGemvSumsChoices, s.head_gemv_sums));
+  std::printf("sparse attention's plan (both paths): %s\n",
+              s.batch_invariant ? "batch-invariant" : choice_name(kSparseMlaPlanChoices, s.attention_plan));
+  std::printf("indexer logits (both paths' selects): %s\n", choice_name(kIndexerLogitsChoices, s.indexer_logits));
   std::printf(
       "projections (--projections %s): qkv_a_proj %s (both paths); q_b_proj %s, o_proj %s (fused path; "
       "the stock path's: cuBLASLt)\n",
@@ -1142,9 +1198,11 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   }
   report->indexer_projections_kernel =
       options.indexer_projections_cublaslt ? "indexer_project" : "indexer_project_gemv";
-  report->indexer_logits = s.indexer_logits == IndexerLogits::kExact ? "exact" : "fp32_accumulation";
-  report->head_gemv_sums = s.head_gemv_sums == HeadGemvSums::kTensorCores ? "tensor_cores" : "seed_order";
-  report->attention_splits = options.attention_splits;
+  report->indexer_logits = choice_name(kIndexerLogitsChoices, s.indexer_logits);
+  report->head_gemv_sums = choice_name(kHeadGemvSumsChoices, s.head_gemv_sums);
+  report->attention_plan =
+      s.batch_invariant ? "batch-invariant" : choice_name(kSparseMlaPlanChoices, s.attention_plan);
+  report->batch_invariant = s.batch_invariant;
   DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, steps, value_up,
                                  options.indexer_projections_cublaslt, *stages[0], layer, ctx.stream, &report->checks));
   DSA_RETURN_IF_ERROR(warm_up(stages, layer, ctx.stream));

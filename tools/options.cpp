@@ -34,16 +34,15 @@ const char* value_up_kernel_name(ValueUpKernel kernel) {
 }
 
 ValueUpChoice choose_value_up(const Options& options, int heads, int m) {
+  if (options.batch_invariant) return ValueUpChoice{ValueUpKernel::kHeadGemv, "--batch-invariant: at every m"};
   const bool automatic = !options.value_up_tokens.has_value();
   const std::set<int> counts =
-      automatic ? dsa_stage_measured_value_up_tokens(
-                      heads, options.head_gemv_tensor_cores ? HeadGemvSums::kTensorCores : HeadGemvSums::kSeedOrder)
-                : *options.value_up_tokens;
+      automatic ? dsa_stage_measured_value_up_tokens(heads, options.head_gemv_sums) : *options.value_up_tokens;
   const bool head_gemv = counts.count(m) > 0;
   std::string reason =
       "m=" + std::to_string(m) + (head_gemv ? " in" : " not in") + " --value-up-tokens " + token_list(counts);
   if (automatic) {
-    reason += std::string(" (auto: ") + (options.head_gemv_tensor_cores ? "tensor-core sums, " : "") +
+    reason += std::string(" (auto: ") + choice_name(kHeadGemvSumsChoices, options.head_gemv_sums) + " sums, " +
               (value_up_measured(heads) ? "measured" : "not measured") + " at " + std::to_string(heads) + " heads)";
   }
   return ValueUpChoice{head_gemv ? ValueUpKernel::kHeadGemv : ValueUpKernel::kCublasBmm, reason};
@@ -62,8 +61,8 @@ void print_usage(FILE* to) {
   std::fprintf(to,
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
                "                  [--projections KERNEL] [--value-up-tokens LIST] [--head-gemv-sums SUMS]\n"
-               "                  [--indexer-projections KERNEL] [--indexer-logits DOTS] [--attention-splits PLAN]\n"
-               "                  [--json FILE] [--trace] [--cpu] [--help]\n"
+               "                  [--indexer-projections KERNEL] [--indexer-logits DOTS] [--attention-plan PLAN]\n"
+               "                  [--batch-invariant] [--json FILE] [--trace] [--cpu] [--help]\n"
                "Runs one decode step of a DSA layer's attention half (hidden states in, o_proj's output\n"
                "out) on a synthetic layer through the library's stage (DsaAttentionStage), its fused\n"
                "path and its stock path, checks they agree with each other and with the CPU reference,\n"
@@ -92,24 +91,28 @@ void print_usage(FILE* to) {
                "                 otherwise: comma-separated counts 1..%d (e.g. 1,2), none, or auto (default):\n"
                "                 where head_gemv was faster on the H200, %s at 64 heads, %s at 8 heads,\n"
                "                 %s at other head counts (not measured); with --head-gemv-sums\n"
-               "                 tensor-cores %s at 64 heads, %s at 8 heads\n"
+               "                 seed-order %s at 64 heads, %s at 8 heads\n"
+               "  --batch-invariant\n"
+               "                 a token's bits do not depend on the other tokens of its step: every kernel's\n"
+               "                 invariant choice (the attention's batch-invariant plan, value-up on head_gemv\n"
+               "                 and the projections on linear_gemv at every m); the program also runs each\n"
+               "                 token alone and checks it gives its bits in the batch (GPU path)\n"
                "  --head-gemv-sums SUMS\n"
                "                 how the fused path's head_gemv (absorb, value-up) adds its products:\n"
-               "                 seed-order (default; FP32 FMAs in the seed's order, bitwise the reference's)\n"
-               "                 or tensor-cores (BF16 tensor cores, FP32 accumulators, within a stated bound)\n"
+               "                 tensor-cores (default; BF16 tensor cores, FP32 accumulators, within the\n"
+               "                 contract's bound) or seed-order (FP32 FMAs in the seed's order, bitwise the\n"
+               "                 CPU reference's)\n"
                "  --indexer-projections KERNEL\n"
                "                 the indexer's four projections (a step both paths share): gemv (default;\n"
                "                 indexer_project_gemv, one launch) or cublaslt (indexer_project, four GEMMs)\n"
                "  --indexer-logits DOTS\n"
-               "                 the indexer select's head dots (both paths): exact (default; FP64 tensor\n"
-               "                 cores, rows bitwise the reference's) or fp32-accumulation (FP16 tensor cores,\n"
-               "                 logits within a stated bound, rows the selection over the GPU's logits)\n"
-               "  --attention-splits PLAN\n"
-               "                 sparse attention's split plan (both paths): latency (default; the most splits\n"
-               "                 that pay at m = 1), throughput (half of them: faster from m = 16 on the H200),\n"
-               "                 by-batch (per step, the most splits the GPU runs at once: fastest at every\n"
-               "                 m, but a token's bits depend on m) or whole-row (one CTA per token and 64\n"
-               "                 heads over its whole row: batch invariant, fastest from m = 67 at H = 64)\n"
+               "                 the indexer select's head dots (both paths): fp32-accumulation (default; FP16\n"
+               "                 tensor cores, logits within a stated bound, rows the selection over the GPU's\n"
+               "                 logits) or exact (FP64 tensor cores, rows bitwise the reference's)\n"
+               "  --attention-plan PLAN\n"
+               "                 sparse attention's split plan (both paths): auto (default; per step the\n"
+               "                 fastest plan for m on this GPU) or batch-invariant (split points from H and K\n"
+               "                 only)\n"
                "  --json FILE    write the timings and checks as JSON (GPU path)\n"
                "  --trace        also print when each kernel of one whole stage ran, both paths (CUPTI's kernel\n"
                "                 records of the middle stage in one replay of the timed chain: start, end, stream),\n"
@@ -120,10 +123,10 @@ void print_usage(FILE* to) {
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
                "Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS call failed, 2 bad command line.\n",
                preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps,
-               kLinearGemvMaxTokens, kMaxDecodeTokens, measured_list(64, HeadGemvSums::kSeedOrder).c_str(),
-               measured_list(8, HeadGemvSums::kSeedOrder).c_str(), measured_list(1, HeadGemvSums::kSeedOrder).c_str(),
-               measured_list(64, HeadGemvSums::kTensorCores).c_str(),
-               measured_list(8, HeadGemvSums::kTensorCores).c_str());
+               kLinearGemvMaxTokens, kMaxDecodeTokens, measured_list(64, HeadGemvSums::kTensorCores).c_str(),
+               measured_list(8, HeadGemvSums::kTensorCores).c_str(),
+               measured_list(1, HeadGemvSums::kTensorCores).c_str(), measured_list(64, HeadGemvSums::kSeedOrder).c_str(),
+               measured_list(8, HeadGemvSums::kSeedOrder).c_str());
 }
 
 namespace {
@@ -143,9 +146,9 @@ std::string expected_value(const std::string& option) {
   if (option == "--json") return "a file name";
   if (option == "--projections") return "auto, gemv or cublaslt";
   if (option == "--indexer-projections") return "gemv or cublaslt";
-  if (option == "--indexer-logits") return "exact or fp32-accumulation";
-  if (option == "--head-gemv-sums") return "seed-order or tensor-cores";
-  if (option == "--attention-splits") return "latency, throughput, by-batch or whole-row";
+  if (option == "--indexer-logits") return choice_list(kIndexerLogitsChoices);
+  if (option == "--head-gemv-sums") return choice_list(kHeadGemvSumsChoices);
+  if (option == "--attention-plan") return choice_list(kSparseMlaPlanChoices);
   if (option == "--value-up-tokens") {
     return "a comma-separated list of token counts from 1 to " + std::to_string(kMaxDecodeTokens) +
            " (e.g. 1,2), none or auto";
@@ -231,30 +234,16 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
     o->indexer_projections_cublaslt = value == "cublaslt";
     return true;
   }
-  if (option == "--indexer-logits") {
-    if (value != "exact" && value != "fp32-accumulation") {
+  const auto choose = [&](const auto& choices, auto* field) {
+    if (!parse_choice(choices, value, field)) {
       *error = bad_value(option, value);
       return false;
     }
-    o->indexer_logits_fp32 = value == "fp32-accumulation";
     return true;
-  }
-  if (option == "--head-gemv-sums") {
-    if (value != "seed-order" && value != "tensor-cores") {
-      *error = bad_value(option, value);
-      return false;
-    }
-    o->head_gemv_tensor_cores = value == "tensor-cores";
-    return true;
-  }
-  if (option == "--attention-splits") {
-    if (value != "latency" && value != "throughput" && value != "by-batch" && value != "whole-row") {
-      *error = bad_value(option, value);
-      return false;
-    }
-    o->attention_splits = value;
-    return true;
-  }
+  };
+  if (option == "--indexer-logits") return choose(kIndexerLogitsChoices, &o->indexer_logits);
+  if (option == "--head-gemv-sums") return choose(kHeadGemvSumsChoices, &o->head_gemv_sums);
+  if (option == "--attention-plan") return choose(kSparseMlaPlanChoices, &o->attention_plan);
   if (value.empty()) {  // --preset (resolved against the preset table by the caller), --json
     *error = bad_value(option, value);
     return false;
@@ -275,6 +264,7 @@ bool parse_options(int argc, char** argv, Options* options, std::string* error) 
       option = option.substr(0, equals);
       has_value = true;
     }
+    options->given.insert(option);
     if (takes_value(option)) {
       if (!has_value) {
         if (i + 1 >= argc) {
@@ -284,7 +274,8 @@ bool parse_options(int argc, char** argv, Options* options, std::string* error) 
         value = argv[++i];
       }
       if (!apply_value(option, value, options, error)) return false;
-    } else if (option == "--cpu" || option == "--trace" || option == "--help" || option == "-h") {
+    } else if (option == "--cpu" || option == "--trace" || option == "--batch-invariant" || option == "--help" ||
+               option == "-h") {
       if (has_value) {
         *error = option + ": takes no value, got '" + value + "'";
         return false;
@@ -293,6 +284,8 @@ bool parse_options(int argc, char** argv, Options* options, std::string* error) 
         options->force_cpu = true;
       } else if (option == "--trace") {
         options->trace = true;
+      } else if (option == "--batch-invariant") {
+        options->batch_invariant = true;
       } else {
         options->help = true;
       }

@@ -7,6 +7,8 @@
 #include <set>
 #include <string>
 
+#include "dsa_decode/choices.h"
+
 namespace dsa::cli {
 
 struct Options {
@@ -31,23 +33,25 @@ struct Options {
   // projection_gemv_tokens: "auto" (default), "gemv" or "cublaslt"
   // (projection_gemv_tokens() below).
   std::string projections = "auto";
-  // --indexer-logits: the select's dots in both paths (IndexerPlan::logits):
-  // exact (default) or fp32-accumulation.
-  bool indexer_logits_fp32 = false;
+  // Contract v2: the defaults are each kernel's fastest path within its bound
+  // (dsa/choices.h names them). --batch-invariant: the stage plan's
+  // batch_invariant (every kernel's invariant choice; the program then also
+  // checks that a token alone gives its bits in the batch).
+  bool batch_invariant = false;
+  // --indexer-logits: the select's dots in both paths (IndexerPlan::logits).
+  IndexerLogits indexer_logits = IndexerLogits::kFp32Accumulation;
   // --head-gemv-sums: how the fused path's head_gemv launches (absorb, and
-  // value-up where it runs head_gemv) add their products: seed-order
-  // (default; bitwise the CPU reference's) or tensor-cores (opt-in
-  // HeadGemvSums::kTensorCores, within its stated bound).
-  bool head_gemv_tensor_cores = false;
-  // --attention-splits: sparse_mla's split plan in both paths
-  // (SparseMlaArgs::splits): "latency" (default), "throughput", "by-batch" or "whole-row".
-  std::string attention_splits = "latency";
+  // value-up where it runs head_gemv) add their products.
+  HeadGemvSums head_gemv_sums = HeadGemvSums::kTensorCores;
+  // --attention-plan: sparse_mla's plan in both paths (SparseMlaArgs::plan).
+  SparseMlaPlan attention_plan = SparseMlaPlan::kAuto;
   // --trace: CUPTI's record of each path's stages in one replay of the timed
   // chain (when each kernel of the middle stage started and ended, on which
   // stream, and its period in the chain), printed and in the JSON.
   bool trace = false;
   bool force_cpu = false;
   bool help = false;
+  std::set<std::string> given;  // the options on the command line ("--tokens", ...)
 };
 
 // The largest context: its KV cache (512 bytes a token at glm5next) is held
@@ -72,20 +76,10 @@ struct ValueUpChoice {
   std::string reason;  // e.g. "m=4 not in --value-up-tokens 1,2 (auto: measured at 64 heads)"
 };
 
-// The choice for a step of m tokens on `heads` heads: in --value-up-tokens,
-// or where it is unset the stage's measured sets
-// (dsa_stage_measured_value_up_tokens), which are: the token counts at which
-// value-up's head_gemv (seed order) beat the cuBLAS bmm on the H200
-// (bench/results/head_gemv_2026-11-30_54c2121.json, measured at m = 1, 2, 4,
-// 8, 16): at 64 heads m = 1, 2 (1.10x, 1.12x; 0.90x at m = 4); at 8 heads
-// m = 1, 2, 4 (1.54x, 1.47x, 1.18x; 0.81x at m = 8) and m = 3 between them
-// (head_gemv's time grows with m, cuBLAS's is flat: 3.3 us). Other head counts
-// were not measured: m = 1, 2, where head_gemv won at both. With tensor-core
-// sums (--head-gemv-sums tensor-cores;
-// bench/results/head_gemv_2026-12-01_c2fd745.json): at 64 heads m = 1..8
-// (1.17x / 1.13x / 1.08x / 1.09x at m = 1, 2, 4, 8; 0.97x at m = 16), at 8
-// heads every m (1.81x at m = 1 .. 1.44x at m = 16); other head counts, not
-// measured: m = 1..8.
+// The choice for a step of m tokens on `heads` heads: head_gemv at every m
+// with --batch-invariant; else in --value-up-tokens, or where it is unset the
+// stage's measured sets (dsa_stage_measured_value_up_tokens: where head_gemv
+// beat cuBLAS's bmm on the H200, docs/head_gemv.md).
 ValueUpChoice choose_value_up(const Options& options, int heads, int m);
 
 // The stage plan's projection_gemv_tokens for --projections: auto: unset

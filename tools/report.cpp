@@ -152,7 +152,8 @@ Status write_json(const RunReport& r, const std::string& path) {
        << ",\n \"indexer_projections\": " << json_string(r.indexer_projections_kernel)
        << ",\n \"indexer_logits\": " << json_string(r.indexer_logits)
        << ",\n \"head_gemv_sums\": " << json_string(r.head_gemv_sums)
-       << ",\n \"attention_splits\": " << json_string(r.attention_splits)
+       << ",\n \"attention_plan\": " << json_string(r.attention_plan)
+       << ",\n \"batch_invariant\": " << (r.batch_invariant ? "true" : "false")
        << ",\n \"note\": \"the library's stage (DsaAttentionStage): forward and stock_forward from hidden states to "
           "o_proj's output, one stage per weight copy; chain and stock_chain: the attention half (norm .. value_up), "
           "whole_stage and stock_whole_stage: every step; attention over the glm5next indexer's slots (projections "

@@ -56,9 +56,10 @@ struct RunReport {
   // qkv_a_proj (both paths'), q_b_proj, o_proj (the stock path's: cuBLASLt).
   std::vector<std::pair<std::string, std::string>> fused_projection_kernels;
   std::string indexer_projections_kernel;  // both paths': "indexer_project_gemv" or "indexer_project"
-  std::string indexer_logits;              // both selects': "exact" or "fp32_accumulation"
-  std::string head_gemv_sums;              // the fused path's head_gemv: "seed_order" or "tensor_cores"
-  std::string attention_splits;  // both paths' sparse_mla plan: "latency", "throughput", "by-batch" or "whole-row"
+  std::string indexer_logits;   // both selects' (dsa_decode/choices.h names)
+  std::string head_gemv_sums;   // the fused path's head_gemv
+  std::string attention_plan;   // both paths' sparse_mla plan
+  bool batch_invariant = false;  // --batch-invariant
   std::vector<Check> checks;
   std::vector<Timing> timings;
   std::vector<StageTrace> traces;  // --trace

@@ -129,7 +129,8 @@ DsaStagePlan StepShape::stage_plan() const {
   plan.block_size = kCacheBlockSize;
   plan.head_gemv_sums = head_gemv_sums;
   plan.indexer_logits = indexer_logits;
-  plan.attention_splits = attention_splits;
+  plan.attention_plan = attention_plan;
+  plan.batch_invariant = batch_invariant;
   return plan;
 }
 

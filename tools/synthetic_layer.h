@@ -63,9 +63,10 @@ struct StepShape {
   int m;  // decode tokens
   int64_t context;  // tokens already cached; the new ones go to slots context..context+m-1
   float softmax_scale;                                   // the attention's, the preset's (glm5next: 256^-0.5)
-  IndexerLogits indexer_logits = IndexerLogits::kExact;  // the select's dots (--indexer-logits)
-  HeadGemvSums head_gemv_sums = HeadGemvSums::kSeedOrder;  // the fused path's head_gemv sums (--head-gemv-sums)
-  SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' sparse_mla plan (--attention-splits)
+  IndexerLogits indexer_logits = IndexerLogits::kFp32Accumulation;  // the select's dots (--indexer-logits)
+  HeadGemvSums head_gemv_sums = HeadGemvSums::kTensorCores;  // the fused path's head_gemv sums (--head-gemv-sums)
+  SparseMlaPlan attention_plan = SparseMlaPlan::kAuto;       // both paths' sparse_mla plan (--attention-plan)
+  bool batch_invariant = false;                              // --batch-invariant
   ModelPreset per_rank{};  // the preset on one rank, which the fields above come from (the stage's configuration)
 
   int64_t q_width() const { return int64_t{H} * P; }  // q_b_proj's out features

@@ -60,8 +60,8 @@ inline constexpr int kHeadGemvMaxTokens = 16;
 
 // How head_gemv adds its products (see above).
 enum class HeadGemvSums : int {
-  kSeedOrder = 0,    // FP32 FMA chains in the seed's order: bitwise the CPU reference's
-  kTensorCores = 1,  // BF16 tensor cores, FP32 accumulators: within a stated bound, faster from m = 4
+  kTensorCores = 0,  // the default: BF16 tensor cores, FP32 accumulators, within the contract's bound
+  kSeedOrder = 1,    // opt-in: FP32 FMA chains in the seed's order, bitwise the CPU reference's
 };
 
 struct HeadGemvTactic {
@@ -84,7 +84,7 @@ struct HeadGemvArgs {
   TensorView out;     // [m, H, J] BF16 or FP8 e4m3, contiguous
   TensorView scale;   // [1] f32: required when out is FP8, absent otherwise
   const KvCacheWrite* cache = nullptr;  // optional
-  HeadGemvSums sums = HeadGemvSums::kSeedOrder;
+  HeadGemvSums sums = HeadGemvSums::kTensorCores;
   // PDL: let the next kernel in the stream launch before this one's wait on
   // its predecessor, not after it (kSeedOrder only; the tensor-core kernel
   // always releases after). For a chain whose next kernel has a long weight

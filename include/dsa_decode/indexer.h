@@ -159,8 +159,8 @@ inline constexpr float kIndexerNormEps = 1e-6f;
 
 // How step 6 computes each head's dot (see step 6 above).
 enum class IndexerLogits : int {
-  kExact = 0,             // FP64 tensor cores, exact: logits and rows bitwise the reference's
-  kFp32Accumulation = 1,  // FP16 tensor cores, FP32 accumulation: logits within a bound, faster
+  kFp32Accumulation = 0,  // the default: FP16 tensor cores, FP32 accumulation, logits within a bound
+  kExact = 1,             // opt-in: FP64 tensor cores, exact; logits and rows bitwise the reference's
 };
 
 // Shapes fixed once per layer configuration; the workspace is sized from them.
@@ -169,7 +169,7 @@ struct IndexerPlan {
   int64_t max_context = 131072;        // largest L = pos + 1, 1..kIndexerMaxContext
   int ring = 4;                        // RING: 4, or 8 with draft tokens
   int block_size = 256;                // tokens per KV block: a positive multiple of 128
-  IndexerLogits logits = IndexerLogits::kExact;  // select's dots (indexer_select and its baseline)
+  IndexerLogits logits = IndexerLogits::kFp32Accumulation;  // select's dots (indexer_select and its baseline)
 };
 
 // Byte offsets into the caller's workspace (each 256-byte aligned) and its size.

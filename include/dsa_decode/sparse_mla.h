@@ -83,56 +83,19 @@ inline constexpr int kSparseMlaMaxTopK = 16384;
 // Tokens run on a grid dimension of at most 65535 CTAs; decode steps are far smaller.
 inline constexpr int kSparseMlaMaxTokens = 65535;
 
-// Which split plan the fast kernels use. With kLatency and kThroughput a
-// token's split points, and so its output bits, depend only on H, K and the
-// choice, never on m or the GPU (batch invariant); the choices give
-// different bits (another division of the sums). kThroughput halves the splits: more entries per CTA
-// and half the partials to store and combine, slower for small batches and
-// faster for large ones. H200, K = 2048, H = 64 (6f7081b, graph replay):
-// kLatency 13.14 / 15.44 / 25.04 / 83.48 / 160.32 us at m = 1 / 8 / 16 /
-// 64 / 128, kThroughput 16.95 / 18.06 / 21.10 / 66.64 / 129.96 (264 TFLOPS
-// at m = 128 against 214); H = 8 (the 8-head kernel): kLatency 14.02 /
-// 15.02 / 28.88 us at m = 1 / 8 / 16, kThroughput 22.56 / 23.28 / 23.49
-// (docs/sparse_mla.md). An engine that serves large batches chooses
-// kThroughput once, for all its steps.
-//
-// kByBatch gives up batch invariance for speed at every m: each launch takes
-// kLatency's splits halved while m * H / 64 * splits exceeds the CTAs the GPU
-// runs at once, down to 2 and never below what keeps a CTA within 16 chunks
-// (2 at K <= 2048, 4 up to 4096, 8 up to 8192; above, kLatency's); the
-// 8-head kernel takes up to 16 splits (twice kLatency's cap of 8; clusters
-// above 8 CTAs are non-portable) while every (token, group) cluster of those
-// fits at once, else kLatency's plan while those fit, else kThroughput's. A
-// token's bits then depend on the size of its batch and on the GPU (still
-// the same bits for the same m on the same GPU, and still
-// within the error bound); FlashMLA's and vLLM's split schedules behave the
-// same way. An engine that captures graphs at padded batch sizes and runs
-// others eagerly may see a request's bits differ between the two where the
-// padding moves m across a boundary (H = 64 on the H200: m = 8 | 9, 16 | 17,
-// 33 | 34). H200, K = 2048 (82a0e34): H = 64 13.16 / 15.46 /
-// 21.04 / 32.22 / 51.11 / 106.57 us at m = 1 / 8 / 16 / 32 / 64 / 128 (16,
-// 16, 8, 4, 2, 2 splits; 322 TFLOPS at m = 128, H = 128 211.07 us = 326);
-// H = 8 (d4e18e5) 10.67 / 11.31 / 15.05 / 23.54 us at m = 1 / 4 / 8 / 16
-// (16, 16, 8, 4 splits; kLatency 14.08 / 14.34 / 15.06 / 29.05). For H a
-// multiple of 64 and K <= 2304, kByBatch also takes kWholeRow's kernel where its rounds of
-// whole rows cost less than the split plan's (on the H200 at K = 2048: 67
-// to 132 and from 199 (token, 64 heads) items on; src/sparse_mla/sparse_mla_plan.h).
-//
-// kWholeRow: for H a multiple of 64 and K <= 2304 (and a cache span below
-// 64 GiB), one CTA per (token, 64 heads) runs the token's whole index row,
-// a third warpgroup loading and converting the rows while two compute: no
-// split, no combine (split_counters and split_partials untouched, though
-// still checked), batch invariant (a token's bits depend on its own inputs
-// only). Slow at small batches (one CTA per item: 73-75 us at m = 1 .. 66,
-// H = 64, K = 2048 on the H200), the fastest at large ones: H200, K = 2048,
-// m = 128 (439b082): H = 64 82.00 us = 419 TFLOPS (kByBatch's split plan
-// before it took this kernel: 106.58 us = 322), H = 128 155.61 us = 442
-// (211.42 = 325). Other H and K take kThroughput's plan.
-enum class SparseMlaSplits : int32_t {
-  kLatency = 0,     // the default: the most splits that pay at m = 1 (16 per 64 heads at K = 2048, 8 per 8 heads)
-  kThroughput = 1,  // half of those (at least what the kernels' per-CTA limits need)
-  kByBatch = 2,     // per launch from m and the GPU (above): fastest at every m, NOT batch invariant
-  kWholeRow = 3,    // one CTA per (token, 64 heads), no split (above): batch invariant, for large batches
+// The split plan (contract v2, DESIGN.md section 2). Both give results within
+// the same bound and the same bits on every run; they differ in what a
+// token's bits may depend on.
+//   kAuto (default): per launch the fastest plan for m, H, K on this GPU
+//     (how many CTAs split a token's entries, or one CTA per token and 64
+//     heads over its whole row for large batches). A token's bits may change
+//     with the size of its batch and with the GPU, as FlashMLA's and vLLM's
+//     split schedules do.
+//   kBatchInvariant: the split points depend only on H and K, so a token's
+//     bits depend on its own inputs only, whatever the batch around it.
+enum class SparseMlaPlan : int32_t {
+  kAuto = 0,
+  kBatchInvariant = 1,
 };
 
 struct SparseMlaArgs {
@@ -159,7 +122,7 @@ struct SparseMlaArgs {
   // 16-byte aligned; may be empty (null) when that count is 0.
   TensorView split_partials;
   unsigned int* error_count = nullptr;  // optional device counter of entries >= capacity
-  SparseMlaSplits splits = SparseMlaSplits::kLatency;  // the split plan (see SparseMlaSplits)
+  SparseMlaPlan plan = SparseMlaPlan::kAuto;  // see SparseMlaPlan
 };
 
 // Counters the split-K combine needs for m tokens, H heads, K entries per row:
@@ -182,52 +145,14 @@ int64_t sparse_mla_split_partials_count(int64_t m, int64_t heads, int64_t top_k)
 // Errors name the argument, what was expected and what was given.
 Status check_sparse_mla(const SparseMlaArgs& args);
 
-// How the 8-head tensor-core kernel (what sparse_mla runs when H is not a
-// multiple of 64) divides one token's work. It depends only on H, K and
-// SparseMlaArgs::splits, never on m or the GPU: a token's bits do not change
-// with the batch around it (but with kByBatch, whose launch picks one of
-// three plans by m and the GPU). (When H is a multiple of 64, sparse_mla runs a
-// 64-head kernel whose split, at most 16 CTAs of whole 64-entry chunks per
-// (token, 64 heads) in one cluster, likewise depends on K and that choice
-// only.)
-//   CTA (split, group, token) owns heads [8 group, 8 group + 8) of the token
-//   (one 8-wide MMA tile: H = 8 computes 8 heads, not vLLM's padded 64) and
-//   the entries [split * rows_per_split, ...) of its index row; the `splits`
-//   CTAs of a (token, group) form one thread-block cluster and combine their
-//   partial results through distributed shared memory, in split order, in the
-//   same launch.
-struct SparseMlaSplitPlan {
-  int head_groups = 0;     // ceil(H / 8)
-  int splits = 0;          // 1..kSparseMlaMaxSplits CTAs per (token, group), each with at least one entry
-  int rows_per_split = 0;  // a multiple of 64, at most kSparseMlaMaxTopK / 8 (the entries a CTA stages)
-};
-// Hopper's largest cluster (non-portable above 8).
-inline constexpr int kSparseMlaMaxSplits = 16;
-
-// The plan sparse_mla uses for H heads and K entries per row (H, K in the
-// ranges check_sparse_mla accepts) and the args' split choice; for kByBatch
-// kLatency's (a kByBatch launch picks among three plans by m and the GPU:
-// sparse_mla_batch_split_plans in src/sparse_mla/sparse_mla_plan.h).
-SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits splits = SparseMlaSplits::kLatency);
-
 // The fast path: FP8 codes converted exactly to FP16, both products on
 // tensor cores with FP32 accumulation, online softmax per 64-entry chunk,
-// split-K. H a multiple of 64 (TP1, TP2): 64 heads per CTA on warpgroup MMA
-// (wgmma), a cluster of up to 16 CTAs that combine their partials pushed in
-// FP16 (O / sum) through split_partials (plans with several clusters also
-// combine the clusters' results there), or with kWholeRow (and kByBatch's large batches) one CTA
-// per (token, 64 heads) over the whole row; other H: 8 heads per CTA on mma.sync
-// (SparseMlaSplitPlan), one cluster, the partials in FP32. Deterministic, and
-// batch invariant except with SparseMlaSplits::kByBatch (the kernel choice
-// depends on H only). docs/sparse_mla.md
-// has the designs and the measured versions. Launches on `stream` with PDL;
-// neither allocates nor synchronizes. Both kernels run clusters of up to 16
-// CTAs (non-portable above 8); where the GPU cannot schedule them (a MIG
-// slice, a part with fewer SMs per GPC), the launch returns the CUDA error as
-// the Status. The plans do not
-// fall back to smaller clusters, because a token's bits may not depend on the
-// device's shape either (kByBatch's, by design, do: it takes fewer splits in
-// smaller clusters where fewer CTAs fit).
+// split-K combined in the same launch (H a multiple of 64: 64 heads per CTA
+// on warpgroup MMA; other H: 8 heads per CTA on mma.sync). Deterministic;
+// batch invariant under SparseMlaPlan::kBatchInvariant. Launches on `stream`
+// with PDL; neither allocates nor synchronizes. The kernels run clusters of
+// up to 16 CTAs (non-portable above 8): where the GPU cannot schedule them (a
+// MIG slice), the launch returns the CUDA error.
 Status sparse_mla(const SparseMlaArgs& args, cudaStream_t stream);
 
 // The simple GPU kernel: FP32 on CUDA cores, one CTA per (token, head), a

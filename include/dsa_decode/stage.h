@@ -37,8 +37,8 @@
 //   stock (stock_forward): the same step in the stock engine's order with
 //   unfused kernels, the fallback and the baseline every speedup is measured
 //   against: qkv_a_proj (the fused path's kernel: the two paths' KV cache
-//   bytes and indexer inputs must agree), norm, q_b_proj, the indexer with the
-//   straightforward select (CUB sort, separate expand and remap),
+//   bytes and indexer inputs must agree), norm, q_b_proj, the indexer (the
+//   fused path's select: the paths differ in what the fusion changes only),
 //   concat_and_cache_mla, cuBLAS absorb bmm, static FP8 quant, a
 //   cudaMemsetAsync of the attention's split counters, the same attention
 //   (no stock Hopper kernel reads this cache format), cuBLAS W_UV bmm,
@@ -164,12 +164,21 @@ struct DsaStagePlan {
   int64_t max_context = 131072;         // largest L = pos + 1 a step may hold
   int ring = 4;                         // the indexer's RING: 4, or 8 with draft tokens
   int block_size = 256;                 // tokens per KV block: a positive multiple of 128
+  // Contract v2 (DESIGN.md section 2): every default is the fastest path
+  // within its bound. batch_invariant (vLLM's VLLM_BATCH_INVARIANT) makes a
+  // token's output bits independent of the other tokens of its step: the
+  // attention's SparseMlaPlan::kBatchInvariant, value-up on head_gemv and
+  // the three projections on linear_gemv at every m (in launches of as many
+  // tokens as linear_gemv takes), overriding attention_plan, value_up_tokens
+  // and projection_gemv_tokens. It governs the fused path; the stock path
+  // keeps the stock engine's kernels (and takes the same attention plan).
+  bool batch_invariant = false;
   // Token counts whose value-up runs as head_gemv (cuBLAS's bmm otherwise);
   // unset: dsa_stage_measured_value_up_tokens(H, head_gemv_sums).
   std::optional<std::set<int>> value_up_tokens;
-  HeadGemvSums head_gemv_sums = HeadGemvSums::kSeedOrder;        // the fused path's absorb and value-up
-  IndexerLogits indexer_logits = IndexerLogits::kExact;          // both paths' select
-  SparseMlaSplits attention_splits = SparseMlaSplits::kLatency;  // both paths' attention
+  HeadGemvSums head_gemv_sums = HeadGemvSums::kTensorCores;      // the fused path's absorb and value-up
+  IndexerLogits indexer_logits = IndexerLogits::kFp32Accumulation;  // both paths' select
+  SparseMlaPlan attention_plan = SparseMlaPlan::kAuto;           // both paths' attention
   bool indexer_projections_cublaslt = false;  // both paths' indexer projections: GEMV launch or cuBLASLt
   // Token counts (1..kLinearGemvMaxTokens) whose projections run as
   // linear_gemv (the fused path's three; qkv_a_proj in both paths),
@@ -180,11 +189,6 @@ struct DsaStagePlan {
   // The fused path's indexer on a second stream beside q_b_proj and the
   // absorb (the stock path stays in the stock engine's single-stream order).
   bool overlap_indexer = true;
-  // The stock path's select: the straightforward baseline (CUB sort, expand,
-  // remap; false) or the fused path's select kernel (true), for comparing
-  // the paths with the same select (docs/open_decisions.md, 6.1). With the
-  // fused select the stock path leaves intermediates().topk_positions alone.
-  bool stock_select_fused = false;
 };
 
 // The indexer's plan of a stage plan (its max_tokens, max_context, ring,

@@ -327,8 +327,8 @@ Status check_head_gemv_weight(const TensorView& w, const char* name, int64_t hea
 }
 
 Status check_head_gemv(const HeadGemvArgs& a) {
-  if (a.sums != HeadGemvSums::kSeedOrder && a.sums != HeadGemvSums::kTensorCores) {
-    return invalid_argument("sums", "HeadGemvSums::kSeedOrder or kTensorCores",
+  if (a.sums != HeadGemvSums::kTensorCores && a.sums != HeadGemvSums::kSeedOrder) {
+    return invalid_argument("sums", "HeadGemvSums::kTensorCores (0) or kSeedOrder (1)",
                             std::to_string(static_cast<int>(a.sums)));
   }
   DSA_RETURN_IF_ERROR(check_dtype(a.x, "x", DType::kBF16));

@@ -3,9 +3,8 @@
 //   absorb:   q [m, H, 256] x W_UK_T [H, 256, 512] -> FP8, + the latent's cache write;
 //             stock = cuBLAS bmm + static FP8 quant + concat_and_cache_mla (3 launches)
 //   value_up: latent [m, H, 512] x W_UV [H, 512, 256] -> BF16; stock = cuBLAS bmm
-// and a sweep of every valid tactic (rows *_tactic) that the tactic table is chosen from;
-// the opt-in tensor-core sums beside them (rows "* (tensor cores)", against the
-// same stock time) and their column tiles (rows "* (tensor cores)_tile").
+// Rows "absorb" / "value_up" are the default path (tensor-core sums); rows
+// "* (seed order)" the opt-in seed order with the tactic table's tactic.
 #include <string>
 #include <vector>
 
@@ -92,11 +91,12 @@ Status time_fused(const Context& ctx, const Problem& p, const Buffers& b, const 
   return time_graph(ctx, [&](cudaStream_t stream, int i) {
     Views v = views(p, b, i);
     if (p.absorb) v.args.cache = &v.cache;
+    v.args.sums = HeadGemvSums::kSeedOrder;
     return head_gemv(v.args, stream, tactic);
   }, us, std::max(20, b.copies));
 }
 
-// The opt-in tensor-core sums; tile 0: the kernel's rule (head_gemv_mma_tile).
+// The default tensor-core sums; tile 0: the kernel's rule (head_gemv_mma_tile).
 Status time_tensor_cores(const Context& ctx, const Problem& p, const Buffers& b, int tile, double* us) {
   return time_graph(
       ctx,
@@ -130,40 +130,21 @@ Status run(Context& ctx, Report& report) {
         Buffers b;
         DSA_RETURN_IF_ERROR(make_buffers(ctx, p, &b));
         const HeadGemvTactic table = head_gemv_tactic(p.heads, p.rows, p.cols, m);
-        double fused_us = 0, stock_us = 0;
-        DSA_RETURN_IF_ERROR(time_fused(ctx, p, b, nullptr, &fused_us));
+        double tensor_us = 0, seed_us = 0, stock_us = 0;
+        DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, 0, &tensor_us));
+        DSA_RETURN_IF_ERROR(time_fused(ctx, p, b, nullptr, &seed_us));
         DSA_RETURN_IF_ERROR(time_stock(ctx, p, b, handle.get(), &stock_us));
         const std::string name = absorb ? "absorb" : "value_up";
         const std::vector<std::pair<std::string, double>> params = {{"H", heads}, {"m", m}};
-        Row row{name, params, fused_us,
-                absorb ? "cuBLAS bmm + static FP8 quant + concat_and_cache_mla" : "cuBLAS bmm", stock_us,
-                floor_us(ctx, floor_bytes(p))};
-        row.note = "tactic " + std::to_string(table.tile) + "/" + std::to_string(table.rows_per_thread);
+        const std::string baseline = absorb ? "cuBLAS bmm + static FP8 quant + concat_and_cache_mla" : "cuBLAS bmm";
+        Row row{name, params, tensor_us, baseline, stock_us, floor_us(ctx, floor_bytes(p))};
+        row.note = "default: BF16 mma.sync, FP32 accumulators, column tile " +
+                   std::to_string(head_gemv_mma_tile(p.heads, p.rows, p.cols, m));
         report.add(row);
-        double tensor_us = 0;
-        DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, 0, &tensor_us));
-        Row tensor{name + " (tensor cores)", params, tensor_us, row.baseline, stock_us, row.floor_us};
-        tensor.note = "opt-in HeadGemvSums::kTensorCores: BF16 mma.sync, FP32 accumulators, column tile " +
-                      std::to_string(head_gemv_mma_tile(p.heads, p.rows, p.cols, m));
-        report.add(tensor);
-        for (int tile : {16, 32, 64, 128}) {
-          double us = 0;
-          DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, tile, &us));
-          report.add(
-              Row{name + " (tensor cores)_tile", {{"H", heads}, {"m", m}, {"tile", tile}}, us, "", 0, row.floor_us});
-        }
-        // The sweep behind the tactic table.
-        for (int tile : {16, 32, 64, 128, 256}) {
-          for (int rows_per_thread : {8, 16, 32, 64}) {
-            const HeadGemvTactic tactic{tile, rows_per_thread};
-            if (!check_head_gemv_tactic(p.rows, p.cols, m, tactic).ok()) continue;
-            double us = 0;
-            DSA_RETURN_IF_ERROR(time_fused(ctx, p, b, &tactic, &us));
-            Row sweep{name + "_tactic", {{"H", heads}, {"m", m}, {"tile", tile}, {"rows_per_thread", rows_per_thread}},
-                      us, "", 0, floor_us(ctx, floor_bytes(p))};
-            report.add(sweep);
-          }
-        }
+        Row seed{name + " (seed order)", params, seed_us, baseline, stock_us, row.floor_us};
+        seed.note = "opt-in HeadGemvSums::kSeedOrder, tactic " + std::to_string(table.tile) + "/" +
+                    std::to_string(table.rows_per_thread);
+        report.add(seed);
       }
     }
   }

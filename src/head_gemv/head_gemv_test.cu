@@ -89,7 +89,9 @@ TEST(HeadGemvChecks, ShapesWithoutATacticAreUnsupportedNotMisnamed) {
   f.weight.strides[1] = 512;
   f.weight.strides[0] = 200 * 512;
   ASSERT_TRUE(check_head_gemv(f.args()).ok()) << check_head_gemv(f.args()).to_string();
-  Status s = head_gemv(f.args(), nullptr);
+  HeadGemvArgs seed = f.args();
+  seed.sums = HeadGemvSums::kSeedOrder;
+  Status s = head_gemv(seed, nullptr);
   EXPECT_EQ(s.code(), ErrorCode::kUnsupported) << s.to_string();
   EXPECT_NE(s.message().find("I = 200"), std::string::npos) << s.message();
 }
@@ -102,8 +104,10 @@ TEST(HeadGemvChecks, TensorCoreSumsTakeNoTacticAndNameUnsupportedShapes) {
     const HeadGemvTactic tactic{64, 8};
     testing::expect_rejected(head_gemv(a, nullptr, &tactic), "tactic", "none with sums = kTensorCores");
     a.sums = static_cast<HeadGemvSums>(7);
-    testing::expect_rejected(check_head_gemv(a), "sums", "kSeedOrder or kTensorCores");
-    testing::expect_rejected(head_gemv_tensor_cores_with_tile(f.args(), 64, nullptr), "sums", "kTensorCores");
+    testing::expect_rejected(check_head_gemv(a), "sums", "kTensorCores (0) or kSeedOrder (1)");
+    HeadGemvArgs seed = f.args();
+    seed.sums = HeadGemvSums::kSeedOrder;
+    testing::expect_rejected(head_gemv_tensor_cores_with_tile(seed, 64, nullptr), "sums", "kTensorCores");
     a.sums = HeadGemvSums::kTensorCores;
     a.out.data = static_cast<char*>(a.out.data) + 4;  // fine for the seed order, not for the four-column stores
     testing::expect_rejected(check_head_gemv(a), "out", "aligned to 8 bytes");
@@ -951,6 +955,7 @@ TEST(HeadGemvGpu, PdlChainMatchesSerializedLaunchesAndItsGraphReplays) {
     v.x = make_tensor(y.get(), DType::kBF16, {m, kHeads, kCols});
     v.weight = make_tensor(v_w.get(), DType::kBF16, {kHeads, kCols, kRows});
     v.out = make_tensor(z.get(), DType::kBF16, {m, kHeads, kRows});
+    a.sums = b.sums = v.sums = HeadGemvSums::kSeedOrder;  // checked bitwise against the reference
 
     // Enqueues every step; with synchronize_each, a stream synchronize after each launch.
     const auto enqueue_chain = [&](bool synchronize_each) -> Status {

@@ -154,7 +154,7 @@ Status check_indexer_plan(const IndexerPlan& plan) {
                             std::to_string(plan.block_size));
   }
   if (plan.logits != IndexerLogits::kExact && plan.logits != IndexerLogits::kFp32Accumulation) {
-    return invalid_argument("plan.logits", "IndexerLogits::kExact (0) or IndexerLogits::kFp32Accumulation (1)",
+    return invalid_argument("plan.logits", "IndexerLogits::kFp32Accumulation (0) or IndexerLogits::kExact (1)",
                             std::to_string(static_cast<int>(plan.logits)));
   }
   return Status();

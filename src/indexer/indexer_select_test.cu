@@ -38,6 +38,7 @@ constexpr uint8_t kPoison = 0xAB;
 // The plan of a scenario: one token per request, the largest context sized.
 IndexerPlan scenario_plan(const std::vector<int64_t>& contexts, int block_size) {
   IndexerPlan plan;
+  plan.logits = IndexerLogits::kExact;  // bitwise against the reference (the default's bound: its own test)
   plan.max_tokens = static_cast<int>(contexts.size());
   plan.block_size = block_size;
   plan.max_context = std::max<int64_t>(1, *std::max_element(contexts.begin(), contexts.end()));
@@ -48,6 +49,7 @@ IndexerPlan scenario_plan(const std::vector<int64_t>& contexts, int block_size) 
 // request), the largest position sized.
 IndexerPlan draft_plan(const std::vector<int64_t>& positions, int block_size) {
   IndexerPlan plan;
+  plan.logits = IndexerLogits::kExact;
   plan.max_tokens = static_cast<int>(positions.size());
   plan.block_size = block_size;
   plan.ring = 8;

@@ -104,7 +104,7 @@ TEST(IndexerChecks, PlanErrorsNameTheField) {
   expect_rejected(check_indexer_plan(plan), "plan.max_context", "1..");
   plan = IndexerPlan();
   plan.logits = static_cast<IndexerLogits>(2);
-  expect_rejected(check_indexer_plan(plan), "plan.logits", "IndexerLogits::kExact (0) or");
+  expect_rejected(check_indexer_plan(plan), "plan.logits", "IndexerLogits::kFp32Accumulation (0) or");
   plan.logits = IndexerLogits::kFp32Accumulation;
   EXPECT_TRUE(check_indexer_plan(plan).ok());
 }

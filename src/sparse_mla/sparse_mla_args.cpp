@@ -114,10 +114,9 @@ Status check_sparse_mla_against(const SparseMlaArgs& a,
     return invalid_argument("softmax_scale", "a finite value > 0", std::to_string(a.softmax_scale));
   }
 
-  if (a.splits != SparseMlaSplits::kLatency && a.splits != SparseMlaSplits::kThroughput &&
-      a.splits != SparseMlaSplits::kByBatch && a.splits != SparseMlaSplits::kWholeRow) {
-    return invalid_argument("splits", "SparseMlaSplits::kLatency (0), kThroughput (1), kByBatch (2) or kWholeRow (3)",
-                            std::to_string(static_cast<int32_t>(a.splits)));
+  if (a.plan != SparseMlaPlan::kAuto && a.plan != SparseMlaPlan::kBatchInvariant) {
+    return invalid_argument("plan", "SparseMlaPlan::kAuto (0) or kBatchInvariant (1)",
+                            std::to_string(static_cast<int32_t>(a.plan)));
   }
 
   // The layout head_gemv's x takes, so that the latent feeds W_UV directly.
@@ -181,6 +180,20 @@ Status check_sparse_mla_for_plan(const SparseMlaArgs& a, int max_splits, int max
 
 Status check_sparse_mla_without_partials(const SparseMlaArgs& a) {
   return check_sparse_mla_against(a, [](int64_t, int64_t, int) { return int64_t(0); });
+}
+
+SparseMlaSplits sparse_mla_splits_of(SparseMlaPlan plan) {
+  return plan == SparseMlaPlan::kBatchInvariant ? SparseMlaSplits::kLatency : SparseMlaSplits::kByBatch;
+}
+
+Status sparse_mla_with_splits(const SparseMlaArgs& a, SparseMlaSplits splits, cudaStream_t stream) {
+  // Each kernel's entry checks the arguments (once); here only q's head count is read.
+  const bool heads_in_64s = a.q.ndim == 3 && a.q.size(1) > 0 && a.q.size(1) % 64 == 0;
+  return heads_in_64s ? sparse_mla_wgmma(a, splits, stream) : sparse_mla_mma(a, splits, stream);
+}
+
+Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
+  return sparse_mla_with_splits(a, sparse_mla_splits_of(a.plan), stream);
 }
 
 }  // namespace dsa

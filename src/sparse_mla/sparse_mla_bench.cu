@@ -1,13 +1,9 @@
 // Sparse MLA decode attention at the issue's latency shapes (H in {8, 64},
 // m in {1, 2, 4, 8, 16}, K = 2048) and throughput shapes (m = 128, H in
-// {64, 128}), H200, graph replay. Rows "sparse_mla_simple": the simple FP32
-// kernel, the baseline; "sparse_mla": what engines get (the 64-head wgmma
-// kernel at H = 64 and 128, the 8-head mma kernel at H = 8); "sparse_mla_mma":
-// the 8-head kernel with its plan where sparse_mla ran the other one, and with
-// half and twice the splits to measure the plan's choice; "sparse_mla (whole
-// rows)": SparseMlaSplits::kWholeRow, at H = 64 and 128 the producer kernel
-// (one CTA per item, a third warpgroup converting the rows:
-// docs/sparse_mla.md "v13"); all against the baseline timed in the same run.
+// {64, 128}), graph replay. Rows "sparse_mla_simple": the simple FP32
+// kernel, the baseline; "sparse_mla": the default plan (SparseMlaPlan::kAuto);
+// "sparse_mla (batch-invariant)": the opt-in plan; all against the baseline
+// timed in the same run.
 //
 // Cold KV rows: the cache holds `rotations` disjoint regions of m * K slots and
 // launch i reads region i % rotations through its own index rows (a random
@@ -155,10 +151,10 @@ SparseMlaArgs views(const Problem& p, const Buffers& b, int i) {
   return a;
 }
 
-// sparse_mla with the given split plan (SparseMlaArgs::splits), as engines choose it.
-auto sparse_mla_with(SparseMlaSplits splits) {
-  return [splits](SparseMlaArgs a, cudaStream_t stream) {
-    a.splits = splits;
+// sparse_mla with the given plan, as engines choose it.
+auto sparse_mla_with(SparseMlaPlan plan) {
+  return [plan](SparseMlaArgs a, cudaStream_t stream) {
+    a.plan = plan;
     return sparse_mla(a, stream);
   };
 }
@@ -189,11 +185,6 @@ Status run(Context& ctx, Report& report) {
     simple.note = regions;
     report.add(simple);
 
-    // What engines get (sparse_mla: the 64-head wgmma kernel when H is a
-    // multiple of 64, else the 8-head mma kernel with its plan), then the
-    // 8-head kernel with its own plan (where sparse_mla ran the other one) and
-    // with half and twice the splits (clusters above 8 CTAs are non-portable),
-    // so that both the kernel choice and the plan's are measured, not assumed.
     const bool wgmma = p.heads % 64 == 0;
     // Times `launch` over `rows` (rotation i through its own index rows) and
     // reports it against the simple kernel of this shape.
@@ -207,56 +198,21 @@ Status run(Context& ctx, Report& report) {
       report.add(row);
       return Status();
     };
-    DSA_RETURN_IF_ERROR(
-        add_row("sparse_mla", sparse_mla,
-                (wgmma ? "sparse_mla_wgmma: 64 heads per CTA, " + describe(sparse_mla_wgmma_splits(kTopK))
-                       : std::string("sparse_mla_mma with its plan")) +
-                    "; " + regions,
-                b, floor));
-    // The other split plan, as engines choose it.
-    DSA_RETURN_IF_ERROR(add_row("sparse_mla (throughput splits)", sparse_mla_with(SparseMlaSplits::kThroughput),
-                                "SparseMlaSplits::kThroughput: half the splits; " + regions, b, floor));
-    {  // the plan per launch from m and the GPU (SparseMlaSplits::kByBatch: not batch invariant)
-      std::string note = "SparseMlaSplits::kByBatch: the most splits whose CTAs fit the GPU at once; " + regions;
-      if (wgmma) {
-        const int64_t items = int64_t(p.m) * (p.heads / 64);
-        int resident = 0, producer_resident = 0;
-        DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
-        DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
-        const int max_splits = sparse_mla_wgmma_batch_max_splits(kTopK, items, resident);
-        note += sparse_mla_batch_takes_producer(kTopK, items, max_splits, resident, producer_resident)
-                    ? "; here the producer kernel (whole rows)"
-                    : "; here " + describe(sparse_mla_wgmma_splits(kTopK, max_splits));
-      }
-      DSA_RETURN_IF_ERROR(
-          add_row("sparse_mla (splits by batch)", sparse_mla_with(SparseMlaSplits::kByBatch), note, b, floor));
-    }
+    std::string note = "SparseMlaPlan::kAuto; " + regions;
     if (wgmma) {
-      // One CTA per item at every m: where it starts to pay.
-      DSA_RETURN_IF_ERROR(add_row("sparse_mla_wgmma (one CTA per item)", sparse_mla_wgmma_whole_items,
-                                  "every split of a (token, group) streamed by one CTA, then its combine; " + regions,
-                                  b, floor));
-      // SparseMlaSplits::kWholeRow (at H = 8 it is kThroughput's plan, timed above).
-      DSA_RETURN_IF_ERROR(add_row("sparse_mla (whole rows)", sparse_mla_with(SparseMlaSplits::kWholeRow),
-                                  "SparseMlaSplits::kWholeRow: the producer kernel, one CTA per (token, group) over "
-                                  "the whole row, warpgroup 2 loading and converting the rows; " +
-                                      regions,
-                                  b, floor));
-      // Consecutive splits per CTA at every m where they fit: the crossovers against split CTAs.
-      DSA_RETURN_IF_ERROR(add_row("sparse_mla_wgmma (consecutive splits per CTA)", sparse_mla_wgmma_grouped_splits,
-                                  "each CTA streams 2-8 consecutive splits of an item (the fewest that fit at once), "
-                                  "the item's CTAs meet, then each combines its share (as the default launch where "
-                                  "the count does not fit); " +
-                                      regions,
-                                  b, floor));
+      const int64_t items = int64_t(p.m) * (p.heads / 64);
+      int resident = 0, producer_resident = 0;
+      DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
+      DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
+      const int max_splits = sparse_mla_wgmma_batch_max_splits(kTopK, items, resident);
+      note += sparse_mla_batch_takes_producer(kTopK, items, max_splits, resident, producer_resident)
+                  ? "; here the whole-row kernel"
+                  : "; here " + describe(sparse_mla_wgmma_splits(kTopK, max_splits));
     }
-    if (wgmma) {
-      double us = 0;
-      DSA_RETURN_IF_ERROR(time_rows(ctx, p, b, sparse_mla_wgmma_launch_floor, &us));
-      Row row{"launch floor (empty kernel, sparse_mla's launch)", params, us, "", 0, 0};
-      row.note = "no work: the default plan's grid, 256 threads and shared memory, with PDL, cooperative";
-      report.add(row);
-    }
+    DSA_RETURN_IF_ERROR(add_row("sparse_mla", sparse_mla_with(SparseMlaPlan::kAuto), note, b, floor));
+    DSA_RETURN_IF_ERROR(add_row("sparse_mla (batch-invariant)", sparse_mla_with(SparseMlaPlan::kBatchInvariant),
+                                "SparseMlaPlan::kBatchInvariant: split points from H and K only; " + regions, b,
+                                floor));
     if (wgmma && (p.m == 16 || p.m == 128)) {  // the served batches with their draft tokens' shared rows
       Buffers pairs;
       DSA_RETURN_IF_ERROR(make_buffers(ctx, p, &pairs, /*draft_pairs=*/true));
@@ -265,69 +221,8 @@ Status run(Context& ctx, Report& report) {
           std::to_string(pairs.rotations) + " KV regions of " + std::to_string(pairs.distinct_rows) +
           " distinct rows, tokens 2j and 2j + 1 sharing " + std::to_string(static_cast<int>(kPairShared * 100)) +
           "% of theirs (baseline: the simple kernel on distinct rows)";
-      const std::pair<SparseMlaSplits, std::string> choices[] = {{SparseMlaSplits::kLatency, ""},
-                                                                 {SparseMlaSplits::kThroughput, "throughput splits"},
-                                                                 {SparseMlaSplits::kByBatch, "splits by batch"},
-                                                                 {SparseMlaSplits::kWholeRow, "whole rows"}};
-      for (const auto& [splits, label] : choices) {
-        const std::string choice = label.empty() ? "" : label + ", ";
-        DSA_RETURN_IF_ERROR(add_row("sparse_mla (" + choice + "draft pairs)", sparse_mla_with(splits),
-                                    "as sparse_mla" + (label.empty() ? "" : " (" + label + ")") + "; " + pair_regions,
-                                    pairs, pair_floor));
-      }
-    }
-    // Other plans than the default (16 splits in one cluster of 16): 32
-    // (one chunk per CTA) in clusters of 16 and of 8, 16 in clusters of 8
-    // and of 4 (more of them run at once: the level-2 combine then joins
-    // the clusters), 8 (four chunks, one cluster of 8), and the fewest: 4
-    // (eight chunks) and 2 (sixteen, a CTA's most), where large batches
-    // need no more CTAs than the GPU holds and every split's partials are
-    // bytes the step moves.
-    struct OtherPlan {
-      int max_splits, max_cluster;
-      const char* name;
-    };
-    for (const OtherPlan& other :
-         {OtherPlan{kMaxSplitsTimed, 16, "sparse_mla_wgmma (32 splits, clusters of 16)"},
-          OtherPlan{kMaxSplitsTimed, 8, "sparse_mla_wgmma (32 splits, clusters of 8)"},
-          OtherPlan{16, 8, "sparse_mla_wgmma (16 splits, clusters of 8)"},
-          OtherPlan{16, 4, "sparse_mla_wgmma (16 splits, clusters of 4)"},
-          OtherPlan{8, 8, "sparse_mla_wgmma (8 splits)"}, OtherPlan{4, 4, "sparse_mla_wgmma (4 splits)"},
-          OtherPlan{2, 4, "sparse_mla_wgmma (2 splits)"}}) {
-      if (!wgmma) break;
-      DSA_RETURN_IF_ERROR(add_row(
-          other.name,
-          [&](const SparseMlaArgs& a, cudaStream_t stream) {
-            return sparse_mla_wgmma_with_plan(a, other.max_splits, other.max_cluster, stream);
-          },
-          describe(sparse_mla_wgmma_splits(kTopK, other.max_splits, other.max_cluster)) + "; " + regions, b, floor));
-    }
-    const SparseMlaSplitPlan own = sparse_mla_split_plan(p.heads, kTopK);
-    std::vector<std::pair<std::string, SparseMlaSplitPlan>> plans;
-    if (wgmma) plans.push_back({"sparse_mla_mma", own});
-    for (const int factor : {2, -2}) {
-      SparseMlaSplitPlan other = own;
-      other.rows_per_split = factor > 0 ? own.rows_per_split / 2 : own.rows_per_split * 2;
-      if (other.rows_per_split < 64 || other.rows_per_split % 64 != 0 || other.rows_per_split > kTopK) continue;
-      other.splits = (kTopK + other.rows_per_split - 1) / other.rows_per_split;
-      if (other.splits > kSparseMlaMaxSplits) continue;
-      int clusters = 0;
-      DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(other, p.heads, kTopK, &clusters));
-      if (clusters == 0) continue;
-      plans.push_back(
-          {factor > 0 ? "sparse_mla_mma (twice the splits)" : "sparse_mla_mma (half the splits)", other});
-    }
-    for (const auto& named : plans) {
-      const SparseMlaSplitPlan& plan = named.second;
-      int clusters = 0;
-      DSA_RETURN_IF_ERROR(sparse_mla_max_active_clusters(plan, p.heads, kTopK, &clusters));
-      DSA_RETURN_IF_ERROR(add_row(
-          named.first,
-          [&](const SparseMlaArgs& a, cudaStream_t stream) { return sparse_mla_with_plan(a, plan, stream); },
-          "head_groups " + std::to_string(plan.head_groups) + ", splits " + std::to_string(plan.splits) + " x " +
-              std::to_string(plan.rows_per_split) + " rows, " + std::to_string(clusters) + " clusters at once; " +
-              regions,
-          b, floor));
+      DSA_RETURN_IF_ERROR(add_row("sparse_mla (draft pairs)", sparse_mla_with(SparseMlaPlan::kAuto),
+                                  "as sparse_mla; " + pair_regions, pairs, pair_floor));
     }
   }
   return Status();

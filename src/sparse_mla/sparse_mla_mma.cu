@@ -492,10 +492,10 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
   return Status();
 }
 
-Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
+Status sparse_mla_mma(const SparseMlaArgs& a, SparseMlaSplits splits, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla(a));
   const int heads = static_cast<int>(a.q.size(1)), top_k = static_cast<int>(a.indices.size(1));
-  if (a.splits != SparseMlaSplits::kByBatch) return launch(a, sparse_mla_split_plan(heads, top_k, a.splits), stream);
+  if (splits != SparseMlaSplits::kByBatch) return launch(a, sparse_mla_split_plan(heads, top_k, splits), stream);
   // The plan with the most splits whose (token, group) clusters the GPU runs
   // all at once, else the fewest; the occupancy answer is asked once per
   // cluster size. A part that cannot answer for a cluster size (or schedule
@@ -513,12 +513,6 @@ Status sparse_mla_mma(const SparseMlaArgs& a, cudaStream_t stream) {
     }
   }
   return launch(a, plan, stream);
-}
-
-Status sparse_mla(const SparseMlaArgs& a, cudaStream_t stream) {
-  // Each kernel's entry checks the arguments (once); here only q's head count is read.
-  const bool heads_in_64s = a.q.ndim == 3 && a.q.size(1) > 0 && a.q.size(1) % 64 == 0;
-  return heads_in_64s ? sparse_mla_wgmma(a, stream) : sparse_mla_mma(a, stream);
 }
 
 }  // namespace dsa

@@ -13,9 +13,54 @@
 
 namespace dsa {
 
-// The 8-head kernel (src/sparse_mla/sparse_mla_mma.cu) with the default plan
-// sparse_mla_split_plan(H, K): any H.
-Status sparse_mla_mma(const SparseMlaArgs& args, cudaStream_t stream);
+// The split choices behind SparseMlaPlan: kAuto is kByBatch, kBatchInvariant
+// is kLatency. kThroughput (half of kLatency's splits) and kWholeRow (the
+// producer kernel at every m) are building blocks of kByBatch, reachable on
+// their own for the tests and the benchmark only.
+enum class SparseMlaSplits : int32_t {
+  kLatency = 0,     // the most splits that pay at m = 1 (16 per 64 heads at K = 2048, 8 per 8 heads)
+  kThroughput = 1,  // half of those (at least what the kernels' per-CTA limits need)
+  kByBatch = 2,     // per launch from m and the GPU: the fastest, not batch invariant
+  kWholeRow = 3,    // one CTA per (token, 64 heads), no split: batch invariant
+};
+SparseMlaSplits sparse_mla_splits_of(SparseMlaPlan plan);
+
+// sparse_mla with a split choice: checks the arguments, then runs the 64-head
+// kernel (H a multiple of 64) or the 8-head kernel.
+Status sparse_mla_with_splits(const SparseMlaArgs& args, SparseMlaSplits splits, cudaStream_t stream);
+
+// How the 8-head tensor-core kernel (what sparse_mla runs when H is not a
+// multiple of 64) divides one token's work. It depends only on H, K and
+// SparseMlaArgs::splits, never on m or the GPU: a token's bits do not change
+// with the batch around it (but with kByBatch, whose launch picks one of
+// three plans by m and the GPU). (When H is a multiple of 64, sparse_mla runs a
+// 64-head kernel whose split, at most 16 CTAs of whole 64-entry chunks per
+// (token, 64 heads) in one cluster, likewise depends on K and that choice
+// only.)
+//   CTA (split, group, token) owns heads [8 group, 8 group + 8) of the token
+//   (one 8-wide MMA tile: H = 8 computes 8 heads, not vLLM's padded 64) and
+//   the entries [split * rows_per_split, ...) of its index row; the `splits`
+//   CTAs of a (token, group) form one thread-block cluster and combine their
+//   partial results through distributed shared memory, in split order, in the
+//   same launch.
+struct SparseMlaSplitPlan {
+  int head_groups = 0;     // ceil(H / 8)
+  int splits = 0;          // 1..kSparseMlaMaxSplits CTAs per (token, group), each with at least one entry
+  int rows_per_split = 0;  // a multiple of 64, at most kSparseMlaMaxTopK / 8 (the entries a CTA stages)
+};
+// Hopper's largest cluster (non-portable above 8).
+inline constexpr int kSparseMlaMaxSplits = 16;
+
+// The 8-head kernel's plan for H heads and K entries per row (H, K in the
+// ranges check_sparse_mla accepts) and a split choice; for kByBatch
+// kLatency's (a kByBatch launch picks among three plans by m and the GPU:
+// sparse_mla_batch_split_plans).
+SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits splits = SparseMlaSplits::kLatency);
+
+
+// The 8-head kernel (src/sparse_mla/sparse_mla_mma.cu) with the plan
+// sparse_mla_split_plan(H, K, splits), or kByBatch's choice: any H.
+Status sparse_mla_mma(const SparseMlaArgs& args, SparseMlaSplits splits, cudaStream_t stream);
 
 // The 8-head kernel with an explicit plan. Errors name `plan` when it does not
 // cover the heads or the entries of `args`, or breaks a limit of
@@ -81,7 +126,7 @@ int sparse_mla_wgmma_max_splits(int top_k, SparseMlaSplits splits);
 // keeps a split within 16 chunks (K = 2048: 16 up to 8 items, 8 up to 16, 4
 // up to 33, then 2 on the 132-SM H200). Non-increasing in items.
 int sparse_mla_wgmma_batch_max_splits(int top_k, int64_t items, int resident_ctas);
-Status sparse_mla_wgmma(const SparseMlaArgs& args, cudaStream_t stream);
+Status sparse_mla_wgmma(const SparseMlaArgs& args, SparseMlaSplits splits, cudaStream_t stream);
 // check_sparse_mla with split_partials sized for the 64-head plan of these
 // limits (check_sparse_mla: sparse_mla's, the defaults).
 Status check_sparse_mla_for_plan(const SparseMlaArgs& args, int max_splits, int max_cluster);

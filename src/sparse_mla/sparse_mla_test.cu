@@ -146,7 +146,7 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
         a.error_count = reinterpret_cast<unsigned int*>(static_cast<char*>(fake_device_pointer(0x90000)) + 2);
       },
       "error_count", "4-byte aligned");
-  rejected([](SparseMlaArgs& a) { a.splits = static_cast<SparseMlaSplits>(4); }, "splits", "kWholeRow (3)");
+  rejected([](SparseMlaArgs& a) { a.plan = static_cast<SparseMlaPlan>(2); }, "plan", "kBatchInvariant (1)");
   // Strides that overlap rows or heads although multiples of 16, views off the
   // device, and the counters' layout.
   rejected([](SparseMlaArgs& a) { a.q.strides[1] = 496; }, "q", "do not overlap");
@@ -416,7 +416,7 @@ TEST(SparseMlaChecks, WgmmaKernelTakesHeadsInSixtyFours) {
   f.args.latent.shape[1] = 32;
   f.args.lse = make_tensor(f.args.lse.data, DType::kF32, {4, 32});
   ASSERT_TRUE(check_sparse_mla(f.args).ok()) << check_sparse_mla(f.args).to_string();
-  testing::expect_rejected(sparse_mla_wgmma(f.args, nullptr), "q", "a multiple of 64 heads");
+  testing::expect_rejected(sparse_mla_wgmma(f.args, SparseMlaSplits::kLatency, nullptr), "q", "a multiple of 64 heads");
 }
 
 TEST(SparseMlaChecks, ProducerKernelNamesWhatItCannotTake) {
@@ -670,21 +670,26 @@ struct NamedKernel {
     return sparse_mla_split_partials_count(m, heads, top_k);
   };
 };
-// sparse_mla with another split choice (SparseMlaArgs::splits): kThroughput
-// (half the splits) has the same contract and other bits.
+// sparse_mla with a split choice: kLatency is SparseMlaPlan::kBatchInvariant's,
+// kThroughput (half the splits) has the same contract and other bits.
 template <SparseMlaSplits kChoice>
 Status sparse_mla_with(const SparseMlaArgs& a, cudaStream_t stream) {
-  SparseMlaArgs other = a;
-  other.splits = kChoice;
-  return sparse_mla(other, stream);
+  return sparse_mla_with_splits(a, kChoice, stream);
+}
+Status sparse_mla_batch_invariant(const SparseMlaArgs& a, cudaStream_t stream) {
+  SparseMlaArgs invariant = a;
+  invariant.plan = SparseMlaPlan::kBatchInvariant;
+  return sparse_mla(invariant, stream);
 }
 // sparse_mla runs sparse_mla_wgmma when H is a multiple of 64 and sparse_mla_mma
 // otherwise; the 8-head kernel is also run on its own, so that both fast
 // kernels meet every shape of every test, and sparse_mla with the other
 // split plan too.
 const NamedKernel kKernels[] = {{"sparse_mla_simple", sparse_mla_simple},
-                                {"sparse_mla", sparse_mla},
-                                {"sparse_mla_mma", sparse_mla_mma},
+                                {"sparse_mla, batch-invariant plan", sparse_mla_batch_invariant},
+                                {"sparse_mla_mma", [](const SparseMlaArgs& a, cudaStream_t stream) {
+                                   return sparse_mla_mma(a, SparseMlaSplits::kLatency, stream);
+                                 }},
                                 {"sparse_mla, throughput splits", sparse_mla_with<SparseMlaSplits::kThroughput>}};
 
 // The 64-head kernel with an explicit plan.

@@ -1116,13 +1116,13 @@ int sparse_mla_wgmma_batch_max_splits(int top_k, int64_t items, int resident_cta
   return splits;
 }
 
-Status sparse_mla_wgmma(const SparseMlaArgs& a, cudaStream_t stream) {
+Status sparse_mla_wgmma(const SparseMlaArgs& a, SparseMlaSplits splits, cudaStream_t stream) {
   const int top_k = a.indices.ndim == 2 ? static_cast<int>(a.indices.size(1)) : 0;  // checked by the launch
-  int max_splits = sparse_mla_wgmma_max_splits(top_k, a.splits);
-  if (a.splits == SparseMlaSplits::kWholeRow || a.splits == SparseMlaSplits::kByBatch) {
+  int max_splits = sparse_mla_wgmma_max_splits(top_k, splits);
+  if (splits == SparseMlaSplits::kWholeRow || splits == SparseMlaSplits::kByBatch) {
     DSA_RETURN_IF_ERROR(check_sparse_mla(a));  // the caller's buffers as for every choice, before any device question
     const bool producer_covers = sparse_mla_producer_covers(top_k, a.kv_cache.span_elements());
-    if (a.splits == SparseMlaSplits::kWholeRow) {
+    if (splits == SparseMlaSplits::kWholeRow) {
       if (producer_covers) return sparse_mla_producer(a, stream);
     } else {
       const int64_t items = a.q.size(0) * (a.q.size(1) / kHeads);

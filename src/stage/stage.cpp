@@ -44,6 +44,30 @@ Status check_weight(const TensorView& t, const char* name, DType dtype, std::ini
   return Status();
 }
 
+// Rows [first, first + rows) of a [m, k] view.
+TensorView row_range(const TensorView& t, int64_t first, int64_t rows) {
+  TensorView r = t;
+  r.data = static_cast<char*>(t.data) + size_t(first) * size_t(t.stride(0)) * dtype_size(t.dtype);
+  r.shape[0] = rows;
+  return r;
+}
+
+// out = x weight^T through linear_gemv for any m: in launches of the most
+// tokens the kernel takes at this width (it is batch invariant, so the bits
+// do not depend on the split).
+Status linear_gemv_rows(const TensorView& x, const TensorView& weight, const TensorView& out, cudaStream_t stream) {
+  const int64_t m = x.size(0), k = x.size(1);
+  if (m <= kLinearGemvMaxTokens && linear_gemv_supports(m, k)) return linear_gemv(LinearGemvArgs{x, weight, out}, stream);
+  for (int64_t first = 0; first < m;) {
+    int64_t rows = std::min<int64_t>(m - first, kLinearGemvMaxTokens);
+    while (rows > 1 && !linear_gemv_supports(rows, k)) --rows;
+    DSA_RETURN_IF_ERROR(
+        linear_gemv(LinearGemvArgs{row_range(x, first, rows), weight, row_range(out, first, rows)}, stream));
+    first += rows;
+  }
+  return Status();
+}
+
 }  // namespace
 
 DsaLayerConfig dsa_layer_config(const ModelPreset& p, float rms_norm_eps) {
@@ -91,7 +115,7 @@ struct WorkspaceShape {
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
   int max_tokens = 0, ring = 0, block_size = 0;
   int64_t max_context = 0;
-  IndexerLogits indexer_logits = IndexerLogits::kExact;
+  IndexerLogits indexer_logits = IndexerLogits::kFp32Accumulation;
   bool indexer_projections_cublaslt = false;
 
   static WorkspaceShape of(int device, const DsaLayerConfig& c, const DsaStagePlan& p) {
@@ -140,8 +164,8 @@ struct DsaStageWorkspace::Buffers {
 
   // Each [max_tokens, ...] (intermediates() has the shapes).
   DeviceMemory qkv, q_c, kv_c, q, q_bf16, q_fp8, index_q, index_k, head_weights, gate, indexer_workspace,
-      baseline_workspace, topk_positions, slots, latent, lse, heads, split_counters, split_partials;
-  int64_t indexer_workspace_bytes = 0, baseline_workspace_bytes = 0, counter_count = 0, partial_count = 0;
+      topk_positions, slots, latent, lse, heads, split_counters, split_partials;
+  int64_t indexer_workspace_bytes = 0, counter_count = 0, partial_count = 0;
 
   ~Buffers() {
     if (cublas != nullptr) cublasDestroy(cublas);
@@ -273,11 +297,11 @@ struct DsaAttentionStage::State {
         return qkv_rmsnorm(bf16(b->qkv, {m, Q + L}), w.q_a_norm, w.kv_a_norm, config.rms_norm_eps, bf16(b->q_c, {m, Q}),
                            bf16(b->kv_c, {m, L}), stream);
       case Step::kQkvAProjGemv:
-        return linear_gemv(LinearGemvArgs{a.hidden, w.fused_qkv_a_proj, bf16(b->qkv, {m, Q + L})}, stream);
+        return linear_gemv_rows(a.hidden, w.fused_qkv_a_proj, bf16(b->qkv, {m, Q + L}), stream);
       case Step::kQbProj:
         return b->linear.run("q_b_proj", bf16(b->q_c, {m, Q}), w.q_b_proj, b->q.get(), H * P, CUDA_R_16BF, stream);
       case Step::kQbProjGemv:
-        return linear_gemv(LinearGemvArgs{bf16(b->q_c, {m, Q}), w.q_b_proj, bf16(b->q, {m, H * P})}, stream);
+        return linear_gemv_rows(bf16(b->q_c, {m, Q}), w.q_b_proj, bf16(b->q, {m, H * P}), stream);
       case Step::kAbsorb: {
         const KvCacheWrite write = cache_write(a, m);
         HeadGemvArgs g;
@@ -313,8 +337,7 @@ struct DsaAttentionStage::State {
       case Step::kIndexerSelect:
         return indexer_select(indexer_select_args(a, m, false), stream);
       case Step::kStockIndexerSelect:
-        return indexer_select_baseline(indexer_select_args(a, m, true), b->baseline_workspace.get(),
-                                       b->baseline_workspace_bytes, stream);
+        return indexer_select(indexer_select_args(a, m, true), stream);
       case Step::kTopkRemap: {
         IndexerRemapArgs r;
         r.plan = indexer_plan;
@@ -340,7 +363,7 @@ struct DsaAttentionStage::State {
         if (b->partial_count > 0)
           s.split_partials = make_tensor(b->split_partials.get(), DType::kF32, {b->partial_count});
         s.error_count = a.error_count;
-        s.splits = plan.attention_splits;
+        s.plan = plan.batch_invariant ? SparseMlaPlan::kBatchInvariant : plan.attention_plan;
         return sparse_mla(s, stream);
       }
       case Step::kValueUpGemv: {
@@ -362,7 +385,7 @@ struct DsaAttentionStage::State {
         return b->linear.run("o_proj", bf16(b->heads, {m, H * V}), w.o_proj, a.out.data, a.out.stride(0), CUDA_R_16BF,
                              stream);
       case Step::kOProjGemv:
-        return linear_gemv(LinearGemvArgs{bf16(b->heads, {m, H * V}), w.o_proj, a.out}, stream);
+        return linear_gemv_rows(bf16(b->heads, {m, H * V}), w.o_proj, a.out, stream);
       case Step::kStockCacheWrite:
         return stock_concat_and_cache_mla(cache_write(a, m), stream);
       case Step::kStockAbsorbBmm:
@@ -423,7 +446,8 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   // W_UV meets head_gemv's layout only where value-up runs as head_gemv (cuBLAS's bmm takes any strides).
   const std::set<int> value_up_tokens =
       plan.value_up_tokens ? *plan.value_up_tokens : dsa_stage_measured_value_up_tokens(H, plan.head_gemv_sums);
-  const bool value_up_gemv = std::any_of(value_up_tokens.begin(), value_up_tokens.end(),
+  const bool value_up_gemv = plan.batch_invariant ||
+                             std::any_of(value_up_tokens.begin(), value_up_tokens.end(),
                                          [&](int m) { return m >= 1 && m <= plan.max_tokens; });
   const Status uv = check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V});
   view(uv.ok() && value_up_gemv ? check_head_gemv_weight(w.w_uv, "w_uv", H, L) : uv);
@@ -438,16 +462,14 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   view(check_weight(w.index_k_norm_bias, "index_k_norm_bias", DType::kF32, {kIndexerDim}));
   view(check_weight(w.index_ape, "index_ape", DType::kF32, {kIndexerPoolSize, kIndexerDim}));
   // The plan's kernel choices, named here rather than by a step's first run.
-  if (plan.head_gemv_sums != HeadGemvSums::kSeedOrder && plan.head_gemv_sums != HeadGemvSums::kTensorCores) {
-    views->push_back(invalid_argument("plan.head_gemv_sums", "HeadGemvSums::kSeedOrder (0) or kTensorCores (1)",
+  if (plan.head_gemv_sums != HeadGemvSums::kTensorCores && plan.head_gemv_sums != HeadGemvSums::kSeedOrder) {
+    views->push_back(invalid_argument("plan.head_gemv_sums", "HeadGemvSums::kTensorCores (0) or kSeedOrder (1)",
                                       std::to_string(static_cast<int>(plan.head_gemv_sums)))
                          .message());
   }
-  if (plan.attention_splits != SparseMlaSplits::kLatency && plan.attention_splits != SparseMlaSplits::kThroughput &&
-      plan.attention_splits != SparseMlaSplits::kByBatch && plan.attention_splits != SparseMlaSplits::kWholeRow) {
-    views->push_back(invalid_argument("plan.attention_splits",
-                                      "SparseMlaSplits::kLatency (0), kThroughput (1), kByBatch (2) or kWholeRow (3)",
-                                      std::to_string(static_cast<int32_t>(plan.attention_splits)))
+  if (plan.attention_plan != SparseMlaPlan::kAuto && plan.attention_plan != SparseMlaPlan::kBatchInvariant) {
+    views->push_back(invalid_argument("plan.attention_plan", "SparseMlaPlan::kAuto (0) or kBatchInvariant (1)",
+                                      std::to_string(static_cast<int32_t>(plan.attention_plan)))
                          .message());
   }
   if (plan.max_tokens < 1 || plan.max_tokens > kDsaStageMaxTokens) {
@@ -488,8 +510,6 @@ Status DsaStageWorkspace::Buffers::allocate(const WorkspaceShape& s, const Index
   DSA_RETURN_IF_ERROR(buffer(T * kIndexerDim, 2, &gate));
   indexer_workspace_bytes = indexer_workspace_layout(indexer_plan).bytes;
   DSA_RETURN_IF_ERROR(buffer(indexer_workspace_bytes, 1, &indexer_workspace));
-  DSA_RETURN_IF_ERROR(indexer_select_baseline_workspace_bytes(indexer_plan, &baseline_workspace_bytes));
-  DSA_RETURN_IF_ERROR(buffer(baseline_workspace_bytes, 1, &baseline_workspace));
   DSA_RETURN_IF_ERROR(buffer(T * kIndexerRowWidth, 4, &topk_positions));
   DSA_RETURN_IF_ERROR(buffer(T * kIndexerRowWidth, 4, &slots));
   DSA_RETURN_IF_ERROR(buffer(T * H * L, 2, &latent));
@@ -577,7 +597,7 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   s.plan = plan;
   StepChoices& choices = s.step_choices;
   choices.overlap_indexer = plan.overlap_indexer;
-  choices.stock_select_fused = plan.stock_select_fused;
+  choices.batch_invariant = plan.batch_invariant;
   choices.value_up_tokens = plan.value_up_tokens
                                 ? *plan.value_up_tokens
                                 : dsa_stage_measured_value_up_tokens(config.num_heads, plan.head_gemv_sums);

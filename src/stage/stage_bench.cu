@@ -3,11 +3,12 @@
 // 4, 8, 16, one request per token. Rows (DESIGN.md section 4):
 // `attention_half` (norm through value-up: every step but qkv_a_proj and
 // o_proj) and `whole_stage`; at 32k and m = 1, 16 also each step of each
-// path alone ("fused step: <name>", "stock step: <name>"); both rows with
-// the fused select in the stock path too (`*_same_select`: the CUB-sort
-// baseline alone takes 84-109 us) and against the fused path with the
-// indexer on the caller's stream (`*_overlap`: what its own stream saves)
-// and with cuBLASLt projections (`whole_stage_gemv_projections`);
+// path alone ("fused step: <name>", "stock step: <name>"); the stock path
+// runs the same select and attention as the fused one, so the ratios are what
+// the fusion buys. Also against the fused path with the indexer on the
+// caller's stream (`*_overlap`: what its own stream saves), with cuBLASLt
+// projections (`whole_stage_gemv_projections`) and the batch-invariant plan
+// (`whole_stage_batch_invariant`: what invariance costs);
 // and both rows again with the caller's top-k rows in both paths
 // (`*_caller_topk`: the indexer does not run, only the remap). Cold L2: as many stages as it takes for their
 // weight copies to be twice the L2, replayed in turn; each request's KV rows
@@ -212,11 +213,12 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
     // `stages`: the default plan. `variants`: the fused path with the indexer
     // on the caller's stream (no overlap), the stock path with the fused
     // select. `cublaslt`: every projection through cuBLASLt.
-    DsaStagePlan variant_plan = plan, cublaslt_plan = plan;
+    DsaStagePlan variant_plan = plan, cublaslt_plan = plan, invariant_plan = plan;
     variant_plan.overlap_indexer = false;
-    variant_plan.stock_select_fused = true;
     cublaslt_plan.projection_gemv_tokens = std::set<int>{};
-    std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies), variants(copies), cublaslt(copies);
+    invariant_plan.batch_invariant = true;
+    std::vector<std::unique_ptr<DsaAttentionStage>> stages(copies), variants(copies), cublaslt(copies),
+        invariant(copies);
     DsaLayerConfig config;
     DSA_RETURN_IF_ERROR(glm5next(tp, &config));
     // One workspace for all of them, as a model's layers on one stream share one.
@@ -226,6 +228,8 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
       DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, plan, &stages[c], workspace));
       DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, variant_plan, &variants[c], workspace));
       DSA_RETURN_IF_ERROR(DsaAttentionStage::create(config, weights[c].views, cublaslt_plan, &cublaslt[c], workspace));
+      DSA_RETURN_IF_ERROR(
+          DsaAttentionStage::create(config, weights[c].views, invariant_plan, &invariant[c], workspace));
     }
     for (int64_t context : {int64_t{32768}, int64_t{131072}}) {
       for (int m : {1, 2, 4, 8, 16}) {
@@ -261,23 +265,26 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
         DSA_RETURN_IF_ERROR(time_paths(stages, args, &t));
         DSA_RETURN_IF_ERROR(time_paths(variants, args, &v));
         DSA_RETURN_IF_ERROR(time_paths(cublaslt, args, &c));
+        std::vector<std::string> invariant_steps;
+        DSA_RETURN_IF_ERROR(invariant[0]->step_names(DsaPath::kFused, args, &invariant_steps));
+        double invariant_us = 0;
+        DSA_RETURN_IF_ERROR(timed_on(invariant, args, DsaPath::kFused, 0, invariant_steps.size(), &invariant_us));
         const std::vector<std::pair<std::string, double>> params = {
             {"H", double(H)}, {"m", double(m)}, {"context", double(context)}};
         const std::string value_up = fused_steps[fused_steps.size() - 2];
-        report.add(bench::Row{"attention_half", params, t.fused_half, "stock_forward, norm .. value_up", t.stock_half,
-                              0, 0, value_up});
+        report.add(bench::Row{"attention_half", params, t.fused_half,
+                              "stock_forward (same select and attention), norm .. value_up", t.stock_half, 0, 0,
+                              value_up});
         // The memory floor: every weight once, each token's selected KV rows and, past 2048 tokens, its indexer
         // K cache scan (the activations are a few hundred KiB).
         const double step_bytes = double(weights[0].bytes) +
                                   double(m) * (double(kIndexerRowWidth) * kL +
                                                (context + 1 > 2048 ? double(context + 1) / 4 * kIndexerPoolBytes : 0));
-        report.add(bench::Row{"whole_stage", params, t.fused_whole, "stock_forward", t.stock_whole,
-                              bench::floor_us(ctx, step_bytes), 0, value_up});
-        // The same select in both paths: the stock path with the fused select kernel (open decision 6.1).
-        report.add(bench::Row{"attention_half_same_select", params, t.fused_half,
-                              "stock_forward with the fused select, norm .. value_up", v.stock_half, 0, 0, value_up});
-        report.add(bench::Row{"whole_stage_same_select", params, t.fused_whole, "stock_forward with the fused select",
-                              v.stock_whole, 0, 0, value_up});
+        report.add(bench::Row{"whole_stage", params, t.fused_whole, "stock_forward (same select and attention)",
+                              t.stock_whole, bench::floor_us(ctx, step_bytes), 0, value_up});
+        // What batch invariance costs: the fused path under plan.batch_invariant against the default.
+        report.add(bench::Row{"whole_stage_batch_invariant", params, invariant_us, "forward (default plan)",
+                              t.fused_whole, 0, 0, "batch_invariant"});
         // What the indexer's own stream saves: the same fused path with the indexer after the absorb.
         report.add(bench::Row{"attention_half_overlap", params, t.fused_half,
                               "forward with the indexer on the caller's stream, norm .. value_up", v.fused_half, 0, 0,
@@ -288,9 +295,8 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
         report.add(bench::Row{"whole_stage_gemv_projections", params, t.fused_whole,
                               "forward with cuBLASLt projections", c.fused_whole, 0, 0,
                               fused_steps.front() + ", " + fused_steps.back()});
-        // The same step with the caller's top-k rows (MTP draft steps 1+; also the stage without the indexer,
-        // whose fused select against the CUB-sort baseline is most of the ratios above): the rows the stock
-        // select chose, remapped by both paths.
+        // The same step with the caller's top-k rows (MTP draft steps 1+; also the stage without the
+        // indexer): the rows the stock path's select kept, remapped by both paths.
         {
           DSA_RETURN_IF_ERROR(stages[0]->stock_forward(args, ctx.stream));
           bench::DeviceMemory caller_rows;

@@ -37,7 +37,7 @@ const char* step_name(Step step, bool projections_cublaslt) {
     case Step::kOProjGemv:
       return "o_proj (GEMV)";
     case Step::kStockIndexerSelect:
-      return "indexer select (CUB sort baseline)";
+      return "indexer select (top-k positions kept)";
     case Step::kStockCacheWrite:
       return "cache write (concat_and_cache_mla)";
     case Step::kStockAbsorbBmm:
@@ -58,9 +58,12 @@ bool on_indexer_lane(Step step) {
 StepList stage_steps(DsaPath path, const StepChoices& c, int64_t m, bool caller_rows) {
   // A projection of m tokens over k columns as linear_gemv: m in the plan's
   // set and within the kernel's shared-memory rule.
+  // Batch invariant: linear_gemv at every m, in launches of the tokens it takes.
   const auto gemv_for = [&](int64_t k) {
+    if (c.batch_invariant) return true;
     return c.projection_gemv_tokens.count(static_cast<int>(m)) > 0 && linear_gemv_supports(m, k);
   };
+  const bool value_up_gemv = c.batch_invariant || c.value_up_tokens.count(static_cast<int>(m)) > 0;
   StepList list;
   // The top-k rows: the caller's remapped, or the indexer with this path's select.
   const auto add_rows = [&](Step select) {
@@ -84,11 +87,11 @@ StepList stage_steps(DsaPath path, const StepChoices& c, int64_t m, bool caller_
     list.add(Step::kAbsorb);
     if (!c.overlap_indexer) add_rows(Step::kIndexerSelect);
     list.add(Step::kAttention);
-    list.add(c.value_up_tokens.count(static_cast<int>(m)) > 0 ? Step::kValueUpGemv : Step::kValueUpBmm);
+    list.add(value_up_gemv ? Step::kValueUpGemv : Step::kValueUpBmm);
     list.add(gemv_for(c.heads_v) ? Step::kOProjGemv : Step::kOProj);
   } else {
     list.add(Step::kQbProj);
-    add_rows(c.stock_select_fused ? Step::kIndexerSelect : Step::kStockIndexerSelect);
+    add_rows(Step::kStockIndexerSelect);
     list.add(Step::kStockCacheWrite);
     list.add(Step::kStockAbsorbBmm);
     list.add(Step::kStockFp8Quant);

@@ -28,7 +28,7 @@ enum class Step {
   kValueUpBmm,
   kOProj,
   kOProjGemv,
-  kStockIndexerSelect,  // CUB sort, expand, remap
+  kStockIndexerSelect,  // the same select, keeping the top-k positions (the stock engine's topk buffer)
   kStockCacheWrite,
   kStockAbsorbBmm,
   kStockFp8Quant,
@@ -63,7 +63,9 @@ struct StepList {
 // (the measured defaults filled in), and the widths the projections read.
 struct StepChoices {
   bool overlap_indexer = true;
-  bool stock_select_fused = false;
+  // Value-up on head_gemv and the projections on linear_gemv at every m
+  // (plan.batch_invariant): the token sets below are then not read.
+  bool batch_invariant = false;
   std::set<int> value_up_tokens;
   std::set<int> projection_gemv_tokens;
   int64_t hidden = 0;   // D: qkv_a_proj's K

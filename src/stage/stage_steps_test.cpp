@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -85,13 +86,27 @@ TEST(StageSteps, CallerRowsReplaceTheIndexerByTheRemap) {
 TEST(StageSteps, StockPathKeepsTheStockKernels) {
   const Names stock = names(DsaPath::kStock, tp1(), 1);
   EXPECT_EQ(stock, (Names{"qkv_a_proj (GEMV)", "norm", "q_b_proj (cuBLASLt)", "indexer projections (GEMV)",
-                          "indexer prepare", "indexer select (CUB sort baseline)", "cache write (concat_and_cache_mla)",
+                          "indexer prepare", "indexer select (top-k positions kept)", "cache write (concat_and_cache_mla)",
                           "absorb (cuBLAS bmm)", "static FP8 quant", "split counter memset", "attention (sparse_mla)",
                           "value_up (cuBLAS bmm)", "o_proj (cuBLASLt)"}));
   EXPECT_EQ(stock.size(), size_t(kMaxSteps));  // the longest list
+}
+
+TEST(StageSteps, BatchInvariantRunsEveryProjectionAndValueUpAsGemvAtEveryM) {
   StepChoices c = tp1();
-  c.stock_select_fused = true;
-  EXPECT_EQ(names(DsaPath::kStock, c, 1)[5], "indexer select");
+  c.batch_invariant = true;
+  c.value_up_tokens = {};
+  c.projection_gemv_tokens = {};
+  for (int64_t m : {1, 5, 16}) {
+    const Names fused = names(DsaPath::kFused, c, m);
+    EXPECT_EQ(fused.front(), "qkv_a_proj (GEMV)") << m;
+    EXPECT_EQ(std::count(fused.begin(), fused.end(), "q_b_proj (GEMV)"), 1) << m;
+    EXPECT_EQ(std::count(fused.begin(), fused.end(), "value_up (head_gemv)"), 1) << m;
+    EXPECT_EQ(fused.back(), "o_proj (GEMV)") << m;
+  }
+  const Names stock = names(DsaPath::kStock, c, 16);
+  EXPECT_EQ(stock.front(), "qkv_a_proj (GEMV)") << "one qkv_a_proj kernel for both paths";
+  EXPECT_EQ(stock.back(), "o_proj (cuBLASLt)") << "the stock path keeps the stock kernels";
 }
 
 }  // namespace

@@ -127,11 +127,11 @@ TEST(DsaStageChecks, CreationNamesEveryMissingRequirement) {
   w.w_uk_t = make_strided(w.w_uk_t.data, DType::kBF16, {kH, kP, kL}, {0, kL, 1});
   plan = DsaStagePlan();
   plan.head_gemv_sums = static_cast<HeadGemvSums>(7);
-  plan.attention_splits = static_cast<SparseMlaSplits>(-1);
+  plan.attention_plan = static_cast<SparseMlaPlan>(-1);
   const Status layouts = DsaAttentionStage::create(glm5next_tp8(), w, plan, &stage);
   EXPECT_EQ(layouts.code(), ErrorCode::kInvalidArgument);
   for (const char* part : {"'w_uv'", "'w_uk_t'", "do not overlap", "'plan.head_gemv_sums'", "got 7",
-                           "'plan.attention_splits'", "got -1"}) {
+                           "'plan.attention_plan'", "got -1"}) {
     EXPECT_TRUE(contains(layouts.message(), part)) << part << " missing from: " << layouts.message();
   }
   // With value-up always through cuBLAS's bmm, W_UV may take any strides.
@@ -534,7 +534,7 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
     EXPECT_LT(q_differ, fused.q_fp8.size() / 20) << at;
   }
 
-  // The indexer's rows: the exact select and the CUB-sort baseline agree.
+  // The indexer's rows: both paths run the same select on the same logits.
   EXPECT_TRUE(fused.slots == stock.slots) << at;
   for (int t = 0; t < m; ++t) {
     const int32_t* row = &fused.slots[size_t(t) * kIndexerRowWidth];
@@ -633,11 +633,10 @@ TEST_F(DsaStageGpu, StepCapturesIntoAGraphAndReplaysTheSameBits) {
 
 // plan.overlap_indexer only moves the indexer's launches to a second
 // stream: every product, the caches and the indexer's state keep their bits.
-// plan.stock_select_fused gives the stock path the fused select's slots.
+// The stock path runs the same select: the same slots.
 TEST_F(DsaStageGpu, IndexerOnItsOwnStreamGivesTheSerialBits) {
   DsaStagePlan serial_plan = plan_;
   serial_plan.overlap_indexer = false;
-  serial_plan.stock_select_fused = true;
   std::unique_ptr<DsaAttentionStage> serial;
   DSA_ASSERT_OK(DsaAttentionStage::create(glm5next_tp8(), layer_->weights(), serial_plan, &serial));
   for (int m : {1, 5}) {
@@ -663,7 +662,7 @@ TEST_F(DsaStageGpu, IndexerOnItsOwnStreamGivesTheSerialBits) {
 
     std::vector<std::string> stock_names;
     DSA_ASSERT_OK(serial->step_names(DsaPath::kStock, step.args(), &stock_names));
-    EXPECT_EQ(std::count(stock_names.begin(), stock_names.end(), "indexer select"), 1);
+    EXPECT_EQ(std::count(stock_names.begin(), stock_names.end(), "indexer select (top-k positions kept)"), 1);
     const PathResult stock = run_path(*serial, step, DsaPath::kStock, step.args());
     EXPECT_TRUE(stock.slots == a.slots && stock.kv_cache == a.kv_cache) << at;
   }
@@ -696,6 +695,47 @@ TEST_F(DsaStageGpu, IndexerOnItsOwnStreamGivesTheSerialBits) {
   }
   DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
   cudaStreamDestroy(stream);
+}
+
+// plan.batch_invariant: each token of a step alone (m = 1, its own rows of
+// every input, the same caches and indexer state) gives the bits it gives in
+// the step of m tokens, at every m up to 16: projections, value-up and
+// attention take their invariant kernels.
+TEST_F(DsaStageGpu, BatchInvariantPlanGivesATokenAloneItsBitsInTheBatch) {
+  DsaStagePlan invariant_plan = plan_;
+  invariant_plan.batch_invariant = true;
+  std::unique_ptr<DsaAttentionStage> stage;
+  DSA_ASSERT_OK(DsaAttentionStage::create(glm5next_tp8(), layer_->weights(), invariant_plan, &stage));
+  const std::vector<int> counts = testing::quick_mode() ? std::vector<int>{5} : std::vector<int>{3, 9, 16};
+  for (int m : counts) {
+    Step step(m, *layer_, invariant_plan, rng_);
+    const PathResult batch = run_path(*stage, step, DsaPath::kFused, step.args());
+    EXPECT_EQ(batch.errors, 0u);
+    for (int t = 0; t < m; ++t) {
+      const std::string at = "m = " + std::to_string(m) + ", token " + std::to_string(t);
+      DsaStepArgs alone = step.args();
+      alone.hidden = make_tensor(step.d_hidden.get() + size_t(t) * kD, DType::kBF16, {1, kD});
+      alone.positions = make_tensor(step.d_positions.get() + t, DType::kI64, {1});
+      alone.token_requests = make_tensor(step.d_token_requests.get() + t, DType::kI32, {1});
+      alone.slot_mapping = make_tensor(step.d_slot_mapping.get() + t, DType::kI64, {1});
+      alone.out = make_tensor(step.d_out.get() + size_t(t) * kD, DType::kBF16, {1, kD});
+      step.d_kv_cache.upload(step.kv_cache);
+      step.d_out.fill_bytes(0xFF);
+      DSA_ASSERT_OK(stage->forward(alone, nullptr));
+      DSA_ASSERT_CUDA(cudaDeviceSynchronize());
+      const DsaStageIntermediates v = stage->intermediates(1);
+      const std::vector<uint16_t> out = step.d_out.download();
+      const auto row = [&](const std::vector<uint16_t>& all, int64_t width, int64_t r) {
+        return std::vector<uint16_t>(all.begin() + r * width, all.begin() + (r + 1) * width);
+      };
+      EXPECT_TRUE(row(out, kD, t) == row(batch.out, kD, t)) << at << ": out";
+      EXPECT_TRUE(download<uint16_t>(v.latent) == row(batch.latent, kH * kL, t)) << at << ": latent";
+      EXPECT_TRUE(download<int32_t>(v.slots) ==
+                  std::vector<int32_t>(batch.slots.begin() + size_t(t) * kIndexerRowWidth,
+                                       batch.slots.begin() + size_t(t + 1) * kIndexerRowWidth))
+          << at << ": slots";
+    }
+  }
 }
 
 // Stages of one configuration and plan can share one workspace (the layers

@@ -1,0 +1,590 @@
+"""Ours against the real peers, in one process on the same inputs (issue 37).
+
+  sparse_mla vs FlashMLA MODEL1           dsa_decode.ops.sparse_mla (default plan) against
+                                          FlashMLA's sparse FP8 decode, d_qk = d_v = 512
+  indexer select vs DeepGEMM logits +     dsa_decode.ops.indexer_select (default plan) against
+    vLLM cooperative_topk                 DeepGEMM's fp8_fp4_paged_mqa_logits then vLLM's
+                                          cooperative_topk (the decode top-k vLLM 0.34 picks
+                                          on SM90 for up to 64 rows of top-512)
+
+Inputs, both sides the same values:
+  attention  q: e4m3 codes x q_scale (2^-5); KV: e4m3 codes x k_scale (2^-5), blocks of 256
+             slots; K = 2048 distinct slots per token. FlashMLA's MODEL1 cache holds the same
+             values exactly (448 e4m3 codes with e8m0 scales = k_scale, 64 BF16 values), its q
+             is the BF16 of our FP8 q (exact). H = 8: FlashMLA runs 64 heads (its smallest;
+             vLLM pads TP8's 8 heads to 64), the first 8 compared.
+  indexer    m requests at context L (positions L - 1), L / 4 pooled keys each in our paged
+             FP8 layout, which is DeepGEMM's (pages of 64 keys: 64 x 128 e4m3 codes, then 64
+             f32 scales); the same block table; q_fp8 and folded head weights written into our
+             select's workspace and given to DeepGEMM as q [m, 1, 32, 128] and weights [m, 32].
+
+Timing as dsa-bench's harness (bench/harness.h): launch i reads rotation i % R of the inputs
+(R copies of the KV rows or pages, at least twice the L2 together), max(20, R) launches
+captured into one CUDA graph, 50 replays after warm-up, each replay's time over its launches a
+sample, the median reported. Metadata that engines compute once per step and share across
+layers (FlashMLA's tile schedule, DeepGEMM's paged schedule) is computed before timing.
+
+Checks before a row counts: each side against a float64 reference of the same inputs
+(attention: latent within 5e-3 relative Frobenius, lse within 1e-3 absolute; indexer: the
+peer's top-512 pool set equals ours up to near-ties of the reference logits) and ours against
+the peer. A failed check or a peer that did not build is reported in the row; the rest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peers  # noqa: E402
+
+K_TOPK = 2048
+LATENT = 512
+BLOCK = 256
+SOFTMAX_SCALE = 256 ** -0.5  # glm5next
+QK_SCALE = 2.0 ** -5  # q_scale = k_scale: a power of two, so FlashMLA's BF16 q and e8m0 scales hold our values exactly
+MIN_CACHE_SLOTS = 65536
+LATENT_TOL, LSE_TOL = 5e-3, 1e-3
+POOL, POOL_BYTES, TOP_POOLS, ROW_WIDTH = 4, 132, 512, 2176
+PAGE_POOLS = BLOCK // POOL  # 64: DeepGEMM's block_kv on SM90
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_graph(enqueue, rotations: int, replays: int = 50) -> float:
+    """Median microseconds of one launch, as bench/harness.cu's time_graph."""
+    per_graph = max(20, rotations)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(per_graph):
+            enqueue(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(per_graph):
+            enqueue(i)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    samples = [s.elapsed_time(e) * 1e3 / per_graph for s, e in events]
+    del graph
+    return statistics.median(samples)
+
+
+def rotations_for(bytes_per_launch: float) -> int:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(1, math.ceil(2 * l2 / bytes_per_launch))
+
+
+def e4m3_codes(shape, std: float, gen) -> torch.Tensor:
+    """Random e4m3 codes of N(0, std) values (saturated at +-448: never NaN, never all zeros)."""
+    x = torch.randn(shape, device="cuda", generator=gen) * std
+    return x.clamp_(-448, 448).to(torch.float8_e4m3fn)
+
+
+# ---------------------------------------------------------------- attention
+
+
+def attention_inputs(H: int, m: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = m * K_TOPK
+    rotations = rotations_for(rows * LATENT)
+    slots = max(MIN_CACHE_SLOTS, rows * rotations)
+    blocks = (slots + BLOCK - 1) // BLOCK
+    # Values ~ N(0, 1): codes ~ N(0, 1 / 2^-5); score spread about 10 at this softmax scale.
+    kv = e4m3_codes((blocks, BLOCK, LATENT), 1 / QK_SCALE, gen)
+    q = e4m3_codes((m, H, LATENT), 1 / QK_SCALE, gen)
+    # Rotation r reads region r (slots r * rows .. (r + 1) * rows), permuted: distinct rows per token.
+    idx = torch.empty((rotations, m, K_TOPK), dtype=torch.int32, device="cuda")
+    for r in range(rotations):
+        perm = torch.randperm(rows, device="cuda", generator=gen).to(torch.int32) + r * rows
+        idx[r] = perm.view(m, K_TOPK)
+    return dict(H=H, m=m, rotations=rotations, blocks=blocks, kv=kv, q=q, idx=idx)
+
+
+def model1_cache(kv_codes: torch.Tensor) -> torch.Tensor:
+    """The same KV values in FlashMLA's MODEL1 FP8 layout (tests/quant.py of FlashMLA): per block,
+    256 x [448 e4m3 codes, 64 BF16 values], then 256 x [7 e8m0 scales, 1 pad], the block padded
+    to a multiple of 576 bytes; viewed [blocks, 256, 1, 584]."""
+    blocks = kv_codes.shape[0]
+    nope, rope, tiles = 448, 64, 7
+    per_token = nope + 2 * rope + tiles + 1  # 584
+    block_bytes = (BLOCK * per_token + 575) // 576 * 576
+    buf = torch.zeros((blocks, block_bytes), dtype=torch.uint8, device="cuda")
+    data = buf[:, : BLOCK * (nope + 2 * rope)].view(blocks, BLOCK, nope + 2 * rope)
+    data[:, :, :nope] = kv_codes[:, :, :nope].view(torch.uint8)
+    data[:, :, nope:].view(torch.bfloat16).copy_((kv_codes[:, :, nope:].float() * QK_SCALE).to(torch.bfloat16))
+    scales = buf[:, BLOCK * (nope + 2 * rope) : BLOCK * per_token].view(blocks, BLOCK, 8)
+    scales[:, :, :tiles] = 127 + int(math.log2(QK_SCALE))  # e8m0 of k_scale
+    return buf.as_strided((blocks, BLOCK, 1, per_token), (block_bytes, per_token, per_token, 1))
+
+
+def attention_reference(inp, rotation: int = 0):
+    """float64 latent [m, H, 512] and lse [m, H] of rotation `rotation`."""
+    q = inp["q"].double() * QK_SCALE
+    kv = inp["kv"].view(-1, LATENT)
+    idx = inp["idx"][rotation].long()
+    k = kv[idx].double() * QK_SCALE  # [m, K, 512]
+    s = torch.einsum("mhd,mkd->mhk", q, k) * SOFTMAX_SCALE
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    return torch.einsum("mhk,mkd->mhd", p, k), lse
+
+
+def latent_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref))
+
+
+def run_attention(args, dsa, flashmla, flashmla_error, commits, rows_out):
+    grid_h = [int(h) for h in args.heads.split(",")]
+    grid_m = [int(m) for m in args.tokens.split(",")]
+    for H in grid_h:
+        for m in grid_m:
+            params = {"H": H, "m": m, "K": K_TOPK}
+            peer_h = max(64, H)
+            baseline = f"FlashMLA MODEL1 @{commits['flashmla'][:12]}"
+            if peer_h != H:
+                baseline = f"FlashMLA MODEL1 at H={peer_h} ({H} heads padded to {peer_h}) @{commits['flashmla'][:12]}"
+            row = {"name": "sparse_mla vs FlashMLA MODEL1", "params": params, "baseline": baseline}
+            notes = []
+            try:
+                inp = attention_inputs(H, m, seed=1000 + 7 * H + m)
+                notes.append(f"{inp['rotations']} KV regions of {m * K_TOPK} rows")
+                ref_latent, ref_lse = attention_reference(inp)
+                flops = 2.0 * m * H * K_TOPK * (LATENT + LATENT)
+                q_scale = torch.tensor([QK_SCALE], dtype=torch.float32, device="cuda")
+                ours_latent = ours_lse = None
+                if dsa is not None:
+                    ops = dsa.ops
+                    latent = torch.empty((m, H, LATENT), dtype=torch.bfloat16, device="cuda")
+                    lse = torch.empty((m, H), dtype=torch.float32, device="cuda")
+                    counters = torch.zeros(
+                        max(1, ops.sparse_mla_split_counter_count(m, H, K_TOPK)), dtype=torch.int32, device="cuda"
+                    )
+                    n_partials = ops.sparse_mla_split_partials_count(m, H, K_TOPK)
+                    partials = torch.empty(n_partials, dtype=torch.float32, device="cuda") if n_partials else None
+
+                    def ours(i):  # the default plan: no splits argument
+                        ops.sparse_mla(
+                            inp["q"], q_scale, inp["kv"], q_scale, inp["idx"][i % inp["rotations"]],
+                            SOFTMAX_SCALE, latent, lse, counters, partials,
+                        )
+
+                    latent.fill_(float("nan"))
+                    ours(0)
+                    torch.cuda.synchronize()
+                    ours_latent, ours_lse = latent.clone(), lse.clone()
+                    e_lat, e_lse = latent_error(ours_latent, ref_latent), float((ours_lse.double() - ref_lse).abs().max())
+                    row["check_ours"] = {"latent_rel": e_lat, "lse_abs": e_lse}
+                    if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
+                        raise RuntimeError(f"ours fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}")
+                    row["us"] = time_graph(ours, inp["rotations"], args.replays)
+                    row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
+                if flashmla is None:
+                    row["baseline_error"] = flashmla_error or "FlashMLA not loaded"
+                else:
+                    kv1 = model1_cache(inp["kv"])
+                    q_bf16 = (inp["q"].float() * QK_SCALE).to(torch.bfloat16)
+                    if peer_h != H:
+                        q_bf16 = q_bf16.repeat(1, peer_h // H, 1)
+                    q_bf16 = q_bf16.view(m, 1, peer_h, LATENT).contiguous()
+                    idx4 = inp["idx"].view(inp["rotations"], m, 1, K_TOPK)
+                    sched, _ = flashmla.get_mla_metadata()
+
+                    def peer(i):
+                        return flashmla.flash_mla_with_kvcache(
+                            q_bf16, kv1, None, None, LATENT, sched, None, SOFTMAX_SCALE, False, True,
+                            idx4[i % inp["rotations"]],
+                        )
+
+                    out, plse = peer(0)  # also builds FlashMLA's tile schedule, reused by every later call
+                    torch.cuda.synchronize()
+                    p_latent = out.view(m, peer_h, LATENT)[:, :H]
+                    p_lse = plse.reshape(m, peer_h)[:, :H]
+                    e_lat, e_lse = latent_error(p_latent, ref_latent), float((p_lse.double() - ref_lse).abs().max())
+                    row["check_baseline"] = {"latent_rel": e_lat, "lse_abs": e_lse}
+                    if ours_latent is not None:
+                        row["check_ours_vs_baseline"] = {
+                            "latent_rel": latent_error(ours_latent, p_latent.double()),
+                            "lse_abs": float((ours_lse - p_lse).abs().max()),
+                        }
+                    if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
+                        row["baseline_error"] = f"FlashMLA fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}"
+                    else:
+                        row["baseline_us"] = time_graph(lambda i: peer(i), inp["rotations"], args.replays)
+                        row["baseline_tflops"] = 2.0 * m * peer_h * K_TOPK * 1024 / (row["baseline_us"] * 1e-6) / 1e12
+                    del kv1
+                if "us" in row and "baseline_us" in row:
+                    row["speedup"] = row["baseline_us"] / row["us"]
+                del inp
+            except Exception as e:  # one shape's failure must not stop the others
+                row["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            row["note"] = "; ".join(notes)
+            rows_out.append(row)
+            log(one_line(row))
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- indexer
+
+
+def workspace_offsets(max_tokens: int, max_context: int):
+    """Offsets of q_fp8, folded head weights and logits in select's workspace (as
+    indexer_workspace_layout in src/indexer/indexer_args.cpp: each 256-byte aligned)."""
+    def up(x):
+        return (x + 255) // 256 * 256
+
+    q = 0
+    w = up(max_tokens * 32 * 128)
+    lg = up(w + max_tokens * 32 * 4)
+    pools = (max_context + POOL - 1) // POOL
+    return q, w, lg, pools, up(lg + max_tokens * pools * 4)
+
+
+def indexer_inputs(m: int, context: int, max_context: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pools = context // POOL
+    pages = (context + BLOCK - 1) // BLOCK
+    per_rotation = m * pools * POOL_BYTES
+    rotations = rotations_for(per_rotation)
+    blocks = rotations * m * pages
+    width = (max_context + BLOCK - 1) // BLOCK
+    k_cache = torch.empty((blocks, PAGE_POOLS * POOL_BYTES), dtype=torch.uint8, device="cuda")
+    codes = e4m3_codes((blocks, PAGE_POOLS * 128), 64.0, gen)
+    k_cache[:, : PAGE_POOLS * 128] = codes.view(torch.uint8)
+    kscale = (torch.rand((blocks, PAGE_POOLS), device="cuda", generator=gen) + 0.5) * 2.0 ** -9
+    k_cache[:, PAGE_POOLS * 128 :].view(torch.float32).copy_(kscale)
+    # Block tables: rotation r, request t -> its own pages (a random permutation of all blocks).
+    perm = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(rotations, m, pages)
+    tables = torch.zeros((rotations, m, width), dtype=torch.int32, device="cuda")
+    tables[:, :, :pages] = perm
+    q = e4m3_codes((m, 32, 128), 64.0, gen)
+    w = torch.randn((m, 32), device="cuda", generator=gen) * 2.0 ** -4
+    return dict(m=m, context=context, pools=pools, rotations=rotations, k_cache=k_cache, tables=tables, q=q, w=w)
+
+
+def indexer_reference(inp, rotation: int = 0):
+    """float64 logits [m, pools] of rotation `rotation` and their rounding bound (indexer.h step 6)."""
+    m, n = inp["m"], inp["pools"]
+    kc = inp["k_cache"]
+    codes = kc[:, : PAGE_POOLS * 128].view(torch.float8_e4m3fn).view(-1, PAGE_POOLS, 128)
+    scales = kc[:, PAGE_POOLS * 128 :].contiguous().view(torch.float32).view(-1, PAGE_POOLS)
+    p = torch.arange(n, device="cuda")
+    q = inp["q"].double()
+    ref = torch.empty((m, n), dtype=torch.float64, device="cuda")
+    bound = torch.empty_like(ref)
+    for t in range(m):
+        blk = inp["tables"][rotation, t, p // PAGE_POOLS].long()
+        k = codes[blk, p % PAGE_POOLS].double()  # [n, 128]
+        ks = scales[blk, p % PAGE_POOLS].double()
+        dots = q[t] @ k.T  # [32, n]
+        absdots = q[t].abs() @ k.abs().T
+        w = inp["w"][t].double()
+        ref[t] = ks * (w[:, None] * dots.clamp_min(0)).sum(0)
+        bound[t] = ks * (w.abs()[:, None] * (2.0 ** -10 * absdots + 70 * 2.0 ** -24 * dots.abs())).sum(0)
+    return ref, bound
+
+
+def compare_sets(ref, bound, mine: torch.Tensor, theirs: torch.Tensor):
+    """Differences between two top-512 pool sets per row, and whether each is a near-tie of the
+    reference logits (within the two logits' bounds of the 512th largest)."""
+    worst, differing, bad = 0.0, 0, 0
+    for t in range(ref.shape[0]):
+        a, b = set(mine[t].tolist()), set(theirs[t].tolist())
+        if len(a) != TOP_POOLS or len(b) != TOP_POOLS:
+            raise RuntimeError(f"row {t}: {len(a)} and {len(b)} distinct pools, not {TOP_POOLS}")
+        diff = sorted(a ^ b)
+        differing += len(diff)
+        if diff:
+            top = torch.topk(ref[t], TOP_POOLS)
+            thr, thr_p = float(top.values[-1]), int(top.indices[-1])
+            for p in diff:
+                gap = abs(float(ref[t, p]) - thr)
+                tol = 2 * (float(bound[t, p]) + float(bound[t, thr_p]))
+                worst = max(worst, gap / tol if tol > 0 else math.inf)
+                bad += gap > tol
+    return differing, bad, worst
+
+
+def run_indexer(args, dsa, dg, dg_error, vt, vt_error, commits, rows_out):
+    contexts = [int(c) for c in args.contexts.split(",")]
+    grid_m = [int(m) for m in args.index_tokens.split(",")]
+    max_context = max(131072, max(contexts))
+    max_pools = max_context // POOL
+    baseline = (
+        f"DeepGEMM paged MQA logits @{commits['deepgemm'][:12]} + vLLM {commits['vllm']} cooperative_topk"
+    )
+    for context in contexts:
+        for m in grid_m:
+            row = {"name": "indexer select vs DeepGEMM logits + vLLM top-k", "params": {"m": m, "context": context},
+                   "baseline": baseline}
+            notes = []
+            try:
+                inp = indexer_inputs(m, context, max_context, seed=77 + m + context)
+                n = inp["pools"]
+                notes.append(f"{inp['rotations']} copies of {m} x {n} pooled keys")
+                ref, bound = indexer_reference(inp)
+                ref_set = torch.topk(ref, TOP_POOLS, dim=1).indices.cpu()
+                ctx_lens = torch.full((m, 1), n, dtype=torch.int32, device="cuda")
+                positions = torch.full((m,), context - 1, dtype=torch.int64, device="cuda")
+                requests = torch.arange(m, dtype=torch.int32, device="cuda")
+                ours_set = None
+                if dsa is not None:
+                    ops = dsa.ops
+                    plan = ops.IndexerPlan(max_tokens=16, max_context=max_context)
+                    notes.append(f"ours: IndexerPlan logits={getattr(plan, 'logits', '?')}")
+                    qo, wo, lo, stride, total = workspace_offsets(plan.max_tokens, plan.max_context)
+                    if plan.workspace_bytes() != total:
+                        raise RuntimeError(
+                            f"select's workspace is {plan.workspace_bytes()} bytes, bench/peers assumed {total}: "
+                            "update workspace_offsets to indexer_workspace_layout"
+                        )
+                    ws = torch.zeros(total + 256, dtype=torch.uint8, device="cuda")
+                    base = (-ws.data_ptr()) % 256
+                    ws = ws[base : base + total]
+                    ws[qo : qo + m * 4096].copy_(inp["q"].view(torch.uint8).view(-1))
+                    ws[wo : wo + m * 128].view(torch.float32).copy_(inp["w"].view(-1))
+                    ring = torch.randn((m, 2, plan.ring, 128), device="cuda").to(torch.bfloat16)
+                    states = [ops.IndexerState(inp["tables"][r], ring, inp["k_cache"]) for r in range(inp["rotations"])]
+                    slots = torch.empty((m, ROW_WIDTH), dtype=torch.int32, device="cuda")
+                    tpos = torch.full((m, ROW_WIDTH), -7, dtype=torch.int32, device="cuda")
+                    ops.indexer_select(plan, positions, requests, states[0], ws, slots, topk_positions=tpos)
+                    torch.cuda.synchronize()
+                    ours_logits = ws[lo : lo + m * stride * 4].view(torch.float32).view(m, stride)[:, :n].double()
+                    ours_set = (tpos[:, : TOP_POOLS * POOL : POOL] // POOL).cpu()
+                    if not bool((tpos[:, TOP_POOLS * POOL :] == -1).all()):
+                        raise RuntimeError("ours: tail columns not -1 at a context multiple of 4")
+                    d, bad, worst = compare_sets(ref, bound, ours_set, ref_set)
+                    row["check_ours"] = {
+                        "logits_rel": float(((ours_logits - ref).abs() / bound.clamp_min(1e-30)).max()),
+                        "set_diff_vs_reference": d, "non_tie_diffs": bad,
+                    }
+                    if bad:
+                        raise RuntimeError(f"ours: {bad} selected pools differ from the reference's beyond near-ties")
+
+                    def ours(i):
+                        ops.indexer_select(plan, positions, requests, states[i % inp["rotations"]], ws, slots)
+
+                    row["us"] = time_graph(ours, inp["rotations"], args.replays)
+                if dg is None or vt is None:
+                    row["baseline_error"] = dg_error or vt_error or "peer not loaded"
+                else:
+                    kv = inp["k_cache"].as_strided(
+                        (inp["k_cache"].shape[0], PAGE_POOLS, 1, POOL_BYTES), (PAGE_POOLS * POOL_BYTES, POOL_BYTES, POOL_BYTES, 1)
+                    )
+                    q4 = inp["q"].view(m, 1, 32, 128)
+                    sched = dg.get_paged_mqa_logits_metadata(ctx_lens, PAGE_POOLS, dg.get_num_sms())
+                    topk_out = torch.empty((m, TOP_POOLS), dtype=torch.int32, device="cuda")
+                    topk_ws = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")  # vLLM's RADIX_TOPK_WORKSPACE_SIZE
+
+                    def peer(i):
+                        logits = dg.fp8_fp4_paged_mqa_logits(
+                            (q4, None), kv, inp["w"], ctx_lens, inp["tables"][i % inp["rotations"]], sched,
+                            max_pools, False, torch.float32,
+                        )
+                        vt.cooperative_topk(logits, ctx_lens, topk_out, topk_ws, TOP_POOLS, context)
+                        return logits
+
+                    logits = peer(0)
+                    torch.cuda.synchronize()
+                    peer_logits = logits[:, :n].double()
+                    peer_set = topk_out.cpu()
+                    d, bad, worst = compare_sets(ref, bound, peer_set, ref_set)
+                    row["check_baseline"] = {
+                        "logits_rel": float(((peer_logits - ref).abs() / bound.clamp_min(1e-30)).max()),
+                        "set_diff_vs_reference": d, "non_tie_diffs": bad,
+                    }
+                    if ours_set is not None:
+                        d2, bad2, _ = compare_sets(ref, bound, ours_set, peer_set)
+                        row["check_ours_vs_baseline"] = {"set_diff": d2, "non_tie_diffs": bad2}
+                        bad = max(bad, bad2)
+                    if bad:
+                        row["baseline_error"] = f"top-k sets differ beyond near-ties ({bad} pools)"
+                    else:
+                        row["baseline_us"] = time_graph(peer, inp["rotations"], args.replays)
+                if "us" in row and "baseline_us" in row:
+                    row["speedup"] = row["baseline_us"] / row["us"]
+                notes.append("peer: logits + top-k of pools only; ours also expands to tokens and remaps to slots")
+                del inp
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            row["note"] = "; ".join(notes)
+            rows_out.append(row)
+            log(one_line(row))
+            torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt_us(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def one_line(row) -> str:
+    p = ", ".join(f"{k}={v}" for k, v in row["params"].items())
+    s = f"[peers] {row['name']} ({p}): ours {fmt_us(row.get('us'))} us, peer {fmt_us(row.get('baseline_us'))} us"
+    if "speedup" in row:
+        s += f", x{row['speedup']:.2f}"
+    for key in ("error", "baseline_error"):
+        if key in row:
+            s += f" [{key}: {row[key]}]"
+    return s
+
+
+def table(report: dict) -> str:
+    """A README-style markdown table of a peers.json report."""
+    lines = [
+        f"Measured on {report.get('gpu', '?')}, commit {report.get('commit', '?')}, {report.get('date', '?')} "
+        "(cold L2, CUDA-graph replay, medians; bench/peers).",
+        "",
+        "| comparison | shape | ours (us) | peer (us) | speedup | peer |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for r in report["rows"]:
+        shape = ", ".join(f"{k} {v}" for k, v in r["params"].items())
+        speed = f"{r['speedup']:.2f}x" if "speedup" in r else (
+            "peer failed" if "baseline_error" in r else "-")
+        lines.append(
+            f"| {r['name']} | {shape} | {fmt_us(r.get('us'))} | {fmt_us(r.get('baseline_us'))} | {speed} | {r.get('baseline', '')} |"
+        )
+    peers_ = report.get("peers", {})
+    if peers_:
+        lines.append("")
+        lines.append("Peers: " + "; ".join(f"{k} {v['source']} @ {v['pin']}" for k, v in peers_.items()) + ".")
+    return "\n".join(lines)
+
+
+def git_commit() -> str:
+    if os.environ.get("DSA_COMMIT"):
+        return os.environ["DSA_COMMIT"]
+    try:
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=peers.ROOT, capture_output=True, text=True)
+        commit = c.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=peers.ROOT, capture_output=True, text=True)
+        return commit + ("-dirty" if dirty.stdout.strip() else "")
+    except OSError:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT", "build-gpu/peers-out"), help="writes OUT/results/peers.json")
+    ap.add_argument("--table", metavar="JSON", help="print the markdown table of a peers.json and exit")
+    ap.add_argument("--peers-only", action="store_true", help="do not import dsa_decode (peers alone, checked against the float64 reference)")
+    ap.add_argument("--build-only", action="store_true", help="build the peers and stop")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention, indexer")
+    ap.add_argument("--heads", default="8,64,128")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--index-tokens", default="1,2,4,8,16")
+    ap.add_argument("--replays", type=int, default=50)
+    args = ap.parse_args()
+
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
+
+    out = Path(args.out)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    trees = peers.manifest()
+    commits = {"flashmla": trees["flashmla"]["pin"], "deepgemm": trees["deepgemm"]["pin"], "vllm": trees["vllm-topk"]["pin"]}
+    before = peers.build_listing()
+    errors = peers.build_all()
+    for p, e in errors.items():
+        log(f"[peers] {p}: {'ready' if not e else e}")
+    log(f"[peers] builds done in {time.time() - t0:.0f} s")
+    if args.build_only:
+        for path in peers.pack_build(out, before):
+            log(f"[peers] packed {path} (unpack into .deps/ to reuse)")
+        return 0 if not any(errors.values()) else 1
+
+    def load(name, fn):
+        if errors.get(name):
+            return None, errors[name]
+        try:
+            return fn(), ""
+        except Exception as e:
+            traceback.print_exc()
+            return None, f"load failed: {type(e).__name__}: {e}"
+
+    flashmla, flashmla_error = load("flashmla", peers.load_flashmla)
+    dg, dg_error = load("deepgemm", peers.load_deepgemm)
+    vt, vt_error = load("vllm_topk", peers.load_vllm_topk)
+
+    dsa = None
+    if not args.peers_only:
+        try:
+            import dsa_decode
+
+            dsa = dsa_decode
+            log(f"[peers] ours: dsa_decode from {Path(dsa_decode.__file__).parent}")
+        except Exception as e:
+            log(f"[peers] dsa_decode not importable ({type(e).__name__}: {e}): peers alone")
+
+    torch.manual_seed(0)
+    name = "peers.json" if dsa is not None else "peers_alone.json"
+    path = out / "results" / name
+
+    def make_report(rows_):
+        return {
+            "bench": "peers",
+            "gpu": torch.cuda.get_device_name(0),
+            "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+            "ours": "dsa_decode" if dsa is not None else "not run (peers alone)",
+            "peers": trees,
+            "rows": rows_,
+        }
+
+    class Rows(list):  # written out after every row, so that a run stopped by its time limit keeps what it measured
+        def append(self, row):
+            super().append(row)
+            path.write_text(json.dumps(make_report(list(self)), indent=1) + "\n")
+
+    rows = Rows()
+    skip = set(filter(None, args.skip.split(",")))
+    if "attention" not in skip:
+        run_attention(args, dsa, flashmla, flashmla_error, commits, rows)
+    if "indexer" not in skip:
+        run_indexer(args, dsa, dg, dg_error, vt, vt_error, commits, rows)
+
+    report = make_report(list(rows))
+    packed = peers.pack_build(out, before)
+    if packed:
+        log(f"[peers] builds changed: packed {', '.join(str(p) for p in packed)} (unpack into .deps/ to reuse)")
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    log(f"[peers] wrote {path} ({len(rows)} rows) in {time.time() - t0:.0f} s")
+    print(table(report))
+    failed = [r for r in rows if "error" in r or "baseline_error" in r]
+    return 1 if failed or any(errors.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
