@@ -262,7 +262,7 @@ TEST(WgmmaGpu, E4m3AccumulationErrorIsSmall) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 1);
   const Comparison n8 = run_e4m3<8>(false, rng), n64 = run_e4m3<64>(false, rng);
-  // Reported for docs/sparse_mla_next.md (an FP32 accumulator would give about 2^-24).
+  // Reported for docs/sparse_mla.md, "Why FP16 products" (an FP32 accumulator would give about 2^-24).
   std::printf("wgmma e4m3 k = 128: worst |error| / sum |products| = %.3g (N = 8), %.3g (N = 64)\n",
               n8.worst_relative, n64.worst_relative);
   EXPECT_LT(n8.worst_relative, 1e-3);

@@ -1,4 +1,4 @@
-// Model shapes of the DSA layers this library serves (DESIGN.md section 1),
+// Model shapes of the DSA layers this library serves,
 // whole-model and per tensor-parallel rank.
 #pragma once
 

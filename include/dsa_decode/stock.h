@@ -1,8 +1,7 @@
 // The stock decode path's separate kernels, as vLLM runs them between the
 // top-k and the attention: the cuBLAS absorb bmm, the static FP8 query quant
-// and the MLA KV-cache write. They are the fallback of the fused stage and the
-// baseline every speedup is measured against. Same roundings as the fused
-// kernels (include/dsa_decode/numerics.h); plain launches, no PDL.
+// and the MLA KV-cache write; the stage's fallback. Same roundings as the
+// fused kernels (numerics.h); plain launches, no PDL.
 #pragma once
 
 #include <cublas_v2.h>

@@ -1,14 +1,8 @@
-// A framework-free tensor view: a pointer with dtype, shape, strides (in
-// elements) and device. It owns nothing. Every kernel entry point takes views
-// and checks them with the helpers below, whose errors name the argument, what
-// it was and what was expected.
-//
-// Every check, here and in the entry points, follows one rule: the stride of
-// a dimension of size 1 is never checked (dimensions whose size checks
-// already refuse 1, such as a 512-wide latent row, keep their stride checks).
-// Its index is always 0, so no kernel steps by it, and producers disagree on
-// it (PyTorch's DLPack export gives 1 where a tensor breaks the contiguous
-// pattern): a single decode token's rows come with any token stride.
+// A framework-free tensor view: pointer, dtype, shape, strides (in elements)
+// and device; it owns nothing. Every entry point checks its views with the
+// helpers below; errors name the argument, what it was and what was expected.
+// Rule: the stride of a dimension of size 1 is never checked (its index is
+// always 0; producers such as DLPack exporters disagree on it).
 #pragma once
 
 #include <cstddef>

@@ -3,7 +3,7 @@
 // K-major tile read transposed), and the instructions the 64-head sparse_mla
 // kernel (src/sparse_mla/sparse_mla_wgmma.cu) uses: FP16 Q.K^T with both
 // operands in shared memory, FP16 P.V with P in registers and V N-major; plus
-// the FP8 forms measured and set aside (docs/sparse_mla_next.md section 0).
+// the FP8 forms measured and set aside (docs/sparse_mla.md, "Why FP16 products").
 // tests/wgmma_test.cu checks the layouts on the host and several instructions
 // against a CPU product on the GPU (the sparse_mla tests cover the rest). Sources:
 // PTX ISA 9.7.15.5 (wgmma.mma_async, its register fragments, shared-memory

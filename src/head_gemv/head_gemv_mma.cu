@@ -166,8 +166,7 @@ KernelFn kernel_for(int m) {
 
 int head_gemv_mma_tile(int heads, int rows, int cols, int m) {
   // Warps the H200 needed in flight (bench rows "* (tensor cores)_tile" of
-  // bench/results/head_gemv_2026-12-01_b3cee99.json, after the four-column
-  // epilogue): 256 up to m = 8, 512 at m = 16, where more tokens mean more
+  // bench/results/head_gemv.json, after the four-column epilogue): 256 up to m = 8, 512 at m = 16, where more tokens mean more
   // MMAs and epilogue per warp. Tile 128 was within 0.3 us of 64 either way
   // at H = 64 and slower at H = 8, so 64 stays the widest the rule picks.
   const int64_t enough_warps = m <= 8 ? 256 : 512;

@@ -12,7 +12,7 @@ struct TacticEntry {
   HeadGemvTactic tactic;
 };
 
-// Measured on an H200 (bench/results/head_gemv_2026-11-30_adce8bb.json, cold
+// Measured on an H200 (bench/results/head_gemv.json, cold
 // L2, graph replay). Each shape takes the tactic with the best times over
 // m = 1..8 among those valid for every m (one tactic for every m: the summation
 // order, and so a token's bits, do not depend on m). Times in us for

@@ -20,8 +20,8 @@
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/presets.h"
+#include "baselines.h"
 #include "harness.h"
-#include "indexer/indexer_select_parts.h"
 
 namespace dsa::bench {
 namespace {
@@ -93,7 +93,7 @@ Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buf
   b->copies = cold_copies(ctx, size_t(b->cache_bytes));
   // Inputs shaped like the prepare step's outputs, because the select's work
   // depends on how the logits spread over the radix bins (random bytes,
-  // used up to 13a0ff9, spread them over many exponents and let the select
+  // used at first, spread them over many exponents and let the select
   // stop after its first digit): K codes and q codes normal with sigma 128
   // (row absmax near 448), pool scales powers of two, signed head weights.
   DSA_RETURN_IF_ERROR(b->k_cache.allocate(size_t(b->cache_bytes) * b->copies));

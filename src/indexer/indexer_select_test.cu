@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "baselines.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 #include "indexer/indexer_math.h"

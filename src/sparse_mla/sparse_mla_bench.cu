@@ -28,6 +28,7 @@
 
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/sparse_mla.h"
+#include "baselines.h"
 #include "harness.h"
 #include "sparse_mla/sparse_mla_plan.h"
 

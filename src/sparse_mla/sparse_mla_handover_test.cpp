@@ -31,7 +31,7 @@ using handover_check::Program;
 using handover_check::Step;
 using PMapping = std::function<HandoverPhase(int chunk)>;
 // How the CTA counts tile_ready's phases from item to item: one per chunk
-// after an item's first (the kernel), or one per chunk (1532db7's bug).
+// after an item's first (the kernel), or one per chunk (an earlier kernel's bug).
 enum class TilePhases { kPerChunkAfterFirst, kPerChunk };
 // When warpgroup 1 converts chunk i + 1 (i >= 1): after waiting for P of
 // chunk i (the kernel), or before, with no wait (a hazard the checker finds).
@@ -141,7 +141,7 @@ TEST(SparseMlaHandover, OneSharedPBarrierAliasesAsInV10_1) {
       << e.aliased;
 }
 
-// And the other way: 1532db7 counted tile_ready's phases by chunks, so from
+// And the other way: an earlier kernel counted tile_ready's phases by chunks, so from
 // a persistent CTA's second item on warpgroup 0 waited for a phase the
 // barrier had not reached, whose parity was that of a completed one.
 TEST(SparseMlaHandover, TilePhasesCountedByChunksRunAheadAsIn1532db7) {

@@ -492,26 +492,9 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
   return Status();
 }
 
-Status sparse_mla_mma(const SparseMlaArgs& a, SparseMlaSplits splits, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(check_sparse_mla(a));
-  const int heads = static_cast<int>(a.q.size(1)), top_k = static_cast<int>(a.indices.size(1));
-  if (splits != SparseMlaSplits::kByBatch) return launch(a, sparse_mla_split_plan(heads, top_k, splits), stream);
-  // The plan with the most splits whose (token, group) clusters the GPU runs
-  // all at once, else the fewest; the occupancy answer is asked once per
-  // cluster size. A part that cannot answer for a cluster size (or schedule
-  // it) answers 0 and gets the next plan: the last one always launches.
-  const std::array<SparseMlaSplitPlan, 3> plans = sparse_mla_batch_split_plans(heads, top_k);
-  SparseMlaSplitPlan plan = plans.back();
-  for (size_t i = 0; i + 1 < plans.size(); ++i) {
-    int clusters = 0;
-    DSA_RETURN_IF_ERROR(kernel_answer_once(
-        reinterpret_cast<const void*>(sparse_mla_mma_kernel), plans[i].splits,
-        [&](int* answer) { return sparse_mla_max_active_clusters(plans[i], heads, top_k, answer); }, &clusters));
-    if (a.q.size(0) * plans[i].head_groups <= clusters) {
-      plan = plans[i];
-      break;
-    }
-  }
+// `a` passed check_sparse_mla and `plan` is sparse_mla_split_plan's or one of
+// sparse_mla_batch_split_plans (sparse_mla.cpp's choice).
+Status sparse_mla_mma_launch(const SparseMlaArgs& a, const SparseMlaSplitPlan& plan, cudaStream_t stream) {
   return launch(a, plan, stream);
 }
 

@@ -62,6 +62,10 @@ SparseMlaSplitPlan sparse_mla_split_plan(int heads, int top_k, SparseMlaSplits s
 // sparse_mla_split_plan(H, K, splits), or kByBatch's choice: any H.
 Status sparse_mla_mma(const SparseMlaArgs& args, SparseMlaSplits splits, cudaStream_t stream);
 
+// The 8-head kernel's launch with a plan of sparse_mla_split_plan or
+// sparse_mla_batch_split_plans, for arguments that passed check_sparse_mla.
+Status sparse_mla_mma_launch(const SparseMlaArgs& args, const SparseMlaSplitPlan& plan, cudaStream_t stream);
+
 // The 8-head kernel with an explicit plan. Errors name `plan` when it does not
 // cover the heads or the entries of `args`, or breaks a limit of
 // SparseMlaSplitPlan.
@@ -174,15 +178,10 @@ Status sparse_mla_producer_resident_ctas(int* ctas);
 // (ceil(items / (resident_ctas / splits)) x max_chunks), a producer chunk
 // counted as 4/5 of a split CTA's. The ratio is measured (H200, K = 2048,
 // H = 64): 2.69 against 3.33 us per chunk at m = 128, 2.49 against 3.20 at
-// m = 64 (1ef196b); 2.56 against 3.33 and 2.35 against 3.19 (439b082). On the H200 at K = 2048 this takes the producer for 67 to
-// 132 items and from 199 on, the split plan of 2 splits for up to 66 items
+// m = 64. On the H200 at K = 2048 this takes the producer for 67 to 132 items and from 199 on, the split plan of 2 splits for up to 66 items
 // (one round) and for 133 to 198 (three rounds of 16 chunks against two of
 // 32).
 bool sparse_mla_batch_takes_producer(int top_k, int64_t items, int max_splits, int resident_ctas,
                                      int producer_resident_ctas);
-// For the benchmark: an empty kernel launched as sparse_mla_wgmma's default
-// plan is (grid, threads, shared memory, PDL, cooperative), doing only the
-// PDL wait / release: the launch's share of the time.
-Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& args, cudaStream_t stream);
 
 }  // namespace dsa

@@ -40,11 +40,11 @@
 //  - warpgroup 1: O_right = O_right * rescale + P V[:, 256:512] (P from
 //    shared memory), chunk n's once warpgroup 0 has S of chunk n + 1: so it
 //    runs under warpgroup 0's softmax, when the tensor cores would idle
-//    (H200, 439b082 against 042a469: 82.00 against 84.67 us at m = 128,
-//    73.43 against 81.70 at m = 1, H = 64, K = 2048).
+//    (H200: 82.00 against 84.67 us at m = 128, 73.43 against 81.70 at
+//    m = 1, H = 64, K = 2048).
 // A rescale factor of exactly 1 is skipped warp by warp (no bit changes).
-// Warpgroup 0's chain bounds the chunk (ncu, H200: its ~1100 instructions
-// a chunk, cut to ~650 by 042a469, and warpgroup 1 idle half the time), not
+// Warpgroup 0's chain bounds the chunk (ncu, H200: its ~650 instructions
+// a chunk, and warpgroup 1 idle half the time), not
 // the loads: an L2 prefetch two chunks ahead and S of chunk n + 1 issued
 // behind chunk n's P V were both slower (docs/sparse_mla.md, "v13").
 // The handover protocol (barriers per slot, tile_free completed by both
@@ -76,20 +76,8 @@
 namespace dsa {
 namespace {
 
-using sparse_mla_steps::kChunkPieces;
-using sparse_mla_steps::kNoRow;
-using sparse_mla_steps::kPanelBytes;
-using sparse_mla_steps::kTileBytes;
-using sparse_mla_steps::listed_before;
-using sparse_mla_steps::listed_chunks;
-using sparse_mla_steps::mark_valid_rows;
-using sparse_mla_steps::round_and_store_probabilities;
-using sparse_mla_steps::scale_and_fold_max;
-using sparse_mla_steps::store_pieces_as_f16;
+using namespace sparse_mla_steps;  // what the two 64-head kernels share
 
-constexpr int kLatent = kSparseMlaLatent;
-constexpr int kHeads = 64;             // heads per CTA: the M of every wgmma
-constexpr int kChunkRows = 64;         // entries per chunk
 constexpr int kThreads = 384;          // three warpgroups
 constexpr int kPTileBytes = kHeads * kChunkRows * 2;  // P [64 heads][64 entries] FP16, one panel
 constexpr int kStagingBytesPerWarp = 16 * 256 * 2;    // a consumer warp's 16 heads x 256 dims of BF16 latent

@@ -203,7 +203,7 @@ TEST(SparseMlaProducerDesign, PVLaggingTwoChunksDeadlocks) {
   EXPECT_FALSE(explore_item(3).deadlock);
 }
 
-// What compute-sanitizer's synccheck found on the H200 (7e2e4c3): without
+// What compute-sanitizer's synccheck found on the H200: without
 // warpgroup 1's wait for the item's first S, nobody waits for phase 0 of
 // scores_done's slot 0 before warpgroup 0 arrives there for chunk 2.
 TEST(SparseMlaProducerDesign, UnwaitedFirstScoresDoneIsAMissingWait) {

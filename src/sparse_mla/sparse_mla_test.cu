@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "baselines.h"
 #include "core/async_copy.cuh"
 #include "core/wgmma.cuh"
 #include "dsa_decode/numerics.h"
@@ -454,7 +455,7 @@ TEST(SparseMlaChecks, WgmmaMaxSplitsIsCheckedAgainstK) {
   testing::expect_rejected(sparse_mla_wgmma_with_plan(f.args, 64, 4, nullptr), "split_partials", "at least");
   // A plan with fewer splits than the default needs fewer: its own count is
   // enough. Checked without launching: the views point at no memory, and on a
-  // GPU a launch would fault (it did at 13a0ff9, poisoning the later tests).
+  // GPU a launch would fault (it once did, poisoning the later tests).
   const int64_t fewer = sparse_mla_wgmma_partials_count(4, 64, 2176, 8, 16);
   ASSERT_LT(fewer, sparse_mla_split_partials_count(4, 64, 2176));
   FakeArgs exact;

@@ -30,8 +30,8 @@
 //    below 64 GiB, one CTA per item streams all its splits' chunks through
 //    the same pipeline (one prologue), stores each split's partials at the
 //    split's last chunk and resets its accumulators, and combines them
-//    itself after the last (docs/sparse_mla_next.md
-//    section 6): no meeting, and m = 128 at H = 64 in one round instead of
+//    itself after the last (docs/sparse_mla.md, "The 64-head
+//    split kernel"): no meeting, and m = 128 at H = 64 in one round instead of
 //    16 rounds of 8 items. Each split's partial is computed by the same
 //    instructions from the same fresh state: the same bits.
 //  - kWholeItem, grouped: between the two (one CTA per split would take
@@ -113,21 +113,8 @@
 namespace dsa {
 namespace {
 
-using sparse_mla_steps::kChunkPieces;
-using sparse_mla_steps::kNoRow;
-using sparse_mla_steps::kPanelBytes;
-using sparse_mla_steps::kTileBytes;
-using sparse_mla_steps::listed_before;
-using sparse_mla_steps::listed_chunks;
-using sparse_mla_steps::mark_valid_rows;
-using sparse_mla_steps::piece_row;
-using sparse_mla_steps::round_and_store_probabilities;
-using sparse_mla_steps::scale_and_fold_max;
-using sparse_mla_steps::store_pieces_as_f16;
+using namespace sparse_mla_steps;  // what the two 64-head kernels share
 
-constexpr int kLatent = kSparseMlaLatent;
-constexpr int kHeads = 64;                          // heads per CTA: the M of every wgmma
-constexpr int kChunkRows = 64;                      // entries per chunk
 constexpr int kThreads = 256;                       // two warpgroups
 constexpr int kWarpgroupDims = kLatent / 2;         // output dims per warpgroup
 constexpr int kMaxChunks = 16;                      // per split: K <= 16384 over 16 splits
@@ -1002,8 +989,7 @@ Status wgmma_launch_shape(int64_t m, int64_t groups, const SparseMlaWgmmaSplits&
 }
 
 // Launches as wgmma_launch_shape says: `clustered` in hardware clusters or
-// `persistent` cooperatively (two of sparse_mla_wgmma's three instances, or
-// the launch floor's one kernel twice).
+// `persistent` cooperatively (two of sparse_mla_wgmma's three instances).
 template <class... KernelArgs, class... Args>
 Status launch_wgmma(void (*clustered)(KernelArgs...), void (*persistent)(KernelArgs...), dim3 grid,
                     bool hardware_clusters, int cluster_size, cudaStream_t stream, Args&&... args) {
@@ -1114,62 +1100,6 @@ int sparse_mla_wgmma_batch_max_splits(int top_k, int64_t items, int resident_cta
     splits /= 2;
   }
   return splits;
-}
-
-Status sparse_mla_wgmma(const SparseMlaArgs& a, SparseMlaSplits splits, cudaStream_t stream) {
-  const int top_k = a.indices.ndim == 2 ? static_cast<int>(a.indices.size(1)) : 0;  // checked by the launch
-  int max_splits = sparse_mla_wgmma_max_splits(top_k, splits);
-  if (splits == SparseMlaSplits::kWholeRow || splits == SparseMlaSplits::kByBatch) {
-    DSA_RETURN_IF_ERROR(check_sparse_mla(a));  // the caller's buffers as for every choice, before any device question
-    const bool producer_covers = sparse_mla_producer_covers(top_k, a.kv_cache.span_elements());
-    if (splits == SparseMlaSplits::kWholeRow) {
-      if (producer_covers) return sparse_mla_producer(a, stream);
-    } else {
-      const int64_t items = a.q.size(0) * (a.q.size(1) / kHeads);
-      int resident = 0, producer_resident = 0;
-      DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
-      max_splits = sparse_mla_wgmma_batch_max_splits(top_k, items, resident);
-      if (producer_covers) {
-        DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
-        if (sparse_mla_batch_takes_producer(top_k, items, max_splits, resident, producer_resident)) {
-          return sparse_mla_producer(a, stream);
-        }
-      }
-    }
-  }
-  return sparse_mla_wgmma_with_plan(a, max_splits, kSparseMlaWgmmaDefaultCluster, stream);
-}
-
-namespace {
-
-// The default plan's split-CTA launch (never the whole-item one that many
-// items take) with none of its work (the PDL wait and release only), so that
-// the benchmark can say how much of a launch's time is the launch itself.
-__global__ void __launch_bounds__(kThreads, 1) sparse_mla_wgmma_launch_floor_kernel() {
-  pdl_wait();
-  pdl_release_dependents();
-}
-
-}  // namespace
-
-Status sparse_mla_wgmma_launch_floor(const SparseMlaArgs& a, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(check_sparse_mla(a));
-  const int64_t m = a.q.size(0), heads = a.q.size(1);
-  if (heads % kHeads != 0) {
-    return invalid_argument("q", "a multiple of 64 heads in dim 1 (sparse_mla_wgmma)", a.q.describe());
-  }
-  const SparseMlaWgmmaSplits plan = sparse_mla_wgmma_splits(static_cast<int>(a.indices.size(1)));
-  DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
-                                                kSharedBytes, "sparse_mla_wgmma_launch_floor"));
-  if (plan.cluster_size > 8) {
-    DSA_RETURN_IF_ERROR(allow_non_portable_clusters(reinterpret_cast<const void*>(sparse_mla_wgmma_launch_floor_kernel),
-                                                    "sparse_mla_wgmma_launch_floor"));
-  }
-  dim3 grid;
-  bool hardware_clusters = false;
-  DSA_RETURN_IF_ERROR(wgmma_launch_shape(m, heads / kHeads, plan, &grid, &hardware_clusters));
-  return launch_wgmma(sparse_mla_wgmma_launch_floor_kernel, sparse_mla_wgmma_launch_floor_kernel, grid,
-                      hardware_clusters, plan.cluster_size, stream);
 }
 
 }  // namespace dsa

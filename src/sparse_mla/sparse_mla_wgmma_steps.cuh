@@ -14,11 +14,15 @@
 #include "core/async_copy.cuh"
 #include "core/fp8.cuh"
 #include "core/wgmma.cuh"
+#include "dsa_decode/sparse_mla.h"
 
 namespace dsa::sparse_mla_steps {
 
 // A chunk (or q) as 16-byte FP8 pieces: 64 rows of 512 dims, 32 pieces a row.
 inline constexpr int kRows = 64;
+inline constexpr int kLatent = kSparseMlaLatent;
+inline constexpr int kHeads = 64;       // heads per CTA: the M of every wgmma
+inline constexpr int kChunkRows = kRows;  // entries per chunk
 inline constexpr int kChunkPieces = kRows * 32;
 inline constexpr int kPanelBytes = kRows * 128;  // 64 rows x 64 FP16 dims, one 128-byte swizzle panel
 inline constexpr int kTileBytes = 8 * kPanelBytes;  // 64 rows x 512 FP16 dims

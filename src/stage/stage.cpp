@@ -374,7 +374,7 @@ struct DsaAttentionStage::State {
         g.sums = plan.head_gemv_sums;
         // o_proj's weight prologue then runs under the attention (seed-order
         // sums; the tensor-core kernel ignores the flag). Not for the absorb:
-        // measured at f9661fd with its cache CTAs releasing after their wait.
+        // measured slower with its cache CTAs releasing after their wait.
         g.release_dependents_early = true;
         return head_gemv(g, stream);
       }

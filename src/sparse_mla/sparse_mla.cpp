@@ -1,5 +1,7 @@
-// The argument checks and the split-counter size of the sparse MLA contract
-// (include/dsa_decode/sparse_mla.h), shared by every sparse MLA kernel.
+// sparse_mla's API (include/dsa_decode/sparse_mla.h): the argument checks
+// shared by every sparse MLA kernel, the buffer sizes, and the plan choice
+// that calls the kernels (the 64-head split kernel, the producer kernel, the
+// 8-head kernel); the kernel files hold the kernels and their launches.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -9,6 +11,7 @@
 #include <vector>
 
 #include "dsa_decode/sparse_mla.h"
+#include "core/shared_memory.h"
 #include "sparse_mla/sparse_mla_plan.h"
 
 namespace dsa {
@@ -44,6 +47,12 @@ Status check_split_partials(const TensorView& partials, int64_t count) {
 }
 
 std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".." + std::to_string(high); }
+
+constexpr int64_t kWgmmaHeads = 64;  // heads per CTA of the 64-head kernels
+
+// The key under which the 8-head kernel's cluster occupancy is kept per
+// cluster size (kernel_answer_once).
+constexpr char kMmaClustersQuestion = 0;
 
 }  // namespace
 
@@ -184,6 +193,55 @@ Status check_sparse_mla_without_partials(const SparseMlaArgs& a) {
 
 SparseMlaSplits sparse_mla_splits_of(SparseMlaPlan plan) {
   return plan == SparseMlaPlan::kBatchInvariant ? SparseMlaSplits::kLatency : SparseMlaSplits::kByBatch;
+}
+
+Status sparse_mla_wgmma(const SparseMlaArgs& a, SparseMlaSplits splits, cudaStream_t stream) {
+  const int top_k = a.indices.ndim == 2 ? static_cast<int>(a.indices.size(1)) : 0;  // checked by the launch
+  int max_splits = sparse_mla_wgmma_max_splits(top_k, splits);
+  if (splits == SparseMlaSplits::kWholeRow || splits == SparseMlaSplits::kByBatch) {
+    DSA_RETURN_IF_ERROR(check_sparse_mla(a));  // the caller's buffers as for every choice, before any device question
+    const bool producer_covers = sparse_mla_producer_covers(top_k, a.kv_cache.span_elements());
+    if (splits == SparseMlaSplits::kWholeRow) {
+      if (producer_covers) return sparse_mla_producer(a, stream);
+    } else {
+      const int64_t items = a.q.size(0) * (a.q.size(1) / kWgmmaHeads);
+      int resident = 0, producer_resident = 0;
+      DSA_RETURN_IF_ERROR(sparse_mla_wgmma_resident_ctas(&resident));
+      max_splits = sparse_mla_wgmma_batch_max_splits(top_k, items, resident);
+      if (producer_covers) {
+        DSA_RETURN_IF_ERROR(sparse_mla_producer_resident_ctas(&producer_resident));
+        if (sparse_mla_batch_takes_producer(top_k, items, max_splits, resident, producer_resident)) {
+          return sparse_mla_producer(a, stream);
+        }
+      }
+    }
+  }
+  return sparse_mla_wgmma_with_plan(a, max_splits, kSparseMlaWgmmaDefaultCluster, stream);
+}
+
+Status sparse_mla_mma(const SparseMlaArgs& a, SparseMlaSplits splits, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(check_sparse_mla(a));
+  const int heads = static_cast<int>(a.q.size(1)), top_k = static_cast<int>(a.indices.size(1));
+  if (splits != SparseMlaSplits::kByBatch) {
+    return sparse_mla_mma_launch(a, sparse_mla_split_plan(heads, top_k, splits), stream);
+  }
+  // The plan with the most splits whose (token, group) clusters the GPU runs
+  // all at once, else the fewest; the occupancy answer is asked once per
+  // cluster size. A part that cannot answer for a cluster size (or schedule
+  // it) answers 0 and gets the next plan: the last one always launches.
+  const std::array<SparseMlaSplitPlan, 3> plans = sparse_mla_batch_split_plans(heads, top_k);
+  SparseMlaSplitPlan plan = plans.back();
+  for (size_t i = 0; i + 1 < plans.size(); ++i) {
+    int clusters = 0;
+    DSA_RETURN_IF_ERROR(kernel_answer_once(
+        &kMmaClustersQuestion, plans[i].splits,
+        [&](int* answer) { return sparse_mla_max_active_clusters(plans[i], heads, top_k, answer); }, &clusters));
+    if (a.q.size(0) * plans[i].head_groups <= clusters) {
+      plan = plans[i];
+      break;
+    }
+  }
+  return sparse_mla_mma_launch(a, plan, stream);
 }
 
 Status sparse_mla_with_splits(const SparseMlaArgs& a, SparseMlaSplits splits, cudaStream_t stream) {

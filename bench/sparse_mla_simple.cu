@@ -1,6 +1,6 @@
-// The simple sparse MLA decode kernel: FP32 on CUDA cores, written to be read
-// and trusted, the GPU reference and benchmark baseline of the tensor-core
-// kernel (sparse_mla_mma.cu). The contract is in include/dsa_decode/sparse_mla.h.
+// The simple sparse MLA decode kernel (baselines.h): FP32 on CUDA cores,
+// written to be read and trusted, the GPU reference and benchmark baseline of
+// the tensor-core kernels. The contract is sparse_mla's (include/dsa_decode/sparse_mla.h).
 //
 // Work split: one CTA per (head, token) (grid H x m), 8 warps. Warp w takes
 // the entries j of the token's index row in steps of kRowsPerStep:
@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "baselines.h"
 #include "core/fp8.cuh"
 #include "core/launch.cuh"
 #include "dsa_decode/numerics.h"
