@@ -1,6 +1,8 @@
 // dsa-decode's command line (tools/options.h): --value-up-tokens's parsing,
 // its errors, the measured default and the choice it makes per step;
-// --projections, --indexer-projections, --indexer-logits and --head-gemv-sums.
+// --projections, --indexer-projections, --indexer-logits and --head-gemv-sums;
+// which options the CPU path names as GPU-only; the no-GPU message's words
+// (tools/gpu_probe.h).
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "dsa_decode/stage.h"
+#include "tools/gpu_probe.h"
 #include "tools/options.h"
 
 namespace dsa::cli {
@@ -205,6 +208,49 @@ TEST(DsaDecodeOptions, IndexerProjectionsDefaultsToTheGemvAndTakesOnlyItsTwoKern
     EXPECT_FALSE(parse({"--indexer-projections=" + value}, &options, &error)) << value;
     EXPECT_EQ(error, "--indexer-projections: got '" + value + "', expected gemv or cublaslt");
   }
+}
+
+TEST(DsaDecodeOptions, TheCpuPathNamesTheGpuOnlyOptionsGivenAndNoOthers) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--tokens", "2", "--context", "100", "--seed", "3", "--json", "out.json", "--cpu"}, &options,
+                    &error))
+      << error;
+  EXPECT_TRUE(gpu_only_options_given(options).empty());
+  Options gpu_only;
+  ASSERT_TRUE(parse({"--trace", "--steps", "3", "--indexer-projections", "cublaslt", "--json=x.json",
+                     "--value-up-tokens", "1,2", "--projections", "gemv", "--head-gemv-sums", "seed-order",
+                     "--indexer-logits", "exact", "--attention-plan", "auto", "--batch-invariant"},
+                    &gpu_only, &error))
+      << error;
+  EXPECT_EQ(gpu_only_options_given(gpu_only),
+            std::vector<std::string>({"--indexer-logits", "--head-gemv-sums", "--projections", "--attention-plan",
+                                      "--batch-invariant", "--steps", "--indexer-projections", "--value-up-tokens",
+                                      "--trace"}));
+}
+
+TEST(DsaDecodeGpuProbe, NoDriverSaysNoGpuOrDriverWasFoundNotUpgradeTheDriver) {
+  // cudaGetDeviceCount's cudaErrorInsufficientDriver with no driver loaded
+  // (cudaDriverGetVersion gives 0): the usual machine without a GPU.
+  const GpuProblem problem = device_count_problem(false, 0, 13000);
+  EXPECT_EQ(problem, GpuProblem::kNoDriver);
+  GpuAvailability gpu{problem, gpu_problem_summary(problem),
+                      "cudaGetDeviceCount: CUDA driver version is insufficient for CUDA runtime version"};
+  EXPECT_EQ(gpu.text(),
+            "no NVIDIA GPU or driver was found (cudaGetDeviceCount: CUDA driver version is insufficient for CUDA "
+            "runtime version)");
+}
+
+TEST(DsaDecodeGpuProbe, AnOldDriverNoDeviceAndOtherErrorsSayWhatTheyAre) {
+  EXPECT_EQ(device_count_problem(false, 12040, 13000), GpuProblem::kOldDriver);
+  EXPECT_EQ(gpu_problem_summary(GpuProblem::kOldDriver, 12040, 13000),
+            "the NVIDIA driver (CUDA 12.4) is older than the CUDA runtime dsa-decode was built with (13.0); update "
+            "the driver to run the GPU path");
+  EXPECT_EQ(device_count_problem(true, 13000, 13000), GpuProblem::kNoDevice);
+  EXPECT_EQ(gpu_problem_summary(GpuProblem::kNoDevice), "an NVIDIA driver but no NVIDIA GPU was found");
+  EXPECT_EQ(device_count_problem(false, 13000, 13000), GpuProblem::kOther);
+  EXPECT_EQ(gpu_problem_summary(GpuProblem::kNotSm90), "no sm_90 GPU (H100/H200) was found");
+  EXPECT_EQ(gpu_problem_summary(GpuProblem::kNone), "");
 }
 
 }  // namespace

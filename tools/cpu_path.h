@@ -4,13 +4,17 @@
 // against; it times nothing of the GPU's.
 #pragma once
 
+#include <string>
+
 #include "options.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {
 
-// Runs and prints the chain on the synthetic layer of options.seed; returns
-// the process exit code.
-int run_cpu_path(const StepShape& shape, const Options& options);
+// Runs and prints the chain on the synthetic layer of options.seed, checks
+// its products against float64 within the numerics contract's bounds
+// (cpu_checks.h), prints PASS or FAIL and writes --json; returns the process
+// exit code (1 when a check fails). `why_cpu`: "--cpu", or why no GPU was used.
+int run_cpu_path(const StepShape& shape, const Options& options, const std::string& why_cpu);
 
 }  // namespace dsa::cli

@@ -4,7 +4,8 @@
 // o_proj's output out, through the stage's fused and stock path on the GPU,
 // checks them against each other and the CPU reference, and times every step,
 // the attention half and the whole stage. Without a usable GPU (or with
-// --cpu) it runs the CPU reference of the same step at the preset.
+// --cpu) it runs the CPU reference of the same step at the preset and checks
+// its products against float64 (cpu_checks.h). Both paths end with PASS or FAIL.
 #include <cstdio>
 #include <string>
 
@@ -65,16 +66,14 @@ int main(int argc, char** argv) {
   dsa::cli::StepShape shape{};
   if (!resolve_shape(options, &shape, &error)) return usage_error(error);
 
+  std::string why_cpu = "--cpu";
   if (options.force_cpu) {
     std::printf("--cpu: running the CPU reference at %s\n", shape.describe().c_str());
-  } else if (const std::string reason = dsa::cli::unusable_gpu_reason(); !reason.empty()) {
-    std::printf("no CUDA GPU (%s): running the CPU reference at %s\n", reason.c_str(), shape.describe().c_str());
+  } else if (const dsa::cli::GpuAvailability gpu = dsa::cli::probe_gpu(); gpu.problem != dsa::cli::GpuProblem::kNone) {
+    why_cpu = gpu.text();
+    std::printf("%s: running the CPU reference at %s\n", why_cpu.c_str(), shape.describe().c_str());
   } else {
     return dsa::cli::run_gpu_path(shape, options);
   }
-  if (!options.json_path.empty()) {
-    std::printf("(--json: the CPU path times no GPU kernels; no JSON written)\n");
-  }
-  if (options.trace) std::printf("(--trace: the CPU path runs no GPU kernels; nothing traced)\n");
-  return dsa::cli::run_cpu_path(shape, options);
+  return dsa::cli::run_cpu_path(shape, options, why_cpu);
 }

@@ -63,16 +63,6 @@ class OwnedStream {
   cudaStream_t stream_ = nullptr;
 };
 
-std::string format(const char* pattern, ...) __attribute__((format(printf, 1, 2)));
-std::string format(const char* pattern, ...) {
-  char text[512];
-  va_list args;
-  va_start(args, pattern);
-  std::vsnprintf(text, sizeof(text), pattern, args);
-  va_end(args);
-  return text;
-}
-
 using Stages = std::vector<std::unique_ptr<DsaAttentionStage>>;
 
 // The stage's name of a projection's step ("qkv_a_proj", "q_b_proj" or
@@ -222,8 +212,8 @@ Status describe_step(const StepShape& s, const PathSteps& steps, DsaPath path, c
     return fused ? set("value_up_bmm", "value_up (cuBLAS bmm, m not in --value-up-tokens)", "fused", b.value_up)
                  : set("stock_value_up_bmm", "value_up bmm (cuBLAS)", "stock", b.value_up);
   }
-  if (!fused && step == "indexer select (CUB sort baseline)") {
-    return set("stock_indexer_select", "indexer select baseline (CUB sort)", "stock", b.stock_select);
+  if (!fused && step == "indexer select (top-k positions kept)") {
+    return set("stock_indexer_select", "indexer select (top-k positions kept)", "stock", b.stock_select);
   }
   if (!fused && step == "cache write (concat_and_cache_mla)") {
     return set("stock_cache_write", "concat_and_cache_mla", "stock", b.cache_write);
@@ -362,14 +352,6 @@ Status run_path(DsaAttentionStage& stage, const DeviceLayer& layer, DsaPath path
 }
 
 // ---------------------------------------------------------------- checks
-
-Check judged(std::string name, bool pass, std::string detail) {
-  return Check{std::move(name), pass ? Check::Verdict::kPass : Check::Verdict::kFail, std::move(detail)};
-}
-
-Check reported(std::string name, std::string detail) {
-  return Check{std::move(name), Check::Verdict::kInfo, std::move(detail)};
-}
 
 std::vector<double> bf16_values(const std::vector<uint16_t>& bits) {
   std::vector<double> values(bits.size());
@@ -676,10 +658,10 @@ Check check_indexer_state(const IndexerReference& cpu, const PathOutputs& gpu) {
                        static_cast<long long>(pages.first / kIndexerPageBytes)));
 }
 
-// The baseline's CUB sort must select the same pools as the radix select.
+// Both paths run the same select on the same logits: the same slots.
 Check check_indexer_fused_vs_stock(const PathOutputs& fused, const PathOutputs& stock) {
   const Mismatches d = count_mismatches(stock.slots, fused.slots);
-  return judged("indexer slots fused vs stock (select baseline)", d.count == 0,
+  return judged("indexer slots fused vs stock", d.count == 0,
                 format("bitwise: %zu of %zu slots differ (first: token %zu, column %zu)", d.count, fused.slots.size(),
                        d.first / kTopKWidth, d.first % kTopKWidth));
 }
@@ -1126,7 +1108,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   std::printf(
       "the library's stage (DsaAttentionStage): forward and stock_forward from hidden states to o_proj's output; "
       "attention over the glm5next indexer's slots (projections of q_c and the hidden states, prepare, select; "
-      "stock: indexer_select_baseline, a CUB sort), its state prefilled with drawn rows of the context; no stock "
+      "stock: the same indexer_select), its state prefilled with drawn rows of the context; no stock "
       "Hopper kernel takes this cache format, so the stock path runs the same sparse_mla after its counter "
       "memset\n");
 
@@ -1225,23 +1207,37 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
 
 }  // namespace
 
-std::string unusable_gpu_reason() {
+GpuAvailability probe_gpu() {
+  GpuAvailability gpu;
+  const auto problem = [&](GpuProblem kind, std::string raw, int driver = 0, int runtime = 0) {
+    gpu.problem = kind;
+    gpu.summary = gpu_problem_summary(kind, driver, runtime);
+    gpu.raw = std::move(raw);
+    return gpu;
+  };
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) {
     cudaGetLastError();  // clear it: the CPU path makes no CUDA call, but leave no sticky state behind
-    return std::string("cudaGetDeviceCount: ") + cudaGetErrorString(error);
+    int driver = 0, runtime = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = CUDART_VERSION;
+    cudaGetLastError();
+    return problem(device_count_problem(error == cudaErrorNoDevice, driver, runtime),
+                   std::string("cudaGetDeviceCount: ") + cudaGetErrorString(error), driver, runtime);
   }
-  if (count == 0) return "cudaGetDeviceCount: 0 devices";
+  if (count == 0) return problem(GpuProblem::kNoDevice, "cudaGetDeviceCount: 0 devices");
   cudaDeviceProp prop{};
   if (const cudaError_t props = cudaGetDeviceProperties(&prop, 0); props != cudaSuccess) {
-    return std::string("cudaGetDeviceProperties(0): ") + cudaGetErrorString(props);
+    cudaGetLastError();
+    return problem(GpuProblem::kOther, std::string("cudaGetDeviceProperties(0): ") + cudaGetErrorString(props));
   }
   if (prop.major != 9 || prop.minor != 0) {
-    return std::string("device 0 (") + prop.name + ") is sm_" + std::to_string(prop.major * 10 + prop.minor) +
-           "; the kernels are built for sm_90a only";
+    return problem(GpuProblem::kNotSm90, std::string("device 0, ") + prop.name + ", is sm_" +
+                                             std::to_string(prop.major * 10 + prop.minor) +
+                                             "; the kernels are built for sm_90a only");
   }
-  return "";
+  return gpu;
 }
 
 int run_gpu_path(const StepShape& shape, const Options& options) {
@@ -1257,12 +1253,13 @@ int run_gpu_path(const StepShape& shape, const Options& options) {
     }
     std::printf("wrote %s\n", options.json_path.c_str());
   }
-  const auto failed = std::count_if(report.checks.begin(), report.checks.end(),
-                                    [](const Check& c) { return c.verdict == Check::Verdict::kFail; });
+  const size_t failed = failed_checks(report.checks);
   if (failed > 0) {
-    std::fprintf(stderr, "dsa-decode: %ld of %zu checks failed\n", static_cast<long>(failed), report.checks.size());
+    std::printf("FAIL: %zu of %zu checks failed\n", failed, judged_checks(report.checks));
+    std::fprintf(stderr, "dsa-decode: %zu of %zu checks failed\n", failed, judged_checks(report.checks));
     return kExitFailure;
   }
+  std::printf("PASS: %zu of %zu checks passed\n", judged_checks(report.checks), judged_checks(report.checks));
   return kExitOk;
 }
 

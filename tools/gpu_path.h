@@ -5,13 +5,14 @@
 
 #include <string>
 
+#include "gpu_probe.h"
 #include "options.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {
 
-// Why device 0 cannot run the sm_90a kernels; empty when it can.
-std::string unusable_gpu_reason();
+// Whether device 0 can run the sm_90a kernels, and if not why (gpu_probe.h).
+GpuAvailability probe_gpu();
 
 // Runs, checks, times and prints; returns the process exit code (1 when a
 // check fails or a CUDA/cuBLAS call does).

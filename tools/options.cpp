@@ -57,6 +57,16 @@ std::optional<std::set<int>> projection_gemv_tokens(const Options& options) {
   return counts;
 }
 
+std::vector<std::string> gpu_only_options_given(const Options& options) {
+  std::vector<std::string> given;
+  for (const char* gpu_only : {"--indexer-logits", "--head-gemv-sums", "--projections", "--attention-plan",
+                               "--batch-invariant", "--steps", "--indexer-projections", "--value-up-tokens",
+                               "--trace"}) {
+    if (options.given.count(gpu_only) > 0) given.push_back(gpu_only);
+  }
+  return given;
+}
+
 void print_usage(FILE* to) {
   std::fprintf(to,
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
@@ -68,7 +78,8 @@ void print_usage(FILE* to) {
                "path and its stock path, checks they agree with each other and with the CPU reference,\n"
                "and times each step, the attention half and the whole stage (CUDA-graph replay, cold L2:\n"
                "one stage per weight copy, rotated).\n"
-               "Without an sm_90 GPU (or with --cpu) it runs the CPU reference of the same step instead.\n"
+               "Without an sm_90 GPU (or with --cpu) it runs the CPU reference of the same step instead and\n"
+               "checks its products against float64 within the numerics contract's bounds.\n"
                "  --preset NAME  model preset: %s (default glm5next; the RoPE presets\n"
                "                 glm5 and dsv32 are not supported yet)\n"
                "  --tp N         tensor-parallel degree: the layer of one rank has heads / N heads (default 1)\n"
@@ -113,7 +124,7 @@ void print_usage(FILE* to) {
                "                 sparse attention's split plan (both paths): auto (default; per step the\n"
                "                 fastest plan for m on this GPU) or batch-invariant (split points from H and K\n"
                "                 only)\n"
-               "  --json FILE    write the timings and checks as JSON (GPU path)\n"
+               "  --json FILE    write the checks and timings as JSON (the CPU path: its checks and CPU times)\n"
                "  --trace        also print when each kernel of one whole stage ran, both paths (CUPTI's kernel\n"
                "                 records of the middle stage in one replay of the timed chain: start, end, stream),\n"
                "                 the time no kernel was resident, the stage's period in the chain and the\n"
@@ -121,7 +132,8 @@ void print_usage(FILE* to) {
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
-               "Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS call failed, 2 bad command line.\n",
+               "Both paths end with PASS or FAIL. Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS\n"
+               "call failed, 2 bad command line.\n",
                preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps,
                kLinearGemvMaxTokens, kMaxDecodeTokens, measured_list(64, HeadGemvSums::kTensorCores).c_str(),
                measured_list(8, HeadGemvSums::kTensorCores).c_str(),

@@ -6,6 +6,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 #include "dsa_decode/choices.h"
 
@@ -88,6 +89,11 @@ ValueUpChoice choose_value_up(const Options& options, int heads, int m);
 // stage still runs cuBLASLt where the kernel refuses the shape: o_proj at TP1
 // past m = 4); cublaslt: none.
 std::optional<std::set<int>> projection_gemv_tokens(const Options& options);
+
+// The options on the command line that the CPU path ignores (it runs the
+// reference's fixed orders and times nothing): the kernel choices, --steps and
+// --trace, the choices first. --json, the shape and the seed apply to both.
+std::vector<std::string> gpu_only_options_given(const Options& options);
 
 // Fills `options` from argv ("--name VALUE" or "--name=VALUE"). On a bad
 // command line returns false and a message naming the option, what was given

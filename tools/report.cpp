@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 
@@ -76,7 +78,56 @@ std::string json_trace(const StageTrace& trace) {
   return json.str();
 }
 
+// The file, or a Status naming --json when it cannot be written.
+Status write_text(const std::string& text, const std::string& path) {
+  std::ofstream file(path, std::ios::trunc);
+  file << text;
+  file.close();
+  if (!file) return invalid_argument("--json", "a writable file", "'" + path + "' (could not be written)");
+  return Status();
+}
+
+std::string json_checks(const std::vector<Check>& checks) {
+  std::ostringstream json;
+  json << "[";
+  for (size_t i = 0; i < checks.size(); ++i) {
+    const Check& c = checks[i];
+    json << (i ? ",\n  " : "\n  ") << "{\"name\": " << json_string(c.name)
+         << ", \"result\": " << json_string(verdict_text(c.verdict)) << ", \"detail\": " << json_string(c.detail)
+         << "}";
+  }
+  json << "\n ]";
+  return json.str();
+}
+
 }  // namespace
+
+std::string format(const char* pattern, ...) {
+  char text[512];
+  va_list args;
+  va_start(args, pattern);
+  std::vsnprintf(text, sizeof(text), pattern, args);
+  va_end(args);
+  return text;
+}
+
+Check judged(std::string name, bool pass, std::string detail) {
+  return Check{std::move(name), pass ? Check::Verdict::kPass : Check::Verdict::kFail, std::move(detail)};
+}
+
+Check reported(std::string name, std::string detail) {
+  return Check{std::move(name), Check::Verdict::kInfo, std::move(detail)};
+}
+
+size_t failed_checks(const std::vector<Check>& checks) {
+  return static_cast<size_t>(
+      std::count_if(checks.begin(), checks.end(), [](const Check& c) { return c.verdict == Check::Verdict::kFail; }));
+}
+
+size_t judged_checks(const std::vector<Check>& checks) {
+  return static_cast<size_t>(
+      std::count_if(checks.begin(), checks.end(), [](const Check& c) { return c.verdict != Check::Verdict::kInfo; }));
+}
 
 void print_check(const Check& check) {
   std::printf("%s  %s: %s\n", verdict_text(check.verdict), check.name.c_str(), check.detail.c_str());
@@ -157,16 +208,10 @@ Status write_json(const RunReport& r, const std::string& path) {
        << ",\n \"note\": \"the library's stage (DsaAttentionStage): forward and stock_forward from hidden states to "
           "o_proj's output, one stage per weight copy; chain and stock_chain: the attention half (norm .. value_up), "
           "whole_stage and stock_whole_stage: every step; attention over the glm5next indexer's slots (projections "
-          "of q_c and the hidden states, prepare, select; stock: indexer_select_baseline, a CUB sort), its state "
+          "of q_c and the hidden states, prepare, select; stock: the same indexer_select), its state "
           "prefilled with drawn rows of the context; the stock path runs the same sparse_mla after a counter memset "
-          "(no stock Hopper kernel takes this cache format)\",\n \"checks\": [";
-  for (size_t i = 0; i < r.checks.size(); ++i) {
-    const Check& c = r.checks[i];
-    json << (i ? ",\n  " : "\n  ") << "{\"name\": " << json_string(c.name)
-         << ", \"result\": " << json_string(verdict_text(c.verdict)) << ", \"detail\": " << json_string(c.detail)
-         << "}";
-  }
-  json << "\n ],\n \"rows\": [";
+          "(no stock Hopper kernel takes this cache format)\",\n \"checks\": "
+       << json_checks(r.checks) << ",\n \"rows\": [";
   for (size_t i = 0; i < r.timings.size(); ++i) json << (i ? ",\n  " : "\n  ") << json_row(r, r.timings[i]);
   json << "\n ]";
   if (!r.trace_problem.empty()) json << ",\n \"trace_problem\": " << json_string(r.trace_problem);
@@ -176,12 +221,39 @@ Status write_json(const RunReport& r, const std::string& path) {
     json << "\n ]";
   }
   json << "}\n";
+  return write_text(json.str(), path);
+}
 
-  std::ofstream file(path, std::ios::trunc);
-  file << json.str();
-  file.close();
-  if (!file) return invalid_argument("--json", "a writable file", "'" + path + "' (could not be written)");
-  return Status();
+Status write_cpu_json(const CpuReport& r, const std::string& path) {
+  std::ostringstream json;
+  const StepShape& s = r.shape;
+  const size_t failed = failed_checks(r.checks);
+  json << "{\"bench\": \"dsa-decode\", \"path\": \"cpu\", \"why_cpu\": " << json_string(r.why_cpu)
+       << ", \"commit\": " << json_string(r.commit) << ",\n \"date\": " << json_string(r.date)
+       << ",\n \"preset\": " << json_string(s.preset) << ", \"tp\": " << s.tp << ", \"params\": {\"H\": " << s.H
+       << ", \"m\": " << s.m << ", \"context\": " << s.context << "}, \"seed\": " << r.seed
+       << ",\n \"result\": " << json_string(failed == 0 ? "PASS" : "FAIL") << ", \"failed\": " << failed
+       << ", \"elapsed_s\": " << json_number(r.elapsed_s) << ", \"chain_ms\": " << json_number(r.chain_ms)
+       << ", \"prefill_ms\": " << json_number(r.prefill_ms)
+       << ",\n \"note\": \"the CPU reference chain of the stage's step (hidden states to o_proj's output) in the "
+          "kernels' fixed orders, its products checked against float64 within the numerics contract's bounds; no "
+          "GPU kernel ran, nothing is timed but the CPU\",\n \"checks\": "
+       << json_checks(r.checks) << ",\n \"rows\": [";
+  for (size_t i = 0; i < r.rows.size(); ++i) {
+    const CpuRow& row = r.rows[i];
+    char fingerprint[24];
+    std::snprintf(fingerprint, sizeof(fingerprint), "%016llx", static_cast<unsigned long long>(row.fingerprint));
+    json << (i ? ",\n  " : "\n  ") << "{\"kernel\": " << json_string(row.kernel)
+         << ", \"output\": " << json_string(row.output) << ", \"cpu_ms\": ";
+    if (row.ms >= 0) {
+      json << json_number(row.ms);
+    } else {
+      json << "null";
+    }
+    json << ", \"fingerprint\": " << json_string(fingerprint) << "}";
+  }
+  json << "\n ]}\n";
+  return write_text(json.str(), path);
 }
 
 }  // namespace dsa::cli

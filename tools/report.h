@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -66,9 +67,36 @@ struct RunReport {
   std::string trace_problem;       // --trace: why there is no trace (the run's checks and timings stand)
 };
 
+// printf into a std::string (up to 511 characters).
+std::string format(const char* pattern, ...) __attribute__((format(printf, 1, 2)));
+// A judged check (PASS or FAIL), or one only reported (info).
+Check judged(std::string name, bool pass, std::string detail);
+Check reported(std::string name, std::string detail);
+size_t failed_checks(const std::vector<Check>& checks);
+size_t judged_checks(const std::vector<Check>& checks);  // PASS or FAIL, not info
+
+// What the CPU path computed and found (dsa-decode without a GPU, or --cpu).
+struct CpuRow {
+  std::string kernel;  // e.g. "absorb"; several outputs of one kernel share it
+  std::string output;  // e.g. "q_fp8 [4, 64, 512] e4m3"
+  double ms = -1;      // CPU time; < 0: the row's kernel is the previous row's
+  uint64_t fingerprint = 0;
+};
+
+struct CpuReport {
+  std::string commit, date;
+  std::string why_cpu;  // "--cpu", or why no GPU was used
+  StepShape shape{};
+  uint64_t seed = 0;
+  std::vector<CpuRow> rows;
+  std::vector<Check> checks;  // the chain's products against float64 (the contract's bounds)
+  double chain_ms = 0, prefill_ms = 0, elapsed_s = 0;
+};
+
 void print_check(const Check& check);
 void print_timings(const RunReport& report);
 void print_trace(const StageTrace& trace, int weight_copies);
 Status write_json(const RunReport& report, const std::string& path);
+Status write_cpu_json(const CpuReport& report, const std::string& path);
 
 }  // namespace dsa::cli
