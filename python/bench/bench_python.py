@@ -3,7 +3,13 @@
 kernels through the Python binding, and what a call costs on the host.
 
     python3 python/bench/bench_python.py --preset glm5next --tp 1 --tokens 4 --context 32768 --steps 20 \
-        --json bench/results/python_<date>_<commit>.json
+        --json bench/results/python.json
+
+With no choice options it runs the stage's defaults, the fastest paths
+within the numerics contract; --batch-invariant turns on the stage's one
+batch-invariance switch, and the per-kernel opt-ins (--head-gemv-sums
+seed-order, --indexer-logits exact, --attention-plan batch-invariant) stay
+for experts.
 
 Builds a synthetic layer with PyTorch (random BF16 weights at the scales
 dsa-decode draws them: std 1/sqrt(fan-in), norm gammas 1 +- 0.05, static FP8
@@ -178,10 +184,11 @@ def build_synthetic_layer(
     context: int = 32768,
     weight_copies: int = 1,
     seed: int = 1,
-    head_gemv_sums: str = "seed-order",
-    attention_splits: str = "latency",
-    indexer_logits: str = "exact",
+    head_gemv_sums: str = "tensor-cores",
+    attention_plan: str = "auto",
+    indexer_logits: str = "fp32-accumulation",
     device: str = "cuda",
+    batch_invariant: bool = False,
 ) -> SyntheticLayer:
     """A layer's stages (one per weight copy) and one decode step of `tokens`
     tokens after `context` cached ones: the tokens are positions
@@ -200,9 +207,10 @@ def build_synthetic_layer(
         max_context=context + tokens,
         ring=RING,
         block_size=BLOCK_SIZE,
+        batch_invariant=batch_invariant,
         head_gemv_sums=head_gemv_sums,
         indexer_logits=indexer_logits,
-        attention_splits=attention_splits,
+        attention_plan=attention_plan,
     )
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
@@ -387,7 +395,8 @@ def time_kernels(layer: SyntheticLayer, replays: int) -> List[KernelRow]:
     inter = stage_intermediates(layer)
     device = inter["qkv"].device
     args = layer.args
-    sums, splits = layer.plan.head_gemv_sums, layer.plan.attention_splits
+    sums = layer.plan.head_gemv_sums
+    attention_plan = "batch-invariant" if layer.plan.batch_invariant else layer.plan.attention_plan
     rows = []
 
     q_c = torch.empty((m, Q), dtype=torch.bfloat16, device=device)
@@ -445,7 +454,7 @@ def time_kernels(layer: SyntheticLayer, replays: int) -> List[KernelRow]:
             lse,
             counters,
             partials,
-            splits=splits,
+            plan=attention_plan,
         ),
         replays,
         per_graph,
@@ -458,7 +467,7 @@ def time_kernels(layer: SyntheticLayer, replays: int) -> List[KernelRow]:
             "fused",
             us,
             nbytes(inter["q_fp8"], latent, lse) + m * top_k * L,
-            note=f"splits {splits}",
+            note=f"plan {attention_plan}",
         )
     )
 
@@ -650,9 +659,9 @@ SHARED_STEPS = {
     "indexer prepare": ("indexer_prepare", "indexer prepare (k norm, q quant, pools)", "prepare"),
 }
 STOCK_STEPS = {
-    "indexer select (CUB sort baseline)": (
+    "indexer select (top-k positions kept)": (
         "stock_indexer_select",
-        "indexer select baseline (CUB sort)",
+        "indexer select (the fused path's kernel, top-k positions kept)",
         "stock_select",
     ),
     "cache write (concat_and_cache_mla)": ("stock_cache_write", "concat_and_cache_mla", "cache_write"),
@@ -1097,8 +1106,9 @@ def build_report(
         "steps": options.steps,
         "launches_per_graph": LAUNCHES_PER_GRAPH,
         "weight_copies": len(layer.stages),
+        "batch_invariant": layer.plan.batch_invariant,
         "head_gemv_sums": layer.plan.head_gemv_sums,
-        "attention_splits": layer.plan.attention_splits,
+        "attention_plan": layer.plan.attention_plan,
         "indexer_logits": layer.plan.indexer_logits,
         "value_up": value_up,
         "step_names": steps.names,
@@ -1161,8 +1171,9 @@ def print_report(layer: SyntheticLayer, report: dict, kernels: List[KernelRow], 
     )
     print(
         f"value_up in the fused path: {report['value_up']} (value_up_tokens "
-        f"{sorted(layer.stages[0].value_up_tokens)}); head_gemv sums {report['head_gemv_sums']}; attention splits "
-        f"{report['attention_splits']}; indexer logits {report['indexer_logits']}"
+        f"{sorted(layer.stages[0].value_up_tokens)}); batch invariant {report['batch_invariant']}; head_gemv sums "
+        f"{report['head_gemv_sums']}; attention plan {report['attention_plan']}; indexer logits "
+        f"{report['indexer_logits']}"
     )
     for path, names in tables.names.items():
         print(f"{path} path, {len(names)} steps: {', '.join(names)}")
@@ -1232,9 +1243,15 @@ def parse_options(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="graph replays per timing (the median is reported)")
     parser.add_argument("--weight-copies", type=int, default=10, help="weight copies rotated through (cold L2)")
     parser.add_argument("--overhead-calls", type=int, default=2000, help="eager calls per overhead measurement")
-    parser.add_argument("--head-gemv-sums", default="seed-order", choices=dsa_decode.HEAD_GEMV_SUMS)
-    parser.add_argument("--attention-splits", default="latency", choices=dsa_decode.ATTENTION_SPLITS)
-    parser.add_argument("--indexer-logits", default="exact", choices=dsa_decode.INDEXER_LOGITS)
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="a token's bits independent of its batch: every kernel's invariant choice (StagePlan.batch_invariant)",
+    )
+    # The per-kernel choices, for experts: each default is the fastest path within the numerics contract.
+    parser.add_argument("--head-gemv-sums", default=dsa_decode.HEAD_GEMV_SUMS[0], choices=dsa_decode.HEAD_GEMV_SUMS)
+    parser.add_argument("--attention-plan", default=dsa_decode.ATTENTION_PLANS[0], choices=dsa_decode.ATTENTION_PLANS)
+    parser.add_argument("--indexer-logits", default=dsa_decode.INDEXER_LOGITS[0], choices=dsa_decode.INDEXER_LOGITS)
     parser.add_argument("--seed", type=int, default=1, help="of the synthetic layer's random values")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON (bench/results' row format)")
     options = parser.parse_args(argv)
@@ -1256,8 +1273,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         options.weight_copies,
         options.seed,
         options.head_gemv_sums,
-        options.attention_splits,
+        options.attention_plan,
         options.indexer_logits,
+        batch_invariant=options.batch_invariant,
     )
     checks = check_stage(layer)
     copy_gbps = measure_copy_gbps()

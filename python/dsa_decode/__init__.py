@@ -15,13 +15,19 @@ Kernels: qkv_rmsnorm, head_gemv, linear_gemv, sparse_mla, indexer_*.
 The whole stage: Stage (with LayerConfig, StagePlan, StepArgs).
 Optional: dsa_decode.torch_ops registers the ops with torch.library;
 dsa_decode.vllm installs the stage on a vLLM MLA wrapper. docs/python.md.
+
+Every default is the fastest path within the numerics contract's bounds
+(the same bits on every run); StagePlan(batch_invariant=True) is the one
+switch that makes a token's bits independent of the batch around it.
+HEAD_GEMV_SUMS, INDEXER_LOGITS and ATTENTION_PLANS name each kernel's
+choices, the default first.
 """
 
 from . import _C
 from ._C import CublasError, CudaError, InvalidArgument, NoDevice, Unsupported
 from ._C import reference
 from .ops import (
-    ATTENTION_SPLITS,
+    ATTENTION_PLANS,
     HEAD_GEMV_SUMS,
     INDEXER_LOGITS,
     IndexerPlan,
@@ -52,7 +58,7 @@ def describe(array, fp8: bool = False) -> str:
 
 
 __all__ = [
-    "ATTENTION_SPLITS",
+    "ATTENTION_PLANS",
     "CublasError",
     "CudaError",
     "HEAD_GEMV_SUMS",

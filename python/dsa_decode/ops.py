@@ -5,8 +5,8 @@ in place: nothing is copied, nothing allocated, nothing synchronized, so
 every call can be captured in a CUDA graph (torch.cuda.graph) once the same
 call ran outside a capture (the first launch of a kernel on a device sets its
 shared-memory limits). Outputs are caller-owned. Shapes below use the
-headers' names (include/dsa_decode/*.h has each contract in full: the order
-in which sums are added, the roundings, the untrusted device values):
+headers' names (include/dsa_decode/*.h has each contract in full: the
+bounds, the roundings, the untrusted device values):
 
   m tokens, H heads, Q q_lora_rank, L kv_lora_rank (512), P qk_nope_head_dim,
   V v_head_dim, K top-k entries per row.
@@ -17,6 +17,15 @@ argument's device (the legacy default stream when that is not a CUDA torch
 tensor); an int is a cudaStream_t. A bad argument raises dsa_decode.InvalidArgument (a
 ValueError) with the C++ check's message, which names the argument, what was
 expected and what was given.
+
+Choices (numerics contract v2): every default is the kernel's fastest path
+within the contract's bounds (head_gemv's sums "tensor-cores", the indexer's
+logits "fp32-accumulation", the attention's plan "auto"); the same inputs
+give the same bits on every run. The opt-ins: "seed-order" sums and "exact"
+logits (bitwise the CPU references, for debugging and golden tests) and the
+"batch-invariant" attention plan (a token's bits independent of the batch
+around it; StagePlan(batch_invariant=True) selects every kernel's invariant
+choice at once).
 """
 
 from __future__ import annotations
@@ -27,9 +36,10 @@ from typing import Any, Optional
 from . import _C
 from ._tensors import fp8_view, plain, stream_of
 
-# The string choices, as the extension parses them.
+# The string choices, from the C++ tables (include/dsa_decode/choices.h); the
+# first of each is the default.
 HEAD_GEMV_SUMS = _C.HEAD_GEMV_SUMS  # head_gemv's sums and StagePlan.head_gemv_sums
-ATTENTION_SPLITS = _C.ATTENTION_SPLITS  # sparse_mla's splits and StagePlan.attention_splits
+ATTENTION_PLANS = _C.ATTENTION_PLANS  # sparse_mla's plan and StagePlan.attention_plan
 INDEXER_LOGITS = _C.INDEXER_LOGITS  # IndexerPlan.logits and StagePlan.indexer_logits
 
 
@@ -37,9 +47,10 @@ def qkv_rmsnorm(qkv, q_weight, kv_weight, eps: float, q_out, kv_out, *, stream=N
     """Both RMSNorms of the a-projection in one launch (norm.h).
 
     qkv [m, Q + L] BF16 (dim 1 contiguous, row pitch a multiple of 8),
-    q_weight [Q] and kv_weight [L] BF16; writes q_out [m, Q] and kv_out [m, L]
-    BF16 (contiguous, apart from qkv). Within 1 BF16 ulp of
-    reference.qkv_rmsnorm (rsqrt.approx), the same bits on every run."""
+    q_weight [Q] and kv_weight [L] BF16, eps finite and > 0; writes q_out
+    [m, Q] and kv_out [m, L] BF16 (contiguous, apart from qkv). Within 1
+    BF16 ulp of reference.qkv_rmsnorm (rsqrt.approx), the same bits on every
+    run."""
     _C.qkv_rmsnorm(qkv, plain(q_weight), plain(kv_weight), float(eps), q_out, kv_out, stream_of(stream, qkv))
 
 
@@ -65,7 +76,7 @@ def head_gemv(
     *,
     scale=None,
     cache: Optional[KvCacheWrite] = None,
-    sums: str = "seed-order",
+    sums: str = "tensor-cores",
     release_dependents_early: bool = False,
     stream=None,
 ) -> None:
@@ -78,9 +89,11 @@ def head_gemv(
     e4m3 quantized by scale [1] f32 (the stock static quant; scale is
     required for FP8 out and refused otherwise); out shares no memory with
     the inputs. m 1..16. cache: the fused
-    KV-cache write (KvCacheWrite). sums: "seed-order" (the seed's FP32 order,
-    bitwise reference.head_gemv) or "tensor-cores" (BF16 MMA, FP32
-    accumulators, within 2^-14 of the sum of |products|; faster from m = 4).
+    KV-cache write (KvCacheWrite). sums: "tensor-cores" (the default, the
+    fastest: BF16 MMA, FP32 accumulators, each sum within 2^-14 of the sum
+    of |products|, then the exact roundings; I a multiple of 64 up to 1024
+    and J of 16, else Unsupported) or "seed-order" (opt-in: the seed's FP32
+    order, bitwise reference.head_gemv).
     release_dependents_early: let the next PDL kernel start before this one
     waits (for a next kernel with a long weight prologue)."""
     cache = cache if cache is not None else KvCacheWrite(None, None, None, None)
@@ -136,7 +149,7 @@ def sparse_mla(
     split_counters,
     split_partials=None,
     *,
-    splits: str = "latency",
+    plan: str = "auto",
     error_count=None,
     stream=None,
 ) -> None:
@@ -153,8 +166,11 @@ def sparse_mla(
     split_counters [sparse_mla_split_counter_count(m, H, K)] int32, zero
     before the first launch and left zero by each; split_partials
     [sparse_mla_split_partials_count(m, H, K)] f32 (None when that is 0).
-    splits: "latency" (default, batch invariant), "throughput", "by-batch"
-    (fastest, not batch invariant) or "whole-row"."""
+    Latent within 5e-3 relative Frobenius and lse within 1e-3 of float64.
+    plan: "auto" (the default: per launch the fastest plan for m, H and K on
+    this GPU; a token's bits may change with the size of its batch) or
+    "batch-invariant" (split points from H and K only: a token's bits
+    depend on its own inputs alone)."""
     _C.sparse_mla(
         fp8_view(q),
         q_scale,
@@ -166,7 +182,7 @@ def sparse_mla(
         lse,
         split_counters,
         split_partials,
-        splits,
+        plan,
         error_count,
         stream_of(stream, q),
     )
@@ -177,13 +193,20 @@ class IndexerPlan:
     """The glm5next indexer's fixed shapes (indexer.h IndexerPlan): the
     largest step (max_tokens, 1..16) and context (max_context), the tail
     ring (4, or 8 with draft tokens), the KV block size (a multiple of 128)
-    and the logits' sums ("exact" FP64, or "fp32-accumulation")."""
+    and the logits' sums: "fp32-accumulation" (the default, the fastest:
+    FP16 tensor cores, FP32 accumulation, within indexer.h's bound) or
+    "exact" (opt-in: FP64, logits and rows bitwise the CPU reference's).
+    The selection is deterministic either way (ties to the lower index).
+    Checked at construction: InvalidArgument names a bad field."""
 
     max_tokens: int = 16
     max_context: int = 131072
     ring: int = 4
     block_size: int = 256
-    logits: str = "exact"
+    logits: str = "fp32-accumulation"
+
+    def __post_init__(self):
+        _C.check_indexer_plan(self._fields())
 
     def _fields(self):
         # The extension's IndexerPlanFields, in its order.

@@ -39,7 +39,8 @@ class LayerConfig:
     """What the engine knows of one DSA layer on this rank (DsaLayerConfig;
     vLLM's attribute names in stage.h). The flags are the seed's checks: a
     layer the stage cannot run is refused at creation, every missing
-    requirement named."""
+    requirement named. rms_norm_eps must be finite and > 0 (checked at
+    construction)."""
 
     hidden_size: int
     num_heads: int
@@ -62,6 +63,9 @@ class LayerConfig:
     hisparse_cache: bool = False
     decode_context_parallel_size: int = 1
 
+    def __post_init__(self):
+        _C.check_eps(self.rms_norm_eps, "rms_norm_eps")
+
 
 def layer_config(preset: str = "glm5next", tp: int = 1, rms_norm_eps: float = 1e-6) -> LayerConfig:
     """The configuration vLLM builds for a preset's layer on one of tp ranks
@@ -73,23 +77,41 @@ def layer_config(preset: str = "glm5next", tp: int = 1, rms_norm_eps: float = 1e
 class StagePlan:
     """Choices fixed at creation (DsaStagePlan); the workspace is sized from them.
 
-    value_up_tokens / projection_gemv_tokens: None takes the sets measured on
-    the H200 (stage.h). head_gemv_sums: "seed-order" or "tensor-cores";
-    indexer_logits: "exact" or "fp32-accumulation"; attention_splits:
-    "latency", "throughput", "by-batch" or "whole-row"."""
+    The defaults are the fastest paths within the numerics contract's bounds
+    (head_gemv_sums "tensor-cores", indexer_logits "fp32-accumulation",
+    attention_plan "auto"): the same bits on every run, but a token's bits
+    may depend on the other tokens of its step. batch_invariant=True is the
+    one switch that makes them independent of the batch (vLLM's
+    VLLM_BATCH_INVARIANT): it selects every kernel's invariant choice (the
+    attention's "batch-invariant" plan, value-up and the projections on the
+    fixed-order GEMV kernels at every m), overriding attention_plan,
+    value_up_tokens and projection_gemv_tokens on the fused path.
+
+    For experts: head_gemv_sums "seed-order" and indexer_logits "exact" are
+    the reproducible opt-ins (bitwise the CPU references); value_up_tokens /
+    projection_gemv_tokens: None takes the sets measured on the H200
+    (stage.h). Checked at construction: InvalidArgument names a bad field
+    (max_tokens 1..16, a choice name, a token count, the indexer's plan)."""
 
     max_tokens: int = MAX_TOKENS
     max_context: int = 131072
     ring: int = 4
     block_size: int = 256
+    batch_invariant: bool = False
     value_up_tokens: Optional[set] = None
-    head_gemv_sums: str = "seed-order"
-    indexer_logits: str = "exact"
-    attention_splits: str = "latency"
+    head_gemv_sums: str = "tensor-cores"
+    indexer_logits: str = "fp32-accumulation"
+    attention_plan: str = "auto"
     indexer_projections_cublaslt: bool = False
     projection_gemv_tokens: Optional[set] = None
     overlap_indexer: bool = True
-    stock_select_fused: bool = False
+
+    def __post_init__(self):
+        _C.check_stage_plan(self._fields())
+
+    def _fields(self) -> dict:
+        # The extension's plan dict (the token sets: any iterable of ints, or None).
+        return asdict(self)
 
     def indexer_plan(self) -> IndexerPlan:
         """The plan the caller's indexer state, workspace and prefill use."""
@@ -169,7 +191,7 @@ class Stage:
         self.config = config
         self.plan = plan
         # The extension's Stage keeps the arrays it imports for its lifetime.
-        self._stage = _C.Stage(asdict(config), {name: plain(t) for name, t in weights.items()}, asdict(plan))
+        self._stage = _C.Stage(asdict(config), {name: plain(t) for name, t in weights.items()}, plan._fields())
 
     @property
     def max_tokens(self) -> int:
@@ -177,7 +199,8 @@ class Stage:
 
     @property
     def value_up_tokens(self) -> set:
-        """The token counts whose value-up runs as head_gemv (cuBLAS's bmm otherwise)."""
+        """The token counts whose value-up runs as head_gemv (cuBLAS's bmm
+        otherwise): every m under batch_invariant."""
         return set(self._stage.value_up_tokens)
 
     def indexer_plan(self) -> IndexerPlan:

@@ -30,12 +30,16 @@ is written.
   head_gemv_absorb(x, weight, out!, scale, cache_kv, cache!, slot_mapping, k_scale, sums,
                    error_count!, release_dependents_early=False)
   sparse_mla(q, q_scale, kv_cache, k_scale, indices, softmax_scale, latent!, lse!, split_counters!,
-             split_partials!, splits, error_count!)
+             split_partials!, plan, error_count!)
   stage_forward(handle, hidden, positions, token_requests, slot_mapping, kv_cache!, block_table, ring!,
                 index_k_cache!, out!, topk_positions, error_count!, stock=False)
 
-String choices (sums, splits) have no defaults: PyTorch 2.4's schema
-inference takes defaults of int, float, bool and None only. The optional
+String choices (sums, plan) have no defaults: PyTorch 2.4's schema
+inference takes defaults of int, float, bool and None only. Pass the
+defaults of dsa_decode.ops (the first name of HEAD_GEMV_SUMS and
+ATTENTION_PLANS: "tensor-cores" and "auto", the fastest paths within the
+numerics contract) unless you need an opt-in ("seed-order" sums, the
+"batch-invariant" plan). The optional
 tensors (error_count, split_partials, topk_positions) have none either: pass
 None. PyTorch bumps the version of every written argument by its position,
 so a written argument left to its default is out of range (IndexError,
@@ -129,8 +133,8 @@ def qkv_rmsnorm(qkv: Tensor, q_weight: Tensor, kv_weight: Tensor, eps: float, q_
     """Both RMSNorms of the a-projection in one launch (dsa_decode.qkv_rmsnorm).
 
     qkv [m, Q + L] BF16 (dim 1 contiguous, row pitch a multiple of 8),
-    q_weight [Q] and kv_weight [L] BF16, eps >= 0; writes q_out [m, Q] and
-    kv_out [m, L] BF16, contiguous."""
+    q_weight [Q] and kv_weight [L] BF16, eps finite and > 0; writes q_out
+    [m, Q] and kv_out [m, L] BF16, contiguous."""
     _qkv_rmsnorm(qkv, q_weight, kv_weight, eps, q_out, kv_out)
 
 
@@ -166,7 +170,8 @@ def head_gemv(
     The value-up: x = latent [m, H, L] BF16, weight = W_UV [H, L, V] BF16
     (V contiguous), out [m, H, V] BF16, scale None. Or an FP8 absorb
     without the cache write: out [m, H, J] float8_e4m3fn (or its uint8
-    view) quantized by scale [1] f32. sums: "seed-order" or "tensor-cores"."""
+    view) quantized by scale [1] f32. sums: "tensor-cores" (the fastest,
+    within the contract's bound) or "seed-order" (bitwise the CPU reference)."""
     _head_gemv(
         x,
         weight,
@@ -207,7 +212,8 @@ def head_gemv_absorb(
     f32 into cache [blocks, block_size, L] float8_e4m3fn (or uint8) at
     slot_mapping [n] int64 (negative, or t >= n: skipped; past the cache:
     skipped and counted in error_count [1] int32 when given). sums:
-    "seed-order" or "tensor-cores"."""
+    "tensor-cores" (the fastest, within the contract's bound) or
+    "seed-order" (bitwise the CPU reference)."""
     write = KvCacheWrite(kv=cache_kv, cache=cache, slot_mapping=slot_mapping, k_scale=k_scale, error_count=error_count)
     _head_gemv(
         x,
@@ -254,7 +260,7 @@ def sparse_mla(
     lse: Tensor,
     split_counters: Tensor,
     split_partials: Optional[Tensor],
-    splits: str,
+    plan: str,
     error_count: Optional[Tensor],
 ) -> None:
     """Sparse MLA decode attention over the selected KV-cache entries (dsa_decode.sparse_mla).
@@ -267,8 +273,8 @@ def sparse_mla(
     [dsa_decode.sparse_mla_split_counter_count(m, H, K)] int32, zero before
     the first launch and left zero by each; split_partials
     [dsa_decode.sparse_mla_split_partials_count(m, H, K)] f32, or None when
-    that count is 0. splits: "latency", "throughput", "by-batch" or
-    "whole-row"."""
+    that count is 0. plan: "auto" (the fastest for this m; a token's bits
+    may depend on its batch) or "batch-invariant"."""
     _sparse_mla(
         q,
         q_scale,
@@ -280,7 +286,7 @@ def sparse_mla(
         lse,
         split_counters,
         split_partials,
-        splits=splits,
+        plan=plan,
         error_count=error_count,
     )
 
@@ -297,7 +303,7 @@ def _sparse_mla_fake(
     lse,
     split_counters,
     split_partials,
-    splits,
+    plan,
     error_count,
 ):
     return None

@@ -30,6 +30,7 @@ compiled whole would call torch.ops.dsa_decode.stage_forward instead
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
@@ -373,6 +374,16 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
         return None
 
 
+def vllm_batch_invariant() -> bool:
+    """vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT set to a nonzero
+    integer, read as vLLM reads it): the plan install() takes when given
+    none turns the stage's batch_invariant switch on with it."""
+    try:
+        return int(os.environ.get("VLLM_BATCH_INVARIANT", "0")) != 0
+    except ValueError:
+        return False
+
+
 class DsaStageAdapter:
     """A dsa_decode.Stage installed as a vLLM MLA wrapper's forward (the
     seed's DsaAttentionStage, running this library's stage). Create it with
@@ -398,6 +409,8 @@ class DsaStageAdapter:
         self.wrapper, self.attention, self.impl = w, mla, impl
         self.config, self.weights = config, weights
         self.step_inputs = step_inputs if step_inputs is not None else vllm_step_inputs
+        if plan is None:
+            plan = StagePlan(batch_invariant=vllm_batch_invariant())
         # Created before the forward is swapped: a stage that cannot be made
         # leaves the wrapper as it was.
         self.stage = stage_factory(config, weights, plan)
@@ -488,8 +501,10 @@ def install(
     was. The weights are used in place (W_UV too, without the seed's copy),
     so they must stay where they are while the stage lives.
 
-    plan: the dsa_decode.StagePlan (None: the defaults, max_tokens 16);
-    the stage allocates its workspace now (call install outside a capture).
+    plan: the dsa_decode.StagePlan (None: the defaults, the fastest paths
+    within the numerics contract, max_tokens 16, with batch_invariant on
+    when vLLM runs batch invariant: vllm_batch_invariant()); the stage
+    allocates its workspace now (call install outside a capture).
     step_inputs: where each step's engine tensors come from (None:
     vllm_step_inputs, vLLM's forward context); it answers None for a step
     that must run stock. stage_factory: what creates the stage from (config,
@@ -508,5 +523,6 @@ __all__ = [
     "WEIGHT_ATTRIBUTES",
     "install",
     "read_layer",
+    "vllm_batch_invariant",
     "vllm_step_inputs",
 ]

@@ -2,6 +2,11 @@
 errors surfacing from the C++ checks, and the bound CPU references against
 float64 NumPy. No GPU and no PyTorch needed (CI runs these)."""
 
+import dataclasses
+import inspect
+import math
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -33,6 +38,32 @@ def test_imports_without_torch_and_exposes_the_api():
     assert issubclass(dd.InvalidArgument, ValueError)
     assert issubclass(dd.Unsupported, NotImplementedError)
     assert issubclass(dd.CudaError, RuntimeError)
+
+
+def test_choices_come_from_the_cpp_tables_default_first():
+    # include/dsa_decode/choices.h: one list each, the default first.
+    assert dd.HEAD_GEMV_SUMS == ("tensor-cores", "seed-order")
+    assert dd.INDEXER_LOGITS == ("fp32-accumulation", "exact")
+    assert dd.ATTENTION_PLANS == ("auto", "batch-invariant")
+    assert not hasattr(dd, "ATTENTION_SPLITS")
+
+
+def test_every_default_is_the_tables_first_choice():
+    """Contract v2: the defaults are the fastest paths; batch invariance is one opt-in switch."""
+    assert inspect.signature(dd.head_gemv).parameters["sums"].default == dd.HEAD_GEMV_SUMS[0]
+    assert inspect.signature(dd.sparse_mla).parameters["plan"].default == dd.ATTENTION_PLANS[0]
+    assert dd.IndexerPlan().logits == dd.INDEXER_LOGITS[0]
+    plan = dd.StagePlan()
+    assert plan.batch_invariant is False
+    assert (plan.head_gemv_sums, plan.indexer_logits, plan.attention_plan) == (
+        dd.HEAD_GEMV_SUMS[0],
+        dd.INDEXER_LOGITS[0],
+        dd.ATTENTION_PLANS[0],
+    )
+    assert plan.indexer_plan().logits == dd.INDEXER_LOGITS[0]
+    assert dd.StagePlan(batch_invariant=True).batch_invariant
+    fields = {f.name for f in dataclasses.fields(dd.StagePlan)}
+    assert "stock_select_fused" not in fields and "attention_splits" not in fields
 
 
 # --- DLPack round trips -----------------------------------------------------
@@ -90,9 +121,13 @@ def test_dlpack_refuses_what_the_library_cannot_name():
 # --- errors from the C++ checks -----------------------------------------------
 
 
+def norm_arrays(q_size=1536, kv_size=512, width=None, dtype=np.float32):
+    qkv = np.zeros((1, width if width is not None else q_size + kv_size), dtype=dtype)
+    return qkv, np.zeros(q_size, dtype=dtype), np.zeros(kv_size, dtype=dtype)
+
+
 def test_kernel_argument_errors_name_the_argument():
-    qkv = np.zeros((1, 2048), dtype=np.float32)
-    q_weight, kv_weight = np.zeros(1536, dtype=np.float32), np.zeros(512, dtype=np.float32)
+    qkv, q_weight, kv_weight = norm_arrays()
     q_out, kv_out = np.zeros((1, 1536), dtype=np.float32), np.zeros((1, 512), dtype=np.float32)
     with pytest.raises(dd.InvalidArgument) as error:
         dd.qkv_rmsnorm(qkv, q_weight, kv_weight, 1e-6, q_out, kv_out)
@@ -100,23 +135,97 @@ def test_kernel_argument_errors_name_the_argument():
     assert "f32[1, 2048]" in str(error.value)
 
 
+def test_a_bad_norm_weight_is_blamed_not_qkv():
+    """qkv [1, 2048] and both outputs agree on 1536 + 512 columns: a q_weight
+    (or kv_weight) of another size is the wrong argument, and is named."""
+    qkv, _, kv_weight = norm_arrays()
+    q_out, kv_out = np.zeros((1, 1536), dtype=np.float32), np.zeros((1, 512), dtype=np.float32)
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'q_weight': expected \[1536\].*got float32\[1000\]"):
+        dd.qkv_rmsnorm(qkv, np.zeros(1000, dtype=np.float32), kv_weight, 1e-6, q_out, kv_out)
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'kv_weight': expected \[512\].*got float32\[500\]"):
+        dd.qkv_rmsnorm(qkv, np.zeros(1536, dtype=np.float32), np.zeros(500, dtype=np.float32), 1e-6, q_out, kv_out)
+    # The reference has no outputs to tell which weight splits qkv wrongly: it names both, never qkv.
+    qkv, q_weight, kv_weight = norm_arrays(dtype=np.uint16)
+    with pytest.raises(dd.InvalidArgument) as error:
+        dd.reference.qkv_rmsnorm(qkv, np.zeros(1000, dtype=np.uint16), kv_weight, 1e-6)
+    message = str(error.value)
+    assert message.startswith("invalid argument: argument 'q_weight, kv_weight': expected"), message
+    assert "2048, qkv's columns" in message and "uint16[1000] strides [1] on cpu" in message, message
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-6, math.nan, math.inf, 1e-50])
+def test_nonsense_epsilons_are_refused_early(eps):
+    """eps must be finite and > 0 as a float (1e-50 underflows to 0), in every
+    place that takes one: the kernel, its reference, the presets' config and
+    LayerConfig at construction."""
+    qkv, q_weight, kv_weight = norm_arrays(dtype=np.uint16)
+    match = "argument '{}': expected a finite value > 0"
+    with pytest.raises(dd.InvalidArgument, match=match.format("eps")):
+        dd.qkv_rmsnorm(qkv, q_weight, kv_weight, eps, qkv, qkv)
+    with pytest.raises(dd.InvalidArgument, match=match.format("eps")):
+        dd.reference.qkv_rmsnorm(qkv, q_weight, kv_weight, eps)
+    with pytest.raises(dd.InvalidArgument, match=match.format("rms_norm_eps")):
+        dd.layer_config("glm5next", rms_norm_eps=eps)
+    fields = dataclasses.asdict(dd.layer_config("glm5next", tp=8))
+    with pytest.raises(dd.InvalidArgument, match=match.format("rms_norm_eps")):
+        dd.LayerConfig(**dict(fields, rms_norm_eps=eps))
+
+
 def test_choices_are_checked_by_name():
     x = np.zeros((1, 1, 8), dtype=np.uint8)
-    with pytest.raises(dd.InvalidArgument, match="argument 'sums': expected one of seed-order, tensor-cores, got 'x'"):
+    with pytest.raises(dd.InvalidArgument, match="argument 'sums': expected tensor-cores or seed-order, got 'x'"):
         dd.head_gemv(x, x, x, sums="x")
-    with pytest.raises(dd.InvalidArgument, match="argument 'splits'.*latency, throughput, by-batch, whole-row"):
-        dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, splits="fast")
+    with pytest.raises(dd.InvalidArgument, match="argument 'plan': expected auto or batch-invariant, got 'fast'"):
+        dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, plan="fast")
+    for gone in ("latency", "throughput", "by-batch", "whole-row"):  # contract v1's plans
+        with pytest.raises(dd.InvalidArgument, match=f"argument 'plan'.*got '{gone}'"):
+            dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, plan=gone)
     with pytest.raises(TypeError, match="argument 'stream'"):
         dd.linear_gemv(x, x, x, stream=object())
 
 
+def test_dtype_errors_name_the_dtypes_and_show_shape_and_strides():
+    x, weight = np.zeros((3, 256), dtype=np.float32), np.zeros((40, 256), dtype=np.uint16)
+    with pytest.raises(dd.InvalidArgument) as error:
+        dd.reference.linear_gemv(x, weight)
+    assert str(error.value) == (
+        "invalid argument: argument 'x': expected uint16 (BF16 bits), got float32[3, 256] strides [256, 1] on cpu"
+    )
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'array'.*got float64\[3\] strides \[1\] on cpu"):
+        dd.describe(np.zeros(3, dtype=np.float64))
+    with pytest.raises(dd.InvalidArgument, match=r"FP8 e4m3.*got float32\[3\] strides \[1\] on cpu"):
+        dd.describe(np.zeros(3, dtype=np.float32), fp8=True)
+    transposed = np.zeros((256, 40), dtype=np.uint16).T
+    with pytest.raises(
+        dd.InvalidArgument,
+        match=r"argument 'weight': expected a C-contiguous array, got uint16\[40, 256\] strides \[1, 40\] on cpu",
+    ):
+        dd.reference.linear_gemv(np.zeros((3, 256), dtype=np.uint16), transposed)
+
+
+def test_reference_shape_errors_blame_the_argument_that_disagrees():
+    x = np.zeros((2, 8, 128), dtype=np.uint16)
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'weight': expected \[H, I, J\] with I = 128 \(x's rows\)"):
+        dd.reference.head_gemv(x, np.zeros((8, 64, 512), dtype=np.uint16))
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'weight': expected \[H, I, J\] with H = 8 \(x's heads\)"):
+        dd.reference.head_gemv(x, np.zeros((4, 128, 512), dtype=np.uint16))
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'x': expected \[m, H, I\].*got uint16\[8, 128\]"):
+        dd.reference.head_gemv(x[0], np.zeros((8, 128, 512), dtype=np.uint16))
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'weight': expected \[n, k\] with k = 256 \(x's columns\)"):
+        dd.reference.linear_gemv(np.zeros((3, 256), dtype=np.uint16), np.zeros((40, 128), dtype=np.uint16))
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'kv_weight': expected \[kv_size\]"):
+        dd.reference.qkv_rmsnorm(*norm_arrays(dtype=np.uint16)[:2], np.zeros((1, 512), dtype=np.uint16), 1e-6)
+
+
 def test_error_counters_must_be_device_words():
     x = np.zeros((1, 1, 8), dtype=np.uint8)
-    with pytest.raises(dd.InvalidArgument, match="argument 'error_count': expected an int32 or uint32 counter"):
+    with pytest.raises(
+        dd.InvalidArgument, match=r"argument 'error_count': expected an int32 or uint32 counter, got float32\[1\]"
+    ):
         dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, error_count=np.zeros(1, dtype=np.float32))
     with pytest.raises(dd.InvalidArgument, match="argument 'error_count': expected at least one element"):
         dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, error_count=np.zeros(0, dtype=np.int32))
-    with pytest.raises(dd.InvalidArgument, match="argument 'error_count': expected a CUDA array"):
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'error_count': expected a CUDA array, got int32\[1\].*cpu"):
         dd.sparse_mla(x, x, x, x, x, 1.0, x, x, x, error_count=np.zeros(1, dtype=np.int32))
 
 
@@ -131,14 +240,26 @@ def test_split_buffer_counts_grow_with_m():
     assert dd.sparse_mla_split_partials_count(4, 8, 2176) == 0
 
 
-def test_indexer_plan_workspace_and_its_checks():
+def test_indexer_plan_workspace_and_its_checks_at_construction():
     small = dd.IndexerPlan(max_tokens=1, max_context=32768).workspace_bytes()
     large = dd.IndexerPlan(max_tokens=16, max_context=131072).workspace_bytes()
     assert 0 < small < large
-    with pytest.raises(dd.InvalidArgument, match="ring"):
-        dd.IndexerPlan(ring=5).workspace_bytes()
-    with pytest.raises(dd.InvalidArgument, match="argument 'logits'"):
-        dd.IndexerPlan(logits="fp16").workspace_bytes()
+    assert dd.IndexerPlan(logits="exact").workspace_bytes() == dd.IndexerPlan().workspace_bytes()
+    with pytest.raises(dd.InvalidArgument, match="plan.ring"):
+        dd.IndexerPlan(ring=5)
+    with pytest.raises(dd.InvalidArgument, match="plan.max_tokens"):
+        dd.IndexerPlan(max_tokens=0)
+    with pytest.raises(dd.InvalidArgument, match="argument 'logits': expected fp32-accumulation or exact, got 'fp16'"):
+        dd.IndexerPlan(logits="fp16")
+
+
+def unchecked_plan(**fields):
+    """An IndexerPlan changed after its construction's check (it is frozen:
+    only object.__setattr__ gets past that), as a caller could."""
+    plan = dd.IndexerPlan()
+    for name, value in fields.items():
+        object.__setattr__(plan, name, value)
+    return plan
 
 
 def test_indexer_functions_reach_their_checks_with_the_plan():
@@ -155,11 +276,53 @@ def test_indexer_functions_reach_their_checks_with_the_plan():
     }
     for name, call in calls.items():
         with pytest.raises(dd.InvalidArgument, match="plan.ring"):
-            call(dd.IndexerPlan(ring=5))
+            call(unchecked_plan(ring=5))
         with pytest.raises(dd.InvalidArgument, match="argument '"):
             call(dd.IndexerPlan())
         with pytest.raises(dd.InvalidArgument, match="argument 'logits'"):
-            call(dd.IndexerPlan(logits="fp16"))
+            call(unchecked_plan(logits="fp16"))
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(max_tokens=0), r"argument 'max_tokens': expected 1..16 tokens a step, got 0"),
+        (dict(max_tokens=17), r"argument 'max_tokens': expected 1..16 tokens a step, got 17"),
+        (dict(attention_plan="latency"), r"argument 'attention_plan': expected auto or batch-invariant, got 'latency'"),
+        (dict(head_gemv_sums="fast"), r"argument 'head_gemv_sums': expected tensor-cores or seed-order, got 'fast'"),
+        (dict(indexer_logits="fp16"), r"argument 'indexer_logits': expected fp32-accumulation or exact, got 'fp16'"),
+        (dict(value_up_tokens={0, 1}), r"argument 'value_up_tokens': expected token counts in 1..16, got 0"),
+        (dict(projection_gemv_tokens=[9]), r"argument 'projection_gemv_tokens': expected token counts in 1..8, got 9"),
+        (dict(ring=5), r"argument 'plan.ring'"),
+        (dict(block_size=100), r"argument 'plan.block_size'"),
+        (dict(max_context=0), r"argument 'plan.max_context'"),
+        (dict(max_tokens="4"), r"argument 'max_tokens': expected an int, got '4'"),
+        (dict(batch_invariant="yes"), r"argument 'batch_invariant': expected True or False, got 'yes'"),
+        (dict(value_up_tokens=3), r"argument 'value_up_tokens': expected None or a set of token counts, got 3"),
+        (dict(attention_plan=None), r"argument 'attention_plan': expected a str, got None"),
+    ],
+)
+def test_stage_plan_refuses_nonsense_at_construction(fields, match):
+    with pytest.raises(dd.InvalidArgument, match=match):
+        dd.StagePlan(**fields)
+
+
+def test_stage_plan_takes_its_choices_and_is_checked_again_by_the_stage():
+    plan = dd.StagePlan(
+        max_tokens=4,
+        batch_invariant=True,
+        head_gemv_sums="seed-order",
+        indexer_logits="exact",
+        attention_plan="batch-invariant",
+        value_up_tokens=[1, 2],
+        projection_gemv_tokens=range(1, 3),
+    )
+    assert plan.indexer_plan() == dd.IndexerPlan(max_tokens=4, logits="exact")
+    with pytest.raises(TypeError):
+        dd.StagePlan(stock_select_fused=True)  # gone: the stock path always runs the fused path's select
+    plan.max_tokens = 0  # changed after construction: the stage names it before anything else
+    with pytest.raises(dd.InvalidArgument, match="argument 'max_tokens'"):
+        dd.Stage(dd.layer_config("glm5next", tp=8), {}, plan)
 
 
 def test_layer_config_of_the_presets():
@@ -237,5 +400,15 @@ def test_reference_head_gemv_bf16_and_fp8_outputs():
     codes = dd.reference.head_gemv(x, weight, fp8_scale=0.01)
     assert codes.dtype == np.uint8 and codes.shape == (2, 8, 512)
     assert not np.any((codes & 0x7F) == 0x7F)  # saturating: no NaN codes
-    with pytest.raises(dd.InvalidArgument, match="argument 'x, weight'"):
+    with pytest.raises(dd.InvalidArgument, match="argument 'weight': expected"):
         dd.reference.head_gemv(x, weight[:, :64])
+
+
+def test_numpy_is_a_runtime_dependency():
+    """dsa_decode.reference returns NumPy arrays, so the package requires NumPy."""
+    tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs Python 3.11's tomllib")
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    with open(pyproject, "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert any(requirement.split(">")[0].split("=")[0].strip() == "numpy" for requirement in project["dependencies"])
+    assert isinstance(dd.reference.linear_gemv(np.zeros((1, 8), np.uint16), np.zeros((2, 8), np.uint16)), np.ndarray)

@@ -83,14 +83,14 @@ def test_fake_implementations_take_meta_tensors():
     assert OPS.qkv_rmsnorm(meta(m, Q + L), meta(Q), meta(L), 1e-6, q_out, kv_out) is None
     assert q_out.shape == (m, Q) and kv_out.shape == (m, L)
     assert OPS.linear_gemv(meta(m, 64), meta(32, 64), meta(m, 32)) is None
-    assert OPS.head_gemv(meta(m, H, L), meta(H, L, V), meta(m, H, V), None, "seed-order") is None
+    assert OPS.head_gemv(meta(m, H, L), meta(H, L, V), meta(m, H, V), None, "tensor-cores") is None
     absorb_out = meta(m, H, L, dtype=torch.float8_e4m3fn)
     scale = meta(1, dtype=torch.float32)
     cache = meta(4, 256, L, dtype=torch.float8_e4m3fn)
     slots = meta(m, dtype=torch.int64)
     assert (
         OPS.head_gemv_absorb(
-            meta(m, H, P), meta(H, P, L), absorb_out, scale, meta(m, L), cache, slots, scale, "seed-order", None
+            meta(m, H, P), meta(H, P, L), absorb_out, scale, meta(m, L), cache, slots, scale, "tensor-cores", None
         )
         is None
     )
@@ -107,7 +107,7 @@ def test_fake_implementations_take_meta_tensors():
             meta(m, H, dtype=torch.float32),
             meta(m * H, dtype=torch.int32),
             None,
-            "latency",
+            "auto",
             None,
         )
         is None
@@ -218,7 +218,7 @@ def test_head_gemv_absorb_op_gives_the_binding_bits_and_cache_bytes(generator, m
     )
     got = run(
         lambda out, cache, errors: OPS.head_gemv_absorb(
-            q, w_uk_t, out, scale, kv_c, cache, slot_mapping, k_scale, "seed-order", errors
+            q, w_uk_t, out, scale, kv_c, cache, slot_mapping, k_scale, dd.HEAD_GEMV_SUMS[0], errors
         )
     )
     for name, a, b in zip(("out", "cache", "error_count"), got, expected):
@@ -227,8 +227,9 @@ def test_head_gemv_absorb_op_gives_the_binding_bits_and_cache_bytes(generator, m
 
 
 @requires_hopper
+@pytest.mark.parametrize("plan", dd.ATTENTION_PLANS)
 @pytest.mark.parametrize("heads", [8, 64])
-def test_sparse_mla_op_gives_the_binding_bits(generator, heads):
+def test_sparse_mla_op_gives_the_binding_bits(generator, heads, plan):
     m, top_k, blocks = 2, 2176, 8
     q = fp8_codes(generator, m, heads, L)
     kv_cache = fp8_codes(generator, blocks, 256, L)
@@ -252,12 +253,23 @@ def test_sparse_mla_op_gives_the_binding_bits(generator, heads):
     softmax_scale = P**-0.5
     expected = run(
         lambda latent, lse, counters, partials, errors: dd.sparse_mla(
-            q, q_scale, kv_cache, k_scale, indices, softmax_scale, latent, lse, counters, partials, error_count=errors
+            q,
+            q_scale,
+            kv_cache,
+            k_scale,
+            indices,
+            softmax_scale,
+            latent,
+            lse,
+            counters,
+            partials,
+            plan=plan,
+            error_count=errors,
         )
     )
     got = run(
         lambda latent, lse, counters, partials, errors: OPS.sparse_mla(
-            q, q_scale, kv_cache, k_scale, indices, softmax_scale, latent, lse, counters, partials, "latency", errors
+            q, q_scale, kv_cache, k_scale, indices, softmax_scale, latent, lse, counters, partials, plan, errors
         )
     )
     for name, a, b in zip(("latent", "lse", "split_counters", "error_count"), got, expected):

@@ -329,6 +329,25 @@ def test_a_module_without_the_mla_parts_is_refused():
 # --- install and uninstall -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("value, invariant", [(None, False), ("0", False), ("1", True), ("2", True), ("yes", False)])
+def test_install_without_a_plan_follows_vllms_batch_invariant_mode(monkeypatch, value, invariant):
+    """No plan: the defaults (the fastest paths), with the stage's one
+    batch-invariance switch on where vLLM runs batch invariant
+    (VLLM_BATCH_INVARIANT, read as vLLM reads it)."""
+    if value is None:
+        monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_BATCH_INVARIANT", value)
+    assert adapter_module.vllm_batch_invariant() is invariant
+    adapter = install_fake()
+    assert adapter.stage.plan == StagePlan(batch_invariant=invariant)
+    adapter.uninstall()
+    # A plan given is taken as it is.
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    plan = StagePlan(max_context=4096)
+    assert install_fake(plan=plan).stage.plan is plan
+
+
 def test_install_creates_the_stage_and_swaps_the_forward():
     attention = fake_attention(fake_weights())
     wrapper = attention.mla_attn
