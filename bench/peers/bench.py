@@ -145,9 +145,9 @@ def model1_cache(kv_codes: torch.Tensor) -> torch.Tensor:
 def attention_reference(inp, rotation: int = 0):
     """float64 latent [m, H, 512] and lse [m, H] of rotation `rotation`."""
     q = inp["q"].double() * QK_SCALE
-    kv = inp["kv"].view(-1, LATENT)
+    kv = inp["kv"].view(torch.uint8).view(-1, LATENT)  # gathered as bytes (no float8 indexing kernels)
     idx = inp["idx"][rotation].long()
-    k = kv[idx].double() * QK_SCALE  # [m, K, 512]
+    k = kv[idx].view(torch.float8_e4m3fn).double() * QK_SCALE  # [m, K, 512]
     s = torch.einsum("mhd,mkd->mhk", q, k) * SOFTMAX_SCALE
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
@@ -200,9 +200,10 @@ def run_attention(args, dsa, flashmla, flashmla_error, commits, rows_out):
                     e_lat, e_lse = latent_error(ours_latent, ref_latent), float((ours_lse.double() - ref_lse).abs().max())
                     row["check_ours"] = {"latent_rel": e_lat, "lse_abs": e_lse}
                     if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
-                        raise RuntimeError(f"ours fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}")
-                    row["us"] = time_graph(ours, inp["rotations"], args.replays)
-                    row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
+                        row["error"] = f"ours fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}"
+                    else:
+                        row["us"] = time_graph(ours, inp["rotations"], args.replays)
+                        row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
                 if flashmla is None:
                     row["baseline_error"] = flashmla_error or "FlashMLA not loaded"
                 else:
@@ -291,7 +292,7 @@ def indexer_reference(inp, rotation: int = 0):
     """float64 logits [m, pools] of rotation `rotation` and their rounding bound (indexer.h step 6)."""
     m, n = inp["m"], inp["pools"]
     kc = inp["k_cache"]
-    codes = kc[:, : PAGE_POOLS * 128].view(torch.float8_e4m3fn).view(-1, PAGE_POOLS, 128)
+    codes = kc[:, : PAGE_POOLS * 128].view(-1, PAGE_POOLS, 128)  # bytes; e4m3 after the gather
     scales = kc[:, PAGE_POOLS * 128 :].contiguous().view(torch.float32).view(-1, PAGE_POOLS)
     p = torch.arange(n, device="cuda")
     q = inp["q"].double()
@@ -299,7 +300,7 @@ def indexer_reference(inp, rotation: int = 0):
     bound = torch.empty_like(ref)
     for t in range(m):
         blk = inp["tables"][rotation, t, p // PAGE_POOLS].long()
-        k = codes[blk, p % PAGE_POOLS].double()  # [n, 128]
+        k = codes[blk, p % PAGE_POOLS].view(torch.float8_e4m3fn).double()  # [n, 128]
         ks = scales[blk, p % PAGE_POOLS].double()
         dots = q[t] @ k.T  # [32, n]
         absdots = q[t].abs() @ k.abs().T
@@ -383,13 +384,14 @@ def run_indexer(args, dsa, dg, dg_error, vt, vt_error, commits, rows_out):
                         "logits_rel": float(((ours_logits - ref).abs() / bound.clamp_min(1e-30)).max()),
                         "set_diff_vs_reference": d, "non_tie_diffs": bad,
                     }
-                    if bad:
-                        raise RuntimeError(f"ours: {bad} selected pools differ from the reference's beyond near-ties")
 
                     def ours(i):
                         ops.indexer_select(plan, positions, requests, states[i % inp["rotations"]], ws, slots)
 
-                    row["us"] = time_graph(ours, inp["rotations"], args.replays)
+                    if bad:
+                        row["error"] = f"ours: {bad} selected pools differ from the reference's beyond near-ties"
+                    else:
+                        row["us"] = time_graph(ours, inp["rotations"], args.replays)
                 if dg is None or vt is None:
                     row["baseline_error"] = dg_error or vt_error or "peer not loaded"
                 else:

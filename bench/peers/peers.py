@@ -336,30 +336,35 @@ def build_listing() -> dict[str, int]:
 
 
 def pack_build(out: Path, before: dict[str, int]) -> list[Path]:
-    """When BUILD changed since `before`: OUT/peers-build-<part>.tar.gz, one per module (with its
-    stamp) and one for DeepGEMM's JIT cache, each unpacking to peers-build/... (into .deps/ here,
-    so that later calls carry and reuse them). Few files: the device tool returns at most 8."""
+    """When BUILD changed since `before`: the changed parts (each module with its stamp, and
+    DeepGEMM's JIT cache) as OUT/peers-build.tar.gz, unpacking to peers-build/... (into .deps/
+    here, so that later calls carry and reuse them); split into OUT/peers-build-<part>.tar.gz
+    when one file would pass the device tool's 16 MB a file. Few files: it returns at most 8."""
     now = build_listing()
     if now == before:
         return []
     out.mkdir(parents=True, exist_ok=True)
     parts: dict[str, list[str]] = {}
     for rel in now:
+        if rel.startswith("deepgemm-jit/tmp/"):
+            continue
         top = rel.split("/")[0]
         key = "deepgemm-jit" if top == "deepgemm-jit" else top.split(".")[0]
         parts.setdefault(key, []).append(rel)
-    written = []
-    for key, files in sorted(parts.items()):
-        if all(before.get(f) == now[f] for f in files):
-            continue
-        path = out / f"peers-build-{key}.tar.gz"
+    changed = {k: v for k, v in parts.items() if any(before.get(f) != now[f] for f in v)}
+
+    def write(path: Path, keys) -> Path:
         with tarfile.open(path, "w:gz") as tar:
-            for rel in sorted(files):
-                if "/tmp/" in f"/{rel}":
-                    continue
-                tar.add(BUILD / rel, arcname=f"peers-build/{rel}")
-        written.append(path)
-    return written
+            for key in keys:
+                for rel in sorted(changed[key]):
+                    tar.add(BUILD / rel, arcname=f"peers-build/{rel}")
+        return path
+
+    one = write(out / "peers-build.tar.gz", sorted(changed))
+    if one.stat().st_size <= 15 * 2**20:
+        return [one]
+    one.unlink()
+    return [write(out / f"peers-build-{key}.tar.gz", [key]) for key in sorted(changed)]
 
 
 if __name__ == "__main__":
