@@ -1,6 +1,7 @@
 #include "dsa_decode/tensor.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 namespace dsa {
@@ -35,9 +36,17 @@ const char* dtype_name(DType dtype) {
 // may claim more; the checks reject such a view, and nothing here reads past it.
 static int valid_dims(const TensorView& t) { return std::clamp(t.ndim, 0, kMaxDims); }
 
+// Saturating products: a hand-filled view's sizes may overflow int64 (the
+// checks reject such a view; nothing here may be undefined on the way).
+static int64_t saturating_mul(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) return ((a < 0) != (b < 0)) ? INT64_MIN : INT64_MAX;
+  return r;
+}
+
 int64_t TensorView::numel() const {
   int64_t n = 1;
-  for (int d = 0; d < valid_dims(*this); ++d) n *= shape[d];
+  for (int d = 0; d < valid_dims(*this); ++d) n = saturating_mul(n, shape[d]);
   return n;
 }
 
@@ -45,16 +54,49 @@ bool TensorView::is_contiguous() const {
   int64_t expected = 1;
   for (int d = valid_dims(*this) - 1; d >= 0; --d) {
     if (shape[d] != 1 && strides[d] != expected) return false;
-    expected *= shape[d];
+    expected = saturating_mul(expected, shape[d]);
   }
   return true;
 }
 
+// Element offsets [*low, *high] of the first and last addressable elements
+// (negative strides reach below data); false when the view is empty, has a
+// negative size or an offset overflows int64.
+static bool element_extent(const TensorView& t, int64_t* low, int64_t* high) {
+  *low = *high = 0;
+  for (int d = 0; d < valid_dims(t); ++d) {
+    if (t.shape[d] <= 0) return false;
+  }
+  for (int d = 0; d < valid_dims(t); ++d) {
+    int64_t reach;
+    if (__builtin_mul_overflow(t.shape[d] - 1, t.strides[d], &reach)) return false;
+    if (__builtin_add_overflow(reach < 0 ? *low : *high, reach, reach < 0 ? low : high)) return false;
+  }
+  return true;
+}
+
+// Byte addresses [*begin, *end) the view can touch; false when they overflow
+// or leave [0, 2^63).
+static bool byte_extent(const TensorView& t, uint64_t* begin, uint64_t* end) {
+  int64_t low, high;
+  if (!element_extent(t, &low, &high)) return false;
+  const auto size = static_cast<int64_t>(dtype_size(t.dtype));
+  int64_t low_bytes, high_bytes;
+  if (__builtin_mul_overflow(low, size, &low_bytes) || __builtin_mul_overflow(high + 1, size, &high_bytes)) return false;
+  const auto base = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data) & (uint64_t{INT64_MAX}));
+  if (reinterpret_cast<uintptr_t>(t.data) > uint64_t{INT64_MAX}) return false;
+  int64_t first, last;
+  if (__builtin_add_overflow(base, low_bytes, &first) || __builtin_add_overflow(base, high_bytes, &last)) return false;
+  if (first < 0) return false;
+  *begin = static_cast<uint64_t>(first);
+  *end = static_cast<uint64_t>(last);
+  return true;
+}
+
 int64_t TensorView::span_elements() const {
-  if (numel() == 0) return 0;
-  int64_t span = 1;
-  for (int d = 0; d < valid_dims(*this); ++d) span += (shape[d] - 1) * strides[d];
-  return span;
+  int64_t low, high;
+  if (!element_extent(*this, &low, &high)) return 0;
+  return high - low + 1;
 }
 
 static std::string join(const int64_t* values, int n) {
@@ -119,6 +161,12 @@ Status check_present(const TensorView& t, const char* name) {
   for (int d = 0; d < t.ndim; ++d) {
     if (t.shape[d] < 0) return invalid_argument(name, "non-negative sizes", t.describe());
   }
+  // Sizes and strides whose byte range overflows int64 or wraps the address
+  // space: no kernel's offset arithmetic may take them (an empty view addresses nothing).
+  uint64_t begin, end;
+  if (t.numel() != 0 && !byte_extent(t, &begin, &end)) {
+    return invalid_argument(name, "sizes and strides whose byte range fits in 63 bits", t.describe());
+  }
   return Status();
 }
 
@@ -153,9 +201,10 @@ Status check_bf16_rows(const TensorView& t, const char* name, int64_t rows, int6
 
 bool tensors_overlap(const TensorView& a, const TensorView& b) {
   if (a.data == nullptr || b.data == nullptr || a.numel() == 0 || b.numel() == 0) return false;
-  const auto begin_a = reinterpret_cast<uintptr_t>(a.data), begin_b = reinterpret_cast<uintptr_t>(b.data);
-  const uintptr_t end_a = begin_a + a.span_elements() * dtype_size(a.dtype);
-  const uintptr_t end_b = begin_b + b.span_elements() * dtype_size(b.dtype);
+  uint64_t begin_a, end_a, begin_b, end_b;
+  // A view whose range cannot be computed is rejected by check_present; here
+  // it conservatively overlaps everything.
+  if (!byte_extent(a, &begin_a, &end_a) || !byte_extent(b, &begin_b, &end_b)) return true;
   return begin_a < end_b && begin_b < end_a;
 }
 

@@ -364,6 +364,8 @@ Status check_head_gemv(const HeadGemvArgs& a) {
   }
   if (a.sums == HeadGemvSums::kTensorCores) {
     DSA_RETURN_IF_ERROR(check_aligned(a.out, "out", 8));  // its epilogue stores four columns at once
+  } else {
+    DSA_RETURN_IF_ERROR(check_aligned(a.out, "out", dtype_size(a.out.dtype)));  // one value per store
   }
   DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.x, "x"));
   DSA_RETURN_IF_ERROR(check_no_overlap(a.out, "out", a.weight, "weight"));

@@ -15,6 +15,14 @@ std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".."
 
 int64_t round_up(int64_t value, int64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
+// Tokens a block table of `width` blocks holds, saturating: a width near
+// 2^62 (one request's row may be that wide) must not overflow.
+int64_t table_token_limit(int64_t width, int64_t block_size) {
+  int64_t tokens;
+  if (width < 0) return 0;
+  return __builtin_mul_overflow(width, block_size, &tokens) ? INT64_MAX : tokens;
+}
+
 // A contiguous FP32 parameter of the given shape on the device.
 Status check_parameter(const TensorView& t, const char* name, std::initializer_list<int64_t> shape) {
   DSA_RETURN_IF_ERROR(check_dtype(t, name, DType::kF32));
@@ -262,7 +270,7 @@ Status check_indexer_prefill(const IndexerPrefillArgs& a) {
   if (a.request < 0 || a.request >= requests) {
     return invalid_argument("request", range(0, requests - 1) + " (a row of block_table)", std::to_string(a.request));
   }
-  const int64_t table_tokens = a.state.block_table.size(1) * a.plan.block_size;
+  const int64_t table_tokens = table_token_limit(a.state.block_table.size(1), a.plan.block_size);
   if (n > table_tokens) {
     return invalid_argument("index_k", "at most block_table width * block_size = " + std::to_string(table_tokens) +
                                            " tokens",
@@ -309,7 +317,7 @@ Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positi
                            int64_t requests, int64_t block_table_width) {
   DSA_RETURN_IF_ERROR(check_indexer_plan(plan));
   if (m < 1 || m > plan.max_tokens) return invalid_argument("m", range(1, plan.max_tokens), std::to_string(m));
-  const int64_t position_limit = std::min(plan.max_context, block_table_width * plan.block_size);
+  const int64_t position_limit = std::min(plan.max_context, table_token_limit(block_table_width, plan.block_size));
   for (int t = 0; t < m; ++t) {
     const std::string token = "token_requests[" + std::to_string(t) + "]";
     const int32_t request = token_requests[t];

@@ -29,18 +29,35 @@ constexpr int kMaxHeads = 128;
 // A weight view: present, dtype, shape, on CUDA, last dim contiguous, other
 // strides multiples of 8 elements, data aligned (16 bytes; a scale, 4).
 Status check_weight(const TensorView& t, const char* name, DType dtype, std::initializer_list<int64_t> shape,
-                    size_t alignment = 16) {
+                    size_t alignment = 16, bool any_outer_strides = false) {
   DSA_RETURN_IF_ERROR(check_present(t, name));
   DSA_RETURN_IF_ERROR(check_dtype(t, name, dtype));
   DSA_RETURN_IF_ERROR(check_shape(t, name, shape));
   DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
   DSA_RETURN_IF_ERROR(check_aligned(t, name, alignment));
   if (t.ndim >= 1) DSA_RETURN_IF_ERROR(check_stride(t, name, t.ndim - 1, 1));
-  for (int d = 0; d + 1 < t.ndim; ++d) {
+  // Elements spanned by dims d+1..: each outer stride must step past them
+  // (positive, rows and heads not overlapping), as every kernel reads them.
+  int64_t inner = t.ndim >= 1 ? t.size(t.ndim - 1) : 1;
+  for (int d = t.ndim - 2; d >= 0; --d) {
     if (t.size(d) > 1 && t.stride(d) % 8 != 0) {
       return invalid_argument(name, "strides of a multiple of 8 elements but the last (which is 1)", t.describe());
     }
+    if (!any_outer_strides && t.size(d) > 1 && t.stride(d) < inner) {
+      return invalid_argument(name,
+                              "rows and heads that do not overlap: each stride at least the elements its inner "
+                              "dims span (" + std::to_string(inner) + ")",
+                              t.describe());
+    }
+    inner = t.size(d) > 1 ? (t.size(d) - 1) * t.stride(d) + inner : inner;  // check_present bounded the span
   }
+  return Status();
+}
+
+// An FP32 parameter the indexer reads as one contiguous block (indexer.h's k_norm_*, ape).
+Status check_parameter_weight(const TensorView& t, const char* name, std::initializer_list<int64_t> shape) {
+  DSA_RETURN_IF_ERROR(check_weight(t, name, DType::kF32, shape, 4));
+  if (!t.is_contiguous()) return invalid_argument(name, "a contiguous tensor", t.describe());
   return Status();
 }
 
@@ -449,7 +466,8 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   const bool value_up_gemv = plan.batch_invariant ||
                              std::any_of(value_up_tokens.begin(), value_up_tokens.end(),
                                          [&](int m) { return m >= 1 && m <= plan.max_tokens; });
-  const Status uv = check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V});
+  // (cuBLAS's bmm alone: any strides, as before; its own checks answer at the step.)
+  const Status uv = check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V}, 16, !value_up_gemv);
   view(uv.ok() && value_up_gemv ? check_head_gemv_weight(w.w_uv, "w_uv", H, L) : uv);
   view(check_weight(w.o_proj, "o_proj", DType::kBF16, {D, H * V}));
   view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}, 4));
@@ -458,9 +476,9 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   view(check_weight(w.index_wk, "index_wk", DType::kBF16, {kIndexerDim, D}));
   view(check_weight(w.index_weights_proj, "index_weights_proj", DType::kBF16, {kIndexerHeads, D}));
   view(check_weight(w.index_compress_gate, "index_compress_gate", DType::kBF16, {kIndexerDim, D}));
-  view(check_weight(w.index_k_norm_weight, "index_k_norm_weight", DType::kF32, {kIndexerDim}));
-  view(check_weight(w.index_k_norm_bias, "index_k_norm_bias", DType::kF32, {kIndexerDim}));
-  view(check_weight(w.index_ape, "index_ape", DType::kF32, {kIndexerPoolSize, kIndexerDim}));
+  view(check_parameter_weight(w.index_k_norm_weight, "index_k_norm_weight", {kIndexerDim}));
+  view(check_parameter_weight(w.index_k_norm_bias, "index_k_norm_bias", {kIndexerDim}));
+  view(check_parameter_weight(w.index_ape, "index_ape", {kIndexerPoolSize, kIndexerDim}));
   // The plan's kernel choices, named here rather than by a step's first run.
   if (plan.head_gemv_sums != HeadGemvSums::kTensorCores && plan.head_gemv_sums != HeadGemvSums::kSeedOrder) {
     views->push_back(invalid_argument("plan.head_gemv_sums", "HeadGemvSums::kTensorCores (0) or kSeedOrder (1)",
