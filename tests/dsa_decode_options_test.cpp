@@ -253,5 +253,36 @@ TEST(DsaDecodeGpuProbe, AnOldDriverNoDeviceAndOtherErrorsSayWhatTheyAre) {
   EXPECT_EQ(gpu_problem_summary(GpuProblem::kNone), "");
 }
 
+TEST(DsaDecodeOptions, WeightsAndLayer) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--weights", "/ckpt", "--layer", "3"}, &options, &error)) << error;
+  EXPECT_EQ(options.weights, "/ckpt");
+  EXPECT_EQ(options.layer, 3);
+  Options defaults;
+  ASSERT_TRUE(parse({}, &defaults, &error)) << error;
+  EXPECT_TRUE(defaults.weights.empty());
+  EXPECT_EQ(defaults.layer, 0);
+  Options files;
+  ASSERT_TRUE(parse({"--weights=a.safetensors,b.safetensors"}, &files, &error)) << error;
+  EXPECT_EQ(files.weights, "a.safetensors,b.safetensors");
+}
+
+TEST(DsaDecodeOptions, WeightsAndLayerRejections) {
+  Options options;
+  std::string error;
+  EXPECT_FALSE(parse({"--layer", "2"}, &options, &error));
+  EXPECT_EQ(error, "--layer: names a layer of the checkpoint of --weights, and no --weights was given");
+  Options negative;
+  EXPECT_FALSE(parse({"--weights", "/ckpt", "--layer", "-1"}, &negative, &error));
+  EXPECT_EQ(error, "--layer: got '-1', expected an integer from 0 to 9999");
+  Options empty;
+  EXPECT_FALSE(parse({"--weights="}, &empty, &error));
+  EXPECT_EQ(error, "--weights: got '', expected a checkpoint directory or .safetensors files separated by commas");
+  Options missing;
+  EXPECT_FALSE(parse({"--weights"}, &missing, &error));
+  EXPECT_EQ(error, "--weights: missing value, expected a checkpoint directory or .safetensors files separated by commas");
+}
+
 }  // namespace
 }  // namespace dsa::cli

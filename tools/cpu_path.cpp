@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint.h"
 #include "compare.h"
 #include "cpu_checks.h"
 #include "dsa_decode/numerics.h"
@@ -230,8 +231,13 @@ int run_cpu_path(const StepShape& shape, const Options& options, const std::stri
   // reference touches just these.
   const int64_t first_block = s.context / kCacheBlockSize;
   HostCache cache;
-  const double make_ms = timed_ms("making the synthetic layer", [&] {
-    weights = make_weights(s, seed);
+  std::string layer_text;
+  Status loaded;
+  const double weights_ms = timed_ms(options.weights.empty() ? "making the synthetic weights" : "loading the checkpoint",
+                                     [&] { loaded = build_layer_weights(s, options.weights, options.layer, seed, &weights,
+                                                                        &layer_text); });
+  if (!loaded.ok()) return failed(loaded);
+  const double make_ms = weights_ms + timed_ms("making the synthetic inputs and cache", [&] {
     inputs = make_step_inputs(s, seed);
     indexer_history = make_indexer_history(s, seed);
     cache = make_cache(s, weights, seed, first_block, s.cache_blocks() - first_block);
@@ -241,10 +247,10 @@ int run_cpu_path(const StepShape& shape, const Options& options, const std::stri
                     weights.w_uv.size() + weights.o_proj.size() + weights.index_wq_b.size() + weights.index_wk.size() +
                     weights.index_weights_proj.size() + weights.index_compress_gate.size());
   std::printf(
-      "synthetic layer (seed %llu): %.1f MB of BF16 weights (fused_qkv_a_proj [%d, %d], q_b_proj [%lld, %d], "
+      "%s: %.1f MB of BF16 weights (fused_qkv_a_proj [%d, %d], q_b_proj [%lld, %d], "
       "W_UK_T [%d, %d, %d], W_UV [%d, %d, %d], o_proj [%d, %d]; the indexer's wq_b [%d, %d], wk and compress_gate "
-      "[%d, %d], weights_proj [%d, %d]), q_scale = k_scale = %.6g, eps %g, softmax scale %g; made in %.0f ms\n",
-      static_cast<unsigned long long>(seed), weight_mb, s.qkv_width(), s.D, static_cast<long long>(s.q_width()), s.Q,
+      "[%d, %d], weights_proj [%d, %d]), q_scale = k_scale = %.6g, eps %g, softmax scale %g; weights, inputs and cache made in %.0f ms\n",
+      layer_text.c_str(), weight_mb, s.qkv_width(), s.D, static_cast<long long>(s.q_width()), s.Q,
       s.H, s.P, s.L, s.H, s.L, s.V, s.D, s.H * s.V, kIndexerHeads * kIndexerDim, s.Q, kIndexerDim, s.D, kIndexerHeads,
       s.D, weights.q_scale, weights.eps, s.softmax_scale, make_ms);
   std::printf(

@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "checkpoint.h"
 #include "compare.h"
 #include "device_layer.h"
 #include "dsa_decode/choices.h"
@@ -1112,7 +1113,10 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
       "Hopper kernel takes this cache format, so the stock path runs the same sparse_mla after its counter "
       "memset\n");
 
-  const HostWeights weights = make_weights(s, options.seed);
+  HostWeights weights;
+  std::string layer_text;
+  DSA_RETURN_IF_ERROR(build_layer_weights(s, options.weights, options.layer, options.seed, &weights, &layer_text));
+  std::printf("%s\n", layer_text.c_str());
   const HostStepInputs inputs = make_step_inputs(s, options.seed);
   const IndexerTokenRows indexer_history = make_indexer_history(s, options.seed);
   const HostCache cache = make_cache(s, weights, options.seed, 0, s.cache_blocks());
@@ -1139,9 +1143,9 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   const std::string value_up_reason = choose_value_up(options, s.H, s.m).reason;
 
   std::printf(
-      "synthetic layer (seed %llu): %d weight copies of %.1f MB, one stage each; KV cache [%lld, %d, %d] FP8 "
+      "%s: %d weight copies of %.1f MB, one stage each; KV cache [%lld, %d, %d] FP8 "
       "e4m3 per path, new tokens at slots %lld..%lld\n",
-      static_cast<unsigned long long>(options.seed), copies, layer.weight_bytes() / 1e6,
+      options.weights.empty() ? "synthetic layer" : "checkpoint layer", copies, layer.weight_bytes() / 1e6,
       static_cast<long long>(s.cache_blocks()), kCacheBlockSize, s.L, static_cast<long long>(s.context),
       static_cast<long long>(s.context + s.m - 1));
   std::printf("%s\n", s.describe_indexer().c_str());

@@ -72,9 +72,11 @@ void print_usage(FILE* to) {
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
                "                  [--projections KERNEL] [--value-up-tokens LIST] [--head-gemv-sums SUMS]\n"
                "                  [--indexer-projections KERNEL] [--indexer-logits DOTS] [--attention-plan PLAN]\n"
-               "                  [--batch-invariant] [--json FILE] [--trace] [--cpu] [--help]\n"
+               "                  [--batch-invariant] [--weights PATH --layer N] [--json FILE] [--trace] [--cpu]\n"
+               "                  [--help]\n"
                "Runs one decode step of a DSA layer's attention half (hidden states in, o_proj's output\n"
-               "out) on a synthetic layer through the library's stage (DsaAttentionStage), its fused\n"
+               "out) on a synthetic layer (or a checkpoint's, --weights) through the library's stage\n"
+               "(DsaAttentionStage), its fused\n"
                "path and its stock path, checks they agree with each other and with the CPU reference,\n"
                "and times each step, the attention half and the whole stage (CUDA-graph replay, cold L2:\n"
                "one stage per weight copy, rotated).\n"
@@ -88,6 +90,14 @@ void print_usage(FILE* to) {
                "                 N..N+M-1 (default 32768)\n"
                "  --steps N      graph replays per timing, 1..%d (default 200)\n"
                "  --seed N       seed of the synthetic weights and inputs (default 1)\n"
+               "  --weights PATH a Hugging Face checkpoint to take the layer's weights from instead of the\n"
+               "                 synthetic ones: a directory (model.safetensors.index.json, or every\n"
+               "                 .safetensors file in it) or .safetensors files separated by commas; BF16, F32,\n"
+               "                 or F8_E4M3 with 128 x 128 block scales (weight_scale_inv), dequantized to BF16;\n"
+               "                 the heads of rank 0 of --tp, split as vLLM splits them. The inputs and the\n"
+               "                 cache stay the synthetic ones of --seed; prints the load's GB/s\n"
+               "  --layer N      the checkpoint's layer to run (model.layers.N.self_attn.*; default 0; with\n"
+               "                 --weights only)\n"
                "  --projections KERNEL\n"
                "                 the stage's projections: qkv_a_proj (both paths) and the fused path's q_b_proj\n"
                "                 and o_proj (the stock path's stay cuBLASLt): auto (default; linear_gemv, one\n"
@@ -132,8 +142,8 @@ void print_usage(FILE* to) {
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
-               "Both paths end with PASS or FAIL. Exit status: 0 success, 1 a check failed or a CUDA/cuBLAS\n"
-               "call failed, 2 bad command line.\n",
+               "Both paths end with PASS or FAIL. Exit status: 0 success, 1 a check failed, a CUDA/cuBLAS\n"
+               "call failed or the checkpoint of --weights could not be loaded, 2 bad command line.\n",
                preset_names().c_str(), kMaxDecodeTokens, static_cast<long long>(kMaxContext), kMaxSteps,
                kLinearGemvMaxTokens, kMaxDecodeTokens, measured_list(64, HeadGemvSums::kTensorCores).c_str(),
                measured_list(8, HeadGemvSums::kTensorCores).c_str(),
@@ -156,6 +166,8 @@ std::string expected_value(const std::string& option) {
   if (option == "--steps") return range_text(1, kMaxSteps);
   if (option == "--seed") return "an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
   if (option == "--json") return "a file name";
+  if (option == "--weights") return "a checkpoint directory or .safetensors files separated by commas";
+  if (option == "--layer") return range_text(0, kMaxLayer);
   if (option == "--projections") return "auto, gemv or cublaslt";
   if (option == "--indexer-projections") return "gemv or cublaslt";
   if (option == "--indexer-logits") return choice_list(kIndexerLogitsChoices);
@@ -226,6 +238,15 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
   if (option == "--tokens") return parse_integer(option, value, 1, kMaxDecodeTokens, &o->tokens, error);
   if (option == "--context") return parse_integer<int64_t>(option, value, 0, kMaxContext, &o->context, error);
   if (option == "--steps") return parse_integer(option, value, 1, kMaxSteps, &o->steps, error);
+  if (option == "--layer") return parse_integer(option, value, 0, kMaxLayer, &o->layer, error);
+  if (option == "--weights") {
+    if (value.empty() || value.find_first_not_of(',') == std::string::npos) {
+      *error = bad_value(option, value);
+      return false;
+    }
+    o->weights = value;
+    return true;
+  }
   if (option == "--seed") {
     return parse_integer<uint64_t>(option, value, 0, std::numeric_limits<uint64_t>::max(), &o->seed, error);
   }
@@ -308,6 +329,10 @@ bool parse_options(int argc, char** argv, Options* options, std::string* error) 
       *error = "unexpected argument '" + option + "' (every option is --name VALUE)";
       return false;
     }
+  }
+  if (options->given.count("--layer") > 0 && options->weights.empty()) {
+    *error = "--layer: names a layer of the checkpoint of --weights, and no --weights was given";
+    return false;
   }
   return true;
 }

@@ -18,7 +18,12 @@ struct Options {
   int tokens = 4;                // m, decode tokens of the step
   int64_t context = 32768;       // tokens already in the KV cache
   int steps = 200;               // graph replays per timing
-  uint64_t seed = 1;             // of the synthetic layer
+  uint64_t seed = 1;             // of the synthetic layer (and, with --weights, of the inputs and the cache)
+  // --weights: a Hugging Face checkpoint (a directory, or .safetensors files
+  // separated by commas) whose layer --layer the program runs instead of the
+  // synthetic weights (tools/checkpoint.h); empty: the synthetic layer.
+  std::string weights;
+  int layer = 0;                 // --layer: the checkpoint's layer (model.layers.N)
   std::string json_path;         // empty: no JSON report
   // --value-up-tokens: the token counts whose value-up the fused path runs as
   // head_gemv, cuBLAS's bmm otherwise (the stage plan's value_up_tokens, as
@@ -60,7 +65,8 @@ struct Options {
 // initial cache, each run's read-back and the checks' expected cache).
 inline constexpr int64_t kMaxContext = int64_t{1} << 20;
 inline constexpr int kMaxSteps = 10000;
-inline constexpr int kMaxTp = 1024;  // the preset's head count must also divide by it
+inline constexpr int kMaxTp = 1024;
+inline constexpr int kMaxLayer = 9999;  // the preset's head count must also divide by it
 
 void print_usage(FILE* to);
 
