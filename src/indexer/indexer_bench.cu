@@ -1,7 +1,8 @@
 // The indexer's select step (logits + top-512 + expansion + remap) against the
 // straightforward baseline (same logits kernel, CUB segmented radix sort,
-// separate expand and remap kernels), same run, H200: cold L2 (rotated K-cache
-// copies), graph replay. Rows "indexer" with params m, context; m distinct
+// separate expand and remap kernels), same run: cold L2 (rotated K-cache
+// copies), graph replay. Rows "select" (the default plan) and "select (exact
+// logits)" with params m, context; m distinct
 // requests, each with its own pages; inputs with the prepare step's
 // distributions (make_buffers). Rows "indexer projections (cuBLASLt, 4 GEMMs)"
 // with params m, Q, D: indexer_project at glm5next's shapes, weights cold
@@ -274,11 +275,11 @@ Status time_select(const Context& ctx, const Buffers& b, Launch&& launch, double
       ctx, [&](cudaStream_t stream, int i) { return launch(select_args(b, i), stream); }, us, std::max(20, b.copies));
 }
 
-// `launch` with the plan's opt-in FP32-accumulated logits.
+// `launch` with the plan's opt-in exact FP64 logits.
 template <class Launch>
-auto with_fp32_accumulation(Launch launch) {
+auto with_exact_logits(Launch launch) {
   return [launch](IndexerSelectArgs args, cudaStream_t stream) {
-    args.plan.logits = IndexerLogits::kFp32Accumulation;
+    args.plan.logits = IndexerLogits::kExact;
     return launch(args, stream);
   };
 }
@@ -288,45 +289,32 @@ Status run(Context& ctx, Report& report) {
     for (int m : {1, 2, 4, 8, 16}) {
       Buffers b;
       DSA_RETURN_IF_ERROR(make_buffers(ctx, m, context, false, &b));
-      double fused_us = 0, baseline_us = 0;
-      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select, &fused_us));
+      double select_us = 0, baseline_us = 0, exact_us = 0, logits_us = 0;
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select, &select_us));
       DSA_RETURN_IF_ERROR(time_select(
           ctx, b,
           [&](const IndexerSelectArgs& args, cudaStream_t stream) {
             return indexer_select_baseline(args, b.baseline_workspace.get(), b.baseline_bytes, stream);
           },
           &baseline_us));
-      double logits_us = 0;  // the logits kernel alone: the rest of the step is the select
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, with_exact_logits(indexer_select), &exact_us));
       DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select_logits_only, &logits_us));
-      double launch_us = 0;  // the same two launches with empty kernels
-      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select_launch_floor, &launch_us));
       // Floor: each token (its own request) reads its K cache (132 B per pool),
       // q_fp8 and weights, and writes two rows.
       const double pools = double(context / kIndexerPoolSize);
       const double bytes = m * (pools * kIndexerPoolBytes + kIndexerHeads * kIndexerDim + kIndexerHeads * 4.0 +
                                 2.0 * kIndexerRowWidth * 4);
-      Row row{"indexer", {{"m", m}, {"context", double(context)}}, fused_us,
-              "logits + CUB segmented radix sort + expand + remap", baseline_us, floor_us(ctx, bytes)};
-      row.note = "v4.2: exact logits on FP64 tensor cores (DMMA 16x8x16, each K code converted once), 12/10/10-bit radix select over keys staged in shared memory (stops once the 512th key's bin is taken whole), fused expand/remap";
+      const std::vector<std::pair<std::string, double>> params = {{"m", m}, {"context", double(context)}};
+      Row row{"select", params, select_us, "logits + CUB segmented radix sort + expand + remap", baseline_us,
+              floor_us(ctx, bytes)};
+      row.note = "default: FP32-accumulated logits (FP16 tensor cores), radix top-512, fused expand and remap";
       report.add(row);
-      Row logits_row{"indexer logits kernel alone", {{"m", m}, {"context", double(context)}}, logits_us};
-      logits_row.note = "step 6 only (the part of the indexer row that is not the select)";
+      Row exact{"select (exact logits)", params, exact_us, "select", select_us, row.floor_us};
+      exact.note = "opt-in IndexerLogits::kExact: FP64 tensor cores";
+      report.add(exact);
+      Row logits_row{"logits kernel alone", params, logits_us};
+      logits_row.note = "step 6 of the default select only";
       report.add(logits_row);
-      Row launch_row{"launch floor (empty kernels, the indexer's two launches)", {{"m", m}, {"context", double(context)}},
-                     launch_us};
-      launch_row.note = "no work: the logits grid and the select's CTAs and shared memory, with PDL";
-      report.add(launch_row);
-      double fast_us = 0, fast_logits_us = 0;
-      DSA_RETURN_IF_ERROR(time_select(ctx, b, with_fp32_accumulation(indexer_select), &fast_us));
-      DSA_RETURN_IF_ERROR(time_select(ctx, b, with_fp32_accumulation(indexer_select_logits_only), &fast_logits_us));
-      Row fast_row{"indexer (FP32-accumulated logits)", row.params, fast_us, "indexer", fused_us, row.floor_us};
-      fast_row.note =
-          "plan.logits = kFp32Accumulation: each head dot on the FP16 tensor cores (mma 16x8x16, e4m3 -> FP16 exact, "
-          "FP32 accumulators), the same select";
-      report.add(fast_row);
-      Row fast_logits_row{"indexer logits kernel alone (FP32 accumulation)", row.params, fast_logits_us,
-                          "indexer logits kernel alone", logits_us};
-      report.add(fast_logits_row);
     }
     // MTP: one request's token and its draft tokens (dsa-decode's case).
     for (int m : {2, 4}) {
@@ -335,10 +323,10 @@ Status run(Context& ctx, Report& report) {
       double fused_us = 0, logits_us = 0;
       DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select, &fused_us));
       DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select_logits_only, &logits_us));
-      Row row{"indexer (m tokens of one request: drafts)", {{"m", m}, {"context", double(context)}}, fused_us};
+      Row row{"select (m tokens of one request: drafts)", {{"m", m}, {"context", double(context)}}, fused_us};
       row.note = "positions context .. context + m - 1 of request 0";
       report.add(row);
-      Row logits_row{"indexer logits kernel alone (drafts)", {{"m", m}, {"context", double(context)}}, logits_us};
+      Row logits_row{"logits kernel alone (drafts)", {{"m", m}, {"context", double(context)}}, logits_us};
       report.add(logits_row);
     }
   }
