@@ -21,7 +21,7 @@
 #include "dsa_decode/stage.h"
 #include "dsa_decode/status.h"
 #include "dsa_decode/tensor.h"
-#include "harness.h"
+#include "timing.h"
 #include "synthetic_layer.h"
 
 namespace dsa::cli {

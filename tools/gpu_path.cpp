@@ -20,7 +20,7 @@
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/sparse_mla.h"
 #include "dsa_decode/stage.h"
-#include "harness.h"
+#include "timing.h"
 #include "kernel_trace.h"
 #include "linear/linear_reference.h"
 #include "reference_chain.h"

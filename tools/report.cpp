@@ -8,7 +8,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "harness.h"
+#include "timing.h"
 
 namespace dsa::cli {
 
