@@ -113,6 +113,17 @@ TEST(TensorView, RowHelpersTakeAnyStrideForOneRow) {
   EXPECT_NE(s.message().find("4-byte aligned"), std::string::npos) << s.message();
 }
 
+TEST(TensorView, SliceRowsKeepsStridesAndOffsetsTheData) {
+  alignas(16) static uint16_t storage[6 * 10];
+  const TensorView t = make_strided(storage, DType::kBF16, {6, 8}, {10, 1});
+  const TensorView r = slice_rows(t, 2, 3);
+  EXPECT_EQ(r.data, static_cast<void*>(storage + 20));
+  EXPECT_EQ(r.size(0), 3);
+  EXPECT_EQ(r.size(1), 8);
+  EXPECT_EQ(r.stride(0), 10);
+  EXPECT_EQ(r.stride(1), 1);
+}
+
 TEST(Status, ToStringCarriesCodeAndMessage) {
   Status s = invalid_argument("m", "1..16", "17");
   EXPECT_EQ(s.to_string(), "invalid argument: argument 'm': expected 1..16, got 17");

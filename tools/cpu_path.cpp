@@ -18,6 +18,7 @@
 #include "dsa_decode/numerics.h"
 #include "reference_chain.h"
 #include "report.h"
+#include "timing.h"
 
 namespace dsa::cli {
 
@@ -189,16 +190,6 @@ int failed(const Status& status) {
   return kExitFailure;
 }
 
-// Today's date in UTC, YYYY-MM-DD, for the JSON report.
-std::string utc_today() {
-  const std::time_t now = std::time(nullptr);
-  std::tm utc{};
-  gmtime_r(&now, &utc);
-  char text[16];
-  std::strftime(text, sizeof(text), "%Y-%m-%d", &utc);
-  return text;
-}
-
 }  // namespace
 
 int run_cpu_path(const StepShape& shape, const Options& options, const std::string& why_cpu) {
@@ -222,7 +213,7 @@ int run_cpu_path(const StepShape& shape, const Options& options, const std::stri
   report.seed = options.seed;
   const char* commit = std::getenv("DSA_COMMIT");
   report.commit = commit != nullptr && *commit != '\0' ? commit : "unknown";
-  report.date = utc_today();
+  report.date = bench::utc_date();
   const uint64_t seed = options.seed;
   HostWeights weights;
   HostStepInputs inputs;

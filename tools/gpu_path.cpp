@@ -782,14 +782,6 @@ Check check_error_counts(const PathOutputs& fused, const PathOutputs& fused_agai
                        fused.errors, fused_again.errors, stock.errors, prefill));
 }
 
-// Rows [t, t + 1) of a view whose dim 0 is the step's tokens.
-TensorView token_row(const TensorView& v, int64_t t) {
-  TensorView r = v;
-  r.data = static_cast<char*>(v.data) + size_t(t) * size_t(v.stride(0)) * dtype_size(v.dtype);
-  r.shape[0] = 1;
-  return r;
-}
-
 // --batch-invariant: each token of the step alone (m = 1: its rows of every
 // input, the same caches and indexer state, whose writes repeat the batch's)
 // through the fused path gives the out, latent and slots bits it had in the
@@ -802,15 +794,15 @@ Status check_tokens_alone(const StepShape& s, DsaAttentionStage& stage, const De
   std::string first;
   for (int t = 0; t < s.m; ++t) {
     DsaStepArgs alone = args;
-    alone.hidden = token_row(args.hidden, t);
-    alone.positions = token_row(args.positions, t);
-    alone.token_requests = token_row(args.token_requests, t);
+    alone.hidden = slice_rows(args.hidden, t, 1);
+    alone.positions = slice_rows(args.positions, t, 1);
+    alone.token_requests = slice_rows(args.token_requests, t, 1);
     if (t < args.slot_mapping.size(0)) {
-      alone.slot_mapping = token_row(args.slot_mapping, t);
+      alone.slot_mapping = slice_rows(args.slot_mapping, t, 1);
     } else {
       alone.slot_mapping.shape[0] = 0;
     }
-    alone.out = token_row(args.out, t);
+    alone.out = slice_rows(args.out, t, 1);
     DSA_RETURN_IF_ERROR(stage.forward(alone, stream));
     DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
     const DsaStageIntermediates v = stage.intermediates(1);
@@ -1153,7 +1145,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
   std::printf("batch invariant: %s\n", s.batch_invariant ? "yes (--batch-invariant)" : "no (default)");
   std::printf("head_gemv sums in the fused path: %s\n", choice_name(kHeadGemvSumsChoices, s.head_gemv_sums));
   std::printf("sparse attention's plan (both paths): %s\n",
-              s.batch_invariant ? "batch-invariant" : choice_name(kSparseMlaPlanChoices, s.attention_plan));
+              choice_name(kSparseMlaPlanChoices, dsa_stage_attention_plan(s.stage_plan())));
   std::printf("indexer logits (both paths' selects): %s\n", choice_name(kIndexerLogitsChoices, s.indexer_logits));
   std::printf(
       "projections (--projections %s): qkv_a_proj %s (both paths); q_b_proj %s, o_proj %s (fused path; "
@@ -1186,8 +1178,7 @@ Status run_gpu(const StepShape& s, const Options& options, RunReport* report) {
       options.indexer_projections_cublaslt ? "indexer_project" : "indexer_project_gemv";
   report->indexer_logits = choice_name(kIndexerLogitsChoices, s.indexer_logits);
   report->head_gemv_sums = choice_name(kHeadGemvSumsChoices, s.head_gemv_sums);
-  report->attention_plan =
-      s.batch_invariant ? "batch-invariant" : choice_name(kSparseMlaPlanChoices, s.attention_plan);
+  report->attention_plan = choice_name(kSparseMlaPlanChoices, dsa_stage_attention_plan(s.stage_plan()));
   report->batch_invariant = s.batch_invariant;
   DSA_RETURN_IF_ERROR(run_checks(s, weights, inputs, indexer_history, cache, steps, value_up,
                                  options.indexer_projections_cublaslt, *stages[0], layer, ctx.stream, &report->checks));

@@ -130,6 +130,14 @@ IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan);
 // {1..4} at 8; tensor cores {1..8} at 64 and {1..16} at 8; others as 64.
 std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sums);
 
+// The token counts whose value-up the stage runs as head_gemv on `heads`
+// heads: 1..max_tokens under batch_invariant, else plan.value_up_tokens or
+// the measured set of its sums.
+std::set<int> dsa_stage_value_up_tokens(const DsaStagePlan& plan, int64_t heads);
+
+// The attention's plan: kBatchInvariant under batch_invariant, else attention_plan.
+SparseMlaPlan dsa_stage_attention_plan(const DsaStagePlan& plan);
+
 // Default linear_gemv token counts: {1} at 64 heads, {1, 2} at 8; others as 64.
 std::set<int> dsa_stage_measured_projection_gemv_tokens(int64_t heads);
 

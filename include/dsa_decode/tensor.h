@@ -59,6 +59,10 @@ TensorView make_strided(void* data, DType dtype, std::initializer_list<int64_t> 
 
 // Argument checks. `name` is the caller-facing argument name.
 // Non-null data, 0..kMaxDims dimensions, non-negative sizes.
+// Rows [first, first + count) of dim 0 of `t`, strides kept (no checks: the
+// caller keeps the range inside t).
+TensorView slice_rows(const TensorView& t, int64_t first, int64_t count);
+
 Status check_present(const TensorView& t, const char* name);
 Status check_dtype(const TensorView& t, const char* name, DType expected);
 // `expected` entries of -1 match any size.

@@ -328,14 +328,7 @@ void bind_stage(nb::module_& m) {
           "m"_a)
       .def_prop_ro("max_tokens", [](const Stage& s) { return s.stage->plan().max_tokens; })
       .def_prop_ro("value_up_tokens", [](const Stage& s) {
-        const dsa::DsaStagePlan& plan = s.stage->plan();
-        if (plan.batch_invariant) {  // value-up runs as head_gemv at every m
-          std::set<int> every;
-          for (int t = 1; t <= plan.max_tokens; ++t) every.insert(t);
-          return every;
-        }
-        return plan.value_up_tokens.value_or(
-            dsa::dsa_stage_measured_value_up_tokens(s.stage->config().num_heads, plan.head_gemv_sums));
+        return dsa::dsa_stage_value_up_tokens(s.stage->plan(), s.stage->config().num_heads);
       });
 }
 

@@ -153,6 +153,13 @@ TensorView make_strided(void* data, DType dtype, std::initializer_list<int64_t> 
   return t;
 }
 
+TensorView slice_rows(const TensorView& t, int64_t first, int64_t count) {
+  TensorView r = t;
+  r.data = static_cast<char*>(t.data) + first * t.stride(0) * static_cast<int64_t>(dtype_size(t.dtype));
+  r.shape[0] = count;
+  return r;
+}
+
 Status check_present(const TensorView& t, const char* name) {
   if (t.data == nullptr) return invalid_argument(name, "a tensor", "a null pointer");
   if (t.ndim < 0 || t.ndim > kMaxDims) {

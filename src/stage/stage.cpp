@@ -61,25 +61,16 @@ Status check_parameter_weight(const TensorView& t, const char* name, std::initia
   return Status();
 }
 
-// Rows [first, first + rows) of a [m, k] view.
-TensorView row_range(const TensorView& t, int64_t first, int64_t rows) {
-  TensorView r = t;
-  r.data = static_cast<char*>(t.data) + size_t(first) * size_t(t.stride(0)) * dtype_size(t.dtype);
-  r.shape[0] = rows;
-  return r;
-}
-
 // out = x weight^T through linear_gemv for any m: in launches of the most
 // tokens the kernel takes at this width (it is batch invariant, so the bits
 // do not depend on the split).
 Status linear_gemv_rows(const TensorView& x, const TensorView& weight, const TensorView& out, cudaStream_t stream) {
   const int64_t m = x.size(0), k = x.size(1);
-  if (m <= kLinearGemvMaxTokens && linear_gemv_supports(m, k)) return linear_gemv(LinearGemvArgs{x, weight, out}, stream);
   for (int64_t first = 0; first < m;) {
     int64_t rows = std::min<int64_t>(m - first, kLinearGemvMaxTokens);
     while (rows > 1 && !linear_gemv_supports(rows, k)) --rows;
     DSA_RETURN_IF_ERROR(
-        linear_gemv(LinearGemvArgs{row_range(x, first, rows), weight, row_range(out, first, rows)}, stream));
+        linear_gemv(LinearGemvArgs{slice_rows(x, first, rows), weight, slice_rows(out, first, rows)}, stream));
     first += rows;
   }
   return Status();
@@ -120,6 +111,20 @@ std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sum
   const int last = sums == HeadGemvSums::kTensorCores ? (heads == 8 ? kDsaStageMaxTokens : 8) : (heads == 8 ? 4 : 2);
   for (int m = 1; m <= last; ++m) counts.insert(m);
   return counts;
+}
+
+std::set<int> dsa_stage_value_up_tokens(const DsaStagePlan& plan, int64_t heads) {
+  if (plan.batch_invariant) {
+    std::set<int> every;
+    // max_tokens past the stage's range is refused by the checks; never loop over it.
+    for (int m = 1; m <= std::min(plan.max_tokens, kDsaStageMaxTokens); ++m) every.insert(m);
+    return every;
+  }
+  return plan.value_up_tokens ? *plan.value_up_tokens : dsa_stage_measured_value_up_tokens(heads, plan.head_gemv_sums);
+}
+
+SparseMlaPlan dsa_stage_attention_plan(const DsaStagePlan& plan) {
+  return plan.batch_invariant ? SparseMlaPlan::kBatchInvariant : plan.attention_plan;
 }
 
 std::set<int> dsa_stage_measured_projection_gemv_tokens(int64_t heads) {
@@ -380,7 +385,7 @@ struct DsaAttentionStage::State {
         if (b->partial_count > 0)
           s.split_partials = make_tensor(b->split_partials.get(), DType::kF32, {b->partial_count});
         s.error_count = a.error_count;
-        s.plan = plan.batch_invariant ? SparseMlaPlan::kBatchInvariant : plan.attention_plan;
+        s.plan = dsa_stage_attention_plan(plan);
         return sparse_mla(s, stream);
       }
       case Step::kValueUpGemv: {
@@ -461,10 +466,8 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
     view(uk.ok() ? check_head_gemv_weight(w.w_uk_t, "w_uk_t", H, P) : uk);
   }
   // W_UV meets head_gemv's layout only where value-up runs as head_gemv (cuBLAS's bmm takes any strides).
-  const std::set<int> value_up_tokens =
-      plan.value_up_tokens ? *plan.value_up_tokens : dsa_stage_measured_value_up_tokens(H, plan.head_gemv_sums);
-  const bool value_up_gemv = plan.batch_invariant ||
-                             std::any_of(value_up_tokens.begin(), value_up_tokens.end(),
+  const std::set<int> value_up_tokens = dsa_stage_value_up_tokens(plan, H);
+  const bool value_up_gemv = std::any_of(value_up_tokens.begin(), value_up_tokens.end(),
                                          [&](int m) { return m >= 1 && m <= plan.max_tokens; });
   // (cuBLAS's bmm alone: any strides, as before; its own checks answer at the step.)
   const Status uv = check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V}, 16, !value_up_gemv);
@@ -616,9 +619,7 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   StepChoices& choices = s.step_choices;
   choices.overlap_indexer = plan.overlap_indexer;
   choices.batch_invariant = plan.batch_invariant;
-  choices.value_up_tokens = plan.value_up_tokens
-                                ? *plan.value_up_tokens
-                                : dsa_stage_measured_value_up_tokens(config.num_heads, plan.head_gemv_sums);
+  choices.value_up_tokens = dsa_stage_value_up_tokens(plan, config.num_heads);
   choices.projection_gemv_tokens = plan.projection_gemv_tokens
                                        ? *plan.projection_gemv_tokens
                                        : dsa_stage_measured_projection_gemv_tokens(config.num_heads);

@@ -208,6 +208,18 @@ TEST(DsaStageChecks, MeasuredValueUpTokens) {
   EXPECT_EQ(dsa_stage_measured_value_up_tokens(8, HeadGemvSums::kTensorCores).size(), 16u);
 }
 
+TEST(DsaStageChecks, BatchInvariantPlanRunsValueUpAsHeadGemvAndTheInvariantAttention) {
+  DsaStagePlan plan;
+  plan.max_tokens = 6;
+  EXPECT_EQ(dsa_stage_value_up_tokens(plan, 64), dsa_stage_measured_value_up_tokens(64, plan.head_gemv_sums));
+  EXPECT_EQ(dsa_stage_attention_plan(plan), SparseMlaPlan::kAuto);
+  plan.value_up_tokens = std::set<int>{2};
+  EXPECT_EQ(dsa_stage_value_up_tokens(plan, 64), (std::set<int>{2}));
+  plan.batch_invariant = true;
+  EXPECT_EQ(dsa_stage_value_up_tokens(plan, 64), (std::set<int>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(dsa_stage_attention_plan(plan), SparseMlaPlan::kBatchInvariant);
+}
+
 // ---------------------------------------------------------------- GPU
 
 std::vector<uint16_t> bf16_normal(size_t count, float mean, float stddev, std::mt19937_64& rng) {
