@@ -96,15 +96,15 @@ Status time_fused(const Context& ctx, const Problem& p, const Buffers& b, const 
   }, us, std::max(20, b.copies));
 }
 
-// The default tensor-core sums; tile 0: the kernel's rule (head_gemv_mma_tile).
-Status time_tensor_cores(const Context& ctx, const Problem& p, const Buffers& b, int tile, double* us) {
+// The default tensor-core sums (the column tile by the kernel's rule, head_gemv_mma_tile).
+Status time_tensor_cores(const Context& ctx, const Problem& p, const Buffers& b, double* us) {
   return time_graph(
       ctx,
       [&](cudaStream_t stream, int i) {
         Views v = views(p, b, i);
         if (p.absorb) v.args.cache = &v.cache;
         v.args.sums = HeadGemvSums::kTensorCores;
-        return tile == 0 ? head_gemv(v.args, stream) : head_gemv_tensor_cores_with_tile(v.args, tile, stream);
+        return head_gemv(v.args, stream);
       },
       us, std::max(20, b.copies));
 }
@@ -131,7 +131,7 @@ Status run(Context& ctx, Report& report) {
         DSA_RETURN_IF_ERROR(make_buffers(ctx, p, &b));
         const HeadGemvTactic table = head_gemv_tactic(p.heads, p.rows, p.cols, m);
         double tensor_us = 0, seed_us = 0, stock_us = 0;
-        DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, 0, &tensor_us));
+        DSA_RETURN_IF_ERROR(time_tensor_cores(ctx, p, b, &tensor_us));
         DSA_RETURN_IF_ERROR(time_fused(ctx, p, b, nullptr, &seed_us));
         DSA_RETURN_IF_ERROR(time_stock(ctx, p, b, handle.get(), &stock_us));
         const std::string name = absorb ? "absorb" : "value_up";

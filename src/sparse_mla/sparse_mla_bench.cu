@@ -46,9 +46,6 @@ struct Problem {
   int heads, m;
 };
 
-// The most splits of the 64-head kernel's plans timed here (with clusters of 4 at the least).
-constexpr int kMaxSplitsTimed = 32;
-
 // A 64-head plan, with how many (token, group) items the GPU runs at once.
 std::string describe(const SparseMlaWgmmaSplits& plan) {
   int resident = 0;
@@ -128,8 +125,7 @@ Status make_buffers(const Context& ctx, const Problem& p, Buffers* b, bool draft
   const int64_t counters = sparse_mla_split_counter_count(p.m, p.heads, kTopK);
   DSA_RETURN_IF_ERROR(b->counters.allocate(size_t(counters) * 4));
   DSA_CUDA_RETURN(cudaMemsetAsync(b->counters.get(), 0, size_t(counters) * 4, ctx.stream));
-  // For every plan timed here (the most clusters: kMaxSplitsTimed).
-  const int64_t partials = sparse_mla_wgmma_partials_count(p.m, p.heads, kTopK, kMaxSplitsTimed, 4);
+  const int64_t partials = sparse_mla_split_partials_count(p.m, p.heads, kTopK);
   DSA_RETURN_IF_ERROR(b->partials.allocate(size_t(std::max<int64_t>(partials, 1)) * 4));
   DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
   return Status();
