@@ -229,6 +229,20 @@ TEST(DsaDecodeOptions, TheCpuPathNamesTheGpuOnlyOptionsGivenAndNoOthers) {
                                       "--trace"}));
 }
 
+TEST(DsaDecodeOptions, ReportTakesAnHtmlFileAndTurnsTheTraceOn) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--report", "run.html"}, &options, &error)) << error;
+  EXPECT_EQ(options.report_path, "run.html");
+  EXPECT_TRUE(options.trace);
+  EXPECT_EQ(gpu_only_options_given(options), std::vector<std::string>({"--report"}));
+  Options bad;
+  EXPECT_FALSE(parse({"--report", "run.svg"}, &bad, &error));
+  EXPECT_EQ(error, "--report: got 'run.svg', expected a file name ending in .html");
+  EXPECT_FALSE(parse({"--report"}, &bad, &error));
+  EXPECT_EQ(error, "--report: missing value, expected a file name ending in .html");
+}
+
 TEST(DsaDecodeGpuProbe, NoDriverSaysNoGpuOrDriverWasFoundNotUpgradeTheDriver) {
   // cudaGetDeviceCount's cudaErrorInsufficientDriver with no driver loaded
   // (cudaDriverGetVersion gives 0): the usual machine without a GPU.

@@ -21,6 +21,7 @@
 #include "dsa_decode/sparse_mla.h"
 #include "dsa_decode/stage.h"
 #include "timing.h"
+#include "html_report.h"
 #include "kernel_trace.h"
 #include "linear/linear_reference.h"
 #include "reference_chain.h"
@@ -1247,6 +1248,13 @@ int run_gpu_path(const StepShape& shape, const Options& options) {
       return kExitFailure;
     }
     std::printf("wrote %s\n", options.json_path.c_str());
+  }
+  if (!options.report_path.empty()) {
+    if (const Status status = write_html_report(report, options.report_path); !status.ok()) {
+      std::fprintf(stderr, "dsa-decode: %s\n", status.to_string().c_str());
+      return kExitFailure;
+    }
+    std::printf("wrote %s\n", options.report_path.c_str());
   }
   const size_t failed = failed_checks(report.checks);
   if (failed > 0) {

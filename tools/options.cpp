@@ -61,7 +61,7 @@ std::vector<std::string> gpu_only_options_given(const Options& options) {
   std::vector<std::string> given;
   for (const char* gpu_only : {"--indexer-logits", "--head-gemv-sums", "--projections", "--attention-plan",
                                "--batch-invariant", "--steps", "--indexer-projections", "--value-up-tokens",
-                               "--trace"}) {
+                               "--trace", "--report"}) {
     if (options.given.count(gpu_only) > 0) given.push_back(gpu_only);
   }
   return given;
@@ -73,7 +73,7 @@ void print_usage(FILE* to) {
                "                  [--projections KERNEL] [--value-up-tokens LIST] [--head-gemv-sums SUMS]\n"
                "                  [--indexer-projections KERNEL] [--indexer-logits DOTS] [--attention-plan PLAN]\n"
                "                  [--batch-invariant] [--weights PATH --layer N] [--json FILE] [--trace] [--cpu]\n"
-               "                  [--help]\n"
+               "                  [--report FILE.html] [--help]\n"
                "Runs one decode step of a DSA layer's attention half (hidden states in, o_proj's output\n"
                "out) on a synthetic layer (or a checkpoint's, --weights) through the library's stage\n"
                "(DsaAttentionStage), its fused\n"
@@ -139,6 +139,9 @@ void print_usage(FILE* to) {
                "                 records of the middle stage in one replay of the timed chain: start, end, stream),\n"
                "                 the time no kernel was resident, the stage's period in the chain and the\n"
                "                 previous stage's end, and write them to the JSON report\n"
+               "  --report FILE.html\n"
+               "                 write the run as one self-contained page (implies --trace): the checks, fused\n"
+               "                 against stock, each timing beside its memory floor, a timeline per path\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
@@ -166,6 +169,7 @@ std::string expected_value(const std::string& option) {
   if (option == "--steps") return range_text(1, kMaxSteps);
   if (option == "--seed") return "an integer from 0 to " + std::to_string(std::numeric_limits<uint64_t>::max());
   if (option == "--json") return "a file name";
+  if (option == "--report") return "a file name ending in .html";
   if (option == "--weights") return "a checkpoint directory or .safetensors files separated by commas";
   if (option == "--layer") return range_text(0, kMaxLayer);
   if (option == "--projections") return "auto, gemv or cublaslt";
@@ -277,6 +281,15 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
   if (option == "--indexer-logits") return choose(kIndexerLogitsChoices, &o->indexer_logits);
   if (option == "--head-gemv-sums") return choose(kHeadGemvSumsChoices, &o->head_gemv_sums);
   if (option == "--attention-plan") return choose(kSparseMlaPlanChoices, &o->attention_plan);
+  if (option == "--report") {
+    if (value.size() < 6 || value.compare(value.size() - 5, 5, ".html") != 0) {
+      *error = bad_value(option, value);
+      return false;
+    }
+    o->report_path = value;
+    o->trace = true;
+    return true;
+  }
   if (value.empty()) {  // --preset (resolved against the preset table by the caller), --json
     *error = bad_value(option, value);
     return false;

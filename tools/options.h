@@ -25,6 +25,7 @@ struct Options {
   std::string weights;
   int layer = 0;                 // --layer: the checkpoint's layer (model.layers.N)
   std::string json_path;         // empty: no JSON report
+  std::string report_path;       // --report: the HTML page (tools/html_report.h); implies --trace
   // --value-up-tokens: the token counts whose value-up the fused path runs as
   // head_gemv, cuBLAS's bmm otherwise (the stage plan's value_up_tokens, as
   // the seed's). Unset: auto, the stage's measured sets
