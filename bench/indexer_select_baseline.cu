@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(256) baseline_keys_kernel(const __grid_constan
   pdl_release_dependents();
   const int t = blockIdx.y;
   int64_t request = 0;
-  const int64_t n = scored_pools(token_context(p, t, &request, false));
+  const int64_t n = scored_pools(p, token_context(p, t, &request, false));
   const int64_t begin = t * p.logits_stride;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     p.segment_begin[t] = static_cast<int>(begin);
@@ -39,22 +39,22 @@ __global__ void __launch_bounds__(256) baseline_keys_kernel(const __grid_constan
   }
 }
 
-// Positions from the sorted pools: the first 512 in (key desc, index asc)
+// Positions from the sorted pools: the first K / S in (key desc, index asc)
 // order, placed by their rank in pool index order.
-__global__ void __launch_bounds__(kIndexerTopPools) baseline_expand_kernel(const __grid_constant__ Params p) {
-  __shared__ int32_t chosen[kIndexerTopPools];
+__global__ void __launch_bounds__(kIndexerMaxTopPools) baseline_expand_kernel(const __grid_constant__ Params p) {
+  __shared__ int32_t chosen[kIndexerMaxTopPools];
   pdl_wait();
   pdl_release_dependents();
   const int t = blockIdx.x;
   int64_t request = 0;
   const int64_t context = token_context(p, t, &request, true);
-  const int64_t n = scored_pools(context);
+  const int64_t n = scored_pools(p, context);
   int32_t* row = p.topk_positions + t * p.topk_stride;
   if (n == 0) {
-    for (int c = threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) row[c] = c < context ? c : -1;
+    for (int c = threadIdx.x; c < p.row_width; c += blockDim.x) row[c] = c < context ? c : -1;
     return;
   }
-  const int count = n < kIndexerTopPools ? static_cast<int>(n) : kIndexerTopPools;  // n >= 512 here
+  const int count = n < p.top_pools ? static_cast<int>(n) : p.top_pools;  // n >= K / S here
   const int i = threadIdx.x;
   if (i < count) chosen[i] = p.values_out[t * p.logits_stride + i];
   __syncthreads();
@@ -62,11 +62,11 @@ __global__ void __launch_bounds__(kIndexerTopPools) baseline_expand_kernel(const
     const int32_t pool = chosen[i];
     int rank = 0;
     for (int j = 0; j < count; ++j) rank += chosen[j] < pool;
-    for (int j = 0; j < kIndexerPoolSize; ++j) row[rank * kIndexerPoolSize + j] = pool * kIndexerPoolSize + j;
+    for (int j = 0; j < p.pool; ++j) row[rank * p.pool + j] = pool * p.pool + j;
   }
-  const int64_t tail_start = context / kIndexerPoolSize * kIndexerPoolSize;
-  for (int c = kIndexerPooledColumns + threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) {
-    const int64_t position = tail_start + (c - kIndexerPooledColumns);
+  const int64_t tail_start = context / p.pool * p.pool;
+  for (int c = p.topk + threadIdx.x; c < p.row_width; c += blockDim.x) {
+    const int64_t position = tail_start + (c - p.topk);
     row[c] = position < context ? static_cast<int32_t>(position) : -1;
   }
 }
@@ -168,7 +168,7 @@ Status indexer_select_baseline(const IndexerSelectArgs& args, void* baseline_wor
       w + layout.temp, temp_bytes, p.keys_in, reinterpret_cast<uint32_t*>(w + layout.keys_out), p.values_in,
       p.values_out, static_cast<int>(int64_t(p.m) * p.logits_stride), p.m, p.segment_begin, p.segment_end, 0, 32,
       stream));
-  DSA_RETURN_IF_ERROR(launch_pdl(baseline_expand_kernel, dim3(p.m), dim3(kIndexerTopPools), 0, stream, p));
+  DSA_RETURN_IF_ERROR(launch_pdl(baseline_expand_kernel, dim3(p.m), dim3(kIndexerMaxTopPools), 0, stream, p));
   return launch_pdl(remap_rows_kernel, dim3(p.m), dim3(256), 0, stream, p);
 }
 

@@ -1,31 +1,36 @@
 // The glm5next DSA indexer, decode path: per layer and step, m tokens
-// (1..16), 32 index heads of 128, pools of 4 tokens.
-//   project  index_q [m,32,128] BF16 = q_c wq_b^T; index_k [m,128] BF16 = x wk^T;
-//            head_weights [m,32] f32 = x weights_proj^T; gate [m,128] BF16 = x compress_gate^T
+// (1..16), H index heads of 128 (plan.heads: 16, 32 or 64), pools of S tokens
+// (plan.pool: 4, 8 or 16), the top K tokens (plan.topk) as K / S pools.
+//   project  index_q [m,H,128] BF16 = q_c wq_b^T; index_k [m,128] BF16 = x wk^T;
+//            head_weights [m,H] f32 = x weights_proj^T; gate [m,128] BF16 = x compress_gate^T
 //   prepare  1. k = LayerNorm(index_k), eps 1e-6, BF16  2. q: Hadamard-128 x 128^-0.5,
-//            BF16, e4m3 with a power-of-two scale s per head; w' = w s 2^-6
-//            3. at pos % 4 == 3, pool pos / 4 = the softmax(gate + ape)-weighted sum of
-//            its 4 k rows, Hadamard, e4m3 with one scale, into k_cache  4. k, gate -> ring
-//   select   (L = pos + 1, n = L / 4) 5. L <= 2048: row 0..L-1, then -1
+//            BF16, e4m3 with a power-of-two scale s per head; w' = (w s) c with
+//            c = fl32((128 H)^-0.5) (2^-6 at H = 32)
+//            3. at pos % S == S - 1, pool pos / S = the softmax(gate + ape)-weighted sum of
+//            its S k rows, Hadamard, e4m3 with one scale, into k_cache  4. k, gate -> ring
+//   select   (L = pos + 1, n = L / S) 5. L <= K: row 0..L-1, then -1
 //            6. logit[p] = kscale[p] sum_h w'[h] ReLU(q[h] . k[p]) for p < n
-//            7. the 512 largest (ties to the lower pool, NaN as -inf, -0 == +0) in
-//            increasing pool order as 4p..4p+3, then tokens 4n..L-1 from column
-//            2048, then -1 up to 2176
+//            7. the K / S largest (ties to the lower pool, NaN as -inf, -0 == +0) in
+//            increasing pool order as S p..S p + S - 1, then the tail tokens S n..L-1
+//            from column K, then -1 up to indexer_row_width(plan)
 //            8. slot = block_table[r, pos / block_size] * block_size + pos % block_size
+// The tail (tokens of the incomplete pool) is always selected, as vLLM's
+// index_kpool_always_select_tail. The default plan is glm5next's first shape: H = 32, S = 4, K = 2048 (512
+// pools), rows 2176 wide.
 // Roundings and fixed orders are the CPU reference's (src/indexer/indexer_math.h,
 // docs/indexer.md): prepare, prefill, remap and the GEMV projections equal it
 // bit for bit, select too under kExact; under kFp32Accumulation each logit is
 // within reference::indexer_logit_bounds and the rows are the exact selection
 // over the GPU's logits (deterministic).
 //
-// State, paged with the KV cache's block table (P = block_size / 4 pools a page):
+// State, paged with the KV cache's block table (P = block_size / S pools a page):
 //   block_table [requests, width] int32; ring [requests, 2, RING, 128] BF16 (k and
-//   gate at slot pos % RING; RING 4, or 8 with drafts); k_cache [blocks, P * 132] u8:
+//   gate at slot pos % RING; RING = S, or 2 S with drafts); k_cache [blocks, P * 132] u8:
 //   a page holds P x 128 e4m3 codes, then P f32 scales; pool p of request r is
 //   entry p % P of page block_table[r, p / P].
 // Step inputs: positions [m] int64, token_requests [m] int32 (< 0: padding,
 // rows of -1). A request's tokens have increasing consecutive positions, at
-// most RING - 3 per step.
+// most RING - (S - 1) per step (indexer_tokens_per_request).
 //
 // Untrusted device values: a token whose request >= requests or whose position
 // is < 0, >= max_context or past the table's width gets rows of -1 and writes
@@ -55,17 +60,22 @@
 
 namespace dsa {
 
-inline constexpr int kIndexerHeads = 32;
 inline constexpr int kIndexerDim = 128;
-inline constexpr int kIndexerPoolSize = 4;
-inline constexpr int kIndexerTopPools = 512;
-inline constexpr int kIndexerPooledColumns = kIndexerTopPools * kIndexerPoolSize;  // 2048
-inline constexpr int kIndexerRowWidth = 2176;  // 2048 pooled + up to 3 tail tokens + -1 padding
 inline constexpr int kIndexerPoolBytes = kIndexerDim + 4;  // 128 e4m3 codes + one FP32 scale
-inline constexpr int kIndexerBlockMultiple = kIndexerPoolSize * 32;  // pages of a multiple of 32 pools
+inline constexpr int kIndexerBlockMultiple = 128;           // block_size: pages of a multiple of 8 pools of 16
 inline constexpr int kIndexerMaxTokens = 16;
 inline constexpr int64_t kIndexerMaxContext = int64_t(1) << 22;
+inline constexpr int kIndexerMaxTopPools = 512;  // plan.topk / plan.pool at most
 inline constexpr float kIndexerNormEps = 1e-6f;
+
+// The default plan's shape (glm5next's first configuration); any other comes
+// from the plan through the functions below.
+inline constexpr int kIndexerHeads = 32;
+inline constexpr int kIndexerPoolSize = 4;
+inline constexpr int kIndexerTopK = 2048;
+inline constexpr int kIndexerTopPools = kIndexerTopK / kIndexerPoolSize;  // 512
+inline constexpr int kIndexerPooledColumns = kIndexerTopK;               // 2048
+inline constexpr int kIndexerRowWidth = 2176;  // 2048 pooled + up to 3 tail tokens + -1 padding
 
 enum class IndexerLogits : int {
   kFp32Accumulation = 0,  // default: FP16 tensor cores, FP32 accumulation, within the bound
@@ -76,23 +86,47 @@ enum class IndexerLogits : int {
 struct IndexerPlan {
   int max_tokens = kIndexerMaxTokens;  // largest m of a step, 1..16
   int64_t max_context = 131072;        // largest L = pos + 1, 1..kIndexerMaxContext
-  int ring = 4;                        // RING: 4, or 8 with draft tokens
+  int ring = 4;                        // RING: pool (no draft tokens) or 2 * pool
   int block_size = 256;                // tokens per KV block: a positive multiple of 128
   IndexerLogits logits = IndexerLogits::kFp32Accumulation;  // step 6's dots
+  int heads = kIndexerHeads;           // H, index heads: 16, 32 or 64 (HF index_n_heads)
+  int pool = kIndexerPoolSize;         // S, tokens per pool: 4, 8 or 16 (HF index_kpool)
+  int topk = kIndexerTopK;             // K, tokens of the selected pools: a multiple of S,
+                                       // S..kIndexerMaxTopPools * S (HF index_topk)
 };
 
 // Byte offsets (256-byte aligned) into the caller's workspace.
 struct IndexerWorkspaceLayout {
-  int64_t q_fp8 = 0;         // [max_tokens, 32, 128] e4m3 codes
-  int64_t head_weights = 0;  // [max_tokens, 32] FP32: folded weights w'
+  int64_t q_fp8 = 0;         // [max_tokens, H, 128] e4m3 codes
+  int64_t head_weights = 0;  // [max_tokens, H] FP32: folded weights w'
   int64_t logits = 0;        // [max_tokens, logits_stride] FP32, written by indexer_select
-  int64_t logits_stride = 0; // pools per token row: ceil(max_context / 4)
+  int64_t logits_stride = 0; // pools per token row: ceil(max_context / S)
   int64_t bytes = 0;         // total
 };
 
+// Errors name the plan's field, what it must be and what it is.
 Status check_indexer_plan(const IndexerPlan& plan);
 // For a plan that passes check_indexer_plan.
 IndexerWorkspaceLayout indexer_workspace_layout(const IndexerPlan& plan);
+
+// The shapes derived from a plan (any field values; meaningful for a plan
+// that passes check_indexer_plan).
+// Selected pools K / S.
+inline int indexer_top_pools(const IndexerPlan& plan) { return plan.topk / plan.pool; }
+// Columns of a row (topk_positions, slots): K + S - 1 rounded up to 128.
+inline int indexer_row_width(const IndexerPlan& plan) { return (plan.topk + plan.pool - 1 + 127) / 128 * 128; }
+// Pools of one K-cache page, P = block_size / S.
+inline int64_t indexer_pools_per_page(const IndexerPlan& plan) { return plan.block_size / plan.pool; }
+// Bytes of one K-cache page, P * 132 (k_cache's dim 1).
+inline int64_t indexer_page_bytes(const IndexerPlan& plan) { return indexer_pools_per_page(plan) * kIndexerPoolBytes; }
+// Tokens of one request a step may hold: RING - (S - 1).
+inline int indexer_tokens_per_request(const IndexerPlan& plan) { return plan.ring - (plan.pool - 1); }
+// The smallest RING for a pool size and tokens of one request per step (1 +
+// draft tokens): S, or 2 S when S - 1 + tokens exceeds S; 0 when even 2 S is too small.
+inline int indexer_ring_for(int pool, int tokens_per_request) {
+  const int needed = pool - 1 + tokens_per_request;
+  return needed <= pool ? pool : needed <= 2 * pool ? 2 * pool : 0;
+}
 
 // The paged indexer state shared by every step.
 struct IndexerState {
@@ -108,14 +142,14 @@ struct IndexerProjectArgs {
   IndexerPlan plan;          // m = q_c's rows must be in 1..plan.max_tokens
   TensorView q_c;            // [m, Q] BF16, the normed query latent
   TensorView x;              // [m, D] BF16, the hidden states the attention takes
-  TensorView wq_b;           // [32 * 128, Q] BF16, nn.Linear layout [out, in]
+  TensorView wq_b;           // [H * 128, Q] BF16, nn.Linear layout [out, in]
   TensorView wk;             // [128, D] BF16
-  TensorView weights_proj;   // [32, D] BF16
+  TensorView weights_proj;   // [H, D] BF16
   TensorView compress_gate;  // [128, D] BF16
   // Outputs, in the layouts indexer_prepare takes:
-  TensorView index_q;       // [m, 32, 128] BF16: q_c @ wq_b^T, head h = columns 128 h .. 128 h + 127
+  TensorView index_q;       // [m, H, 128] BF16: q_c @ wq_b^T, head h = columns 128 h .. 128 h + 127
   TensorView index_k;       // [m, 128] BF16: x @ wk^T, before its LayerNorm
-  TensorView head_weights;  // [m, 32] FP32: x @ weights_proj^T, the FP32 sum itself (no BF16 rounding)
+  TensorView head_weights;  // [m, H] FP32: x @ weights_proj^T, the FP32 sum itself (no BF16 rounding)
   TensorView gate;          // [m, 128] BF16: x @ compress_gate^T
 };
 
@@ -145,13 +179,13 @@ class IndexerProjectContext {
 // Steps 1-4: LayerNorm, q quant and weight fold, pool compression, ring.
 struct IndexerPrepareArgs {
   IndexerPlan plan;
-  TensorView index_q;        // [m, 32, 128] BF16, dims 1-2 contiguous, token stride % 8 == 0, 16 B aligned
+  TensorView index_q;        // [m, H, 128] BF16, dims 1-2 contiguous, token stride % 8 == 0, 16 B aligned
   TensorView index_k;        // [m, 128] BF16, dim 1 contiguous, token stride a multiple of 8, 16-byte aligned
-  TensorView head_weights;   // [m, 32] FP32, dim 1 contiguous, token stride a multiple of 4, 16-byte aligned
+  TensorView head_weights;   // [m, H] FP32, dim 1 contiguous, token stride a multiple of 4, 16-byte aligned
   TensorView gate;           // [m, 128] BF16, as index_k
   TensorView k_norm_weight;  // [128] FP32, contiguous
   TensorView k_norm_bias;    // [128] FP32, contiguous
-  TensorView ape;            // [4, 128] FP32, contiguous
+  TensorView ape;            // [S, 128] FP32, contiguous
   TensorView positions;      // [m] int64, contiguous
   TensorView token_requests; // [m] int32, contiguous
   IndexerState state;        // ring and k_cache are written
@@ -159,16 +193,16 @@ struct IndexerPrepareArgs {
   unsigned int* error_count = nullptr;  // optional device counter of untrusted values out of range
 };
 
-// Steps 5-8: logits, top-512, expansion, remap.
+// Steps 5-8: logits, top K / S pools, expansion, remap. W = indexer_row_width(plan).
 struct IndexerSelectArgs {
   IndexerPlan plan;
   TensorView positions;       // [m] int64, contiguous
   TensorView token_requests;  // [m] int32, contiguous
   IndexerState state;         // read only
   TensorView workspace;       // as prepare wrote it
-  TensorView topk_positions;  // optional [m, 2176] int32 out, request-local positions; dim 1
-                              // contiguous, token stride % 4 == 0 and >= 2176, 16 B aligned
-  TensorView slots;  // [m, 2176] int32 out, global KV slots; as topk_positions, required
+  TensorView topk_positions;  // optional [m, W] int32 out, request-local positions; dim 1
+                              // contiguous, token stride % 4 == 0 and >= W, 16 B aligned
+  TensorView slots;  // [m, W] int32 out, global KV slots; as topk_positions, required
   unsigned int* error_count = nullptr;
 };
 
@@ -180,8 +214,8 @@ struct IndexerRemapArgs {
   TensorView positions;       // [m] int64, contiguous
   TensorView token_requests;  // [m] int32, contiguous
   IndexerState state;         // read only: block_table, and k_cache's blocks for the bound
-  TensorView topk_positions;  // [m, 2176] int32 in, request-local positions; as IndexerSelectArgs' rows
-  TensorView slots;           // [m, 2176] int32 out, global KV slots; as topk_positions
+  TensorView topk_positions;  // [m, W] int32 in, request-local positions; as IndexerSelectArgs' rows
+  TensorView slots;           // [m, W] int32 out, global KV slots; as topk_positions
   unsigned int* error_count = nullptr;
 };
 
@@ -193,7 +227,7 @@ struct IndexerPrefillArgs {
   TensorView gate;           // [n, 128] BF16
   TensorView k_norm_weight;  // [128] FP32
   TensorView k_norm_bias;    // [128] FP32
-  TensorView ape;            // [4, 128] FP32
+  TensorView ape;            // [S, 128] FP32
   int request = 0;           // row of block_table and ring
   IndexerState state;        // ring and k_cache are written
   unsigned int* error_count = nullptr;

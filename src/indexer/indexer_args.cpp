@@ -107,7 +107,7 @@ Status check_state(const IndexerState& s, const IndexerPlan& plan) {
   }
   DSA_RETURN_IF_ERROR(check_aligned(s.ring, "ring", 16));
 
-  const int64_t page_bytes = int64_t(plan.block_size) / kIndexerPoolSize * kIndexerPoolBytes;
+  const int64_t page_bytes = indexer_page_bytes(plan);
   DSA_RETURN_IF_ERROR(check_dtype(s.k_cache, "k_cache", DType::kU8));
   DSA_RETURN_IF_ERROR(check_shape(s.k_cache, "k_cache", {-1, page_bytes}));
   DSA_RETURN_IF_ERROR(check_on_cuda(s.k_cache, "k_cache"));
@@ -117,7 +117,7 @@ Status check_state(const IndexerState& s, const IndexerPlan& plan) {
   }
   DSA_RETURN_IF_ERROR(check_stride(s.k_cache, "k_cache", 1, 1));
   if (s.k_cache.size(0) > 1 && (s.k_cache.stride(0) % 16 != 0 || s.k_cache.stride(0) < page_bytes)) {
-    return invalid_argument("k_cache", "a page stride that is a multiple of 16 and at least block_size/4*132 = " +
+    return invalid_argument("k_cache", "a page stride that is a multiple of 16 and at least block_size/pool*132 = " +
                                            std::to_string(page_bytes),
                             s.k_cache.describe());
   }
@@ -138,10 +138,11 @@ Status check_workspace(const TensorView& t, const IndexerPlan& plan) {
   return check_aligned(t, "workspace", 256);
 }
 
-Status check_norm_parameters(const TensorView& weight, const TensorView& bias, const TensorView& ape) {
+Status check_norm_parameters(const TensorView& weight, const TensorView& bias, const TensorView& ape,
+                             const IndexerPlan& plan) {
   DSA_RETURN_IF_ERROR(check_parameter(weight, "k_norm_weight", {kIndexerDim}));
   DSA_RETURN_IF_ERROR(check_parameter(bias, "k_norm_bias", {kIndexerDim}));
-  return check_parameter(ape, "ape", {kIndexerPoolSize, kIndexerDim});
+  return check_parameter(ape, "ape", {plan.pool, kIndexerDim});
 }
 
 }  // namespace
@@ -153,12 +154,30 @@ Status check_indexer_plan(const IndexerPlan& plan) {
   if (plan.max_context < 1 || plan.max_context > kIndexerMaxContext) {
     return invalid_argument("plan.max_context", range(1, kIndexerMaxContext), std::to_string(plan.max_context));
   }
-  if (plan.ring != 4 && plan.ring != 8) {
-    return invalid_argument("plan.ring", "4 (no draft tokens) or 8 (up to 5 tokens per request)",
+  if (plan.heads != 16 && plan.heads != 32 && plan.heads != 64) {
+    return invalid_argument("plan.heads", "16, 32 or 64 index heads", std::to_string(plan.heads));
+  }
+  if (plan.pool != 4 && plan.pool != 8 && plan.pool != 16) {
+    return invalid_argument("plan.pool", "4, 8 or 16 tokens per pool", std::to_string(plan.pool));
+  }
+  if (plan.topk < plan.pool || plan.topk % plan.pool != 0 || plan.topk / plan.pool > kIndexerMaxTopPools) {
+    return invalid_argument("plan.topk",
+                            "a multiple of plan.pool = " + std::to_string(plan.pool) + " in " +
+                                range(plan.pool, int64_t(kIndexerMaxTopPools) * plan.pool) + " (at most " +
+                                std::to_string(kIndexerMaxTopPools) + " pools)",
+                            std::to_string(plan.topk));
+  }
+  if (plan.ring != plan.pool && plan.ring != 2 * plan.pool) {
+    return invalid_argument("plan.ring",
+                            std::to_string(plan.pool) + " (plan.pool: one token per request and step) or " +
+                                std::to_string(2 * plan.pool) + " (2 * plan.pool: up to " +
+                                std::to_string(plan.pool + 1) + " tokens per request)",
                             std::to_string(plan.ring));
   }
   if (plan.block_size < kIndexerBlockMultiple || plan.block_size % kIndexerBlockMultiple != 0) {
-    return invalid_argument("plan.block_size", "a positive multiple of 128 tokens (pages of 32 pools of 4)",
+    return invalid_argument("plan.block_size",
+                            "a positive multiple of 128 tokens (pages of a multiple of " +
+                                std::to_string(128 / plan.pool) + " pools of " + std::to_string(plan.pool) + ")",
                             std::to_string(plan.block_size));
   }
   if (plan.logits != IndexerLogits::kExact && plan.logits != IndexerLogits::kFp32Accumulation) {
@@ -171,7 +190,7 @@ Status check_indexer_plan(const IndexerPlan& plan) {
 IndexerWorkspaceLayout indexer_workspace_layout(const IndexerPlan& plan) {
   constexpr int64_t kAlign = 256;
   const int64_t m = plan.max_tokens;
-  const int64_t pools = (plan.max_context + kIndexerPoolSize - 1) / kIndexerPoolSize;
+  const int64_t pools = (plan.max_context + plan.pool - 1) / plan.pool;
   IndexerWorkspaceLayout layout;
   int64_t offset = 0;
   const auto take = [&](int64_t bytes) {
@@ -179,8 +198,8 @@ IndexerWorkspaceLayout indexer_workspace_layout(const IndexerPlan& plan) {
     offset = round_up(offset + bytes, kAlign);
     return at;
   };
-  layout.q_fp8 = take(m * kIndexerHeads * kIndexerDim);
-  layout.head_weights = take(m * kIndexerHeads * 4);
+  layout.q_fp8 = take(m * plan.heads * kIndexerDim);
+  layout.head_weights = take(m * plan.heads * 4);
   layout.logits = take(m * pools * 4);
   layout.logits_stride = pools;
   layout.bytes = offset;
@@ -192,11 +211,11 @@ Status check_indexer_prepare(const IndexerPrepareArgs& a) {
   DSA_RETURN_IF_ERROR(check_dtype(a.index_q, "index_q", DType::kBF16));
   DSA_RETURN_IF_ERROR(check_token_count(a.index_q, "index_q", a.plan));
   const int64_t m = a.index_q.size(0);
-  DSA_RETURN_IF_ERROR(check_head_rows(a.index_q, "index_q", DType::kBF16, m, kIndexerHeads, kIndexerDim));
+  DSA_RETURN_IF_ERROR(check_head_rows(a.index_q, "index_q", DType::kBF16, m, a.plan.heads, kIndexerDim));
   DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, m, kIndexerDim, 8));
-  DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, kIndexerHeads, 4));
+  DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, a.plan.heads, 4));
   DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));
-  DSA_RETURN_IF_ERROR(check_norm_parameters(a.k_norm_weight, a.k_norm_bias, a.ape));
+  DSA_RETURN_IF_ERROR(check_norm_parameters(a.k_norm_weight, a.k_norm_bias, a.ape, a.plan));
   DSA_RETURN_IF_ERROR(check_token_vector(a.positions, "positions", DType::kI64, m));
   DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
   DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
@@ -227,9 +246,9 @@ Status check_indexer_select(const IndexerSelectArgs& a) {
   const int64_t m = a.positions.size(0);
   DSA_RETURN_IF_ERROR(check_workspace(a.workspace, a.plan));
   if (a.topk_positions.data != nullptr) {
-    DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
+    DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, indexer_row_width(a.plan), 4));
   }
-  DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4));
+  DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, indexer_row_width(a.plan), 4));
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
   // The rows are written while the logits in the workspace are still read.
   return check_written_apart(
@@ -242,8 +261,8 @@ Status check_indexer_select(const IndexerSelectArgs& a) {
 Status check_indexer_remap(const IndexerRemapArgs& a) {
   DSA_RETURN_IF_ERROR(check_select_tokens(a.plan, a.positions, a.token_requests, a.state));
   const int64_t m = a.positions.size(0);
-  DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, kIndexerRowWidth, 4));
-  DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, kIndexerRowWidth, 4));
+  DSA_RETURN_IF_ERROR(check_rows(a.topk_positions, "topk_positions", DType::kI32, m, indexer_row_width(a.plan), 4));
+  DSA_RETURN_IF_ERROR(check_rows(a.slots, "slots", DType::kI32, m, indexer_row_width(a.plan), 4));
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
   return check_written_apart({{&a.slots, "slots"}}, {{&a.positions, "positions"},
                                                      {&a.token_requests, "token_requests"},
@@ -264,7 +283,7 @@ Status check_indexer_prefill(const IndexerPrefillArgs& a) {
   }
   DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, n, kIndexerDim, 8));
   DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, n, kIndexerDim, 8));
-  DSA_RETURN_IF_ERROR(check_norm_parameters(a.k_norm_weight, a.k_norm_bias, a.ape));
+  DSA_RETURN_IF_ERROR(check_norm_parameters(a.k_norm_weight, a.k_norm_bias, a.ape, a.plan));
   DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
   const int64_t requests = a.state.block_table.size(0);
   if (a.request < 0 || a.request >= requests) {
@@ -298,13 +317,14 @@ Status check_indexer_project(const IndexerProjectArgs& a) {
   DSA_RETURN_IF_ERROR(check_rows(a.x, "x", DType::kBF16, m, hidden, 8));
   // 16-byte row strides: cuBLASLt is asked for algorithms that need no more
   // than 16-byte alignment of every column it reads or writes.
-  DSA_RETURN_IF_ERROR(check_rows(a.wq_b, "wq_b", DType::kBF16, kIndexerHeads * kIndexerDim, q_lora, 8, "row"));
+  const int64_t heads = a.plan.heads;
+  DSA_RETURN_IF_ERROR(check_rows(a.wq_b, "wq_b", DType::kBF16, heads * kIndexerDim, q_lora, 8, "row"));
   DSA_RETURN_IF_ERROR(check_rows(a.wk, "wk", DType::kBF16, kIndexerDim, hidden, 8, "row"));
-  DSA_RETURN_IF_ERROR(check_rows(a.weights_proj, "weights_proj", DType::kBF16, kIndexerHeads, hidden, 8, "row"));
+  DSA_RETURN_IF_ERROR(check_rows(a.weights_proj, "weights_proj", DType::kBF16, heads, hidden, 8, "row"));
   DSA_RETURN_IF_ERROR(check_rows(a.compress_gate, "compress_gate", DType::kBF16, kIndexerDim, hidden, 8, "row"));
-  DSA_RETURN_IF_ERROR(check_head_rows(a.index_q, "index_q", DType::kBF16, m, kIndexerHeads, kIndexerDim));
+  DSA_RETURN_IF_ERROR(check_head_rows(a.index_q, "index_q", DType::kBF16, m, heads, kIndexerDim));
   DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, m, kIndexerDim, 8));
-  DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, kIndexerHeads, 4));
+  DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, heads, 4));
   DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));
   return check_written_apart(
       {{&a.index_q, "index_q"}, {&a.index_k, "index_k"}, {&a.head_weights, "head_weights"}, {&a.gate, "gate"}},
@@ -345,8 +365,8 @@ Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positi
                               "position " + std::to_string(previous + 1) + " (one after the request's previous token)",
                               std::to_string(position));
     }
-    if (earlier + 1 > plan.ring - 3) {
-      return invalid_argument(token, "at most RING - 3 = " + std::to_string(plan.ring - 3) +
+    if (earlier + 1 > indexer_tokens_per_request(plan)) {
+      return invalid_argument(token, "at most RING - (pool - 1) = " + std::to_string(indexer_tokens_per_request(plan)) +
                                          " tokens of one request per step",
                               std::to_string(earlier + 1) + " tokens of request " + std::to_string(request));
     }

@@ -31,8 +31,11 @@ DSA_HD float add_rn(float a, float b) {
 
 // 128^-0.5 rounded to FP32 (0x3DB504F3): the Hadamard transform's scale.
 inline constexpr float kHadamardScale = 0.0883883476483184405f;
-// 128^-0.5 * 32^-0.5 = 2^-6 exactly: the head-weight fold's constant.
-inline constexpr float kHeadWeightScale = 0.015625f;
+// The head-weight fold's constant fl32((128 H)^-0.5): 2^-6 exactly at H = 32,
+// 2^-5.5 and 2^-6.5 rounded to FP32 at H = 16 and 64.
+DSA_HD float head_weight_scale(int heads) {
+  return heads == 16 ? 0.0220970869120796104f : heads == 64 ? 0.0110485434560398052f : 0.015625f;
+}
 // Below this the quant's scale would be 2^-22 anyway: absmax's floor.
 inline constexpr float kAbsmaxFloor = 1e-4f;
 
@@ -90,8 +93,10 @@ DSA_HD float hadamard_quantize(const uint16_t* row_bf16, uint8_t* codes) {
   return pow2(k);
 }
 
-// The folded head weight w' = (w * s) * 2^-6.
-DSA_HD float fold_head_weight(float weight, float scale) { return mul_rn(mul_rn(weight, scale), kHeadWeightScale); }
+// The folded head weight w' = (w * s) * head_weight_scale(heads).
+DSA_HD float fold_head_weight(float weight, float scale, int heads) {
+  return mul_rn(mul_rn(weight, scale), head_weight_scale(heads));
+}
 
 // exp(x) for x <= 0 (a softmax's x - max), from basic operations only, so the
 // host and the device agree bit for bit (expf differs between them): x = n ln2
@@ -170,32 +175,56 @@ DSA_HD void layernorm128(const uint16_t* k_bf16, const float* weight, const floa
   for (int i = 0; i < kIndexerDim; ++i) out_bf16[i] = layernorm_output(d[i], rstd, weight[i], bias[i]);
 }
 
-// Step 3's softmax pooling of one dim: k [4] and gate [4] are the dim's
-// values of the pool's tokens 4p + j (from BF16), ape [4] the dim's column of
-// ape; returns the pooled value as BF16.
+// The largest pool size a plan takes.
+inline constexpr int kMaxPoolSize = 16;
+
+// Step 3's softmax pooling of one dim over a pool of kPool tokens: k [kPool]
+// and gate [kPool] are the dim's values of the pool's tokens kPool p + j (from
+// BF16), ape [kPool] the dim's column of ape; returns the pooled value as
+// BF16. Order: s_j = gate_j + ape_j; max by a chain from s_0; e_j =
+// exp_nonpositive(s_j - max); sum by a chain from e_0; pooled by an fma chain
+// of e_j / sum times k_j from (e_0 / sum) k_0.
+template <int kPool>
 DSA_HD uint16_t pool_softmax_dim(const float* k, const float* gate, const float* ape) {
-  float s[kIndexerPoolSize], e[kIndexerPoolSize];
-  for (int j = 0; j < kIndexerPoolSize; ++j) s[j] = add_rn(gate[j], ape[j]);
-  const float max_s = fmaxf(fmaxf(fmaxf(s[0], s[1]), s[2]), s[3]);
-  for (int j = 0; j < kIndexerPoolSize; ++j) e[j] = exp_nonpositive(s[j] - max_s);
-  const float sum = add_rn(add_rn(add_rn(e[0], e[1]), e[2]), e[3]);
+  float s[kPool], e[kPool];
+  for (int j = 0; j < kPool; ++j) s[j] = add_rn(gate[j], ape[j]);
+  float max_s = s[0];
+  for (int j = 1; j < kPool; ++j) max_s = fmaxf(max_s, s[j]);
+  for (int j = 0; j < kPool; ++j) e[j] = exp_nonpositive(s[j] - max_s);
+  float sum = e[0];
+  for (int j = 1; j < kPool; ++j) sum = add_rn(sum, e[j]);
   float pooled = mul_rn(num::div_rn(e[0], sum), k[0]);
-  for (int j = 1; j < kIndexerPoolSize; ++j) pooled = fmaf(num::div_rn(e[j], sum), k[j], pooled);
+  for (int j = 1; j < kPool; ++j) pooled = fmaf(num::div_rn(e[j], sum), k[j], pooled);
   return num::float_to_bf16(pooled);
 }
 
-// Step 3's softmax pooling of one pool: k and gate rows of its 4 tokens (BF16
-// [128] each, token 4p + j in entry j), ape [4, 128]; pooled BF16 [128].
+// Step 3's softmax pooling of one pool: k and gate rows of its kPool tokens
+// (BF16 [128] each, token kPool p + j in entry j), ape [kPool, 128]; pooled
+// BF16 [128].
+template <int kPool>
 DSA_HD void pool_softmax128(const uint16_t* const* k_rows, const uint16_t* const* gate_rows, const float* ape,
                             uint16_t* pooled_bf16) {
   for (int i = 0; i < kIndexerDim; ++i) {
-    float k[kIndexerPoolSize], gate[kIndexerPoolSize], ape_column[kIndexerPoolSize];
-    for (int j = 0; j < kIndexerPoolSize; ++j) {
+    float k[kPool], gate[kPool], ape_column[kPool];
+    for (int j = 0; j < kPool; ++j) {
       k[j] = num::bf16_to_float(k_rows[j][i]);
       gate[j] = num::bf16_to_float(gate_rows[j][i]);
       ape_column[j] = ape[j * kIndexerDim + i];
     }
-    pooled_bf16[i] = pool_softmax_dim(k, gate, ape_column);
+    pooled_bf16[i] = pool_softmax_dim<kPool>(k, gate, ape_column);
+  }
+}
+
+// pool_softmax128 for a pool size of 4, 8 or 16 given at run time (host).
+inline void pool_softmax128(int pool, const uint16_t* const* k_rows, const uint16_t* const* gate_rows,
+                            const float* ape, uint16_t* pooled_bf16) {
+  switch (pool) {
+    case 8:
+      return pool_softmax128<8>(k_rows, gate_rows, ape, pooled_bf16);
+    case 16:
+      return pool_softmax128<16>(k_rows, gate_rows, ape, pooled_bf16);
+    default:
+      return pool_softmax128<4>(k_rows, gate_rows, ape, pooled_bf16);
   }
 }
 

@@ -14,21 +14,25 @@
 //    codes stored as one 32-bit word;
 //  - pool softmax: each dim in the lane that holds it.
 //
+// Both kernels are instantiated per pool size S (kPool: the pool's rows live
+// in registers); H, the index heads, is a run-time value.
+//
 // indexer_prepare, one PDL launch (prepare_kernel), one warp per row of the
 // step:
-//  - rows [0, 32 m): head h of token t (row 32 t + h) is quantized into the
+//  - rows [0, H m): head h of token t (row H t + h) is quantized into the
 //    workspace's q_fp8 and its folded weight written, for every token
 //    (padding and untrusted too: they read only the token's own rows, as the
 //    reference does for padding);
-//  - rows [32 m, 33 m): token t's k is LayerNormed and stashed with its gate
-//    in ring slot pos % RING;
-//  - rows [33 m, 34 m): token t, when at pos % 4 == 3, compresses pool
-//    pos / 4 from the k and gate of positions pos - 3..pos: a position that
+//  - rows [H m, (H + 1) m): token t's k is LayerNormed and stashed with its
+//    gate in ring slot pos % RING;
+//  - rows [(H + 1) m, (H + 2) m): token t, when at pos % S == S - 1,
+//    compresses pool pos / S from the k and gate of positions
+//    pos - S + 1..pos: a position that
 //    a token of this step holds (same request) is LayerNormed from that
 //    token's index_k by the warp itself (the LayerNorm is deterministic: the
 //    same bits as the stashed row), any other from the ring, where an
 //    earlier step's launch stashed it.
-//  The ring rule (a step's tokens of one request plus the three before the
+//  The ring rule (a step's tokens of one request plus the S - 1 before the
 //  first of them occupy distinct ring slots) keeps the slots the pool warps
 //  read apart from the slots this launch writes, so the result is the
 //  reference's token-by-token order's, bit for bit. (Until 2026-12-01 the
@@ -36,7 +40,7 @@
 //  is one dependent launch less in the chain.)
 //
 // indexer_prefill, one PDL launch: prefill_kernel, one warp per item. Items
-// [0, n / 4) are the complete pools: the warp LayerNorms the pool's 4 tokens
+// [0, n / S) are the complete pools: the warp LayerNorms the pool's S tokens
 // from index_k itself (prefill has no workspace to hold normalized rows; the
 // LayerNorm is deterministic, so recomputing it gives the reference's bits)
 // and compresses the pool. The next min(n, RING) items stash the last tokens
@@ -61,8 +65,6 @@ namespace {
 namespace im = indexer_math;
 
 constexpr int kDim = kIndexerDim;
-constexpr int kHeads = kIndexerHeads;
-constexpr int kPoolSize = kIndexerPoolSize;
 constexpr int kLaneValues = kDim / 32;  // 4: elements 4l..4l+3 in lane l
 constexpr int kWarpsPerCta = 8;
 constexpr int kThreads = 32 * kWarpsPerCta;
@@ -78,7 +80,7 @@ struct KeyInputs {
   int64_t gate_token_stride;
   const float* k_norm_weight;  // [128]
   const float* k_norm_bias;    // [128]
-  const float* ape;            // [4, 128]
+  const float* ape;            // [S, 128]
 };
 
 KeyInputs make_key_inputs(const TensorView& index_k, const TensorView& gate, const TensorView& k_norm_weight,
@@ -96,16 +98,17 @@ KeyInputs make_key_inputs(const TensorView& index_k, const TensorView& gate, con
 
 struct PrepareParams {
   int m;
-  const uint16_t* index_q;  // [m, 32, 128] BF16, token stride q_token_stride
+  int heads;                // H
+  const uint16_t* index_q;  // [m, H, 128] BF16, token stride q_token_stride
   int64_t q_token_stride;
-  const float* head_weights;  // [m, 32], token stride weights_token_stride
+  const float* head_weights;  // [m, H], token stride weights_token_stride
   int64_t weights_token_stride;
   KeyInputs keys;             // m tokens
   const int64_t* positions;       // [m]
   const int32_t* token_requests;  // [m]
   IndexerStateParams state;
-  uint8_t* q_fp8;         // workspace [max_tokens, 32, 128] e4m3 codes
-  float* folded_weights;  // workspace [max_tokens, 32]
+  uint8_t* q_fp8;         // workspace [max_tokens, H, 128] e4m3 codes
+  float* folded_weights;  // workspace [max_tokens, H]
   unsigned int* error_count;  // optional
 };
 
@@ -153,10 +156,11 @@ __device__ __forceinline__ void load_lane_floats(const float* row, int lane, flo
   for (int i = 0; i < kLaneValues; ++i) x[i] = row[kLaneValues * lane + i];
 }
 
-// ape [4, 128] as the lane's columns: ape_columns[i][j] = ape[j, 4 lane + i].
-__device__ __forceinline__ void load_ape_columns(const float* ape, int lane, float (&ape_columns)[kLaneValues][kPoolSize]) {
+// ape [S, 128] as the lane's columns: ape_columns[i][j] = ape[j, 4 lane + i].
+template <int kPool>
+__device__ __forceinline__ void load_ape_columns(const float* ape, int lane, float (&ape_columns)[kLaneValues][kPool]) {
 #pragma unroll
-  for (int j = 0; j < kPoolSize; ++j) {
+  for (int j = 0; j < kPool; ++j) {
 #pragma unroll
     for (int i = 0; i < kLaneValues; ++i) ape_columns[i][j] = ape[j * kDim + kLaneValues * lane + i];
   }
@@ -236,33 +240,34 @@ __device__ __forceinline__ uint16_t* ring_row(const IndexerStateParams& s, int64
   return s.ring + request * s.ring_request_stride + (int64_t(which) * s.ring_size + position % s.ring_size) * kDim;
 }
 
-// Step 3: pool `pool` of `request` from its 4 tokens' LayerNormed k and gate
-// (k[j], gate[j]: the lane's elements of token 4 pool + j) into its page
+// Step 3: pool `pool` of `request` from its S tokens' LayerNormed k and gate
+// (k[j], gate[j]: the lane's elements of token S pool + j) into its page
 // entry: codes at byte 128 e, scale at byte 128 P + 4 e. An untrusted page is
 // skipped and counted once. ape_columns: load_ape_columns.
-__device__ void compress_pool(const IndexerStateParams& s, int64_t block, int64_t pool, const uint2 (&k)[kPoolSize],
-                              const uint2 (&gate)[kPoolSize], const float (&ape_columns)[kLaneValues][kPoolSize],
+template <int kPool>
+__device__ void compress_pool(const IndexerStateParams& s, int64_t block, int64_t pool, const uint2 (&k)[kPool],
+                              const uint2 (&gate)[kPool], const float (&ape_columns)[kLaneValues][kPool],
                               unsigned int* error_count, int lane) {
   if (block < 0) {
     if (lane == 0) count_error(error_count);
     return;
   }
-  float k_values[kPoolSize][kLaneValues], gate_values[kPoolSize][kLaneValues];
+  float k_values[kPool][kLaneValues], gate_values[kPool][kLaneValues];
 #pragma unroll
-  for (int j = 0; j < kPoolSize; ++j) {
+  for (int j = 0; j < kPool; ++j) {
     unpack_bf16(k[j], k_values[j]);
     unpack_bf16(gate[j], gate_values[j]);
   }
   float pooled[kLaneValues];
 #pragma unroll
   for (int i = 0; i < kLaneValues; ++i) {
-    float k_column[kPoolSize], gate_column[kPoolSize];
+    float k_column[kPool], gate_column[kPool];
 #pragma unroll
-    for (int j = 0; j < kPoolSize; ++j) {
+    for (int j = 0; j < kPool; ++j) {
       k_column[j] = k_values[j][i];
       gate_column[j] = gate_values[j][i];
     }
-    pooled[i] = num::bf16_to_float(im::pool_softmax_dim(k_column, gate_column, ape_columns[i]));
+    pooled[i] = num::bf16_to_float(im::pool_softmax_dim<kPool>(k_column, gate_column, ape_columns[i]));
   }
   const int64_t entry = pool % s.pools_per_page;
   uint8_t* page = s.k_cache + block * s.page_stride;
@@ -293,9 +298,11 @@ __device__ TokenTarget token_target(const PrepareParams& p, int t) {
 __device__ void quantize_head(const PrepareParams& p, int t, int h, int lane) {
   float x[kLaneValues];
   unpack_bf16(load_lane_bf16(p.index_q + t * p.q_token_stride + h * kDim, lane), x);
-  const int64_t row = int64_t(t) * kHeads + h;
+  const int64_t row = int64_t(t) * p.heads + h;
   const float scale = hadamard_quantize_lane(x, p.q_fp8 + row * kDim, lane);
-  if (lane == 0) p.folded_weights[row] = im::fold_head_weight(p.head_weights[t * p.weights_token_stride + h], scale);
+  if (lane == 0) {
+    p.folded_weights[row] = im::fold_head_weight(p.head_weights[t * p.weights_token_stride + h], scale, p.heads);
+  }
 }
 
 // What a k row or pool row reads of the step's inputs (positions, requests,
@@ -308,6 +315,7 @@ struct RowInputs {
   int64_t block = -1;  // pool rows completing a pool: its page (-1 untrusted)
 };
 
+template <int kPool>
 __device__ RowInputs read_row_inputs(const PrepareParams& p, int t, bool pool_row, int lane) {
   RowInputs in;
   in.target = token_target(p, t);
@@ -318,8 +326,8 @@ __device__ RowInputs read_row_inputs(const PrepareParams& p, int t, bool pool_ro
     in.lane_request = p.token_requests[lane];
     in.lane_position = p.positions[lane];
   }
-  if (in.target.request >= 0 && in.target.position % kPoolSize == kPoolSize - 1) {
-    in.block = indexer_pool_block(p.state, in.target.request, in.target.position / kPoolSize);
+  if (in.target.request >= 0 && in.target.position % kPool == kPool - 1) {
+    in.block = indexer_pool_block(p.state, in.target.request, in.target.position / kPool);
   }
   return in;
 }
@@ -335,23 +343,24 @@ __device__ void normalize_and_stash(const PrepareParams& p, int t, const TokenTa
   store_lane_bf16(ring_row(p.state, target.request, 1, target.position), lane, gate);
 }
 
-// Step 3 for a token (a pool row of prepare_kernel): pool pos / 4 when the
-// token is trusted and at pos % 4 == 3. Its 4 tokens' k and gate come from
+// Step 3 for a token (a pool row of prepare_kernel): pool pos / S when the
+// token is trusted and at pos % S == S - 1. Its S tokens' k and gate come from
 // the step's own tokens where one holds the position (the first such token),
 // from the ring otherwise. An untrusted token is counted by its k row.
+template <int kPool>
 __device__ void compress_token_pool(const PrepareParams& p, const RowInputs& in, const float (&weight)[kLaneValues],
-                                    const float (&bias)[kLaneValues],
-                                    const float (&ape_columns)[kLaneValues][kPoolSize], int lane) {
+                                    const float (&bias)[kLaneValues], const float (&ape_columns)[kLaneValues][kPool],
+                                    int lane) {
   const TokenTarget& target = in.target;
-  if (target.request < 0 || target.position % kPoolSize != kPoolSize - 1) return;
-  // All eight loads are issued before any is used (one memory round trip,
-  // not one per token), then every k is LayerNormed, the four butterflies
+  if (target.request < 0 || target.position % kPool != kPool - 1) return;
+  // All 2 S loads are issued before any is used (one memory round trip,
+  // not one per token), then every k is LayerNormed, the S butterflies
   // side by side; a ring row keeps its loaded bits (LayerNormed when stashed).
-  uint2 k[kPoolSize], gate[kPoolSize];
-  bool from_step[kPoolSize];
+  uint2 k[kPool], gate[kPool];
+  bool from_step[kPool];
 #pragma unroll
-  for (int j = 0; j < kPoolSize; ++j) {
-    const int64_t position = target.position - (kPoolSize - 1) + j;
+  for (int j = 0; j < kPool; ++j) {
+    const int64_t position = target.position - (kPool - 1) + j;
     const unsigned holders =
         __ballot_sync(kFullMask, in.lane_request == target.request && in.lane_position == position);
     const int holder = holders != 0 ? __ffs(holders) - 1 : -1;  // the step's first token at (request, position)
@@ -364,67 +373,69 @@ __device__ void compress_token_pool(const PrepareParams& p, const RowInputs& in,
     gate[j] = load_lane_bf16(gate_row, lane);
   }
 #pragma unroll
-  for (int j = 0; j < kPoolSize; ++j) {
+  for (int j = 0; j < kPool; ++j) {
     const uint2 normalized = layernorm_lane(k[j], weight, bias);
     if (from_step[j]) k[j] = normalized;
   }
-  compress_pool(p.state, in.block, target.position / kPoolSize, k, gate, ape_columns, p.error_count, lane);
+  compress_pool<kPool>(p.state, in.block, target.position / kPool, k, gate, ape_columns, p.error_count, lane);
 }
 
-// Steps 1-4: warp w of CTA c takes row 8 c + w of the 34 m rows (32 m q heads,
-// m k rows, m pool rows); grid ceil(34 m / 8), kThreads threads.
+// Steps 1-4: warp w of CTA c takes row 8 c + w of the (H + 2) m rows (H m q
+// heads, m k rows, m pool rows); grid ceil((H + 2) m / 8), kThreads threads.
+template <int kPool>
 __global__ void __launch_bounds__(kThreads) prepare_kernel(const __grid_constant__ PrepareParams p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
-  const int q_rows = p.m * kHeads;
+  const int q_rows = p.m * p.heads;
   const bool k_row = row >= q_rows && row < q_rows + p.m;
   const bool pool_row = row >= q_rows + p.m && row < q_rows + 2 * p.m;
-  float weight[kLaneValues] = {}, bias[kLaneValues] = {}, ape_columns[kLaneValues][kPoolSize] = {};
+  float weight[kLaneValues] = {}, bias[kLaneValues] = {}, ape_columns[kLaneValues][kPool] = {};
   if (k_row || pool_row) {  // layer parameters: no kernel in flight writes them
     load_lane_floats(p.keys.k_norm_weight, lane, weight);
     load_lane_floats(p.keys.k_norm_bias, lane, bias);
   }
-  if (pool_row) load_ape_columns(p.keys.ape, lane, ape_columns);
+  if (pool_row) load_ape_columns<kPool>(p.keys.ape, lane, ape_columns);
   const int t = k_row ? row - q_rows : row - q_rows - p.m;
   RowInputs in;
-  if (k_row || pool_row) in = read_row_inputs(p, t, pool_row, lane);
+  if (k_row || pool_row) in = read_row_inputs<kPool>(p, t, pool_row, lane);
   pdl_wait();  // the projections, the ring and the K cache come from earlier kernels
   pdl_release_dependents();
   if (row < q_rows) {
-    quantize_head(p, row / kHeads, row % kHeads, lane);
+    quantize_head(p, row / p.heads, row % p.heads, lane);
   } else if (k_row) {
     normalize_and_stash(p, t, in.target, weight, bias, lane);
   } else if (pool_row) {
-    compress_token_pool(p, in, weight, bias, ape_columns, lane);
+    compress_token_pool<kPool>(p, in, weight, bias, ape_columns, lane);
   }
 }
 
 // ---------------------------------------------------------------------------
 // prefill.
 
-// Step 9: warp w of CTA c takes item 8 c + w: items [0, n / 4) are the
+// Step 9: warp w of CTA c takes item 8 c + w: items [0, n / S) are the
 // complete pools, the next n - first_stashed the stashed tokens. Grid
-// ceil((n / 4 + n - first_stashed) / 8).
+// ceil((n / S + n - first_stashed) / 8).
+template <int kPool>
 __global__ void __launch_bounds__(kThreads) prefill_kernel(const __grid_constant__ PrefillParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t item = int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32;
-  float weight[kLaneValues], bias[kLaneValues], ape_columns[kLaneValues][kPoolSize];
+  float weight[kLaneValues], bias[kLaneValues], ape_columns[kLaneValues][kPool];
   load_lane_floats(p.keys.k_norm_weight, lane, weight);  // layer parameters: before the wait
   load_lane_floats(p.keys.k_norm_bias, lane, bias);
-  load_ape_columns(p.keys.ape, lane, ape_columns);
+  load_ape_columns<kPool>(p.keys.ape, lane, ape_columns);
   pdl_wait();
   pdl_release_dependents();
-  const int64_t pools = p.n / kPoolSize;
+  const int64_t pools = p.n / kPool;
   if (item < pools) {
-    uint2 k[kPoolSize], gate[kPoolSize];
+    uint2 k[kPool], gate[kPool];
 #pragma unroll
-    for (int j = 0; j < kPoolSize; ++j) {
-      const int64_t token = item * kPoolSize + j;
+    for (int j = 0; j < kPool; ++j) {
+      const int64_t token = item * kPool + j;
       k[j] = layernorm_lane(load_lane_bf16(p.keys.index_k + token * p.keys.k_token_stride, lane), weight, bias);
       gate[j] = load_lane_bf16(p.keys.gate + token * p.keys.gate_token_stride, lane);
     }
-    compress_pool(p.state, indexer_pool_block(p.state, p.request, item), item, k, gate, ape_columns, p.error_count,
-                  lane);
+    compress_pool<kPool>(p.state, indexer_pool_block(p.state, p.request, item), item, k, gate, ape_columns,
+                         p.error_count, lane);
     return;
   }
   const int64_t position = p.first_stashed + (item - pools);
@@ -443,6 +454,7 @@ PrepareParams make_prepare_params(const IndexerPrepareArgs& a) {
   uint8_t* workspace = a.workspace.ptr<uint8_t>();
   PrepareParams p = {};
   p.m = static_cast<int>(a.index_q.size(0));
+  p.heads = a.plan.heads;
   p.index_q = a.index_q.ptr<const uint16_t>();
   p.q_token_stride = a.index_q.stride(0);
   p.head_weights = a.head_weights.ptr<const float>();
@@ -459,12 +471,23 @@ PrepareParams make_prepare_params(const IndexerPrepareArgs& a) {
 
 unsigned ctas_for_warps(int64_t warps) { return static_cast<unsigned>((warps + kWarpsPerCta - 1) / kWarpsPerCta); }
 
+// The kernels' instances for a plan's pool size (4, 8 or 16: check_indexer_plan).
+using PrepareKernel = void (*)(PrepareParams);
+PrepareKernel prepare_kernel_for(int pool) {
+  return pool == 16 ? prepare_kernel<16> : pool == 8 ? prepare_kernel<8> : prepare_kernel<4>;
+}
+using PrefillKernel = void (*)(PrefillParams);
+PrefillKernel prefill_kernel_for(int pool) {
+  return pool == 16 ? prefill_kernel<16> : pool == 8 ? prefill_kernel<8> : prefill_kernel<4>;
+}
+
 }  // namespace
 
 Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_prepare(args));
   const PrepareParams p = make_prepare_params(args);
-  return launch_pdl(prepare_kernel, dim3(ctas_for_warps(int64_t(p.m) * (kHeads + 2))), dim3(kThreads), 0, stream, p);
+  return launch_pdl(prepare_kernel_for(args.plan.pool), dim3(ctas_for_warps(int64_t(p.m) * (p.heads + 2))),
+                    dim3(kThreads), 0, stream, p);
 }
 
 Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream) {
@@ -476,8 +499,9 @@ Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream) {
   p.first_stashed = std::max<int64_t>(0, p.n - args.plan.ring);
   p.state = make_indexer_state_params(args.plan, args.state);
   p.error_count = args.error_count;
-  const int64_t items = p.n / kPoolSize + (p.n - p.first_stashed);
-  return launch_pdl(prefill_kernel, dim3(ctas_for_warps(items)), dim3(kThreads), 0, stream, p);
+  const int64_t items = p.n / args.plan.pool + (p.n - p.first_stashed);
+  return launch_pdl(prefill_kernel_for(args.plan.pool), dim3(ctas_for_warps(items)), dim3(kThreads), 0, stream,
+                    p);
 }
 
 }  // namespace dsa

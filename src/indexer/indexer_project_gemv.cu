@@ -2,9 +2,9 @@
 // (include/dsa_decode/indexer.h, indexer_project_gemv; the order of every
 // sum is documented there and reproduced by reference::indexer_project_gemv).
 //
-// Work split. The output rows of the four weights form one list: wq_b's 4096
-// rows (K = Q, reading q_c), then the 288 rows of wk, weights_proj and
-// compress_gate (K = D, reading x). A warp owns one item: 4 consecutive rows
+// Work split. The output rows of the four weights form one list: wq_b's H * 128
+// rows (K = Q, reading q_c; 4096 at H = 32), then the 256 + H rows of wk,
+// weights_proj and compress_gate (K = D, reading x). A warp owns one item: 4 consecutive rows
 // of wq_b (a "q item": each q_c load feeds 4 rows) or 1 row of the other
 // three (an "x item": at K = D = 4096 one row costs about what 4 rows of wq_b
 // at K = 1536 do, so the items are even). A CTA of W warps owns W items of
@@ -51,10 +51,11 @@ namespace {
 constexpr int kLanes = 32;
 constexpr int kLaneColumns = 8;                      // one 16-byte load of BF16 per lane and step
 constexpr int kStepColumns = kLanes * kLaneColumns;  // 256 columns per warp step
-constexpr int kQRows = kIndexerHeads * kIndexerDim;  // 4096 rows of wq_b
 constexpr int kQRowsPerItem = 4;
-constexpr int kQItems = kQRows / kQRowsPerItem;                     // 1024
-constexpr int kXItems = kIndexerDim + kIndexerHeads + kIndexerDim;  // 288: wk, weights_proj, compress_gate rows
+// Items of a plan's head count H: H * 128 / 4 rows of wq_b in fours, then
+// 128 + H + 128 rows of wk, weights_proj and compress_gate.
+int q_items(int heads) { return heads * kIndexerDim / kQRowsPerItem; }
+int x_items(int heads) { return kIndexerDim + heads + kIndexerDim; }
 constexpr int kMaxWarps = 12;  // 384 threads: 168 registers per thread at one CTA per SM
 constexpr size_t kMaxSharedBytes = 227 * 1024;
 // 16-byte input loads in flight per thread while staging q_c or x (the
@@ -74,23 +75,25 @@ struct GemvParams {
   int64_t q_c_stride;
   const uint16_t* x;  // [m, D] BF16 bits
   int64_t x_stride;
-  const uint16_t* wq_b;  // [4096, Q] BF16 bits
+  const uint16_t* wq_b;  // [H * 128, Q] BF16 bits
   int64_t wq_b_stride;
   const uint16_t* wk;  // [128, D] BF16 bits
   int64_t wk_stride;
-  const uint16_t* weights_proj;  // [32, D] BF16 bits
+  const uint16_t* weights_proj;  // [H, D] BF16 bits
   int64_t weights_proj_stride;
   const uint16_t* compress_gate;  // [128, D] BF16 bits
   int64_t compress_gate_stride;
-  uint16_t* index_q;  // [m, 4096] BF16 bits (the [m, 32, 128] view's dims 1-2)
+  uint16_t* index_q;  // [m, H * 128] BF16 bits (the [m, H, 128] view's dims 1-2)
   int64_t index_q_stride;
   uint16_t* index_k;  // [m, 128] BF16 bits
   int64_t index_k_stride;
-  float* head_weights;  // [m, 32] FP32
+  float* head_weights;  // [m, H] FP32
   int64_t head_weights_stride;
   uint16_t* gate;  // [m, 128] BF16 bits
   int64_t gate_stride;
   int m, q_lora, hidden;
+  int heads;   // H
+  int q_items, x_items;
   int warps;   // warps of a CTA, one item each
   int q_ctas;  // CTAs [0, q_ctas) take the q items, the others the x items
 };
@@ -113,11 +116,11 @@ __device__ Item q_item(const GemvParams& p, int item) {
 __device__ Item x_item(const GemvParams& p, int row) {
   if (row < kIndexerDim) return {p.wk + row * p.wk_stride, p.wk_stride, p.index_k + row, p.index_k_stride, false};
   row -= kIndexerDim;
-  if (row < kIndexerHeads) {
+  if (row < p.heads) {
     return {p.weights_proj + row * p.weights_proj_stride, p.weights_proj_stride, p.head_weights + row,
             p.head_weights_stride, true};
   }
-  row -= kIndexerHeads;
+  row -= p.heads;
   return {p.compress_gate + row * p.compress_gate_stride, p.compress_gate_stride, p.gate + row, p.gate_stride, false};
 }
 
@@ -251,7 +254,7 @@ __global__ void __launch_bounds__(kMaxWarps* kLanes, 1)
   const int columns = q_part ? p.q_lora : p.hidden;
   const int rows = q_part ? kQRowsPerItem : 1;
   const int index = (q_part ? static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x) - p.q_ctas) * p.warps + warp;
-  const bool has_item = index < (q_part ? kQItems : kXItems);           // the last CTA of a part may have idle warps
+  const bool has_item = index < (q_part ? p.q_items : p.x_items);           // the last CTA of a part may have idle warps
   uint16_t* staged = reinterpret_cast<uint16_t*>(shared);               // [kTokens][columns]
   uint16_t* slab = staged + kTokens * columns + warp * rows * columns;  // this warp's [rows][columns]
 
@@ -354,7 +357,8 @@ Status indexer_project_gemv(const IndexerProjectArgs& a, cudaStream_t stream) {
   // kMaxWarps and the shared memory (check_indexer_project_gemv made sure one
   // warp fits). The split does not change a single bit: every output is one
   // warp's sum in the header's order wherever that warp runs.
-  int warps = std::clamp((kQItems + kXItems + sms - 1) / std::max(sms, 1), 1, kMaxWarps);
+  const int heads = a.plan.heads;
+  int warps = std::clamp((q_items(heads) + x_items(heads) + sms - 1) / std::max(sms, 1), 1, kMaxWarps);
   const auto shared_bytes = [&](int w) {
     return std::max(q_shared_bytes(tokens, w, q_lora), x_shared_bytes(tokens, w, hidden));
   };
@@ -384,9 +388,12 @@ Status indexer_project_gemv(const IndexerProjectArgs& a, cudaStream_t stream) {
   p.m = m;
   p.q_lora = static_cast<int>(q_lora);
   p.hidden = static_cast<int>(hidden);
+  p.heads = heads;
+  p.q_items = q_items(heads);
+  p.x_items = x_items(heads);
   p.warps = warps;
-  p.q_ctas = (kQItems + warps - 1) / warps;
-  const int x_ctas = (kXItems + warps - 1) / warps;
+  p.q_ctas = (p.q_items + warps - 1) / warps;
+  const int x_ctas = (p.x_items + warps - 1) / warps;
 
   const KernelFn kernel = kernel_for(tokens);
   DSA_RETURN_IF_ERROR(raise_shared_memory_limit(reinterpret_cast<const void*>(kernel),

@@ -14,9 +14,9 @@ namespace dsa::reference {
 namespace {
 
 constexpr int kDim = kIndexerDim;
-constexpr int kHeads = kIndexerHeads;
+constexpr int kMaxPool = indexer_math::kMaxPoolSize;
 
-int64_t pools_per_page(const IndexerPlan& plan) { return plan.block_size / kIndexerPoolSize; }
+int64_t pools_per_page(const IndexerPlan& plan) { return indexer_pools_per_page(plan); }
 
 // The page (block) holding `pool` of `request`, or -1 when the block table
 // entry is outside [0, blocks) or the pool is past the table's width.
@@ -31,7 +31,7 @@ uint16_t* ring_row(const IndexerPlan& plan, IndexerStateHost& state, int64_t req
   return state.ring + ((request * 2 + which) * plan.ring + position % plan.ring) * kDim;
 }
 
-// Step 3's compression of one pool from its 4 tokens' LayerNormed k and gate
+// Step 3's compression of one pool from its plan.pool tokens' LayerNormed k and gate
 // rows, written to the pool's page entry; false when the page is untrusted.
 bool compress_and_write(const IndexerPlan& plan, IndexerStateHost& state, const IndexerParamsHost& params,
                         int64_t request, int64_t pool, const uint16_t* const* k_rows,
@@ -39,7 +39,7 @@ bool compress_and_write(const IndexerPlan& plan, IndexerStateHost& state, const 
   const int64_t block = pool_block(plan, state, request, pool);
   if (block < 0) return false;
   uint16_t pooled[kDim];
-  indexer_math::pool_softmax128(k_rows, gate_rows, params.ape, pooled);
+  indexer_math::pool_softmax128(plan.pool, k_rows, gate_rows, params.ape, pooled);
   const int64_t entry = pool % pools_per_page(plan);
   uint8_t* page = state.k_cache + block * state.page_stride;
   const float scale = indexer_math::hadamard_quantize(pooled, page + entry * kDim);
@@ -90,15 +90,16 @@ Status indexer_prepare(const IndexerPlan& plan, const IndexerStepHost& step, con
                        IndexerStateHost& state, IndexerQueryHost* query, int64_t* errors) {
   DSA_RETURN_IF_ERROR(check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests,
                                           state.block_table_width));
-  query->q_fp8.assign(size_t(step.m) * kHeads * kDim, 0);
-  query->head_weights.assign(size_t(step.m) * kHeads, 0.0f);
+  const int heads = plan.heads, pool_size = plan.pool;
+  query->q_fp8.assign(size_t(step.m) * heads * kDim, 0);
+  query->head_weights.assign(size_t(step.m) * heads, 0.0f);
   *errors = 0;
   for (int t = 0; t < step.m; ++t) {
     // Step 2 for every token, padding too: it reads nothing but the token's own rows.
-    for (int h = 0; h < kHeads; ++h) {
-      const size_t row = size_t(t) * kHeads + h;
+    for (int h = 0; h < heads; ++h) {
+      const size_t row = size_t(t) * heads + h;
       const float scale = indexer_math::hadamard_quantize(step.index_q + row * kDim, &query->q_fp8[row * kDim]);
-      query->head_weights[row] = indexer_math::fold_head_weight(step.head_weights[row], scale);
+      query->head_weights[row] = indexer_math::fold_head_weight(step.head_weights[row], scale, heads);
     }
     const int64_t request = step.token_requests[t];
     if (request < 0) continue;
@@ -106,17 +107,17 @@ Status indexer_prepare(const IndexerPlan& plan, const IndexerStepHost& step, con
     uint16_t k[kDim];
     indexer_math::layernorm128(step.index_k + size_t(t) * kDim, params.k_norm_weight, params.k_norm_bias, k);
     const uint16_t* gate = step.gate + size_t(t) * kDim;
-    if (position % kIndexerPoolSize == kIndexerPoolSize - 1) {
-      const uint16_t* k_rows[kIndexerPoolSize];
-      const uint16_t* gate_rows[kIndexerPoolSize];
-      for (int j = 0; j < kIndexerPoolSize - 1; ++j) {  // the ring, before this token is stashed
-        const int64_t earlier = position - (kIndexerPoolSize - 1) + j;
+    if (position % pool_size == pool_size - 1) {
+      const uint16_t* k_rows[kMaxPool];
+      const uint16_t* gate_rows[kMaxPool];
+      for (int j = 0; j < pool_size - 1; ++j) {  // the ring, before this token is stashed
+        const int64_t earlier = position - (pool_size - 1) + j;
         k_rows[j] = ring_row(plan, state, request, 0, earlier);
         gate_rows[j] = ring_row(plan, state, request, 1, earlier);
       }
-      k_rows[kIndexerPoolSize - 1] = k;
-      gate_rows[kIndexerPoolSize - 1] = gate;
-      if (!compress_and_write(plan, state, params, request, position / kIndexerPoolSize, k_rows, gate_rows)) ++*errors;
+      k_rows[pool_size - 1] = k;
+      gate_rows[pool_size - 1] = gate;
+      if (!compress_and_write(plan, state, params, request, position / pool_size, k_rows, gate_rows)) ++*errors;
     }
     std::memcpy(ring_row(plan, state, request, 0, position), k, sizeof(k));
     std::memcpy(ring_row(plan, state, request, 1, position), gate, kDim * sizeof(uint16_t));
@@ -140,12 +141,12 @@ Status indexer_prefill(const IndexerPlan& plan, const uint16_t* index_k, const u
     indexer_math::layernorm128(index_k + i * kDim, params.k_norm_weight, params.k_norm_bias, &k[i * kDim]);
   }
   *errors = 0;
-  for (int64_t pool = 0; pool < n / kIndexerPoolSize; ++pool) {
-    const uint16_t* k_rows[kIndexerPoolSize];
-    const uint16_t* gate_rows[kIndexerPoolSize];
-    for (int j = 0; j < kIndexerPoolSize; ++j) {
-      k_rows[j] = &k[(pool * kIndexerPoolSize + j) * kDim];
-      gate_rows[j] = gate + (pool * kIndexerPoolSize + j) * kDim;
+  for (int64_t pool = 0; pool < n / plan.pool; ++pool) {
+    const uint16_t* k_rows[kMaxPool];
+    const uint16_t* gate_rows[kMaxPool];
+    for (int j = 0; j < plan.pool; ++j) {
+      k_rows[j] = &k[(pool * plan.pool + j) * kDim];
+      gate_rows[j] = gate + (pool * plan.pool + j) * kDim;
     }
     if (!compress_and_write(plan, state, params, request, pool, k_rows, gate_rows)) ++*errors;
   }
@@ -159,8 +160,9 @@ Status indexer_prefill(const IndexerPlan& plan, const uint16_t* index_k, const u
 std::vector<float> indexer_logits(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
                                   int64_t n_pools, const uint8_t* q_fp8, const float* head_weights) {
   const Fp8Table& table = fp8_table();
-  std::vector<float> q(kHeads * kDim);  // [32, 128] decoded
-  for (int i = 0; i < kHeads * kDim; ++i) q[i] = table.value[q_fp8[i]];
+  const int heads = plan.heads;
+  std::vector<float> q(heads * kDim);  // [H, 128] decoded
+  for (int i = 0; i < heads * kDim; ++i) q[i] = table.value[q_fp8[i]];
   std::vector<float> logits(n_pools);
   float k[kDim];
   for (int64_t pool = 0; pool < n_pools; ++pool) {
@@ -171,7 +173,7 @@ std::vector<float> indexer_logits(const IndexerPlan& plan, const IndexerStateHos
     }
     for (int d = 0; d < kDim; ++d) k[d] = table.value[entry.codes[d]];
     float sum = 0.0f;
-    for (int h = 0; h < kHeads; ++h) {
+    for (int h = 0; h < heads; ++h) {
       const float relu = std::fmax(static_cast<float>(exact_dot(&q[h * kDim], k)), 0.0f);
       sum = std::fma(head_weights[h], relu, sum);
     }
@@ -183,8 +185,9 @@ std::vector<float> indexer_logits(const IndexerPlan& plan, const IndexerStateHos
 std::vector<double> indexer_logit_bounds(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
                                          int64_t n_pools, const uint8_t* q_fp8, const float* head_weights) {
   const Fp8Table& table = fp8_table();
-  std::vector<float> q(kHeads * kDim), q_magnitude(kHeads * kDim);  // [32, 128] decoded, and |q|
-  for (int i = 0; i < kHeads * kDim; ++i) {
+  const int heads = plan.heads;
+  std::vector<float> q(heads * kDim), q_magnitude(heads * kDim);  // [H, 128] decoded, and |q|
+  for (int i = 0; i < heads * kDim; ++i) {
     q[i] = table.value[q_fp8[i]];
     q_magnitude[i] = std::fabs(q[i]);
   }
@@ -198,10 +201,11 @@ std::vector<double> indexer_logit_bounds(const IndexerPlan& plan, const IndexerS
       k_magnitude[d] = std::fabs(k[d]);
     }
     double bound = 0;
-    for (int h = 0; h < kHeads; ++h) {
+    const double chain_roundings = 2.0 * heads + 6;
+    for (int h = 0; h < heads; ++h) {
       const double magnitude = exact_dot(&q_magnitude[h * kDim], k_magnitude);
       const double dot = std::fabs(exact_dot(&q[h * kDim], k));
-      bound += std::fabs(double(head_weights[h])) * (std::ldexp(magnitude, -10) + 70 * std::ldexp(dot, -24));
+      bound += std::fabs(double(head_weights[h])) * (std::ldexp(magnitude, -10) + chain_roundings * std::ldexp(dot, -24));
     }
     bounds[pool] = std::fabs(double(entry.scale)) * bound;
   }
@@ -242,18 +246,18 @@ std::vector<int32_t> select_top_pools(const std::vector<float>& logits, int coun
   return order;
 }
 
-void expand_row(int64_t context, const std::vector<int32_t>& top_pools, int32_t* row) {
-  std::fill(row, row + kIndexerRowWidth, -1);
-  if (context <= kIndexerPooledColumns) {
+void expand_row(const IndexerPlan& plan, int64_t context, const std::vector<int32_t>& top_pools, int32_t* row) {
+  std::fill(row, row + indexer_row_width(plan), -1);
+  if (context <= plan.topk) {
     for (int64_t c = 0; c < context; ++c) row[c] = static_cast<int32_t>(c);
     return;
   }
   for (size_t i = 0; i < top_pools.size(); ++i) {
-    for (int j = 0; j < kIndexerPoolSize; ++j) row[i * kIndexerPoolSize + j] = top_pools[i] * kIndexerPoolSize + j;
+    for (int j = 0; j < plan.pool; ++j) row[i * plan.pool + j] = top_pools[i] * plan.pool + j;
   }
-  const int64_t tail_start = context / kIndexerPoolSize * kIndexerPoolSize;
+  const int64_t tail_start = context / plan.pool * plan.pool;
   for (int64_t position = tail_start; position < context; ++position) {
-    row[kIndexerPooledColumns + (position - tail_start)] = static_cast<int32_t>(position);
+    row[plan.topk + (position - tail_start)] = static_cast<int32_t>(position);
   }
 }
 
@@ -280,8 +284,9 @@ Status indexer_remap(const IndexerPlan& plan, const IndexerStepHost& step, const
                      const std::vector<int32_t>& topk_positions, IndexerRowsHost* rows) {
   DSA_RETURN_IF_ERROR(
       check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests, state.block_table_width));
-  if (topk_positions.size() != size_t(step.m) * kIndexerRowWidth) {
-    return invalid_argument("topk_positions", std::to_string(step.m) + " rows of " + std::to_string(kIndexerRowWidth),
+  const int width = indexer_row_width(plan);
+  if (topk_positions.size() != size_t(step.m) * width) {
+    return invalid_argument("topk_positions", std::to_string(step.m) + " rows of " + std::to_string(width),
                             std::to_string(topk_positions.size()) + " values");
   }
   rows->topk_positions = topk_positions;
@@ -291,15 +296,15 @@ Status indexer_remap(const IndexerPlan& plan, const IndexerStepHost& step, const
     const int64_t request = step.token_requests[t];
     if (request < 0) continue;
     const int64_t context = step.positions[t] + 1;
-    const size_t row = size_t(t) * kIndexerRowWidth;
-    std::vector<int32_t> known(topk_positions.begin() + row, topk_positions.begin() + row + kIndexerRowWidth);
+    const size_t row = size_t(t) * width;
+    std::vector<int32_t> known(topk_positions.begin() + row, topk_positions.begin() + row + width);
     for (int32_t& position : known) {
       if (position >= context) {
         position = -1;
         ++rows->errors;
       }
     }
-    rows->errors += remap_row(plan, state, request, known.data(), kIndexerRowWidth, &rows->slots[row]);
+    rows->errors += remap_row(plan, state, request, known.data(), width, &rows->slots[row]);
   }
   return Status();
 }
@@ -312,20 +317,21 @@ Status select_rows(const IndexerPlan& plan, const IndexerStepHost& step, const I
                    const LogitsOf& logits_of, IndexerRowsHost* rows) {
   DSA_RETURN_IF_ERROR(check_indexer_batch(plan, step.m, step.positions, step.token_requests, state.requests,
                                           state.block_table_width));
-  rows->topk_positions.assign(size_t(step.m) * kIndexerRowWidth, -1);
-  rows->slots.assign(size_t(step.m) * kIndexerRowWidth, -1);
+  const int width = indexer_row_width(plan);
+  rows->topk_positions.assign(size_t(step.m) * width, -1);
+  rows->slots.assign(size_t(step.m) * width, -1);
   rows->errors = 0;
   for (int t = 0; t < step.m; ++t) {
     const int64_t request = step.token_requests[t];
     if (request < 0) continue;  // padding: rows of -1
     const int64_t context = step.positions[t] + 1;
     std::vector<int32_t> top_pools;
-    if (context > kIndexerPooledColumns) {
-      top_pools = select_top_pools(logits_of(t, request, context / kIndexerPoolSize), kIndexerTopPools);
+    if (context > plan.topk) {
+      top_pools = select_top_pools(logits_of(t, request, context / plan.pool), indexer_top_pools(plan));
     }
-    int32_t* positions = &rows->topk_positions[size_t(t) * kIndexerRowWidth];
-    expand_row(context, top_pools, positions);
-    rows->errors += remap_row(plan, state, request, positions, kIndexerRowWidth, &rows->slots[size_t(t) * kIndexerRowWidth]);
+    int32_t* positions = &rows->topk_positions[size_t(t) * width];
+    expand_row(plan, context, top_pools, positions);
+    rows->errors += remap_row(plan, state, request, positions, width, &rows->slots[size_t(t) * width]);
   }
   return Status();
 }
@@ -337,7 +343,7 @@ Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, cons
   return select_rows(
       plan, step, state,
       [&](int t, int64_t request, int64_t n_pools) {
-        const size_t row = size_t(t) * kHeads;
+        const size_t row = size_t(t) * plan.heads;
         return indexer_logits(plan, state, request, n_pools, &query.q_fp8[row * kDim], &query.head_weights[row]);
       },
       rows);
@@ -351,9 +357,9 @@ Status indexer_select_on_logits(const IndexerPlan& plan, const IndexerStepHost& 
   }
   for (int t = 0; t < step.m; ++t) {
     const int64_t context = step.token_requests[t] < 0 ? 0 : step.positions[t] + 1;
-    if (context > kIndexerPooledColumns && logits[t].size() != size_t(context / kIndexerPoolSize)) {
+    if (context > plan.topk && logits[t].size() != size_t(context / plan.pool)) {
       return invalid_argument("logits[" + std::to_string(t) + "]",
-                              std::to_string(context / kIndexerPoolSize) + " pools (L / 4)",
+                              std::to_string(context / plan.pool) + " pools (L / pool)",
                               std::to_string(logits[t].size()));
     }
   }
@@ -363,9 +369,9 @@ Status indexer_select_on_logits(const IndexerPlan& plan, const IndexerStepHost& 
 
 IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& in) {
   IndexerProjectionsHost out;
-  out.index_q = exact_product(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(kHeads) * kDim);
+  out.index_q = exact_product(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(in.heads) * kDim);
   out.index_k = exact_product(in.x, in.m, in.hidden, in.wk, kDim);
-  out.head_weights = exact_product(in.x, in.m, in.hidden, in.weights_proj, kHeads);
+  out.head_weights = exact_product(in.x, in.m, in.hidden, in.weights_proj, in.heads);
   out.gate = exact_product(in.x, in.m, in.hidden, in.compress_gate, kDim);
   return out;
 }
@@ -377,9 +383,9 @@ IndexerProjectionBitsHost indexer_project_gemv(const IndexerProjectInputsHost& i
     return bits;
   };
   IndexerProjectionBitsHost out;
-  out.index_q = bf16(gemv_sums(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(kHeads) * kDim));
+  out.index_q = bf16(gemv_sums(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(in.heads) * kDim));
   out.index_k = bf16(gemv_sums(in.x, in.m, in.hidden, in.wk, kDim));
-  out.head_weights = gemv_sums(in.x, in.m, in.hidden, in.weights_proj, kHeads);
+  out.head_weights = gemv_sums(in.x, in.m, in.hidden, in.weights_proj, in.heads);
   out.gate = bf16(gemv_sums(in.x, in.m, in.hidden, in.compress_gate, kDim));
   return out;
 }

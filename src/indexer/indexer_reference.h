@@ -22,22 +22,22 @@ struct IndexerStateHost {
   const int32_t* block_table;  // [requests, block_table_width]
   int64_t requests, block_table_width;
   uint16_t* ring;     // [requests, 2, plan.ring, 128] BF16 bits
-  uint8_t* k_cache;   // [blocks, page_stride] bytes; a page is block_size / 4 * 132 bytes
+  uint8_t* k_cache;   // [blocks, page_stride] bytes; a page is indexer_page_bytes(plan)
   int64_t blocks, page_stride;
 };
 
 struct IndexerParamsHost {
   const float* k_norm_weight;  // [128]
   const float* k_norm_bias;    // [128]
-  const float* ape;            // [4, 128]
+  const float* ape;            // [plan.pool, 128]
 };
 
-// One decode step's projections and token map, contiguous.
+// One decode step's projections and token map, contiguous (H = plan.heads).
 struct IndexerStepHost {
   int m;
-  const uint16_t* index_q;        // [m, 32, 128] BF16 bits
+  const uint16_t* index_q;        // [m, H, 128] BF16 bits
   const uint16_t* index_k;        // [m, 128] BF16 bits, before the LayerNorm
-  const float* head_weights;      // [m, 32]
+  const float* head_weights;      // [m, H]
   const uint16_t* gate;           // [m, 128] BF16 bits
   const int64_t* positions;       // [m]
   const int32_t* token_requests;  // [m], negative = padding
@@ -45,13 +45,13 @@ struct IndexerStepHost {
 
 // What prepare leaves in the workspace for select.
 struct IndexerQueryHost {
-  std::vector<uint8_t> q_fp8;       // [m, 32, 128] e4m3 codes
-  std::vector<float> head_weights;  // [m, 32] folded weights w'
+  std::vector<uint8_t> q_fp8;       // [m, H, 128] e4m3 codes
+  std::vector<float> head_weights;  // [m, H] folded weights w'
 };
 
 struct IndexerRowsHost {
-  std::vector<int32_t> topk_positions;  // [m, 2176] request-local positions, -1 = none
-  std::vector<int32_t> slots;           // [m, 2176] global KV slots, -1 = none
+  std::vector<int32_t> topk_positions;  // [m, indexer_row_width(plan)] request-local positions, -1 = none
+  std::vector<int32_t> slots;           // [m, indexer_row_width(plan)] global KV slots, -1 = none
   int64_t errors = 0;                   // untrusted block table entries met (0 = none)
 };
 
@@ -77,23 +77,23 @@ Status indexer_prefill(const IndexerPlan& plan, const uint16_t* index_k, const u
                        int64_t request, const IndexerParamsHost& params, IndexerStateHost& state, int64_t* errors);
 
 // Step 6 for one token: logits [n_pools] of pools 0..n_pools-1 of `request`
-// (a pool on an untrusted page gets -inf). q_fp8 [32, 128]
-// codes, head_weights [32] folded.
+// (a pool on an untrusted page gets -inf). q_fp8 [H, 128]
+// codes, head_weights [H] folded.
 std::vector<float> indexer_logits(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
                                   int64_t n_pools, const uint8_t* q_fp8, const float* head_weights);
 
 // Step 6's bound under IndexerLogits::kFp32Accumulation, per pool of
 // indexer_logits's arguments: |GPU logit - reference logit| <= bound[p] =
-// |kscale[p]| * sum_h |w'[h]| * (2^-10 * sum_i |q[h, i] k[p, i]| + 70 * 2^-24 *
-// |exact dot[h, p]|) (0 for a pool on an untrusted page: both are -inf).
+// |kscale[p]| * sum_h |w'[h]| * (2^-10 * sum_i |q[h, i] k[p, i]| + (2H + 6) * 2^-24 *
+// |exact dot[h, p]|), H = plan.heads (70 at H = 32) (0 for a pool on an untrusted page: both are -inf).
 // Why: a product of two e4m3 values is exact in FP32, so the FP16 MMA's
 // error is its FP32 accumulation's, 8 steps of 16 products each: 2^-10 of
 // the sum of |products| leaves a wide margin over the 2^-19 or so such
 // accumulation can lose even when it truncates, and is still a thousand
 // times below what a wrong fragment layout gives (errors of the dots' own
-// size). ReLU does not grow an error; the two FP32 chains over 32 heads
+// size). ReLU does not grow an error; the two FP32 chains over H heads
 // (the GPU's on inexact inputs, the reference's) and the final scaling add
-// at most 66 roundings of at most 2^-24 of sum_h |w'[h] relu[h]| <= sum_h
+// at most 2H + 2 roundings of at most 2^-24 of sum_h |w'[h] relu[h]| <= sum_h
 // |w'[h]| |dot[h]|.
 std::vector<double> indexer_logit_bounds(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request,
                                          int64_t n_pools, const uint8_t* q_fp8, const float* head_weights);
@@ -115,15 +115,18 @@ LogitDeviation indexer_logit_deviation(const IndexerPlan& plan, const IndexerSta
 // as -inf, -0 equal to +0), returned in increasing index order.
 std::vector<int32_t> select_top_pools(const std::vector<float>& logits, int count);
 
-// Steps 5-7 for one token of context L: the request-local row [2176].
-void expand_row(int64_t context, const std::vector<int32_t>& top_pools, int32_t* row);
+// Steps 5-7 for one token of context L: the request-local row
+// [indexer_row_width(plan)]: L <= topk: 0..L-1; else top_pools (increasing)
+// as pool tokens, then the tail tokens L / pool * pool..L-1 from column topk;
+// -1 elsewhere.
+void expand_row(const IndexerPlan& plan, int64_t context, const std::vector<int32_t>& top_pools, int32_t* row);
 
 // Step 8: positions [count] -> slots; -1 stays -1; a page past the table's
 // width or a block outside [0, blocks) gives -1 and is counted in the result.
 int64_t remap_row(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request, const int32_t* positions,
                   int count, int32_t* slots);
 
-// Step 8 for caller rows (indexer_remap): topk_positions [m, 2176] to
+// Step 8 for caller rows (indexer_remap): topk_positions [m, indexer_row_width(plan)] to
 // rows->slots (rows->topk_positions is set to the input); a position at or
 // past the token's context gives -1 and is counted, as remap_row's untrusted
 // blocks; a padding token's row is -1. Checks the batch first.
@@ -138,6 +141,7 @@ Status indexer_select(const IndexerPlan& plan, const IndexerStepHost& step, cons
 // t's logits of pools 0..L / 4 - 1 when L > 2048 (otherwise unused; may be
 // empty), e.g. the GPU's under IndexerLogits::kFp32Accumulation, whose rows
 // must be this selection over its own logits. Checks the batch first.
+// (L / 4 and 2048 above are L / plan.pool and plan.topk.)
 Status indexer_select_on_logits(const IndexerPlan& plan, const IndexerStepHost& step,
                                 const std::vector<std::vector<float>>& logits, const IndexerStateHost& state,
                                 IndexerRowsHost* rows);
@@ -148,18 +152,19 @@ struct IndexerProjectInputsHost {
   int64_t q_lora, hidden;         // Q, D
   const uint16_t* q_c;            // [m, Q]
   const uint16_t* x;              // [m, D]
-  const uint16_t* wq_b;           // [32 * 128, Q]
+  const uint16_t* wq_b;           // [H * 128, Q]
   const uint16_t* wk;             // [128, D]
-  const uint16_t* weights_proj;   // [32, D]
+  const uint16_t* weights_proj;   // [H, D]
   const uint16_t* compress_gate;  // [128, D]
+  int heads = kIndexerHeads;      // H
 };
 
 // The float64 products (ExactProduct, exact_product) are linear_reference.h's.
 
 struct IndexerProjectionsHost {
-  ExactProduct index_q;       // [m, 32 * 128]
+  ExactProduct index_q;       // [m, H * 128]
   ExactProduct index_k;       // [m, 128]
-  ExactProduct head_weights;  // [m, 32]
+  ExactProduct head_weights;  // [m, H]
   ExactProduct gate;          // [m, 128]
 };
 IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& inputs);
@@ -169,9 +174,9 @@ IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& inputs);
 // gemv_sum, linear/linear_reference.h: linear_gemv's order), row-major and
 // contiguous.
 struct IndexerProjectionBitsHost {
-  std::vector<uint16_t> index_q;    // [m, 32 * 128] BF16 bits
+  std::vector<uint16_t> index_q;    // [m, H * 128] BF16 bits
   std::vector<uint16_t> index_k;    // [m, 128] BF16 bits
-  std::vector<float> head_weights;  // [m, 32]
+  std::vector<float> head_weights;  // [m, H]
   std::vector<uint16_t> gate;       // [m, 128] BF16 bits
 };
 

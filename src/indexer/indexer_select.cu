@@ -24,6 +24,7 @@ Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream) {
 Status indexer_remap(const IndexerRemapArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_remap(a));
   Params p = {};
+  set_plan_shape(a.plan, &p);
   p.m = static_cast<int>(a.positions.size(0));
   p.positions = a.positions.ptr<const int64_t>();
   p.token_requests = a.token_requests.ptr<const int32_t>();

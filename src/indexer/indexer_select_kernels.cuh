@@ -4,8 +4,10 @@
 // translation unit gets its own copy.
 //
 // The indexer's select step on the GPU (include/dsa_decode/indexer.h, steps
-// 5-8): logits over the request's complete pools, top-512 pools, expansion to
-// token columns plus the tail and -1 padding, remap through the block table.
+// 5-8): logits over the request's complete pools, top K / S pools, expansion
+// to token columns plus the tail and -1 padding, remap through the block
+// table. The logits kernel is instantiated per head count H (its MMA tiles and
+// shared memory); the pool size S and top-k K are run-time values.
 //
 // Fused path (indexer_select), two PDL launches:
 //   1. logits_kernel: CTA (chunk, t) scores pools 64 chunk .. 64 chunk + 63 of
@@ -13,7 +15,7 @@
 //      tensor-core MMA of decoded e4m3 values: every partial sum is a multiple
 //      of 2^-18 below 2^25, exact in double in any order), rounded to FP32
 //      once, then the reference's FP32 order: ReLU, acc = fma(w'[h], relu,
-//      acc) for h = 0..31 from +0, times the pool's scale. So the logits equal
+//      acc) for h = 0..H-1 from +0, times the pool's scale. So the logits equal
 //      the reference's. With plan.logits = kFp32Accumulation the dots run on
 //      the FP16 tensor cores instead (e4m3 -> FP16 exactly, FP32
 //      accumulators), the rest unchanged.
@@ -21,11 +23,11 @@
 //      the logits (NaN -> -inf, -0 -> +0, order-preserving bits), digits of
 //      12, 10 and 10 bits (the digit found by one block scan over the
 //      histogram; the first digit's pass stages the keys in shared memory for
-//      the others), gives the 512th largest key T and how many pools of key T
-//      are taken (the lowest-indexed ones); then one pass in pool order with
-//      block scans lists the chosen pools in increasing pool index, and one
-//      thread per listed pool writes its 4 positions and slots; then the tail
-//      and the -1 padding.
+//      the others), gives the (K / S)th largest key T and how many pools of
+//      key T are taken (the lowest-indexed ones); then one pass in pool order
+//      with block scans lists the chosen pools in increasing pool index, and
+//      one thread per listed pool writes its S positions and slots; then the
+//      tail and the -1 padding.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -45,7 +47,6 @@ namespace dsa {
 namespace {
 
 constexpr int kDim = kIndexerDim;
-constexpr int kHeads = kIndexerHeads;
 
 // Logits kernel shape: CTA (chunk, t) scores 64 pools of token t on the FP64
 // tensor cores (mma.m16n8k16.f64: M = 16 pools, N = 8 heads, K = 16 dims), or
@@ -53,46 +54,58 @@ constexpr int kHeads = kIndexerHeads;
 constexpr int kLogitPools = 64;                                 // pools per CTA
 constexpr int kPoolTile = 16;                                   // MMA M: pools
 constexpr int kHeadTile = 8;                                    // MMA N: heads
-constexpr int kHeadTiles = kHeads / kHeadTile;                  // 4
 constexpr int kLogitWarps = kLogitPools / kPoolTile;            // one M tile (and every head tile) per warp
 constexpr int kLogitThreads = kLogitWarps * 32;
 constexpr int kDimsPerLane = kDim / 4;                          // dims a lane feeds the MMAs: 32c .. 32c + 31
 constexpr int kDimSteps = kDim / 16;                            // MMA k steps per tile: 4 dims per lane each
 static_assert(kDimsPerLane == 32 && kDimSteps * 4 == kDimsPerLane, "a lane's dims are two uint4 of codes");
-static_assert(kLogitThreads == kHeads * 4, "one thread per (head, 32-dim quarter) decodes q");
 
-// q as the MMAs' B fragments, decoded once per CTA.
-template <IndexerLogits kDots>
+// q as the MMAs' B fragments (kHeads / 8 head tiles), decoded once per CTA.
+template <IndexerLogits kDots, int kHeads>
 struct QFragments {
   // [head tile][k step][half][lane]: b[2 half] and b[2 half + 1] of the lane;
   // each half is one 16-byte load per lane over 512 contiguous bytes (a
   // lane's 32 bytes together would meet twice in half of the banks).
-  double2 b[kHeadTiles][kDimSteps][2][32];
+  double2 b[kHeads / kHeadTile][kDimSteps][2][32];
 };
-template <>
-struct QFragments<IndexerLogits::kFp32Accumulation> {
-  uint2 b[kHeadTiles][kDimSteps][32];  // [head tile][k step][lane]: b0, b1 as FP16x2
+template <int kHeads>
+struct QFragments<IndexerLogits::kFp32Accumulation, kHeads> {
+  uint2 b[kHeads / kHeadTile][kDimSteps][32];  // [head tile][k step][lane]: b0, b1 as FP16x2
 };
 
-template <IndexerLogits kDots>
+template <IndexerLogits kDots, int kHeads>
 struct LogitsShared {
-  QFragments<kDots> q;
-  float relu[kLogitPools * (kHeads + 1)];  // [pool][head] ReLU(dot) rounded to FP32; + 1: no bank conflicts
-  float weight[kHeads];                    // folded head weights w'
-  int64_t block[kLogitPools];              // page of the pool, -1: untrusted, -2: past n
+  static constexpr int kReluFloats = kLogitPools * (kHeads + 1);  // [pool][head]; + 1: no bank conflicts
+  // Where q and the ReLUs together pass the 48 KiB of static shared memory
+  // (exact dots at 64 heads), the ReLUs reuse q's bytes after a barrier.
+  static constexpr bool kReluOverQ = sizeof(QFragments<kDots, kHeads>) + kReluFloats * 4 > 44 * 1024;
+  union {
+    QFragments<kDots, kHeads> q;
+    float relu_over_q[kReluOverQ ? kReluFloats : 1];
+  };
+  float relu_own[kReluOverQ ? 1 : kReluFloats];
+  float weight[kHeads];        // folded head weights w'
+  int64_t block[kLogitPools];  // page of the pool, -1: untrusted, -2: past n
+  // ReLU(dot) rounded to FP32, [pool][head] at a pool stride of kHeads + 1.
+  __device__ float* relu() { return kReluOverQ ? relu_over_q : relu_own; }
 };
 
 constexpr int kSelectThreads = 1024;
 
 struct Params {
   int m;
+  int heads;      // H (the logits kernel's template argument)
+  int pool;       // S
+  int topk;       // K: pooled columns
+  int top_pools;  // K / S
+  int row_width;  // indexer_row_width(plan)
   const int64_t* positions;        // [m]
   const int32_t* token_requests;   // [m]
   IndexerStateParams state;        // read only: block table and K cache
-  const uint8_t* q_fp8;        // workspace [max_tokens, 32, 128]
-  const float* head_weights;   // workspace [max_tokens, 32]
+  const uint8_t* q_fp8;        // workspace [max_tokens, H, 128]
+  const float* head_weights;   // workspace [max_tokens, H]
   float* logits;               // workspace [max_tokens, logits_stride]
-  int64_t logits_stride;       // ceil(max_context / 4)
+  int64_t logits_stride;       // ceil(max_context / S)
   int32_t* topk_positions;     // [m, stride] or null
   int64_t topk_stride;
   int32_t* slots;              // [m, stride]
@@ -127,7 +140,7 @@ __device__ int64_t token_context(const Params& p, int t, int64_t* request, bool 
 
 // The pools of `request` that no token of the step completes, so that no
 // kernel of the step writes them (include/dsa_decode/indexer.h, PDL): those
-// below floor(p_min / 4), p_min the smallest position of the step's tokens of
+// below floor(p_min / S), p_min the smallest position of the step's tokens of
 // the request. Every lane of the warp computes it (m <= 32: one token per
 // lane, then a warp minimum); the step's inputs may be read before the wait.
 __device__ int64_t pools_before_step(const Params& p, int64_t request) {
@@ -138,12 +151,12 @@ __device__ int64_t pools_before_step(const Params& p, int64_t request) {
   for (int offset = 16; offset > 0; offset /= 2) {
     position = min(position, __shfl_xor_sync(0xFFFFFFFFu, position, offset));
   }
-  return position == INT64_MAX ? 0 : position / kIndexerPoolSize;
+  return position == INT64_MAX ? 0 : position / p.pool;
 }
 
-// The pools whose logits the step computes for context L: none for L <= 2048.
-__device__ __forceinline__ int64_t scored_pools(int64_t context) {
-  return context > kIndexerPooledColumns ? context / kIndexerPoolSize : 0;
+// The pools whose logits the step computes for context L: none for L <= K.
+__device__ __forceinline__ int64_t scored_pools(const Params& p, int64_t context) {
+  return context > p.topk ? context / p.pool : 0;
 }
 
 // The first pages of a token's block table row, copied to shared memory by
@@ -182,36 +195,40 @@ __device__ __forceinline__ uint32_t order_key(float x) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// Row of a token with no logits: padding (context 0) or L <= 2048.
+// Row of a token with no logits: padding (context 0) or L <= K.
 __device__ void write_short_row(const Params& p, int t, int64_t request, int64_t context, StagedBlocks table) {
-  for (int c = threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) {
+  for (int c = threadIdx.x; c < p.row_width; c += blockDim.x) {
     const int32_t position = c < context ? c : -1;
     if (p.topk_positions != nullptr) p.topk_positions[t * p.topk_stride + c] = position;
     p.slots[t * p.slots_stride + c] = context > 0 ? slot_of(p, request, position, table) : -1;
   }
 }
 
-// Columns [2048, 2176): the tail tokens 4n..L-1, then -1.
+// Columns [K, row_width): the tail tokens S n..L-1, then -1.
 __device__ void write_tail(const Params& p, int t, int64_t request, int64_t context, StagedBlocks table) {
-  const int64_t tail_start = context / kIndexerPoolSize * kIndexerPoolSize;
-  for (int c = kIndexerPooledColumns + threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) {
-    const int64_t position = tail_start + (c - kIndexerPooledColumns);
+  const int64_t tail_start = context / p.pool * p.pool;
+  for (int c = p.topk + threadIdx.x; c < p.row_width; c += blockDim.x) {
+    const int64_t position = tail_start + (c - p.topk);
     const int32_t value = position < context ? static_cast<int32_t>(position) : -1;
     if (p.topk_positions != nullptr) p.topk_positions[t * p.topk_stride + c] = value;
     p.slots[t * p.slots_stride + c] = slot_of(p, request, value, table);
   }
 }
 
-// Pool `pool` of the row at output index `index`: columns 4 index .. 4 index + 3.
+// Pool `pool` of the row at output index `index`: columns S index .. S index
+// + S - 1, as S / 4 16-byte stores (S and the row strides are multiples of 4).
 __device__ void write_pool(const Params& p, int t, int64_t request, int32_t pool, int index, StagedBlocks table) {
-  const int32_t first = pool * kIndexerPoolSize;
+  const int32_t first = pool * p.pool;
   const int32_t slot = slot_of(p, request, first, table);  // a pool never straddles a block
-  const int4 positions = make_int4(first, first + 1, first + 2, first + 3);
-  const int4 slots = slot < 0 ? make_int4(-1, -1, -1, -1) : make_int4(slot, slot + 1, slot + 2, slot + 3);
-  if (p.topk_positions != nullptr) {
-    *reinterpret_cast<int4*>(p.topk_positions + t * p.topk_stride + index * kIndexerPoolSize) = positions;
+  for (int j = 0; j < p.pool; j += 4) {
+    const int4 positions = make_int4(first + j, first + j + 1, first + j + 2, first + j + 3);
+    const int4 slots =
+        slot < 0 ? make_int4(-1, -1, -1, -1) : make_int4(slot + j, slot + j + 1, slot + j + 2, slot + j + 3);
+    if (p.topk_positions != nullptr) {
+      *reinterpret_cast<int4*>(p.topk_positions + t * p.topk_stride + index * p.pool + j) = positions;
+    }
+    *reinterpret_cast<int4*>(p.slots + t * p.slots_stride + index * p.pool + j) = slots;
   }
-  *reinterpret_cast<int4*>(p.slots + t * p.slots_stride + index * kIndexerPoolSize) = slots;
 }
 
 // ---------------------------------------------------------------------------
@@ -277,8 +294,8 @@ __device__ __forceinline__ uint32_t code_word(const uint4 (&codes)[2], int w) {
 // Lane (g, c)'s q fragments, decoded by thread (head, quarter) = (8 tile + g,
 // c) from its 32 codes of dims 32c .. 32c + 31: k step s takes dims 32c + 4s ..
 // 32c + 4s + 3 (the permutation of the dims that A shares, see logits_kernel).
-template <IndexerLogits kDots>
-__device__ __forceinline__ void store_q_fragments(QFragments<kDots>& q, const uint4 (&codes)[2], int head,
+template <IndexerLogits kDots, int kHeads>
+__device__ __forceinline__ void store_q_fragments(QFragments<kDots, kHeads>& q, const uint4 (&codes)[2], int head,
                                                   int quarter) {
   const int tile = head / kHeadTile, lane_of_fragment = 4 * (head % kHeadTile) + quarter;
 #pragma unroll
@@ -295,11 +312,11 @@ __device__ __forceinline__ void store_q_fragments(QFragments<kDots>& q, const ui
   }
 }
 
-// The lane's D fragments of its M tile against the four head tiles, rounded
+// The lane's D fragments of its M tile against the H / 8 head tiles, rounded
 // to FP32: dot[tile][e] is pool 8 (e / 2) + g of the tile, head 8 tile + 2c +
 // e % 2. rows[r] are the lane's 32 codes of pools g (r = 0) and g + 8.
-template <IndexerLogits kDots>
-__device__ __forceinline__ void head_dots(const QFragments<kDots>& q, const uint4 (&rows)[2][2], int lane,
+template <IndexerLogits kDots, int kHeads, int kHeadTiles = kHeads / kHeadTile>
+__device__ __forceinline__ void head_dots(const QFragments<kDots, kHeads>& q, const uint4 (&rows)[2][2], int lane,
                                           float (&dot)[kHeadTiles][4]) {
   if constexpr (kDots == IndexerLogits::kExact) {
     double sums[kHeadTiles][4] = {};  // +0: an all -0 sum stays +0, as in the reference's chain
@@ -344,7 +361,7 @@ __device__ __forceinline__ void head_dots(const QFragments<kDots>& q, const uint
 
 // Logits of pools 64 chunk .. 64 chunk + 63 of token t (CTA (chunk, t)).
 //
-// Warp w owns pools 16 w .. + 15 (one MMA M tile) and all 32 heads (four N
+// Warp w owns pools 16 w .. + 15 (one MMA M tile) and all H heads (H / 8 N
 // tiles): each K code is decoded to a double once (v3 decoded it once per
 // head tile, and the conversions to FP64 - 16 per clock and SM - cost as
 // much as the MMAs). Lane (g, c) feeds dims 32c .. 32c + 31: k step s takes
@@ -361,9 +378,10 @@ __device__ __forceinline__ void head_dots(const QFragments<kDots>& q, const uint
 // the reference's FP32 chain over the heads.
 // kPreload: the settled pools' K codes and scales are read before the PDL
 // wait (launch_logits: grids of at most kPreloadMaxCtas CTAs).
-template <IndexerLogits kDots, bool kPreload>
+template <IndexerLogits kDots, bool kPreload, int kHeads>
 __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_constant__ Params p) {
-  __shared__ LogitsShared<kDots> s;
+  constexpr int kHeadTiles = kHeads / kHeadTile;
+  __shared__ LogitsShared<kDots, kHeads> s;
   // The step's inputs (positions, token_requests, the block table) are
   // complete before the step's first kernel starts (include/dsa_decode/
   // indexer.h): the token's context, its pools' pages and (kPreload) the K
@@ -372,7 +390,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   // first_pool + i's page (-1 untrusted, -2 past n).
   const int t = blockIdx.y;
   int64_t request = 0;
-  const int64_t n = scored_pools(token_context(p, t, &request, false));
+  const int64_t n = scored_pools(p, token_context(p, t, &request, false));
   const int64_t first_pool = int64_t(blockIdx.x) * kLogitPools;
   int64_t block = -2;
   float scale = 0.0f;
@@ -403,16 +421,21 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
   pdl_release_dependents();
   if (first_pool >= n) return;  // uniform over the CTA
 
-  // Thread (head, quarter) decodes dims 32 quarter .. + 31 of its head into
-  // the fragment of lane (head % 8, quarter) of head tile head / 8 (below,
-  // while the K codes are in flight).
-  const int q_head = threadIdx.x / 4, q_quarter = threadIdx.x % 4;
-  uint4 q_codes[2];
-  {
-    const uint4* q_row = reinterpret_cast<const uint4*>(p.q_fp8 + (int64_t(t) * kHeads + q_head) * kDim +
-                                                        kDimsPerLane * q_quarter);
-    q_codes[0] = q_row[0];
-    q_codes[1] = q_row[1];
+  // Thread i decodes (head, quarter) = (j / 4, j % 4) for j = i, i + 128, ...
+  // below H * 4: dims 32 quarter .. + 31 of the head into the fragment of
+  // lane (head % 8, quarter) of head tile head / 8 (below, while the K codes
+  // are in flight).
+  constexpr int kQRounds = (kHeads * 4 + kLogitThreads - 1) / kLogitThreads;
+  uint4 q_codes[kQRounds][2];
+#pragma unroll
+  for (int r = 0; r < kQRounds; ++r) {
+    const int j = static_cast<int>(threadIdx.x) + r * kLogitThreads;
+    if (j < kHeads * 4) {
+      const uint4* q_row = reinterpret_cast<const uint4*>(p.q_fp8 + (int64_t(t) * kHeads + j / 4) * kDim +
+                                                          kDimsPerLane * (j % 4));
+      q_codes[r][0] = q_row[0];
+      q_codes[r][1] = q_row[1];
+    }
   }
   // The scales and codes of the pools this step may have just completed
   // (every pool without kPreload).
@@ -422,7 +445,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     }
     if constexpr (!kPreload) s.block[threadIdx.x] = block;
   }
-  if (threadIdx.x < kHeads) s.weight[threadIdx.x] = p.head_weights[t * kHeads + threadIdx.x];
+  for (int h = threadIdx.x; h < kHeads; h += kLogitThreads) s.weight[h] = p.head_weights[t * kHeads + h];
   __syncthreads();
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -432,18 +455,24 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     }
   }
 
-  store_q_fragments<kDots>(s.q, q_codes, q_head, q_quarter);
+#pragma unroll
+  for (int r = 0; r < kQRounds; ++r) {
+    const int j = static_cast<int>(threadIdx.x) + r * kLogitThreads;
+    if (j < kHeads * 4) store_q_fragments<kDots, kHeads>(s.q, q_codes[r], j / 4, j % 4);
+  }
   __syncthreads();
 
   float dot[kHeadTiles][4];
-  head_dots<kDots>(s.q, k_codes, lane, dot);
+  head_dots<kDots, kHeads>(s.q, k_codes, lane, dot);
+  if constexpr (LogitsShared<kDots, kHeads>::kReluOverQ) __syncthreads();  // every warp is done with q
+  float* relu = s.relu();
 #pragma unroll
   for (int tile = 0; tile < kHeadTiles; ++tile) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int i = first_tile_pool + 8 * (e / 2) + g, head = kHeadTile * tile + 2 * c + e % 2;
       // fmaxf(x, 0) as the reference's std::fmax: NaN gives 0.
-      s.relu[i * (kHeads + 1) + head] = fmaxf(dot[tile][e], 0.0f);
+      relu[i * (kHeads + 1) + head] = fmaxf(dot[tile][e], 0.0f);
     }
   }
   __syncthreads();
@@ -455,7 +484,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
     float logit = -INFINITY;
     if (block >= 0) {
       float sum = 0.0f;
-      for (int h = 0; h < kHeads; ++h) sum = __fmaf_rn(s.weight[h], s.relu[i * (kHeads + 1) + h], sum);
+      for (int h = 0; h < kHeads; ++h) sum = __fmaf_rn(s.weight[h], relu[i * (kHeads + 1) + h], sum);
       logit = __fmul_rn(sum, scale);
     } else {
       count_error(p);
@@ -465,7 +494,7 @@ __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_cons
 }
 
 // ---------------------------------------------------------------------------
-// Steps 7-8 fused: top-512 by radix select, compaction in pool order,
+// Steps 7-8 fused: top K / S pools by radix select, compaction in pool order,
 // expansion and remap.
 
 // Radix select digits, most significant first: 12 + 10 + 10 bits of the key.
@@ -484,7 +513,7 @@ struct SelectShared {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   typename Scan::TempStorage scan;
   unsigned int histogram[kMaxBins];
-  int32_t chosen[kIndexerTopPools];  // the taken pools in column order
+  int32_t chosen[kIndexerMaxTopPools];  // the taken pools in column order
   uint32_t prefix;  // the key digits chosen so far
   int remaining;    // pools still to take among those whose key starts with `prefix`
   int digit_count;  // pools whose key starts with `prefix` (after the last digit: equal to the threshold)
@@ -589,7 +618,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
   pdl_wait();  // the logits
   pdl_release_dependents();
   if (threadIdx.x == 0 && context == 0 && request >= 0) count_error(p);  // an untrusted token
-  const int n = static_cast<int>(scored_pools(context));  // < 2^20: max_context <= 2^22
+  const int n = static_cast<int>(scored_pools(p, context));  // < 2^20: max_context <= 2^22
   if (n == 0) {
     __syncthreads();  // the staged pages
     write_short_row(p, t, request, context, table);
@@ -597,14 +626,15 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
   }
   const TokenKeys keys{p.logits + t * p.logits_stride, staged_keys, staged};
 
-  // The 512th largest key T, and how many of the pools of key T to take (the
-  // lowest-indexed ones). n >= 512 here (L > 2048).
+  // The (K / S)th largest key T, and how many of the pools of key T to take
+  // (the lowest-indexed ones). n >= K / S here (L > K).
+  const int top_pools = p.top_pools;
   if (threadIdx.x == 0) {
     s.prefix = 0;
-    s.remaining = n < kIndexerTopPools ? n : kIndexerTopPools;
+    s.remaining = n < top_pools ? n : top_pools;
   }
   __syncthreads();
-  // Digits until the bin of the 512th key is taken whole (then the lower
+  // Digits until the bin of the (K / S)th key is taken whole (then the lower
   // digits cannot change the set) or the key is resolved. After an early
   // stop T's lower digits are 0 and no tie is split, so "key > T or key == T"
   // takes exactly the keys of the bin and above.
@@ -622,7 +652,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
   // The taken pools go to s.chosen at their column; the rows are written
   // after the pass, one pool per thread, so the block-table reads overlap.
   int taken = 0, equal_seen = 0;
-  for (int base = 0; base < n && taken < kIndexerTopPools; base += kSelectThreads * kCompactItems) {
+  for (int base = 0; base < n && taken < top_pools; base += kSelectThreads * kCompactItems) {
     const int first = base + static_cast<int>(threadIdx.x) * kCompactItems;
     uint32_t key[kCompactItems];
     if (first + kCompactItems <= n && first + kCompactItems <= keys.staged) {
@@ -662,15 +692,15 @@ __global__ void __launch_bounds__(kSelectThreads) select_rows_kernel(const __gri
     for (int k = 0; k < kCompactItems; ++k) {
       if (take[k]) {
         const int index = taken + take_before++;
-        if (index < kIndexerTopPools) s.chosen[index] = first + k;
+        if (index < top_pools) s.chosen[index] = first + k;
       }
     }
     taken += take_total;  // block totals: the loop condition is uniform
     equal_seen += equal_total;
   }
   __syncthreads();
-  // Exactly 512 pools are taken (n >= 512 here).
-  for (int i = threadIdx.x; i < kIndexerTopPools; i += kSelectThreads) {
+  // Exactly K / S pools are taken (n >= K / S here).
+  for (int i = threadIdx.x; i < top_pools; i += kSelectThreads) {
     write_pool(p, t, request, s.chosen[i], i, table);
   }
   write_tail(p, t, request, context, table);
@@ -685,7 +715,7 @@ __global__ void __launch_bounds__(256) remap_rows_kernel(const __grid_constant__
   const int t = blockIdx.x;
   int64_t request = 0;
   const int64_t context = token_context(p, t, &request, p.count_untrusted_tokens);
-  for (int c = threadIdx.x; c < kIndexerRowWidth; c += blockDim.x) {
+  for (int c = threadIdx.x; c < p.row_width; c += blockDim.x) {
     const int32_t position = p.topk_positions[t * p.topk_stride + c];
     if (context > 0 && position >= context) {
       count_error(p);
@@ -699,10 +729,20 @@ __global__ void __launch_bounds__(256) remap_rows_kernel(const __grid_constant__
 // ---------------------------------------------------------------------------
 // Launchers.
 
+// The plan's shape fields of Params.
+void set_plan_shape(const IndexerPlan& plan, Params* p) {
+  p->heads = plan.heads;
+  p->pool = plan.pool;
+  p->topk = plan.topk;
+  p->top_pools = indexer_top_pools(plan);
+  p->row_width = indexer_row_width(plan);
+}
+
 Params make_params(const IndexerSelectArgs& a) {
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(a.plan);
   uint8_t* workspace = a.workspace.ptr<uint8_t>();
   Params p = {};
+  set_plan_shape(a.plan, &p);
   p.m = static_cast<int>(a.positions.size(0));
   p.positions = a.positions.ptr<const int64_t>();
   p.token_requests = a.token_requests.ptr<const int32_t>();
@@ -731,14 +771,24 @@ dim3 logits_grid(const Params& p) {
 // = 8, 16), where most CTAs start after the wait anyway (docs/indexer.md).
 constexpr int64_t kPreloadMaxCtas = 2048;
 
+using LogitsKernel = void (*)(Params);
+
+template <int kHeads>
+LogitsKernel logits_kernel_for(bool exact, bool preload) {
+  return exact ? (preload ? logits_kernel<IndexerLogits::kExact, true, kHeads>
+                          : logits_kernel<IndexerLogits::kExact, false, kHeads>)
+               : (preload ? logits_kernel<IndexerLogits::kFp32Accumulation, true, kHeads>
+                          : logits_kernel<IndexerLogits::kFp32Accumulation, false, kHeads>);
+}
+
+// The one dispatch of the logits kernel: dots, preload and p.heads (16, 32 or 64).
 Status launch_logits(const Params& p, IndexerLogits dots, cudaStream_t stream) {
   const dim3 grid = logits_grid(p);
   const bool preload = int64_t(grid.x) * grid.y <= kPreloadMaxCtas;
   const bool exact = dots == IndexerLogits::kExact;
-  auto* kernel =
-      exact ? (preload ? logits_kernel<IndexerLogits::kExact, true> : logits_kernel<IndexerLogits::kExact, false>)
-            : (preload ? logits_kernel<IndexerLogits::kFp32Accumulation, true>
-                       : logits_kernel<IndexerLogits::kFp32Accumulation, false>);
+  const LogitsKernel kernel = p.heads == 16   ? logits_kernel_for<16>(exact, preload)
+                              : p.heads == 64 ? logits_kernel_for<64>(exact, preload)
+                                              : logits_kernel_for<32>(exact, preload);
   return launch_pdl(kernel, grid, dim3(kLogitThreads), 0, stream, p);
 }
 

@@ -95,7 +95,26 @@ TEST(IndexerChecks, PlanErrorsNameTheField) {
   expect_rejected(check_indexer_plan(plan), "plan.block_size", "multiple of 128");
   plan = IndexerPlan();
   plan.ring = 6;
-  expect_rejected(check_indexer_plan(plan), "plan.ring", "4 (no draft tokens) or 8");
+  expect_rejected(check_indexer_plan(plan), "plan.ring", "4 (plan.pool: one token per request and step) or 8");
+  plan = IndexerPlan();
+  plan.pool = 16;  // the default ring (4) no longer fits
+  expect_rejected(check_indexer_plan(plan), "plan.ring", "16 (plan.pool");
+  plan.ring = 32;
+  EXPECT_TRUE(check_indexer_plan(plan).ok());
+  plan = IndexerPlan();
+  plan.heads = 48;
+  expect_rejected(check_indexer_plan(plan), "plan.heads", "16, 32 or 64");
+  plan = IndexerPlan();
+  plan.pool = 2;
+  expect_rejected(check_indexer_plan(plan), "plan.pool", "4, 8 or 16");
+  plan = IndexerPlan();
+  plan.topk = 2050;
+  expect_rejected(check_indexer_plan(plan), "plan.topk", "a multiple of plan.pool = 4 in 4..2048");
+  plan.topk = 4096;
+  expect_rejected(check_indexer_plan(plan), "plan.topk", "at most 512 pools");
+  plan.pool = 8;
+  plan.ring = 8;
+  EXPECT_TRUE(check_indexer_plan(plan).ok());
   plan = IndexerPlan();
   plan.max_tokens = 17;
   expect_rejected(check_indexer_plan(plan), "plan.max_tokens", "1..16");
@@ -107,6 +126,49 @@ TEST(IndexerChecks, PlanErrorsNameTheField) {
   expect_rejected(check_indexer_plan(plan), "plan.logits", "IndexerLogits::kFp32Accumulation (0) or");
   plan.logits = IndexerLogits::kFp32Accumulation;
   EXPECT_TRUE(check_indexer_plan(plan).ok());
+}
+
+// Views shaped by the default plan are refused by a plan of another shape,
+// naming the view and the plan's size; views of that shape pass.
+TEST(IndexerChecks, ViewsFollowThePlanShape) {
+  FakeArgs f;
+  IndexerPlan plan;
+  plan.heads = 64;
+  plan.pool = 16;
+  plan.ring = 16;
+  plan.topk = 1024;
+  f.prepare.plan = plan;
+  f.select.plan = plan;
+  f.prefill.plan = plan;
+  expect_rejected(check_indexer_prepare(f.prepare), "index_q", "[4, 64, 128]");
+  f.prepare.index_q = make_tensor(fake_device_pointer(0x50000), DType::kBF16, {4, 64, kDim});
+  expect_rejected(check_indexer_prepare(f.prepare), "head_weights", "[4, 64]");
+  f.prepare.head_weights = make_tensor(static_cast<char*>(fake_device_pointer(0x60000)) + 0x1000, DType::kF32, {4, 64});
+  expect_rejected(check_indexer_prepare(f.prepare), "ape", "[16, 128]");
+  const TensorView ape = make_tensor(static_cast<char*>(fake_device_pointer(0x40000)) + 0x4000, DType::kF32, {16, kDim});
+  f.prepare.ape = ape;
+  f.prefill.ape = ape;
+  expect_rejected(check_indexer_prepare(f.prepare), "ring", "[8, 2, 16, 128]");
+  const TensorView ring = make_tensor(fake_device_pointer(0x20000), DType::kBF16, {8, 2, 16, kDim});
+  f.prepare.state.ring = ring;
+  expect_rejected(check_indexer_prepare(f.prepare), "k_cache", "[*, 2112]");  // 256 / 16 pools of 132 bytes
+  const TensorView k_cache = make_tensor(fake_device_pointer(0x30000), DType::kU8, {1000, 16 * 132});
+  f.prepare.state.k_cache = k_cache;
+  const int64_t bytes = indexer_workspace_layout(plan).bytes;
+  EXPECT_EQ(bytes, 16 * 64 * 128 + 16 * 64 * 4 + 16 * (131072 / 16) * 4);
+  f.prepare.workspace = make_tensor(fake_device_pointer(0x100000), DType::kU8, {bytes - 1});
+  expect_rejected(check_indexer_prepare(f.prepare), "workspace", std::to_string(bytes) + " bytes");
+  const TensorView workspace = make_tensor(fake_device_pointer(0x100000), DType::kU8, {bytes});
+  f.prepare.workspace = workspace;
+  EXPECT_TRUE(check_indexer_prepare(f.prepare).ok()) << check_indexer_prepare(f.prepare).to_string();
+  f.select.state = f.prepare.state;
+  f.select.workspace = workspace;
+  expect_rejected(check_indexer_select(f.select), "topk_positions", "[4, 1152]");  // 1024 + 15 -> 1152
+  f.select.topk_positions = make_tensor(fake_device_pointer(0x70000), DType::kI32, {4, 1152});
+  f.select.slots = make_tensor(fake_device_pointer(0x80000), DType::kI32, {4, 1152});
+  EXPECT_TRUE(check_indexer_select(f.select).ok()) << check_indexer_select(f.select).to_string();
+  f.prefill.state = f.prepare.state;
+  EXPECT_TRUE(check_indexer_prefill(f.prefill).ok()) << check_indexer_prefill(f.prefill).to_string();
 }
 
 TEST(IndexerChecks, WorkspaceLayoutIsAlignedAndSizedByTheShapes) {
@@ -321,7 +383,7 @@ TEST(IndexerChecks, BatchRulesNameTheToken) {
   expect_rejected(check_indexer_batch(plan, 4, positions, unknown, 3, 4), "token_requests[3]", "0..2");
   const int32_t twice[4] = {0, 1, -1, 0};
   const int64_t consecutive[4] = {10, 20, 30, 11};
-  expect_rejected(check_indexer_batch(plan, 4, consecutive, twice, 3, 4), "token_requests[3]", "RING - 3 = 1");
+  expect_rejected(check_indexer_batch(plan, 4, consecutive, twice, 3, 4), "token_requests[3]", "RING - (pool - 1) = 1");
   plan.ring = 8;  // up to 5 tokens of one request, at consecutive positions
   EXPECT_TRUE(check_indexer_batch(plan, 4, consecutive, twice, 3, 4).ok());
   expect_rejected(check_indexer_batch(plan, 4, positions, twice, 3, 4), "positions[3]", "position 11");
@@ -482,32 +544,46 @@ TEST(IndexerMath, LayerNormMatchesFloat64) {
   }
 }
 
-TEST(IndexerMath, PoolCompressionMatchesFloat64) {
+TEST(IndexerMath, PoolCompressionMatchesFloat64AtEveryPoolSize) {
   std::mt19937_64 rng(testing::test_seed());
-  const std::vector<float> ape = random_floats(4 * kDim, 0.0f, 1.0f, rng);
-  std::vector<uint16_t> k[4], gate[4];
-  const uint16_t* k_rows[4];
-  const uint16_t* gate_rows[4];
-  for (int j = 0; j < 4; ++j) {
-    k[j] = testing::random_bf16(kDim, 1.0f, rng);
-    gate[j] = testing::random_bf16(kDim, 3.0f, rng);
-    k_rows[j] = k[j].data();
-    gate_rows[j] = gate[j].data();
-  }
-  uint16_t pooled[kDim];
-  pool_softmax128(k_rows, gate_rows, ape.data(), pooled);
-  for (int i = 0; i < kDim; ++i) {
-    double s[4], max_s = -1e300, sum = 0, exact = 0, magnitude = 0;
-    for (int j = 0; j < 4; ++j) max_s = std::max(max_s, s[j] = double(num::bf16_to_float(gate[j][i])) + ape[j * kDim + i]);
-    for (int j = 0; j < 4; ++j) sum += std::exp(s[j] - max_s);
-    for (int j = 0; j < 4; ++j) {
-      const double term = std::exp(s[j] - max_s) / sum * num::bf16_to_float(k[j][i]);
-      exact += term;
-      magnitude += std::fabs(term);
+  for (int pool : {4, 8, 16}) {
+    const std::vector<float> ape = random_floats(pool * kDim, 0.0f, 1.0f, rng);
+    std::vector<std::vector<uint16_t>> k(pool), gate(pool);
+    const uint16_t* k_rows[kMaxPoolSize];
+    const uint16_t* gate_rows[kMaxPoolSize];
+    for (int j = 0; j < pool; ++j) {
+      k[j] = testing::random_bf16(kDim, 1.0f, rng);
+      gate[j] = testing::random_bf16(kDim, 3.0f, rng);
+      k_rows[j] = k[j].data();
+      gate_rows[j] = gate[j].data();
     }
-    // BF16 rounding of the result, plus FP32 cancellation among the 4 terms.
-    expect_near_bf16(pooled[i], exact, 1.0, magnitude * 1e-6, "dim " + std::to_string(i));
+    uint16_t pooled[kDim];
+    pool_softmax128(pool, k_rows, gate_rows, ape.data(), pooled);
+    for (int i = 0; i < kDim; ++i) {
+      double s[kMaxPoolSize], max_s = -1e300, sum = 0, exact = 0, magnitude = 0;
+      for (int j = 0; j < pool; ++j) {
+        max_s = std::max(max_s, s[j] = double(num::bf16_to_float(gate[j][i])) + ape[j * kDim + i]);
+      }
+      for (int j = 0; j < pool; ++j) sum += std::exp(s[j] - max_s);
+      for (int j = 0; j < pool; ++j) {
+        const double term = std::exp(s[j] - max_s) / sum * num::bf16_to_float(k[j][i]);
+        exact += term;
+        magnitude += std::fabs(term);
+      }
+      // BF16 rounding of the result, plus FP32 cancellation among the terms.
+      expect_near_bf16(pooled[i], exact, 1.0, magnitude * 1e-6,
+                       "pool " + std::to_string(pool) + " dim " + std::to_string(i));
+    }
   }
+}
+
+TEST(IndexerMath, HeadWeightFoldIsTheScaleOfTheHeadCount) {
+  for (int heads : {16, 32, 64}) {
+    EXPECT_EQ(head_weight_scale(heads), static_cast<float>(1.0 / std::sqrt(128.0 * heads))) << heads;
+    // (w s) c with s a power of two: one rounding of w c.
+    EXPECT_EQ(fold_head_weight(0.3f, 0.25f, heads), static_cast<float>(0.3f * 0.25f) * head_weight_scale(heads));
+  }
+  EXPECT_EQ(head_weight_scale(32), 0.015625f);
 }
 
 // ---------------------------------------------------------------------------
@@ -516,12 +592,12 @@ TEST(IndexerMath, PoolCompressionMatchesFloat64) {
 using HostState = testing::IndexerHostState;
 
 struct LayerParams {
-  std::vector<float> weight, bias, ape;
+  std::vector<float> weight, bias, ape;  // ape [pool, 128]
   reference::IndexerParamsHost view;
-  explicit LayerParams(std::mt19937_64& rng)
+  explicit LayerParams(std::mt19937_64& rng, int pool = kIndexerPoolSize)
       : weight(random_floats(kDim, 1.0f, 0.2f, rng)),
         bias(random_floats(kDim, 0.0f, 0.1f, rng)),
-        ape(random_floats(4 * kDim, 0.0f, 0.5f, rng)),
+        ape(random_floats(pool * kDim, 0.0f, 0.5f, rng)),
         view{weight.data(), bias.data(), ape.data()} {}
 };
 
@@ -538,89 +614,99 @@ struct StepInputs {
 };
 
 StepInputs random_step(const std::vector<int64_t>& positions, const std::vector<int32_t>& requests,
-                       std::mt19937_64& rng) {
+                       std::mt19937_64& rng, int heads = kHeads) {
   StepInputs s;
   const size_t m = positions.size();
-  s.index_q = testing::random_bf16(m * kHeads * kDim, 1.0f, rng);
+  s.index_q = testing::random_bf16(m * heads * kDim, 1.0f, rng);
   s.index_k = testing::random_bf16(m * kDim, 1.0f, rng);
   s.gate = testing::random_bf16(m * kDim, 1.0f, rng);
-  s.head_weights = random_floats(m * kHeads, 0.0f, 1.0f, rng);
+  s.head_weights = random_floats(m * heads, 0.0f, 1.0f, rng);
   s.positions = positions;
   s.token_requests = requests;
   return s;
 }
 
+// Decode token by token (steps of 1..RING - (S - 1) tokens of each request)
+// leaves the K cache and ring bytes of the bulk prefill, at every pool size
+// and both rings; pool p lies at entry p % P of page p / P.
 TEST(IndexerReference, DecodeTokenByTokenGivesTheBulkInsertBytes) {
   std::mt19937_64 rng(testing::test_seed());
-  for (int ring : {4, 8}) {
-    IndexerPlan plan;
-    plan.ring = ring;
-    plan.block_size = 128;
-    plan.max_context = 4096;
-    const std::vector<int64_t> lengths = {1, 3, 4, 130, 517, 600};  // the last pool complete or not
-    const int64_t requests = lengths.size(), width = 5;
-    LayerParams params(rng);
-    std::vector<std::vector<uint16_t>> k(requests), gate(requests);  // [length, 128] per request
-    for (int64_t r = 0; r < requests; ++r) {
-      k[r] = testing::random_bf16(lengths[r] * kDim, 1.0f, rng);
-      gate[r] = testing::random_bf16(lengths[r] * kDim, 2.0f, rng);
-    }
-    uint64_t state_seed = rng();
-    std::mt19937_64 rng_bulk(state_seed), rng_decode(state_seed);
-    HostState bulk(plan, requests, width, rng_bulk), decode(plan, requests, width, rng_decode);
-    for (int64_t r = 0; r < requests; ++r) {
-      int64_t errors = -1;
-      DSA_ASSERT_OK(reference::indexer_prefill(plan, k[r].data(), gate[r].data(), lengths[r], r, params.view,
-                                               bulk.view, &errors));
-      EXPECT_EQ(errors, 0);
-    }
-    // Decode: steps that interleave the requests, each taking 1..RING-3 of a request's next tokens.
-    std::vector<int64_t> next(requests, 0);
-    std::uniform_int_distribution<int> take(1, ring - 3);
-    for (bool any = true; any;) {
-      any = false;
-      StepInputs step;
+  for (int pool_size : {4, 8, 16}) {
+    for (int ring : {pool_size, 2 * pool_size}) {
+      IndexerPlan plan;
+      plan.pool = pool_size;
+      plan.ring = ring;
+      plan.heads = pool_size == 8 ? 16 : kHeads;
+      plan.block_size = 128;
+      plan.max_context = 4096;
+      const std::string where = "pool " + std::to_string(pool_size) + " RING " + std::to_string(ring);
+      const std::vector<int64_t> lengths = {1, 3, 4, 130, 517, 600};  // the last pool complete or not
+      const int64_t requests = lengths.size(), width = 5;
+      LayerParams params(rng, pool_size);
+      std::vector<std::vector<uint16_t>> k(requests), gate(requests);  // [length, 128] per request
       for (int64_t r = 0; r < requests; ++r) {
-        for (int n = take(rng); n > 0 && next[r] < lengths[r]; --n, ++next[r]) {
-          if (step.positions.size() == kIndexerMaxTokens - 1) break;  // room for the padding token
-          step.positions.push_back(next[r]);
-          step.token_requests.push_back(static_cast<int32_t>(r));
-          step.index_k.insert(step.index_k.end(), &k[r][next[r] * kDim], &k[r][(next[r] + 1) * kDim]);
-          step.gate.insert(step.gate.end(), &gate[r][next[r] * kDim], &gate[r][(next[r] + 1) * kDim]);
-          any = true;
-        }
+        k[r] = testing::random_bf16(lengths[r] * kDim, 1.0f, rng);
+        gate[r] = testing::random_bf16(lengths[r] * kDim, 2.0f, rng);
       }
-      if (!any) break;
-      step.positions.push_back(0);  // a padding token writes nothing
-      step.token_requests.push_back(-1);
-      step.index_k.resize(step.positions.size() * kDim, 0x3F80);
-      step.gate.resize(step.positions.size() * kDim, 0x3F80);
-      step.index_q.assign(step.positions.size() * kHeads * kDim, 0);
-      step.head_weights.assign(step.positions.size() * kHeads, 1.0f);
-      reference::IndexerQueryHost query;
-      int64_t errors = -1;
-      DSA_ASSERT_OK(reference::indexer_prepare(plan, step.view(), params.view, decode.view, &query, &errors));
-      EXPECT_EQ(errors, 0);
+      uint64_t state_seed = rng();
+      std::mt19937_64 rng_bulk(state_seed), rng_decode(state_seed);
+      HostState bulk(plan, requests, width, rng_bulk), decode(plan, requests, width, rng_decode);
+      for (int64_t r = 0; r < requests; ++r) {
+        int64_t errors = -1;
+        DSA_ASSERT_OK(reference::indexer_prefill(plan, k[r].data(), gate[r].data(), lengths[r], r, params.view,
+                                                 bulk.view, &errors));
+        EXPECT_EQ(errors, 0);
+      }
+      // Decode: steps that interleave the requests, each taking 1..RING-(S-1) of a request's next tokens.
+      std::vector<int64_t> next(requests, 0);
+      std::uniform_int_distribution<int> take(1, indexer_tokens_per_request(plan));
+      for (bool any = true; any;) {
+        any = false;
+        StepInputs step;
+        for (int64_t r = 0; r < requests; ++r) {
+          for (int n = take(rng); n > 0 && next[r] < lengths[r]; --n, ++next[r]) {
+            if (step.positions.size() == kIndexerMaxTokens - 1) break;  // room for the padding token
+            step.positions.push_back(next[r]);
+            step.token_requests.push_back(static_cast<int32_t>(r));
+            step.index_k.insert(step.index_k.end(), &k[r][next[r] * kDim], &k[r][(next[r] + 1) * kDim]);
+            step.gate.insert(step.gate.end(), &gate[r][next[r] * kDim], &gate[r][(next[r] + 1) * kDim]);
+            any = true;
+          }
+        }
+        if (!any) break;
+        step.positions.push_back(0);  // a padding token writes nothing
+        step.token_requests.push_back(-1);
+        step.index_k.resize(step.positions.size() * kDim, 0x3F80);
+        step.gate.resize(step.positions.size() * kDim, 0x3F80);
+        step.index_q.assign(step.positions.size() * plan.heads * kDim, 0);
+        step.head_weights.assign(step.positions.size() * plan.heads, 1.0f);
+        reference::IndexerQueryHost query;
+        int64_t errors = -1;
+        DSA_ASSERT_OK(reference::indexer_prepare(plan, step.view(), params.view, decode.view, &query, &errors));
+        EXPECT_EQ(errors, 0);
+        EXPECT_EQ(query.q_fp8.size(), step.positions.size() * plan.heads * kDim) << where;
+      }
+      EXPECT_TRUE(bulk.k_cache == decode.k_cache) << where;
+      EXPECT_TRUE(bulk.ring == decode.ring) << where;
+      // And the entries are where the layout says: pool p in page block_table[r, p / P] at entry p % P.
+      const int64_t per_page = 128 / pool_size;
+      const int64_t r = 4, pool = 500 / pool_size;  // request of 517 tokens: page 3
+      const int64_t block = bulk.block_table[r * width + pool / per_page];
+      const uint8_t* page = &bulk.k_cache[block * bulk.view.page_stride];
+      uint16_t normed[kMaxPoolSize][kDim], pooled[kDim];
+      const uint16_t* k_rows[kMaxPoolSize];
+      const uint16_t* gate_rows[kMaxPoolSize];
+      for (int j = 0; j < pool_size; ++j) {
+        layernorm128(&k[r][(pool_size * pool + j) * kDim], params.weight.data(), params.bias.data(), normed[j]);
+        k_rows[j] = normed[j];
+        gate_rows[j] = &gate[r][(pool_size * pool + j) * kDim];
+      }
+      pool_softmax128(pool_size, k_rows, gate_rows, params.ape.data(), pooled);
+      uint8_t codes[kDim];
+      const float scale = hadamard_quantize(pooled, codes);
+      EXPECT_EQ(std::memcmp(page + (pool % per_page) * kDim, codes, kDim), 0) << where;
+      EXPECT_EQ(std::memcmp(page + per_page * kDim + (pool % per_page) * 4, &scale, 4), 0) << where;
     }
-    EXPECT_TRUE(bulk.k_cache == decode.k_cache) << "RING " << ring;
-    EXPECT_TRUE(bulk.ring == decode.ring) << "RING " << ring;
-    // And the entries are where the layout says: pool p in page block_table[r, p / 32] at entry p % 32.
-    const int64_t r = 4, pool = 100;  // request of 517 tokens; pool 100 is in its page 3
-    const int64_t block = bulk.block_table[r * width + pool / 32];
-    const uint8_t* page = &bulk.k_cache[block * bulk.view.page_stride];
-    uint16_t normed[4][kDim], pooled[kDim];
-    const uint16_t* k_rows[4];
-    const uint16_t* gate_rows[4];
-    for (int j = 0; j < 4; ++j) {
-      layernorm128(&k[r][(4 * pool + j) * kDim], params.weight.data(), params.bias.data(), normed[j]);
-      k_rows[j] = normed[j];
-      gate_rows[j] = &gate[r][(4 * pool + j) * kDim];
-    }
-    pool_softmax128(k_rows, gate_rows, params.ape.data(), pooled);
-    uint8_t codes[kDim];
-    const float scale = hadamard_quantize(pooled, codes);
-    EXPECT_EQ(std::memcmp(page + (pool % 32) * kDim, codes, kDim), 0);
-    EXPECT_EQ(std::memcmp(page + 32 * kDim + (pool % 32) * 4, &scale, 4), 0);
   }
 }
 
@@ -681,7 +767,7 @@ std::vector<double> float64_logits(const IndexerPlan& plan, const reference::Ind
   for (int64_t p = 0; p < n_pools; ++p) {
     const reference::PoolEntry entry = reference::read_pool(plan, state, request, p);
     double sum = 0;
-    for (int h = 0; h < kHeads; ++h) {
+    for (int h = 0; h < plan.heads; ++h) {
       double dot = 0;
       for (int d = 0; d < kDim; ++d) {
         dot += double(num::e4m3_to_float(q[h * kDim + d])) * num::e4m3_to_float(entry.codes[d]);
@@ -696,7 +782,7 @@ std::vector<double> float64_logits(const IndexerPlan& plan, const reference::Ind
 
 // Random codes (no NaN) and power-of-two scales in every page.
 void fill_random_pools(HostState& state, std::mt19937_64& rng) {
-  const int64_t per_page = state.plan.block_size / 4;
+  const int64_t per_page = indexer_pools_per_page(state.plan);
   std::uniform_int_distribution<int> code(0, 255), exponent(-10, -4);
   for (int64_t b = 0; b < state.view.blocks; ++b) {
     uint8_t* page = &state.k_cache[b * state.view.page_stride];
@@ -729,7 +815,7 @@ struct OneTokenPools {
     fill_random_pools(state, rng);
     const StepInputs step = random_step({0}, {0}, rng);
     for (int h = 0; h < kHeads; ++h) {
-      w[h] = fold_head_weight(step.head_weights[h], hadamard_quantize(&step.index_q[h * kDim], &q[h * kDim]));
+      w[h] = fold_head_weight(step.head_weights[h], hadamard_quantize(&step.index_q[h * kDim], &q[h * kDim]), kIndexerHeads);
     }
   }
 };
@@ -850,88 +936,201 @@ TEST(IndexerReference, SelectOnLogitsFollowsTheGivenLogits) {
   expect_rejected(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got), "logits", "3 rows");
 }
 
+// Every plan shape the tests cover: H x S at top-k 2048, and a smaller top-k.
+std::vector<IndexerPlan> every_shape() {
+  std::vector<IndexerPlan> plans;
+  for (int topk : {2048, 512}) {
+    for (int heads : {16, 32, 64}) {
+      for (int pool : {4, 8, 16}) {
+        IndexerPlan plan;
+        plan.heads = heads;
+        plan.pool = pool;
+        plan.topk = topk;
+        plan.ring = pool;
+        plans.push_back(plan);
+      }
+    }
+  }
+  return plans;
+}
+
+std::string shape_name(const IndexerPlan& plan) {
+  return "H " + std::to_string(plan.heads) + " S " + std::to_string(plan.pool) + " K " + std::to_string(plan.topk);
+}
+
+TEST(IndexerChecks, ShapeFunctionsFollowThePlan) {
+  const IndexerPlan glm5next;
+  EXPECT_EQ(indexer_row_width(glm5next), kIndexerRowWidth);
+  EXPECT_EQ(indexer_top_pools(glm5next), kIndexerTopPools);
+  EXPECT_EQ(indexer_page_bytes(glm5next), 64 * 132);
+  EXPECT_EQ(indexer_tokens_per_request(glm5next), 1);
+  for (const IndexerPlan& plan : every_shape()) {
+    const std::string where = shape_name(plan);
+    EXPECT_TRUE(check_indexer_plan(plan).ok()) << where << ": " << check_indexer_plan(plan).to_string();
+    const int width = indexer_row_width(plan);
+    EXPECT_EQ(width % 128, 0) << where;
+    EXPECT_GE(width, plan.topk + plan.pool - 1) << where;  // every tail token has a column
+    EXPECT_LT(width - 128, plan.topk + plan.pool - 1) << where;
+    EXPECT_EQ(indexer_top_pools(plan) * plan.pool, plan.topk) << where;
+    EXPECT_EQ(indexer_pools_per_page(plan), 256 / plan.pool) << where;
+    EXPECT_EQ(indexer_page_bytes(plan) % 16, 0) << where;
+    const IndexerWorkspaceLayout layout = indexer_workspace_layout(plan);
+    EXPECT_EQ(layout.head_weights, plan.max_tokens * plan.heads * kDim) << where;
+    EXPECT_EQ(layout.logits_stride, (plan.max_context + plan.pool - 1) / plan.pool) << where;
+  }
+  IndexerPlan pools16;
+  pools16.pool = 16;
+  pools16.topk = 2048;
+  EXPECT_EQ(indexer_row_width(pools16), 2176);  // 2048 + 15 tail columns
+  pools16.topk = 512;
+  EXPECT_EQ(indexer_row_width(pools16), 640);
+  EXPECT_EQ(indexer_ring_for(4, 1), 4);
+  EXPECT_EQ(indexer_ring_for(4, 4), 8);  // 3 before + 4
+  EXPECT_EQ(indexer_ring_for(16, 4), 32);
+  EXPECT_EQ(indexer_ring_for(4, 6), 0);
+  pools16.ring = indexer_ring_for(16, 4);
+  EXPECT_TRUE(check_indexer_plan(pools16).ok());
+  EXPECT_EQ(indexer_tokens_per_request(pools16), 17);
+}
+
 TEST(IndexerReference, RowsForShortContexts) {
-  std::vector<int32_t> row(kIndexerRowWidth);
-  for (int64_t context : {1, 5, 2047, 2048}) {
-    reference::expand_row(context, {}, row.data());
-    for (int c = 0; c < kIndexerRowWidth; ++c) ASSERT_EQ(row[c], c < context ? c : -1) << context << " " << c;
+  for (const IndexerPlan& plan : every_shape()) {
+    const int width = indexer_row_width(plan);
+    std::vector<int32_t> row(width);
+    for (int64_t context : {int64_t(1), int64_t(5), int64_t(plan.topk) - 1, int64_t(plan.topk)}) {
+      reference::expand_row(plan, context, {}, row.data());
+      for (int c = 0; c < width; ++c) {
+        ASSERT_EQ(row[c], c < context ? c : -1) << shape_name(plan) << " L " << context << " column " << c;
+      }
+    }
+  }
+}
+
+// Just past top-k (L in K + 1 .. K + S - 1) every complete pool is chosen and
+// the incomplete pool's tokens are the tail: the row is 0..L-1 in order, the
+// pooled columns first.
+TEST(IndexerReference, TailFollowsThePooledColumns) {
+  for (const IndexerPlan& plan : every_shape()) {
+    const int width = indexer_row_width(plan), top = indexer_top_pools(plan);
+    std::vector<int32_t> all_pools(top), row(width);
+    std::iota(all_pools.begin(), all_pools.end(), 0);
+    for (int64_t context = plan.topk + 1; context < plan.topk + plan.pool; ++context) {
+      reference::expand_row(plan, context, all_pools, row.data());
+      for (int c = 0; c < width; ++c) {
+        ASSERT_EQ(row[c], c < context ? c : -1) << shape_name(plan) << " L " << context << " column " << c;
+      }
+    }
+    // Far past top-k: the tail tokens of L = S n + j start at column K.
+    std::vector<int32_t> chosen(top);
+    for (int i = 0; i < top; ++i) chosen[i] = 3 * i + 1;
+    const int64_t n = 3 * top + 7;
+    for (int j = 0; j < plan.pool; ++j) {
+      const int64_t context = plan.pool * n + j;
+      reference::expand_row(plan, context, chosen, row.data());
+      for (int i = 0; i < top; ++i) {
+        for (int e = 0; e < plan.pool; ++e) ASSERT_EQ(row[i * plan.pool + e], chosen[i] * plan.pool + e);
+      }
+      for (int c = plan.topk; c < width; ++c) {
+        ASSERT_EQ(row[c], c - plan.topk < j ? plan.pool * n + (c - plan.topk) : -1)
+            << shape_name(plan) << " L " << context << " column " << c;
+      }
+    }
   }
 }
 
 // A step at long contexts through prepare and select, checked against an
 // independent float64 top-k: the chosen set equals it except for pools whose
-// float64 logit is within the reference's rounding of the 512th.
-void check_long_context_rows(int m, int64_t context, std::mt19937_64& rng) {
-  IndexerPlan plan;
+// float64 logit is within the reference's rounding of the (K / S)th.
+void check_long_context_rows(IndexerPlan plan, int m, int64_t context, std::mt19937_64& rng) {
   plan.block_size = 256;
   plan.max_context = context + m;
+  plan.ring = indexer_ring_for(plan.pool, 1);
+  const int S = plan.pool, width_columns = indexer_row_width(plan), top = indexer_top_pools(plan);
   const int64_t width = (context + m + plan.block_size - 1) / plan.block_size;
   HostState state(plan, m, width, rng);
   fill_random_pools(state, rng);
   std::vector<int64_t> positions(m);
   std::vector<int32_t> requests(m);
-  for (int t = 0; t < m; ++t) {  // every L % 4, and one padding token when m > 1
+  for (int t = 0; t < m; ++t) {  // consecutive L, and one padding token when m > 1
     positions[t] = context - 1 + t;
     requests[t] = m > 1 && t == m / 2 ? -1 : t;
   }
-  const StepInputs step = random_step(positions, requests, rng);
-  LayerParams params(rng);
+  const StepInputs step = random_step(positions, requests, rng, plan.heads);
+  LayerParams params(rng, S);
   reference::IndexerQueryHost query;
   int64_t errors = -1;
   DSA_ASSERT_OK(reference::indexer_prepare(plan, step.view(), params.view, state.view, &query, &errors));
   reference::IndexerRowsHost rows;
   DSA_ASSERT_OK(reference::indexer_select(plan, step.view(), query, state.view, &rows));
   EXPECT_EQ(rows.errors, 0);
+  ASSERT_EQ(rows.topk_positions.size(), size_t(m) * width_columns);
   for (int t = 0; t < m; ++t) {
-    const std::string where = "m " + std::to_string(m) + " token " + std::to_string(t);
-    const int32_t* row = &rows.topk_positions[t * kIndexerRowWidth];
-    const int32_t* slots = &rows.slots[t * kIndexerRowWidth];
+    const std::string where = shape_name(plan) + " m " + std::to_string(m) + " token " + std::to_string(t);
+    const int32_t* row = &rows.topk_positions[t * width_columns];
+    const int32_t* slots = &rows.slots[t * width_columns];
     if (requests[t] < 0) {
-      for (int c = 0; c < kIndexerRowWidth; ++c) ASSERT_EQ(row[c], -1) << where;
-      for (int c = 0; c < kIndexerRowWidth; ++c) ASSERT_EQ(slots[c], -1) << where;
+      for (int c = 0; c < width_columns; ++c) ASSERT_EQ(row[c], -1) << where;
+      for (int c = 0; c < width_columns; ++c) ASSERT_EQ(slots[c], -1) << where;
       continue;
     }
-    const int64_t L = positions[t] + 1, n_pools = L / 4;
+    const int64_t L = positions[t] + 1, n_pools = L / S;
     std::vector<int32_t> chosen;
-    for (int i = 0; i < kIndexerTopPools; ++i) {
-      const int32_t p = row[4 * i] / 4;
-      for (int j = 0; j < 4; ++j) ASSERT_EQ(row[4 * i + j], 4 * p + j) << where << " column " << 4 * i + j;
+    for (int i = 0; i < top; ++i) {
+      const int32_t p = row[S * i] / S;
+      for (int j = 0; j < S; ++j) ASSERT_EQ(row[S * i + j], S * p + j) << where << " column " << S * i + j;
       ASSERT_TRUE(chosen.empty() || chosen.back() < p) << where << ": pools in increasing order";
       chosen.push_back(p);
     }
-    for (int64_t c = kIndexerPooledColumns; c < kIndexerRowWidth; ++c) {
-      const int64_t tail = 4 * n_pools + (c - kIndexerPooledColumns);
+    for (int64_t c = plan.topk; c < width_columns; ++c) {
+      const int64_t tail = S * n_pools + (c - plan.topk);
       ASSERT_EQ(row[c], tail < L ? tail : -1) << where << " column " << c;
     }
-    for (int c = 0; c < kIndexerRowWidth; ++c) {
+    for (int c = 0; c < width_columns; ++c) {
       const int32_t expected =
           row[c] < 0 ? -1 : state.block_table[t * width + row[c] / 256] * 256 + row[c] % 256;
       ASSERT_EQ(slots[c], expected) << where << " column " << c;
     }
     std::vector<double> magnitude;
-    const std::vector<double> exact = float64_logits(plan, state.view, t, n_pools, &query.q_fp8[t * kHeads * kDim],
-                                                     &query.head_weights[t * kHeads], &magnitude);
+    const std::vector<double> exact =
+        float64_logits(plan, state.view, t, n_pools, &query.q_fp8[size_t(t) * plan.heads * kDim],
+                       &query.head_weights[size_t(t) * plan.heads], &magnitude);
     std::vector<double> sorted = exact;
-    std::nth_element(sorted.begin(), sorted.begin() + (kIndexerTopPools - 1), sorted.end(), std::greater<double>());
-    const double threshold = sorted[kIndexerTopPools - 1];
+    std::nth_element(sorted.begin(), sorted.begin() + (top - 1), sorted.end(), std::greater<double>());
+    const double threshold = sorted[top - 1];
+    int decided = 0;
     for (int64_t p = 0; p < n_pools; ++p) {
       const bool in = std::binary_search(chosen.begin(), chosen.end(), static_cast<int32_t>(p));
-      const double tolerance = 64 * std::ldexp(magnitude[p], -24) + 1e-30;
+      const double tolerance = 2 * plan.heads * std::ldexp(magnitude[p], -24) + 1e-30;
       if (exact[p] > threshold + tolerance) {
         ASSERT_TRUE(in) << where << " pool " << p << " missing";
+        ++decided;
       } else if (exact[p] < threshold - tolerance) {
         ASSERT_FALSE(in) << where << " pool " << p << " chosen";
+        ++decided;
       }
     }
+    EXPECT_GT(decided, n_pools * 9 / 10) << where << ": the float64 selection decides most pools";
   }
 }
 
 TEST(IndexerReference, RowsForLongContexts) {
   std::mt19937_64 rng(testing::test_seed());
-  check_long_context_rows(16, 4096 + 3, rng);
-  check_long_context_rows(4, 32768 + 1, rng);
-  check_long_context_rows(1, 131072 + 2, rng);
-  check_long_context_rows(1, 2049, rng);  // exactly 512 pools: all chosen, one tail token
+  const IndexerPlan glm5next;
+  check_long_context_rows(glm5next, 16, 4096 + 3, rng);
+  check_long_context_rows(glm5next, 4, 32768 + 1, rng);
+  check_long_context_rows(glm5next, 1, 131072 + 2, rng);
+  check_long_context_rows(glm5next, 1, 2049, rng);  // exactly 512 pools: all chosen, one tail token
+}
+
+// Every shape's pooled selection equals a brute-force float64 top K / S over
+// its pools, with the tail and the row layout the plan gives.
+TEST(IndexerReference, PooledSelectionMatchesFloat64AtEveryShape) {
+  std::mt19937_64 rng(testing::test_seed());
+  for (const IndexerPlan& plan : every_shape()) {
+    // Three tokens at L = 3K + 1 .. 3K + 3: several tail lengths, n about 3 K / S pools.
+    check_long_context_rows(plan, 3, 3 * int64_t(plan.topk) + 1, rng);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ struct IndexerHostState {
         requests(request_count),
         width(table_width),
         blocks(request_count * table_width + 3),
-        page_stride(int64_t(p.block_size) / 4 * kIndexerPoolBytes + 16) {
+        page_stride(indexer_page_bytes(p) + 16) {
     std::vector<int32_t> order(blocks);
     std::iota(order.begin(), order.end(), 0);
     std::shuffle(order.begin(), order.end(), rng);
