@@ -801,6 +801,69 @@ TEST(IndexerProjectGemvGpu, BitwiseEqualToTheReferenceAtEveryTokenCount) {
 
 // Every view with padded rows (NaN in the inputs' and weights' padding, poison
 // in the outputs'): nothing reads or writes the padding.
+// The GEMV at 16 and 64 index heads (wq_b [H * 128, Q], weights_proj [H, D],
+// outputs [m, H, 128] and [m, H]) equals reference::indexer_project_gemv of
+// the same head count bit for bit, at m = 1, 3 and 16; nothing is written
+// past the outputs.
+TEST(IndexerProjectGemvGpu, EveryHeadCountIsBitwiseTheReference) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 3);
+  constexpr int64_t q = 512, d = 1024;
+  for (int heads : {16, 64}) {
+    const std::vector<uint16_t> wq_b = testing::random_bf16(size_t(heads) * kDim * q, 1.0f / std::sqrt(float(q)), rng);
+    const std::vector<uint16_t> wk = testing::random_bf16(size_t(kDim) * d, 1.0f / std::sqrt(float(d)), rng);
+    const std::vector<uint16_t> weights_proj = testing::random_bf16(size_t(heads) * d, 1.0f / std::sqrt(float(d)), rng);
+    const std::vector<uint16_t> gate_w = testing::random_bf16(size_t(kDim) * d, 1.0f / std::sqrt(float(d)), rng);
+    DeviceBuffer<uint16_t> wq_b_d(wq_b), wk_d(wk), weights_proj_d(weights_proj), gate_w_d(gate_w);
+    for (int m : {1, 3, 16}) {
+      const std::string what = "H " + std::to_string(heads) + " m " + std::to_string(m);
+      const std::vector<uint16_t> q_c = testing::random_bf16(size_t(m) * q, 1.0f, rng);
+      const std::vector<uint16_t> x = testing::random_bf16(size_t(m) * d, 1.0f, rng);
+      DeviceBuffer<uint16_t> q_c_d(q_c), x_d(x);
+      // One guard row past each output.
+      DeviceBuffer<uint16_t> index_q(size_t(m + 1) * heads * kDim), index_k(size_t(m + 1) * kDim),
+          gate(size_t(m + 1) * kDim);
+      DeviceBuffer<float> head_weights(size_t(m + 1) * heads);
+      for (auto* b : {&index_q, &index_k, &gate}) b->fill_bytes(kPoison);
+      head_weights.fill_bytes(kPoison);
+      IndexerProjectArgs args;
+      args.plan.heads = heads;
+      args.q_c = make_tensor(q_c_d.get(), DType::kBF16, {m, q});
+      args.x = make_tensor(x_d.get(), DType::kBF16, {m, d});
+      args.wq_b = make_tensor(wq_b_d.get(), DType::kBF16, {int64_t(heads) * kDim, q});
+      args.wk = make_tensor(wk_d.get(), DType::kBF16, {kDim, d});
+      args.weights_proj = make_tensor(weights_proj_d.get(), DType::kBF16, {heads, d});
+      args.compress_gate = make_tensor(gate_w_d.get(), DType::kBF16, {kDim, d});
+      args.index_q = make_tensor(index_q.get(), DType::kBF16, {m, heads, kDim});
+      args.index_k = make_tensor(index_k.get(), DType::kBF16, {m, kDim});
+      args.head_weights = make_tensor(head_weights.get(), DType::kF32, {m, heads});
+      args.gate = make_tensor(gate.get(), DType::kBF16, {m, kDim});
+      cudaStream_t stream = new_stream();
+      DSA_ASSERT_OK(gemv_and_wait(args, stream));
+      cudaStreamDestroy(stream);
+      reference::IndexerProjectInputsHost inputs{m, q, d, q_c.data(), x.data(), wq_b.data(), wk.data(),
+                                                 weights_proj.data(), gate_w.data(), heads};
+      const reference::IndexerProjectionBitsHost want = reference::indexer_project_gemv(inputs);
+      // The first `count` values; the guard row after them must still be poison.
+      const auto written = [](auto all, size_t count, const std::string& name) {
+        const uint8_t* guard = reinterpret_cast<const uint8_t*>(all.data() + count);
+        const size_t bytes = (all.size() - count) * sizeof(all[0]);
+        EXPECT_EQ(std::count(guard, guard + bytes, kPoison), static_cast<std::ptrdiff_t>(bytes)) << name;
+        all.resize(count);
+        return all;
+      };
+      expect_same_bits(written(index_q.download(), want.index_q.size(), what + " index_q guard"), want.index_q,
+                       what + " index_q");
+      expect_same_bits(written(index_k.download(), want.index_k.size(), what + " index_k guard"), want.index_k,
+                       what + " index_k");
+      expect_same_bits(written(head_weights.download(), want.head_weights.size(), what + " head_weights guard"),
+                       want.head_weights, what + " head_weights");
+      expect_same_bits(written(gate.download(), want.gate.size(), what + " gate guard"), want.gate, what + " gate");
+      if (HasFailure()) return;
+    }
+  }
+}
+
 TEST(IndexerProjectGemvGpu, PaddedRowStrides) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed());

@@ -36,9 +36,11 @@ constexpr int kHeads = kIndexerHeads;
 constexpr int kWidth = kIndexerRowWidth;
 constexpr uint8_t kPoison = 0xAB;
 
-// The plan of a scenario: one token per request, the largest context sized.
-IndexerPlan scenario_plan(const std::vector<int64_t>& contexts, int block_size) {
-  IndexerPlan plan;
+// The plan of a scenario: one token per request, the largest context sized;
+// heads, pool and top-k from `shape` (RING = pool).
+IndexerPlan scenario_plan(const std::vector<int64_t>& contexts, int block_size, const IndexerPlan& shape) {
+  IndexerPlan plan = shape;
+  plan.ring = shape.pool;
   plan.logits = IndexerLogits::kExact;  // bitwise against the reference (the default's bound: its own test)
   plan.max_tokens = static_cast<int>(contexts.size());
   plan.block_size = block_size;
@@ -46,14 +48,14 @@ IndexerPlan scenario_plan(const std::vector<int64_t>& contexts, int block_size) 
   return plan;
 }
 
-// The plan of a step with draft tokens: RING 8 (up to 5 tokens of one
+// The plan of a step with draft tokens: RING 2 S (up to S + 1 tokens of one
 // request), the largest position sized.
-IndexerPlan draft_plan(const std::vector<int64_t>& positions, int block_size) {
-  IndexerPlan plan;
+IndexerPlan draft_plan(const std::vector<int64_t>& positions, int block_size, const IndexerPlan& shape) {
+  IndexerPlan plan = shape;
   plan.logits = IndexerLogits::kExact;
   plan.max_tokens = static_cast<int>(positions.size());
   plan.block_size = block_size;
-  plan.ring = 8;
+  plan.ring = 2 * shape.pool;
   plan.max_context = *std::max_element(positions.begin(), positions.end()) + 1;
   return plan;
 }
@@ -75,10 +77,17 @@ struct Scenario : testing::IndexerHostState {
   std::vector<uint16_t> index_q, index_k, gate;
   std::vector<uint16_t> ring_before_prepare;
   std::vector<uint8_t> k_cache_before_prepare;
+  // The prefills that made the state before the prepare: request, k and gate [n, 128].
+  struct Prefill {
+    int32_t request;
+    std::vector<uint16_t> k, gate;
+  };
+  std::vector<Prefill> prefills;
 
-  Scenario(const std::vector<int64_t>& contexts, int block_size, std::mt19937_64& rng)
-      : IndexerHostState(scenario_plan(contexts, block_size), static_cast<int64_t>(contexts.size()),
-                         (scenario_plan(contexts, block_size).max_context + block_size - 1) / block_size, rng),
+  Scenario(const std::vector<int64_t>& contexts, int block_size, std::mt19937_64& rng,
+           const IndexerPlan& shape = IndexerPlan())
+      : IndexerHostState(scenario_plan(contexts, block_size, shape), static_cast<int64_t>(contexts.size()),
+                         (scenario_plan(contexts, block_size, shape).max_context + block_size - 1) / block_size, rng),
         m(static_cast<int>(contexts.size())) {
     for (int t = 0; t < m; ++t) {
       positions.push_back(contexts[t] > 0 ? contexts[t] - 1 : 0);
@@ -86,21 +95,23 @@ struct Scenario : testing::IndexerHostState {
     }
   }
   Scenario(const std::vector<int64_t>& step_positions, const std::vector<int32_t>& step_requests, int block_size,
-           std::mt19937_64& rng)
-      : IndexerHostState(draft_plan(step_positions, block_size),
+           std::mt19937_64& rng, const IndexerPlan& shape = IndexerPlan())
+      : IndexerHostState(draft_plan(step_positions, block_size, shape),
                          *std::max_element(step_requests.begin(), step_requests.end()) + 1,
-                         (draft_plan(step_positions, block_size).max_context + block_size - 1) / block_size, rng),
+                         (draft_plan(step_positions, block_size, shape).max_context + block_size - 1) / block_size,
+                         rng),
         m(static_cast<int>(step_positions.size())),
         positions(step_positions),
         token_requests(step_requests) {}
 
   // Prefill of positions 0..pos-1 of every real request, pos the position of
   // its first token in the step, then the reference's prepare (completing the
-  // pool of tokens with L % 4 == 0) and select.
+  // pool of tokens with L % S == 0) and select.
   void fill_and_run_reference(std::mt19937_64& rng) {
+    const int heads = plan.heads;
     norm_weight = normal_floats(kDim, 1.0f, 0.2f, rng);
     norm_bias = normal_floats(kDim, 0.0f, 0.1f, rng);
-    ape = normal_floats(4 * kDim, 0.0f, 0.5f, rng);
+    ape = normal_floats(size_t(plan.pool) * kDim, 0.0f, 0.5f, rng);
     const reference::IndexerParamsHost params{norm_weight.data(), norm_bias.data(), ape.data()};
     for (int t = 0; t < m; ++t) {
       const int32_t request = token_requests[t];
@@ -114,11 +125,12 @@ struct Scenario : testing::IndexerHostState {
       int64_t errors = -1;
       DSA_ASSERT_OK(reference::indexer_prefill(plan, k.data(), gate.data(), n, request, params, view, &errors));
       ASSERT_EQ(errors, 0);
+      prefills.push_back({request, k, gate});
     }
-    index_q = testing::random_bf16(size_t(m) * kHeads * kDim, 1.0f, rng);
+    index_q = testing::random_bf16(size_t(m) * heads * kDim, 1.0f, rng);
     index_k = testing::random_bf16(size_t(m) * kDim, 1.0f, rng);
     gate = testing::random_bf16(size_t(m) * kDim, 1.0f, rng);
-    head_weights = normal_floats(size_t(m) * kHeads, 0.0f, 1.0f, rng);
+    head_weights = normal_floats(size_t(m) * heads, 0.0f, 1.0f, rng);
     ring_before_prepare = ring;
     k_cache_before_prepare = k_cache;
     const reference::IndexerStepHost step{m, index_q.data(), index_k.data(), head_weights.data(), gate.data(),
@@ -154,8 +166,8 @@ struct DeviceStep {
         workspace(size_t(indexer_workspace_layout(s.plan).bytes)),
         positions(s.positions),
         token_requests(s.token_requests),
-        topk_positions(size_t(s.m) * kWidth),
-        slots(size_t(s.m) * kWidth),
+        topk_positions(size_t(s.m) * indexer_row_width(s.plan)),
+        slots(size_t(s.m) * indexer_row_width(s.plan)),
         errors(1),
         layout(indexer_workspace_layout(s.plan)) {
     std::vector<uint8_t> host(layout.bytes, 0);
@@ -167,11 +179,12 @@ struct DeviceStep {
     args.token_requests = make_tensor(token_requests.get(), DType::kI32, {s.m});
     args.state.block_table = make_tensor(block_table.get(), DType::kI32, {s.requests, s.width});
     args.state.ring = make_tensor(ring.get(), DType::kBF16, {s.requests, 2, s.plan.ring, kDim});
-    args.state.k_cache = make_strided(k_cache.get(), DType::kU8, {s.blocks, s.plan.block_size / 4 * kIndexerPoolBytes},
+    args.state.k_cache = make_strided(k_cache.get(), DType::kU8, {s.blocks, indexer_page_bytes(s.plan)},
                                       {s.page_stride, 1});
     args.workspace = make_tensor(workspace.get(), DType::kU8, {layout.bytes});
-    args.topk_positions = make_tensor(topk_positions.get(), DType::kI32, {s.m, kWidth});
-    args.slots = make_tensor(slots.get(), DType::kI32, {s.m, kWidth});
+    const int width = indexer_row_width(s.plan);
+    args.topk_positions = make_tensor(topk_positions.get(), DType::kI32, {s.m, width});
+    args.slots = make_tensor(slots.get(), DType::kI32, {s.m, width});
     args.error_count = errors.get();
   }
 
@@ -205,26 +218,27 @@ struct DeviceStep {
 // up to `logit_checks` long tokens equal the reference's bit for bit.
 void expect_matches_reference(const Scenario& s, DeviceStep& d, const std::string& what, int logit_checks) {
   const std::vector<int32_t> topk = d.topk_positions.download(), slots = d.slots.download();
+  const int width = indexer_row_width(s.plan), heads = s.plan.heads, pool = s.plan.pool;
   EXPECT_EQ(d.errors.download()[0], 0u) << what;
   for (int t = 0; t < s.m; ++t) {
     const std::string where = what + " token " + std::to_string(t) + " L " +
                               std::to_string(s.token_requests[t] < 0 ? 0 : s.positions[t] + 1);
-    for (int c = 0; c < kWidth; ++c) {
-      ASSERT_EQ(topk[t * kWidth + c], s.rows.topk_positions[t * kWidth + c]) << where << " column " << c;
-      ASSERT_EQ(slots[t * kWidth + c], s.rows.slots[t * kWidth + c]) << where << " column " << c;
+    for (int c = 0; c < width; ++c) {
+      ASSERT_EQ(topk[t * width + c], s.rows.topk_positions[t * width + c]) << where << " column " << c;
+      ASSERT_EQ(slots[t * width + c], s.rows.slots[t * width + c]) << where << " column " << c;
     }
   }
   const std::vector<uint8_t> workspace = d.workspace.download();
-  const int64_t stride = (s.plan.max_context + 3) / 4;
+  const int64_t stride = d.layout.logits_stride;
   for (int t = 0; t < s.m && logit_checks > 0; ++t) {
     const int64_t L = s.positions[t] + 1;
-    if (s.token_requests[t] < 0 || L <= kIndexerPooledColumns) continue;
+    if (s.token_requests[t] < 0 || L <= s.plan.topk) continue;
     --logit_checks;
     const std::vector<float> expected = reference::indexer_logits(
-        s.plan, s.view, s.token_requests[t], L / 4, &s.query.q_fp8[size_t(t) * kHeads * kDim],
-        &s.query.head_weights[size_t(t) * kHeads]);
+        s.plan, s.view, s.token_requests[t], L / pool, &s.query.q_fp8[size_t(t) * heads * kDim],
+        &s.query.head_weights[size_t(t) * heads]);
     const uint8_t* got = &workspace[d.layout.logits + size_t(t) * stride * 4];
-    for (int64_t p = 0; p < L / 4; ++p) {
+    for (int64_t p = 0; p < L / pool; ++p) {
       float value;
       std::memcpy(&value, got + p * 4, 4);
       if (value != value && expected[p] != expected[p]) continue;  // NaN payloads differ (GPU: canonical NaN)
@@ -241,18 +255,19 @@ void expect_matches_reference(const Scenario& s, DeviceStep& d, const std::strin
 // pools the rows choose that the exact logits would not.
 double expect_follows_own_logits(const Scenario& s, DeviceStep& d, const std::string& what, int64_t* moved) {
   const std::vector<uint8_t> workspace = d.workspace.download();
-  const int64_t stride = (s.plan.max_context + 3) / 4;
+  const int64_t stride = d.layout.logits_stride;
+  const int width = indexer_row_width(s.plan), heads = s.plan.heads, pool = s.plan.pool, topk = s.plan.topk;
   std::vector<std::vector<float>> logits(s.m);
   double worst = 0;
   int64_t outside = 0;
   for (int t = 0; t < s.m; ++t) {
     const int64_t L = s.positions[t] + 1;
-    if (s.token_requests[t] < 0 || L <= kIndexerPooledColumns) continue;
-    logits[t].resize(L / 4);
+    if (s.token_requests[t] < 0 || L <= topk) continue;
+    logits[t].resize(L / pool);
     std::memcpy(logits[t].data(), &workspace[d.layout.logits + size_t(t) * stride * 4], logits[t].size() * 4);
     const reference::LogitDeviation deviation = reference::indexer_logit_deviation(
-        s.plan, s.view, s.token_requests[t], L / 4, &s.query.q_fp8[size_t(t) * kHeads * kDim],
-        &s.query.head_weights[size_t(t) * kHeads], logits[t].data());
+        s.plan, s.view, s.token_requests[t], L / pool, &s.query.q_fp8[size_t(t) * heads * kDim],
+        &s.query.head_weights[size_t(t) * heads], logits[t].data());
     outside += deviation.outside;
     worst = std::max(worst, deviation.worst);
   }
@@ -266,11 +281,11 @@ double expect_follows_own_logits(const Scenario& s, DeviceStep& d, const std::st
   EXPECT_TRUE(d.slots.download() == own.slots) << what << ": slots";
   EXPECT_EQ(int64_t(d.errors.download()[0]) > 0, own.errors > 0) << what;
   *moved = 0;
-  for (size_t c = 0; c < own.topk_positions.size(); c += kIndexerPoolSize) {
+  for (size_t c = 0; c < own.topk_positions.size(); c += pool) {
     const int32_t position = own.topk_positions[c];
-    if (position < 0 || c % kWidth >= size_t(kIndexerPooledColumns)) continue;
-    const size_t row = c / kWidth * kWidth;
-    const auto begin = s.rows.topk_positions.begin() + row, end = begin + kIndexerPooledColumns;
+    if (position < 0 || c % width >= size_t(topk)) continue;
+    const size_t row = c / width * width;
+    const auto begin = s.rows.topk_positions.begin() + row, end = begin + topk;
     if (!std::binary_search(begin, std::find(begin, end, -1), position)) ++*moved;
   }
   return worst;
@@ -457,6 +472,141 @@ TEST(IndexerSelectGpu, ChainedAfterTheGpuPrepareScoresThePoolsTheStepCompletes) 
   EXPECT_TRUE(d.k_cache.download() == s.k_cache) << "the GPU prepare's K cache differs from the reference's";
   EXPECT_TRUE(d.ring.download() == s.ring) << "the GPU prepare's ring differs from the reference's";
   expect_matches_reference(s, d, "prepare then select", /*logit_checks=*/4);
+}
+
+// Contexts of the every-shape GPU test: a token completing a pool past top-k,
+// one with a tail of S - 1 tokens, padding, a short row.
+std::vector<int64_t> every_shape_contexts(const IndexerPlan& shape) {
+  const int64_t K = shape.topk, S = shape.pool;
+  return {2 * K + S, 3 * K + S - 1, 0, K - 1};
+}
+
+// The every-shape GPU test's premise, without a GPU: at each shape the
+// reference's prepare writes the pool token 0 completes, token 1's row ends
+// with S - 1 tail tokens from column K, and token 3's row is 0..L-1.
+TEST(IndexerSelectReference, EveryShapeScenarioCompletesAPoolAndHasATail) {
+  std::mt19937_64 rng(testing::test_seed());
+  for (const IndexerPlan& shape : testing::every_shape()) {
+    SCOPED_TRACE(testing::shape_name(shape));
+    Scenario s(every_shape_contexts(shape), 256, rng, shape);
+    s.fill_and_run_reference(rng);
+    if (HasFatalFailure()) return;
+    EXPECT_FALSE(s.k_cache == s.k_cache_before_prepare) << "the step completes a pool";
+    EXPECT_EQ(s.prefills.size(), 3u);
+    const int width = indexer_row_width(shape), S = shape.pool, K = shape.topk;
+    const int32_t* tail = &s.rows.topk_positions[size_t(1) * width + K];
+    const int64_t L = 3 * int64_t(K) + S - 1;
+    for (int j = 0; j < width - K; ++j) EXPECT_EQ(tail[j], j < S - 1 ? L - (S - 1) + j : -1) << "column " << K + j;
+    const int32_t* short_row = &s.rows.topk_positions[size_t(3) * width];
+    for (int c = 0; c < width; ++c) ASSERT_EQ(short_row[c], c < K - 1 ? c : -1) << "column " << c;
+  }
+}
+
+// Every shape (heads 16, 32, 64 x pool 4, 8, 16 at top-k 2048 and 512), the
+// whole chain on the GPU: the prefills leave the reference's ring and K cache
+// bytes; the prepare then the select (PDL, no synchronization) leave the
+// reference's state and give its rows, slots and logits bit for bit (exact
+// logits); indexer_remap of the reference's rows gives its slots; with
+// FP32-accumulated logits every logit is within its bound and the rows are
+// the selection over the GPU's logits. Tokens: one completing a pool past
+// top-k, one with a tail of S - 1 tokens, padding, a short row.
+TEST(IndexerSelectGpu, EveryShapeMatchesTheReferenceFromPrefillToRemap) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 13);
+  cudaStream_t stream = nullptr;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const IndexerPlan& shape : testing::every_shape()) {
+    const std::string what = testing::shape_name(shape);
+    SCOPED_TRACE(what);
+    const int64_t S = shape.pool;
+    Scenario s(every_shape_contexts(shape), 256, rng, shape);
+    s.fill_and_run_reference(rng);
+    if (HasFatalFailure()) break;
+    DeviceStep d(s);
+    DeviceBuffer<float> norm_weight(s.norm_weight), norm_bias(s.norm_bias), ape(s.ape);
+    const TensorView weight_view = make_tensor(norm_weight.get(), DType::kF32, {kDim});
+    const TensorView bias_view = make_tensor(norm_bias.get(), DType::kF32, {kDim});
+    const TensorView ape_view = make_tensor(ape.get(), DType::kF32, {S, kDim});
+
+    // Prefill from a zero state.
+    d.ring.fill_bytes(0);
+    d.k_cache.fill_bytes(0);
+    d.errors.fill_bytes(0);
+    std::vector<DeviceBuffer<uint16_t>> keep;
+    for (const Scenario::Prefill& prefill : s.prefills) {
+      const int64_t n = static_cast<int64_t>(prefill.k.size()) / kDim;
+      keep.emplace_back(prefill.k);
+      const TensorView k_view = make_tensor(keep.back().get(), DType::kBF16, {n, kDim});
+      keep.emplace_back(prefill.gate);
+      const TensorView gate_view = make_tensor(keep.back().get(), DType::kBF16, {n, kDim});
+      IndexerPrefillArgs args{s.plan, k_view, gate_view, weight_view, bias_view, ape_view, prefill.request,
+                              d.args.state, d.args.error_count};
+      DSA_ASSERT_OK(indexer_prefill(args, stream));
+    }
+    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+    ASSERT_TRUE(d.k_cache.download() == s.k_cache_before_prepare) << "prefill: K cache";
+    ASSERT_TRUE(d.ring.download() == s.ring_before_prepare) << "prefill: ring";
+
+    // Prepare, then select, exact logits.
+    DeviceBuffer<uint16_t> index_q(s.index_q), index_k(s.index_k), gate(s.gate);
+    DeviceBuffer<float> head_weights(s.head_weights);
+    IndexerPrepareArgs prepare;
+    prepare.plan = s.plan;
+    prepare.index_q = make_tensor(index_q.get(), DType::kBF16, {s.m, s.plan.heads, kDim});
+    prepare.index_k = make_tensor(index_k.get(), DType::kBF16, {s.m, kDim});
+    prepare.head_weights = make_tensor(head_weights.get(), DType::kF32, {s.m, s.plan.heads});
+    prepare.gate = make_tensor(gate.get(), DType::kBF16, {s.m, kDim});
+    prepare.k_norm_weight = weight_view;
+    prepare.k_norm_bias = bias_view;
+    prepare.ape = ape_view;
+    prepare.positions = d.args.positions;
+    prepare.token_requests = d.args.token_requests;
+    prepare.state = d.args.state;
+    prepare.workspace = d.args.workspace;
+    prepare.error_count = d.args.error_count;
+    d.workspace.fill_bytes(kPoison);
+    d.topk_positions.fill_bytes(kPoison);
+    d.slots.fill_bytes(kPoison);
+    const Status prepared = indexer_prepare(prepare, stream);
+    const Status selected = indexer_select(d.args, stream);
+    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+    DSA_ASSERT_OK(prepared);
+    DSA_ASSERT_OK(selected);
+    EXPECT_TRUE(d.k_cache.download() == s.k_cache) << "prepare: K cache";
+    EXPECT_TRUE(d.ring.download() == s.ring) << "prepare: ring";
+    const std::vector<uint8_t> workspace = d.workspace.download();
+    EXPECT_EQ(std::memcmp(&workspace[d.layout.q_fp8], s.query.q_fp8.data(), s.query.q_fp8.size()), 0)
+        << "prepare: q_fp8";
+    EXPECT_EQ(std::memcmp(&workspace[d.layout.head_weights], s.query.head_weights.data(),
+                          s.query.head_weights.size() * 4),
+              0)
+        << "prepare: folded head weights";
+    expect_matches_reference(s, d, what + " exact", /*logit_checks=*/2);
+    if (HasFatalFailure()) break;
+
+    // Remap of the reference's rows.
+    DeviceBuffer<int32_t> caller_rows(s.rows.topk_positions), remapped(s.rows.slots.size());
+    remapped.fill_bytes(kPoison);
+    const int width = indexer_row_width(s.plan);
+    IndexerRemapArgs remap{s.plan, d.args.positions, d.args.token_requests, d.args.state,
+                           make_tensor(caller_rows.get(), DType::kI32, {s.m, width}),
+                           make_tensor(remapped.get(), DType::kI32, {s.m, width}), d.args.error_count};
+    DSA_ASSERT_OK(indexer_remap(remap, stream));
+    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(remapped.download() == s.rows.slots) << "remap";
+
+    // FP32-accumulated logits over the same workspace q.
+    s.plan.logits = IndexerLogits::kFp32Accumulation;
+    d.args.plan.logits = IndexerLogits::kFp32Accumulation;
+    d.run(false, stream);
+    if (HasFatalFailure()) break;
+    int64_t moved = 0;
+    const double worst = expect_follows_own_logits(s, d, what + " fp32 accumulation", &moved);
+    std::printf("[every shape] %s: worst |logit error| / bound %.3g, %lld pools moved\n", what.c_str(), worst,
+                static_cast<long long>(moved));
+    if (HasFatalFailure()) break;
+  }
+  cudaStreamDestroy(stream);
 }
 
 TEST(IndexerSelectGpu, PaddedSlotRowsWithoutPositionsStayInsideTheirColumns) {

@@ -936,27 +936,8 @@ TEST(IndexerReference, SelectOnLogitsFollowsTheGivenLogits) {
   expect_rejected(reference::indexer_select_on_logits(plan, step.view(), logits, state.view, &got), "logits", "3 rows");
 }
 
-// Every plan shape the tests cover: H x S at top-k 2048, and a smaller top-k.
-std::vector<IndexerPlan> every_shape() {
-  std::vector<IndexerPlan> plans;
-  for (int topk : {2048, 512}) {
-    for (int heads : {16, 32, 64}) {
-      for (int pool : {4, 8, 16}) {
-        IndexerPlan plan;
-        plan.heads = heads;
-        plan.pool = pool;
-        plan.topk = topk;
-        plan.ring = pool;
-        plans.push_back(plan);
-      }
-    }
-  }
-  return plans;
-}
-
-std::string shape_name(const IndexerPlan& plan) {
-  return "H " + std::to_string(plan.heads) + " S " + std::to_string(plan.pool) + " K " + std::to_string(plan.topk);
-}
+using testing::every_shape;
+using testing::shape_name;
 
 TEST(IndexerChecks, ShapeFunctionsFollowThePlan) {
   const IndexerPlan glm5next;

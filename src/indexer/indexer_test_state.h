@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "dsa_decode/indexer.h"
@@ -40,5 +41,28 @@ struct IndexerHostState {
   IndexerHostState(const IndexerHostState&) = delete;
   IndexerHostState& operator=(const IndexerHostState&) = delete;
 };
+
+// Every plan shape the indexer tests cover: heads 16, 32, 64 x pool 4, 8, 16
+// at top-k 2048, then at top-k 512; RING = pool, other fields the defaults.
+inline std::vector<IndexerPlan> every_shape() {
+  std::vector<IndexerPlan> plans;
+  for (int topk : {2048, 512}) {
+    for (int heads : {16, 32, 64}) {
+      for (int pool : {4, 8, 16}) {
+        IndexerPlan plan;
+        plan.heads = heads;
+        plan.pool = pool;
+        plan.topk = topk;
+        plan.ring = pool;
+        plans.push_back(plan);
+      }
+    }
+  }
+  return plans;
+}
+
+inline std::string shape_name(const IndexerPlan& plan) {
+  return "H " + std::to_string(plan.heads) + " S " + std::to_string(plan.pool) + " K " + std::to_string(plan.topk);
+}
 
 }  // namespace dsa::testing
