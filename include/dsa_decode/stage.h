@@ -88,22 +88,29 @@ struct DsaLayerWeights {
   TensorView o_proj;            // [D, H * V]
   TensorView q_scale;           // [1] f32: the absorbed query's static FP8 scale (_q_scale)
   TensorView k_scale;           // [1] f32: the KV cache's (_k_scale)
-  // The indexer's (indexer.h):
-  TensorView index_wq_b;           // [32 * 128, Q]
+  // The indexer's (indexer.h), at the plan's shape: HI = plan.indexer_heads, S = plan.indexer_pool:
+  TensorView index_wq_b;           // [HI * 128, Q]
   TensorView index_wk;             // [128, D]
-  TensorView index_weights_proj;   // [32, D]
+  TensorView index_weights_proj;   // [HI, D]
   TensorView index_compress_gate;  // [128, D]
   TensorView index_k_norm_weight;  // [128] f32
   TensorView index_k_norm_bias;    // [128] f32
-  TensorView index_ape;            // [4, 128] f32
+  TensorView index_ape;            // [S, 128] f32
 };
 
 // Choices fixed at creation; the workspace is sized from them.
 struct DsaStagePlan {
   int max_tokens = kDsaStageMaxTokens;  // largest m, 1..16
   int64_t max_context = 131072;         // largest L = pos + 1 a step may hold
-  int ring = 4;                         // the indexer's RING: 4, or 8 with draft tokens
+  int ring = 4;                         // the indexer's RING: indexer_pool, or 2 * indexer_pool with draft
+                                        // tokens (indexer_ring_for)
   int block_size = 256;                 // tokens per KV block: a positive multiple of 128
+  // The layer's indexer shape, from the model config as vLLM reads it
+  // (IndexerPlan's heads, pool, topk); the defaults are glm5next's first shape.
+  int indexer_heads = kIndexerHeads;    // HI, index heads: 16, 32 or 64 (HF index_n_heads)
+  int indexer_pool = kIndexerPoolSize;  // S, tokens per pool: 4, 8 or 16 (HF index_kpool)
+  int indexer_topk = kIndexerTopK;      // K, tokens of the selected pools: a multiple of S, at most
+                                        // kIndexerMaxTopPools pools (HF index_topk)
   // Defaults are the fastest path within each bound. batch_invariant: a
   // token's bits independent of its step's other tokens (SparseMlaPlan::
   // kBatchInvariant, value-up on head_gemv and projections on linear_gemv at
@@ -123,8 +130,19 @@ struct DsaStagePlan {
   bool overlap_indexer = true;
 };
 
-// The indexer plan of a stage plan, for the caller's indexer state and prefill.
+// The indexer plan of a stage plan (its shape, ring, block size, logits), for
+// the caller's indexer state and prefill: rows of W = indexer_row_width(it)
+// columns, k_cache pages of indexer_page_bytes(it), ring [requests, 2, ring, 128].
 IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan);
+
+// The default plan of a preset's layer: its indexer shape (index_heads,
+// pool_size, topk) and RING = the pool size (no draft tokens); every other
+// field the struct's default.
+DsaStagePlan dsa_stage_plan_for(const ModelPreset& per_rank);
+
+// The indexer shape fields of a plan (indexer_heads, indexer_pool,
+// indexer_topk); errors name the field, what it must be and what it is.
+Status check_dsa_stage_indexer_shape(const DsaStagePlan& plan);
 
 // Default value-up head_gemv token counts: seed order {1, 2} at 64 heads and
 // {1..4} at 8; tensor cores {1..8} at 64 and {1..16} at 8; others as 64.
@@ -152,7 +170,8 @@ struct DsaStepArgs {
   TensorView slot_mapping;    // [n] int64: the step's KV cache slots (negative, or t >= n: not written)
   TensorView kv_cache;        // [blocks, block_size, L] FP8 e4m3 (head_gemv.h's KvCacheWrite)
   IndexerState indexer;       // block table (the KV cache's too), ring, indexer K cache
-  // Optional [m, 2176] int32 request-local positions (-1 = none), the layout of
+  // Optional [m, W] int32 request-local positions (-1 = none; W = indexer_row_width of
+  // dsa_stage_indexer_plan(plan), 2176 at the default shape), the layout of
   // IndexerSelectArgs::topk_positions: the indexer does not run, these rows are remapped.
   TensorView topk_positions;
   TensorView out;                       // [m, D] BF16 out, as hidden
@@ -166,13 +185,14 @@ struct DsaStageIntermediates {
   TensorView kv_c;            // [m, L] BF16
   TensorView q;               // [m, H, P] BF16
   TensorView q_fp8;           // [m, H, L] e4m3
-  TensorView index_q;         // [m, 32, 128] BF16: the indexer's projections (not written with caller rows)
+  // HI, S, K: the plan's indexer_heads, indexer_pool, indexer_topk; W = indexer_row_width.
+  TensorView index_q;         // [m, HI, 128] BF16: the indexer's projections (not written with caller rows)
   TensorView index_k;         // [m, 128] BF16
-  TensorView head_weights;    // [m, 32] f32
+  TensorView head_weights;    // [m, HI] f32
   TensorView gate;            // [m, 128] BF16
-  TensorView index_logits;    // [m, ceil(max_context / 4)] f32, valid at pools p < L / 4 when L > 2048
-  TensorView topk_positions;  // [m, 2176] int32: written by the stock select only
-  TensorView slots;           // [m, 2176] int32 global KV slots
+  TensorView index_logits;    // [m, ceil(max_context / S)] f32, valid at pools p < L / S when L > K
+  TensorView topk_positions;  // [m, W] int32: written by the stock select only
+  TensorView slots;           // [m, W] int32 global KV slots
   TensorView latent;          // [m, H, L] BF16
   TensorView lse;             // [m, H] f32
   TensorView heads;           // [m, H, V] BF16: value-up's output

@@ -91,7 +91,9 @@ DsaLayerConfig dsa_layer_config(const ModelPreset& p, float rms_norm_eps) {
   c.rms_norm_eps = rms_norm_eps;
   c.fuse_qkv_rmsnorm = true;
   c.rotary_embedding = p.qk_rope > 0;
-  c.indexer = p.index_heads == kIndexerHeads && p.index_dim == kIndexerDim && p.pool_size == kIndexerPoolSize;
+  // The pooled glm5next indexer (its shape is the plan's: dsa_stage_plan_for); the
+  // RoPE presets' unpooled indexers (pool_size 1) are not one.
+  c.indexer = p.index_dim == kIndexerDim && p.pool_size > 1;
   c.kv_cache_dtype = "fp8_e4m3";
   return c;
 }
@@ -103,7 +105,40 @@ IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan) {
   p.ring = plan.ring;
   p.block_size = plan.block_size;
   p.logits = plan.indexer_logits;
+  p.heads = plan.indexer_heads;
+  p.pool = plan.indexer_pool;
+  p.topk = plan.indexer_topk;
   return p;
+}
+
+DsaStagePlan dsa_stage_plan_for(const ModelPreset& per_rank) {
+  DsaStagePlan plan;
+  plan.indexer_heads = per_rank.index_heads;
+  plan.indexer_pool = per_rank.pool_size;
+  plan.indexer_topk = per_rank.topk;
+  plan.ring = per_rank.pool_size;
+  return plan;
+}
+
+Status check_dsa_stage_indexer_shape(const DsaStagePlan& plan) {
+  if (plan.indexer_heads != 16 && plan.indexer_heads != 32 && plan.indexer_heads != 64) {
+    return invalid_argument("plan.indexer_heads", "16, 32 or 64 index heads (index_n_heads)",
+                            std::to_string(plan.indexer_heads));
+  }
+  if (plan.indexer_pool != 4 && plan.indexer_pool != 8 && plan.indexer_pool != 16) {
+    return invalid_argument("plan.indexer_pool", "4, 8 or 16 tokens per pool (index_kpool)",
+                            std::to_string(plan.indexer_pool));
+  }
+  const int64_t most = int64_t{kIndexerMaxTopPools} * plan.indexer_pool;
+  if (plan.indexer_topk < plan.indexer_pool || plan.indexer_topk % plan.indexer_pool != 0 ||
+      plan.indexer_topk > most) {
+    return invalid_argument("plan.indexer_topk",
+                            "a multiple of plan.indexer_pool = " + std::to_string(plan.indexer_pool) + " from " +
+                                std::to_string(plan.indexer_pool) + " to " + std::to_string(most) + " (index_topk; " +
+                                std::to_string(kIndexerMaxTopPools) + " pools at most)",
+                            std::to_string(plan.indexer_topk));
+  }
+  return Status();
 }
 
 std::set<int> dsa_stage_measured_value_up_tokens(int64_t heads, HeadGemvSums sums) {
@@ -136,6 +171,7 @@ struct WorkspaceShape {
   int device = -1;  // where its memory, handles and stream live
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
   int max_tokens = 0, ring = 0, block_size = 0;
+  int indexer_heads = 0, indexer_pool = 0, indexer_topk = 0;
   int64_t max_context = 0;
   IndexerLogits indexer_logits = IndexerLogits::kFp32Accumulation;
   bool indexer_projections_cublaslt = false;
@@ -151,20 +187,27 @@ struct WorkspaceShape {
                           p.max_tokens,
                           p.ring,
                           p.block_size,
+                          p.indexer_heads,
+                          p.indexer_pool,
+                          p.indexer_topk,
                           p.max_context,
                           p.indexer_logits,
                           p.indexer_projections_cublaslt};
   }
   bool operator==(const WorkspaceShape& o) const {
     return device == o.device && H == o.H && D == o.D && Q == o.Q && L == o.L && P == o.P && V == o.V &&
-           max_tokens == o.max_tokens && ring == o.ring && block_size == o.block_size && max_context == o.max_context &&
+           max_tokens == o.max_tokens && ring == o.ring && block_size == o.block_size &&
+           indexer_heads == o.indexer_heads && indexer_pool == o.indexer_pool && indexer_topk == o.indexer_topk &&
+           max_context == o.max_context &&
            indexer_logits == o.indexer_logits && indexer_projections_cublaslt == o.indexer_projections_cublaslt;
   }
   std::string describe() const {
     return "device " + std::to_string(device) + ", H " + std::to_string(H) + ", D " + std::to_string(D) + ", Q " +
            std::to_string(Q) + ", L " + std::to_string(L) + ", P " + std::to_string(P) + ", V " + std::to_string(V) +
            ", max_tokens " + std::to_string(max_tokens) + ", max_context " + std::to_string(max_context) + ", ring " +
-           std::to_string(ring) + ", block_size " + std::to_string(block_size) + ", indexer_logits " +
+           std::to_string(ring) + ", block_size " + std::to_string(block_size) + ", indexer_heads " +
+           std::to_string(indexer_heads) + ", indexer_pool " + std::to_string(indexer_pool) + ", indexer_topk " +
+           std::to_string(indexer_topk) + ", indexer_logits " +
            std::to_string(int(indexer_logits)) + ", indexer_projections_cublaslt " +
            std::to_string(int(indexer_projections_cublaslt));
   }
@@ -206,6 +249,8 @@ struct DsaAttentionStage::State {
   StepChoices step_choices;  // the plan's choices with its sets resolved
   IndexerPlan indexer_plan;
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
+  int64_t HI = 0;  // index heads (indexer_plan.heads)
+  int64_t W = 0;   // columns of a top-k row: indexer_row_width(indexer_plan)
 
   // The buffers, handles and the indexer's stream: the stage's own, or shared
   // with other stages (DsaStageWorkspace).
@@ -257,7 +302,7 @@ struct DsaAttentionStage::State {
     }
     if (a.topk_positions.data != nullptr) {
       DSA_RETURN_IF_ERROR(check_dtype(a.topk_positions, "topk_positions", DType::kI32));
-      DSA_RETURN_IF_ERROR(check_shape(a.topk_positions, "topk_positions", {m, kIndexerRowWidth}));
+      DSA_RETURN_IF_ERROR(check_shape(a.topk_positions, "topk_positions", {m, W}));
     }
     // Every other argument is checked by the launch that takes it, under its own name.
     return Status();
@@ -286,9 +331,9 @@ struct DsaAttentionStage::State {
     p.wk = w.index_wk;
     p.weights_proj = w.index_weights_proj;
     p.compress_gate = w.index_compress_gate;
-    p.index_q = bf16(b->index_q, {m, kIndexerHeads, kIndexerDim});
+    p.index_q = bf16(b->index_q, {m, HI, kIndexerDim});
     p.index_k = bf16(b->index_k, {m, kIndexerDim});
-    p.head_weights = make_tensor(b->head_weights.get(), DType::kF32, {m, kIndexerHeads});
+    p.head_weights = make_tensor(b->head_weights.get(), DType::kF32, {m, HI});
     p.gate = bf16(b->gate, {m, kIndexerDim});
     return p;
   }
@@ -304,8 +349,8 @@ struct DsaAttentionStage::State {
     s.token_requests = a.token_requests;
     s.state = a.indexer;
     s.workspace = indexer_workspace_view();
-    if (with_positions) s.topk_positions = make_tensor(b->topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
-    s.slots = make_tensor(b->slots.get(), DType::kI32, {m, kIndexerRowWidth});
+    if (with_positions) s.topk_positions = make_tensor(b->topk_positions.get(), DType::kI32, {m, W});
+    s.slots = make_tensor(b->slots.get(), DType::kI32, {m, W});
     s.error_count = a.error_count;
     return s;
   }
@@ -342,9 +387,9 @@ struct DsaAttentionStage::State {
       case Step::kIndexerPrepare: {
         IndexerPrepareArgs p;
         p.plan = indexer_plan;
-        p.index_q = bf16(b->index_q, {m, kIndexerHeads, kIndexerDim});
+        p.index_q = bf16(b->index_q, {m, HI, kIndexerDim});
         p.index_k = bf16(b->index_k, {m, kIndexerDim});
-        p.head_weights = make_tensor(b->head_weights.get(), DType::kF32, {m, kIndexerHeads});
+        p.head_weights = make_tensor(b->head_weights.get(), DType::kF32, {m, HI});
         p.gate = bf16(b->gate, {m, kIndexerDim});
         p.k_norm_weight = w.index_k_norm_weight;
         p.k_norm_bias = w.index_k_norm_bias;
@@ -367,7 +412,7 @@ struct DsaAttentionStage::State {
         r.token_requests = a.token_requests;
         r.state = a.indexer;
         r.topk_positions = a.topk_positions;
-        r.slots = make_tensor(b->slots.get(), DType::kI32, {m, kIndexerRowWidth});
+        r.slots = make_tensor(b->slots.get(), DType::kI32, {m, W});
         r.error_count = a.error_count;
         return indexer_remap(r, stream);
       }
@@ -377,7 +422,7 @@ struct DsaAttentionStage::State {
         s.q_scale = w.q_scale;
         s.kv_cache = a.kv_cache;
         s.k_scale = w.k_scale;
-        s.indices = make_tensor(b->slots.get(), DType::kI32, {m, kIndexerRowWidth});
+        s.indices = make_tensor(b->slots.get(), DType::kI32, {m, W});
         s.softmax_scale = config.softmax_scale;
         s.latent = bf16(b->latent, {m, H, L});
         s.lse = make_tensor(b->lse.get(), DType::kF32, {m, H});
@@ -475,13 +520,20 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   view(check_weight(w.o_proj, "o_proj", DType::kBF16, {D, H * V}));
   view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}, 4));
   view(check_weight(w.k_scale, "k_scale", DType::kF32, {1}, 4));
-  view(check_weight(w.index_wq_b, "index_wq_b", DType::kBF16, {kIndexerHeads * kIndexerDim, Q}));
+  // The indexer's weights at the plan's shape; an unsupported shape is named
+  // instead (the views' shapes would follow from it).
+  const Status shape = check_dsa_stage_indexer_shape(plan);
+  view(shape);
+  if (shape.ok()) {
+    const int64_t HI = plan.indexer_heads, S = plan.indexer_pool;
+    view(check_weight(w.index_wq_b, "index_wq_b", DType::kBF16, {HI * kIndexerDim, Q}));
+    view(check_weight(w.index_weights_proj, "index_weights_proj", DType::kBF16, {HI, D}));
+    view(check_parameter_weight(w.index_ape, "index_ape", {S, kIndexerDim}));
+  }
   view(check_weight(w.index_wk, "index_wk", DType::kBF16, {kIndexerDim, D}));
-  view(check_weight(w.index_weights_proj, "index_weights_proj", DType::kBF16, {kIndexerHeads, D}));
   view(check_weight(w.index_compress_gate, "index_compress_gate", DType::kBF16, {kIndexerDim, D}));
   view(check_parameter_weight(w.index_k_norm_weight, "index_k_norm_weight", {kIndexerDim}));
   view(check_parameter_weight(w.index_k_norm_bias, "index_k_norm_bias", {kIndexerDim}));
-  view(check_parameter_weight(w.index_ape, "index_ape", {kIndexerPoolSize, kIndexerDim}));
   // The plan's kernel choices, named here rather than by a step's first run.
   if (plan.head_gemv_sums != HeadGemvSums::kTensorCores && plan.head_gemv_sums != HeadGemvSums::kSeedOrder) {
     views->push_back(invalid_argument("plan.head_gemv_sums", "HeadGemvSums::kTensorCores (0) or kSeedOrder (1)",
@@ -516,6 +568,7 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
 Status DsaStageWorkspace::Buffers::allocate(const WorkspaceShape& s, const IndexerPlan& indexer_plan) {
   shape = s;
   const int64_t T = s.max_tokens, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V;
+  const int64_t HI = indexer_plan.heads, W = indexer_row_width(indexer_plan);
   const auto buffer = [](int64_t values, size_t value_bytes, DeviceMemory* memory) {
     return allocate_device(size_t(values) * value_bytes, memory);
   };
@@ -525,22 +578,22 @@ Status DsaStageWorkspace::Buffers::allocate(const WorkspaceShape& s, const Index
   DSA_RETURN_IF_ERROR(buffer(T * H * P, 2, &q));
   DSA_RETURN_IF_ERROR(buffer(T * H * L, 2, &q_bf16));
   DSA_RETURN_IF_ERROR(buffer(T * H * L, 1, &q_fp8));
-  DSA_RETURN_IF_ERROR(buffer(T * kIndexerHeads * kIndexerDim, 2, &index_q));
+  DSA_RETURN_IF_ERROR(buffer(T * HI * kIndexerDim, 2, &index_q));
   DSA_RETURN_IF_ERROR(buffer(T * kIndexerDim, 2, &index_k));
-  DSA_RETURN_IF_ERROR(buffer(T * kIndexerHeads, 4, &head_weights));
+  DSA_RETURN_IF_ERROR(buffer(T * HI, 4, &head_weights));
   DSA_RETURN_IF_ERROR(buffer(T * kIndexerDim, 2, &gate));
   indexer_workspace_bytes = indexer_workspace_layout(indexer_plan).bytes;
   DSA_RETURN_IF_ERROR(buffer(indexer_workspace_bytes, 1, &indexer_workspace));
-  DSA_RETURN_IF_ERROR(buffer(T * kIndexerRowWidth, 4, &topk_positions));
-  DSA_RETURN_IF_ERROR(buffer(T * kIndexerRowWidth, 4, &slots));
+  DSA_RETURN_IF_ERROR(buffer(T * W, 4, &topk_positions));
+  DSA_RETURN_IF_ERROR(buffer(T * W, 4, &slots));
   DSA_RETURN_IF_ERROR(buffer(T * H * L, 2, &latent));
   DSA_RETURN_IF_ERROR(buffer(T * H, 4, &lse));
   DSA_RETURN_IF_ERROR(buffer(T * H * V, 2, &heads));
-  counter_count = sparse_mla_split_counter_count(T, H, kIndexerRowWidth);
+  counter_count = sparse_mla_split_counter_count(T, H, W);
   DSA_RETURN_IF_ERROR(buffer(counter_count, 4, &split_counters));
   // Zeroed once: every completed launch leaves them zero (sparse_mla.h).
   DSA_CUDA_RETURN(cudaMemset(split_counters.get(), 0, size_t(counter_count) * sizeof(int32_t)));
-  partial_count = sparse_mla_split_partials_count(T, H, kIndexerRowWidth);
+  partial_count = sparse_mla_split_partials_count(T, H, W);
   if (partial_count > 0) DSA_RETURN_IF_ERROR(buffer(partial_count, 4, &split_partials));
   DSA_RETURN_IF_ERROR(allocate_device(kCublasWorkspaceBytes, &cublas_workspace));
   DSA_CUBLAS_RETURN(cublasCreate(&cublas));
@@ -577,6 +630,7 @@ Status DsaStageWorkspace::create(const DsaLayerConfig& config, const DsaStagePla
     return invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens),
                             std::to_string(plan.max_tokens));
   }
+  DSA_RETURN_IF_ERROR(check_dsa_stage_indexer_shape(plan));
   const IndexerPlan indexer_plan = dsa_stage_indexer_plan(plan);
   DSA_RETURN_IF_ERROR(check_indexer_plan(indexer_plan));
   int device = 0;
@@ -597,7 +651,8 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   std::vector<std::string> features, views;
   State::check_layer(config, weights, plan, &features, &views);
   const IndexerPlan indexer_plan = dsa_stage_indexer_plan(plan);
-  if (plan.max_tokens >= 1 && plan.max_tokens <= kDsaStageMaxTokens) {
+  // (check_layer named a bad max_tokens or indexer shape; the indexer plan's other fields here.)
+  if (plan.max_tokens >= 1 && plan.max_tokens <= kDsaStageMaxTokens && check_dsa_stage_indexer_shape(plan).ok()) {
     const Status indexer_ok = check_indexer_plan(indexer_plan);
     if (!indexer_ok.ok()) views.push_back(indexer_ok.message());
   }
@@ -627,6 +682,8 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   choices.q_lora = config.q_lora_rank;
   choices.heads_v = config.num_heads * config.v_head_dim;
   s.indexer_plan = indexer_plan;
+  s.HI = indexer_plan.heads;
+  s.W = indexer_row_width(indexer_plan);
   s.H = config.num_heads;
   s.D = config.hidden_size;
   s.Q = config.q_lora_rank;
@@ -742,15 +799,15 @@ DsaStageIntermediates DsaAttentionStage::intermediates(int64_t m) const {
   v.kv_c = s.bf16(s.b->kv_c, {m, s.L});
   v.q = s.bf16(s.b->q, {m, s.H, s.P});
   v.q_fp8 = make_tensor(s.b->q_fp8.get(), DType::kFP8E4M3, {m, s.H, s.L});
-  v.index_q = s.bf16(s.b->index_q, {m, kIndexerHeads, kIndexerDim});
+  v.index_q = s.bf16(s.b->index_q, {m, s.HI, kIndexerDim});
   v.index_k = s.bf16(s.b->index_k, {m, kIndexerDim});
-  v.head_weights = make_tensor(s.b->head_weights.get(), DType::kF32, {m, kIndexerHeads});
+  v.head_weights = make_tensor(s.b->head_weights.get(), DType::kF32, {m, s.HI});
   v.gate = s.bf16(s.b->gate, {m, kIndexerDim});
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(s.indexer_plan);
   v.index_logits = make_strided(static_cast<char*>(s.b->indexer_workspace.get()) + layout.logits, DType::kF32,
                                 {m, layout.logits_stride}, {layout.logits_stride, 1});
-  v.topk_positions = make_tensor(s.b->topk_positions.get(), DType::kI32, {m, kIndexerRowWidth});
-  v.slots = make_tensor(s.b->slots.get(), DType::kI32, {m, kIndexerRowWidth});
+  v.topk_positions = make_tensor(s.b->topk_positions.get(), DType::kI32, {m, s.W});
+  v.slots = make_tensor(s.b->slots.get(), DType::kI32, {m, s.W});
   v.latent = s.bf16(s.b->latent, {m, s.H, s.L});
   v.lse = make_tensor(s.b->lse.get(), DType::kF32, {m, s.H});
   v.heads = s.bf16(s.b->heads, {m, s.H, s.V});

@@ -53,7 +53,9 @@ struct Weights {
   DsaLayerWeights views;
   size_t bytes = 0;
 
-  Status make(int64_t H, uint64_t seed, cudaStream_t stream) {
+  // The indexer's weights at the plan's shape (indexer_heads, indexer_pool).
+  Status make(int64_t H, const DsaStagePlan& plan, uint64_t seed, cudaStream_t stream) {
+    const int64_t HI = plan.indexer_heads, S = plan.indexer_pool;
     struct Part {
       TensorView* view;
       DType dtype;
@@ -72,13 +74,13 @@ struct Weights {
         {&w.o_proj, DType::kBF16, {kD, H * kV}, linear(H * kV)},
         {&w.q_scale, DType::kF32, {1}, 0.01f},
         {&w.k_scale, DType::kF32, {1}, 0.01f},
-        {&w.index_wq_b, DType::kBF16, {kIndexerHeads * kIndexerDim, kQ}, linear(kQ)},
+        {&w.index_wq_b, DType::kBF16, {HI * kIndexerDim, kQ}, linear(kQ)},
         {&w.index_wk, DType::kBF16, {kIndexerDim, kD}, linear(kD)},
-        {&w.index_weights_proj, DType::kBF16, {kIndexerHeads, kD}, linear(kD)},
+        {&w.index_weights_proj, DType::kBF16, {HI, kD}, linear(kD)},
         {&w.index_compress_gate, DType::kBF16, {kIndexerDim, kD}, linear(kD)},
         {&w.index_k_norm_weight, DType::kF32, {kIndexerDim}, 1.0f},
         {&w.index_k_norm_bias, DType::kF32, {kIndexerDim}, 0.0f},
-        {&w.index_ape, DType::kF32, {kIndexerPoolSize, kIndexerDim}, 0.0f},
+        {&w.index_ape, DType::kF32, {S, kIndexerDim}, 0.0f},
     };
     std::vector<size_t> offsets;
     for (const Part& p : parts) {
@@ -109,7 +111,7 @@ struct Weights {
 // m requests of `context` cached tokens each, one decode token per request.
 struct Caches {
   int m;
-  int64_t context, width, blocks, page_bytes;
+  int64_t context, width, blocks, page_bytes, ring_rows;
   bench::DeviceMemory hidden, out, positions, token_requests, slot_mapping, block_table, kv_cache, ring, k_cache, rows,
       errors;
 
@@ -118,7 +120,8 @@ struct Caches {
     context = cached;
     width = (context + 1 + kBlock - 1) / kBlock;
     blocks = m * width;
-    page_bytes = kBlock / kIndexerPoolSize * kIndexerPoolBytes;
+    page_bytes = indexer_page_bytes(dsa_stage_indexer_plan(plan));
+    ring_rows = plan.ring;
     std::vector<int64_t> host_positions(m, context), host_slots(m);
     std::vector<int32_t> host_requests(m), host_table(size_t(m) * width);
     for (int r = 0; r < m; ++r) {
@@ -172,7 +175,7 @@ struct Caches {
 
   IndexerState indexer() const {
     return IndexerState{make_tensor(block_table.get(), DType::kI32, {m, width}),
-                        make_tensor(ring.get(), DType::kBF16, {m, 2, 4, kIndexerDim}),
+                        make_tensor(ring.get(), DType::kBF16, {m, 2, ring_rows, kIndexerDim}),
                         make_tensor(k_cache.get(), DType::kU8, {blocks, page_bytes})};
   }
 
@@ -204,11 +207,11 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
   for (int tp : {1, 8}) {
     const int64_t H = 64 / tp;
     Weights first;
-    DSA_RETURN_IF_ERROR(first.make(H, 0x7374 + tp, ctx.stream));
+    DSA_RETURN_IF_ERROR(first.make(H, plan, 0x7374 + tp, ctx.stream));
     const int copies = bench::cold_copies(ctx, first.bytes);
     std::vector<Weights> weights(copies);
     weights[0] = std::move(first);
-    for (int c = 1; c < copies; ++c) DSA_RETURN_IF_ERROR(weights[c].make(H, 0x7374 + tp + 100 * c, ctx.stream));
+    for (int c = 1; c < copies; ++c) DSA_RETURN_IF_ERROR(weights[c].make(H, plan, 0x7374 + tp + 100 * c, ctx.stream));
     DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
     // `stages`: the default plan. `variants`: the fused path with the indexer
     // on the caller's stream (no overlap), the stock path with the fused
@@ -275,11 +278,13 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
         report.add(bench::Row{"attention_half", params, t.fused_half,
                               "stock_forward (same select and attention), norm .. value_up", t.stock_half, 0, 0,
                               value_up});
-        // The memory floor: every weight once, each token's selected KV rows and, past 2048 tokens, its indexer
+        // The memory floor: every weight once, each token's selected KV rows and, past K tokens, its indexer
         // K cache scan (the activations are a few hundred KiB).
-        const double step_bytes = double(weights[0].bytes) +
-                                  double(m) * (double(kIndexerRowWidth) * kL +
-                                               (context + 1 > 2048 ? double(context + 1) / 4 * kIndexerPoolBytes : 0));
+        const IndexerPlan indexer = dsa_stage_indexer_plan(plan);
+        const double step_bytes =
+            double(weights[0].bytes) +
+            double(m) * (double(indexer_row_width(indexer)) * kL +
+                         (context + 1 > indexer.topk ? double(context + 1) / indexer.pool * kIndexerPoolBytes : 0));
         report.add(bench::Row{"whole_stage", params, t.fused_whole, "stock_forward (same select and attention)",
                               t.stock_whole, bench::floor_us(ctx, step_bytes), 0, value_up});
         // What batch invariance costs: the fused path under plan.batch_invariant against the default.
@@ -301,12 +306,12 @@ Status bench_stage(bench::Context& ctx, bench::Report& report) {
           DSA_RETURN_IF_ERROR(stages[0]->stock_forward(args, ctx.stream));
           bench::DeviceMemory caller_rows;
           const TensorView chosen = stages[0]->intermediates(m).topk_positions;
-          DSA_RETURN_IF_ERROR(caller_rows.allocate(size_t(m) * kIndexerRowWidth * sizeof(int32_t)));
+          DSA_RETURN_IF_ERROR(caller_rows.allocate(size_t(chosen.numel()) * sizeof(int32_t)));
           DSA_CUDA_RETURN(cudaMemcpyAsync(caller_rows.get(), chosen.data, caller_rows.bytes(), cudaMemcpyDeviceToDevice,
                                           ctx.stream));
           DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
           DsaStepArgs with_rows = args;
-          with_rows.topk_positions = make_tensor(caller_rows.get(), DType::kI32, {m, kIndexerRowWidth});
+          with_rows.topk_positions = make_tensor(caller_rows.get(), DType::kI32, {m, chosen.size(1)});
           PathTimes same_rows;
           DSA_RETURN_IF_ERROR(time_paths(stages, with_rows, &same_rows));
           report.add(bench::Row{"attention_half_caller_topk", params, same_rows.fused_half,

@@ -47,7 +47,8 @@ DsaLayerConfig glm5next_tp8() {
 }
 
 // Views at made-up device addresses: the creation checks read only shapes.
-DsaLayerWeights fake_weights() {
+// The indexer's at `index_heads` heads and pools of `pool`.
+DsaLayerWeights fake_weights(int64_t index_heads = kIndexerHeads, int64_t pool = kIndexerPoolSize) {
   uintptr_t next = uintptr_t{1} << 40;
   const auto at = [&next](DType dtype, std::initializer_list<int64_t> shape) {
     next += uintptr_t{1} << 32;
@@ -63,13 +64,13 @@ DsaLayerWeights fake_weights() {
   w.o_proj = at(DType::kBF16, {kD, kH * kV});
   w.q_scale = at(DType::kF32, {1});
   w.k_scale = at(DType::kF32, {1});
-  w.index_wq_b = at(DType::kBF16, {kIndexerHeads * kIndexerDim, kQ});
+  w.index_wq_b = at(DType::kBF16, {index_heads * kIndexerDim, kQ});
   w.index_wk = at(DType::kBF16, {kIndexerDim, kD});
-  w.index_weights_proj = at(DType::kBF16, {kIndexerHeads, kD});
+  w.index_weights_proj = at(DType::kBF16, {index_heads, kD});
   w.index_compress_gate = at(DType::kBF16, {kIndexerDim, kD});
   w.index_k_norm_weight = at(DType::kF32, {kIndexerDim});
   w.index_k_norm_bias = at(DType::kF32, {kIndexerDim});
-  w.index_ape = at(DType::kF32, {kIndexerPoolSize, kIndexerDim});
+  w.index_ape = at(DType::kF32, {pool, kIndexerDim});
   return w;
 }
 
@@ -220,6 +221,114 @@ TEST(DsaStageChecks, BatchInvariantPlanRunsValueUpAsHeadGemvAndTheInvariantAtten
   EXPECT_EQ(dsa_stage_attention_plan(plan), SparseMlaPlan::kBatchInvariant);
 }
 
+// The indexer's shape is the plan's: the weights' shapes, the indexer plan
+// the stage passes on, and each field's range, named as the plan's field.
+TEST(DsaStageChecks, IndexerShapeComesFromThePlan) {
+  struct Shape {
+    int heads, pool, topk, width;
+  };
+  for (const Shape& shape : {Shape{16, 16, 2048, 2176}, Shape{64, 8, 1024, 1152}, Shape{32, 4, 2048, 2176},
+                             Shape{16, 4, 512, 640}}) {
+    const std::string at = std::to_string(shape.heads) + "/" + std::to_string(shape.pool) + "/" +
+                           std::to_string(shape.topk);
+    DsaStagePlan plan;
+    plan.indexer_heads = shape.heads;
+    plan.indexer_pool = shape.pool;
+    plan.indexer_topk = shape.topk;
+    plan.ring = 2 * shape.pool;
+    EXPECT_TRUE(check_dsa_stage_indexer_shape(plan).ok()) << at;
+    const IndexerPlan indexer = dsa_stage_indexer_plan(plan);
+    EXPECT_EQ(indexer.heads, shape.heads) << at;
+    EXPECT_EQ(indexer.pool, shape.pool) << at;
+    EXPECT_EQ(indexer.topk, shape.topk) << at;
+    EXPECT_EQ(indexer.ring, 2 * shape.pool) << at;
+    EXPECT_TRUE(check_indexer_plan(indexer).ok()) << at;
+    EXPECT_EQ(indexer_row_width(indexer), shape.width) << at;
+    // Weights of this shape: no view named (what is left is the device: the
+    // workspace's allocation, or success on a GPU).
+    std::unique_ptr<DsaAttentionStage> stage;
+    const Status right = DsaAttentionStage::create(glm5next_tp8(), fake_weights(shape.heads, shape.pool), plan, &stage);
+    EXPECT_FALSE(contains(right.message(), "index_")) << at << ": " << right.message();
+    EXPECT_FALSE(contains(right.message(), "plan.")) << at << ": " << right.message();
+    stage.reset();
+    // The default shape's weights: each of the three shaped views named, with the shape the plan asks for.
+    if (shape.heads == kIndexerHeads && shape.pool == kIndexerPoolSize) continue;
+    const Status wrong = DsaAttentionStage::create(glm5next_tp8(), fake_weights(), plan, &stage);
+    EXPECT_EQ(wrong.code(), ErrorCode::kInvalidArgument) << at;
+    if (shape.heads != kIndexerHeads) {
+      for (const std::string& part : std::vector<std::string>{
+               "'index_wq_b'", std::to_string(shape.heads * kIndexerDim) + ", 1536]", "'index_weights_proj'",
+               "[" + std::to_string(shape.heads) + ", 4096]"}) {
+        EXPECT_TRUE(contains(wrong.message(), part)) << at << ": " << part << " missing from: " << wrong.message();
+      }
+    }
+    if (shape.pool != kIndexerPoolSize) {
+      const std::string part = "[" + std::to_string(shape.pool) + ", 128]";
+      EXPECT_TRUE(contains(wrong.message(), "'index_ape'") && contains(wrong.message(), part))
+          << at << ": " << wrong.message();
+    }
+    EXPECT_FALSE(contains(wrong.message(), "'index_wk'")) << at << ": " << wrong.message();
+  }
+
+  // Each field out of range: named as the stage plan's field, with what it must be and what it is.
+  const auto rejected = [](void (*edit)(DsaStagePlan&), const char* name, const char* expected, const char* got) {
+    DsaStagePlan plan;
+    edit(plan);
+    testing::expect_rejected(check_dsa_stage_indexer_shape(plan), name, expected);
+    std::unique_ptr<DsaAttentionStage> stage;
+    const Status s = DsaAttentionStage::create(glm5next_tp8(), fake_weights(), plan, &stage);
+    EXPECT_TRUE(contains(s.message(), std::string("'") + name + "'") && contains(s.message(), got)) << s.message();
+    EXPECT_FALSE(contains(s.message(), "'index_wq_b'")) << "the views follow the shape: " << s.message();
+    std::shared_ptr<DsaStageWorkspace> workspace;
+    testing::expect_rejected(DsaStageWorkspace::create(glm5next_tp8(), plan, &workspace), name, expected);
+  };
+  rejected([](DsaStagePlan& p) { p.indexer_heads = 24; }, "plan.indexer_heads", "16, 32 or 64", "got 24");
+  rejected([](DsaStagePlan& p) { p.indexer_heads = 0; }, "plan.indexer_heads", "index_n_heads", "got 0");
+  rejected([](DsaStagePlan& p) { p.indexer_pool = 2; }, "plan.indexer_pool", "4, 8 or 16", "got 2");
+  rejected([](DsaStagePlan& p) { p.indexer_topk = 2050; }, "plan.indexer_topk", "a multiple of plan.indexer_pool = 4",
+           "got 2050");
+  rejected([](DsaStagePlan& p) { p.indexer_topk = 0; }, "plan.indexer_topk", "from 4 to 2048", "got 0");
+  rejected(
+      [](DsaStagePlan& p) {
+        p.indexer_pool = 16;
+        p.indexer_topk = 16 * 513;
+      },
+      "plan.indexer_topk", "from 16 to 8192", "got 8208");
+  // The ring follows the pool: the default RING 4 does not fit pools of 8.
+  DsaStagePlan ring;
+  ring.indexer_pool = 8;
+  std::unique_ptr<DsaAttentionStage> stage;
+  const Status s = DsaAttentionStage::create(glm5next_tp8(), fake_weights(kIndexerHeads, 8), ring, &stage);
+  EXPECT_TRUE(contains(s.message(), "'plan.ring'") && contains(s.message(), "8 (plan.pool") &&
+              contains(s.message(), "got 4"))
+      << s.message();
+}
+
+TEST(DsaStageChecks, PlanForAPresetTakesItsIndexerShape) {
+  ModelPreset preset, rank;
+  ASSERT_TRUE(find_preset("glm5next", &preset).ok());
+  ASSERT_TRUE(per_rank(preset, 8, &rank).ok());
+  DsaStagePlan plan = dsa_stage_plan_for(rank);
+  EXPECT_EQ(plan.indexer_heads, rank.index_heads);
+  EXPECT_EQ(plan.indexer_pool, rank.pool_size);
+  EXPECT_EQ(plan.indexer_topk, rank.topk);
+  EXPECT_EQ(plan.ring, rank.pool_size);
+  rank.index_heads = 64;
+  rank.pool_size = 16;
+  rank.topk = 4096;
+  plan = dsa_stage_plan_for(rank);
+  EXPECT_EQ(plan.indexer_heads, 64);
+  EXPECT_EQ(plan.indexer_pool, 16);
+  EXPECT_EQ(plan.indexer_topk, 4096);
+  EXPECT_EQ(plan.ring, 16);
+  EXPECT_TRUE(check_indexer_plan(dsa_stage_indexer_plan(plan)).ok());
+  EXPECT_EQ(indexer_row_width(dsa_stage_indexer_plan(plan)), 4096 + 128);
+  // A layer with an indexer of any pooled shape is one the stage takes; an unpooled one is not.
+  EXPECT_TRUE(dsa_layer_config(rank, 1e-6f).indexer);
+  rank.pool_size = 1;
+  EXPECT_FALSE(dsa_layer_config(rank, 1e-6f).indexer);
+}
+
 // ---------------------------------------------------------------- GPU
 
 std::vector<uint16_t> bf16_normal(size_t count, float mean, float stddev, std::mt19937_64& rng) {
@@ -247,13 +356,15 @@ TensorView view(const DeviceBuffer<T>& b, DType dtype, std::initializer_list<int
 
 // The layer's weights on the GPU, with host copies for the CPU products.
 struct Layer {
+  int64_t HI, S;  // the indexer's heads and pool size
   std::vector<uint16_t> qkv_a, q_norm, kv_norm, q_b, w_uk_t, w_uv, o_proj, wq_b, wk, weights_proj, gate;
   std::vector<float> scales, k_norm_weight, k_norm_bias, ape;
   DeviceBuffer<uint16_t> d_qkv_a, d_q_norm, d_kv_norm, d_q_b, d_w_uk_t, d_w_uv, d_o_proj, d_wq_b, d_wk, d_weights_proj,
       d_gate;
   DeviceBuffer<float> d_scales, d_k_norm_weight, d_k_norm_bias, d_ape;
 
-  explicit Layer(std::mt19937_64& rng) {
+  explicit Layer(std::mt19937_64& rng, int64_t index_heads = kIndexerHeads, int64_t pool = kIndexerPoolSize)
+      : HI(index_heads), S(pool) {
     // Each product's output near unit scale: weights of stddev in^-0.5.
     qkv_a = bf16_normal(size_t(kQ + kL) * kD, 0, 1 / std::sqrt(float(kD)), rng);
     q_norm = bf16_normal(kQ, 1, 0.1f, rng);
@@ -262,14 +373,14 @@ struct Layer {
     w_uk_t = bf16_normal(size_t(kH) * kP * kL, 0, 1 / std::sqrt(float(kP)), rng);
     w_uv = bf16_normal(size_t(kH) * kL * kV, 0, 1 / std::sqrt(float(kL)), rng);
     o_proj = bf16_normal(size_t(kD) * kH * kV, 0, 1 / std::sqrt(float(kH * kV)), rng);
-    wq_b = bf16_normal(size_t(kIndexerHeads * kIndexerDim) * kQ, 0, 1 / std::sqrt(float(kQ)), rng);
+    wq_b = bf16_normal(size_t(HI * kIndexerDim) * kQ, 0, 1 / std::sqrt(float(kQ)), rng);
     wk = bf16_normal(size_t(kIndexerDim) * kD, 0, 1 / std::sqrt(float(kD)), rng);
-    weights_proj = bf16_normal(size_t(kIndexerHeads) * kD, 0, 1 / std::sqrt(float(kD)), rng);
+    weights_proj = bf16_normal(size_t(HI) * kD, 0, 1 / std::sqrt(float(kD)), rng);
     gate = bf16_normal(size_t(kIndexerDim) * kD, 0, 1 / std::sqrt(float(kD)), rng);
     scales = {5.0f / 448, 5.0f / 448};  // q_scale, k_scale: |values| up to ~5 use the FP8 range
     k_norm_weight = testing::normal_floats(kIndexerDim, 1, 0.1f, rng);
     k_norm_bias = testing::normal_floats(kIndexerDim, 0, 0.1f, rng);
-    ape = testing::normal_floats(kIndexerPoolSize * kIndexerDim, 0, 0.5f, rng);
+    ape = testing::normal_floats(int(S * kIndexerDim), 0, 0.5f, rng);
     for (float* v : {k_norm_weight.data(), k_norm_bias.data()}) {
       for (int i = 0; i < kIndexerDim; ++i) v[i] = num::round_bf16(v[i]);
     }
@@ -301,26 +412,27 @@ struct Layer {
     w.o_proj = view(d_o_proj, DType::kBF16, {kD, kH * kV});
     w.q_scale = make_tensor(d_scales.get(), DType::kF32, {1});
     w.k_scale = make_tensor(d_scales.get() + 1, DType::kF32, {1});
-    w.index_wq_b = view(d_wq_b, DType::kBF16, {kIndexerHeads * kIndexerDim, kQ});
+    w.index_wq_b = view(d_wq_b, DType::kBF16, {HI * kIndexerDim, kQ});
     w.index_wk = view(d_wk, DType::kBF16, {kIndexerDim, kD});
-    w.index_weights_proj = view(d_weights_proj, DType::kBF16, {kIndexerHeads, kD});
+    w.index_weights_proj = view(d_weights_proj, DType::kBF16, {HI, kD});
     w.index_compress_gate = view(d_gate, DType::kBF16, {kIndexerDim, kD});
     w.index_k_norm_weight = view(d_k_norm_weight, DType::kF32, {kIndexerDim});
     w.index_k_norm_bias = view(d_k_norm_bias, DType::kF32, {kIndexerDim});
-    w.index_ape = view(d_ape, DType::kF32, {kIndexerPoolSize, kIndexerDim});
+    w.index_ape = view(d_ape, DType::kF32, {S, kIndexerDim});
     return w;
   }
 };
 
-// A step of m tokens, one request each (RING 4 allows one token per request
-// and step), request r at position 2300 + 517 r: every token's indexer scores
-// pools. The KV cache holds random codes, the indexer state is prefilled on
+// A step of m tokens, one request each (RING = the pool allows one token per
+// request and step), request r at position 2300 + 517 r: every token's indexer
+// scores pools (K <= 2048 < L). The KV cache holds random codes, the indexer state is prefilled on
 // the GPU from random rows.
 struct Step {
   int m;
   std::vector<int64_t> positions, slot_mapping;
   std::vector<int32_t> token_requests, block_table;
-  int64_t width = 0, blocks = 0, page_bytes = 0;
+  int64_t width = 0, blocks = 0, page_bytes = 0, ring = 0;
+  IndexerPlan plan;  // the stage's (dsa_stage_indexer_plan)
   std::vector<uint16_t> hidden;
   std::vector<uint8_t> kv_cache;  // the cache before the step
   DeviceBuffer<uint16_t> d_hidden, d_out, d_ring;
@@ -329,7 +441,8 @@ struct Step {
   DeviceBuffer<uint8_t> d_kv_cache, d_k_cache;
   DeviceBuffer<unsigned int> d_errors;
 
-  Step(int tokens, const Layer& layer, const DsaStagePlan& plan, std::mt19937_64& rng) : m(tokens) {
+  Step(int tokens, const Layer& layer, const DsaStagePlan& stage_plan, std::mt19937_64& rng)
+      : m(tokens), ring(stage_plan.ring), plan(dsa_stage_indexer_plan(stage_plan)) {
     for (int r = 0; r < m; ++r) {
       positions.push_back(2300 + 517 * r);
       token_requests.push_back(r);
@@ -346,7 +459,7 @@ struct Step {
     }
     hidden = bf16_normal(size_t(m) * kD, 0, 1, rng);
     kv_cache = fp8_codes(size_t(blocks) * kBlock * kL, rng);
-    page_bytes = kBlock / kIndexerPoolSize * kIndexerPoolBytes;
+    page_bytes = indexer_page_bytes(plan);
     d_hidden = DeviceBuffer<uint16_t>(hidden);
     d_out = DeviceBuffer<uint16_t>(size_t(m) * kD);
     d_positions = DeviceBuffer<int64_t>(positions);
@@ -354,30 +467,30 @@ struct Step {
     d_token_requests = DeviceBuffer<int32_t>(token_requests);
     d_block_table = DeviceBuffer<int32_t>(block_table);
     d_kv_cache = DeviceBuffer<uint8_t>(kv_cache);
-    d_ring = DeviceBuffer<uint16_t>(std::vector<uint16_t>(size_t(m) * 2 * plan.ring * kIndexerDim, 0));
+    d_ring = DeviceBuffer<uint16_t>(std::vector<uint16_t>(size_t(m) * 2 * ring * kIndexerDim, 0));
     d_k_cache = DeviceBuffer<uint8_t>(std::vector<uint8_t>(size_t(blocks) * page_bytes, 0));
     d_errors = DeviceBuffer<unsigned int>(std::vector<unsigned int>{0});
-    prefill(layer, plan, rng);
+    prefill(layer, rng);
   }
 
   IndexerState indexer() const {
     return IndexerState{make_tensor(d_block_table.get(), DType::kI32, {m, width}),
-                        make_tensor(d_ring.get(), DType::kBF16, {m, 2, 4, kIndexerDim}),
+                        make_tensor(d_ring.get(), DType::kBF16, {m, 2, ring, kIndexerDim}),
                         make_tensor(d_k_cache.get(), DType::kU8, {blocks, page_bytes})};
   }
 
-  void prefill(const Layer& layer, const DsaStagePlan& plan, std::mt19937_64& rng) {
+  void prefill(const Layer& layer, std::mt19937_64& rng) {
     for (int r = 0; r < m; ++r) {
       const int64_t n = positions[r];
       DeviceBuffer<uint16_t> k(bf16_normal(size_t(n) * kIndexerDim, 0, 1, rng));
       DeviceBuffer<uint16_t> g(bf16_normal(size_t(n) * kIndexerDim, 0, 1, rng));
       IndexerPrefillArgs a;
-      a.plan = dsa_stage_indexer_plan(plan);
+      a.plan = plan;
       a.index_k = make_tensor(k.get(), DType::kBF16, {n, kIndexerDim});
       a.gate = make_tensor(g.get(), DType::kBF16, {n, kIndexerDim});
       a.k_norm_weight = view(layer.d_k_norm_weight, DType::kF32, {kIndexerDim});
       a.k_norm_bias = view(layer.d_k_norm_bias, DType::kF32, {kIndexerDim});
-      a.ape = view(layer.d_ape, DType::kF32, {kIndexerPoolSize, kIndexerDim});
+      a.ape = view(layer.d_ape, DType::kF32, {layer.S, kIndexerDim});
       a.request = r;
       a.state = indexer();
       EXPECT_TRUE(indexer_prefill(a, nullptr).ok());
@@ -548,9 +661,11 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
 
   // The indexer's rows: both paths run the same select on the same logits.
   EXPECT_TRUE(fused.slots == stock.slots) << at;
+  const int W = indexer_row_width(step.plan);
+  ASSERT_EQ(fused.slots.size(), size_t(m) * W) << at;
   for (int t = 0; t < m; ++t) {
-    const int32_t* row = &fused.slots[size_t(t) * kIndexerRowWidth];
-    EXPECT_EQ(std::count(row, row + kIndexerRowWidth, -1), kIndexerRowWidth - 2048 - int(step.positions[t] + 1) % 4)
+    const int32_t* row = &fused.slots[size_t(t) * W];
+    EXPECT_EQ(std::count(row, row + W, -1), W - step.plan.topk - int(step.positions[t] + 1) % step.plan.pool)
         << at << " token " << t;
   }
 
@@ -568,10 +683,10 @@ void expect_paths_agree(DsaAttentionStage& stage, const Layer& layer, Step& step
                                      kBlock * kL,
                                      kL,
                                      fused.slots.data(),
-                                     kIndexerRowWidth,
+                                     W,
                                      m,
                                      int(kH),
-                                     kIndexerRowWidth,
+                                     W,
                                      layer.scales[0],
                                      layer.scales[1],
                                      stage.config().softmax_scale};
@@ -743,8 +858,8 @@ TEST_F(DsaStageGpu, BatchInvariantPlanGivesATokenAloneItsBitsInTheBatch) {
       EXPECT_TRUE(row(out, kD, t) == row(batch.out, kD, t)) << at << ": out";
       EXPECT_TRUE(download<uint16_t>(v.latent) == row(batch.latent, kH * kL, t)) << at << ": latent";
       EXPECT_TRUE(download<int32_t>(v.slots) ==
-                  std::vector<int32_t>(batch.slots.begin() + size_t(t) * kIndexerRowWidth,
-                                       batch.slots.begin() + size_t(t + 1) * kIndexerRowWidth))
+                  std::vector<int32_t>(batch.slots.begin() + size_t(t) * indexer_row_width(step.plan),
+                                       batch.slots.begin() + size_t(t + 1) * indexer_row_width(step.plan)))
           << at << ": slots";
     }
   }
@@ -791,7 +906,7 @@ TEST_F(DsaStageGpu, CallerTopkRowsSkipTheIndexerAndGiveTheSameStep) {
   const PathResult fused = run_path(*stage_, step, DsaPath::kFused, step.args());
   DeviceBuffer<int32_t> rows(stock.topk_positions);
   DsaStepArgs args = step.args();
-  args.topk_positions = make_tensor(rows.get(), DType::kI32, {3, kIndexerRowWidth});
+  args.topk_positions = make_tensor(rows.get(), DType::kI32, {3, indexer_row_width(step.plan)});
   std::vector<std::string> names;
   DSA_ASSERT_OK(stage_->step_names(DsaPath::kFused, args, &names));
   EXPECT_TRUE(std::count(names.begin(), names.end(), "top-k remap") == 1);
@@ -860,6 +975,40 @@ TEST_F(DsaStageGpu, StepArgumentsAreCheckedByName) {
   EXPECT_EQ(names[names.size() - 2], "value_up (cuBLAS bmm)");
   testing::expect_rejected(stage_->run_steps(DsaPath::kStock, args, 2, names.size(), nullptr), "first, count",
                            "within");
+}
+
+// The stage at indexer shapes other than the default, each a layer of its
+// own (16 heads, pools of 16, top-2048: rows 2176; 64 heads, pools of 8,
+// top-1024: rows 1152): both paths against each other and the references.
+TEST(DsaStageGpuShapes, FusedAndStockAgreeAtOtherIndexerShapes) {
+  DSA_REQUIRE_GPU();
+  struct Shape {
+    int heads, pool, topk;
+  };
+  for (const Shape& shape : {Shape{16, 16, 2048}, Shape{64, 8, 1024}}) {
+    SCOPED_TRACE(std::to_string(shape.heads) + " heads, pools of " + std::to_string(shape.pool) + ", top-" +
+                 std::to_string(shape.topk));
+    std::mt19937_64 rng(testing::test_seed());
+    const Layer layer(rng, shape.heads, shape.pool);
+    DsaStagePlan plan;
+    plan.max_context = 16384;
+    plan.indexer_heads = shape.heads;
+    plan.indexer_pool = shape.pool;
+    plan.indexer_topk = shape.topk;
+    plan.ring = shape.pool;
+    std::unique_ptr<DsaAttentionStage> stage;
+    DSA_ASSERT_OK(DsaAttentionStage::create(glm5next_tp8(), layer.weights(), plan, &stage));
+    const DsaStageIntermediates v = stage->intermediates(2);
+    EXPECT_EQ(v.index_q.size(1), shape.heads);
+    EXPECT_EQ(v.head_weights.size(1), shape.heads);
+    EXPECT_EQ(v.slots.size(1), indexer_row_width(dsa_stage_indexer_plan(plan)));
+    EXPECT_EQ(v.index_logits.size(1), (plan.max_context + shape.pool - 1) / shape.pool);
+    for (int m : testing::quick_mode() ? std::vector<int>{2} : std::vector<int>{1, 3, 16}) {
+      Step step(m, layer, plan, rng);
+      expect_paths_agree(*stage, layer, step);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
 }
 
 }  // namespace
