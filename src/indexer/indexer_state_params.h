@@ -22,7 +22,7 @@ struct IndexerStateParams {
   int64_t page_stride;
   int64_t blocks;
   int block_size;
-  int pools_per_page;
+  int pools_per_page;  // P = block_size / S: a page's codes, then its P scales at byte 128 P
   int64_t position_limit;  // min(max_context, width * block_size): trusted positions are below it
 };
 
@@ -40,7 +40,7 @@ inline IndexerStateParams make_indexer_state_params(const IndexerPlan& plan, con
   s.page_stride = state.k_cache.stride(0);
   s.blocks = state.k_cache.size(0);
   s.block_size = plan.block_size;
-  s.pools_per_page = plan.block_size / kIndexerPoolSize;
+  s.pools_per_page = static_cast<int>(indexer_pools_per_page(plan));  // P = block_size / S
   s.position_limit = std::min(plan.max_context, s.block_table_width * plan.block_size);
   return s;
 }

@@ -17,6 +17,7 @@
 #include "dsa_decode/numerics.h"
 #include "indexer/indexer_math.h"
 #include "indexer/indexer_reference.h"
+#include "indexer/indexer_state_params.h"
 #include "indexer/indexer_test_state.h"
 #include "support.h"
 
@@ -972,6 +973,38 @@ TEST(IndexerChecks, ShapeFunctionsFollowThePlan) {
   pools16.ring = indexer_ring_for(16, 4);
   EXPECT_TRUE(check_indexer_plan(pools16).ok());
   EXPECT_EQ(indexer_tokens_per_request(pools16), 17);
+}
+
+// The state as the kernels address it (make_indexer_state_params, shared by
+// prepare, prefill, select and remap) follows the plan at every shape: P =
+// block_size / S pools a page (the scales at byte 128 P of a page), RING
+// slots, and positions below the table's reach. A P of block_size / 4 at S =
+// 8 or 16 put the scales and codes past the page (and past the K cache).
+TEST(IndexerChecks, KernelStateParamsFollowThePlan) {
+  for (IndexerPlan plan : every_shape()) {
+    for (int block_size : {128, 256, 512}) {
+      for (int ring : {plan.pool, 2 * plan.pool}) {
+        plan.block_size = block_size;
+        plan.ring = ring;
+        const std::string where = shape_name(plan) + " block " + std::to_string(block_size) + " RING " +
+                                  std::to_string(ring);
+        ASSERT_TRUE(check_indexer_plan(plan).ok()) << where;
+        const int64_t page_bytes = indexer_page_bytes(plan);
+        IndexerState state;
+        state.block_table = make_tensor(fake_device_pointer(0x10000), DType::kI32, {3, 7});
+        state.ring = make_tensor(fake_device_pointer(0x20000), DType::kBF16, {3, 2, ring, kDim});
+        state.k_cache = make_strided(fake_device_pointer(0x30000), DType::kU8, {21, page_bytes}, {page_bytes + 16, 1});
+        const IndexerStateParams s = make_indexer_state_params(plan, state);
+        EXPECT_EQ(s.pools_per_page, block_size / plan.pool) << where;
+        EXPECT_EQ(int64_t(s.pools_per_page) * kIndexerPoolBytes, page_bytes) << where;  // codes then scales fill the page
+        EXPECT_EQ(s.block_size, block_size) << where;
+        EXPECT_EQ(s.ring_size, ring) << where;
+        EXPECT_EQ(s.page_stride, page_bytes + 16) << where;
+        EXPECT_EQ(s.blocks, 21) << where;
+        EXPECT_EQ(s.position_limit, std::min<int64_t>(plan.max_context, 7 * block_size)) << where;
+      }
+    }
+  }
 }
 
 TEST(IndexerReference, RowsForShortContexts) {
