@@ -40,7 +40,8 @@
 //
 // Launches: PDL, no allocation or synchronization, graph capturable after a
 // first uncaptured call per device (indexer_project_gemv: per m rounded up to
-// a power of two; indexer_project: per shape). prepare and select read
+// a power of two; indexer_project: per shape; indexer_select: per H and
+// logits, which pick the logits kernel). prepare and select read
 // positions, token_requests and the block table before griddepcontrol.wait:
 // they must be complete when the step's first kernel starts (host copies or
 // non-PDL kernels). select also reads early the K-cache pools no token of the

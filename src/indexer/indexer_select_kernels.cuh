@@ -73,11 +73,15 @@ struct QFragments<IndexerLogits::kFp32Accumulation, kHeads> {
   uint2 b[kHeads / kHeadTile][kDimSteps][32];  // [head tile][k step][lane]: b0, b1 as FP16x2
 };
 
+// Static shared memory a kernel may declare (more must be dynamic, with the
+// kernel's MaxDynamicSharedMemorySize raised).
+constexpr size_t kStaticSharedLimit = 48 * 1024;
+
 template <IndexerLogits kDots, int kHeads>
 struct LogitsShared {
   static constexpr int kReluFloats = kLogitPools * (kHeads + 1);  // [pool][head]; + 1: no bank conflicts
-  // Where q and the ReLUs together pass the 48 KiB of static shared memory
-  // (exact dots at 64 heads), the ReLUs reuse q's bytes after a barrier.
+  // Where q and the ReLUs together pass 44 KiB (exact dots at 64 heads: q's
+  // fragments alone are 64 KiB), the ReLUs reuse q's bytes after a barrier.
   static constexpr bool kReluOverQ = sizeof(QFragments<kDots, kHeads>) + kReluFloats * 4 > 44 * 1024;
   union {
     QFragments<kDots, kHeads> q;
@@ -89,6 +93,34 @@ struct LogitsShared {
   // ReLU(dot) rounded to FP32, [pool][head] at a pool stride of kHeads + 1.
   __device__ float* relu() { return kReluOverQ ? relu_over_q : relu_own; }
 };
+
+// Dynamic shared-memory bytes of a logits instance: 0 where LogitsShared fits
+// the static limit, else its size (exact dots at 64 heads, 66 KiB: the
+// launcher raises the kernel's limit; sm_90a's ptxas accepts static shared
+// memory past 48 KiB, but the CUDA contract is that only dynamic shared
+// memory may pass it).
+template <IndexerLogits kDots, int kHeads>
+constexpr int logits_dynamic_shared_bytes() {
+  return sizeof(LogitsShared<kDots, kHeads>) > kStaticSharedLimit ? int(sizeof(LogitsShared<kDots, kHeads>)) : 0;
+}
+
+static_assert(logits_dynamic_shared_bytes<IndexerLogits::kExact, 32>() == 0 &&
+                  logits_dynamic_shared_bytes<IndexerLogits::kFp32Accumulation, 32>() == 0,
+              "the default shape's logits kernels keep their static shared memory");
+static_assert(sizeof(LogitsShared<IndexerLogits::kExact, 64>) <= 227 * 1024, "within Hopper's 227 KiB per CTA");
+
+// A logits CTA's LogitsShared: static, or at the start of the dynamic shared
+// memory (logits_dynamic_shared_bytes).
+template <IndexerLogits kDots, int kHeads>
+__device__ __forceinline__ LogitsShared<kDots, kHeads>& logits_shared() {
+  if constexpr (logits_dynamic_shared_bytes<kDots, kHeads>() > 0) {
+    extern __shared__ __align__(16) unsigned char logits_dynamic_shared[];
+    return *reinterpret_cast<LogitsShared<kDots, kHeads>*>(logits_dynamic_shared);
+  } else {
+    __shared__ LogitsShared<kDots, kHeads> s;
+    return s;
+  }
+}
 
 constexpr int kSelectThreads = 1024;
 
@@ -381,7 +413,7 @@ __device__ __forceinline__ void head_dots(const QFragments<kDots, kHeads>& q, co
 template <IndexerLogits kDots, bool kPreload, int kHeads>
 __global__ void __launch_bounds__(kLogitThreads) logits_kernel(const __grid_constant__ Params p) {
   constexpr int kHeadTiles = kHeads / kHeadTile;
-  __shared__ LogitsShared<kDots, kHeads> s;
+  LogitsShared<kDots, kHeads>& s = logits_shared<kDots, kHeads>();
   // The step's inputs (positions, token_requests, the block table) are
   // complete before the step's first kernel starts (include/dsa_decode/
   // indexer.h): the token's context, its pools' pages and (kPreload) the K
@@ -771,14 +803,28 @@ dim3 logits_grid(const Params& p) {
 // = 8, 16), where most CTAs start after the wait anyway (docs/indexer.md).
 constexpr int64_t kPreloadMaxCtas = 2048;
 
-using LogitsKernel = void (*)(Params);
+// One (dots, heads) instance pair: the preload variant the grid asks for,
+// with the dynamic shared memory the instance needs (the limit raised for
+// both variants at once, so that a later grid size needs no attribute change).
+template <IndexerLogits kDots, int kHeads>
+Status launch_logits_for(const Params& p, dim3 grid, bool preload, cudaStream_t stream) {
+  constexpr int kBytes = logits_dynamic_shared_bytes<kDots, kHeads>();
+  if constexpr (kBytes > 0) {
+    using Kernel = void (*)(Params);
+    const Kernel variants[] = {logits_kernel<kDots, true, kHeads>, logits_kernel<kDots, false, kHeads>};
+    for (const Kernel kernel : variants) {
+      DSA_RETURN_IF_ERROR(
+          raise_shared_memory_limit(reinterpret_cast<const void*>(kernel), kBytes, "indexer select logits"));
+    }
+  }
+  return launch_pdl(preload ? logits_kernel<kDots, true, kHeads> : logits_kernel<kDots, false, kHeads>, grid,
+                    dim3(kLogitThreads), kBytes, stream, p);
+}
 
 template <int kHeads>
-LogitsKernel logits_kernel_for(bool exact, bool preload) {
-  return exact ? (preload ? logits_kernel<IndexerLogits::kExact, true, kHeads>
-                          : logits_kernel<IndexerLogits::kExact, false, kHeads>)
-               : (preload ? logits_kernel<IndexerLogits::kFp32Accumulation, true, kHeads>
-                          : logits_kernel<IndexerLogits::kFp32Accumulation, false, kHeads>);
+Status launch_logits_for_heads(const Params& p, dim3 grid, bool preload, bool exact, cudaStream_t stream) {
+  return exact ? launch_logits_for<IndexerLogits::kExact, kHeads>(p, grid, preload, stream)
+               : launch_logits_for<IndexerLogits::kFp32Accumulation, kHeads>(p, grid, preload, stream);
 }
 
 // The one dispatch of the logits kernel: dots, preload and p.heads (16, 32 or 64).
@@ -786,10 +832,9 @@ Status launch_logits(const Params& p, IndexerLogits dots, cudaStream_t stream) {
   const dim3 grid = logits_grid(p);
   const bool preload = int64_t(grid.x) * grid.y <= kPreloadMaxCtas;
   const bool exact = dots == IndexerLogits::kExact;
-  const LogitsKernel kernel = p.heads == 16   ? logits_kernel_for<16>(exact, preload)
-                              : p.heads == 64 ? logits_kernel_for<64>(exact, preload)
-                                              : logits_kernel_for<32>(exact, preload);
-  return launch_pdl(kernel, grid, dim3(kLogitThreads), 0, stream, p);
+  return p.heads == 16   ? launch_logits_for_heads<16>(p, grid, preload, exact, stream)
+         : p.heads == 64 ? launch_logits_for_heads<64>(p, grid, preload, exact, stream)
+                         : launch_logits_for_heads<32>(p, grid, preload, exact, stream);
 }
 
 }  // namespace
