@@ -799,8 +799,6 @@ TEST(IndexerProjectGemvGpu, BitwiseEqualToTheReferenceAtEveryTokenCount) {
   check_gemv_counts(counts, kTight, weights, device_weights, rng, "");
 }
 
-// Every view with padded rows (NaN in the inputs' and weights' padding, poison
-// in the outputs'): nothing reads or writes the padding.
 // The GEMV at 16 and 64 index heads (wq_b [H * 128, Q], weights_proj [H, D],
 // outputs [m, H, 128] and [m, H]) equals reference::indexer_project_gemv of
 // the same head count bit for bit, at m = 1, 3 and 16; nothing is written
@@ -864,6 +862,8 @@ TEST(IndexerProjectGemvGpu, EveryHeadCountIsBitwiseTheReference) {
   }
 }
 
+// Every view with padded rows (NaN in the inputs' and weights' padding, poison
+// in the outputs'): nothing reads or writes the padding.
 TEST(IndexerProjectGemvGpu, PaddedRowStrides) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed());

@@ -481,9 +481,34 @@ std::vector<int64_t> every_shape_contexts(const IndexerPlan& shape) {
   return {2 * K + S, 3 * K + S - 1, 0, K - 1};
 }
 
+// The every-shape GPU test's draft step (RING 2 S): request 0's tokens at
+// positions 2K + 1 .. 2K + c, c = min(S + 1, 15), the one at 2K + S - 1
+// completing pool 2K / S from one ring row (2K) and S - 1 of the step's own
+// tokens; then request 1's token completing pool (3K + S - 1) / S from the
+// ring alone.
+struct EveryShapeDraftStep {
+  std::vector<int64_t> positions;
+  std::vector<int32_t> token_requests;
+};
+EveryShapeDraftStep every_shape_draft_step(const IndexerPlan& shape) {
+  const int64_t K = shape.topk, S = shape.pool;
+  const int64_t c = std::min<int64_t>(S + 1, 15);
+  EveryShapeDraftStep step;
+  for (int64_t i = 1; i <= c; ++i) {
+    step.positions.push_back(2 * K + i);
+    step.token_requests.push_back(0);
+  }
+  step.positions.push_back(3 * K + S - 1);
+  step.token_requests.push_back(1);
+  return step;
+}
+
 // The every-shape GPU test's premise, without a GPU: at each shape the
 // reference's prepare writes the pool token 0 completes, token 1's row ends
-// with S - 1 tail tokens from column K, and token 3's row is 0..L-1.
+// with S - 1 tail tokens from column K, and token 3's row is 0..L-1; the
+// draft step (RING 2 S) is a valid batch whose prepare completes pool 2K / S
+// from S - 1 tokens of the step (the token at 2K + S - 1 scores it; its tail
+// is empty).
 TEST(IndexerSelectReference, EveryShapeScenarioCompletesAPoolAndHasATail) {
   std::mt19937_64 rng(testing::test_seed());
   for (const IndexerPlan& shape : testing::every_shape()) {
@@ -499,17 +524,126 @@ TEST(IndexerSelectReference, EveryShapeScenarioCompletesAPoolAndHasATail) {
     for (int j = 0; j < width - K; ++j) EXPECT_EQ(tail[j], j < S - 1 ? L - (S - 1) + j : -1) << "column " << K + j;
     const int32_t* short_row = &s.rows.topk_positions[size_t(3) * width];
     for (int c = 0; c < width; ++c) ASSERT_EQ(short_row[c], c < K - 1 ? c : -1) << "column " << c;
+
+    const EveryShapeDraftStep step = every_shape_draft_step(shape);
+    Scenario draft(step.positions, step.token_requests, 256, rng, shape);
+    ASSERT_EQ(draft.plan.ring, 2 * S);
+    ASSERT_LE(draft.m, kIndexerMaxTokens);
+    draft.fill_and_run_reference(rng);
+    if (HasFatalFailure()) return;
+    const int64_t pool = 2 * int64_t(K) / S;  // completed by the token at 2K + S - 1 (index S - 2)
+    const reference::PoolEntry entry = reference::read_pool(draft.plan, draft.view, 0, pool);
+    ASSERT_NE(entry.codes, nullptr);
+    const size_t at = size_t(entry.codes - draft.k_cache.data());
+    EXPECT_FALSE(std::equal(draft.k_cache.begin() + at, draft.k_cache.begin() + at + kDim,
+                            draft.k_cache_before_prepare.begin() + at))
+        << "the draft step completes pool 2K / S";
+    EXPECT_EQ(draft.positions[S - 2], 2 * int64_t(K) + S - 1);
+    const int32_t* row = &draft.rows.topk_positions[size_t(S - 2) * width];
+    for (int c = K; c < width; ++c) EXPECT_EQ(row[c], -1) << "an empty tail, column " << c;
   }
 }
 
+// The chain of the every-shape GPU test for one scenario (reference run):
+// the GPU prefills from a zero state leave the reference's ring and K cache;
+// the prepare then the select (PDL, no synchronization) leave its state, q
+// and folded weights and give its rows, slots and logits bit for bit (exact
+// logits); indexer_remap of its rows gives its slots; FP32-accumulated
+// logits are within their bound with the rows the selection over them.
+void expect_chain_matches_reference(Scenario& s, const std::string& what, cudaStream_t stream) {
+  const int64_t S = s.plan.pool;
+  DeviceStep d(s);
+  DeviceBuffer<float> norm_weight(s.norm_weight), norm_bias(s.norm_bias), ape(s.ape);
+  const TensorView weight_view = make_tensor(norm_weight.get(), DType::kF32, {kDim});
+  const TensorView bias_view = make_tensor(norm_bias.get(), DType::kF32, {kDim});
+  const TensorView ape_view = make_tensor(ape.get(), DType::kF32, {S, kDim});
+
+  // Prefill from a zero state.
+  d.ring.fill_bytes(0);
+  d.k_cache.fill_bytes(0);
+  d.errors.fill_bytes(0);
+  std::vector<DeviceBuffer<uint16_t>> keep;
+  std::vector<IndexerPrefillArgs> prefills;
+  for (const Scenario::Prefill& prefill : s.prefills) {
+    const int64_t n = static_cast<int64_t>(prefill.k.size()) / kDim;
+    keep.emplace_back(prefill.k);
+    const TensorView k_view = make_tensor(keep.back().get(), DType::kBF16, {n, kDim});
+    keep.emplace_back(prefill.gate);
+    const TensorView gate_view = make_tensor(keep.back().get(), DType::kBF16, {n, kDim});
+    prefills.push_back({s.plan, k_view, gate_view, weight_view, bias_view, ape_view, prefill.request, d.args.state,
+                        d.args.error_count});
+  }
+  // cudaMemcpy from pageable memory may return before its DMA lands, and the
+  // non-blocking stream does not wait for the legacy stream's copies.
+  DSA_ASSERT_CUDA(cudaDeviceSynchronize());
+  for (const IndexerPrefillArgs& args : prefills) DSA_ASSERT_OK(indexer_prefill(args, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  ASSERT_TRUE(d.k_cache.download() == s.k_cache_before_prepare) << what << " prefill: K cache";
+  ASSERT_TRUE(d.ring.download() == s.ring_before_prepare) << what << " prefill: ring";
+
+  // Prepare, then select, exact logits.
+  DeviceBuffer<uint16_t> index_q(s.index_q), index_k(s.index_k), gate(s.gate);
+  DeviceBuffer<float> head_weights(s.head_weights);
+  IndexerPrepareArgs prepare;
+  prepare.plan = s.plan;
+  prepare.index_q = make_tensor(index_q.get(), DType::kBF16, {s.m, s.plan.heads, kDim});
+  prepare.index_k = make_tensor(index_k.get(), DType::kBF16, {s.m, kDim});
+  prepare.head_weights = make_tensor(head_weights.get(), DType::kF32, {s.m, s.plan.heads});
+  prepare.gate = make_tensor(gate.get(), DType::kBF16, {s.m, kDim});
+  prepare.k_norm_weight = weight_view;
+  prepare.k_norm_bias = bias_view;
+  prepare.ape = ape_view;
+  prepare.positions = d.args.positions;
+  prepare.token_requests = d.args.token_requests;
+  prepare.state = d.args.state;
+  prepare.workspace = d.args.workspace;
+  prepare.error_count = d.args.error_count;
+  d.workspace.fill_bytes(kPoison);  // synchronizes the device: the uploads above are complete
+  d.topk_positions.fill_bytes(kPoison);
+  d.slots.fill_bytes(kPoison);
+  const Status prepared = indexer_prepare(prepare, stream);
+  const Status selected = indexer_select(d.args, stream);
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  DSA_ASSERT_OK(prepared);
+  DSA_ASSERT_OK(selected);
+  EXPECT_TRUE(d.k_cache.download() == s.k_cache) << what << " prepare: K cache";
+  EXPECT_TRUE(d.ring.download() == s.ring) << what << " prepare: ring";
+  const std::vector<uint8_t> workspace = d.workspace.download();
+  EXPECT_EQ(std::memcmp(&workspace[d.layout.q_fp8], s.query.q_fp8.data(), s.query.q_fp8.size()), 0)
+      << what << " prepare: q_fp8";
+  EXPECT_EQ(
+      std::memcmp(&workspace[d.layout.head_weights], s.query.head_weights.data(), s.query.head_weights.size() * 4), 0)
+      << what << " prepare: folded head weights";
+  expect_matches_reference(s, d, what + " exact", /*logit_checks=*/s.m);
+  if (::testing::Test::HasFatalFailure()) return;
+
+  // Remap of the reference's rows.
+  DeviceBuffer<int32_t> caller_rows(s.rows.topk_positions), remapped(s.rows.slots.size());
+  remapped.fill_bytes(kPoison);
+  const int width = indexer_row_width(s.plan);
+  IndexerRemapArgs remap{s.plan, d.args.positions, d.args.token_requests, d.args.state,
+                         make_tensor(caller_rows.get(), DType::kI32, {s.m, width}),
+                         make_tensor(remapped.get(), DType::kI32, {s.m, width}), d.args.error_count};
+  DSA_ASSERT_OK(indexer_remap(remap, stream));
+  DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+  EXPECT_TRUE(remapped.download() == s.rows.slots) << what << " remap";
+
+  // FP32-accumulated logits over the same workspace q.
+  s.plan.logits = IndexerLogits::kFp32Accumulation;
+  d.args.plan.logits = IndexerLogits::kFp32Accumulation;
+  d.run(false, stream);
+  if (::testing::Test::HasFatalFailure()) return;
+  int64_t moved = 0;
+  const double worst = expect_follows_own_logits(s, d, what + " fp32 accumulation", &moved);
+  std::printf("[every shape] %s: worst |logit error| / bound %.3g, %lld pools moved\n", what.c_str(), worst,
+              static_cast<long long>(moved));
+}
+
 // Every shape (heads 16, 32, 64 x pool 4, 8, 16 at top-k 2048 and 512), the
-// whole chain on the GPU: the prefills leave the reference's ring and K cache
-// bytes; the prepare then the select (PDL, no synchronization) leave the
-// reference's state and give its rows, slots and logits bit for bit (exact
-// logits); indexer_remap of the reference's rows gives its slots; with
-// FP32-accumulated logits every logit is within its bound and the rows are
-// the selection over the GPU's logits. Tokens: one completing a pool past
-// top-k, one with a tail of S - 1 tokens, padding, a short row.
+// whole chain on the GPU (expect_chain_matches_reference) for two steps:
+// RING = S with one token completing a pool past top-k, one with a tail of
+// S - 1 tokens, padding, a short row; and RING = 2 S with draft tokens of one
+// request completing a pool from S - 1 of the step's own tokens.
 TEST(IndexerSelectGpu, EveryShapeMatchesTheReferenceFromPrefillToRemap) {
   DSA_REQUIRE_GPU();
   std::mt19937_64 rng(testing::test_seed() + 13);
@@ -518,92 +652,17 @@ TEST(IndexerSelectGpu, EveryShapeMatchesTheReferenceFromPrefillToRemap) {
   for (const IndexerPlan& shape : testing::every_shape()) {
     const std::string what = testing::shape_name(shape);
     SCOPED_TRACE(what);
-    const int64_t S = shape.pool;
     Scenario s(every_shape_contexts(shape), 256, rng, shape);
     s.fill_and_run_reference(rng);
     if (HasFatalFailure()) break;
-    DeviceStep d(s);
-    DeviceBuffer<float> norm_weight(s.norm_weight), norm_bias(s.norm_bias), ape(s.ape);
-    const TensorView weight_view = make_tensor(norm_weight.get(), DType::kF32, {kDim});
-    const TensorView bias_view = make_tensor(norm_bias.get(), DType::kF32, {kDim});
-    const TensorView ape_view = make_tensor(ape.get(), DType::kF32, {S, kDim});
-
-    // Prefill from a zero state.
-    d.ring.fill_bytes(0);
-    d.k_cache.fill_bytes(0);
-    d.errors.fill_bytes(0);
-    std::vector<DeviceBuffer<uint16_t>> keep;
-    for (const Scenario::Prefill& prefill : s.prefills) {
-      const int64_t n = static_cast<int64_t>(prefill.k.size()) / kDim;
-      keep.emplace_back(prefill.k);
-      const TensorView k_view = make_tensor(keep.back().get(), DType::kBF16, {n, kDim});
-      keep.emplace_back(prefill.gate);
-      const TensorView gate_view = make_tensor(keep.back().get(), DType::kBF16, {n, kDim});
-      IndexerPrefillArgs args{s.plan, k_view, gate_view, weight_view, bias_view, ape_view, prefill.request,
-                              d.args.state, d.args.error_count};
-      DSA_ASSERT_OK(indexer_prefill(args, stream));
-    }
-    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
-    ASSERT_TRUE(d.k_cache.download() == s.k_cache_before_prepare) << "prefill: K cache";
-    ASSERT_TRUE(d.ring.download() == s.ring_before_prepare) << "prefill: ring";
-
-    // Prepare, then select, exact logits.
-    DeviceBuffer<uint16_t> index_q(s.index_q), index_k(s.index_k), gate(s.gate);
-    DeviceBuffer<float> head_weights(s.head_weights);
-    IndexerPrepareArgs prepare;
-    prepare.plan = s.plan;
-    prepare.index_q = make_tensor(index_q.get(), DType::kBF16, {s.m, s.plan.heads, kDim});
-    prepare.index_k = make_tensor(index_k.get(), DType::kBF16, {s.m, kDim});
-    prepare.head_weights = make_tensor(head_weights.get(), DType::kF32, {s.m, s.plan.heads});
-    prepare.gate = make_tensor(gate.get(), DType::kBF16, {s.m, kDim});
-    prepare.k_norm_weight = weight_view;
-    prepare.k_norm_bias = bias_view;
-    prepare.ape = ape_view;
-    prepare.positions = d.args.positions;
-    prepare.token_requests = d.args.token_requests;
-    prepare.state = d.args.state;
-    prepare.workspace = d.args.workspace;
-    prepare.error_count = d.args.error_count;
-    d.workspace.fill_bytes(kPoison);
-    d.topk_positions.fill_bytes(kPoison);
-    d.slots.fill_bytes(kPoison);
-    const Status prepared = indexer_prepare(prepare, stream);
-    const Status selected = indexer_select(d.args, stream);
-    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
-    DSA_ASSERT_OK(prepared);
-    DSA_ASSERT_OK(selected);
-    EXPECT_TRUE(d.k_cache.download() == s.k_cache) << "prepare: K cache";
-    EXPECT_TRUE(d.ring.download() == s.ring) << "prepare: ring";
-    const std::vector<uint8_t> workspace = d.workspace.download();
-    EXPECT_EQ(std::memcmp(&workspace[d.layout.q_fp8], s.query.q_fp8.data(), s.query.q_fp8.size()), 0)
-        << "prepare: q_fp8";
-    EXPECT_EQ(std::memcmp(&workspace[d.layout.head_weights], s.query.head_weights.data(),
-                          s.query.head_weights.size() * 4),
-              0)
-        << "prepare: folded head weights";
-    expect_matches_reference(s, d, what + " exact", /*logit_checks=*/2);
+    expect_chain_matches_reference(s, what, stream);
     if (HasFatalFailure()) break;
 
-    // Remap of the reference's rows.
-    DeviceBuffer<int32_t> caller_rows(s.rows.topk_positions), remapped(s.rows.slots.size());
-    remapped.fill_bytes(kPoison);
-    const int width = indexer_row_width(s.plan);
-    IndexerRemapArgs remap{s.plan, d.args.positions, d.args.token_requests, d.args.state,
-                           make_tensor(caller_rows.get(), DType::kI32, {s.m, width}),
-                           make_tensor(remapped.get(), DType::kI32, {s.m, width}), d.args.error_count};
-    DSA_ASSERT_OK(indexer_remap(remap, stream));
-    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
-    EXPECT_TRUE(remapped.download() == s.rows.slots) << "remap";
-
-    // FP32-accumulated logits over the same workspace q.
-    s.plan.logits = IndexerLogits::kFp32Accumulation;
-    d.args.plan.logits = IndexerLogits::kFp32Accumulation;
-    d.run(false, stream);
+    const EveryShapeDraftStep step = every_shape_draft_step(shape);
+    Scenario draft(step.positions, step.token_requests, 256, rng, shape);
+    draft.fill_and_run_reference(rng);
     if (HasFatalFailure()) break;
-    int64_t moved = 0;
-    const double worst = expect_follows_own_logits(s, d, what + " fp32 accumulation", &moved);
-    std::printf("[every shape] %s: worst |logit error| / bound %.3g, %lld pools moved\n", what.c_str(), worst,
-                static_cast<long long>(moved));
+    expect_chain_matches_reference(draft, what + " drafts RING " + std::to_string(draft.plan.ring), stream);
     if (HasFatalFailure()) break;
   }
   cudaStreamDestroy(stream);
