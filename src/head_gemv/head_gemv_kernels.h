@@ -23,6 +23,12 @@ struct HeadGemvParams {
   const float* scale;  // [1]; null: BF16 out
   int m, heads, rows, cols;
   int tile, rows_per_thread;  // the tactic (the tensor-core kernel: its column tile; rows_per_thread unused)
+  // The tensor-core kernel only (head_gemv_mma.cuh): elements between two
+  // heads of x (a view into a wider per-head row, e.g. q_nope of [q_nope |
+  // q_pe]) and of out (rows wider than J, e.g. [latent | rope] of the RoPE
+  // absorb); 0 = packed (I, J), which is what head_gemv() passes.
+  int64_t x_head_stride;
+  int64_t out_head_stride;
 
   // Fused cache write; cache == null: none.
   const uint16_t* kv;  // [m, L] BF16
