@@ -12,6 +12,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 #include "tools/checkpoint.h"
 #include "tools/synthetic_layer.h"
@@ -49,8 +51,8 @@ class TempDir {
   std::string path_;
 };
 
-// A scaled-down NoPE model (the indexer's 32 x 128 heads and pools of 4 are
-// the library's constants). Widths not multiples of 128 give partial FP8 blocks.
+// A scaled-down NoPE model with the default indexer shape (32 x 128 heads,
+// pools of 4, top-2048). Widths not multiples of 128 give partial FP8 blocks.
 ModelPreset tiny_preset(int heads, int D = 320, int Q = 192, int L = 160, int P = 64, int V = 96) {
   return ModelPreset{"tiny", "scaled-down glm5next", D, heads, Q, L, P, 0, V, 32, 128, 2048, 2176, 4, 0.125f, 1};
 }
@@ -530,6 +532,180 @@ TEST(Checkpoint, FullSizeGlm5nextLoadsAndReportsSpeed) {
                      std::to_string(info.gb_per_s()));
     }
   }
+}
+
+
+// A checkpoint of another indexer shape (16 heads, pools of 16) loads at that
+// shape, bit for bit; loading it at the default shape names the indexer's
+// three shaped tensors.
+TEST(Checkpoint, IndexerShapeFollowsThePreset) {
+  ModelPreset whole_preset{};
+  ASSERT_TRUE(with_indexer_shape(tiny_preset(4), 16, 16, 1024, &whole_preset).ok());
+  const StepShape whole = shape_at(whole_preset, 1);
+  ASSERT_EQ(whole.index_heads, 16);
+  ASSERT_EQ(whole.index_pool, 16);
+  const HostWeights w = make_weights(whole, 16);
+  EXPECT_EQ(w.index_wq_b.size(), size_t(16) * 128 * 192);
+  EXPECT_EQ(w.index_weights_proj.size(), size_t(16) * 320);
+  EXPECT_EQ(w.index_ape.size(), size_t(16) * 128);
+  TempDir dir;
+  ASSERT_TRUE(write_safetensors(dir.file("model.safetensors"), layer_tensors(whole, w, kLayer, CheckpointDType::kBF16)).ok());
+  HostWeights loaded;
+  const Status status = load({dir.path()}, whole, &loaded);
+  ASSERT_TRUE(status.ok()) << status.to_string();
+  expect_same_weights(loaded, w);
+  const std::string error = load_error({dir.path()}, shape_at(tiny_preset(4), 1));
+  for (const char* part : {"indexer.wq_b.weight", "[4096, 192]", "indexer.weights_proj.weight", "[32, 320]",
+                           "indexer.index_kpool_compress_ape", "[4, 128]"}) {
+    EXPECT_NE(error.find(part), std::string::npos) << part << " missing from: " << error;
+  }
+  EXPECT_EQ(error.find("indexer.wk.weight"), std::string::npos) << error;
+}
+
+// ---- config.json (dsa-decode --config) ----
+
+constexpr const char* kGoodConfig = R"({
+  "architectures": ["Glm5NextForCausalLM"], "model_type": "glm5_next",
+  "hidden_size": 2048, "num_attention_heads": 32, "q_lora_rank": 1024, "kv_lora_rank": 512,
+  "qk_nope_head_dim": 192, "qk_rope_head_dim": 0, "v_head_dim": 128, "rms_norm_eps": 1e-05,
+  "index_n_heads": 16, "index_kpool": 16, "index_topk": 2048, "index_head_dim": 128,
+  "index_kpool_always_select_tail": true, "rope_scaling": null
+})";
+
+TEST(ModelConfig, ReadsTheIndexerShapeAndTheSizesPresent) {
+  ModelConfig c;
+  const Status s = parse_model_config(kGoodConfig, "config.json", &c);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(c.index_n_heads, 16);
+  EXPECT_EQ(c.index_kpool, 16);
+  EXPECT_EQ(c.index_topk, 2048);
+  EXPECT_EQ(c.index_head_dim, 128);
+  EXPECT_EQ(c.hidden_size, 2048);
+  EXPECT_EQ(c.num_attention_heads, 32);
+  EXPECT_EQ(c.q_lora_rank, 1024);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  EXPECT_EQ(c.qk_nope_head_dim, 192);
+  EXPECT_EQ(c.qk_rope_head_dim, 0);
+  EXPECT_EQ(c.v_head_dim, 128);
+
+  ModelPreset glm5next{}, applied{};
+  ASSERT_TRUE(find_preset("glm5next", &glm5next).ok());
+  ASSERT_TRUE(apply_model_config(glm5next, c, &applied).ok());
+  EXPECT_EQ(applied.index_heads, 16);
+  EXPECT_EQ(applied.pool_size, 16);
+  EXPECT_EQ(applied.topk, 2048);
+  EXPECT_EQ(applied.topk_row_width, 2176);  // 2048 + 15, rounded up to 128
+  EXPECT_EQ(applied.hidden, 2048);
+  EXPECT_EQ(applied.heads, 32);
+  EXPECT_EQ(applied.q_lora, 1024);
+  EXPECT_EQ(applied.qk_nope, 192);
+  EXPECT_EQ(applied.v_head, 128);
+  EXPECT_FLOAT_EQ(applied.softmax_scale, 1.0f / std::sqrt(192.0f));
+
+  // Only the indexer's fields: the preset keeps every size; a nested text_config is read too.
+  ModelConfig indexer_only;
+  ASSERT_TRUE(parse_model_config(
+                  R"({"text_config": {"index_n_heads": 64, "index_kpool": 8, "index_topk": 1024, "index_head_dim": 128}})",
+                  "nested.json", &indexer_only)
+                  .ok());
+  ASSERT_TRUE(apply_model_config(glm5next, indexer_only, &applied).ok());
+  EXPECT_EQ(applied.index_heads, 64);
+  EXPECT_EQ(applied.pool_size, 8);
+  EXPECT_EQ(applied.topk, 1024);
+  EXPECT_EQ(applied.topk_row_width, 1152);
+  EXPECT_EQ(applied.hidden, glm5next.hidden);
+  EXPECT_EQ(applied.heads, glm5next.heads);
+  EXPECT_EQ(applied.softmax_scale, glm5next.softmax_scale);
+}
+
+TEST(ModelConfig, NamesEveryMissingMistypedAndUnsupportedFieldInOneError) {
+  ModelConfig c;
+  // Missing: all four of the indexer's.
+  Status s = parse_model_config(R"({"hidden_size": 4096})", "a/config.json", &c);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.message(), "a/config.json: missing fields index_n_heads, index_kpool, index_topk, index_head_dim");
+  // Mistyped and unsupported together, each with what it must be and what it is.
+  s = parse_model_config(R"({"index_n_heads": "16", "index_kpool": 12, "index_topk": 2048.0, "index_head_dim": 64,
+                             "hidden_size": 4100, "q_lora_rank": null, "kv_lora_rank": 256, "qk_rope_head_dim": 64,
+                             "v_head_dim": true, "num_attention_heads": 0})",
+                         "b.json", &c);
+  ASSERT_FALSE(s.ok());
+  for (const char* part : {"index_n_heads: expected an integer, got \"16\"", "index_kpool: expected 4, 8 or 16, got 12",
+                           "index_topk: expected an integer, got 2048.0", "index_head_dim: expected 128, got 64",
+                           "hidden_size: expected a positive multiple of 8, got 4100",
+                           "q_lora_rank: expected an integer, got null", "kv_lora_rank: expected 512",
+                           "qk_rope_head_dim: expected 0 (NoPE", "v_head_dim: expected an integer, got true",
+                           "num_attention_heads: expected 1 to 1024 heads, got 0"}) {
+    EXPECT_NE(s.message().find(part), std::string::npos) << part << " missing from: " << s.message();
+  }
+  EXPECT_EQ(s.message().find("missing"), std::string::npos) << s.message();
+  // A top-k that is not a multiple of the pool, or past 512 pools; a missing field beside a bad one.
+  s = parse_model_config(R"({"index_n_heads": 24, "index_kpool": 8, "index_topk": 2044})", "c.json", &c);
+  ASSERT_FALSE(s.ok());
+  for (const char* part : {"c.json: missing field index_head_dim; ", "index_n_heads: expected 16, 32 or 64, got 24",
+                           "index_topk: expected a multiple of index_kpool = 8 from 8 to 4096, got 2044"}) {
+    EXPECT_NE(s.message().find(part), std::string::npos) << part << " missing from: " << s.message();
+  }
+  s = parse_model_config(R"({"index_n_heads": 16, "index_kpool": 4, "index_topk": 4096, "index_head_dim": 128})",
+                         "d.json", &c);
+  EXPECT_NE(s.message().find("index_topk: expected a multiple of index_kpool = 4 from 4 to 2048, got 4096"),
+            std::string::npos)
+      << s.message();
+  // Not JSON, not an object, not there.
+  EXPECT_NE(parse_model_config("{\"index_n_heads\": ", "e.json", &c).message().find("e.json: bad JSON"),
+            std::string::npos);
+  EXPECT_NE(parse_model_config("[1, 2]", "f.json", &c).message().find("f.json: not a JSON object"), std::string::npos);
+  EXPECT_NE(read_model_config("/no/such/dir/config.json", &c).message().find("cannot read it"), std::string::npos);
+}
+
+TEST(ModelConfig, ReadsAFileOrTheConfigJsonOfADirectory) {
+  TempDir dir;
+  {
+    std::FILE* f = std::fopen(dir.file("config.json").c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(kGoodConfig, f);
+    std::fclose(f);
+  }
+  for (const std::string& path : {dir.path(), dir.file("config.json")}) {
+    ModelConfig c;
+    const Status s = read_model_config(path, &c);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(c.index_n_heads, 16);
+    EXPECT_EQ(c.path, dir.file("config.json"));
+  }
+}
+
+TEST(ModelPresets, WithIndexerShapeReplacesTheShapeAndNamesItsFields) {
+  ModelPreset glm5next{}, shaped{};
+  ASSERT_TRUE(find_preset("glm5next", &glm5next).ok());
+  // The default shape is glm5next's first configuration.
+  EXPECT_EQ(glm5next.index_heads, kIndexerHeads);
+  EXPECT_EQ(glm5next.pool_size, kIndexerPoolSize);
+  EXPECT_EQ(glm5next.topk, kIndexerTopK);
+  EXPECT_EQ(glm5next.topk_row_width, kIndexerRowWidth);
+  EXPECT_EQ(glm5next.index_dim, kIndexerDim);
+  ASSERT_TRUE(with_indexer_shape(glm5next, 16, 4, 512, &shaped).ok());
+  EXPECT_EQ(shaped.index_heads, 16);
+  EXPECT_EQ(shaped.pool_size, 4);
+  EXPECT_EQ(shaped.topk, 512);
+  EXPECT_EQ(shaped.topk_row_width, 640);
+  EXPECT_EQ(shaped.hidden, glm5next.hidden);
+  const auto rejected = [&](int heads, int pool, int topk, const char* name, const char* words) {
+    ModelPreset out{};
+    const Status s = with_indexer_shape(glm5next, heads, pool, topk, &out);
+    ASSERT_FALSE(s.ok());
+    EXPECT_NE(s.message().find(std::string("'") + name + "'"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find(words), std::string::npos) << s.message();
+  };
+  rejected(48, 4, 2048, "index_heads", "16, 32 or 64 index heads, got 48");
+  rejected(32, 32, 2048, "pool_size", "4, 8 or 16 tokens per pool, got 32");
+  rejected(32, 8, 2052, "topk", "a multiple of the pool size 8 from 8 to 4096");
+  rejected(32, 4, 0, "topk", "got 0");
+  ModelPreset dsv32{};
+  ASSERT_TRUE(find_preset("dsv32", &dsv32).ok());
+  const Status rope = with_indexer_shape(dsv32, 32, 4, 2048, &shaped);
+  EXPECT_NE(rope.message().find("'preset'"), std::string::npos) << rope.message();
+  EXPECT_NE(rope.message().find("dsv32 (pool_size 1)"), std::string::npos) << rope.message();
 }
 
 }  // namespace

@@ -5,6 +5,11 @@
 // (tools/gpu_probe.h).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
+#include <utility>
+
 #include <initializer_list>
 #include <optional>
 #include <set>
@@ -296,6 +301,132 @@ TEST(DsaDecodeOptions, WeightsAndLayerRejections) {
   Options missing;
   EXPECT_FALSE(parse({"--weights"}, &missing, &error));
   EXPECT_EQ(error, "--weights: missing value, expected a checkpoint directory or .safetensors files separated by commas");
+}
+
+
+// --index-heads, --index-pool, --index-topk and --config: parsed values, and
+// the model resolve_model makes of the preset, the config and the options.
+TEST(DsaDecodeOptions, IndexerShapeOptionsParseAndNameTheirValues) {
+  Options options;
+  std::string error;
+  ASSERT_TRUE(parse({"--index-heads", "16", "--index-pool=16", "--index-topk", "1024"}, &options, &error)) << error;
+  EXPECT_EQ(options.index_heads, 16);
+  EXPECT_EQ(options.index_pool, 16);
+  EXPECT_EQ(options.index_topk, 1024);
+  Options defaults;
+  ASSERT_TRUE(parse({}, &defaults, &error));
+  EXPECT_FALSE(defaults.index_heads || defaults.index_pool || defaults.index_topk);
+  EXPECT_TRUE(defaults.config_path.empty());
+  for (const auto& [arguments, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--index-heads", "24"}, "--index-heads: got '24', expected 16, 32 or 64"},
+           {{"--index-heads", "x"}, "--index-heads: got 'x', expected 16, 32 or 64"},
+           {{"--index-pool", "2"}, "--index-pool: got '2', expected 4, 8 or 16"},
+           {{"--index-topk", "0"}, "--index-topk: got '0', expected a multiple of the pool size"},
+           {{"--index-topk", "9000"}, "--index-topk: got '9000', expected a multiple of the pool size from the pool "
+                                      "size to 8192"},
+           {{"--config"}, "--config: missing value, expected a config.json file or a directory holding one"},
+           {{"--config="}, "--config: got '', expected a config.json file"}}) {
+    Options o;
+    std::string e;
+    std::vector<std::string> storage = {"dsa-decode"};
+    storage.insert(storage.end(), arguments.begin(), arguments.end());
+    std::vector<char*> argv;
+    for (std::string& a : storage) argv.push_back(a.data());
+    EXPECT_FALSE(parse_options(int(argv.size()), argv.data(), &o, &e)) << arguments[0];
+    EXPECT_NE(e.find(message), std::string::npos) << e;
+  }
+}
+
+// A config.json in a fresh temporary file, removed with the object.
+class ConfigFile {
+ public:
+  explicit ConfigFile(const std::string& text) {
+    char pattern[] = "/tmp/dsa_config_XXXXXX";
+    const int fd = ::mkstemp(pattern);
+    path_ = fd >= 0 ? pattern : "";
+    if (fd >= 0) {
+      EXPECT_EQ(::write(fd, text.data(), text.size()), ssize_t(text.size()));
+      ::close(fd);
+    }
+  }
+  ~ConfigFile() {
+    if (!path_.empty()) std::remove(path_.c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+TEST(DsaDecodeOptions, ResolveModelTakesThePresetThenTheConfigThenTheOptions) {
+  ModelPreset whole{};
+  std::string source, error;
+  Options options;
+  ASSERT_TRUE(resolve_model(options, &whole, &source, &error)) << error;
+  EXPECT_EQ(source, "preset glm5next");
+  EXPECT_EQ(whole.index_heads, 32);
+  EXPECT_EQ(whole.pool_size, 4);
+  EXPECT_EQ(whole.topk, 2048);
+  EXPECT_EQ(whole.topk_row_width, 2176);
+
+  const ConfigFile config(R"({"index_n_heads": 16, "index_kpool": 16, "index_topk": 2048, "index_head_dim": 128,
+                              "num_attention_heads": 32, "hidden_size": 2048})");
+  ASSERT_FALSE(config.path().empty());
+  options.config_path = config.path();
+  ASSERT_TRUE(resolve_model(options, &whole, &source, &error)) << error;
+  EXPECT_EQ(source, "preset glm5next, config.json " + config.path());
+  EXPECT_EQ(whole.index_heads, 16);
+  EXPECT_EQ(whole.pool_size, 16);
+  EXPECT_EQ(whole.heads, 32);
+  EXPECT_EQ(whole.hidden, 2048);
+  EXPECT_EQ(whole.q_lora, 1536);  // absent from the config: the preset's
+
+  // Explicit options override the config.
+  options.index_heads = 64;
+  options.index_pool = 8;
+  ASSERT_TRUE(resolve_model(options, &whole, &source, &error)) << error;
+  EXPECT_EQ(source, "preset glm5next, config.json " + config.path() + ", --index-heads, --index-pool");
+  EXPECT_EQ(whole.index_heads, 64);
+  EXPECT_EQ(whole.pool_size, 8);
+  EXPECT_EQ(whole.topk, 2048);  // the config's
+  EXPECT_EQ(whole.topk_row_width, 2176);
+  options.index_topk = 1004;  // not a multiple of 8
+  EXPECT_FALSE(resolve_model(options, &whole, &source, &error));
+  EXPECT_EQ(error, "--index-topk: top-k 1004 (--index-topk) and pool size 8 (--index-pool): expected a top-k that "
+                   "is a multiple of the pool size from 8 to 4096");
+  // A pool the preset's top-k does not fit is named by the option that changed it.
+  Options pool_only;
+  pool_only.index_pool = 16;
+  pool_only.index_topk = 8192;
+  ASSERT_TRUE(resolve_model(pool_only, &whole, &source, &error)) << error;
+  EXPECT_EQ(whole.topk_row_width, 8192 + 128);
+  Options too_many_pools;
+  too_many_pools.index_topk = 4096;  // 1024 pools of the preset's 4
+  EXPECT_FALSE(resolve_model(too_many_pools, &whole, &source, &error));
+  EXPECT_NE(error.find("--index-topk: top-k 4096 (--index-topk) and pool size 4 (preset glm5next)"), std::string::npos)
+      << error;
+
+  // A bad config: every field named, under --config.
+  const ConfigFile bad(R"({"index_n_heads": 16, "index_kpool": 3, "index_head_dim": 256})");
+  Options with_bad;
+  with_bad.config_path = bad.path();
+  EXPECT_FALSE(resolve_model(with_bad, &whole, &source, &error));
+  EXPECT_EQ(error.rfind("--config: " + bad.path() + ": missing field index_topk; ", 0), 0u) << error;
+  EXPECT_NE(error.find("index_kpool: expected 4, 8 or 16, got 3"), std::string::npos) << error;
+  EXPECT_NE(error.find("index_head_dim: expected 128, got 256"), std::string::npos) << error;
+  Options absent;
+  absent.config_path = "/no/such/config.json";
+  EXPECT_FALSE(resolve_model(absent, &whole, &source, &error));
+  EXPECT_NE(error.find("--config: /no/such/config.json: cannot read it"), std::string::npos) << error;
+  // The RoPE presets have no pooled indexer to shape.
+  Options rope;
+  rope.preset = "dsv32";
+  rope.index_pool = 8;
+  EXPECT_FALSE(resolve_model(rope, &whole, &source, &error));
+  EXPECT_NE(error.find("--index-pool: preset 'dsv32' has no pooled indexer"), std::string::npos) << error;
+  rope.preset = "nope";
+  EXPECT_FALSE(resolve_model(rope, &whole, &source, &error));
+  EXPECT_NE(error.find("--preset: got 'nope'"), std::string::npos) << error;
 }
 
 }  // namespace

@@ -570,6 +570,148 @@ Status Checkpoint::read_rows(const SafeTensor& tensor, uint64_t rows, uint64_t s
   return Status();
 }
 
+// ---- config.json ----
+
+namespace {
+
+// The whole of a JSON number's text as an int, or why not ("a string", "1.5", ...).
+bool json_int(const Json& v, int* out, std::string* got) {
+  switch (v.kind) {
+    case Json::kNull:
+      *got = "null";
+      return false;
+    case Json::kBool:
+      *got = v.boolean ? "true" : "false";
+      return false;
+    case Json::kString:
+      *got = json_quote(v.text);
+      return false;
+    case Json::kArray:
+      *got = "an array";
+      return false;
+    case Json::kObject:
+      *got = "an object";
+      return false;
+    case Json::kNumber:
+      break;
+  }
+  const char* end = v.text.data() + v.text.size();
+  const auto [stop, code] = std::from_chars(v.text.data(), end, *out);
+  *got = v.text;
+  return code == std::errc() && stop == end;
+}
+
+}  // namespace
+
+Status parse_model_config(const std::string& text, const std::string& where, ModelConfig* out) {
+  Json root;
+  std::string error;
+  if (!JsonParser(text).parse(&root, &error)) return checkpoint_error(where + ": bad JSON (" + error + ")");
+  if (root.kind != Json::kObject) return checkpoint_error(where + ": not a JSON object");
+  const Json* fields = &root;
+  if (root.member("index_n_heads") == nullptr) {
+    const Json* text_config = root.member("text_config");
+    if (text_config != nullptr && text_config->kind == Json::kObject && text_config->member("index_n_heads") != nullptr) {
+      fields = text_config;
+    }
+  }
+  ModelConfig c;
+  c.path = where;
+  std::vector<std::string> missing, problems;
+  // A present integer field: its value, or a problem naming it.
+  const auto integer = [&](const char* name, bool required, int* value) {
+    const Json* v = fields->member(name);
+    if (v == nullptr) {
+      if (required) missing.push_back(name);
+      return false;
+    }
+    std::string got;
+    if (!json_int(*v, value, &got)) {
+      problems.push_back(std::string(name) + ": expected an integer, got " + got);
+      return false;
+    }
+    return true;
+  };
+  const auto must = [&](const char* name, bool ok, const std::string& expected, int value) {
+    if (!ok) problems.push_back(std::string(name) + ": expected " + expected + ", got " + std::to_string(value));
+    return ok;
+  };
+  if (integer("index_n_heads", true, &c.index_n_heads)) {
+    must("index_n_heads", c.index_n_heads == 16 || c.index_n_heads == 32 || c.index_n_heads == 64, "16, 32 or 64",
+         c.index_n_heads);
+  }
+  const bool pool_ok = integer("index_kpool", true, &c.index_kpool) &&
+                       must("index_kpool", c.index_kpool == 4 || c.index_kpool == 8 || c.index_kpool == 16,
+                            "4, 8 or 16", c.index_kpool);
+  if (integer("index_topk", true, &c.index_topk)) {
+    if (pool_ok) {
+      must("index_topk",
+           c.index_topk >= c.index_kpool && c.index_topk % c.index_kpool == 0 &&
+               c.index_topk / c.index_kpool <= kIndexerMaxTopPools,
+           "a multiple of index_kpool = " + std::to_string(c.index_kpool) + " from " + std::to_string(c.index_kpool) +
+               " to " + std::to_string(kIndexerMaxTopPools * c.index_kpool),
+           c.index_topk);
+    } else {
+      must("index_topk", c.index_topk > 0, "a positive multiple of index_kpool", c.index_topk);
+    }
+  }
+  if (integer("index_head_dim", true, &c.index_head_dim)) {
+    must("index_head_dim", c.index_head_dim == kIndexerDim, std::to_string(kIndexerDim), c.index_head_dim);
+  }
+  const auto optional = [&](const char* name, std::optional<int>* field, const std::string& expected,
+                            bool (*ok)(int)) {
+    int value = 0;
+    if (integer(name, false, &value) && must(name, ok(value), expected, value)) *field = value;
+  };
+  optional("hidden_size", &c.hidden_size, "a positive multiple of 8", [](int v) { return v > 0 && v % 8 == 0; });
+  optional("num_attention_heads", &c.num_attention_heads, "1 to 1024 heads", [](int v) { return v >= 1 && v <= 1024; });
+  optional("q_lora_rank", &c.q_lora_rank, "a positive multiple of 8, at least kv_lora_rank (512)",
+           [](int v) { return v >= 512 && v % 8 == 0; });
+  optional("kv_lora_rank", &c.kv_lora_rank, "512 (the attention's latent)", [](int v) { return v == 512; });
+  optional("qk_nope_head_dim", &c.qk_nope_head_dim, "a positive integer", [](int v) { return v > 0; });
+  optional("qk_rope_head_dim", &c.qk_rope_head_dim, "0 (NoPE: the stage runs no RoPE)", [](int v) { return v == 0; });
+  optional("v_head_dim", &c.v_head_dim, "a positive integer", [](int v) { return v > 0; });
+  if (!missing.empty() || !problems.empty()) {
+    std::string message = where + ": ";
+    if (!missing.empty()) {
+      message += "missing field" + std::string(missing.size() > 1 ? "s " : " ");
+      for (size_t i = 0; i < missing.size(); ++i) message += (i ? ", " : "") + missing[i];
+      if (!problems.empty()) message += "; ";
+    }
+    for (size_t i = 0; i < problems.size(); ++i) message += (i ? "; " : "") + problems[i];
+    return checkpoint_error(message);
+  }
+  *out = std::move(c);
+  return Status();
+}
+
+Status read_model_config(const std::string& path, ModelConfig* out) {
+  const std::string file = is_directory(path) ? join_path(path, "config.json") : path;
+  std::string text;
+  if (!file_exists(file) || !read_text_file(file, &text)) {
+    return checkpoint_error(file + ": cannot read it (a config.json, or a directory holding one)");
+  }
+  return parse_model_config(text, file, out);
+}
+
+Status apply_model_config(const ModelPreset& preset, const ModelConfig& c, ModelPreset* out) {
+  ModelPreset p{};
+  const Status shaped = with_indexer_shape(preset, c.index_n_heads, c.index_kpool, c.index_topk, &p);
+  if (!shaped.ok()) return checkpoint_error(c.path + ": " + shaped.message());
+  if (c.hidden_size) p.hidden = *c.hidden_size;
+  if (c.num_attention_heads) p.heads = *c.num_attention_heads;
+  if (c.q_lora_rank) p.q_lora = *c.q_lora_rank;
+  if (c.kv_lora_rank) p.kv_lora = *c.kv_lora_rank;
+  if (c.qk_nope_head_dim) p.qk_nope = *c.qk_nope_head_dim;
+  if (c.qk_rope_head_dim) p.qk_rope = *c.qk_rope_head_dim;
+  if (c.v_head_dim) p.v_head = *c.v_head_dim;
+  if (c.qk_nope_head_dim || c.qk_rope_head_dim) {
+    p.softmax_scale = static_cast<float>(1.0 / std::sqrt(double(p.qk_nope + p.qk_rope)));
+  }
+  *out = p;
+  return Status();
+}
+
 std::vector<std::string> split_weight_paths(const std::string& weights) {
   std::vector<std::string> paths;
   for (size_t start = 0; start <= weights.size();) {
@@ -625,13 +767,13 @@ std::vector<Needed> needed_tensors(const StepShape& s) {
       {"kv_a_layernorm.weight", {L}, false},
       {"kv_b_proj.weight", {heads * (P + V), L}, true},
       {"o_proj.weight", {D, heads * V}, true},
-      {"indexer.wq_b.weight", {int64_t{kIndexerHeads} * kIndexerDim, Q}, true},
+      {"indexer.wq_b.weight", {int64_t{s.index_heads} * kIndexerDim, Q}, true},
       {"indexer.wk.weight", {kIndexerDim, D}, true},
-      {"indexer.weights_proj.weight", {kIndexerHeads, D}, true},
+      {"indexer.weights_proj.weight", {s.index_heads, D}, true},
       {"indexer.k_norm.weight", {kIndexerDim}, false},
       {"indexer.k_norm.bias", {kIndexerDim}, false},
       {"indexer.index_kpool_compress_gate", {kIndexerDim, D}, true},
-      {"indexer.index_kpool_compress_ape", {kIndexerPoolSize, kIndexerDim}, false},
+      {"indexer.index_kpool_compress_ape", {s.index_pool, kIndexerDim}, false},
   };
 }
 
@@ -985,17 +1127,17 @@ std::vector<TensorToWrite> layer_tensors(const StepShape& s, const HostWeights& 
   bf16("kv_a_layernorm.weight", {L}, w.kv_norm_gamma.data());
   projection("kv_b_proj.weight", H * (P + V), L, kv_b.data());
   projection("o_proj.weight", D, H * V, w.o_proj.data());
-  projection("indexer.wq_b.weight", int64_t{kIndexerHeads} * kIndexerDim, Q, w.index_wq_b.data());
+  projection("indexer.wq_b.weight", int64_t{s.index_heads} * kIndexerDim, Q, w.index_wq_b.data());
   projection("indexer.wk.weight", kIndexerDim, D, w.index_wk.data());
-  bf16("indexer.weights_proj.weight", {kIndexerHeads, D}, w.index_weights_proj.data());
+  bf16("indexer.weights_proj.weight", {s.index_heads, D}, w.index_weights_proj.data());
   bf16("indexer.k_norm.weight", {kIndexerDim}, floats_to_bf16(w.index_k_norm_weight).data());
   bf16("indexer.k_norm.bias", {kIndexerDim}, floats_to_bf16(w.index_k_norm_bias).data());
   bf16("indexer.index_kpool_compress_gate", {kIndexerDim, D}, w.index_compress_gate.data());
   if (fp8) {  // vLLM holds the pool bias in FP32; the FP8 layout writes it so (the F32 path of the loader)
     out.push_back(TensorToWrite{layer_tensor_name(layer, "indexer.index_kpool_compress_ape"), "F32",
-                                {kIndexerPoolSize, kIndexerDim}, raw_bytes(w.index_ape.data(), w.index_ape.size())});
+                                {s.index_pool, kIndexerDim}, raw_bytes(w.index_ape.data(), w.index_ape.size())});
   } else {
-    bf16("indexer.index_kpool_compress_ape", {kIndexerPoolSize, kIndexerDim}, floats_to_bf16(w.index_ape).data());
+    bf16("indexer.index_kpool_compress_ape", {s.index_pool, kIndexerDim}, floats_to_bf16(w.index_ape).data());
   }
   return out;
 }

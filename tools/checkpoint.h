@@ -26,6 +26,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -122,6 +123,39 @@ Status load_layer_weights(const std::vector<std::string>& paths, int layer, cons
 // which, where from and (a checkpoint) how fast it loaded, for the printout.
 Status build_layer_weights(const StepShape& shape, const std::string& weights, int layer, uint64_t seed,
                            HostWeights* out, std::string* what);
+
+// ---- A Hugging Face config.json's shapes (dsa-decode --config) ----
+
+// The fields dsa-decode reads, under their Hugging Face names. The indexer's
+// four are required; the others, where present, replace the preset's.
+struct ModelConfig {
+  std::string path;  // where it was read from ("" for text)
+  int index_n_heads = 0;   // the indexer's heads: 16, 32 or 64
+  int index_kpool = 0;     // tokens per pool: 4, 8 or 16
+  int index_topk = 0;      // tokens of the selected pools: a multiple of index_kpool, at most 512 pools
+  int index_head_dim = 0;  // 128
+  // Present (positive integers) or absent.
+  std::optional<int> hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank, qk_nope_head_dim,
+      qk_rope_head_dim, v_head_dim;
+};
+
+// Reads the fields from config.json text (the top-level object; where it has
+// no index_n_heads but a "text_config" object, that object). One error names
+// every field that is missing (the indexer's four), mistyped (not an
+// integer) or unsupported (index_n_heads not 16, 32 or
+// 64; index_kpool not 4, 8 or 16; index_topk not a multiple of index_kpool
+// or past 512 pools; index_head_dim not 128; kv_lora_rank not 512;
+// qk_rope_head_dim not 0; a size not positive; hidden_size or q_lora_rank not a
+// multiple of 8), with what each must be and what it is. `where` names the
+// file in the message.
+Status parse_model_config(const std::string& text, const std::string& where, ModelConfig* out);
+// The same from a file, or a directory holding config.json.
+Status read_model_config(const std::string& path, ModelConfig* out);
+
+// The preset (whole model, tp 1) with the config's fields: its indexer
+// shape (with_indexer_shape) and each present size; softmax_scale becomes
+// (qk_nope_head_dim + qk_rope_head_dim)^-0.5 when either is present.
+Status apply_model_config(const ModelPreset& preset, const ModelConfig& config, ModelPreset* out);
 
 // ---- Writing checkpoints (the tests' and the test fixtures' small layers) ----
 

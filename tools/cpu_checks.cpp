@@ -9,6 +9,7 @@
 #include "linear/linear_reference.h"
 #include "norm/norm_reference.h"
 #include "reference_chain.h"
+#include "report.h"
 
 namespace dsa::cli {
 
@@ -101,8 +102,9 @@ Check check_attention_vs_float64(const StepShape& s, const HostWeights& w, const
   std::vector<double> rows;  // [valid entries of the token, L] decoded
   for (int t = 0; t < s.m; ++t) {
     rows.clear();
-    for (int j = 0; j < kTopKWidth; ++j) {
-      const int32_t slot = slots[size_t(t) * kTopKWidth + j];
+    const int width = s.top_k_width();
+    for (int j = 0; j < width; ++j) {
+      const int32_t slot = slots[size_t(t) * width + j];
       if (slot < 0 || slot >= entries) continue;
       for (int d = 0; d < s.L; ++d) rows.push_back(decoded[cache[size_t(slot) * s.L + d]]);
     }
@@ -141,6 +143,62 @@ Check check_attention_vs_float64(const StepShape& s, const HostWeights& w, const
                 format("latent relative Frobenius error %.2e (bound %.0e), lse max error %.2e (bound %.0e); on the "
                        "CPU chain's q_fp8, KV cache and slots",
                        relative, kLatentFrobenius, worst_lse, kLseError));
+}
+
+Check check_indexer_rows_layout(const StepShape& s, const HostStepInputs& in, const std::vector<int32_t>& positions,
+                                const std::vector<int32_t>& slots) {
+  const int64_t W = s.top_k_width(), K = s.index_topk, S = s.index_pool;
+  std::string first_problem;
+  int64_t bad_rows = 0, pools_checked = 0;
+  const auto problem = [&](int t, const std::string& what) {
+    if (bad_rows++ == 0) first_problem = "token " + std::to_string(t) + ": " + what;
+  };
+  if (positions.size() != size_t(s.m) * W || slots.size() != size_t(s.m) * W) {
+    return judged("indexer rows (layout of the shape)", false,
+                  format("rows of %zu and %zu values, expected [%d, %lld]", positions.size(), slots.size(), s.m,
+                         static_cast<long long>(W)));
+  }
+  for (int t = 0; t < s.m; ++t) {
+    const int32_t* row = &positions[size_t(t) * W];
+    const int32_t* slot = &slots[size_t(t) * W];
+    const int64_t L = in.positions[size_t(t)] + 1;
+    std::vector<int64_t> want(size_t(W), -1);
+    if (in.token_requests[size_t(t)] >= 0) {
+      if (L <= K) {
+        for (int64_t j = 0; j < L; ++j) want[size_t(j)] = j;
+      } else {
+        const int64_t pools = L / S;
+        int64_t previous = -1;
+        for (int64_t p = 0; p < K / S; ++p) {  // the pools as the row holds them, checked one by one
+          const int64_t start = row[p * S];
+          if (start < 0 || start % S != 0 || start / S >= pools || start / S <= previous) {
+            problem(t, "column " + std::to_string(p * S) + " holds " + std::to_string(start) +
+                           ", expected the start of a complete pool after pool " + std::to_string(previous));
+            break;
+          }
+          previous = start / S;
+          for (int64_t i = 0; i < S; ++i) want[size_t(p * S + i)] = start + i;
+          ++pools_checked;
+        }
+        for (int64_t j = S * pools; j < L; ++j) want[size_t(K + j - S * pools)] = j;
+      }
+    }
+    for (int64_t j = 0; j < W; ++j) {
+      // The identity block table: a position's slot is the position.
+      if (row[j] != want[size_t(j)] || slot[j] != want[size_t(j)]) {
+        problem(t, "column " + std::to_string(j) + " holds position " + std::to_string(row[j]) + " and slot " +
+                       std::to_string(slot[j]) + ", expected " + std::to_string(want[size_t(j)]));
+        break;
+      }
+    }
+  }
+  return judged("indexer rows (layout of the shape)", bad_rows == 0,
+                format("%lld heads, pools of %lld, top-%lld, rows %lld wide: %lld of %d rows off the layout%s%s; "
+                       "%lld pools checked",
+                       static_cast<long long>(s.index_heads), static_cast<long long>(S), static_cast<long long>(K),
+                       static_cast<long long>(W), static_cast<long long>(bad_rows), s.m,
+                       bad_rows > 0 ? " (first: " : "", bad_rows > 0 ? (first_problem + ")").c_str() : "",
+                       static_cast<long long>(pools_checked)));
 }
 
 }  // namespace dsa::cli

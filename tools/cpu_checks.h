@@ -35,10 +35,20 @@ Check check_value_up_vs_float64(const StepShape& s, const HostWeights& w, const 
                                 const std::vector<uint16_t>& heads);
 
 // The attention's latent [m, H, L] BF16 and lse [m, H] over `cache`
-// [entries, L] e4m3 at `slots` [m, kTopKWidth] (-1: none) against a
+// [entries, L] e4m3 at `slots` [m, top_k_width()] (-1: none) against a
 // second float64 computation (one pass, running maximum).
 Check check_attention_vs_float64(const StepShape& s, const HostWeights& w, const std::vector<uint8_t>& q_fp8,
                                  const std::vector<uint8_t>& cache, const std::vector<int32_t>& slots,
                                  const std::vector<uint16_t>& latent, const std::vector<float>& lse);
+
+// The indexer's rows [m, top_k_width()] of request-local positions
+// (`positions`) and KV slots (`slots`) against the layout the indexer's
+// shape gives (indexer.h, steps 5-8): for L = pos + 1 <= K the positions
+// 0..L-1; else K / S distinct complete pools (S consecutive positions each,
+// S | the first, first + S <= S (L / S), increasing) in columns 0..K-1, the
+// tail S (L / S)..L-1 from column K; -1 after; a slot where the identity
+// block table puts its position. Padding tokens: rows of -1.
+Check check_indexer_rows_layout(const StepShape& s, const HostStepInputs& in, const std::vector<int32_t>& positions,
+                                const std::vector<int32_t>& slots);
 
 }  // namespace dsa::cli

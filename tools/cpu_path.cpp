@@ -125,7 +125,7 @@ std::string first_f32(const std::vector<float>& values) {
 // the cache write).
 struct Attended {
   std::vector<uint8_t> cache;  // [entries, L] e4m3: the selected entries, in slot order
-  std::vector<int32_t> slots;  // [m, kTopKWidth]: indices into `cache`, -1 none
+  std::vector<int32_t> slots;  // [m, top_k_width()]: indices into `cache`, -1 none
   reference::SparseMlaResult result;
 };
 
@@ -180,7 +180,7 @@ std::string shape_text(std::initializer_list<int64_t> dims) {
 // The first pool entry the prefill wrote, dequantized, for the printout.
 std::string first_pool(const StepShape& s, IndexerHostState& state) {
   const int64_t longest_prefill = s.indexer_prefill_tokens(s.indexer_requests() - 1);
-  if (longest_prefill < kIndexerPoolSize) return "no complete pool";
+  if (longest_prefill < s.index_pool) return "no complete pool";
   const reference::PoolEntry pool = reference::read_pool(s.indexer_plan(), state.view(), 0, 0);
   return "pool 0: " + first_fp8(pool.codes, kIndexerDim, pool.scale) + " (dequantized)";
 }
@@ -242,7 +242,7 @@ int run_cpu_path(const StepShape& shape, const Options& options, const std::stri
       "W_UK_T [%d, %d, %d], W_UV [%d, %d, %d], o_proj [%d, %d]; the indexer's wq_b [%d, %d], wk and compress_gate "
       "[%d, %d], weights_proj [%d, %d]), q_scale = k_scale = %.6g, eps %g, softmax scale %g; weights, inputs and cache made in %.0f ms\n",
       layer_text.c_str(), weight_mb, s.qkv_width(), s.D, static_cast<long long>(s.q_width()), s.Q,
-      s.H, s.P, s.L, s.H, s.L, s.V, s.D, s.H * s.V, kIndexerHeads * kIndexerDim, s.Q, kIndexerDim, s.D, kIndexerHeads,
+      s.H, s.P, s.L, s.H, s.L, s.V, s.D, s.H * s.V, s.index_heads * kIndexerDim, s.Q, kIndexerDim, s.D, s.index_heads,
       s.D, weights.q_scale, weights.eps, s.softmax_scale, make_ms);
   std::printf(
       "the stage's step from hidden states [%d, %d] to o_proj's output [%d, %d]; attention over the glm5next "
@@ -297,7 +297,7 @@ int run_cpu_path(const StepShape& shape, const Options& options, const std::stri
   const double o_proj_ms = timed_ms("o_proj", [&] { out = reference_o_proj(s, weights, heads); });
 
   std::printf("%-12s %-30s %9s  %-16s  %s\n", "kernel", "output", "CPU ms", "fingerprint", "first values (token 0)");
-  print_row(&report.rows, "prefill", "indexer K cache " + shape_text({s.cache_blocks(), kIndexerPageBytes}), prefill_ms,
+  print_row(&report.rows, "prefill", "indexer K cache " + shape_text({s.cache_blocks(), s.indexer_page_bytes()}), prefill_ms,
             prefilled_fingerprint, prefilled_pool);
   print_row(&report.rows, "qkv_a_proj", "qkv " + shape_text({s.m, s.qkv_width()}) + " BF16", qkv_a_ms, fingerprint(qkv),
             first_bf16(qkv));
@@ -314,15 +314,15 @@ int run_cpu_path(const StepShape& shape, const Options& options, const std::stri
                                      cache.bytes.begin() + first_entry + size_t(s.m) * s.L);
   print_row(&report.rows, "cache write", std::to_string(s.m) + " entries of " + std::to_string(s.L) + " e4m3", cache_ms,
             fingerprint(written), first_fp8(written.data(), written.size(), weights.k_scale) + " (dequantized)");
-  print_row(&report.rows, "indexer proj", "index_q " + shape_text({s.m, kIndexerHeads, kIndexerDim}) + " BF16",
+  print_row(&report.rows, "indexer proj", "index_q " + shape_text({s.m, s.index_heads, kIndexerDim}) + " BF16",
             project_ms, fingerprint(projections.index_q), first_bf16(projections.index_q));
   print_row(&report.rows, "", "index_k " + shape_text({s.m, kIndexerDim}) + " BF16", -1,
             fingerprint(projections.index_k), first_bf16(projections.index_k));
-  print_row(&report.rows, "", "head_weights " + shape_text({s.m, kIndexerHeads}) + " f32", -1,
+  print_row(&report.rows, "", "head_weights " + shape_text({s.m, s.index_heads}) + " f32", -1,
             fingerprint(projections.head_weights), first_f32(projections.head_weights));
   print_row(&report.rows, "", "gate " + shape_text({s.m, kIndexerDim}) + " BF16", -1, fingerprint(projections.gate),
             first_bf16(projections.gate));
-  print_row(&report.rows, "indexer", "slots " + shape_text({s.m, kTopKWidth}) + " int32", indexer_ms,
+  print_row(&report.rows, "indexer", "slots " + shape_text({s.m, s.top_k_width()}) + " int32", indexer_ms,
             fingerprint(rows.slots), first_i32(rows.slots));
   const reference::SparseMlaResult& attended = attention.result;
   print_row(&report.rows, "attention", "latent " + shape_text({s.m, s.H, s.L}) + " BF16", attention_ms,
@@ -362,6 +362,7 @@ int run_cpu_path(const StepShape& shape, const Options& options, const std::stri
   add(check_norm_vs_float64(s, weights, qkv, normed.q_c, normed.kv_c));
   add(check_product_vs_float64("q_b_proj", q, normed.q_c, s.m, s.Q, weights.q_b_proj, s.q_width(), "q_c"));
   add(check_absorb_vs_float64(s, weights, q, q_fp8));
+  add(check_indexer_rows_layout(s, inputs, rows.topk_positions, rows.slots));
   add(check_attention_vs_float64(s, weights, q_fp8, attention.cache, attention.slots, attended.latent, attended.lse));
   add(check_value_up_vs_float64(s, weights, attended.latent, heads));
   add(check_product_vs_float64("o_proj", out, heads, s.m, int64_t{s.H} * s.V, weights.o_proj, s.D, "heads"));

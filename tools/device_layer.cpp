@@ -37,7 +37,7 @@ TensorView bf16(void* data, std::initializer_list<int64_t> shape) { return make_
 template <class Visit>
 void for_each_weight(const StepShape& s, const HostWeights& w, Visit&& visit) {
   const int64_t D = s.D, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V;
-  const int64_t index_rows = int64_t{kIndexerHeads} * kIndexerDim;
+  const int64_t index_rows = int64_t{s.index_heads} * kIndexerDim;
   visit(&DsaLayerWeights::fused_qkv_a_proj, DType::kBF16, {Q + L, D}, w.fused_qkv_a_proj.data());
   visit(&DsaLayerWeights::q_a_norm, DType::kBF16, {Q}, w.q_norm_gamma.data());
   visit(&DsaLayerWeights::kv_a_norm, DType::kBF16, {L}, w.kv_norm_gamma.data());
@@ -49,11 +49,11 @@ void for_each_weight(const StepShape& s, const HostWeights& w, Visit&& visit) {
   visit(&DsaLayerWeights::k_scale, DType::kF32, {1}, &w.k_scale);
   visit(&DsaLayerWeights::index_wq_b, DType::kBF16, {index_rows, Q}, w.index_wq_b.data());
   visit(&DsaLayerWeights::index_wk, DType::kBF16, {kIndexerDim, D}, w.index_wk.data());
-  visit(&DsaLayerWeights::index_weights_proj, DType::kBF16, {kIndexerHeads, D}, w.index_weights_proj.data());
+  visit(&DsaLayerWeights::index_weights_proj, DType::kBF16, {int64_t{s.index_heads}, D}, w.index_weights_proj.data());
   visit(&DsaLayerWeights::index_compress_gate, DType::kBF16, {kIndexerDim, D}, w.index_compress_gate.data());
   visit(&DsaLayerWeights::index_k_norm_weight, DType::kF32, {kIndexerDim}, w.index_k_norm_weight.data());
   visit(&DsaLayerWeights::index_k_norm_bias, DType::kF32, {kIndexerDim}, w.index_k_norm_bias.data());
-  visit(&DsaLayerWeights::index_ape, DType::kF32, {kIndexerPoolSize, kIndexerDim}, w.index_ape.data());
+  visit(&DsaLayerWeights::index_ape, DType::kF32, {int64_t{s.index_pool}, kIndexerDim}, w.index_ape.data());
 }
 
 size_t aligned(size_t bytes) { return (bytes + kWeightAlignment - 1) / kWeightAlignment * kWeightAlignment; }
@@ -113,9 +113,9 @@ Status DeviceLayer::init(const StepShape& shape, const HostWeights& w, const Hos
   const std::vector<int32_t> block_table = make_indexer_block_table(s_);
   DSA_RETURN_IF_ERROR(copy_to_device(block_table, &indexer_block_table_, stream));
   // Zeroed, as the CPU reference's state starts: the whole states compare.
-  const size_t ring_bytes = size_t(s_.indexer_requests()) * 2 * kIndexerRing * kIndexerDim * sizeof(uint16_t);
+  const size_t ring_bytes = size_t(s_.indexer_requests()) * 2 * s_.indexer_ring() * kIndexerDim * sizeof(uint16_t);
   DSA_RETURN_IF_ERROR(allocate_filled(ring_bytes, 0, &indexer_ring_, stream));
-  DSA_RETURN_IF_ERROR(allocate_filled(size_t(s_.cache_blocks()) * kIndexerPageBytes, 0, &indexer_k_cache_, stream));
+  DSA_RETURN_IF_ERROR(allocate_filled(size_t(s_.cache_blocks()) * s_.indexer_page_bytes(), 0, &indexer_k_cache_, stream));
 
   DSA_RETURN_IF_ERROR(prefill_indexer(indexer_history, stream));
   // The host vectors (the block table too) must outlive the copies that read them.
@@ -166,8 +166,8 @@ Status DeviceLayer::prefill_indexer(const IndexerTokenRows& history, cudaStream_
 IndexerState DeviceLayer::indexer_state() const {
   const int64_t requests = s_.indexer_requests();
   return IndexerState{make_tensor(indexer_block_table_.get(), DType::kI32, {requests, s_.cache_blocks()}),
-                      bf16(indexer_ring_.get(), {requests, 2, kIndexerRing, kIndexerDim}),
-                      make_tensor(indexer_k_cache_.get(), DType::kU8, {s_.cache_blocks(), kIndexerPageBytes})};
+                      bf16(indexer_ring_.get(), {requests, 2, s_.indexer_ring(), kIndexerDim}),
+                      make_tensor(indexer_k_cache_.get(), DType::kU8, {s_.cache_blocks(), s_.indexer_page_bytes()})};
 }
 
 TensorView DeviceLayer::cache_view(DsaPath path) const {
@@ -181,9 +181,9 @@ TensorView DeviceLayer::cache_view(DsaPath path) const {
 // 1-4, include/dsa_decode/indexer.h): the q quant and the folded weights
 // depend on the step's own rows only; stashing puts the same LayerNormed k and
 // gate into the same ring slots; a pool completing at position p reads the
-// rows of p-3..p, which are this step's tokens (just restashed) or the up to
-// three rows before the request's first token, which no token of the step
-// overwrites (the ring rule: a request's step tokens and the three before them
+// rows of p-S+1..p, which are this step's tokens (just restashed) or the up to
+// S - 1 rows before the request's first token, which no token of the step
+// overwrites (the ring rule: a request's step tokens and the S - 1 before them
 // fit the ring without wrapping), so it writes the same pooled bytes to the
 // same page entry. Select only reads the state. Hence no restore between runs.
 // The step's own rows are the same in every run because the projections'

@@ -67,8 +67,8 @@ class DeviceLayer {
   bench::DeviceMemory error_counts_;    // [kErrorCounters] unsigned int
   // The indexer's state, shared by both paths.
   bench::DeviceMemory indexer_block_table_;  // [indexer requests, cache blocks] int32
-  bench::DeviceMemory indexer_ring_;         // [indexer requests, 2, kIndexerRing, 128] BF16
-  bench::DeviceMemory indexer_k_cache_;      // [cache blocks, kIndexerPageBytes] uint8
+  bench::DeviceMemory indexer_ring_;         // [indexer requests, 2, indexer_ring(), 128] BF16
+  bench::DeviceMemory indexer_k_cache_;      // [cache blocks, indexer_page_bytes()] uint8
 };
 
 }  // namespace dsa::cli

@@ -24,10 +24,8 @@ constexpr int kExitUsage = 2;
 // preset, a RoPE preset, or a TP degree that does not divide its heads.
 bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape, std::string* error) {
   dsa::ModelPreset preset{};
-  if (!dsa::find_preset(options.preset, &preset).ok()) {
-    *error = "--preset: got '" + options.preset + "', expected one of " + dsa::preset_names();
-    return false;
-  }
+  std::string source;
+  if (!dsa::cli::resolve_model(options, &preset, &source, error)) return false;
   if (preset.qk_rope != 0) {
     *error = "--preset: '" + options.preset + "' uses RoPE (" + std::to_string(preset.qk_rope) +
              " rope dims per head), which dsa-decode does not support yet; NoPE presets: glm5next";
@@ -40,6 +38,7 @@ bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape,
     return false;
   }
   *shape = dsa::cli::make_step_shape(rank, options.tokens, options.context);
+  shape->shape_source = source;
   shape->indexer_logits = options.indexer_logits;
   shape->head_gemv_sums = options.head_gemv_sums;
   shape->attention_plan = options.attention_plan;
@@ -65,6 +64,7 @@ int main(int argc, char** argv) {
   }
   dsa::cli::StepShape shape{};
   if (!resolve_shape(options, &shape, &error)) return usage_error(error);
+  std::printf("shapes from %s; indexer %s\n", shape.shape_source.c_str(), shape.describe_indexer_shape().c_str());
 
   std::string why_cpu = "--cpu";
   if (options.force_cpu) {

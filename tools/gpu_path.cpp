@@ -102,33 +102,32 @@ StepBytes step_bytes(const StepShape& s) {
   b.q_b_proj = bf16 * H * P * Q + bf16 * m * Q + q;
   b.absorb = w_uk + q + fp8 * m * H * L + b.cache_write;
   // q, the index rows, every token's own cache rows (no sharing assumed), latent and lse.
-  b.attention =
-      fp8 * m * H * L + 4.0 * m * kTopKWidth + fp8 * m * kIndexerPooledColumns * L + bf16 * m * H * L + 4.0 * m * H;
-  b.counters = 4.0 * sparse_mla_split_counter_count(s.m, s.H, kTopKWidth);
-  // The indexer. A token at position p % 4 == 3 completes pool p / 4; a token
-  // of L > 2048 scores pools 0..L/4-1, all tokens on the same pages, so at the
+  const double W = s.top_k_width(), HI = s.index_heads, S = s.index_pool, K = s.index_topk;
+  b.attention = fp8 * m * H * L + 4.0 * m * W + fp8 * m * K * L + bf16 * m * H * L + 4.0 * m * H;
+  b.counters = 4.0 * sparse_mla_split_counter_count(s.m, s.H, s.top_k_width());
+  // The indexer. A token at position p % S == S - 1 completes pool p / S; a token
+  // of L > K scores pools 0..L/S-1, all tokens on the same pages, so at the
   // least each pool up to the last token's is read once. Its K cache is not
   // rotated (prepare writes it; every copy would need the same writes): alone,
   // the select finds it in L2, as the attention finds its cache rows; in the
   // chains the rotated weights stream through L2 between two selects.
   const double index_row = bf16 * m * kIndexerDim;  // index_k or gate [m, 128], or their ring rows
-  // The projections: their weights (wq_b [4096, Q]; wk, compress_gate [128, D]; weights_proj [32, D]), q_c and
-  // x read once, index_q, index_k, gate and head_weights written.
-  const double index_q = bf16 * m * kIndexerHeads * kIndexerDim;
-  b.project = bf16 * (double(kIndexerHeads) * kIndexerDim * Q + (2.0 * kIndexerDim + kIndexerHeads) * D) +
-              bf16 * m * (Q + D) + index_q + 2 * index_row + 4.0 * m * kIndexerHeads;
-  const double q_fp8_and_weights = fp8 * m * kIndexerHeads * kIndexerDim + 4.0 * m * kIndexerHeads;
+  // The projections: their weights (wq_b [HI * 128, Q]; wk, compress_gate [128, D]; weights_proj [HI, D]), q_c
+  // and x read once, index_q, index_k, gate and head_weights written.
+  const double index_q = bf16 * m * HI * kIndexerDim;
+  b.project = bf16 * (HI * kIndexerDim * Q + (2.0 * kIndexerDim + HI) * D) + bf16 * m * (Q + D) + index_q +
+              2 * index_row + 4.0 * m * HI;
+  const double q_fp8_and_weights = fp8 * m * HI * kIndexerDim + 4.0 * m * HI;
   const int64_t last_context = s.context + s.m;
-  const double pools_completed = double(last_context / kIndexerPoolSize - s.context / kIndexerPoolSize);
-  const double pools_scored = last_context > kIndexerPooledColumns ? double(last_context / kIndexerPoolSize) : 0;
+  const double pools_completed = double(last_context / s.index_pool - s.context / s.index_pool);
+  const double pools_scored = last_context > s.index_topk ? double(last_context / s.index_pool) : 0;
   // index_q, index_k, gate, head_weights, the parameters, positions and
   // requests; q_fp8, folded weights and ring rows written; per completed pool
-  // the three earlier tokens' ring rows read and the pool written.
-  b.prepare = index_q + 2 * index_row + 4.0 * m * kIndexerHeads + 4.0 * (2 + kIndexerPoolSize) * kIndexerDim +
-              12.0 * m + q_fp8_and_weights + 2 * index_row +
-              pools_completed * (3 * 2 * bf16 * kIndexerDim + kIndexerPoolBytes);
+  // the S - 1 earlier tokens' ring rows read and the pool written.
+  b.prepare = index_q + 2 * index_row + 4.0 * m * HI + 4.0 * (2 + S) * kIndexerDim + 12.0 * m + q_fp8_and_weights +
+              2 * index_row + pools_completed * ((S - 1) * 2 * bf16 * kIndexerDim + kIndexerPoolBytes);
   // q_fp8 and folded weights, positions and requests, the pools scored, the rows of slots written.
-  const double top_k_rows = 4.0 * m * kTopKWidth;
+  const double top_k_rows = 4.0 * m * W;
   b.select = q_fp8_and_weights + 12.0 * m + pools_scored * kIndexerPoolBytes + top_k_rows;
   b.stock_select = b.select + top_k_rows;  // the request-local positions too
   b.value_up = bf16 * H * L * V + bf16 * m * H * L + bf16 * m * H * V;
@@ -276,14 +275,14 @@ struct PathOutputs {
   std::vector<uint8_t> q_fp8;            // [m, H, L] e4m3
   IndexerProjections indexer_projections;  // the stage's index_q, index_k, head_weights and gate
   std::vector<float> index_logits;         // [m, ceil(max_context / 4)] f32: the fused select's, FP32-accumulated only
-  std::vector<int32_t> slots;            // [m, 2176] int32 global KV slots
+  std::vector<int32_t> slots;            // [m, top_k_width()] int32 global KV slots
   std::vector<uint16_t> latent;          // [m, H, L] BF16
   std::vector<float> lse;                // [m, H] f32
   std::vector<uint16_t> heads;           // [m, H, V] BF16: value-up's output
   std::vector<uint16_t> out;             // [m, D] BF16: o_proj's output, the step's
   std::vector<uint8_t> cache;            // [blocks, 256, L] e4m3: the path's whole KV cache
-  std::vector<uint16_t> indexer_ring;    // [indexer requests, 2, kIndexerRing, 128] BF16
-  std::vector<uint8_t> indexer_k_cache;  // [cache blocks, kIndexerPageBytes]
+  std::vector<uint16_t> indexer_ring;    // [indexer requests, 2, indexer_ring(), 128] BF16
+  std::vector<uint8_t> indexer_k_cache;  // [cache blocks, indexer_page_bytes()]
   unsigned int errors = 0;               // the path's error counter: untrusted values this run met
 };
 
@@ -633,8 +632,9 @@ Check check_indexer_rows(const StepShape& s, const IndexerReference& cpu, const 
       d.count == 0 && cpu.errors == 0,
       format("bitwise: %zu of %zu slots differ (first: token %zu, column %zu); %d indexer request(s), up "
              "to %lld pools scored; CPU error count %lld; CPU prefill and step %.0f ms",
-             d.count, cpu.rows.slots.size(), d.first / kTopKWidth, d.first % kTopKWidth, s.indexer_requests(),
-             static_cast<long long>(last_context > kIndexerPooledColumns ? last_context / kIndexerPoolSize : 0),
+             d.count, cpu.rows.slots.size(), d.first / s.top_k_width(), d.first % s.top_k_width(),
+             s.indexer_requests(),
+             static_cast<long long>(last_context > s.index_topk ? last_context / s.index_pool : 0),
              static_cast<long long>(cpu.errors), cpu.ms));
 }
 
@@ -650,22 +650,22 @@ Check check_indexer_logits(const IndexerReference& cpu) {
 
 // What the GPU prefill and prepare left: the whole ring and every K cache
 // page, unwritten entries included.
-Check check_indexer_state(const IndexerReference& cpu, const PathOutputs& gpu) {
+Check check_indexer_state(const StepShape& s, const IndexerReference& cpu, const PathOutputs& gpu) {
   const Mismatches ring = count_mismatches(gpu.indexer_ring, cpu.state.ring);
   const Mismatches pages = count_mismatches(gpu.indexer_k_cache, cpu.state.k_cache);
   return judged("indexer state (prefill + prepare) vs CPU reference", ring.count == 0 && pages.count == 0,
                 format("bitwise: ring %zu of %zu BF16 values differ, K cache %zu of %zu bytes differ (first in page "
                        "%lld)",
                        ring.count, cpu.state.ring.size(), pages.count, cpu.state.k_cache.size(),
-                       static_cast<long long>(pages.first / kIndexerPageBytes)));
+                       static_cast<long long>(pages.first / s.indexer_page_bytes())));
 }
 
 // Both paths run the same select on the same logits: the same slots.
-Check check_indexer_fused_vs_stock(const PathOutputs& fused, const PathOutputs& stock) {
+Check check_indexer_fused_vs_stock(const StepShape& s, const PathOutputs& fused, const PathOutputs& stock) {
   const Mismatches d = count_mismatches(stock.slots, fused.slots);
   return judged("indexer slots fused vs stock", d.count == 0,
                 format("bitwise: %zu of %zu slots differ (first: token %zu, column %zu)", d.count, fused.slots.size(),
-                       d.first / kTopKWidth, d.first % kTopKWidth));
+                       d.first / s.top_k_width(), d.first % s.top_k_width()));
 }
 
 // The attention against the float64 reference on the GPU's own q_fp8, cache
@@ -790,7 +790,7 @@ Check check_error_counts(const PathOutputs& fused, const PathOutputs& fused_agai
 Status check_tokens_alone(const StepShape& s, DsaAttentionStage& stage, const DeviceLayer& layer,
                           const PathOutputs& batch, cudaStream_t stream, Check* check) {
   const DsaStepArgs args = layer.step_args(DsaPath::kFused);
-  const size_t out_row = size_t(s.D), latent_row = size_t(s.H) * s.L, slot_row = size_t(kIndexerRowWidth);
+  const size_t out_row = size_t(s.D), latent_row = size_t(s.H) * s.L, slot_row = size_t(s.top_k_width());
   int differing = 0;
   std::string first;
   for (int t = 0; t < s.m; ++t) {
@@ -877,7 +877,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   if (!indexer_projections_cublaslt) {
     add(check_indexer_projections_gemv(s, w, in, fused.q_c, fused.indexer_projections));
   }
-  add(check_indexer_state(indexer, fused));
+  add(check_indexer_state(s, indexer, fused));
   if (fp32_logits) add(check_indexer_logits(indexer));
   add(check_indexer_rows(s, indexer, fused));
   add(check_attention(s, w, fused));
@@ -888,7 +888,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
   add(check_fused_repeat(fused, fused_again));
   add(check_cache_fused_vs_stock(s, fused, stock));
   add(check_q_fp8_fused_vs_stock(s, w, fused, stock));
-  add(check_indexer_fused_vs_stock(fused, stock));
+  add(check_indexer_fused_vs_stock(s, fused, stock));
   add(check_fused_vs_stock("attention fused vs stock", "latent", fused.latent, stock.latent));
   add(report_value_up_fused_vs_stock(fused, stock));
   add(check_fused_vs_stock("output fused vs stock", "out", fused.out, stock.out));
@@ -915,7 +915,7 @@ Status run_checks(const StepShape& s, const HostWeights& w, const HostStepInputs
 int weight_copies(const bench::Context& ctx, const StepShape& s) {
   const size_t smallest =
       2 * std::min({size_t(s.q_width()) * s.Q, size_t(s.H) * s.P * s.L, size_t(s.H) * s.L * s.V,
-                    size_t(kIndexerHeads) * kIndexerDim * s.Q, size_t(s.qkv_width()) * s.D, size_t(s.D) * s.H * s.V});
+                    size_t(s.index_heads) * kIndexerDim * s.Q, size_t(s.qkv_width()) * s.D, size_t(s.D) * s.H * s.V});
   return bench::cold_copies(ctx, smallest);
 }
 

@@ -5,6 +5,8 @@
 #include <limits>
 #include <system_error>
 
+#include "checkpoint.h"
+#include "dsa_decode/indexer.h"
 #include "dsa_decode/linear.h"
 #include "dsa_decode/presets.h"
 #include "dsa_decode/stage.h"
@@ -72,7 +74,8 @@ void print_usage(FILE* to) {
                "usage: dsa-decode [--preset NAME] [--tp N] [--tokens M] [--context N] [--steps N] [--seed N]\n"
                "                  [--projections KERNEL] [--value-up-tokens LIST] [--head-gemv-sums SUMS]\n"
                "                  [--indexer-projections KERNEL] [--indexer-logits DOTS] [--attention-plan PLAN]\n"
-               "                  [--batch-invariant] [--weights PATH --layer N] [--json FILE] [--trace] [--cpu]\n"
+               "                  [--batch-invariant] [--weights PATH --layer N] [--config PATH]\n"
+               "                  [--index-heads N] [--index-pool N] [--index-topk N] [--json FILE] [--trace] [--cpu]\n"
                "                  [--report FILE.html] [--help]\n"
                "Runs one decode step of a DSA layer's attention half (hidden states in, o_proj's output\n"
                "out) on a synthetic layer (or a checkpoint's, --weights) through the library's stage\n"
@@ -98,6 +101,19 @@ void print_usage(FILE* to) {
                "                 cache stay the synthetic ones of --seed; prints the load's GB/s\n"
                "  --layer N      the checkpoint's layer to run (model.layers.N.self_attn.*; default 0; with\n"
                "                 --weights only)\n"
+               "  --config PATH  a Hugging Face config.json (or a directory holding one) whose shapes replace the\n"
+               "                 preset's: index_n_heads, index_kpool, index_topk and index_head_dim (128) are\n"
+               "                 required; hidden_size, num_attention_heads, q_lora_rank, kv_lora_rank,\n"
+               "                 qk_nope_head_dim, qk_rope_head_dim and v_head_dim replace the preset's where present\n"
+               "                 (every missing, mistyped or unsupported field named in one error). --weights does\n"
+               "                 not read its config.json's shapes: pass --config for them\n"
+               "  --index-heads N\n"
+               "                 the indexer's heads, 16, 32 or 64 (index_n_heads; default: the config's, else the\n"
+               "                 preset's, 32 for glm5next)\n"
+               "  --index-pool N the indexer's tokens per pool, 4, 8 or 16 (index_kpool; default: the config's,\n"
+               "                 else the preset's, 4 for glm5next)\n"
+               "  --index-topk N the indexer's selected tokens, a multiple of the pool size, at most 512 pools\n"
+               "                 (index_topk; default: the config's, else the preset's, 2048 for glm5next)\n"
                "  --projections KERNEL\n"
                "                 the stage's projections: qkv_a_proj (both paths) and the fused path's q_b_proj\n"
                "                 and o_proj (the stock path's stay cuBLASLt): auto (default; linear_gemv, one\n"
@@ -172,6 +188,13 @@ std::string expected_value(const std::string& option) {
   if (option == "--report") return "a file name ending in .html";
   if (option == "--weights") return "a checkpoint directory or .safetensors files separated by commas";
   if (option == "--layer") return range_text(0, kMaxLayer);
+  if (option == "--config") return "a config.json file or a directory holding one";
+  if (option == "--index-heads") return "16, 32 or 64";
+  if (option == "--index-pool") return "4, 8 or 16";
+  if (option == "--index-topk") {
+    return "a multiple of the pool size from the pool size to " + std::to_string(kIndexerMaxTopPools * 16) +
+           " (at most " + std::to_string(kIndexerMaxTopPools) + " pools)";
+  }
   if (option == "--projections") return "auto, gemv or cublaslt";
   if (option == "--indexer-projections") return "gemv or cublaslt";
   if (option == "--indexer-logits") return choice_list(kIndexerLogitsChoices);
@@ -243,6 +266,27 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
   if (option == "--context") return parse_integer<int64_t>(option, value, 0, kMaxContext, &o->context, error);
   if (option == "--steps") return parse_integer(option, value, 1, kMaxSteps, &o->steps, error);
   if (option == "--layer") return parse_integer(option, value, 0, kMaxLayer, &o->layer, error);
+  if (option == "--index-heads" || option == "--index-pool" || option == "--index-topk") {
+    int parsed = 0;
+    if (!parse_integer(option, value, 1, kIndexerMaxTopPools * 16, &parsed, error)) return false;
+    const bool ok = option == "--index-heads"  ? parsed == 16 || parsed == 32 || parsed == 64
+                    : option == "--index-pool" ? parsed == 4 || parsed == 8 || parsed == 16
+                                               : true;  // --index-topk: checked against the pool in resolve_model
+    if (!ok) {
+      *error = bad_value(option, value);
+      return false;
+    }
+    (option == "--index-heads" ? o->index_heads : option == "--index-pool" ? o->index_pool : o->index_topk) = parsed;
+    return true;
+  }
+  if (option == "--config") {
+    if (value.empty()) {
+      *error = bad_value(option, value);
+      return false;
+    }
+    o->config_path = value;
+    return true;
+  }
   if (option == "--weights") {
     if (value.empty() || value.find_first_not_of(',') == std::string::npos) {
       *error = bad_value(option, value);
@@ -347,6 +391,61 @@ bool parse_options(int argc, char** argv, Options* options, std::string* error) 
     *error = "--layer: names a layer of the checkpoint of --weights, and no --weights was given";
     return false;
   }
+  return true;
+}
+
+bool resolve_model(const Options& options, ModelPreset* whole, std::string* source, std::string* error) {
+  ModelPreset preset{};
+  if (!find_preset(options.preset, &preset).ok()) {
+    *error = "--preset: got '" + options.preset + "', expected one of " + preset_names();
+    return false;
+  }
+  std::string from = "preset " + options.preset;
+  // Where each indexer field came from, for the messages.
+  std::string pool_from = from, topk_from = from;
+  if (!options.config_path.empty()) {
+    ModelConfig config;
+    const Status read = read_model_config(options.config_path, &config);
+    ModelPreset configured{};
+    const Status applied = read.ok() ? apply_model_config(preset, config, &configured) : read;
+    if (!applied.ok()) {
+      *error = "--config: " + applied.message();
+      return false;
+    }
+    preset = configured;
+    from += ", config.json " + config.path;
+    pool_from = topk_from = config.path;
+  }
+  int heads = preset.index_heads, pool = preset.pool_size, topk = preset.topk;
+  std::vector<std::string> options_given;
+  if (options.index_heads) heads = *options.index_heads, options_given.push_back("--index-heads");
+  if (options.index_pool) pool = *options.index_pool, pool_from = "--index-pool", options_given.push_back("--index-pool");
+  if (options.index_topk) topk = *options.index_topk, topk_from = "--index-topk", options_given.push_back("--index-topk");
+  if (!options_given.empty()) {
+    if (preset.pool_size <= 1) {
+      *error = options_given.front() + ": preset '" + options.preset +
+               "' has no pooled indexer (pool_size " + std::to_string(preset.pool_size) +
+               "); the indexer's shape applies to glm5next";
+      return false;
+    }
+    if (topk < pool || topk % pool != 0 || topk / pool > kIndexerMaxTopPools) {
+      const std::string option = options.index_topk ? "--index-topk" : options_given.front();
+      *error = option + ": top-k " + std::to_string(topk) + " (" + topk_from + ") and pool size " +
+               std::to_string(pool) + " (" + pool_from + "): expected a top-k that is a multiple of the pool size " +
+               "from " + std::to_string(pool) + " to " + std::to_string(kIndexerMaxTopPools * pool);
+      return false;
+    }
+    ModelPreset shaped{};
+    const Status s = with_indexer_shape(preset, heads, pool, topk, &shaped);
+    if (!s.ok()) {  // the checks above and the options' own leave nothing for it to refuse
+      *error = options_given.front() + ": " + s.message();
+      return false;
+    }
+    preset = shaped;
+    for (const std::string& option : options_given) from += ", " + option;
+  }
+  *whole = preset;
+  *source = from;
   return true;
 }
 

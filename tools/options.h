@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dsa_decode/choices.h"
+#include "dsa_decode/presets.h"
 
 namespace dsa::cli {
 
@@ -24,6 +25,12 @@ struct Options {
   // synthetic weights (tools/checkpoint.h); empty: the synthetic layer.
   std::string weights;
   int layer = 0;                 // --layer: the checkpoint's layer (model.layers.N)
+  // --config: a Hugging Face config.json (or a directory holding one) whose
+  // shapes replace the preset's (tools/checkpoint.h's ModelConfig); empty: none.
+  std::string config_path;
+  // --index-heads, --index-pool, --index-topk: the indexer's shape, over the
+  // preset's and the config's (resolve_model).
+  std::optional<int> index_heads, index_pool, index_topk;
   std::string json_path;         // empty: no JSON report
   std::string report_path;       // --report: the HTML page (tools/html_report.h); implies --trace
   // --value-up-tokens: the token counts whose value-up the fused path runs as
@@ -70,6 +77,13 @@ inline constexpr int kMaxTp = 1024;
 inline constexpr int kMaxLayer = 9999;  // the preset's head count must also divide by it
 
 void print_usage(FILE* to);
+
+// The whole model's shapes (tp 1) the run takes: --preset, then --config's
+// config.json fields, then --index-heads, --index-pool and --index-topk.
+// `source` says where the shapes came from ("preset glm5next", "preset
+// glm5next, config.json PATH, --index-pool"). False with a message naming
+// the option or the config field, what was given and what is expected.
+bool resolve_model(const Options& options, ModelPreset* whole, std::string* source, std::string* error);
 
 // "1,2,4" (increasing), or "none" for an empty set: --value-up-tokens's syntax.
 std::string token_list(const std::set<int>& counts);

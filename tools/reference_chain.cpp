@@ -23,10 +23,10 @@ reference::SparseMlaResult reference_attention(const StepShape& s, const HostWei
   a.entry_stride = s.L;
   a.block_stride = block_size * s.L;
   a.indices = slots.data();
-  a.indices_token_stride = kTopKWidth;
+  a.indices_token_stride = s.top_k_width();
   a.m = s.m;
   a.heads = s.H;
-  a.top_k = kTopKWidth;
+  a.top_k = s.top_k_width();
   a.q_scale = w.q_scale;
   a.k_scale = w.k_scale;
   a.softmax_scale = s.softmax_scale;
@@ -146,16 +146,17 @@ int reference_cache_write(const StepShape& s, const HostWeights& w, const std::v
 reference::IndexerStateHost IndexerHostState::view() {
   // One page per KV block: as many blocks as the table is wide.
   return reference::IndexerStateHost{block_table.data(), requests, width, ring.data(), k_cache.data(),
-                                     /*blocks=*/width, kIndexerPageBytes};
+                                     /*blocks=*/width, page_bytes};
 }
 
 IndexerHostState make_indexer_state(const StepShape& s) {
   IndexerHostState state;
   state.requests = s.indexer_requests();
   state.width = s.cache_blocks();
+  state.page_bytes = s.indexer_page_bytes();
   state.block_table = make_indexer_block_table(s);
-  state.ring.assign(size_t(state.requests) * 2 * kIndexerRing * kIndexerDim, 0);
-  state.k_cache.assign(size_t(state.width) * kIndexerPageBytes, 0);
+  state.ring.assign(size_t(state.requests) * 2 * s.indexer_ring() * kIndexerDim, 0);
+  state.k_cache.assign(size_t(state.width) * state.page_bytes, 0);
   return state;
 }
 
@@ -193,7 +194,8 @@ reference::IndexerProjectInputsHost projection_inputs(const StepShape& s, const 
           w.index_wq_b.data(),
           w.index_wk.data(),
           w.index_weights_proj.data(),
-          w.index_compress_gate.data()};
+          w.index_compress_gate.data(),
+          s.index_heads};
 }
 }  // namespace
 
@@ -257,13 +259,13 @@ Status reference_indexer_step(const StepShape& s, const HostWeights& w, const In
     std::vector<std::vector<float>> logits(s.m);
     for (int t = 0; t < s.m; ++t) {
       const int64_t request = in.token_requests[t], context = in.positions[t] + 1;
-      if (request < 0 || context <= kIndexerPooledColumns) continue;
-      const int64_t pools = context / kIndexerPoolSize;
+      if (request < 0 || context <= plan.topk) continue;
+      const int64_t pools = context / plan.pool;
       const float* row = gpu_logits->logits->data() + size_t(t) * stride;
       logits[t].assign(row, row + pools);
       const reference::LogitDeviation deviation = reference::indexer_logit_deviation(
-          plan, view, request, pools, &query.q_fp8[size_t(t) * kIndexerHeads * kIndexerDim],
-          &query.head_weights[size_t(t) * kIndexerHeads], row);
+          plan, view, request, pools, &query.q_fp8[size_t(t) * plan.heads * kIndexerDim],
+          &query.head_weights[size_t(t) * plan.heads], row);
       gpu_logits->scored += pools;
       gpu_logits->outside += deviation.outside;
       gpu_logits->worst = std::max(gpu_logits->worst, deviation.worst);

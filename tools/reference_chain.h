@@ -65,7 +65,7 @@ reference::HeadGemvDeviation value_up_deviation(const StepShape& s, const HostWe
                                                 const std::vector<uint16_t>& latent, const std::vector<uint16_t>& out);
 
 // latent [m, H, L] BF16 and lse [m, H] of q_fp8 [m, H, L] attending over
-// `cache` [blocks, block_size, L] e4m3 at `slots` [m, kTopKWidth] (-1 = none):
+// `cache` [blocks, block_size, L] e4m3 at `slots` [m, top_k_width()] (-1 = none):
 // the float64 reference every sparse MLA kernel is checked against.
 reference::SparseMlaResult reference_attention(const StepShape& s, const HostWeights& w,
                                                const std::vector<uint8_t>& q_fp8, const std::vector<uint8_t>& cache,
@@ -84,9 +84,10 @@ int reference_cache_write(const StepShape& s, const HostWeights& w, const std::v
 // says why there may be several requests).
 struct IndexerHostState {
   int64_t requests = 0, width = 0;   // block table rows and columns
+  int64_t page_bytes = 0;            // StepShape::indexer_page_bytes()
   std::vector<int32_t> block_table;  // [requests, width] int32: identity rows
-  std::vector<uint16_t> ring;        // [requests, 2, kIndexerRing, 128] BF16
-  std::vector<uint8_t> k_cache;      // [cache_blocks, kIndexerPageBytes]
+  std::vector<uint16_t> ring;        // [requests, 2, indexer_ring(), 128] BF16
+  std::vector<uint8_t> k_cache;      // [cache_blocks, page_bytes]
   reference::IndexerStateHost view();  // points into the vectors
 };
 
@@ -101,9 +102,9 @@ Status reference_indexer_prefill(const StepShape& s, const HostWeights& w, const
 
 // The indexer's projection outputs, as indexer_prepare takes them.
 struct IndexerProjections {
-  std::vector<uint16_t> index_q;    // [m, 32, 128] BF16
+  std::vector<uint16_t> index_q;    // [m, HI, 128] BF16
   std::vector<uint16_t> index_k;    // [m, 128] BF16, before the LayerNorm
-  std::vector<float> head_weights;  // [m, 32]
+  std::vector<float> head_weights;  // [m, HI]
   std::vector<uint16_t> gate;       // [m, 128] BF16
 };
 
@@ -134,7 +135,7 @@ struct GpuIndexerLogits {
 };
 
 // indexer_prepare, then indexer_select, of the step on `state` from its
-// `projections` and the positions and requests of `in`: rows [m, 2176] of
+// `projections` and the positions and requests of `in`: rows [m, top_k_width()] of
 // request-local positions and of KV slots. Under the plan's
 // kFp32Accumulation the rows are the selection over the GPU's logits
 // (`gpu_logits`, required then), which are compared with the exact ones.

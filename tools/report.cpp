@@ -184,13 +184,23 @@ void print_trace(const StageTrace& t, int weight_copies) {
   std::fflush(stdout);
 }
 
+// The indexer's shape of the step and where the shapes came from.
+static std::string json_indexer(const StepShape& s) {
+  std::ostringstream json;
+  json << "{\"heads\": " << s.index_heads << ", \"pool\": " << s.index_pool << ", \"topk\": " << s.index_topk
+       << ", \"row_width\": " << s.top_k_width() << ", \"ring\": " << s.indexer_ring()
+       << ", \"shape_source\": " << json_string(s.shape_source) << "}";
+  return json.str();
+}
+
 Status write_json(const RunReport& r, const std::string& path) {
   std::ostringstream json;
   const StepShape& s = r.shape;
   json << "{\"bench\": \"dsa-decode\", \"gpu\": " << json_string(r.gpu) << ", \"commit\": " << json_string(r.commit)
        << ",\n \"date\": " << json_string(r.date) << ", \"copy_GBps\": " << json_number(r.copy_GBps)
        << ",\n \"preset\": " << json_string(s.preset) << ", \"tp\": " << s.tp << ", \"params\": {\"H\": " << s.H
-       << ", \"m\": " << s.m << ", \"context\": " << s.context << "}, \"steps\": " << r.steps
+       << ", \"m\": " << s.m << ", \"context\": " << s.context << "}, \"indexer\": " << json_indexer(s)
+       << ", \"steps\": " << r.steps
        << ", \"weight_copies\": " << r.weight_copies
        << ",\n \"value_up\": {\"fused_kernel\": " << json_string(r.value_up_kernel)
        << ", \"reason\": " << json_string(r.value_up_reason) << "}"
@@ -231,7 +241,8 @@ Status write_cpu_json(const CpuReport& r, const std::string& path) {
   json << "{\"bench\": \"dsa-decode\", \"path\": \"cpu\", \"why_cpu\": " << json_string(r.why_cpu)
        << ", \"commit\": " << json_string(r.commit) << ",\n \"date\": " << json_string(r.date)
        << ",\n \"preset\": " << json_string(s.preset) << ", \"tp\": " << s.tp << ", \"params\": {\"H\": " << s.H
-       << ", \"m\": " << s.m << ", \"context\": " << s.context << "}, \"seed\": " << r.seed
+       << ", \"m\": " << s.m << ", \"context\": " << s.context << "}, \"indexer\": " << json_indexer(s)
+       << ", \"seed\": " << r.seed
        << ",\n \"result\": " << json_string(failed == 0 ? "PASS" : "FAIL") << ", \"failed\": " << failed
        << ", \"elapsed_s\": " << json_number(r.elapsed_s) << ", \"chain_ms\": " << json_number(r.chain_ms)
        << ", \"prefill_ms\": " << json_number(r.prefill_ms)

@@ -105,19 +105,25 @@ std::string StepShape::describe() const {
          ", V=" + std::to_string(V) + "), m=" + std::to_string(m) + ", context " + std::to_string(context);
 }
 
+std::string StepShape::describe_indexer_shape() const {
+  return std::to_string(index_heads) + " heads, pools of " + std::to_string(index_pool) + ", top-" +
+         std::to_string(index_topk) + " (rows " + std::to_string(top_k_width()) + ")";
+}
+
 std::string StepShape::describe_indexer() const {
   const int requests = indexer_requests();
-  std::string text = "indexer: RING " + std::to_string(kIndexerRing) + ", ";
+  std::string text = "indexer: " + describe_indexer_shape() + ", RING " + std::to_string(indexer_ring()) + ", ";
   if (requests == 1) {
     text += context > 0 ? "one request prefilled with the " + std::to_string(context) + " context positions"
                         : "one request, empty before the step (no context)";
   } else {
-    text += std::to_string(requests) + " requests of up to " + std::to_string(kIndexerTokensPerRequest) +
+    text += std::to_string(requests) + " requests of up to " + std::to_string(indexer_tokens_per_request()) +
             " tokens, request r prefilled with the " + std::to_string(context) + " + " +
-            std::to_string(kIndexerTokensPerRequest) + "r positions before its first token (forks sharing the pages)";
+            std::to_string(indexer_tokens_per_request()) +
+            "r positions before its first token (forks sharing the pages)";
   }
   return text + "; block table [" + std::to_string(requests) + ", " + std::to_string(cache_blocks()) +
-         "] (identity rows), K cache [" + std::to_string(cache_blocks()) + ", " + std::to_string(kIndexerPageBytes) +
+         "] (identity rows), K cache [" + std::to_string(cache_blocks()) + ", " + std::to_string(indexer_page_bytes()) +
          "] bytes";
 }
 
@@ -125,8 +131,11 @@ DsaStagePlan StepShape::stage_plan() const {
   DsaStagePlan plan;
   plan.max_tokens = m;
   plan.max_context = context + m;
-  plan.ring = kIndexerRing;
+  plan.ring = indexer_ring();
   plan.block_size = kCacheBlockSize;
+  plan.indexer_heads = index_heads;
+  plan.indexer_pool = index_pool;
+  plan.indexer_topk = index_topk;
   plan.head_gemv_sums = head_gemv_sums;
   plan.indexer_logits = indexer_logits;
   plan.attention_plan = attention_plan;
@@ -142,6 +151,9 @@ StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context) {
               per_rank.qk_nope, per_rank.v_head,       m,
               context,          per_rank.softmax_scale};
   s.per_rank = per_rank;
+  s.index_heads = per_rank.index_heads;
+  s.index_pool = per_rank.pool_size;
+  s.index_topk = per_rank.topk;
   return s;
 }
 
@@ -171,15 +183,15 @@ HostWeights make_weights(const StepShape& s, uint64_t seed) {
   // unit-scale gates it is added to.
   w.index_k_norm_weight = normal_bf16_as_float(kIndexerDim, 1.0f, 0.05f, ElementHash(seed, Tensor::kIndexKNormWeight));
   w.index_k_norm_bias = normal_bf16_as_float(kIndexerDim, 0.0f, 0.02f, ElementHash(seed, Tensor::kIndexKNormBias));
-  w.index_ape = normal_bf16_as_float(size_t(kIndexerPoolSize) * kIndexerDim, 0.0f, 0.1f,
+  w.index_ape = normal_bf16_as_float(size_t(s.index_pool) * kIndexerDim, 0.0f, 0.1f,
                                      ElementHash(seed, Tensor::kIndexApe));
   // std 1/sqrt(fan-in), as the other projections: index_q, index_k, gate and
   // the head weights come out near unit scale, as the prefill's drawn rows.
-  w.index_wq_b = normal_bf16(size_t(kIndexerHeads) * kIndexerDim * s.Q, 0.0f, inverse_sqrt(s.Q),
+  w.index_wq_b = normal_bf16(size_t(s.index_heads) * kIndexerDim * s.Q, 0.0f, inverse_sqrt(s.Q),
                              ElementHash(seed, Tensor::kIndexWqB));
   w.index_wk = normal_bf16(size_t(kIndexerDim) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexWk));
   w.index_weights_proj =
-      normal_bf16(size_t(kIndexerHeads) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexWeightsProj));
+      normal_bf16(size_t(s.index_heads) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexWeightsProj));
   w.index_compress_gate =
       normal_bf16(size_t(kIndexerDim) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexCompressGate));
   return w;
@@ -203,7 +215,7 @@ HostStepInputs make_step_inputs(const StepShape& s, uint64_t seed) {
   for (int t = 0; t < s.m; ++t) in.slot_mapping[t] = s.context + t;
   in.positions = in.slot_mapping;
   in.token_requests.resize(s.m);
-  for (int t = 0; t < s.m; ++t) in.token_requests[t] = t / kIndexerTokensPerRequest;
+  for (int t = 0; t < s.m; ++t) in.token_requests[t] = t / s.indexer_tokens_per_request();
   return in;
 }
 

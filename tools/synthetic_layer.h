@@ -24,21 +24,19 @@ namespace dsa::cli {
 // indexer's block size (a multiple of 128, as its pages need).
 inline constexpr int kCacheBlockSize = 256;
 
-// The indexer's ring holds 8 rows, its size with draft tokens: a step may then
-// carry up to RING - 3 = 5 tokens of one request (include/dsa_decode/indexer.h,
-// "Ring"); RING 4 would allow one.
-inline constexpr int kIndexerRing = 8;
-inline constexpr int kIndexerTokensPerRequest = kIndexerRing - 3;
-// One indexer page: the pooled keys of one KV block (64 pools of 132 bytes).
-inline constexpr int64_t kIndexerPageBytes = int64_t{kCacheBlockSize} / kIndexerPoolSize * kIndexerPoolBytes;
-
 // The shapes of one decode step on one rank.
+//
+// The indexer's shape is the preset's (index_heads, pool_size S, topk K: the
+// model config's index_n_heads, index_kpool, index_topk). Its ring holds 2 S
+// rows, its size with draft tokens (include/dsa_decode/indexer.h, "Ring"), so
+// a step may carry up to 2 S - (S - 1) = S + 1 tokens of one request (5 at
+// S = 4; RING = S would allow one).
 //
 // The step's m tokens are one request's consecutive positions
 // context..context+m-1 (a token and its drafts), in the main KV cache at the
-// slots of the same numbers. The indexer takes at most kIndexerTokensPerRequest
-// tokens of one request per step, so token t goes to indexer request
-// t / kIndexerTokensPerRequest, and request r's state starts from positions
+// slots of the same numbers. The indexer takes at most
+// indexer_tokens_per_request() tokens of one request per step, so token t goes
+// to indexer request t / indexer_tokens_per_request(), and request r's state starts from positions
 // 0..indexer_prefill_tokens(r) - 1, those before its first token (for r >= 1
 // that includes the step's earlier tokens: a fork of request 0). Every
 // request's block table row is the identity, so all of them read and write the
@@ -49,8 +47,8 @@ inline constexpr int64_t kIndexerPageBytes = int64_t{kCacheBlockSize} / kIndexer
 // rewrites those pools from the projected rows, but request r >= 1 keeps the
 // drawn rows in its ring, and the first pool its tokens complete may mix the
 // two. The GPU and the CPU reference do the same, so the checks hold. For
-// m <= 5 there is exactly one request and every pool of the step's positions
-// is what one request decoded token by token would give.
+// m <= S + 1 there is exactly one request and every pool of the step's
+// positions is what one request decoded token by token would give.
 struct StepShape {
   std::string preset;
   int tp;
@@ -68,26 +66,43 @@ struct StepShape {
   SparseMlaPlan attention_plan = SparseMlaPlan::kAuto;       // both paths' sparse_mla plan (--attention-plan)
   bool batch_invariant = false;                              // --batch-invariant
   ModelPreset per_rank{};  // the preset on one rank, which the fields above come from (the stage's configuration)
+  // The indexer's shape (the preset's index_heads, pool_size, topk).
+  int index_heads = kIndexerHeads;    // HI
+  int index_pool = kIndexerPoolSize;  // S
+  int index_topk = kIndexerTopK;      // K
+  // Where the shapes came from: "preset glm5next", or the config.json and
+  // options that overrode it (dsa-decode --config, --index-*).
+  std::string shape_source = "the preset";
 
   int64_t q_width() const { return int64_t{H} * P; }  // q_b_proj's out features
   int qkv_width() const { return Q + L; }
   int64_t cache_blocks() const { return (context + m + kCacheBlockSize - 1) / kCacheBlockSize; }
-  int indexer_requests() const { return (m + kIndexerTokensPerRequest - 1) / kIndexerTokensPerRequest; }
+  int indexer_ring() const { return 2 * index_pool; }  // RING with draft tokens
+  int indexer_tokens_per_request() const { return indexer_ring() - (index_pool - 1); }
+  // One indexer page: the pooled keys of one KV block (kCacheBlockSize / S pools of 132 bytes).
+  int64_t indexer_page_bytes() const { return int64_t{kCacheBlockSize} / index_pool * kIndexerPoolBytes; }
+  // Columns of a top-k row: K + S - 1 rounded up to 128 (indexer_row_width).
+  int top_k_width() const { return indexer_row_width(indexer_plan()); }
+  int indexer_requests() const { return (m + indexer_tokens_per_request() - 1) / indexer_tokens_per_request(); }
   int64_t indexer_prefill_tokens(int request) const {
-    return context + int64_t{request} * kIndexerTokensPerRequest;
+    return context + int64_t{request} * indexer_tokens_per_request();
   }
-  // The stage's plan of this step: max_tokens m, max_context context + m, RING kIndexerRing, block size
-  // kCacheBlockSize, and the three numeric choices above (value_up_tokens and the indexer's projection kernel
-  // are the caller's).
+  // The stage's plan of this step: max_tokens m, max_context context + m, RING indexer_ring(), block size
+  // kCacheBlockSize, the indexer's shape and the three numeric choices above (value_up_tokens and the indexer's
+  // projection kernel are the caller's).
   DsaStagePlan stage_plan() const;
   // dsa_stage_indexer_plan(stage_plan()): what the indexer's state, its prefill and its CPU reference use.
   IndexerPlan indexer_plan() const;
   std::string describe() const;  // "glm5next TP1 (D=4096, H=64, Q=1536, L=512, P=256, V=256), m=4, context 32768"
-  // "indexer: RING 8, one request prefilled with the 32768 context positions; block table [1, 129] ..."
+  // "32 heads, pools of 4, top-2048 (rows 2176)"
+  std::string describe_indexer_shape() const;
+  // "indexer: 32 heads, pools of 4, top-2048 (rows 2176), RING 8, one request prefilled with the 32768 context
+  // positions; block table [1, 129] ..."
   std::string describe_indexer() const;
 };
 
-// `per_rank` is a NoPE preset already split by per_rank().
+// `per_rank` is a NoPE preset already split by per_rank(); the indexer's
+// shape is its index_heads, pool_size and topk.
 StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context);
 
 // BF16 values are held as their bit patterns.
@@ -106,16 +121,13 @@ struct HostWeights {
   // values (what a BF16 checkpoint converts to exactly).
   std::vector<float> index_k_norm_weight;  // [128]
   std::vector<float> index_k_norm_bias;    // [128]
-  std::vector<float> index_ape;            // [4, 128]
+  std::vector<float> index_ape;            // [S, 128]
   // The indexer's projections (indexer_project), nn.Linear's [out, in].
-  std::vector<uint16_t> index_wq_b;           // [32 * 128, Q]
+  std::vector<uint16_t> index_wq_b;           // [HI * 128, Q]
   std::vector<uint16_t> index_wk;             // [128, D]
-  std::vector<uint16_t> index_weights_proj;   // [32, D]
+  std::vector<uint16_t> index_weights_proj;   // [HI, D]
   std::vector<uint16_t> index_compress_gate;  // [128, D]
 };
-
-// Width of a top-k row: glm5next's 2048 pooled tokens, up to 3 tail tokens, -1 padding.
-inline constexpr int kTopKWidth = kIndexerRowWidth;
 
 // index_k and gate rows of consecutive positions, the indexer prefill's
 // stand-ins for the projections of the context's tokens. Each row is a
@@ -132,7 +144,7 @@ struct HostStepInputs {
   std::vector<uint16_t> hidden;        // [m, D] BF16: x, as the attention takes it (after the input RMSNorm)
   std::vector<int64_t> slot_mapping;   // [m]: context + t
   std::vector<int64_t> positions;      // [m]: context + t (the indexer's; the block table is the identity)
-  std::vector<int32_t> token_requests; // [m]: t / kIndexerTokensPerRequest (see StepShape)
+  std::vector<int32_t> token_requests; // [m]: t / indexer_tokens_per_request() (see StepShape)
 };
 
 // Blocks [first_block, first_block + blocks) of the layer's KV cache

@@ -22,6 +22,9 @@ struct ModelPreset {
   int qk_nope;         // P, qk_nope_head_dim
   int qk_rope;         // rope dims per head (0 = NoPE)
   int v_head;          // V, v_head_dim
+  // The indexer's shape (glm5next: the model config's index_n_heads,
+  // index_head_dim, index_topk, index_kpool; the preset holds the default
+  // shape, with_indexer_shape() another).
   int index_heads;     // indexer heads (not split across ranks)
   int index_dim;       // indexer head dim
   int topk;            // selected tokens per query token
@@ -40,5 +43,13 @@ Status find_preset(std::string_view name, ModelPreset* out);
 // The preset's shapes on one of `tp` ranks: heads / tp (must divide).
 Status per_rank(const ModelPreset& preset, int tp, ModelPreset* out);
 std::string preset_names();  // "glm5next, glm5, dsv32"
+
+// The preset with another pooled indexer shape: index_heads = `heads` (16,
+// 32 or 64), pool_size = `pool` (4, 8 or 16), topk = `topk` (a multiple of
+// pool, at most 512 pools) and topk_row_width = topk + pool - 1 rounded up
+// to 128 (indexer.h's indexer_row_width). Only a preset with a pooled
+// indexer (pool_size > 1) takes one. Errors name the field ("index_heads",
+// "pool_size", "topk", "preset"), what it must be and what it is.
+Status with_indexer_shape(const ModelPreset& preset, int heads, int pool, int topk, ModelPreset* out);
 
 }  // namespace dsa

@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "dsa_decode/indexer.h"
+
 namespace dsa {
 
 namespace {
@@ -37,6 +39,36 @@ Status find_preset(std::string_view name, ModelPreset* out) {
     }
   }
   return invalid_argument("preset", "one of " + preset_names(), "'" + std::string(name) + "'");
+}
+
+Status with_indexer_shape(const ModelPreset& preset, int heads, int pool, int topk, ModelPreset* out) {
+  if (preset.pool_size <= 1) {
+    return invalid_argument("preset", "a preset with a pooled indexer (pool_size > 1)",
+                            std::string(preset.name) + " (pool_size " + std::to_string(preset.pool_size) + ")");
+  }
+  if (heads != 16 && heads != 32 && heads != 64) {
+    return invalid_argument("index_heads", "16, 32 or 64 index heads", std::to_string(heads));
+  }
+  if (pool != 4 && pool != 8 && pool != 16) {
+    return invalid_argument("pool_size", "4, 8 or 16 tokens per pool", std::to_string(pool));
+  }
+  if (topk < pool || topk % pool != 0 || topk / pool > kIndexerMaxTopPools) {
+    return invalid_argument("topk",
+                            "a multiple of the pool size " + std::to_string(pool) + " from " + std::to_string(pool) +
+                                " to " + std::to_string(kIndexerMaxTopPools * pool) + " (at most " +
+                                std::to_string(kIndexerMaxTopPools) + " pools)",
+                            std::to_string(topk));
+  }
+  *out = preset;
+  out->index_heads = heads;
+  out->pool_size = pool;
+  out->topk = topk;
+  IndexerPlan plan;
+  plan.heads = heads;
+  plan.pool = pool;
+  plan.topk = topk;
+  out->topk_row_width = indexer_row_width(plan);
+  return Status();
 }
 
 Status per_rank(const ModelPreset& preset, int tp, ModelPreset* out) {
