@@ -351,6 +351,11 @@ TEST(ServeModel, TokenCheckPassesTheModelsRowAndFindsChanges) {
   in.softmax_scale = 0.125f;
   TokenCheck c = check_token(f.model, f.sched.table().entries(), in);
   EXPECT_TRUE(c.ok) << c.why;
+  in.threads = 2;  // a head per thread: the same latent and lse
+  c = check_token(f.model, f.sched.table().entries(), in);
+  EXPECT_TRUE(c.ok) << c.why;
+  EXPECT_EQ(c.latent_error, 0);
+  EXPECT_EQ(c.lse_error, 0);
   std::vector<int32_t> other = slots;
   other[5] = other[6];
   in.gpu_slots = other.data();
@@ -371,6 +376,123 @@ TEST(ServeModel, TokenCheckPassesTheModelsRowAndFindsChanges) {
   c = check_token(f.model, f.sched.table().entries(), in);
   EXPECT_FALSE(c.ok);
   EXPECT_NE(c.why.find("lse off by"), std::string::npos) << c.why;
+}
+
+// The model's prefill in parts of whole blocks on threads writes the bytes of
+// one sequential reference prefill and cache write: prompts within one part,
+// a last part of exactly RING tokens, parts ending past a block.
+TEST(ServeModel, PrefillInPartsEqualsOneSequentialPrefill) {
+  const IndexerPlan plan = small_plan();
+  const ServeGeometry g = small_geometry(plan);
+  ASSERT_EQ(g.ring, 8);
+  for (int64_t prompt : {int64_t{3}, int64_t{263}, int64_t{264}, int64_t{300}, int64_t{773}, int64_t{1025}, int64_t{3000}}) {
+    SCOPED_TRACE("prompt " + std::to_string(prompt));
+    std::mt19937_64 rng{static_cast<uint64_t>(prompt)};
+    const IndexerParams p = params(plan, rng);
+    StateModel parts, one;
+    ASSERT_TRUE(parts.init(g, kLatent, plan, 0.02f, p).ok());
+    ASSERT_TRUE(one.init(g, kLatent, plan, 0.02f, p).ok());
+    Scheduler sched(g, 1);
+    ASSERT_EQ(sched.admit(200), 0);  // another request first: the prompt's blocks do not start at 0
+    const int index = sched.admit(prompt);
+    ASSERT_EQ(index, 1);
+    const ServeRequest& r = sched.live()[size_t(index)];
+    const std::vector<uint16_t> kv = rows(size_t(prompt) * kLatent, rng), k = rows(size_t(prompt) * kIndexerDim, rng),
+                                gate = rows(size_t(prompt) * kIndexerDim, rng);
+    ASSERT_TRUE(parts.prefill(r, sched.table().entries(), kv.data(), k.data(), gate.data(), 4).ok());
+    std::vector<int64_t> slots(static_cast<size_t>(prompt));
+    for (int64_t i = 0; i < prompt; ++i) slots[size_t(i)] = r.slot(i, g.block_size);
+    ASSERT_EQ(one.cache_write(kv.data(), int(prompt), slots), 0);
+    reference::IndexerStateHost state = one.view(sched.table().entries());
+    int64_t errors = 0;
+    ASSERT_TRUE(reference::indexer_prefill(plan, k.data(), gate.data(), prompt, r.row, p.host(), state, &errors).ok());
+    EXPECT_EQ(errors, 0);
+    EXPECT_TRUE(parts.kv() == one.kv());
+    EXPECT_TRUE(parts.pages() == one.pages());
+    EXPECT_TRUE(parts.ring() == one.ring());
+    EXPECT_GT(std::count(one.ring().begin(), one.ring().end(), uint16_t{0}), 0);  // other rows stay zero
+    const StateDiff d = parts.compare(sched.live(), sched.table().entries(), one.kv().data(), one.pages().data(),
+                                      one.ring().data());
+    EXPECT_EQ(d.mismatches(), 0) << d.first;
+    EXPECT_EQ(d.entries, 200 + prompt);  // the first request (not prefilled) compares zeros with zeros
+  }
+}
+
+// The logits check in parts of pages on threads finds one logit outside its
+// bound wherever it lies (a part's pools are numbered from its first page),
+// and passes the exact logits; the heads of the attention on threads too.
+TEST(ServeModel, TokenCheckOnThreadsFindsOneLogitOutsideItsBound) {
+  ModelFixture f;
+  f.admit(3000);
+  const ServeRequest& r = f.sched.live().front();
+  const int64_t position = r.length - 1, context = position + 1, pools = context / f.plan.pool;
+  ASSERT_GT(context, f.plan.topk);
+  const int heads = f.plan.heads;
+  std::vector<uint8_t> q_codes(size_t(heads) * kIndexerDim);
+  for (auto& c : q_codes) c = uint8_t(f.rng() % 0x70);
+  const std::vector<float> weights = testing::normal_floats(size_t(heads), 0, 1, f.rng);
+  reference::IndexerStateHost state = f.model.view(f.sched.table().entries());
+  const std::vector<float> exact = reference::indexer_logits(f.plan, state, r.row, pools, q_codes.data(), weights.data());
+  const std::vector<uint16_t> q_rows(size_t(heads) * kIndexerDim, 0), k_row(kIndexerDim, 0);
+  const std::vector<float> w_row(size_t(heads), 0.0f);
+  const int32_t request = r.row;
+  const reference::IndexerStepHost step{1, q_rows.data(), k_row.data(), w_row.data(), k_row.data(), &position, &request};
+  reference::IndexerQueryHost query;
+  query.q_fp8 = q_codes;
+  query.head_weights = weights;
+  const int attention_heads = 2;
+  std::vector<uint8_t> q(size_t(attention_heads) * kLatent);
+  for (auto& c : q) c = uint8_t(f.rng() % 0x70);
+  for (int64_t bad_pool : {int64_t{-1}, int64_t{3}, pools - 7}) {
+    std::vector<float> gpu = exact;
+    if (bad_pool >= 0) gpu[size_t(bad_pool)] = 2 * std::fabs(gpu[size_t(bad_pool)]) + 1;
+    reference::IndexerRowsHost rows;
+    ASSERT_TRUE(reference::indexer_select_on_logits(f.plan, step, {gpu}, state, &rows).ok());
+    reference::SparseMlaHost a{};
+    a.q = q.data();
+    a.q_token_stride = attention_heads * kLatent;
+    a.q_head_stride = kLatent;
+    a.cache = f.model.kv().data();
+    a.blocks = f.g.blocks;
+    a.block_size = f.g.block_size;
+    a.block_stride = int64_t{f.g.block_size} * kLatent;
+    a.entry_stride = kLatent;
+    a.indices = rows.slots.data();
+    a.indices_token_stride = indexer_row_width(f.plan);
+    a.m = 1;
+    a.heads = attention_heads;
+    a.top_k = indexer_row_width(f.plan);
+    a.q_scale = a.k_scale = 0.02f;
+    a.softmax_scale = 0.125f;
+    const reference::SparseMlaResult want = reference::sparse_mla(a);
+    for (int threads : {1, 4}) {
+      SCOPED_TRACE("pool " + std::to_string(bad_pool) + ", threads " + std::to_string(threads));
+      TokenCheckInputs in;
+      in.position = position;
+      in.row = r.row;
+      in.step = &step;
+      in.query = &query;
+      in.gpu_logits = gpu.data();
+      in.check_logits = true;
+      in.gpu_slots = rows.slots.data();
+      in.gpu_q_fp8 = q.data();
+      in.gpu_latent = want.latent.data();
+      in.gpu_lse = want.lse.data();
+      in.heads = attention_heads;
+      in.head_count = attention_heads;
+      in.q_scale = in.k_scale = 0.02f;
+      in.softmax_scale = 0.125f;
+      in.threads = threads;
+      const TokenCheck c = check_token(f.model, f.sched.table().entries(), in);
+      EXPECT_EQ(c.pools_scored, pools);
+      if (bad_pool < 0) {
+        EXPECT_TRUE(c.ok) << c.why;
+      } else {
+        EXPECT_FALSE(c.ok);
+        EXPECT_NE(c.why.find("1 of " + std::to_string(pools) + " logits outside"), std::string::npos) << c.why;
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------- faults
@@ -569,6 +691,58 @@ TEST(ServeFaults, PositionFaultsNeedASingleTokenVictimAndTopkNeedsCallerRows) {
   }
 }
 
+// The error word must count a fault only where a kernel meets the untrusted
+// value (indexer.h, head_gemv.h). With caller rows the stage runs no indexer:
+// a negative block id counts only when a caller position lies in its page (a
+// slot from it is negative: skipped, not counted), and a future position
+// (the rows hold positions below the clean context, in held pages) not at
+// all; an id past the blocks always counts (its slot is past the capacity).
+// Here caller rows are 0..min(pos, topk - 1): the bad page (the first
+// victim token's) is in them exactly when that token's position is below topk.
+TEST(ServeFaults, CountIsExpectedOnlyWhereAKernelMeetsTheFault) {
+  int negative_counted = 0, negative_uncounted = 0, future_counted = 0, future_uncounted = 0, past_blocks = 0;
+  for (int seed = 0; seed < 4; ++seed) {
+    for (bool caller : {false, true}) {
+      FaultFixture f;
+      f.rng.seed(100 + seed);
+      f.make_step(1, caller);
+      if (HasFatalFailure()) return;
+      for (int attempt = 0; attempt < 40; ++attempt) {
+        for (FaultKind kind : {FaultKind::kBlockIdNegative, FaultKind::kBlockIdOutOfRange, FaultKind::kPositionFuture}) {
+          FaultPlan plan;
+          if (!plan_fault(kind, f.g, f.sched.live(), f.batch, f.clean, FaultFixture::kHidden, indexer_row_width(f.plan),
+                          f.rng, &plan)) {
+            continue;
+          }
+          const int64_t first_position = f.batch.positions[size_t(plan.affected.front())];
+          SCOPED_TRACE(std::string(fault_name(kind)) + (caller ? " with caller rows" : "") + ", first position " +
+                       std::to_string(first_position));
+          if (kind == FaultKind::kBlockIdOutOfRange) {
+            EXPECT_TRUE(plan.expect_counted);
+            ++past_blocks;
+          } else if (kind == FaultKind::kBlockIdNegative) {
+            const bool met = !caller || first_position < f.plan.topk;
+            EXPECT_EQ(plan.expect_counted, met);
+            ++(met ? negative_counted : negative_uncounted);
+          } else {
+            EXPECT_EQ(plan.expect_counted, !caller);
+            ++(caller ? future_uncounted : future_counted);
+          }
+        }
+        f.sched.advance(f.batch);
+        std::vector<int> starved;
+        f.batch = f.sched.build_step(&starved);
+        f.fill(caller);
+      }
+    }
+  }
+  EXPECT_GT(negative_counted, 0);
+  EXPECT_GT(negative_uncounted, 0);
+  EXPECT_GT(future_counted, 0);
+  EXPECT_GT(future_uncounted, 0);
+  EXPECT_GT(past_blocks, 0);
+}
+
 TEST(ServeFaults, IsolationFindsAnyChangeOutsideTheVictim) {
   FaultFixture f;
   FaultPlan plan;
@@ -675,6 +849,10 @@ TEST(ServeOptions, ParsesEveryOptionAndNamesBadOnes) {
   EXPECT_EQ(o.blocks, 100);
   EXPECT_EQ(o.rows, 5);
   EXPECT_EQ(o.json_path, "x.json");
+  EXPECT_EQ(o.time_limit, 0);
+  auto t = argv_of({"--time-limit", "270"});
+  ASSERT_TRUE(parse_serve_options(int(t.size()), t.data(), &o, &help).ok());
+  EXPECT_EQ(o.time_limit, 270);
   auto d = argv_of({});
   ASSERT_TRUE(parse_serve_options(int(d.size()), d.data(), &o, &help).ok());
   EXPECT_EQ(o.faults.size(), size_t(FaultKind::kCount));  // all by default
@@ -691,6 +869,7 @@ TEST(ServeOptions, ParsesEveryOptionAndNamesBadOnes) {
   rejected({"--steps", "0"}, "--steps", "got '0'");
   rejected({"--faults", "x"}, "--faults", "'x' is not a fault kind");
   rejected({"--frobnicate"}, "--frobnicate", "an option of dsa-serve");
+  rejected({"--time-limit", "-5"}, "--time-limit", "got '-5'");
   auto h = argv_of({"--help"});
   ASSERT_TRUE(parse_serve_options(int(h.size()), h.data(), &o, &help).ok());
   EXPECT_TRUE(help);
@@ -700,6 +879,7 @@ TEST(ServeOptions, ReportJsonHoldsTheFiguresAndTheVerdict) {
   ServeReport r;
   r.gpu = "NVIDIA H200";
   r.steps = 10;
+  r.steps_planned = 10;
   r.requests_served = 3;
   r.tokens_checked = 20;
   r.faults[int(FaultKind::kSlotPastCache)] = 2;
@@ -711,11 +891,36 @@ TEST(ServeOptions, ReportJsonHoldsTheFiguresAndTheVerdict) {
   EXPECT_NE(json.find("\"faults_injected\": 2"), std::string::npos);
   EXPECT_NE(json.find("\"slot-past-cache\": 2"), std::string::npos);
   EXPECT_NE(json.find("\"memory_delta_bytes\": 0"), std::string::npos);
+  // A run that ended early says so, with the steps it ran; a mismatch still fails it.
+  r.steps_planned = 10000;
+  r.stopped = "time limit";
+  json = report_json(r);
+  EXPECT_NE(json.find("\"result\": \"INCOMPLETE\""), std::string::npos) << json;
+  EXPECT_NE(json.find("\"complete\": false"), std::string::npos) << json;
+  EXPECT_NE(json.find("\"stopped\": \"time limit\""), std::string::npos) << json;
+  EXPECT_NE(report_text(r).find("10 steps of 10000 (stopped: time limit)"), std::string::npos) << report_text(r);
   r.fail("token 3 \"quoted\"");
   json = report_json(r);
   EXPECT_NE(json.find("\"result\": \"FAIL\""), std::string::npos);
   EXPECT_NE(json.find("\"mismatches\": 1"), std::string::npos);
   EXPECT_NE(json.find("token 3 \\\"quoted\\\""), std::string::npos) << json;
+}
+
+// The figures file is replaced whole (a reader during a rewrite sees the
+// old or the new one), and an unwritable path is reported.
+TEST(ServeOptions, FiguresFileIsReplacedWhole) {
+  const std::string path = ::testing::TempDir() + "serve_figures_test.json";
+  ASSERT_TRUE(write_file_atomically(path, "{\"steps\": 1}\n"));
+  ASSERT_TRUE(write_file_atomically(path, "{\"steps\": 2}\n"));
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  ASSERT_NE(f, nullptr);
+  char text[64] = {};
+  const size_t got = std::fread(text, 1, sizeof(text) - 1, f);
+  std::fclose(f);
+  EXPECT_EQ(std::string(text, got), "{\"steps\": 2}\n");
+  EXPECT_EQ(std::fopen((path + ".tmp").c_str(), "rb"), nullptr);
+  std::remove(path.c_str());
+  EXPECT_FALSE(write_file_atomically("/nonexistent-dir/x/figures.json", "{}"));
 }
 
 // ---------------------------------------------------------------- GPU

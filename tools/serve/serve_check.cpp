@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/sparse_mla.h"
+#include "serve_parallel.h"
 #include "sparse_mla/sparse_mla_reference.h"
 
 namespace dsa::serve {
@@ -59,8 +61,29 @@ TokenCheck check_token(StateModel& model, const std::vector<int32_t>& table, con
         if (in.gpu_logits == nullptr) return failed(c, "no GPU logits for a token of L > plan.topk");
         logits[0].assign(in.gpu_logits, in.gpu_logits + pools);
         if (in.check_logits) {
-          const reference::LogitDeviation d =
-              reference::indexer_logit_deviation(plan, state, in.row, pools, q, w, in.gpu_logits);
+          // In parts of whole pages (the reference over the table row from
+          // the part's first page, pools numbered from it): the same
+          // per-pool verdicts as one call.
+          const int64_t per_page = indexer_pools_per_page(plan);
+          std::vector<reference::LogitDeviation> parts(size_t(std::max(1, in.threads)));
+          std::vector<int64_t> starts(parts.size(), -1);
+          int64_t next_part = 0;
+          std::mutex lock;
+          parallel_for(pools, per_page * 4, in.threads, [&](int64_t begin, int64_t end) {
+            reference::IndexerStateHost part = state;
+            part.block_table = state.block_table + begin / per_page;
+            const reference::LogitDeviation d =
+                reference::indexer_logit_deviation(plan, part, in.row, end - begin, q, w, in.gpu_logits + begin);
+            std::lock_guard<std::mutex> hold(lock);
+            parts[size_t(next_part)] = d;
+            starts[size_t(next_part++)] = begin;
+          });
+          reference::LogitDeviation d;
+          for (size_t i = 0; i < parts.size(); ++i) {
+            if (starts[i] < 0) continue;
+            d.outside += parts[i].outside;
+            d.worst = std::max(d.worst, parts[i].worst);
+          }
           c.pools_scored = pools;
           if (d.outside > 0) {
             c = failed(c, std::to_string(d.outside) + " of " + std::to_string(pools) +
@@ -94,12 +117,25 @@ TokenCheck check_token(StateModel& model, const std::vector<int32_t>& table, con
   a.indices = want.data();
   a.indices_token_stride = row_width;
   a.m = 1;
-  a.heads = in.head_count;
+  a.heads = 1;
   a.top_k = row_width;
   a.q_scale = in.q_scale;
   a.k_scale = in.k_scale;
   a.softmax_scale = in.softmax_scale;
-  const reference::SparseMlaResult r = reference::sparse_mla(a);
+  // One head per call, the heads on threads: each head's result is the
+  // reference's of all the heads at once (it treats them one by one).
+  reference::SparseMlaResult r;
+  r.latent.assign(size_t(in.head_count) * size_t(L), 0);
+  r.lse.assign(size_t(in.head_count), 0.0f);
+  parallel_for(in.head_count, 1, in.threads, [&](int64_t first, int64_t end) {
+    for (int64_t h = first; h < end; ++h) {
+      reference::SparseMlaHost one = a;
+      one.q = a.q + size_t(h) * size_t(L);
+      const reference::SparseMlaResult head = reference::sparse_mla(one);
+      std::copy(head.latent.begin(), head.latent.end(), r.latent.begin() + h * L);
+      r.lse[size_t(h)] = head.lse[0];
+    }
+  });
   double diff = 0, norm = 0;
   const uint16_t* got = in.gpu_latent + size_t(in.first_head) * size_t(L);
   for (size_t i = 0; i < r.latent.size(); ++i) {

@@ -35,6 +35,7 @@ struct TokenCheckInputs {
   int64_t heads = 0;
   int first_head = 0, head_count = 0;       // the heads checked
   float q_scale = 0, k_scale = 0, softmax_scale = 0;
+  int threads = 1;  // host threads for the attention's heads and the logits' pages (serve_parallel.h)
 };
 
 struct TokenCheck {

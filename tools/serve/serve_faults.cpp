@@ -108,7 +108,19 @@ bool plan_fault(FaultKind kind, const ServeGeometry& g, const std::vector<ServeR
         if (pos / g.block_size == page) p.slot_writes.emplace_back(size_t(t), int64_t{bad} * g.block_size + pos % g.block_size);
       }
       p.faulted = p.affected;
-      p.expect_counted = true;
+      // What counts it (indexer.h, head_gemv.h): with the indexer running, the
+      // first token's own position lies in the page (its tail or short row
+      // remaps through it, or its pool write skips it); an id past the blocks
+      // also gives that token a slot past the capacity (the cache write
+      // counts it). With caller rows and a negative id only a caller position
+      // in the page is remapped through it: no such position, no count.
+      p.expect_counted = clean.topk.empty() || kind == FaultKind::kBlockIdOutOfRange;
+      for (size_t i = 0; !p.expect_counted && i < p.affected.size(); ++i) {
+        const int32_t* row = &clean.topk[size_t(p.affected[i]) * size_t(row_width)];
+        for (int j = 0; j < row_width && !p.expect_counted; ++j) {
+          p.expect_counted = row[j] >= 0 && row[j] / g.block_size == page;
+        }
+      }
       for (size_t i = 0; i < r.blocks.size(); ++i) {
         if (int64_t(i) != page) p.allowed_blocks.push_back(r.blocks[i]);
       }
@@ -134,7 +146,13 @@ bool plan_fault(FaultKind kind, const ServeGeometry& g, const std::vector<ServeR
       p.position_writes.emplace_back(first, position);
       p.slot_writes.emplace_back(size_t(first), -1);  // no slot exists for it
       p.faulted = {first};
-      p.expect_counted = true;
+      // A position past the table or negative is an untrusted token (counted
+      // by prepare, select or remap). A future one in an unheld page counts
+      // only where something reads that page: the indexer's row of the new
+      // context does (a short row, a scored pool, the tail or the pool write
+      // all meet it); caller rows hold positions below the clean context,
+      // whose pages are held, so the remap meets no untrusted entry.
+      p.expect_counted = kind != FaultKind::kPositionFuture || clean.topk.empty();
       p.expect_empty = kind != FaultKind::kPositionFuture;
       break;
     }

@@ -13,6 +13,10 @@
 //   topk-out-of-range      caller top-k rows: entries of one token's row at or past its L (and huge)
 //   nan-hidden, inf-hidden one victim token's hidden row holds NaN / +-inf
 // The victim request is finished after the step (its state is the fault's).
+// The error word must count a fault only where a kernel meets the untrusted
+// value: with caller rows the stage runs no indexer, so a negative block id
+// counts only when a caller position lies in its page, and a future position
+// not at all (FaultPlan::expect_counted).
 #pragma once
 
 #include <cstdint>

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "head_gemv/head_gemv_reference.h"
+#include "serve_parallel.h"
 
 namespace dsa::serve {
 
@@ -41,18 +42,48 @@ reference::IndexerStateHost StateModel::view(const std::vector<int32_t>& table) 
 }
 
 Status StateModel::prefill(const ServeRequest& r, const std::vector<int32_t>& table, const uint16_t* kv_rows,
-                           const uint16_t* index_k, const uint16_t* gate) {
-  if (r.prompt == 0) return Status();
-  std::vector<int64_t> slots(size_t(r.prompt));
-  for (int64_t p = 0; p < r.prompt; ++p) slots[size_t(p)] = r.slot(p, g_.block_size);
-  if (cache_write(kv_rows, int(r.prompt), slots) != 0) {
-    return invalid_argument("r", "a request whose pages lie in the pool", "slots past the cache");
+                           const uint16_t* index_k, const uint16_t* gate, int threads) {
+  const int64_t n = r.prompt;
+  if (n == 0) return Status();
+  if (int64_t(r.blocks.size()) * g_.block_size < n || size_t(r.row + 1) * size_t(g_.width()) > table.size()) {
+    return invalid_argument("r", "a request whose pages hold its prompt", std::to_string(n) + " tokens");
   }
-  reference::IndexerStateHost state = view(table);
-  int64_t errors = 0;
-  DSA_RETURN_IF_ERROR(
-      reference::indexer_prefill(plan_, index_k, gate, r.prompt, r.row, params_.host(), state, &errors));
-  if (errors != 0) return invalid_argument("r", "a request whose pages lie in the pool", "untrusted blocks met");
+  // Parts of whole blocks, each through the references on its own tokens:
+  // the cache entries of its positions; the indexer's prefill of its
+  // positions as a prompt of its own over the table row from its first page
+  // (pools and ring slots repeat every block: RING and S divide block_size),
+  // ring rows into scratch but for the last part, which holds the prompt's
+  // last RING tokens (it starts at or before n - RING).
+  const int64_t bs = g_.block_size;
+  const int64_t last_start = n > g_.ring ? (n - g_.ring) / bs * bs : 0;
+  const int64_t parts = last_start / bs + 1;  // parts of one block before the last one
+  std::vector<int64_t> errors(static_cast<size_t>(parts), 0), skipped(static_cast<size_t>(parts), 0);
+  std::vector<Status> results(static_cast<size_t>(parts));
+  parallel_for(parts, 1, threads, [&](int64_t first, int64_t end) {
+    std::vector<uint16_t> scratch;
+    std::vector<int64_t> slots;
+    for (int64_t part = first; part < end; ++part) {
+      const int64_t begin = part * bs, stop = part + 1 == parts ? n : begin + bs;
+      slots.resize(size_t(stop - begin));
+      for (int64_t p = begin; p < stop; ++p) slots[size_t(p - begin)] = r.slot(p, g_.block_size);
+      skipped[size_t(part)] = cache_write(kv_rows + begin * latent_, int(stop - begin), slots);
+      reference::IndexerStateHost state = view(table);
+      state.block_table = table.data() + begin / bs;  // row r's entries from page begin / bs on
+      if (part + 1 != parts) {
+        if (scratch.size() != ring_.size()) scratch.resize(ring_.size());  // contents unused
+        state.ring = scratch.data();
+      }
+      results[size_t(part)] = reference::indexer_prefill(plan_, index_k + begin * kIndexerDim, gate + begin * kIndexerDim,
+                                                        stop - begin, r.row, params_.host(), state, &errors[size_t(part)]);
+    }
+  });
+  for (int64_t part = 0; part < parts; ++part) {
+    DSA_RETURN_IF_ERROR(results[size_t(part)]);
+    if (skipped[size_t(part)] != 0) {
+      return invalid_argument("r", "a request whose pages lie in the pool", "slots past the cache");
+    }
+    if (errors[size_t(part)] != 0) return invalid_argument("r", "a request whose pages lie in the pool", "untrusted blocks met");
+  }
   return Status();
 }
 

@@ -58,9 +58,11 @@ class StateModel {
   reference::IndexerStateHost view(const std::vector<int32_t>& table);
 
   // Prefill of request r (rows [r.prompt, L] / [r.prompt, 128] BF16):
-  // the cache entries of positions 0..prompt-1 and the indexer's prefill.
+  // the cache entries of positions 0..prompt-1 and the indexer's prefill,
+  // in parts of whole blocks on up to `threads` threads (the same bytes as
+  // one sequential reference::indexer_prefill and cache_write).
   Status prefill(const ServeRequest& r, const std::vector<int32_t>& table, const uint16_t* kv_rows,
-                 const uint16_t* index_k, const uint16_t* gate);
+                 const uint16_t* index_k, const uint16_t* gate, int threads = 1);
   // concat_and_cache_mla of kv_c [m, L] at slots (n entries, n may differ
   // from m); returns the slots past the capacity.
   int64_t cache_write(const uint16_t* kv_c, int m, const std::vector<int64_t>& slots);

@@ -26,7 +26,10 @@ std::string serve_usage() {
          "  --sample-tokens N    tokens per step checked against the references (default 2)\n"
          "  --blocks N           KV blocks in the pool (default 3 * max_context / 256 + 64)\n"
          "  --rows N             block table rows: the most live requests (default 16)\n"
-         "  --json FILE          also write the summary to FILE\n";
+         "  --json FILE          also write the summary to FILE (rewritten at every state check)\n"
+         "  --time-limit S       begin no step after S seconds; the run then ends as at --steps, reports the\n"
+         "                       steps it ran and exits 3 (0 = no limit, the default; SIGTERM and SIGINT\n"
+         "                       end it the same way)\n";
 }
 
 namespace {
@@ -98,6 +101,9 @@ Status parse_serve_options(int argc, const char* const* argv, ServeOptions* o, b
     } else if (arg == "--rows") {
       DSA_RETURN_IF_ERROR(parse_int(arg, value, 1, 1024, &n));
       o->rows = int(n);
+    } else if (arg == "--time-limit") {
+      DSA_RETURN_IF_ERROR(parse_int(arg, value, 0, 1000000, &n));
+      o->time_limit = double(n);
     } else if (arg == "--json") {
       if (value == nullptr) return invalid_argument(arg, "a file name", "nothing");
       o->json_path = value;

@@ -23,7 +23,8 @@ struct ServeOptions {
   int sample_tokens = 2;          // tokens checked against the references per step
   int64_t blocks = 0;             // pool blocks; 0: 3 * max_context / 256 + 64
   int rows = 16;                  // block table rows (the most live requests)
-  std::string json_path;          // --json: the summary as a file too
+  std::string json_path;          // --json: the summary as a file too (rewritten at every state check)
+  double time_limit = 0;          // --time-limit: seconds from the start after which no step begins (0: none)
 };
 
 std::string serve_usage();

@@ -3,7 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -20,6 +22,7 @@
 #include "dsa_decode/stock.h"
 #include "serve_check.h"
 #include "serve_model.h"
+#include "serve_parallel.h"
 #include "serve_state.h"
 #include "tools/synthetic_layer.h"
 
@@ -31,6 +34,10 @@ void ServeReport::fail(const std::string& what) {
 }
 
 namespace {
+
+std::atomic<bool> stop_flag{false};
+static_assert(std::atomic<bool>::is_always_lock_free, "request_serve_stop sets it from a signal handler");
+bool stop_requested() { return stop_flag.load(std::memory_order_relaxed); }
 
 // Device memory held for the whole run: everything is allocated at start-up.
 class DeviceBytes {
@@ -68,16 +75,24 @@ uint64_t mix(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-// About normal(0, 1) (the sum of three uniforms on [-1, 1)), as BF16: a hash of the key.
-uint16_t draw_bf16(uint64_t key) {
-  const uint64_t h = mix(key);
+// About normal(0, 1) (the sum of three uniforms on [-1, 1), 10 bits each),
+// as BF16: two values from one hash of the key and the pair's index.
+uint16_t draw_bf16(uint64_t hash, int half) {
+  const uint64_t bits = hash >> (30 * half);
   float sum = 0;
-  for (int i = 0; i < 3; ++i) sum += float((h >> (21 * i)) & 0x1FFFFF) / float(1 << 20) - 1.0f;
+  for (int i = 0; i < 3; ++i) sum += float((bits >> (10 * i)) & 0x3FF) / float(1 << 9) - 1.0f;
   return num::float_to_bf16(sum);
 }
 
-void fill_bf16(uint16_t* out, size_t count, uint64_t key) {
-  for (size_t i = 0; i < count; ++i) out[i] = draw_bf16(key ^ mix(i + 0x51ED));
+// out[i] for i in [begin, end): a function of (key, i) alone, whatever the split.
+void fill_bf16_range(uint16_t* out, size_t begin, size_t end, uint64_t key) {
+  for (size_t i = begin; i < end; ++i) out[i] = draw_bf16(mix(key + (i >> 1) * 0x9E3779B97F4A7C15ull), int(i & 1));
+}
+
+void fill_bf16(uint16_t* out, size_t count, uint64_t key, int threads = 1) {
+  // Parts of 4096 values: a prompt of 128k tokens fills 100M of them.
+  parallel_for(int64_t(count), 4096, count >= (size_t{1} << 20) ? threads : 1,
+               [&](int64_t begin, int64_t end) { fill_bf16_range(out, size_t(begin), size_t(end), key); });
 }
 
 template <class T>
@@ -113,7 +128,8 @@ struct StepData {
 
 class Server {
  public:
-  Server(const ServeOptions& o, ServeReport* report) : o_(o), report_(report) {}
+  Server(const ServeOptions& o, ServeReport* report, std::chrono::steady_clock::time_point started)
+      : o_(o), report_(report), started_(started) {}
   ~Server() {
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
@@ -123,6 +139,9 @@ class Server {
  private:
   Status upload_weights();
   Status prefill(const ServeRequest& r);
+  Status prefill_device(int64_t n, int row, unsigned int* errors);
+  Status warm_up_prefill();
+  void write_progress();
   Status run_once(DsaPath path, const StepInputs& in, const std::vector<int>& samples, StepResult* result,
                   StepData* data);
   Status caller_rows_prepare(int m, StepData* data);
@@ -135,8 +154,13 @@ class Server {
                   const StepResult& r, const StepData& d, const reference::IndexerStepHost& step,
                   const reference::IndexerQueryHost& query, std::mt19937_64& rng);
 
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  }
+
   const ServeOptions o_;
   ServeReport* report_;
+  const std::chrono::steady_clock::time_point started_;
   cudaStream_t stream_ = nullptr;
   cli::StepShape shape_{};
   cli::HostWeights host_;
@@ -161,6 +185,7 @@ class Server {
   std::vector<uint8_t> gpu_kv_, gpu_pages_;
   std::vector<uint16_t> gpu_ring_;
   size_t free_at_start_ = 0, least_free_ = 0;
+  const int threads_ = host_threads();
 };
 
 // Draft tokens a step may carry beside a request's next token (MTP's 4):
@@ -293,15 +318,28 @@ Status Server::prefill(const ServeRequest& r) {
   const int64_t n = r.prompt, L = shape_.L;
   std::vector<uint16_t> kv(size_t(n) * size_t(L)), k(size_t(n) * kIndexerDim), gate(size_t(n) * kIndexerDim);
   const uint64_t key = mix(o_.seed) ^ mix(uint64_t(r.serial) * 3 + 1);
-  fill_bf16(kv.data(), kv.size(), key ^ 0x1);
-  fill_bf16(k.data(), k.size(), key ^ 0x2);
-  fill_bf16(gate.data(), gate.size(), key ^ 0x3);
+  fill_bf16(kv.data(), kv.size(), key ^ 0x1, threads_);
+  fill_bf16(k.data(), k.size(), key ^ 0x2, threads_);
+  fill_bf16(gate.data(), gate.size(), key ^ 0x3, threads_);
   std::vector<int64_t> slots(static_cast<size_t>(n));
   for (int64_t p = 0; p < n; ++p) slots[size_t(p)] = r.slot(p, g_.block_size);
   DSA_RETURN_IF_ERROR(upload(kv, prefill_kv_.as(), stream_, "prefill kv"));
   DSA_RETURN_IF_ERROR(upload(k, prefill_k_.as(), stream_, "prefill index_k"));
   DSA_RETURN_IF_ERROR(upload(gate, prefill_gate_.as(), stream_, "prefill gate"));
   DSA_RETURN_IF_ERROR(upload(slots, prefill_slots_.as(), stream_, "prefill slots"));
+  unsigned int errors = 0;
+  DSA_RETURN_IF_ERROR(prefill_device(n, r.row, &errors));
+  if (errors != 0) report_->fail("prefill of request " + std::to_string(r.serial) + " counted " + std::to_string(errors) + " errors");
+  DSA_RETURN_IF_ERROR(model_.prefill(r, sched_->table().entries(), kv.data(), k.data(), gate.data(), threads_));
+  report_->prefill_tokens += n;
+  report_->longest_prompt = std::max(report_->longest_prompt, n);
+  return Status();
+}
+
+// The prefill's launches over the staged rows and slots: n tokens of block
+// table row `row`; *errors: the error word they left.
+Status Server::prefill_device(int64_t n, int row, unsigned int* errors) {
+  const int64_t L = shape_.L;
   unsigned int* words = errors_.as<unsigned int>();
   DSA_CUDA_RETURN(cudaMemsetAsync(words + kPrefillErrors, 0, sizeof(unsigned int), stream_));
   KvCacheWrite write;
@@ -318,19 +356,40 @@ Status Server::prefill(const ServeRequest& r) {
   a.k_norm_weight = weights_.index_k_norm_weight;
   a.k_norm_bias = weights_.index_k_norm_bias;
   a.ape = weights_.index_ape;
-  a.request = r.row;
+  a.request = row;
   a.state = IndexerState{view(table_, DType::kI32, {g_.rows, g_.width()}),
                          view(ring_, DType::kBF16, {g_.rows, 2, g_.ring, kIndexerDim}),
                          view(pages_, DType::kU8, {g_.blocks, page_bytes_})};
   a.error_count = words + kPrefillErrors;
   DSA_RETURN_IF_ERROR(indexer_prefill(a, stream_));
-  unsigned int errors = 0;
-  DSA_CUDA_RETURN(cudaMemcpyAsync(&errors, words + kPrefillErrors, sizeof(errors), cudaMemcpyDeviceToHost, stream_));
+  DSA_CUDA_RETURN(cudaMemcpyAsync(errors, words + kPrefillErrors, sizeof(*errors), cudaMemcpyDeviceToHost, stream_));
   DSA_CUDA_RETURN(cudaStreamSynchronize(stream_));
-  if (errors != 0) report_->fail("prefill of request " + std::to_string(r.serial) + " counted " + std::to_string(errors) + " errors");
-  DSA_RETURN_IF_ERROR(model_.prefill(r, sched_->table().entries(), kv.data(), k.data(), gate.data()));
-  report_->prefill_tokens += n;
-  report_->longest_prompt = std::max(report_->longest_prompt, n);
+  return Status();
+}
+
+// The prefill's kernels once before the memory baseline (a kernel's first
+// launch may grow the context's local memory, which cudaMemGetInfo sees): two
+// blocks of tokens on row 0 while no request holds a block (its table row is
+// -1) with slots of -1, so no cache entry or page is written (the pool
+// writes are skipped and counted, which is checked); only row 0's ring is,
+// whose rows every later owner writes before any check reads them.
+Status Server::warm_up_prefill() {
+  if (!sched_->live().empty()) return unsupported("the prefill's warm-up runs before any request is admitted");
+  const int64_t n = 2 * int64_t{g_.block_size};
+  std::vector<uint16_t> kv(size_t(n) * size_t(shape_.L)), k(size_t(n) * kIndexerDim), gate(size_t(n) * kIndexerDim);
+  fill_bf16(kv.data(), kv.size(), mix(o_.seed ^ 0xF111));
+  fill_bf16(k.data(), k.size(), mix(o_.seed ^ 0xF112));
+  fill_bf16(gate.data(), gate.size(), mix(o_.seed ^ 0xF113));
+  const std::vector<int64_t> slots(size_t(n), -1);
+  DSA_CUDA_RETURN(cudaMemcpyAsync(table_.as(), sched_->table().entries().data(), table_.bytes(),
+                                  cudaMemcpyHostToDevice, stream_));
+  DSA_RETURN_IF_ERROR(upload(kv, prefill_kv_.as(), stream_, "prefill kv"));
+  DSA_RETURN_IF_ERROR(upload(k, prefill_k_.as(), stream_, "prefill index_k"));
+  DSA_RETURN_IF_ERROR(upload(gate, prefill_gate_.as(), stream_, "prefill gate"));
+  DSA_RETURN_IF_ERROR(upload(slots, prefill_slots_.as(), stream_, "prefill slots"));
+  unsigned int errors = 0;
+  DSA_RETURN_IF_ERROR(prefill_device(n, 0, &errors));
+  if (errors == 0) report_->fail("warm-up prefill over a row of -1 blocks: the error word did not count the skipped pools");
   return Status();
 }
 
@@ -586,6 +645,7 @@ void Server::check_step(const StepBatch& b, const StepInputs& in, bool caller_ro
     c.q_scale = host_.q_scale;
     c.k_scale = host_.k_scale;
     c.softmax_scale = shape_.softmax_scale;
+    c.threads = threads_;
     const TokenCheck k = check_token(model_, in.table, c);
     ++report_->tokens_checked;
     report_->logit_pools_checked += k.pools_scored;
@@ -596,19 +656,51 @@ void Server::check_step(const StepBatch& b, const StepInputs& in, bool caller_ro
   }
 }
 
+// A tool injected into the process (compute-sanitizer, Nsight: through
+// CUDA_INJECTION64_PATH or an LD_PRELOAD helper) may hold device memory of
+// its own as the run goes: the memory figure is then reported, not judged.
+bool tool_attached() {
+  const char* injection = std::getenv("CUDA_INJECTION64_PATH");
+  const char* preload = std::getenv("LD_PRELOAD");
+  const std::string p = preload != nullptr ? preload : "";
+  return (injection != nullptr && injection[0] != '\0') || p.find("anitizer") != std::string::npos ||
+         p.find("TreeLauncher") != std::string::npos;
+}
+
+// The figures so far, where --json names a file (a run cut by a harder kill
+// still leaves them), and one line on stdout.
+void Server::write_progress() {
+  report_->seconds = seconds();
+  if (!o_.json_path.empty() && !write_file_atomically(o_.json_path, report_json(*report_) + "\n")) {
+    std::fprintf(stderr, "dsa-serve: could not write %s\n", o_.json_path.c_str());
+  }
+  std::printf("dsa-serve: %lld of %lld steps, %.1f s, %lld tokens checked, %lld mismatches\n",
+              static_cast<long long>(report_->steps), static_cast<long long>(o_.steps), report_->seconds,
+              static_cast<long long>(report_->tokens_checked), static_cast<long long>(report_->mismatches));
+  std::fflush(stdout);
+}
+
 Status Server::run() {
-  const auto started = std::chrono::steady_clock::now();
   DSA_RETURN_IF_ERROR(warm_up());
+  DSA_RETURN_IF_ERROR(warm_up_prefill());
   DSA_CUDA_RETURN(cudaDeviceSynchronize());
   size_t total = 0;
   DSA_CUDA_RETURN(cudaMemGetInfo(&free_at_start_, &total));
   least_free_ = free_at_start_;
   const char* loading = std::getenv("CUDA_MODULE_LOADING");
-  report_->memory_strict = loading != nullptr && std::string(loading) == "EAGER";
+  report_->memory_strict = loading != nullptr && std::string(loading) == "EAGER" && !tool_attached();
   std::mt19937_64 rng(o_.seed ^ 0xD5A5E);
   const int64_t D = shape_.D;
   for (int64_t step = 0; step < o_.steps; ++step) {
     report_->steps = step;
+    if (stop_requested()) {
+      report_->stopped = "signal";
+      break;
+    }
+    if (o_.time_limit > 0 && seconds() >= o_.time_limit) {
+      report_->stopped = "time limit";
+      break;
+    }
     // Finished requests go; new ones arrive (one at most per step, always when none is live).
     for (int index : sched_->done()) DSA_RETURN_IF_ERROR(finish(sched_->live()[size_t(index)].serial, true));
     if (sched_->live().empty() || (int(sched_->live().size()) < g_.rows && rng() % 4 == 0)) {
@@ -713,12 +805,16 @@ Status Server::run() {
       }
       DSA_RETURN_IF_ERROR(finish(ended[i], false));
     }
-    if ((step + 1) % o_.check_every == 0) DSA_RETURN_IF_ERROR(check_state(("after step " + std::to_string(step)).c_str()));
+    if ((step + 1) % o_.check_every == 0) {
+      DSA_RETURN_IF_ERROR(check_state(("after step " + std::to_string(step)).c_str()));
+      report_->steps = step + 1;
+      write_progress();
+    }
+    report_->steps = step + 1;
   }
-  report_->steps = o_.steps;
   DSA_RETURN_IF_ERROR(check_state("at the end"));
   report_->requests_admitted = sched_->admitted();
-  report_->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  report_->seconds = seconds();
   if (report_->memory_strict && report_->memory_delta_bytes != 0) {
     report_->fail("device memory changed after start-up: " + std::to_string(report_->memory_delta_bytes) +
                   " bytes less free (cudaMemGetInfo)");
@@ -744,8 +840,10 @@ std::string quoted(const std::string& s) {
 }  // namespace
 
 Status run_serve(const ServeOptions& options, ServeReport* report) {
+  const auto started = std::chrono::steady_clock::now();
   *report = ServeReport{};
   report->options = options;
+  report->steps_planned = options.steps;
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
@@ -759,9 +857,23 @@ Status run_serve(const ServeOptions& options, ServeReport* report) {
     return unsupported(std::string("dsa-serve needs an sm_90a GPU (the kernels' only target); device 0 is ") +
                        prop.name);
   }
-  Server server(options, report);
+  Server server(options, report, started);
   DSA_RETURN_IF_ERROR(server.init());
   return server.run();
+}
+
+void request_serve_stop() { stop_flag.store(true, std::memory_order_relaxed); }
+
+bool write_file_atomically(const std::string& path, const std::string& text) {
+  const std::string temporary = path + ".tmp";
+  std::FILE* f = std::fopen(temporary.c_str(), "wb");
+  if (f == nullptr) return false;
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !written) {
+    std::remove(temporary.c_str());
+    return false;
+  }
+  return std::rename(temporary.c_str(), path.c_str()) == 0;
 }
 
 std::string report_json(const ServeReport& r) {
@@ -775,11 +887,12 @@ std::string report_json(const ServeReport& r) {
   for (const std::string& f : r.failures) list += (list.empty() ? "" : ", ") + quoted(f);
   const auto n = [](int64_t v) { return std::to_string(v); };
   return std::string("{\"program\": \"dsa-serve\", \"gpu\": ") + quoted(r.gpu) + ", \"result\": " +
-         quoted(r.mismatches == 0 ? "PASS" : "FAIL") + ", \"tp\": " + n(r.options.tp) + ", \"heads\": " + n(r.heads) +
+         quoted(r.mismatches > 0 ? "FAIL" : r.complete() ? "PASS" : "INCOMPLETE") + ", \"tp\": " + n(r.options.tp) + ", \"heads\": " + n(r.heads) +
          ", \"path\": " + quoted(r.options.path) + ", \"batch_invariant\": " +
          (r.options.batch_invariant ? "true" : "false") + ", \"seed\": " + std::to_string(r.options.seed) +
          ", \"max_context\": " + n(r.options.max_context) + ", \"blocks\": " + n(r.blocks) +
-         ", \"steps\": " + n(r.steps) + ", \"fused_steps\": " + n(r.fused_steps) + ", \"stock_steps\": " +
+         ", \"steps\": " + n(r.steps) + ", \"steps_planned\": " + n(r.steps_planned) + ", \"complete\": " +
+         (r.complete() ? "true" : "false") + ", \"stopped\": " + quoted(r.stopped) + ", \"fused_steps\": " + n(r.fused_steps) + ", \"stock_steps\": " +
          n(r.stock_steps) + ", \"caller_rows_steps\": " + n(r.caller_rows_steps) + ", \"warmup_steps\": " +
          n(r.warmup_steps) + ", \"requests_admitted\": " + n(r.requests_admitted) + ", \"requests_served\": " +
          n(r.requests_served) + ", \"requests_ended_by_fault\": " + n(r.requests_ended_by_fault) +
@@ -803,7 +916,11 @@ std::string report_text(const ServeReport& r) {
     kinds += std::string(kinds.empty() ? "" : ", ") + fault_name(static_cast<FaultKind>(k)) + " " +
              std::to_string(r.faults[k]);
   }
-  std::string text = "dsa-serve on " + r.gpu + ": " + std::to_string(r.steps) + " steps (" +
+  std::string text = "dsa-serve on " + r.gpu + ": " + std::to_string(r.steps) + " steps" +
+                     (r.complete() ? std::string()
+                                   : " of " + std::to_string(r.steps_planned) + " (stopped: " +
+                                         (r.stopped.empty() ? std::string("not finished") : r.stopped) + ")") +
+                     " in " + std::to_string(int64_t(r.seconds)) + " s (" +
                      std::to_string(r.fused_steps) + " fused, " + std::to_string(r.stock_steps) + " stock, " +
                      std::to_string(r.caller_rows_steps) + " with caller rows), " +
                      std::to_string(r.requests_admitted) + " requests admitted, " + std::to_string(r.requests_served) +

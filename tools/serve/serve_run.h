@@ -28,13 +28,27 @@ struct ServeReport {
   int64_t memory_delta_bytes = 0;     // free device memory at start-up minus the least seen later
   bool memory_strict = false;         // CUDA_MODULE_LOADING=EAGER: a change counts as a mismatch
   double seconds = 0;
+  int64_t steps_planned = 0;  // options.steps
+  std::string stopped;        // why the run ended before steps_planned ("time limit", "signal"), else empty
 
+  bool complete() const { return stopped.empty() && steps == steps_planned; }
   void fail(const std::string& what);
 };
 
 // The simulation; needs an sm_90a GPU (errors otherwise). A mismatch is not
-// an error: it is counted in the report.
+// an error: it is counted in the report. It ends early, as at its last step
+// (the final state check, the report), at options.time_limit or after
+// request_serve_stop(); with options.json_path it rewrites that file with the
+// figures so far at every state check, so a run killed harder still leaves them.
 Status run_serve(const ServeOptions& options, ServeReport* report);
+
+// Ends a running run_serve after its current step; async-signal-safe (for a
+// SIGTERM handler).
+void request_serve_stop();
+
+// Writes `text` to `path` through a temporary file and a rename (no reader
+// sees half a file); false when it could not.
+bool write_file_atomically(const std::string& path, const std::string& text);
 
 // One JSON object (one line) and a human summary.
 std::string report_json(const ServeReport& report);
