@@ -192,37 +192,80 @@ def sparse_mla(
 class IndexerPlan:
     """The glm5next indexer's fixed shapes (indexer.h IndexerPlan): the
     largest step (max_tokens, 1..16) and context (max_context), the tail
-    ring (4, or 8 with draft tokens), the KV block size (a multiple of 128)
-    and the logits' sums: "fp32-accumulation" (the default, the fastest:
-    FP16 tensor cores, FP32 accumulation, within indexer.h's bound) or
-    "exact" (opt-in: FP64, logits and rows bitwise the CPU reference's).
-    The selection is deterministic either way (ties to the lower index).
-    Checked at construction: InvalidArgument names a bad field."""
+    ring (pool, or 2 * pool with draft tokens: indexer_ring_for), the KV
+    block size (a multiple of 128), the logits' sums: "fp32-accumulation"
+    (the default, the fastest: FP16 tensor cores, FP32 accumulation, within
+    indexer.h's bound) or "exact" (opt-in: FP64, logits and rows bitwise the
+    CPU reference's), and the shape, from the model config as vLLM reads it:
+    heads (index_n_heads: 16, 32 or 64), pool (index_kpool: 4, 8 or 16) and
+    topk (index_topk: a multiple of pool, at most 512 pools); the defaults
+    are glm5next's first shape, 32 / 4 / 2048. The selection is
+    deterministic either way (ties to the lower index). Checked at
+    construction: InvalidArgument names a bad field (plan.heads, ...)."""
 
     max_tokens: int = 16
     max_context: int = 131072
     ring: int = 4
     block_size: int = 256
     logits: str = "fp32-accumulation"
+    heads: int = 32
+    pool: int = 4
+    topk: int = 2048
 
     def __post_init__(self):
         _C.check_indexer_plan(self._fields())
 
     def _fields(self):
         # The extension's IndexerPlanFields, in its order.
-        return (self.max_tokens, self.max_context, self.ring, self.block_size, self.logits)
+        return (self.max_tokens, self.max_context, self.ring, self.block_size, self.logits, self.heads, self.pool,
+                self.topk)
 
     def workspace_bytes(self) -> int:
         """Bytes of the uint8 workspace prepare writes and select reads."""
         return _C.indexer_workspace_bytes(self._fields())
+
+    def _shape(self) -> dict:
+        return _C.indexer_shape(self._fields())
+
+    @property
+    def row_width(self) -> int:
+        """Columns W of a top-k row (topk_positions, slots): topk + pool - 1
+        rounded up to 128 (2176 at the default shape)."""
+        return self._shape()["row_width"]
+
+    @property
+    def top_pools(self) -> int:
+        """Pools the select keeps: topk / pool."""
+        return self._shape()["top_pools"]
+
+    @property
+    def pools_per_page(self) -> int:
+        """Pools of one K-cache page: block_size / pool."""
+        return self._shape()["pools_per_page"]
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one K-cache page (k_cache's dim 1): pools_per_page * 132."""
+        return self._shape()["page_bytes"]
+
+    @property
+    def tokens_per_request(self) -> int:
+        """Tokens of one request a step may hold: ring - (pool - 1)."""
+        return self._shape()["tokens_per_request"]
+
+
+def indexer_ring_for(pool: int, tokens_per_request: int) -> int:
+    """The smallest RING for a pool size and tokens of one request per step
+    (1 + draft tokens): pool, or 2 * pool; 0 when even 2 * pool is too small."""
+    return _C.indexer_ring_for(pool, tokens_per_request)
 
 
 @dataclass
 class IndexerState:
     """The paged indexer state every step shares: block_table [requests,
     width] int32, ring [requests, 2, RING, 128] BF16 (k and gate of the tail
-    tokens), k_cache [blocks, block_size / 4 * 132] uint8 (pooled FP8 keys
-    and their scales, page by page)."""
+    tokens), k_cache [blocks, plan.page_bytes] uint8 (block_size / pool pooled
+    FP8 keys and their scales, page by page)."""
 
     block_table: Any
     ring: Any
@@ -248,9 +291,9 @@ def indexer_project(
     stream=None,
 ) -> None:
     """The indexer's four projections as one GEMV launch (indexer_project_gemv):
-    index_q [m, 32, 128] = q_c [m, Q] @ wq_b^T, index_k [m, 128] = x [m, D] @
-    wk^T, head_weights [m, 32] f32 = x @ weights_proj^T, gate [m, 128] = x @
-    compress_gate^T, with wq_b [32 * 128, Q], wk [128, D], weights_proj [32,
+    index_q [m, H, 128] = q_c [m, Q] @ wq_b^T, index_k [m, 128] = x [m, D] @
+    wk^T, head_weights [m, H] f32 = x @ weights_proj^T, gate [m, 128] = x @
+    compress_gate^T (H = plan.heads), with wq_b [H * 128, Q], wk [128, D], weights_proj [H,
     D] and compress_gate [128, D] in nn.Linear's [out, in] layout; BF16 but
     head_weights; rows with dim 1 contiguous, row strides multiples of 16
     bytes, 16-byte aligned; Q and D multiples of 8. A fixed order, bitwise
@@ -291,10 +334,10 @@ def indexer_prepare(
     """Steps 1-4 of a decode step (indexer_prepare): LayerNorm of k, the
     Hadamard and FP8 quant of q with the folded head weights (into
     workspace), the pools the step completes (into state.k_cache) and the
-    ring. index_q [m, 32, 128], index_k [m, 128] and gate [m, 128] BF16,
-    head_weights [m, 32] f32 (indexer_project's outputs); positions [m]
+    ring. index_q [m, H, 128], index_k [m, 128] and gate [m, 128] BF16,
+    head_weights [m, H] f32 (indexer_project's outputs); positions [m]
     int64, token_requests [m] int32 (negative: padding); k_norm_weight,
-    k_norm_bias [128] f32, ape [4, 128] f32; workspace: uint8
+    k_norm_bias [128] f32, ape [plan.pool, 128] f32; workspace: uint8
     [plan.workspace_bytes()], 256-byte aligned, which indexer_select reads."""
     _C.indexer_prepare(
         plan._fields(),
@@ -327,9 +370,10 @@ def indexer_select(
     stream=None,
 ) -> None:
     """Steps 5-8 (indexer_select): logits over the complete pools, the top
-    512 pools (ties to the lower index), expanded to tokens with the tail,
-    remapped to global KV slots: slots [m, 2176] int32 (and the request-local
-    positions into topk_positions [m, 2176] int32 when given)."""
+    plan.top_pools pools (ties to the lower index), expanded to tokens with the tail,
+    remapped to global KV slots: slots [m, W] int32 (W = plan.row_width, 2176
+    at the default shape; and the request-local positions into topk_positions
+    [m, W] int32 when given)."""
     _C.indexer_select(
         plan._fields(),
         positions,
@@ -355,7 +399,7 @@ def indexer_remap(
     stream=None,
 ) -> None:
     """Step 8 alone, for rows the caller brings (MTP draft steps 1+):
-    topk_positions [m, 2176] int32 request-local -> slots [m, 2176] int32
+    topk_positions [m, W] int32 request-local -> slots [m, W] int32 (W = plan.row_width)
     global (-1 stays -1; positions from the future and bad pages become -1
     and are counted)."""
     _C.indexer_remap(

@@ -7,8 +7,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
 from . import _C
+from ._C import InvalidArgument
 from ._tensors import fp8_view, plain, stream_of
-from .ops import IndexerPlan, IndexerState
+from .ops import IndexerPlan, IndexerState, indexer_ring_for
+
+_ABSENT = object()
 
 MAX_TOKENS = 16
 
@@ -24,14 +27,21 @@ WEIGHT_NAMES = (
     "o_proj",  # [D, H * V]
     "q_scale",  # [1] f32 (the attention's _q_scale)
     "k_scale",  # [1] f32 (_k_scale)
-    "index_wq_b",  # [32 * 128, Q]
+    "index_wq_b",  # [HI * 128, Q] (HI = StagePlan.indexer_heads)
     "index_wk",  # [128, D]
-    "index_weights_proj",  # [32, D]
+    "index_weights_proj",  # [HI, D]
     "index_compress_gate",  # [128, D]
     "index_k_norm_weight",  # [128] f32
     "index_k_norm_bias",  # [128] f32
-    "index_ape",  # [4, 128] f32
+    "index_ape",  # [S, 128] f32 (S = StagePlan.indexer_pool)
 )
+
+# The Hugging Face config fields of the indexer's shape, by StagePlan field.
+INDEXER_CONFIG_FIELDS = {
+    "indexer_heads": "index_n_heads",
+    "indexer_pool": "index_kpool",
+    "indexer_topk": "index_topk",
+}
 
 
 @dataclass
@@ -87,16 +97,28 @@ class StagePlan:
     fixed-order GEMV kernels at every m), overriding attention_plan,
     value_up_tokens and projection_gemv_tokens on the fused path.
 
+    The indexer's shape, from the model config as vLLM reads it:
+    indexer_heads (index_n_heads: 16, 32 or 64), indexer_pool (index_kpool:
+    4, 8 or 16), indexer_topk (index_topk: a multiple of the pool, at most
+    512 pools); the defaults are glm5next's first shape (32 / 4 / 2048).
+    ring is the indexer's RING: the pool, or twice it with draft tokens
+    (indexer_ring_for); the default 4 fits the default pool only, so a plan
+    of another pool sets it too (from_model_config and stage_plan_for do).
+
     For experts: head_gemv_sums "seed-order" and indexer_logits "exact" are
     the reproducible opt-ins (bitwise the CPU references); value_up_tokens /
     projection_gemv_tokens: None takes the sets measured on the H200
     (stage.h). Checked at construction: InvalidArgument names a bad field
-    (max_tokens 1..16, a choice name, a token count, the indexer's plan)."""
+    (max_tokens 1..16, a choice name, a token count, plan.indexer_heads /
+    _pool / _topk, the indexer's plan)."""
 
     max_tokens: int = MAX_TOKENS
     max_context: int = 131072
     ring: int = 4
     block_size: int = 256
+    indexer_heads: int = 32
+    indexer_pool: int = 4
+    indexer_topk: int = 2048
     batch_invariant: bool = False
     value_up_tokens: Optional[set] = None
     head_gemv_sums: str = "tensor-cores"
@@ -114,8 +136,76 @@ class StagePlan:
         return asdict(self)
 
     def indexer_plan(self) -> IndexerPlan:
-        """The plan the caller's indexer state, workspace and prefill use."""
-        return IndexerPlan(self.max_tokens, self.max_context, self.ring, self.block_size, self.indexer_logits)
+        """The plan the caller's indexer state, workspace and prefill use
+        (its row_width, page_bytes, ... are the state's and rows' shapes)."""
+        return IndexerPlan(
+            self.max_tokens,
+            self.max_context,
+            self.ring,
+            self.block_size,
+            self.indexer_logits,
+            self.indexer_heads,
+            self.indexer_pool,
+            self.indexer_topk,
+        )
+
+    @classmethod
+    def from_model_config(cls, config: Any, *, draft_tokens: int = 0, **fields) -> "StagePlan":
+        """A plan with the indexer shape of a model config: a Hugging Face
+        config.json's dict or a transformers config object (its
+        index_n_heads, index_kpool, index_topk; index_head_dim must be 128),
+        RING for 1 + draft_tokens tokens of a request per step
+        (indexer_ring_for), and `fields` for the rest (an explicit
+        indexer_heads / indexer_pool / indexer_topk / ring overrides the
+        config). Raises InvalidArgument naming every field that is missing,
+        not an int, or unsupported, in one message."""
+        def get(name):
+            if isinstance(config, Mapping):
+                return config.get(name, _ABSENT)
+            return getattr(config, name, _ABSENT)
+
+        values, problems, missing = {}, [], []
+        for field, name in list(INDEXER_CONFIG_FIELDS.items()) + [("head_dim", "index_head_dim")]:
+            value = get(name)
+            if value is _ABSENT:
+                if field not in fields:
+                    missing.append(name)
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                problems.append(f"{name}: expected an int, got {value!r}")
+                continue
+            values[field] = value
+        if values.get("head_dim", 128) != 128:
+            problems.append(f"index_head_dim: expected 128, got {values['head_dim']}")
+        supported = {"indexer_heads": (16, 32, 64), "indexer_pool": (4, 8, 16)}
+        for field, allowed in supported.items():
+            if field in values and values[field] not in allowed:
+                problems.append(
+                    f"{INDEXER_CONFIG_FIELDS[field]}: expected {', '.join(map(str, allowed[:-1]))} or {allowed[-1]}, "
+                    f"got {values[field]}"
+                )
+        if missing or problems:
+            text = (["missing " + ", ".join(missing)] if missing else []) + problems
+            raise InvalidArgument(f"argument 'config': expected the indexer's shape fields, got: {'; '.join(text)}")
+        values.pop("head_dim", None)
+        values.update({k: v for k, v in fields.items() if k in INDEXER_CONFIG_FIELDS})
+        if "ring" not in fields:
+            ring = indexer_ring_for(values["indexer_pool"], 1 + draft_tokens)
+            if ring == 0:
+                raise InvalidArgument(
+                    f"argument 'draft_tokens': expected at most {values['indexer_pool']} draft tokens (a ring of "
+                    f"2 * index_kpool), got {draft_tokens}"
+                )
+            values["ring"] = ring
+        rest = {k: v for k, v in fields.items() if k not in INDEXER_CONFIG_FIELDS}
+        return cls(**{**values, **rest})
+
+
+def stage_plan_for(preset: str = "glm5next", **fields) -> StagePlan:
+    """The default plan of a preset's layer (dsa_stage_plan_for): its
+    indexer shape and RING = its pool; `fields` override any field
+    (indexer_heads=16, ring=8, ...)."""
+    return StagePlan(**{**_C.preset_indexer_shape(preset), **fields})
 
 
 def supports(m: int, num_actual_tokens: int, num_decode_tokens: int, max_tokens: int = MAX_TOKENS) -> bool:
@@ -132,7 +222,8 @@ class StepArgs:
     int64 (the step's KV slots; negative or t >= n: not written); kv_cache
     [blocks, block_size, L] FP8 e4m3; indexer: the IndexerState (its block
     table is the KV cache's too); out [m, D] BF16. topk_positions: optional
-    [m, 2176] int32 request-local rows (MTP draft steps 1+): the indexer is
+    [m, W] int32 request-local rows (W = plan.indexer_plan().row_width, 2176 at
+    the default shape; MTP draft steps 1+): the indexer is
     skipped and these are remapped instead. error_count: an optional int32
     CUDA counter of untrusted device values met."""
 
@@ -172,10 +263,10 @@ class Stage:
     row strides multiples of 8, 16-byte aligned): fused_qkv_a_proj [Q + L,
     D], q_a_norm [Q], kv_a_norm [L], q_b_proj [H * P, Q], w_uk_t [H, P, L]
     (L contiguous), w_uv [H, L, V] (V contiguous), o_proj [D, H * V],
-    q_scale and k_scale [1] f32, index_wq_b [4096, Q], index_wk [128, D],
-    index_weights_proj [32, D], index_compress_gate [128, D],
-    index_k_norm_weight and index_k_norm_bias [128] f32, index_ape [4, 128]
-    f32. A missing or wrong one is named, with every other, in one
+    q_scale and k_scale [1] f32, index_wq_b [HI * 128, Q], index_wk [128, D],
+    index_weights_proj [HI, D], index_compress_gate [128, D],
+    index_k_norm_weight and index_k_norm_bias [128] f32, index_ape [S, 128]
+    f32 (HI, S: plan.indexer_heads, plan.indexer_pool). A missing or wrong one is named, with every other, in one
     InvalidArgument.
 
     forward(args) runs the fused path, stock_forward(args) the stock engine
@@ -237,12 +328,24 @@ class Stage:
         """Views of the stage's buffers as the last step left them (DLPack
         arrays: torch.from_dlpack(v) reads them without a copy; FP8 as
         uint8): qkv [m, Q + L], q_c [m, Q], kv_c [m, L], q [m, H, P] BF16;
-        q_fp8 [m, H, L] e4m3; index_q [m, 32, 128], index_k [m, 128] BF16,
-        head_weights [m, 32] f32, gate [m, 128] BF16; index_logits [m,
-        ceil(max_context / 4)] f32; topk_positions and slots [m, 2176] int32;
+        q_fp8 [m, H, L] e4m3; index_q [m, HI, 128], index_k [m, 128] BF16,
+        head_weights [m, HI] f32, gate [m, 128] BF16; index_logits [m,
+        ceil(max_context / S)] f32; topk_positions and slots [m, W] int32
+        (HI, S, W: the plan's indexer_heads, indexer_pool, indexer_plan().row_width);
         latent [m, H, L] BF16, lse [m, H] f32, heads [m, H, V] BF16. Read
         them before the next step."""
         return dict(self._stage.intermediates(m))
 
 
-__all__ = ["LayerConfig", "MAX_TOKENS", "Stage", "StagePlan", "StepArgs", "WEIGHT_NAMES", "layer_config", "supports"]
+__all__ = [
+    "INDEXER_CONFIG_FIELDS",
+    "LayerConfig",
+    "MAX_TOKENS",
+    "Stage",
+    "StagePlan",
+    "StepArgs",
+    "WEIGHT_NAMES",
+    "layer_config",
+    "stage_plan_for",
+    "supports",
+]

@@ -341,7 +341,8 @@ def stage_forward(
     (dsa_decode.IndexerState): block_table [requests, width] int32, ring
     [requests, 2, RING, 128] BF16 and index_k_cache [blocks, block_size / 4
     * 132] uint8, both written; out [m, D] BF16. topk_positions: optional
-    [m, 2176] int32 request-local rows (MTP draft steps 1+: the indexer is
+    [m, W] int32 request-local rows (W = the stage plan's indexer_plan().row_width,
+    2176 at the default shape; MTP draft steps 1+: the indexer is
     skipped). error_count: optional [1] int32 counter of untrusted device
     values."""
     args = StepArgs(

@@ -10,8 +10,8 @@ namespace dsa_python {
 namespace {
 
 // dsa_decode.IndexerPlan as it crosses: (max_tokens, max_context, ring,
-// block_size, logits), one argument of every indexer function.
-using IndexerPlanFields = std::tuple<int, int64_t, int, int, std::string>;
+// block_size, logits, heads, pool, topk), one argument of every indexer function.
+using IndexerPlanFields = std::tuple<int, int64_t, int, int, std::string, int, int, int>;
 
 // The plan, checked (names first, then check_indexer_plan's rules).
 dsa::IndexerPlan indexer_plan(const IndexerPlanFields& fields) {
@@ -21,6 +21,9 @@ dsa::IndexerPlan indexer_plan(const IndexerPlanFields& fields) {
   plan.ring = std::get<2>(fields);
   plan.block_size = std::get<3>(fields);
   plan.logits = parse_choice(dsa::kIndexerLogitsChoices, std::get<4>(fields), "logits");
+  plan.heads = std::get<5>(fields);
+  plan.pool = std::get<6>(fields);
+  plan.topk = std::get<7>(fields);
   throw_if_error(dsa::check_indexer_plan(plan));
   return plan;
 }
@@ -41,6 +44,24 @@ void bind_indexer(nb::module_& m) {
       "indexer_workspace_bytes",
       [](const IndexerPlanFields& fields) { return dsa::indexer_workspace_layout(indexer_plan(fields)).bytes; },
       "plan"_a);
+  m.def(
+      "indexer_shape",
+      [](const IndexerPlanFields& fields) {
+        const dsa::IndexerPlan plan = indexer_plan(fields);
+        nb::dict d;
+        d["top_pools"] = dsa::indexer_top_pools(plan);
+        d["row_width"] = dsa::indexer_row_width(plan);
+        d["pools_per_page"] = dsa::indexer_pools_per_page(plan);
+        d["page_bytes"] = dsa::indexer_page_bytes(plan);
+        d["tokens_per_request"] = dsa::indexer_tokens_per_request(plan);
+        d["logits_stride"] = dsa::indexer_workspace_layout(plan).logits_stride;
+        return d;
+      },
+      "plan"_a, "The shapes indexer.h derives from a checked plan (indexer_row_width, ...).");
+  m.def(
+      "indexer_ring_for",
+      [](int pool, int tokens_per_request) { return dsa::indexer_ring_for(pool, tokens_per_request); }, "pool"_a,
+      "tokens_per_request"_a, "indexer.h's indexer_ring_for: pool, 2 * pool, or 0 when even 2 * pool is too small.");
 
   m.def(
       "indexer_project",

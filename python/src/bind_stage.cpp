@@ -143,12 +143,16 @@ dsa::DsaStagePlan stage_plan(const nb::dict& d) {
   p.max_context = field<int64_t>(d, "max_context");
   p.ring = number("ring");
   p.block_size = number("block_size");
+  p.indexer_heads = number("indexer_heads");
+  p.indexer_pool = number("indexer_pool");
+  p.indexer_topk = number("indexer_topk");
   p.batch_invariant = flag("batch_invariant");
   p.value_up_tokens = token_set(d["value_up_tokens"], "value_up_tokens", dsa::kDsaStageMaxTokens);
   p.projection_gemv_tokens =
       token_set(d["projection_gemv_tokens"], "projection_gemv_tokens", dsa::kLinearGemvMaxTokens);
   p.indexer_projections_cublaslt = flag("indexer_projections_cublaslt");
   p.overlap_indexer = flag("overlap_indexer");
+  throw_if_error(dsa::check_dsa_stage_indexer_shape(p));
   throw_if_error(dsa::check_indexer_plan(dsa::dsa_stage_indexer_plan(p)));
   return p;
 }
@@ -231,6 +235,20 @@ void bind_stage(nb::module_& m) {
         return config_dict(dsa::dsa_layer_config(rank, eps));
       },
       "preset"_a, "tp"_a, "rms_norm_eps"_a);
+  m.def(
+      "preset_indexer_shape",
+      [](const std::string& preset) {
+        dsa::ModelPreset whole;
+        throw_if_error(dsa::find_preset(preset, &whole));
+        const dsa::DsaStagePlan plan = dsa::dsa_stage_plan_for(whole);
+        nb::dict d;
+        d["indexer_heads"] = plan.indexer_heads;
+        d["indexer_pool"] = plan.indexer_pool;
+        d["indexer_topk"] = plan.indexer_topk;
+        d["ring"] = plan.ring;
+        return d;
+      },
+      "preset"_a, "dsa_stage_plan_for's indexer fields of a preset (its shape, RING = the pool).");
   m.def(
       "check_eps", [](double eps, const std::string& name) { positive_eps(eps, name.c_str()); }, "eps"_a, "name"_a,
       "Raises InvalidArgument naming `name` unless eps is finite and > 0.");

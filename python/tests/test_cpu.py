@@ -412,3 +412,126 @@ def test_numpy_is_a_runtime_dependency():
         project = tomllib.load(f)["project"]
     assert any(requirement.split(">")[0].split("=")[0].strip() == "numpy" for requirement in project["dependencies"])
     assert isinstance(dd.reference.linear_gemv(np.zeros((1, 8), np.uint16), np.zeros((2, 8), np.uint16)), np.ndarray)
+
+
+# --- the indexer's shape (heads, pool, top-k) --------------------------------
+
+
+def test_indexer_plan_carries_its_shape_and_derives_the_state_shapes():
+    from dsa_decode.ops import indexer_ring_for
+
+    default = dd.IndexerPlan()
+    assert (default.heads, default.pool, default.topk) == (32, 4, 2048)
+    assert (default.row_width, default.top_pools, default.pools_per_page, default.page_bytes) == (2176, 512, 64, 64 * 132)
+    assert default.tokens_per_request == 1
+    plan = dd.IndexerPlan(heads=16, pool=16, topk=2048, ring=32)
+    assert (plan.row_width, plan.top_pools, plan.pools_per_page, plan.page_bytes) == (2176, 128, 16, 16 * 132)
+    assert plan.tokens_per_request == 17
+    assert dd.IndexerPlan(heads=64, pool=8, topk=1024, ring=8).row_width == 1152
+    assert dd.IndexerPlan(heads=16, pool=16, topk=512, ring=16).row_width == 640
+    # The workspace grows with the heads (q and weights) and shrinks with the pool (logits).
+    assert dd.IndexerPlan(heads=64).workspace_bytes() > default.workspace_bytes()
+    assert dd.IndexerPlan(pool=16, ring=16).workspace_bytes() < default.workspace_bytes()
+    assert [indexer_ring_for(4, n) for n in (1, 2, 5, 6)] == [4, 8, 8, 0]
+    assert indexer_ring_for(16, 17) == 32
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(heads=24), r"argument 'plan.heads': expected 16, 32 or 64 index heads, got 24"),
+        (dict(pool=2, ring=2), r"argument 'plan.pool': expected 4, 8 or 16 tokens per pool, got 2"),
+        (dict(topk=2050), r"argument 'plan.topk': expected a multiple of plan.pool = 4"),
+        (dict(pool=8), r"argument 'plan.ring': expected 8 \(plan.pool"),  # the default RING 4 is no ring of pools of 8
+    ],
+)
+def test_indexer_plan_names_a_bad_shape(fields, match):
+    with pytest.raises(dd.InvalidArgument, match=match):
+        dd.IndexerPlan(**fields)
+
+
+def test_indexer_functions_take_the_shape_across_the_binding():
+    # A plan changed after its check must reach the C++ check with its shape intact.
+    a = np.zeros((1, 128), dtype=np.float32)
+    state = dd.IndexerState(a, a, a)
+    for fields, match in ((dict(heads=48), "plan.heads"), (dict(topk=7), "plan.topk")):
+        with pytest.raises(dd.InvalidArgument, match=match):
+            dd.indexer_select(unchecked_plan(**fields), a, a, state, a, a)
+
+
+def test_stage_plan_carries_the_indexer_shape_to_its_indexer_plan():
+    plan = dd.StagePlan(indexer_heads=16, indexer_pool=16, indexer_topk=1024, ring=16)
+    indexer = plan.indexer_plan()
+    assert (indexer.heads, indexer.pool, indexer.topk, indexer.ring) == (16, 16, 1024, 16)
+    assert indexer.row_width == 1152
+    default = dd.StagePlan()
+    assert (default.indexer_heads, default.indexer_pool, default.indexer_topk) == (32, 4, 2048)
+    assert default.indexer_plan() == dd.IndexerPlan()
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(indexer_heads=8), r"argument 'plan.indexer_heads': expected 16, 32 or 64 index heads \(index_n_heads\), got 8"),
+        (dict(indexer_pool=12, ring=12), r"argument 'plan.indexer_pool': expected 4, 8 or 16 tokens per pool \(index_kpool\), got 12"),
+        (dict(indexer_topk=2047), r"argument 'plan.indexer_topk': expected a multiple of plan.indexer_pool = 4 from 4 to 2048"),
+        (dict(indexer_pool=16, indexer_topk=16 * 513, ring=16), r"argument 'plan.indexer_topk': .* from 16 to 8192"),
+        (dict(indexer_pool=16), r"argument 'plan.ring': expected 16 \(plan.pool"),
+        (dict(indexer_heads="16"), r"argument 'indexer_heads': expected an int, got '16'"),
+    ],
+)
+def test_stage_plan_names_a_bad_indexer_shape(fields, match):
+    with pytest.raises(dd.InvalidArgument, match=match):
+        dd.StagePlan(**fields)
+
+
+def test_stage_plan_for_a_preset_and_from_a_model_config():
+    from dsa_decode.stage import INDEXER_CONFIG_FIELDS, stage_plan_for
+
+    assert INDEXER_CONFIG_FIELDS == {"indexer_heads": "index_n_heads", "indexer_pool": "index_kpool", "indexer_topk": "index_topk"}
+    plan = stage_plan_for("glm5next")
+    assert (plan.indexer_heads, plan.indexer_pool, plan.indexer_topk, plan.ring) == (32, 4, 2048, 4)
+    plan = stage_plan_for("glm5next", indexer_heads=16, max_tokens=4)
+    assert (plan.indexer_heads, plan.max_tokens) == (16, 4)
+    with pytest.raises(dd.InvalidArgument, match="argument 'preset'"):
+        stage_plan_for("nope")
+
+    config = {"index_n_heads": 16, "index_kpool": 16, "index_topk": 2048, "index_head_dim": 128, "hidden_size": 4096}
+    plan = dd.StagePlan.from_model_config(config)
+    assert (plan.indexer_heads, plan.indexer_pool, plan.indexer_topk, plan.ring) == (16, 16, 2048, 16)
+    plan = dd.StagePlan.from_model_config(config, draft_tokens=3, max_context=4096)
+    assert (plan.ring, plan.max_context) == (32, 4096)
+    # Explicit fields override the config; a transformers-like object works as a dict does.
+    plan = dd.StagePlan.from_model_config(config, indexer_heads=64, indexer_topk=1024)
+    assert (plan.indexer_heads, plan.indexer_pool, plan.indexer_topk) == (64, 16, 1024)
+    obj = type("Config", (), dict(index_n_heads=32, index_kpool=8, index_topk=2048, index_head_dim=128))()
+    assert dd.StagePlan.from_model_config(obj).indexer_plan().row_width == 2176
+    # Every missing, mistyped or unsupported field in one message.
+    with pytest.raises(dd.InvalidArgument) as bad:
+        dd.StagePlan.from_model_config({"index_n_heads": 24, "index_kpool": "16", "index_head_dim": 64})
+    message = str(bad.value)
+    for part in ("argument 'config'", "missing index_topk", "index_kpool: expected an int, got '16'",
+                 "index_head_dim: expected 128, got 64", "index_n_heads: expected 16, 32 or 64, got 24"):
+        assert part in message, (part, message)
+    with pytest.raises(dd.InvalidArgument, match="index_kpool: expected 4, 8 or 16, got 2"):
+        dd.StagePlan.from_model_config({"index_n_heads": 16, "index_kpool": 2, "index_topk": 64, "index_head_dim": 128})
+    with pytest.raises(dd.InvalidArgument, match="argument 'draft_tokens': expected at most 4 draft tokens"):
+        dd.StagePlan.from_model_config({**config, "index_kpool": 4}, draft_tokens=5)
+    with pytest.raises(dd.InvalidArgument, match="plan.indexer_topk"):
+        dd.StagePlan.from_model_config({**config, "index_topk": 2040})  # not a multiple of 16
+
+
+def test_stage_checks_the_indexer_weights_at_the_plans_shape():
+    # An F32 index_ape of the default shape (host memory: refused either way)
+    # under a plan of pools of 16: named with the plan's shape [16, 128];
+    # under the default plan its shape passes and the device is what is named.
+    config = dd.layer_config("glm5next", tp=8)
+    weights = {"index_ape": np.zeros((4, 128), np.float32)}
+    with pytest.raises(dd.InvalidArgument) as refused:
+        dd.Stage(config, weights, dd.StagePlan(indexer_heads=16, indexer_pool=16, ring=16, max_tokens=2))
+    message = str(refused.value)
+    assert "argument 'index_ape': expected shape [16, 128], got f32[4, 128]" in message, message
+    assert "'index_wq_b'" in message and "'index_weights_proj'" in message, message  # absent: named too
+    with pytest.raises(dd.InvalidArgument) as default:
+        dd.Stage(config, weights, dd.StagePlan(max_tokens=2))
+    assert "'index_ape'" in str(default.value) and "[16, 128]" not in str(default.value), str(default.value)

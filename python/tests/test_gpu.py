@@ -334,7 +334,7 @@ def test_launches_go_to_the_callers_stream(how, generator):
 # --- the stage ------------------------------------------------------------------
 
 
-def stage_layer(generator, tp=8):
+def stage_layer(generator, tp=8, index_heads=32, index_pool=4):
     c = dd.layer_config("glm5next", tp=tp)
     D, H, Q, L, P, V = (c.hidden_size, c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim)
     weights = dict(
@@ -347,13 +347,13 @@ def stage_layer(generator, tp=8):
         o_proj=bf16((D, H * V), generator, (H * V) ** -0.5),
         q_scale=torch.tensor([0.02], device=DEVICE),
         k_scale=torch.tensor([0.02], device=DEVICE),
-        index_wq_b=bf16((32 * 128, Q), generator, Q**-0.5),
+        index_wq_b=bf16((index_heads * 128, Q), generator, Q**-0.5),
         index_wk=bf16((128, D), generator, D**-0.5),
-        index_weights_proj=bf16((32, D), generator, D**-0.5),
+        index_weights_proj=bf16((index_heads, D), generator, D**-0.5),
         index_compress_gate=bf16((128, D), generator, D**-0.5),
         index_k_norm_weight=torch.ones(128, device=DEVICE),
         index_k_norm_bias=torch.zeros(128, device=DEVICE),
-        index_ape=torch.randn((4, 128), generator=generator, device=DEVICE) * 0.1,
+        index_ape=torch.randn((index_pool, 128), generator=generator, device=DEVICE) * 0.1,
     )
     return c, weights
 
@@ -367,7 +367,7 @@ def stage_step(stage, c, weights, generator, m, context=3000):
     state = dd.IndexerState(
         block_table,
         torch.zeros((m, 2, plan.ring, 128), dtype=torch.bfloat16, device=DEVICE),
-        torch.zeros((m * pages, plan.block_size // 4 * 132), dtype=torch.uint8, device=DEVICE),
+        torch.zeros((m * pages, plan.page_bytes), dtype=torch.uint8, device=DEVICE),
     )
     for request in range(m):
         dd.indexer_prefill(
@@ -407,9 +407,10 @@ def replay_captured(step, args, initial):
 
 
 def small_stage(generator, m, max_tokens, tp=8, **choices):
-    """A glm5next layer (TP8 unless told), its stage (contexts up to 8192,
+    """A glm5next layer (TP8 unless told; the indexer at the choices'
+    indexer_heads and indexer_pool), its stage (contexts up to 8192,
     StagePlan `choices`) and one step of m tokens."""
-    c, weights = stage_layer(generator, tp)
+    c, weights = stage_layer(generator, tp, choices.get("indexer_heads", 32), choices.get("indexer_pool", 4))
     stage = dd.Stage(c, weights, dd.StagePlan(max_tokens=max_tokens, max_context=8192, **choices))
     return c, weights, stage, stage_step(stage, c, weights, generator, m)
 
@@ -450,6 +451,41 @@ def test_stage_fused_agrees_with_stock_and_replays_in_a_graph(m, generator):
 
     replay_captured(lambda: stage.forward(args), args, initial)
     assert torch.equal(args.out, fused_out)
+
+
+@pytest.mark.parametrize("heads, pool, topk", [(16, 16, 2048), (64, 8, 1024)])
+def test_stage_at_other_indexer_shapes(heads, pool, topk, generator):
+    """The plan's indexer shape reaches every buffer: both paths agree, the
+    rows are the shape's (top-k pools plus the tail, W wide) and the
+    intermediates have its heads."""
+    m = 3
+    c, weights, stage, args = small_stage(
+        generator, m, max_tokens=4, indexer_heads=heads, indexer_pool=pool, indexer_topk=topk, ring=pool
+    )
+    plan = stage.indexer_plan()
+    assert (plan.heads, plan.pool, plan.topk) == (heads, pool, topk)
+    initial = [t.clone() for t in caches_of(args)]
+    stage.stock_forward(args)
+    stock_out, stock_caches = args.out.clone(), [t.clone() for t in caches_of(args)]
+    stock_slots = torch.from_dlpack(stage.intermediates(m)["slots"]).clone()
+    restore(args, initial)
+    stage.forward(args)
+    torch.cuda.synchronize()
+    error = torch.linalg.norm(args.out.double() - stock_out.double()) / torch.linalg.norm(stock_out.double())
+    assert error < 2e-2, error
+    for fused, stock in zip(caches_of(args), stock_caches):
+        assert torch.equal(fused.view(torch.uint8), stock.view(torch.uint8))
+    assert args.error_count.item() == 0
+    views = stage.intermediates(m)
+    slots = torch.from_dlpack(views["slots"])
+    assert slots.shape == (m, plan.row_width)
+    assert torch.equal(slots, stock_slots)
+    context = int(args.positions[0].item()) + 1  # 3001 > topk: pools selected, then the tail
+    valid = (slots >= 0).sum(dim=1)
+    assert torch.all(valid == topk + context % pool), valid
+    assert torch.from_dlpack(views["index_q"]).shape == (m, heads, 128)
+    assert torch.from_dlpack(views["head_weights"]).shape == (m, heads)
+    assert torch.from_dlpack(views["index_logits"]).shape[1] == -(-8192 // pool)
 
 
 def test_stage_step_errors_name_the_argument(generator):
