@@ -2,6 +2,10 @@
 
   sparse_mla vs FlashMLA MODEL1           dsa_decode.ops.sparse_mla (default plan) against
                                           FlashMLA's sparse FP8 decode, d_qk = d_v = 512
+  sparse_mla vs FlashInfer fa3            dsa_decode.ops.sparse_mla (default plan) against FlashInfer's
+                                          SM90 sparse MLA as vLLM 0.33 serves glm5next on Hopper
+                                          (FLASHINFER_MLA_SPARSE_SM90: BatchMLAPagedAttentionWrapper,
+                                          backend fa3, page_size 1, head_dim_kpe 0, BF16 query, FP8 KV)
   indexer select vs DeepGEMM logits +     dsa_decode.ops.indexer_select (default plan) against
     vLLM cooperative_topk                 DeepGEMM's fp8_fp4_paged_mqa_logits then vLLM's
                                           cooperative_topk (the decode top-k vLLM 0.34 picks
@@ -12,7 +16,10 @@ Inputs, both sides the same values:
              slots; K = 2048 distinct slots per token. FlashMLA's MODEL1 cache holds the same
              values exactly (448 e4m3 codes with e8m0 scales = k_scale, 64 BF16 values), its q
              is the BF16 of our FP8 q (exact). H = 8: FlashMLA runs 64 heads (its smallest;
-             vLLM pads TP8's 8 heads to 64), the first 8 compared.
+             vLLM pads TP8's 8 heads to 64), the first 8 compared. Our FP8 q is the e4m3 quant
+             (q_scale) of a BF16 q ~ N(0, 1); FlashInfer takes that BF16 q, as vLLM gives it, and
+             the cache as it is ([blocks, 256, 512] e4m3 viewed [slots, 1, 512], ckv_scale =
+             k_scale), at the model's own head count (vLLM pads none for this backend).
   indexer    m requests at context L (positions L - 1), L / 4 pooled keys each in our paged
              FP8 layout, which is DeepGEMM's (pages of 64 keys: 64 x 128 e4m3 codes, then 64
              f32 scales); the same block table; q_fp8 and folded head weights written into our
@@ -22,10 +29,13 @@ Timing as dsa-bench's harness (bench/harness.h): launch i reads rotation i % R o
 (R copies of the KV rows or pages, at least twice the L2 together), max(20, R) launches
 captured into one CUDA graph, 50 replays after warm-up, each replay's time over its launches a
 sample, the median reported. Metadata that engines compute once per step and share across
-layers (FlashMLA's tile schedule, DeepGEMM's paged schedule) is computed before timing.
+layers (FlashMLA's tile schedule, DeepGEMM's paged schedule, FlashInfer's plan()) is computed
+before timing. Ours is timed once per (H, m) and reported in each peer's row.
 
 Checks before a row counts: each side against a float64 reference of the same inputs
-(attention: latent within 5e-3 relative Frobenius, lse within 1e-3 absolute; indexer: the
+(FlashInfer: of its BF16 query; ours against the BF16 query's reference too, reported as the
+query quant's departure, never failed;
+attention: latent within 5e-3 relative Frobenius, lse within 1e-3 absolute; indexer: the
 peer's top-512 pool set equals ours up to near-ties of the reference logits) and ours against
 the peer. A failed check or a peer that did not build is reported in the row; the rest run.
 """
@@ -116,13 +126,16 @@ def attention_inputs(H: int, m: int, seed: int):
     blocks = (slots + BLOCK - 1) // BLOCK
     # Values ~ N(0, 1): codes ~ N(0, 1 / 2^-5); score spread about 10 at this softmax scale.
     kv = e4m3_codes((blocks, BLOCK, LATENT), 1 / QK_SCALE, gen)
-    q = e4m3_codes((m, H, LATENT), 1 / QK_SCALE, gen)
+    # The query as the engine has it (BF16 ~ N(0, 1): what FlashInfer's fa3 path takes) and our
+    # FP8 query of it (e4m3 codes of q / q_scale, saturating RNE: the absorb's static quant).
+    q_bf16 = torch.randn((m, H, LATENT), device="cuda", generator=gen).to(torch.bfloat16)
+    q = (q_bf16.float() / QK_SCALE).clamp_(-448, 448).to(torch.float8_e4m3fn)
     # Rotation r reads region r (slots r * rows .. (r + 1) * rows), permuted: distinct rows per token.
     idx = torch.empty((rotations, m, K_TOPK), dtype=torch.int32, device="cuda")
     for r in range(rotations):
         perm = torch.randperm(rows, device="cuda", generator=gen).to(torch.int32) + r * rows
         idx[r] = perm.view(m, K_TOPK)
-    return dict(H=H, m=m, rotations=rotations, blocks=blocks, kv=kv, q=q, idx=idx)
+    return dict(H=H, m=m, rotations=rotations, blocks=blocks, kv=kv, q=q, q_bf16=q_bf16, idx=idx)
 
 
 def model1_cache(kv_codes: torch.Tensor) -> torch.Tensor:
@@ -142,9 +155,10 @@ def model1_cache(kv_codes: torch.Tensor) -> torch.Tensor:
     return buf.as_strided((blocks, BLOCK, 1, per_token), (block_bytes, per_token, per_token, 1))
 
 
-def attention_reference(inp, rotation: int = 0):
-    """float64 latent [m, H, 512] and lse [m, H] of rotation `rotation`."""
-    q = inp["q"].double() * QK_SCALE
+def attention_reference(inp, rotation: int = 0, bf16_query: bool = False):
+    """float64 latent [m, H, 512] and lse [m, H] of rotation `rotation`: with our FP8 query's
+    values, or with the BF16 query it was quantized from (what FlashInfer's fa3 path takes)."""
+    q = inp["q_bf16"].double() if bf16_query else inp["q"].double() * QK_SCALE
     kv = inp["kv"].view(torch.uint8).view(-1, LATENT)  # gathered as bytes (no float8 indexing kernels)
     idx = inp["idx"][rotation].long()
     k = kv[idx].view(torch.float8_e4m3fn).double() * QK_SCALE  # [m, K, 512]
@@ -158,95 +172,235 @@ def latent_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref))
 
 
-def run_attention(args, dsa, flashmla, flashmla_error, commits, rows_out):
+def lse_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref.double()).abs().max())
+
+
+def measure_ours(args, dsa, inp, ref_latent, ref_lse):
+    """Our sparse_mla (default plan) on these inputs: its check against the float64 reference of its
+    own inputs, its time when it passes, and its output (for the comparisons with the peers)."""
+    m, H = inp["m"], inp["H"]
+    ops = dsa.ops
+    res = {}
+    q_scale = torch.tensor([QK_SCALE], dtype=torch.float32, device="cuda")
+    latent = torch.empty((m, H, LATENT), dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty((m, H), dtype=torch.float32, device="cuda")
+    counters = torch.zeros(max(1, ops.sparse_mla_split_counter_count(m, H, K_TOPK)), dtype=torch.int32, device="cuda")
+    n_partials = ops.sparse_mla_split_partials_count(m, H, K_TOPK)
+    partials = torch.empty(n_partials, dtype=torch.float32, device="cuda") if n_partials else None
+
+    def ours(i):  # the default plan: no splits argument
+        ops.sparse_mla(
+            inp["q"], q_scale, inp["kv"], q_scale, inp["idx"][i % inp["rotations"]],
+            SOFTMAX_SCALE, latent, lse, counters, partials,
+        )
+
+    latent.fill_(float("nan"))
+    ours(0)
+    torch.cuda.synchronize()
+    res["latent"], res["lse"] = latent.clone(), lse.clone()
+    e_lat, e_lse = latent_error(res["latent"], ref_latent), lse_error(res["lse"], ref_lse)
+    res["check_ours"] = {"latent_rel": e_lat, "lse_abs": e_lse}
+    if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
+        res["error"] = f"ours fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}"
+    else:
+        res["us"] = time_graph(ours, inp["rotations"], args.replays)
+        res["tflops"] = 2.0 * m * H * K_TOPK * (LATENT + LATENT) / (res["us"] * 1e-6) / 1e12
+    return res
+
+
+def copy_ours(row, ours):
+    for key in ("check_ours", "us", "tflops", "error"):
+        if ours and key in ours:
+            row[key] = ours[key]
+
+
+def flashmla_row(args, flashmla, flashmla_error, commits, inp, ref_latent, ref_lse, ours):
+    m, H = inp["m"], inp["H"]
+    peer_h = max(64, H)
+    baseline = f"FlashMLA MODEL1 @{commits['flashmla'][:12]}"
+    if peer_h != H:
+        baseline = f"FlashMLA MODEL1 at H={peer_h} ({H} heads padded to {peer_h}) @{commits['flashmla'][:12]}"
+    row = {"name": "sparse_mla vs FlashMLA MODEL1", "params": {"H": H, "m": m, "K": K_TOPK}, "baseline": baseline}
+    copy_ours(row, ours)
+    if flashmla is None:
+        row["baseline_error"] = flashmla_error or "FlashMLA not loaded"
+        return row
+    kv1 = model1_cache(inp["kv"])
+    q_bf16 = (inp["q"].float() * QK_SCALE).to(torch.bfloat16)  # our FP8 query's values, exactly
+    if peer_h != H:
+        q_bf16 = q_bf16.repeat(1, peer_h // H, 1)
+    q_bf16 = q_bf16.view(m, 1, peer_h, LATENT).contiguous()
+    idx4 = inp["idx"].view(inp["rotations"], m, 1, K_TOPK)
+    sched, _ = flashmla.get_mla_metadata()
+
+    def peer(i):
+        return flashmla.flash_mla_with_kvcache(
+            q_bf16, kv1, None, None, LATENT, sched, None, SOFTMAX_SCALE, False, True,
+            idx4[i % inp["rotations"]],
+        )
+
+    out, plse = peer(0)  # also builds FlashMLA's tile schedule, reused by every later call
+    torch.cuda.synchronize()
+    p_latent = out.view(m, peer_h, LATENT)[:, :H]
+    p_lse = plse.reshape(m, peer_h)[:, :H]
+    e_lat, e_lse = latent_error(p_latent, ref_latent), lse_error(p_lse, ref_lse)
+    row["check_baseline"] = {"latent_rel": e_lat, "lse_abs": e_lse}
+    if ours and "latent" in ours:
+        row["check_ours_vs_baseline"] = {
+            "latent_rel": latent_error(ours["latent"], p_latent.double()),
+            "lse_abs": lse_error(ours["lse"], p_lse),
+        }
+    if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
+        row["baseline_error"] = f"FlashMLA fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}"
+    else:
+        row["baseline_us"] = time_graph(peer, inp["rotations"], args.replays)
+        row["baseline_tflops"] = 2.0 * m * peer_h * K_TOPK * 1024 / (row["baseline_us"] * 1e-6) / 1e12
+    return row
+
+
+FLASHINFER_WORKSPACE_BYTES = 128 * 2**20  # vLLM's _WORKSPACE_BYTES for this backend
+
+
+def flashinfer_row(args, fi, fi_error, inp, ref_latent, ref_lse, ours):
+    """FlashInfer's SM90 sparse MLA as vLLM 0.33's FLASHINFER_MLA_SPARSE_SM90 calls it for glm5next
+    (v1/attention/backends/mla/flashinfer_mla_sparse_sm90.py): one batch row per decode token,
+    page_size 1 with the token's top-k slots as its pages, BF16 query, the FP8 e4m3 cache
+    [blocks, 256, 512] viewed [slots, 1, 512] with a per-tensor k_scale, head_dim_kpe 0, causal
+    off; planned once outside the graph (vLLM plans in its metadata builder), run() captured."""
+    m, H, R = inp["m"], inp["H"], inp["rotations"]
+    row = {"name": "sparse_mla vs FlashInfer fa3", "params": {"H": H, "m": m, "K": K_TOPK}}
+    row["baseline"] = "FlashInfer fa3 BatchMLAPagedAttentionWrapper (BF16 q, FP8 KV)" + (
+        f" {fi.version} @{fi.commit[:12]}" if fi is not None else "")
+    copy_ours(row, ours)
+    notes = ["FlashInfer: BF16 query (ours: its FP8 quant); vLLM runs it at the model's own head count (no padding)"]
+    if fi is None:
+        row["baseline_error"] = fi_error or "FlashInfer not loaded"
+        row["note"] = "; ".join(notes)
+        return row
+    if not fi.prebuilt:
+        notes.append("FlashInfer's module was JIT-compiled on this machine (the prebuilt one did not load)")
+    dev = inp["kv"].device
+    rows = m * K_TOPK
+    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+    kv_indices = torch.zeros(rows, dtype=torch.int32, device=dev)
+    wrapper = fi.Wrapper(
+        workspace,
+        use_cuda_graph=True,
+        qo_indptr=torch.zeros(m + 1, dtype=torch.int32, device=dev),
+        kv_indptr=torch.zeros(m + 1, dtype=torch.int32, device=dev),
+        kv_indices=kv_indices,
+        kv_len_arr=torch.zeros(m, dtype=torch.int32, device=dev),
+        backend="fa3",
+    )
+    # vLLM's _SM90State._plan: CPU CSR offsets and lengths, positional arguments.
+    qo_cpu = torch.arange(m + 1, dtype=torch.int32)
+    kv_cpu = torch.arange(m + 1, dtype=torch.int32) * K_TOPK
+    lens_cpu = torch.full((m,), K_TOPK, dtype=torch.int32)
+    wrapper.plan(
+        qo_cpu, kv_cpu, inp["idx"][0].reshape(-1), lens_cpu, H, LATENT, 0, 1, False, SOFTMAX_SCALE,
+        q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn,
+    )
+    backend = wrapper._planned_backend
+    reserved = backend._kv_indices_buf
+    idx_flat = inp["idx"].view(R, rows)
+    flat = inp["kv"].view(-1, 1, LATENT)  # vLLM: cache.view(float8_e4m3fn).reshape(-1, 1, head_size)
+    ckv, kpe = flat[..., :LATENT], flat[..., LATENT:]
+    q_nope = inp["q_bf16"]
+    q_pe = q_nope.new_empty((m, H, 0))
+    out = torch.empty_like(q_nope)
+
+    def peer(i, **kw):
+        # Launch i reads rotation i's slots, as ours does: the plan depends on the lengths only,
+        # and vLLM writes each step's slots into the reserved buffer that run() passes
+        # (_pack_topk_indices inside its graph); here run() is handed rotation i's copy instead.
+        backend._kv_indices_buf = idx_flat[i % R]
+        return wrapper.run(q_nope, q_pe, ckv, kpe, out=out, ckv_scale=QK_SCALE, kpe_scale=1.0, **kw)
+
+    try:
+        p_lse = None
+        try:
+            _, p_lse = peer(0, return_lse=True, return_lse_base_on_e=True)
+        except Exception as e:  # this plan may not allow an LSE: check the latent alone
+            notes.append(f"FlashInfer lse not checked ({type(e).__name__}: {e})")
+            peer(0)
+        torch.cuda.synchronize()
+        p_latent = out.clone()
+        ref64_latent, ref64_lse = attention_reference(inp, bf16_query=True)
+        e_lat = latent_error(p_latent, ref64_latent)
+        e_lse = 0.0
+        if p_lse is not None:
+            # Asked for natural-log lse (return_lse_base_on_e); should a plan without an lse mode
+            # give FlashInfer's base-2 lse instead, that convention is recognized and said.
+            e_lse = lse_error(p_lse, ref64_lse)
+            e_lse2 = lse_error(p_lse.double() * math.log(2.0), ref64_lse)
+            if e_lse2 < e_lse:
+                notes.append("FlashInfer's lse came in base 2 (converted)")
+                p_lse, e_lse = p_lse.double() * math.log(2.0), e_lse2
+        row["check_baseline"] = {"latent_rel": e_lat, "lse_abs": e_lse if p_lse is not None else None,
+                                 "reference": "float64 of the BF16 query"}
+        if ours and "latent" in ours:
+            # The query quant: ours against the float64 result of the BF16 query it was quantized from
+            # (reported, not failed: the contract bounds ours against its own FP8 inputs).
+            row["check_ours_vs_bf16_query_reference"] = {
+                "latent_rel": latent_error(ours["latent"], ref64_latent),
+                "lse_abs": lse_error(ours["lse"], ref64_lse),
+            }
+            row["check_ours_vs_baseline"] = {
+                "latent_rel": latent_error(ours["latent"], p_latent.double()),
+                "lse_abs": lse_error(ours["lse"], p_lse) if p_lse is not None else None,
+            }
+        if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
+            row["baseline_error"] = f"FlashInfer fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}"
+        else:
+            row["baseline_us"] = time_graph(peer, R, args.replays)  # output only, as vLLM calls it
+            row["baseline_tflops"] = 2.0 * m * H * K_TOPK * 1024 / (row["baseline_us"] * 1e-6) / 1e12
+    finally:
+        backend._kv_indices_buf = reserved
+    row["note"] = "; ".join(notes)
+    return row
+
+
+def run_attention(args, dsa, flashmla, flashmla_error, fi, fi_error, commits, skip, rows_out):
     grid_h = [int(h) for h in args.heads.split(",")]
     grid_m = [int(m) for m in args.tokens.split(",")]
+    fi_heads = {int(h) for h in args.flashinfer_heads.split(",") if h}
     for H in grid_h:
         for m in grid_m:
-            params = {"H": H, "m": m, "K": K_TOPK}
-            peer_h = max(64, H)
-            baseline = f"FlashMLA MODEL1 @{commits['flashmla'][:12]}"
-            if peer_h != H:
-                baseline = f"FlashMLA MODEL1 at H={peer_h} ({H} heads padded to {peer_h}) @{commits['flashmla'][:12]}"
-            row = {"name": "sparse_mla vs FlashMLA MODEL1", "params": params, "baseline": baseline}
-            notes = []
+            peers_here = [p for p in ("flashmla", "flashinfer") if p not in skip and (p != "flashinfer" or H in fi_heads)]
+            if not peers_here:
+                continue
+            ours, shared_notes, inp, ref_latent, ref_lse = None, [], None, None, None
             try:
                 inp = attention_inputs(H, m, seed=1000 + 7 * H + m)
-                notes.append(f"{inp['rotations']} KV regions of {m * K_TOPK} rows")
+                shared_notes.append(f"{inp['rotations']} KV regions of {m * K_TOPK} rows")
                 ref_latent, ref_lse = attention_reference(inp)
-                flops = 2.0 * m * H * K_TOPK * (LATENT + LATENT)
-                q_scale = torch.tensor([QK_SCALE], dtype=torch.float32, device="cuda")
-                ours_latent = ours_lse = None
                 if dsa is not None:
-                    ops = dsa.ops
-                    latent = torch.empty((m, H, LATENT), dtype=torch.bfloat16, device="cuda")
-                    lse = torch.empty((m, H), dtype=torch.float32, device="cuda")
-                    counters = torch.zeros(
-                        max(1, ops.sparse_mla_split_counter_count(m, H, K_TOPK)), dtype=torch.int32, device="cuda"
-                    )
-                    n_partials = ops.sparse_mla_split_partials_count(m, H, K_TOPK)
-                    partials = torch.empty(n_partials, dtype=torch.float32, device="cuda") if n_partials else None
-
-                    def ours(i):  # the default plan: no splits argument
-                        ops.sparse_mla(
-                            inp["q"], q_scale, inp["kv"], q_scale, inp["idx"][i % inp["rotations"]],
-                            SOFTMAX_SCALE, latent, lse, counters, partials,
-                        )
-
-                    latent.fill_(float("nan"))
-                    ours(0)
-                    torch.cuda.synchronize()
-                    ours_latent, ours_lse = latent.clone(), lse.clone()
-                    e_lat, e_lse = latent_error(ours_latent, ref_latent), float((ours_lse.double() - ref_lse).abs().max())
-                    row["check_ours"] = {"latent_rel": e_lat, "lse_abs": e_lse}
-                    if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
-                        row["error"] = f"ours fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}"
+                    ours = measure_ours(args, dsa, inp, ref_latent, ref_lse)
+            except Exception as e:  # one shape's failure must not stop the others
+                traceback.print_exc()
+                ours = {"error": f"{type(e).__name__}: {e}"}
+            for p in peers_here:
+                params = {"H": H, "m": m, "K": K_TOPK}
+                try:
+                    if inp is None or ref_latent is None:
+                        raise RuntimeError(ours["error"])
+                    if p == "flashmla":
+                        row = flashmla_row(args, flashmla, flashmla_error, commits, inp, ref_latent, ref_lse, ours)
                     else:
-                        row["us"] = time_graph(ours, inp["rotations"], args.replays)
-                        row["tflops"] = flops / (row["us"] * 1e-6) / 1e12
-                if flashmla is None:
-                    row["baseline_error"] = flashmla_error or "FlashMLA not loaded"
-                else:
-                    kv1 = model1_cache(inp["kv"])
-                    q_bf16 = (inp["q"].float() * QK_SCALE).to(torch.bfloat16)
-                    if peer_h != H:
-                        q_bf16 = q_bf16.repeat(1, peer_h // H, 1)
-                    q_bf16 = q_bf16.view(m, 1, peer_h, LATENT).contiguous()
-                    idx4 = inp["idx"].view(inp["rotations"], m, 1, K_TOPK)
-                    sched, _ = flashmla.get_mla_metadata()
-
-                    def peer(i):
-                        return flashmla.flash_mla_with_kvcache(
-                            q_bf16, kv1, None, None, LATENT, sched, None, SOFTMAX_SCALE, False, True,
-                            idx4[i % inp["rotations"]],
-                        )
-
-                    out, plse = peer(0)  # also builds FlashMLA's tile schedule, reused by every later call
-                    torch.cuda.synchronize()
-                    p_latent = out.view(m, peer_h, LATENT)[:, :H]
-                    p_lse = plse.reshape(m, peer_h)[:, :H]
-                    e_lat, e_lse = latent_error(p_latent, ref_latent), float((p_lse.double() - ref_lse).abs().max())
-                    row["check_baseline"] = {"latent_rel": e_lat, "lse_abs": e_lse}
-                    if ours_latent is not None:
-                        row["check_ours_vs_baseline"] = {
-                            "latent_rel": latent_error(ours_latent, p_latent.double()),
-                            "lse_abs": float((ours_lse - p_lse).abs().max()),
-                        }
-                    if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
-                        row["baseline_error"] = f"FlashMLA fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}"
-                    else:
-                        row["baseline_us"] = time_graph(lambda i: peer(i), inp["rotations"], args.replays)
-                        row["baseline_tflops"] = 2.0 * m * peer_h * K_TOPK * 1024 / (row["baseline_us"] * 1e-6) / 1e12
-                    del kv1
+                        row = flashinfer_row(args, fi, fi_error, inp, ref_latent, ref_lse, ours)
+                except Exception as e:
+                    traceback.print_exc()
+                    name = "sparse_mla vs FlashMLA MODEL1" if p == "flashmla" else "sparse_mla vs FlashInfer fa3"
+                    row = {"name": name, "params": params, "baseline": p}
+                    copy_ours(row, ours)
+                    row["baseline_error"] = f"{type(e).__name__}: {e}"
                 if "us" in row and "baseline_us" in row:
                     row["speedup"] = row["baseline_us"] / row["us"]
-                del inp
-            except Exception as e:  # one shape's failure must not stop the others
-                row["error"] = f"{type(e).__name__}: {e}"
-                traceback.print_exc()
-            row["note"] = "; ".join(notes)
-            rows_out.append(row)
-            log(one_line(row))
+                row["note"] = "; ".join(shared_notes + ([row["note"]] if row.get("note") else []))
+                rows_out.append(row)
+                log(one_line(row))
+            del inp
             torch.cuda.empty_cache()
 
 
@@ -500,8 +654,9 @@ def main() -> int:
     ap.add_argument("--table", metavar="JSON", help="print the markdown table of a peers.json and exit")
     ap.add_argument("--peers-only", action="store_true", help="do not import dsa_decode (peers alone, checked against the float64 reference)")
     ap.add_argument("--build-only", action="store_true", help="build the peers and stop")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: attention, indexer")
+    ap.add_argument("--skip", default="", help="comma list of what to skip: attention, indexer (sections), flashmla, flashinfer (attention peers)")
     ap.add_argument("--heads", default="8,64,128")
+    ap.add_argument("--flashinfer-heads", default="8,64", help="the heads of --heads that FlashInfer also runs (glm5next: 64 at TP1, 8 at TP8)")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--index-tokens", default="1,2,4,8,16")
@@ -516,9 +671,15 @@ def main() -> int:
     (out / "results").mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     trees = peers.manifest()
-    commits = {"flashmla": trees["flashmla"]["pin"], "deepgemm": trees["deepgemm"]["pin"], "vllm": trees["vllm-topk"]["pin"]}
+    pin = lambda name: trees.get(name, {}).get("pin", "?")  # noqa: E731
+    commits = {"flashmla": pin("flashmla"), "deepgemm": pin("deepgemm"), "vllm": pin("vllm-topk"), "flashinfer": pin("flashinfer")}
+    skip = set(filter(None, args.skip.split(",")))
     before = peers.build_listing()
-    errors = peers.build_all()
+    # Build only the peers the selected sections run (--build-only: all of them).
+    wanted = [p for p, needs in (("flashmla", ("attention", "flashmla")), ("deepgemm", ("indexer",)),
+                                 ("vllm_topk", ("indexer",)))
+              if args.build_only or not set(needs) & skip]
+    errors = peers.build_all(wanted)
     for p, e in errors.items():
         log(f"[peers] {p}: {'ready' if not e else e}")
     log(f"[peers] builds done in {time.time() - t0:.0f} s")
@@ -528,6 +689,8 @@ def main() -> int:
         return 0 if not any(errors.values()) else 1
 
     def load(name, fn):
+        if name in peers.PEERS and name not in wanted:
+            return None, "skipped (--skip)"
         if errors.get(name):
             return None, errors[name]
         try:
@@ -537,6 +700,14 @@ def main() -> int:
             return None, f"load failed: {type(e).__name__}: {e}"
 
     flashmla, flashmla_error = load("flashmla", peers.load_flashmla)
+    fi, fi_error = None, "skipped"
+    if not {"attention", "flashinfer"} & skip:
+        fi, fi_error = load("flashinfer", peers.load_flashinfer)
+        if fi is not None:
+            log(f"[peers] flashinfer: ready ({fi.version} @{fi.commit[:12]}, module "
+                f"{'prebuilt by fetch-peers' if fi.prebuilt else 'JIT-compiled here'})")
+        else:
+            log(f"[peers] flashinfer: {fi_error}")
     dg, dg_error = load("deepgemm", peers.load_deepgemm)
     vt, vt_error = load("vllm_topk", peers.load_vllm_topk)
 
@@ -562,6 +733,8 @@ def main() -> int:
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
             "ours": "dsa_decode" if dsa is not None else "not run (peers alone)",
             "peers": trees,
+            **({"flashinfer": {"version": fi.version, "commit": fi.commit, "module": fi.module,
+                               "module_prebuilt": fi.prebuilt, "pack": fi.info}} if fi is not None else {}),
             "rows": rows_,
         }
 
@@ -571,9 +744,8 @@ def main() -> int:
             path.write_text(json.dumps(make_report(list(self)), indent=1) + "\n")
 
     rows = Rows()
-    skip = set(filter(None, args.skip.split(",")))
     if "attention" not in skip:
-        run_attention(args, dsa, flashmla, flashmla_error, commits, rows)
+        run_attention(args, dsa, flashmla, flashmla_error, fi, fi_error, commits, skip, rows)
     if "indexer" not in skip:
         run_indexer(args, dsa, dg, dg_error, vt, vt_error, commits, rows)
 

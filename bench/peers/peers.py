@@ -17,6 +17,12 @@ peer's own files for sm_90a only:
   vllm_topk  vLLM's csrc/cooperative_topk.cu (the decode top-k vLLM picks on
              SM90 for up to 64 rows of top-512), as torch.ops.dsa_peer_vllm.
 
+FlashInfer (the attention vLLM 0.33 serves glm5next with on Hopper) is not
+built here: .deps/peers/flashinfer.tar.xz (bench/peers/flashinfer_pack.py, run
+by scripts/fetch-peers) holds its released Python package, its fa3 MLA module
+compiled ahead of time for sm_90a and apache-tvm-ffi; load_flashinfer() puts
+them on sys.path and FlashInfer loads its module as it loads any AOT module.
+
 Built modules are kept in .deps/peers-build/ (DSA_PEERS_BUILD) with a stamp
 of what they were built from (tarball hashes, our binding files, flags, torch
 and CUDA versions): a later call that carries .deps loads them instead of
@@ -69,7 +75,10 @@ def unpack(name: str) -> Path:
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
-    with tarfile.open(DEPS / f"{name}.tar.gz") as tar:
+    tarball = next((DEPS / f"{name}{ext}" for ext in (".tar.gz", ".tar.xz") if (DEPS / f"{name}{ext}").exists()), None)
+    if tarball is None:
+        raise FileNotFoundError(f"{DEPS}/{name}.tar.gz (or .tar.xz) missing: run scripts/fetch-peers")
+    with tarfile.open(tarball) as tar:
         tar.extractall(dest, filter="data") if hasattr(tarfile, "data_filter") else tar.extractall(dest)
     stamp.write_text(sha)
     return dest
@@ -326,6 +335,57 @@ def load_vllm_topk():
     s = spec("vllm_topk")
     torch.ops.load_library(str(built_path(s)))
     return torch.ops.dsa_peer_vllm
+
+
+FLASHINFER_PACK = "flashinfer"  # .deps/peers/flashinfer.tar.xz
+
+
+def load_flashinfer():
+    """FlashInfer's BatchMLAPagedAttentionWrapper, from the carried package, with its fa3 module
+    (BF16 q, FP8 e4m3 KV, ckv 512, kpe 0, int32 indices) loaded. Returns a namespace: Wrapper,
+    version, commit, module (its JIT name), prebuilt (True: the module compiled by fetch-peers;
+    False: FlashInfer JIT-compiled it here from the carried headers, the prebuilt one having
+    failed to load: the log says why)."""
+    import types
+
+    import torch
+
+    root = unpack(FLASHINFER_PACK)
+    info = json.loads((root / "flashinfer-pack.json").read_text())
+    site, deps = str(root / "site"), str(root / "deps")
+    # Before FlashInfer's first import: its JIT workspace (module names, generated sources, a
+    # compile should one be needed) and tvm-ffi's cache in the scratch folder, not in $HOME.
+    os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", str(SRC / "flashinfer-workspace"))
+    os.environ.setdefault("TVM_FFI_CACHE_DIR", str(SRC / "tvm-ffi-cache"))
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
+    os.environ.setdefault("FLASHINFER_LOGGING_LEVEL", "warning")
+    if site not in sys.path:
+        sys.path.insert(0, site)  # FlashInfer and tvm-ffi: ours
+    if deps not in sys.path:
+        sys.path.append(deps)  # small pure dependencies: the machine's own copies first
+    import flashinfer
+    from flashinfer.jit import env as jit_env
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+    from flashinfer.mla._batch_mla._backends._fa_common import get_batch_mla_module
+
+    if not str(Path(flashinfer.__file__).resolve()).startswith(str(Path(site).resolve())):
+        raise RuntimeError(f"flashinfer imported from {flashinfer.__file__}, not the carried {site}")
+    if flashinfer.__version__ != info["flashinfer"]:
+        raise RuntimeError(f"flashinfer {flashinfer.__version__} imported, packed {info['flashinfer']}")
+    name = info["module"]
+    jit_so = jit_env.FLASHINFER_JIT_DIR / name / f"{name}.so"
+    jit_before = jit_so.exists() and jit_so.stat().st_mtime
+    # The function FlashInfer's fa3 plan() calls (lru-cached: plan() reuses what this loads).
+    get_batch_mla_module("fa3", torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16, torch.int32, 512, 0, False)
+    prebuilt = bool(jit_env.get_aot_artifacts(name)) and (jit_so.exists() and jit_so.stat().st_mtime) == jit_before
+    return types.SimpleNamespace(
+        Wrapper=BatchMLAPagedAttentionWrapper,
+        version=flashinfer.__version__,
+        commit=getattr(flashinfer, "__git_commit__", info.get("flashinfer_git_commit", "?")),
+        module=name,
+        prebuilt=prebuilt,
+        info=info,
+    )
 
 
 def build_listing() -> dict[str, int]:
