@@ -158,6 +158,35 @@ TEST(RopeTable, EntriesWithinTwoToTheMinus24OfTheClosedForm) {
   testing::expect_rejected(check_rope_config(bad), "style", "kHalfSplit");
 }
 
+// vLLM builds its cache in FP32 (inv_freq, then angle = position x inv_freq,
+// rounded): far from position 0 its entries drift from the float64 closed
+// form by far more than the 2^-24 of rope_cos_sin_table, which is why the
+// kernel takes the table as an argument (the engine's own reproduces its
+// angles). Emulated here with FP32 arithmetic (powf for torch's pow).
+TEST(RopeTable, Fp32AnglesOfAnEngineTableDriftFromTheFloat64Form) {
+  const RopeConfig d = preset_config("dsv32");
+  auto drift_at = [&](int64_t position) {
+    double worst = 0;
+    for (int i = 0; i < 32; ++i) {
+      const float powered = std::pow(10000.0f, static_cast<float>(2 * i) / 64.0f);
+      const float extrapolation = 1.0f / powered, interpolation = 1.0f / (40.0f * powered);
+      const float ramp = std::clamp((static_cast<float>(i) - 10.0f) / 13.0f, 0.0f, 1.0f);
+      const float keep = 1.0f - ramp;
+      const float frequency = interpolation * (1.0f - keep) + extrapolation * keep;
+      const float angle = static_cast<float>(position) * frequency;
+      const double exact = static_cast<double>(position) * rope_frequency(d, i);
+      worst = std::max({worst, std::fabs(std::cos(double(angle)) - std::cos(exact)),
+                        std::fabs(std::sin(double(angle)) - std::sin(exact))});
+    }
+    return worst;
+  };
+  EXPECT_LT(drift_at(1), 1e-6);
+  EXPECT_GT(drift_at(163839), 1e-4);
+  EXPECT_LT(drift_at(163839), 2e-2);
+  std::printf("[rope table] FP32-angle table vs float64: %.2e at 4096, %.2e at 131072, %.2e at 163839\n",
+              drift_at(4096), drift_at(131072), drift_at(163839));
+}
+
 // Which values form a pair: interleaved (GPT-J) pairs neighbours, half-split
 // (NeoX) pairs i with i + 32. A unit vector at index 1 shows it.
 TEST(RopeReference, StylesPairTheRightValues) {
