@@ -1,25 +1,48 @@
-"""The stage installed on a vLLM MLA wrapper, as the seed's DsaAttentionStage is.
+"""The stage installed on vLLM's glm5next MLA wrapper, as the seed's DsaAttentionStage is.
 
-``install(attention)`` takes a DSA layer's attention module as vLLM builds it
-and names its parts as the seed does::
+``install(attention)`` takes a glm5next DSA layer's attention module as vLLM
+0.33 builds it (vllm/models/glm5next/common/attention.py,
+Glm5NextMLAAttention) and names its parts as the seed does::
 
-    w = attention.mla_attn       # the MultiHeadLatentAttentionWrapper
+    w = attention.mla_attn       # the MultiHeadLatentAttentionWrapper (model_executor/layers/mla.py)
     mla = w.mla_attn             # its MLAAttention (KV cache, W_UK_T, W_UV, scales)
     impl = mla.impl              # the attention backend's implementation
+    indexer = w.indexer          # the glm5next Indexer (its weights, K cache and tail ring)
 
-It runs the seed's checks with vLLM's attribute names, reads the layer's
-configuration and weights (used in place, never copied), creates a
-dsa_decode.Stage and installs the adapter's forward as ``w.forward``, the stock
-forward kept for every step the stage does not run (``uninstall()`` puts it
-back). The attribute names live in the tables below: WEIGHT_ATTRIBUTES and
-CONFIG_ATTRIBUTES are vLLM's public ones; INDEXER_WEIGHT_ATTRIBUTES,
-METADATA_ATTRIBUTES and INDEXER_STATE_ATTRIBUTES are this adapter's contract
-with the engine where vLLM has no public name (the glm5next indexer's), and
-the place to change them.
+It runs the seed's checks (and the ones the real classes add: the backend,
+the indexer's shape against what the installed library runs, o_proj) with
+vLLM's attribute names, reads the layer's configuration and weights, creates
+a dsa_decode.Stage and installs the adapter's forward as ``w.forward``, the
+stock forward kept for every step the stage does not run (``uninstall()``
+puts it back). Every attribute path is in the tables below, each checked
+against vLLM 0.33.0's source (docs/python.md has file:line for each).
 
-vLLM is not a dependency: nothing here imports it except vllm_step_inputs,
-which reads its forward context when called, and nothing imports PyTorch (the
-output is allocated with ``hidden_states.new_empty``).
+Weights are used in place (views, no copies) except W_UV: vLLM holds it as
+a strided view of kv_b_proj's weight, [H, L, V] with strides ((P+V) L, 1, L),
+and the stage's value-up (head_gemv) takes V contiguous; install() copies it
+once into a contiguous tensor (H L V BF16: 16 MiB a layer at TP1, 2 MiB at
+TP8), as the seed did. A weight reload after install does not reach that
+copy: install again.
+
+vLLM's indexer state is taken as vLLM holds it, with one conversion: the K
+cache [blocks, pools, 132] uint8 is passed as its 2-D view [blocks, pools *
+132] (a view, no copy); the tail ring ``indexer.tail_cache.kv_cache``
+[tail_blocks, 2, ring, 128] BF16 is addressed by tail block where the stage
+addresses its ring by block-table row, so each step gathers the step's
+requests' ring blocks into an adapter-owned buffer [requests, 2, ring, 128]
+before the stage runs and writes them back after it (four small copy
+kernels and two index conversions into buffers allocated once, at the first
+step: nothing allocates on the run path, CUDA-graph capturable).
+
+o_proj: the stage computes this rank's product with vLLM's o_proj weight (the
+RowParallelLinear's shard); when that layer reduces (reduce_results and
+tp_size > 1) the adapter all-reduces the output with vLLM's own
+tensor_model_parallel_all_reduce, as RowParallelLinear.forward does, so TP >
+1 gives the full sum.
+
+PyTorch and vLLM are imported only where a step or an install needs them
+(vllm_step_inputs, the ring conversion, the all-reduce): the CPU tests run
+the adapter on objects with the same attributes.
 
 The adapter's forward is plain Python calling the extension: run the model
 eagerly, or in CUDA graphs captured after each step size ran once uncaptured
@@ -30,6 +53,7 @@ compiled whole would call torch.ops.dsa_decode.stage_forward instead
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -39,10 +63,9 @@ from .ops import IndexerState
 from .stage import LayerConfig, Stage, StagePlan, StepArgs
 
 # The layer's weights, by dsa_decode.WEIGHT_NAMES key: vLLM's attribute paths
-# from w (the wrapper) and mla (its MLAAttention). W_UV is passed as vLLM holds
-# it, where the seed made a contiguous copy: the stage checks its strides and
-# runs value-up on it in place, so the copy (2 MiB a layer at TP8, 16 MiB at
-# TP1) is gone.
+# from w (the wrapper) and mla (its MLAAttention). W_UV is copied once at
+# install where its last dimension is not contiguous (vLLM's view); the
+# scales are vLLM's 0-dim buffers, passed as their one-element views.
 WEIGHT_ATTRIBUTES: Dict[str, str] = {
     "fused_qkv_a_proj": "w.fused_qkv_a_proj.weight",
     "q_a_norm": "w.q_a_layernorm.weight",
@@ -55,27 +78,25 @@ WEIGHT_ATTRIBUTES: Dict[str, str] = {
     "k_scale": "mla._k_scale",
 }
 
-# The glm5next indexer's weights, by WEIGHT_NAMES key: attribute paths from
-# w.indexer. vLLM publishes no names for this indexer; these are the
-# adapter's contract with the engine's indexer module (change them here, in
-# one place, if the engine names them otherwise). A missing one is named in
-# install's ValueError.
-INDEXER_WEIGHT_ATTRIBUTES: Dict[str, str] = {
-    "index_wq_b": "wq_b.weight",  # [32 * 128, Q] BF16
-    "index_wk": "wk.weight",  # [128, D] BF16
-    "index_weights_proj": "weights_proj.weight",  # [32, D] BF16
-    "index_compress_gate": "compress_gate.weight",  # [128, D] BF16
-    "index_k_norm_weight": "k_norm.weight",  # [128] f32
-    "index_k_norm_bias": "k_norm.bias",  # [128] f32
-    "index_ape": "ape",  # [4, 128] f32
+# The glm5next indexer's weights, by WEIGHT_NAMES key: (attribute path from
+# w.indexer, rows). vLLM fuses wk and weights_proj into one
+# MergedColumnParallelLinear, wk_weights_proj.weight [head_dim + n_heads, D]:
+# rows [:head_dim] are wk, rows [head_dim:] weights_proj (row views, no
+# copy). The pool gate and the positional term are bare parameters.
+INDEXER_WEIGHT_ATTRIBUTES: Dict[str, Tuple[str, Optional[str]]] = {
+    "index_wq_b": ("wq_b.weight", None),  # [n_heads * 128, Q] BF16
+    "index_wk": ("wk_weights_proj.weight", "head"),  # rows [:128]: [128, D] BF16
+    "index_weights_proj": ("wk_weights_proj.weight", "rest"),  # rows [128:]: [n_heads, D] BF16
+    "index_compress_gate": ("index_kpool_compress_gate", None),  # [128, D] BF16
+    "index_k_norm_weight": ("k_norm.weight", None),  # [128] f32
+    "index_k_norm_bias": ("k_norm.bias", None),  # [128] f32
+    "index_ape": ("index_kpool_compress_ape", None),  # [kpool, 128] f32
 }
 
 # The LayerConfig's sizes and scales: vLLM's attribute paths. softmax_scale is
-# the MLAAttention's `scale` (the scores' scale the attention backend
-# applies, glm5next: 256^-0.5), rms_norm_eps the q a-norm's variance_epsilon
-# (vLLM's RMSNorm; the kv a-norm has the same). hidden_size is read from
-# fused_qkv_a_proj's weight ([Q + L, D]: its dim 1), the wrapper having no
-# attribute of its own for it.
+# the MLAAttention's `scale` (glm5next: (P + rope)^-0.5 = 256^-0.5),
+# rms_norm_eps the q a-norm's variance_epsilon (the fused norm uses it for
+# both). hidden_size is fused_qkv_a_proj's weight's dim 1.
 CONFIG_ATTRIBUTES: Dict[str, str] = {
     "num_heads": "w.num_heads",  # H on this rank
     "q_lora_rank": "w.q_lora_rank",
@@ -87,26 +108,54 @@ CONFIG_ATTRIBUTES: Dict[str, str] = {
     "rms_norm_eps": "w.q_a_layernorm.variance_epsilon",
 }
 
+# The indexer's shape: the model config the Indexer holds (w.indexer.config,
+# transformers' Glm5NextTextConfig as vLLM reads it), by the adapter's names.
+INDEXER_CONFIG_ATTRIBUTES: Dict[str, str] = {
+    "heads": "index_n_heads",
+    "pool": "index_kpool",
+    "topk": "index_topk",
+    "head_dim": "index_head_dim",
+    "always_select_tail": "index_kpool_always_select_tail",
+}
+
+# Where the installed library takes the indexer's shape when it does not
+# publish it (dsa_decode.stage.INDEXER_CONFIG_FIELDS, StagePlan field -> HF
+# name, is asked first): the StagePlan (or LayerConfig) field of each part,
+# the first present. A library with none runs one shape: its Stage's weight
+# checks and plan checks say which (and the adapter names the layer's).
+LIBRARY_INDEXER_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "heads": ("indexer_heads", "heads", "index_heads"),
+    "pool": ("indexer_pool", "pool", "index_pool"),
+    "topk": ("indexer_topk", "topk", "index_topk"),
+}
+
+# The attention backends whose KV cache the stage reads as it is: a flat FP8
+# (or BF16) [blocks, block_size, 512] cache with one per-tensor k_scale. On
+# SM90 vLLM picks FLASHINFER_MLA_SPARSE_SM90 for this model (head size 512);
+# the seed ran on FLASHINFER_MLA_SPARSE (SM100). The backend's own attention
+# is not run on the steps the stage takes (the stage runs its own, on an FP8
+# query: see docs/python.md for what that changes against the BF16 query of
+# the Hopper backend).
+KV_CACHE_BACKENDS: Tuple[str, ...] = ("FLASHINFER_MLA_SPARSE_SM90", "FLASHINFER_MLA_SPARSE")
+
 # vllm_step_inputs: the step's tensors on the layer's attention metadata md =
-# forward_context.attn_metadata[mla.layer_name]. vLLM's sparse MLA metadata
-# (FlashInferMLASparseMetadata, FlashMLASparseMetadata) has both: the block
-# table [requests, width] int32 and each token's row of it, [tokens] int32.
+# forward_context.attn_metadata[mla.layer_name] (SparseMLACommonMetadata,
+# which FlashInferMLASparseSM90Metadata extends): the block table [requests,
+# width] int32 and each token's row of it, [tokens] int32.
 METADATA_ATTRIBUTES: Dict[str, str] = {
     "block_table": "block_table",
     "token_requests": "req_id_per_token",
 }
 
-# vllm_step_inputs: the indexer's paged state on w.indexer. ASSUMPTIONS of
-# this adapter (vLLM is not installable where it was written, and the
-# glm5next indexer's state has no public name): the ring of tail tokens
-# [requests, 2, RING, 128] BF16 as `ring_cache`, and the pooled-key cache
-# [blocks, block_size / 4 * 132] uint8 as the `kv_cache` tensor of the
-# indexer's cache layer `k_cache` (vLLM's DeepseekV32IndexerCache holds it
-# so). A missing one makes vllm_step_inputs answer None: the stock forward
-# runs.
+# vllm_step_inputs: the indexer's paged state on w.indexer (bound by vLLM's
+# bind_kv_cache): the pooled-key cache [blocks, block_size / kpool, 132]
+# uint8 and the tail ring [tail_blocks, 2, ring, 128] BF16. The tail ring's
+# slots come from its own metadata, attn_metadata[indexer.tail_cache.prefix]
+# .slot_mapping (tail block * ring + pos % ring, per token).
 INDEXER_STATE_ATTRIBUTES: Dict[str, str] = {
-    "ring": "ring_cache",
     "k_cache": "k_cache.kv_cache",
+    "tail": "tail_cache.kv_cache",
+    "tail_layer_name": "tail_cache.prefix",
 }
 
 _MISSING = object()
@@ -122,11 +171,13 @@ def _resolve(root: Any, dotted: str) -> Any:
     return value
 
 
-# The seed's checks, in its order and with its words, less its
-# isinstance(impl, FlashInferMLASparseImpl): the stage runs its own attention
-# kernel on the FP8 cache, so the backend vLLM picked does not matter to it.
-# Each: (what the stage needs, the condition as vLLM's attributes say it, the
-# condition as code over w, mla and impl).
+def _backend_name(mla: Any) -> str:
+    return mla.attn_backend.get_name()
+
+
+# The seed's checks, in its order and with its words, then the ones vLLM's
+# real classes need. Each: (what the stage needs, the condition as vLLM's
+# attributes say it, the condition as code over w, mla and impl).
 _CHECKS: Tuple[Tuple[str, str, Callable[[Any, Any, Any], bool]], ...] = (
     (
         "a fused q/kv a-norm",
@@ -168,6 +219,21 @@ _CHECKS: Tuple[Tuple[str, str, Callable[[Any, Any, Any], bool]], ...] = (
         "mla.W_UK_T.stride(-1) == 1",
         lambda w, mla, impl: mla.W_UK_T.stride(-1) == 1,
     ),
+    (
+        "a flat FP8 KV cache backend",
+        f"mla.attn_backend.get_name() in {KV_CACHE_BACKENDS}",
+        lambda w, mla, impl: _backend_name(mla) in KV_CACHE_BACKENDS,
+    ),
+    (
+        "no other layer reading its selection",
+        "impl.index_group is None or impl.index_group.num_layers == 1",
+        lambda w, mla, impl: getattr(getattr(impl, "index_group", None), "num_layers", 1) <= 1,
+    ),
+    (
+        "an o_proj without bias on this rank's heads",
+        "w.o_proj.bias is None and w.o_proj.input_is_parallel",
+        lambda w, mla, impl: getattr(w.o_proj, "bias", None) is None and bool(w.o_proj.input_is_parallel),
+    ),
 )
 
 
@@ -196,21 +262,182 @@ def _missing_requirements(w: Any, mla: Any, impl: Any) -> List[str]:
     return missing
 
 
-def read_layer(attention: Any) -> Tuple[LayerConfig, Dict[str, Any]]:
-    """The layer's dsa_decode.LayerConfig and weights (a dict with the
-    WEIGHT_NAMES keys: the wrapper's own tensors, not copies) from vLLM's
-    attention module, after the seed's checks.
+@dataclass(frozen=True)
+class IndexerShape:
+    """The layer's indexer as the model config gives it (heads, pool, topk,
+    head_dim, always_select_tail: HF index_n_heads, index_kpool, index_topk,
+    index_head_dim, index_kpool_always_select_tail) and as vLLM lays out its
+    state: ring (the tail ring's slots: kpool x next_power_of_2(ceil((kpool
+    + speculative tokens) / kpool)), vLLM's Glm5NextTailCache) and
+    block_size (tokens per KV block, the indexer's page holding block_size /
+    kpool pools)."""
+
+    heads: int
+    pool: int
+    topk: int
+    head_dim: int
+    always_select_tail: bool
+    ring: int
+    block_size: int
+
+    def describe(self) -> str:
+        return (
+            f"index_n_heads={self.heads}, index_kpool={self.pool}, index_topk={self.topk}, "
+            f"index_head_dim={self.head_dim}, index_kpool_always_select_tail={self.always_select_tail}, "
+            f"tail ring {self.ring}, block_size {self.block_size}"
+        )
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def vllm_tail_ring(pool: int, speculative_tokens: int) -> int:
+    """vLLM's tail ring size for a pool size and speculative token count:
+    pool * next_power_of_2(ceil((pool + speculative_tokens) / pool))."""
+    span = pool + speculative_tokens
+    return pool * _next_power_of_2(-(-span // pool))
+
+
+def _indexer_shape(w: Any, mla: Any, missing: List[str]) -> Optional[IndexerShape]:
+    """The indexer's shape from its model config and its caches; None (with
+    what is absent added to missing) where they cannot be read."""
+    indexer = w.indexer
+    config = getattr(indexer, "config", None)
+    values: Dict[str, Any] = {}
+    for field, name in INDEXER_CONFIG_ATTRIBUTES.items():
+        value = getattr(config, name, None) if config is not None else None
+        if value is None:
+            missing.append(f"the indexer's config field w.indexer.config.{name}")
+        values[field] = value
+    if any(value is None for value in values.values()):
+        return None
+    pool = int(values["pool"])
+    # The ring: the tail cache's own size where it is bound, else vLLM's rule.
+    tail = _resolve(indexer, INDEXER_STATE_ATTRIBUTES["tail"])
+    if tail is not _MISSING and len(getattr(tail, "shape", ())) == 4 and tail.shape[0] > 0:
+        ring = int(tail.shape[2])
+    else:
+        speculative = _resolve(indexer, "vllm_config.num_speculative_tokens")
+        ring = vllm_tail_ring(pool, int(speculative) if speculative is not _MISSING else 0)
+    # Tokens per KV block: the MLA cache's where it is bound, else the cache config's.
+    kv_cache = getattr(mla, "kv_cache", None)
+    if kv_cache is not None and len(getattr(kv_cache, "shape", ())) == 3 and kv_cache.shape[0] > 0:
+        block_size = int(kv_cache.shape[1])
+    else:
+        block_size = _resolve(indexer, "k_cache.cache_config.block_size")
+        if block_size is _MISSING:
+            missing.append("the KV block size (mla.kv_cache bound, or w.indexer.k_cache.cache_config.block_size)")
+            return None
+        block_size = int(block_size)
+    return IndexerShape(
+        heads=int(values["heads"]),
+        pool=pool,
+        topk=int(values["topk"]),
+        head_dim=int(values["head_dim"]),
+        always_select_tail=bool(values["always_select_tail"]),
+        ring=ring,
+        block_size=block_size,
+    )
+
+
+def _library_field(cls: Any, field: str) -> Optional[str]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return next((name for name in LIBRARY_INDEXER_FIELDS[field] if name in names), None)
+
+
+def library_indexer_fields() -> Dict[str, Tuple[str, str]]:
+    """Where the installed dsa_decode takes each part of the indexer's shape
+    (heads, pool, topk): {part: ("StagePlan" or "LayerConfig", field name)}:
+    the library's own table (dsa_decode.stage.INDEXER_CONFIG_FIELDS: StagePlan
+    field -> the HF config name) where it has one, else the first field of
+    LIBRARY_INDEXER_FIELDS present. Empty for a library that runs one fixed
+    shape (then its Stage's checks of the indexer weights and of plan.ring
+    say what it takes)."""
+    from . import stage as stage_module
+
+    published = getattr(stage_module, "INDEXER_CONFIG_FIELDS", None)
+    if published:
+        part_of = {name: part for part, name in INDEXER_CONFIG_ATTRIBUTES.items()}
+        plan_fields = {f.name for f in dataclasses.fields(StagePlan)}
+        return {
+            part_of[name]: ("StagePlan", field)
+            for field, name in published.items()
+            if name in part_of and field in plan_fields
+        }
+    found = {}
+    for field in LIBRARY_INDEXER_FIELDS:
+        for owner, cls in (("StagePlan", StagePlan), ("LayerConfig", LayerConfig)):
+            name = _library_field(cls, field)
+            if name is not None:
+                found[field] = (owner, name)
+                break
+    return found
+
+
+def _stage_plan(
+    shape: IndexerShape, plan: Optional[StagePlan], max_context: Optional[int]
+) -> Tuple[StagePlan, Dict[str, Any]]:
+    """The stage plan for this layer (the given one, or the defaults with the
+    layer's ring, block size, context and shape) and the LayerConfig fields
+    that carry the shape in this library (if any). Raises ValueError naming
+    the mismatch where the given plan disagrees with the layer, and
+    dsa_decode.InvalidArgument (the library's own check) where the library
+    does not run the shape."""
+    fields = library_indexer_fields()
+    plan_values = {"ring": shape.ring, "block_size": shape.block_size}
+    config_values: Dict[str, Any] = {}
+    for part, (owner, name) in fields.items():
+        (plan_values if owner == "StagePlan" else config_values)[name] = getattr(shape, part)
+    if plan is None:
+        plan_values["batch_invariant"] = vllm_batch_invariant()
+        if max_context is not None:
+            plan_values["max_context"] = max_context
+        return StagePlan(**plan_values), config_values
+    disagree = [
+        f"plan.{name} = {getattr(plan, name)!r} where the layer has {value!r}"
+        for name, value in plan_values.items()
+        if getattr(plan, name) != value
+    ]
+    if disagree:
+        raise ValueError("a plan that matches the layer's indexer (" + "; ".join(disagree) + ")")
+    return plan, config_values
+
+
+def read_layer(attention: Any, plan: Optional[StagePlan] = None) -> Tuple[LayerConfig, Dict[str, Any], StagePlan]:
+    """The layer's dsa_decode.LayerConfig, weights (a dict with the
+    WEIGHT_NAMES keys: the wrapper's own tensors or views of them; W_UV a
+    contiguous copy where vLLM's view is not) and StagePlan (the one given,
+    checked against the layer, or the defaults with the layer's indexer ring,
+    block size, max_model_len and, where the library takes it, shape) from
+    vLLM's attention module, after the checks.
 
     Raises ValueError("DSA attention stage needs " + every missing
     requirement): each failed check with its condition in vLLM's attribute
-    names, and each configuration attribute or weight that is absent (the
-    indexer's by their INDEXER_WEIGHT_ATTRIBUTES path). Creates nothing on a
-    device; the stage's own creation checks the tensors (shapes, dtypes,
+    names, each configuration attribute or weight that is absent, and an
+    indexer shape the installed library does not run (the library's own
+    words, with the layer's shape). Creates nothing on a device except the
+    W_UV copy; the stage's creation checks the tensors (shapes, dtypes,
     strides) and names what is wrong."""
-    return _read_layer(*_parts(attention))
+    return _read_layer(*_parts(attention), plan)[:3]
 
 
-def _read_layer(w: Any, mla: Any, impl: Any) -> Tuple[LayerConfig, Dict[str, Any]]:
+def _rows(weight: Any, rows: Optional[str], head_dim: int) -> Any:
+    if rows is None or weight is _MISSING:
+        return weight
+    return weight[:head_dim] if rows == "head" else weight[head_dim:]
+
+
+def _one_element(scale: Any) -> Any:
+    """vLLM's 0-dim scale as the [1] view the stage takes (same memory)."""
+    if scale is not _MISSING and len(getattr(scale, "shape", (1,))) == 0:
+        return scale.view(1)
+    return scale
+
+
+def _read_layer(
+    w: Any, mla: Any, impl: Any, plan: Optional[StagePlan] = None
+) -> Tuple[LayerConfig, Dict[str, Any], StagePlan, IndexerShape]:
     roots = {"w": w, "mla": mla}
     missing = _missing_requirements(w, mla, impl)
 
@@ -229,17 +456,41 @@ def _read_layer(w: Any, mla: Any, impl: Any) -> Tuple[LayerConfig, Dict[str, Any
         weights[name] = lookup(path)
         if weights[name] is _MISSING:
             missing.append(f"the weight {path} ({name})")
+    shape = None
     indexer = getattr(w, "indexer", None)
     if indexer is not None:  # else the indexer check failed: its weights go unlisted
-        for name, path in INDEXER_WEIGHT_ATTRIBUTES.items():
-            weights[name] = _resolve(indexer, path)
+        shape = _indexer_shape(w, mla, missing)
+        head_dim = shape.head_dim if shape is not None else 128
+        for name, (path, rows) in INDEXER_WEIGHT_ATTRIBUTES.items():
+            weights[name] = _rows(_resolve(indexer, path), rows, head_dim)
             if weights[name] is _MISSING:
-                missing.append(f"the indexer weight w.indexer.{path} ({name})")
+                where = {"head": f" rows [:{head_dim}]", "rest": f" rows [{head_dim}:]"}.get(rows, "")
+                missing.append(f"the indexer weight w.indexer.{path}{where} ({name})")
+        if shape is not None:
+            if not shape.always_select_tail:
+                missing.append("an indexer that always selects the tail pool (index_kpool_always_select_tail)")
+            if shape.head_dim != 128:
+                missing.append(f"index_head_dim 128 (the layer has {shape.head_dim})")
     qkv_weight = weights["fused_qkv_a_proj"]
     if qkv_weight is not _MISSING and len(getattr(qkv_weight, "shape", ())) != 2:
         missing.append("a 2-D w.fused_qkv_a_proj.weight [q_lora_rank + kv_lora_rank, hidden]")
+    config_values: Dict[str, Any] = {}
+    if shape is not None:
+        max_context = _resolve(indexer, "vllm_config.model_config.max_model_len")
+        try:
+            plan, config_values = _stage_plan(shape, plan, None if max_context is _MISSING else int(max_context))
+        except ValueError as error:  # dsa_decode.InvalidArgument is one: the library's words
+            missing.append(f"an indexer the installed dsa_decode runs (this layer: {shape.describe()}: {error})")
     if missing:
         raise ValueError("DSA attention stage needs " + ", ".join(missing))
+
+    weights["q_scale"] = _one_element(weights["q_scale"])
+    weights["k_scale"] = _one_element(weights["k_scale"])
+    # vLLM's W_UV is kv_b_proj's weight seen as [H, L, V] with V strided by
+    # L: value-up's head_gemv takes V contiguous, so it is copied once here.
+    w_uv = weights["w_uv"]
+    if hasattr(w_uv, "stride") and len(w_uv.shape) == 3 and w_uv.stride(-1) != 1:
+        weights["w_uv"] = w_uv.contiguous()
 
     config = LayerConfig(
         hidden_size=int(qkv_weight.shape[1]),
@@ -264,8 +515,63 @@ def _read_layer(w: Any, mla: Any, impl: Any) -> Tuple[LayerConfig, Dict[str, Any
         prefill_context_parallel=bool(mla.use_pcp),
         hisparse_cache=mla.hisparse_cache is not None,
         decode_context_parallel_size=int(impl.dcp_world_size),
+        **config_values,
     )
-    return config, weights
+    return config, weights, plan, shape
+
+
+class TailRing:
+    """vLLM's tail ring as the stage's per-request ring, for one step.
+
+    vLLM: tail [tail_blocks, 2, ring, 128] BF16, a request's ring in its own
+    tail block (tail slot // ring). The stage: ring [requests, 2, ring, 128],
+    a request's ring at its block-table row. gather() copies each token's
+    tail block into the row of its request in `rows` (an adapter buffer),
+    scatter() copies the rows back after the stage wrote them. Tokens of one
+    request carry the same block and row, so the repeated copies write equal
+    values. The buffers are allocated by prepare(), on the first step (and
+    again only if the engine's tables grow); gather and scatter allocate
+    nothing and capture into CUDA graphs."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.rows = None  # [requests, 2, ring, 128]: the stage's ring
+        self.staged = None  # [max_tokens, 2, ring, 128]
+        self.row_index = None  # [max_tokens] int64: each token's block-table row
+        self.block_index = None  # [max_tokens] int64: each token's tail block
+
+    def prepare(self, tail: Any, requests: int) -> None:
+        import torch
+
+        shape = (requests,) + tuple(tail.shape[1:])
+        if (
+            self.rows is not None
+            and tuple(self.rows.shape) == shape
+            and self.rows.device == tail.device
+            and self.rows.dtype == tail.dtype
+        ):
+            return
+        self.rows = torch.zeros(shape, dtype=tail.dtype, device=tail.device)
+        self.staged = torch.empty((self.max_tokens,) + shape[1:], dtype=tail.dtype, device=tail.device)
+        self.row_index = torch.zeros(self.max_tokens, dtype=torch.int64, device=tail.device)
+        self.block_index = torch.zeros(self.max_tokens, dtype=torch.int64, device=tail.device)
+
+    def gather(self, tail: Any, token_requests: Any, tail_slots: Any, m: int) -> None:
+        import torch
+
+        ring = tail.shape[2]
+        rows, blocks, staged = self.row_index[:m], self.block_index[:m], self.staged[:m]
+        rows.copy_(token_requests[:m])
+        torch.floor_divide(tail_slots[:m], ring, out=blocks)
+        torch.index_select(tail, 0, blocks, out=staged)
+        self.rows.index_copy_(0, rows, staged)
+
+    def scatter(self, tail: Any, m: int) -> None:
+        import torch
+
+        staged = self.staged[:m]
+        torch.index_select(self.rows, 0, self.row_index[:m], out=staged)
+        tail.index_copy_(0, self.block_index[:m], staged)
 
 
 @dataclass
@@ -281,11 +587,12 @@ class StepInputs:
     block_size, kv_lora_rank] FP8 e4m3 (or its uint8 view); indexer: the
     dsa_decode.IndexerState (block_table [requests, width] int32, shared with
     the KV cache; ring [requests, 2, RING, 128] BF16; k_cache [blocks,
-    block_size / 4 * 132] uint8, 2-D: an engine that holds it as [blocks,
-    pools, 132] passes its 2-D view). topk_positions: optional [m, 2176] int32
-    request-local rows to use instead of running the indexer (MTP draft steps
-    1+); error_count: an optional int32 CUDA counter of untrusted device
-    values met."""
+    block_size / pool * 132] uint8, 2-D). topk_positions: optional [m, row
+    width] int32 request-local rows to use instead of running the indexer
+    (MTP draft steps 1+); error_count: an optional int32 CUDA counter of
+    untrusted device values met. before / after: optional callables run
+    right before and after the stage's forward (vllm_step_inputs: the tail
+    ring's gather and scatter), not on a stock step."""
 
     num_actual_tokens: int
     num_decode_tokens: int
@@ -295,6 +602,8 @@ class StepInputs:
     indexer: IndexerState
     topk_positions: Any = None
     error_count: Any = None
+    before: Optional[Callable[[], None]] = None
+    after: Optional[Callable[[], None]] = None
 
 
 # (adapter, positions, hidden_states) -> StepInputs, or None for the stock forward.
@@ -309,25 +618,32 @@ def _engine_tensor(value: Any, context: Any) -> Any:
     return value
 
 
+def pooled_key_view(k_cache: Any) -> Any:
+    """vLLM's indexer K cache [blocks, pools, 132] uint8 as the stage's 2-D
+    [blocks, pools * 132] (a view: raises where the pools of a block are not
+    contiguous); a 2-D cache as it is."""
+    if len(k_cache.shape) == 3:
+        return k_cache.view(k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2])
+    return k_cache
+
+
 def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: Any) -> Optional[StepInputs]:
     """The step's inputs from vLLM's forward context, the seed's way: md =
     context.attn_metadata[mla.layer_name] (its num_actual_tokens,
-    num_decode_tokens), slot_mapping = context.slot_mapping[mla.layer_name]
-    (md.slot_mapping where the context has none), kv_cache = mla.kv_cache.
-
-    Beyond the seed (it called vLLM's own indexer and attention, which found
-    these themselves): the block table and each token's row of it from md's
-    METADATA_ATTRIBUTES (vLLM's sparse MLA metadata names:
-    md.block_table, md.req_id_per_token, the latter cut to [m]), and the
-    indexer's ring and pooled-key cache from INDEXER_STATE_ATTRIBUTES on
-    w.indexer, which are ASSUMED names (see that table). No
+    num_decode_tokens, block_table, req_id_per_token cut to [m]),
+    slot_mapping = context.slot_mapping[mla.layer_name] (md.slot_mapping
+    where the context has none), kv_cache = mla.kv_cache; the indexer's K
+    cache (its 2-D view) and tail ring from INDEXER_STATE_ATTRIBUTES, the
+    ring converted by adapter.tail_ring around the stage's forward with the
+    tail slots of attn_metadata[indexer.tail_cache.prefix].slot_mapping. No
     topk_positions (a layer that reuses another's selection, skip_topk, is
     refused at install) and no error counter.
 
     Answers None, so that the stock forward runs, when vLLM cannot be
     imported, no forward context is set, the layer has no metadata this
-    step (profile and dummy runs), or any of these attributes is absent;
-    it never raises for those. Reads attributes only: no device work."""
+    step (profile and dummy runs), or any of these attributes is absent (said
+    once per layer in a RuntimeWarning); it never raises for those. Reads
+    attributes and makes views only: the ring's copies run in before/after."""
     try:
         from vllm.forward_context import get_forward_context
     except ImportError:
@@ -341,6 +657,10 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
         slot_mapping = slot_mappings[layer_name] if slot_mappings is not None else metadata.slot_mapping
         state = {field: _resolve(metadata, path) for field, path in METADATA_ATTRIBUTES.items()}
         state.update({field: _resolve(w.indexer, path) for field, path in INDEXER_STATE_ATTRIBUTES.items()})
+        tail_metadata = None
+        if state["tail_layer_name"] is not _MISSING:
+            tail_metadata = context.attn_metadata.get(state["tail_layer_name"])
+        state["tail_slots"] = _resolve(tail_metadata, "slot_mapping") if tail_metadata is not None else _MISSING
         missing = [field for field, value in state.items() if value is _MISSING]
         if missing:
             # Not a step the stage can run, but maybe a wrong name in the
@@ -356,18 +676,34 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
                 )
             return None
         m = hidden_states.shape[0]
-        return StepInputs(
+        tail = _engine_tensor(state["tail"], context)
+        token_requests = state["token_requests"][:m]  # vLLM's buffer may be longer; a view
+        ring = adapter.tail_ring
+        tail_slots = state["tail_slots"]
+        block_table = state["block_table"]
+
+        def before() -> None:
+            ring.prepare(tail, block_table.shape[0])
+            ring.gather(tail, token_requests, tail_slots, m)
+
+        def after() -> None:
+            ring.scatter(tail, m)
+
+        inputs = StepInputs(
             num_actual_tokens=metadata.num_actual_tokens,
             num_decode_tokens=metadata.num_decode_tokens,
-            token_requests=state["token_requests"][:m],  # vLLM's buffer may be longer; a view
+            token_requests=token_requests,
             slot_mapping=slot_mapping,
             kv_cache=_engine_tensor(mla.kv_cache, context),
             indexer=IndexerState(
-                block_table=state["block_table"],
-                ring=state["ring"],
-                k_cache=_engine_tensor(state["k_cache"], context),
+                block_table=block_table,
+                ring=None,  # adapter.tail_ring.rows once before() ran
+                k_cache=pooled_key_view(_engine_tensor(state["k_cache"], context)),
             ),
+            before=before,
+            after=after,
         )
+        return inputs
     except (AssertionError, AttributeError, KeyError, IndexError, TypeError):
         # AssertionError: no forward context; KeyError: no metadata for the
         # layer; TypeError: attn_metadata None or a list (micro-batches).
@@ -384,6 +720,17 @@ def vllm_batch_invariant() -> bool:
         return False
 
 
+def _o_proj_reduction(o_proj: Any) -> Optional[Callable[[Any], Any]]:
+    """What vLLM's RowParallelLinear.forward does after its product: the
+    all-reduce of tensor_model_parallel_all_reduce when reduce_results and
+    tp_size > 1; None where it does nothing."""
+    if not (getattr(o_proj, "reduce_results", False) and int(getattr(o_proj, "tp_size", 1)) > 1):
+        return None
+    from vllm.distributed import tensor_model_parallel_all_reduce
+
+    return tensor_model_parallel_all_reduce
+
+
 class DsaStageAdapter:
     """A dsa_decode.Stage installed as a vLLM MLA wrapper's forward (the
     seed's DsaAttentionStage, running this library's stage). Create it with
@@ -391,8 +738,10 @@ class DsaStageAdapter:
 
     Attributes: wrapper (w, the MultiHeadLatentAttentionWrapper), attention
     (mla, its MLAAttention), impl, config (the LayerConfig), weights (the
-    WEIGHT_NAMES dict: the wrapper's tensors), stage, stock (the wrapper's
-    forward before install), step_inputs (the StepInputs source)."""
+    WEIGHT_NAMES dict), plan (the StagePlan), stage, stock (the wrapper's
+    forward before install), step_inputs (the StepInputs source), tail_ring
+    (the TailRing conversion's buffers), reduce (the o_proj reduction, or
+    None), indexer_shape (the IndexerShape read from the layer)."""
 
     def __init__(
         self,
@@ -403,17 +752,26 @@ class DsaStageAdapter:
         stage_factory: Callable[[LayerConfig, Mapping[str, Any], Optional[StagePlan]], Any] = Stage,
     ):
         w, mla, impl = _parts(attention)
-        config, weights = _read_layer(w, mla, impl)
         if isinstance(getattr(w.forward, "__self__", None), DsaStageAdapter):
             raise RuntimeError("a DsaStageAdapter is already installed on this wrapper: uninstall() it first")
+        config, weights, plan, shape = _read_layer(w, mla, impl, plan)
         self.wrapper, self.attention, self.impl = w, mla, impl
-        self.config, self.weights = config, weights
+        self.config, self.weights, self.plan, self.indexer_shape = config, weights, plan, shape
         self.step_inputs = step_inputs if step_inputs is not None else vllm_step_inputs
-        if plan is None:
-            plan = StagePlan(batch_invariant=vllm_batch_invariant())
+        self.reduce = _o_proj_reduction(w.o_proj)
+        self.tail_ring = TailRing(plan.max_tokens)
         # Created before the forward is swapped: a stage that cannot be made
-        # leaves the wrapper as it was.
-        self.stage = stage_factory(config, weights, plan)
+        # leaves the wrapper as it was. Its argument errors (the library's
+        # checks of every weight's shape, dtype and layout: a library that
+        # runs one indexer shape names the indexer weights there) come with
+        # the layer's indexer shape.
+        try:
+            self.stage = stage_factory(config, weights, plan)
+        except ValueError as error:  # dsa_decode.InvalidArgument
+            raise ValueError(
+                f"DSA attention stage needs weights and a plan the installed dsa_decode takes "
+                f"(this layer: {shape.describe()}): {error}"
+            ) from error
         self.stock = w.forward
         # The wrapper's own attribute, if it had one, comes back on uninstall;
         # else the class's forward shows through again.
@@ -443,7 +801,8 @@ class DsaStageAdapter:
 
     def forward(self, positions: Any, hidden_states: Any, llama_4_scaling: Any = None) -> Any:
         """The wrapper's forward: positions [m] int64, hidden_states [m, D]
-        BF16 -> [m, D] BF16, o_proj's output.
+        BF16 -> [m, D] BF16, o_proj's output (all-reduced as vLLM's o_proj
+        does when TP > 1).
 
         Runs the stock forward, as the seed does, when llama_4_scaling is
         given, when step_inputs answers None (no forward context or
@@ -462,6 +821,11 @@ class DsaStageAdapter:
         m = hidden_states.shape[0]
         if inputs is None or not self.stage.supports(m, inputs.num_actual_tokens, inputs.num_decode_tokens):
             return self.stock(positions, hidden_states, llama_4_scaling)
+        if inputs.before is not None:
+            inputs.before()
+        indexer = inputs.indexer
+        if indexer.ring is None:  # vllm_step_inputs: the converted ring, ready now
+            indexer = IndexerState(indexer.block_table, self.tail_ring.rows, indexer.k_cache)
         out = hidden_states.new_empty((m, self.config.hidden_size))
         self.stage.forward(
             StepArgs(
@@ -470,13 +834,15 @@ class DsaStageAdapter:
                 token_requests=inputs.token_requests,
                 slot_mapping=inputs.slot_mapping,
                 kv_cache=inputs.kv_cache,
-                indexer=inputs.indexer,
+                indexer=indexer,
                 out=out,
                 topk_positions=inputs.topk_positions,
                 error_count=inputs.error_count,
             )
         )
-        return out
+        if inputs.after is not None:
+            inputs.after()
+        return self.reduce(out) if self.reduce is not None else out
 
 
 def install(
@@ -490,39 +856,56 @@ def install(
     ``attention.mla_attn`` and returns the adapter (adapter.uninstall()
     undoes it).
 
-    attention: the DSA layer's attention module (w = attention.mla_attn,
-    mla = w.mla_attn, impl = mla.impl, vLLM's names). Checks as the seed's
-    DsaAttentionStage does (a fused q/kv a-norm, NoPE, its own indexer, no
-    gate or DCP query, an FP8 KV cache, no padding or PCP, no HiSparse, a
-    column-major W_UK), less its FlashInferMLASparseImpl check: the stage
-    runs its own attention on the FP8 cache, whatever backend vLLM chose.
+    attention: the glm5next DSA layer's attention module (vLLM's
+    Glm5NextMLAAttention: w = attention.mla_attn, mla = w.mla_attn, impl =
+    mla.impl). Checks as the seed's DsaAttentionStage does (a fused q/kv
+    a-norm, NoPE, its own indexer, no gate or DCP query, an FP8 KV cache, no
+    padding or PCP, no HiSparse, a column-major W_UK), with the backend check
+    widened to the backends whose flat FP8 cache the stage reads
+    (KV_CACHE_BACKENDS: FLASHINFER_MLA_SPARSE_SM90, vLLM's choice on Hopper,
+    and the seed's FLASHINFER_MLA_SPARSE), plus no index group, an o_proj
+    without bias, the indexer's config fields, and the indexer's shape
+    (heads, pool, top-k from the model config; ring and block size from
+    vLLM's caches) asked of the installed library (its StagePlan check).
     Any failure, and any absent weight or attribute, raises ValueError("DSA
-    attention stage needs ...") naming all of them; the wrapper is left as it
-    was. The weights are used in place (W_UV too, without the seed's copy),
-    so they must stay where they are while the stage lives.
+    attention stage needs ...") naming all of them; the stage's own argument
+    errors (dsa_decode.InvalidArgument: a weight's shape, dtype or layout)
+    are raised as ValueError("DSA attention stage needs weights and a plan
+    the installed dsa_decode takes (this layer: <its indexer shape>): <the
+    library's message>"). Either way the wrapper is left as it was.
 
     plan: the dsa_decode.StagePlan (None: the defaults, the fastest paths
-    within the numerics contract, max_tokens 16, with batch_invariant on
-    when vLLM runs batch invariant: vllm_batch_invariant()); the stage
-    allocates its workspace now (call install outside a capture).
-    step_inputs: where each step's engine tensors come from (None:
-    vllm_step_inputs, vLLM's forward context); it answers None for a step
-    that must run stock. stage_factory: what creates the stage from (config,
-    weights, plan), dsa_decode.Stage; tests pass one that needs no GPU."""
+    within the numerics contract, max_tokens 16, with the layer's ring,
+    block size and max_model_len, and batch_invariant on when vLLM runs
+    batch invariant: vllm_batch_invariant()); a plan given must carry the
+    layer's ring and block size. The stage allocates its workspace now
+    (call install outside a capture). step_inputs: where each step's engine
+    tensors come from (None: vllm_step_inputs, vLLM's forward context); it
+    answers None for a step that must run stock. stage_factory: what
+    creates the stage from (config, weights, plan), dsa_decode.Stage; tests
+    pass one that needs no GPU."""
     return DsaStageAdapter(attention, plan, step_inputs=step_inputs, stage_factory=stage_factory)
 
 
 __all__ = [
     "CONFIG_ATTRIBUTES",
     "DsaStageAdapter",
+    "INDEXER_CONFIG_ATTRIBUTES",
     "INDEXER_STATE_ATTRIBUTES",
     "INDEXER_WEIGHT_ATTRIBUTES",
+    "IndexerShape",
+    "KV_CACHE_BACKENDS",
+    "LIBRARY_INDEXER_FIELDS",
     "METADATA_ATTRIBUTES",
     "StepInputs",
     "StepInputsSource",
+    "TailRing",
     "WEIGHT_ATTRIBUTES",
     "install",
+    "library_indexer_fields",
+    "pooled_key_view",
     "read_layer",
     "vllm_batch_invariant",
     "vllm_step_inputs",
+    "vllm_tail_ring",
 ]

@@ -1,16 +1,20 @@
 """dsa_decode.vllm: the stage installed on a vLLM MLA wrapper.
 
-vLLM cannot be installed here, so the tests build a wrapper with the same
-attribute contract (w = attention.mla_attn, mla = w.mla_attn, impl =
-mla.impl, vLLM's names). The CPU tests need neither PyTorch nor a GPU: their
-tensors are FakeTensor (a shape, strides, new_empty, slicing) and the stage
-is a FakeStage passed as install's stage_factory. The GPU test builds real
-glm5next TP8 weights and caches with PyTorch and checks that the installed
-forward returns exactly what dsa_decode.Stage.forward gives on the same
-inputs."""
+These tests build a wrapper with the attribute contract of vLLM 0.33's
+glm5next classes (w = attention.mla_attn, mla = w.mla_attn, impl =
+mla.impl, indexer = w.indexer, vLLM's names and layouts, which
+test_vllm_real.py checks against vLLM's own classes where vLLM is
+installed). The CPU tests need neither PyTorch nor a GPU: their tensors are
+FakeTensor (a shape, strides, views, new_empty, slicing) and the stage is a
+FakeStage passed as install's stage_factory. The GPU test builds glm5next
+TP8 weights and caches in vLLM's layouts with PyTorch (the fused
+wk_weights_proj, W_UV's strided view, 0-dim scales, the [blocks, pools, 132]
+K cache, the tail ring by tail block) and checks that the installed forward
+returns exactly what dsa_decode.Stage.forward gives on the same inputs."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import types
 import warnings
@@ -25,7 +29,9 @@ from dsa_decode.stage import WEIGHT_NAMES, StagePlan, StepArgs
 
 # glm5next at TP8 (presets.h), written out so that the CPU tests need no extension call.
 HIDDEN, HEADS, Q_LORA, KV_LORA, NOPE, V_HEAD = 4096, 8, 1536, 512, 256, 256
-INDEX_HEADS, INDEX_DIM, BLOCK = 32, 128, 256
+INDEX_HEADS, INDEX_DIM, BLOCK, POOL, RING = 32, 128, 256, 4, 4
+TAIL_PREFIX = "model.layers.3.self_attn.indexer.tail_cache"
+MAX_MODEL_LEN = 8192
 SOFTMAX_SCALE = 256**-0.5
 RMS_NORM_EPS = 1e-6
 LAYER_NAME = "model.layers.3.self_attn.mla_attn.attn"
@@ -33,16 +39,13 @@ LAYER_NAME = "model.layers.3.self_attn.mla_attn.attn"
 
 class FakeTensor:
     """What the adapter reads of a tensor without PyTorch: shape, stride(),
-    new_empty (the output) and a slice (token_requests[:m])."""
+    row slices and views (recorded), contiguous(), new_empty (the output)."""
 
-    def __init__(self, *shape, strides=None, name=""):
+    def __init__(self, *shape, strides=None, name="", base=None):
         self.shape = tuple(shape)
-        contiguous, step = [], 1
-        for size in reversed(self.shape):
-            contiguous.insert(0, step)
-            step *= size
-        self._strides = tuple(strides) if strides is not None else tuple(contiguous)
+        self._strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
         self.name = name
+        self.base = base  # the tensor this one views, None for its own memory
 
     def stride(self, dim=None):
         return self._strides if dim is None else self._strides[dim]
@@ -51,14 +54,43 @@ class FakeTensor:
         return FakeTensor(*shape, name=f"new_empty of {self.name}")
 
     def __getitem__(self, index):
-        assert isinstance(index, slice) and index.start is None and index.step is None
-        view = FakeTensor(min(index.stop, self.shape[0]), *self.shape[1:], name=f"{self.name}[:{index.stop}]")
-        view.sliced_from = self
+        assert isinstance(index, slice) and index.step is None
+        start, stop = index.start or 0, self.shape[0] if index.stop is None else min(index.stop, self.shape[0])
+        view = FakeTensor(
+            stop - start, *self.shape[1:], strides=self._strides, name=f"{self.name}[{start}:{stop}]", base=self
+        )
+        view.sliced_from, view.rows = self, (start, stop)
         return view
+
+    def view(self, *shape):
+        size = 1
+        for extent in self.shape:
+            size *= extent
+        resized = 1
+        for extent in shape:
+            resized *= extent
+        assert resized == size, (shape, self.shape)
+        return FakeTensor(*shape, name=f"{self.name}.view{shape}", base=self)
+
+    def is_contiguous(self):
+        return self._strides == contiguous_strides(self.shape)
+
+    def contiguous(self):
+        return self if self.is_contiguous() else FakeTensor(*self.shape, name=f"{self.name}.contiguous()")
+
+
+def contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= size
+    return tuple(strides)
 
 
 def fake_weights():
-    """The layer's weights by WEIGHT_NAMES key, as FakeTensors of their shapes."""
+    """The layer's weights by WEIGHT_NAMES key, as FakeTensors of the shapes
+    the stage takes (the adapter's reading of vLLM's holds them as
+    vllm_tensors makes them)."""
     shapes = {
         "fused_qkv_a_proj": (Q_LORA + KV_LORA, HIDDEN),
         "q_a_norm": (Q_LORA,),
@@ -75,9 +107,29 @@ def fake_weights():
         "index_compress_gate": (INDEX_DIM, HIDDEN),
         "index_k_norm_weight": (INDEX_DIM,),
         "index_k_norm_bias": (INDEX_DIM,),
-        "index_ape": (4, INDEX_DIM),
+        "index_ape": (POOL, INDEX_DIM),
     }
     return {name: FakeTensor(*shapes[name], name=name) for name in WEIGHT_NAMES}
+
+
+def vllm_tensors(weights):
+    """What vLLM holds where the stage's weights come from: the fused
+    wk_weights_proj [128 + heads, D], W_UV as a strided view [H, L, V]
+    strides ((P+V) L, 1, L), the scales 0-dim; the rest as they are."""
+    held = dict(weights)
+    held["wk_weights_proj"] = FakeTensor(INDEX_DIM + INDEX_HEADS, HIDDEN, name="wk_weights_proj")
+    held["w_uv"] = FakeTensor(HEADS, KV_LORA, V_HEAD, strides=((NOPE + V_HEAD) * KV_LORA, 1, KV_LORA), name="W_UV")
+    held["q_scale"] = FakeTensor(name="_q_scale")
+    held["k_scale"] = FakeTensor(name="_k_scale")
+    return held
+
+
+class FakeBackend:
+    def __init__(self, name):
+        self.name = name
+
+    def get_name(self):
+        return self.name
 
 
 class FakeMlaWrapper:
@@ -93,35 +145,62 @@ class FakeMlaWrapper:
         return ("stock", hidden_states)
 
 
-def fake_attention(weights, *, wrapper=None, attention=None, impl=None, indexer=None, rms_norm_eps=RMS_NORM_EPS):
+def fake_attention(
+    weights,
+    *,
+    wrapper=None,
+    attention=None,
+    impl=None,
+    indexer=None,
+    config=None,
+    rms_norm_eps=RMS_NORM_EPS,
+    held=None,
+):
     """vLLM's attention module of a glm5next DSA layer (attention.mla_attn =
-    the wrapper) over these weights; the keyword dicts override attributes of
-    the wrapper, its MLAAttention, the backend impl and the indexer."""
+    the wrapper) holding these weights as vLLM does (held: vllm_tensors);
+    the keyword dicts override attributes of the wrapper, its MLAAttention,
+    the backend impl, the indexer and the indexer's model config."""
+    held = held if held is not None else vllm_tensors(weights)
+    config_attributes = dict(
+        index_n_heads=INDEX_HEADS,
+        index_kpool=POOL,
+        index_topk=2048,
+        index_head_dim=INDEX_DIM,
+        index_kpool_always_select_tail=True,
+    )
+    config_attributes.update(config or {})
     indexer_attributes = dict(
-        wq_b=SimpleNamespace(weight=weights["index_wq_b"]),
-        wk=SimpleNamespace(weight=weights["index_wk"]),
-        weights_proj=SimpleNamespace(weight=weights["index_weights_proj"]),
-        compress_gate=SimpleNamespace(weight=weights["index_compress_gate"]),
-        k_norm=SimpleNamespace(weight=weights["index_k_norm_weight"], bias=weights["index_k_norm_bias"]),
-        ape=weights["index_ape"],
-        ring_cache=FakeTensor(2, 2, 4, INDEX_DIM, name="ring"),
-        k_cache=SimpleNamespace(kv_cache=FakeTensor(4, BLOCK // 4 * 132, name="index_k_cache")),
+        config=SimpleNamespace(**config_attributes),
+        vllm_config=SimpleNamespace(
+            num_speculative_tokens=0, model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN)
+        ),
+        wq_b=SimpleNamespace(weight=held["index_wq_b"]),
+        wk_weights_proj=SimpleNamespace(weight=held["wk_weights_proj"]),
+        index_kpool_compress_gate=held["index_compress_gate"],
+        k_norm=SimpleNamespace(weight=held["index_k_norm_weight"], bias=held["index_k_norm_bias"]),
+        index_kpool_compress_ape=held["index_ape"],
+        k_cache=SimpleNamespace(
+            kv_cache=FakeTensor(4, BLOCK // POOL, 132, name="index_k_cache"),
+            cache_config=SimpleNamespace(block_size=BLOCK),
+        ),
+        tail_cache=SimpleNamespace(kv_cache=FakeTensor(6, 2, RING, INDEX_DIM, name="tail"), prefix=TAIL_PREFIX),
     )
     indexer_attributes.update(indexer or {})
-    impl_attributes = dict(dcp_world_size=1)
+    impl_attributes = dict(dcp_world_size=1, index_group=SimpleNamespace(num_layers=1))
     impl_attributes.update(impl or {})
     mla_attributes = dict(
         impl=SimpleNamespace(**impl_attributes),
+        attn_backend=FakeBackend("FLASHINFER_MLA_SPARSE_SM90"),
         layer_name=LAYER_NAME,
         scale=SOFTMAX_SCALE,
         kv_cache_dtype="fp8",
         q_pad_num_heads=None,
         use_pcp=False,
         hisparse_cache=None,
-        W_UK_T=weights["w_uk_t"],
-        W_UV=weights["w_uv"],
-        _q_scale=weights["q_scale"],
-        _k_scale=weights["k_scale"],
+        W_UK_T=held["w_uk_t"],
+        W_UV=held["w_uv"],
+        _q_scale=held["q_scale"],
+        _k_scale=held["k_scale"],
         kv_cache=FakeTensor(4, BLOCK, KV_LORA, name="kv_cache"),
     )
     mla_attributes.update(attention or {})
@@ -139,11 +218,13 @@ def fake_attention(weights, *, wrapper=None, attention=None, impl=None, indexer=
         skip_topk=False,
         g_proj=None,
         dcp_q_replicate=False,
-        fused_qkv_a_proj=SimpleNamespace(weight=weights["fused_qkv_a_proj"]),
-        q_a_layernorm=SimpleNamespace(weight=weights["q_a_norm"], variance_epsilon=rms_norm_eps),
-        kv_a_layernorm=SimpleNamespace(weight=weights["kv_a_norm"], variance_epsilon=rms_norm_eps),
-        q_b_proj=SimpleNamespace(weight=weights["q_b_proj"]),
-        o_proj=SimpleNamespace(weight=weights["o_proj"]),
+        fused_qkv_a_proj=SimpleNamespace(weight=held["fused_qkv_a_proj"]),
+        q_a_layernorm=SimpleNamespace(weight=held["q_a_norm"], variance_epsilon=rms_norm_eps),
+        kv_a_layernorm=SimpleNamespace(weight=held["kv_a_norm"], variance_epsilon=rms_norm_eps),
+        q_b_proj=SimpleNamespace(weight=held["q_b_proj"]),
+        o_proj=SimpleNamespace(
+            weight=held["o_proj"], bias=None, input_is_parallel=True, reduce_results=True, tp_size=1
+        ),
     )
     wrapper_attributes.update(wrapper or {})
     return SimpleNamespace(mla_attn=FakeMlaWrapper(**wrapper_attributes))
@@ -202,7 +283,8 @@ def needs_message(error):
 
 def test_read_layer_takes_vllm_attributes_and_weights_in_place():
     weights = fake_weights()
-    config, read = adapter_module.read_layer(fake_attention(weights))
+    held = vllm_tensors(weights)
+    config, read, plan = adapter_module.read_layer(fake_attention(weights, held=held))
     assert config == dsa_decode.LayerConfig(
         hidden_size=HIDDEN,
         num_heads=HEADS,
@@ -216,12 +298,142 @@ def test_read_layer_takes_vllm_attributes_and_weights_in_place():
     )
     assert list(read) == list(WEIGHT_NAMES)
     for name in WEIGHT_NAMES:
-        # The wrapper's own objects: W_UV too, where the seed made a contiguous copy.
-        assert read[name] is weights[name], name
+        if name in ("index_wk", "index_weights_proj", "w_uv", "q_scale", "k_scale"):
+            continue
+        assert read[name] is weights[name], name  # the wrapper's own objects
+    # Views of vLLM's tensors: the fused wk_weights_proj's rows, the scales' [1] views.
+    fused = held["wk_weights_proj"]
+    assert read["index_wk"].sliced_from is fused and read["index_wk"].rows == (0, INDEX_DIM)
+    assert read["index_weights_proj"].sliced_from is fused
+    assert read["index_weights_proj"].rows == (INDEX_DIM, INDEX_DIM + INDEX_HEADS)
+    for name in ("q_scale", "k_scale"):
+        assert read[name].base is held[name] and read[name].shape == (1,), name
+    # W_UV: vLLM's strided view, copied once into a contiguous tensor.
+    assert read["w_uv"].name == "W_UV.contiguous()" and read["w_uv"].is_contiguous()
+    assert read["w_uv"].shape == (HEADS, KV_LORA, V_HEAD)
+    # The plan: the layer's ring, block size and max_model_len.
+    assert (plan.ring, plan.block_size, plan.max_context) == (RING, BLOCK, MAX_MODEL_LEN)
+
+
+def test_a_contiguous_w_uv_is_taken_in_place():
+    weights = fake_weights()
+    held = vllm_tensors(weights)
+    held["w_uv"] = weights["w_uv"]
+    _, read, _ = adapter_module.read_layer(fake_attention(weights, held=held))
+    assert read["w_uv"] is weights["w_uv"]
+
+
+def test_the_ring_follows_the_tail_cache_or_vllms_rule():
+    """The tail cache's ring where it is bound; before that, vLLM's rule:
+    kpool * next_power_of_2(ceil((kpool + speculative tokens) / kpool))."""
+    assert [adapter_module.vllm_tail_ring(4, s) for s in (0, 1, 4, 5, 12, 13)] == [4, 8, 8, 16, 16, 32]
+    assert [adapter_module.vllm_tail_ring(16, s) for s in (0, 1, 16, 17)] == [16, 32, 32, 64]
+    _, _, plan = adapter_module.read_layer(
+        fake_attention(
+            fake_weights(),
+            indexer={"tail_cache": SimpleNamespace(kv_cache=FakeTensor(6, 2, 8, INDEX_DIM), prefix=TAIL_PREFIX)},
+        )
+    )
+    assert plan.ring == 8
+    unbound = SimpleNamespace(kv_cache=FakeTensor(0, name="torch.tensor([])"), prefix=TAIL_PREFIX)
+    attention = fake_attention(fake_weights(), indexer={"tail_cache": unbound})
+    attention.mla_attn.indexer.vllm_config.num_speculative_tokens = 3
+    _, _, plan = adapter_module.read_layer(attention)
+    assert plan.ring == 8
+
+
+def test_the_block_size_follows_the_kv_cache_or_the_cache_config():
+    attention = fake_attention(fake_weights(), attention={"kv_cache": FakeTensor(0, name="torch.tensor([])")})
+    attention.mla_attn.indexer.k_cache.cache_config.block_size = 512
+    _, _, plan = adapter_module.read_layer(attention)
+    assert plan.block_size == 512
+
+
+def test_an_indexer_shape_the_library_does_not_run_is_named_with_the_librarys_words():
+    if adapter_module.library_indexer_fields():
+        # A library that takes the shape from its plan: 24 heads is none of its 16, 32, 64.
+        config, ring, library_words = {"index_n_heads": 24}, RING, "indexer_heads"
+    else:
+        # One fixed shape (pools of 4): vLLM's ring 16 for pools of 16 is refused.
+        config, ring, library_words = {"index_n_heads": 16, "index_kpool": 16}, 16, "argument 'plan.ring'"
+    attention = fake_attention(
+        fake_weights(),
+        config=config,
+        indexer={"tail_cache": SimpleNamespace(kv_cache=FakeTensor(6, 2, ring, INDEX_DIM), prefix=TAIL_PREFIX)},
+    )
+    stock_forward = attention.mla_attn.forward
+    with pytest.raises(ValueError) as error:
+        install_fake(attention)
+    message = needs_message(error)
+    shape = f"index_n_heads={config['index_n_heads']}, index_kpool={config.get('index_kpool', POOL)}"
+    assert f"an indexer the installed dsa_decode runs (this layer: {shape}" in message, message
+    assert f"tail ring {ring}" in message and library_words in message, message
+    assert attention.mla_attn.forward == stock_forward
+
+
+def test_the_library_publishes_where_it_takes_the_indexer_shape():
+    fields = adapter_module.library_indexer_fields()
+    plan_fields = {f.name for f in dataclasses.fields(StagePlan)}
+    for part, (owner, name) in fields.items():
+        assert owner in ("StagePlan", "LayerConfig") and part in ("heads", "pool", "topk")
+        assert owner != "StagePlan" or name in plan_fields
+    if fields:
+        adapter = install_fake()
+        for part, (owner, name) in fields.items():
+            value = getattr(adapter.plan if owner == "StagePlan" else adapter.config, name)
+            assert value == getattr(adapter.indexer_shape, part), (part, name)
+
+
+def test_the_stages_argument_errors_come_with_the_layers_indexer_shape():
+    """A library that runs one indexer shape names the indexer weights of
+    another in its Stage checks: the adapter adds the layer's shape."""
+
+    def refusing_factory(config, weights, plan):
+        raise dsa_decode.InvalidArgument("invalid argument: argument 'index_wq_b': expected shape [4096, 1536]")
+
+    attention = fake_attention(fake_weights(), config={"index_n_heads": 16})
+    with pytest.raises(ValueError) as error:
+        adapter_module.install(attention, stage_factory=refusing_factory)
+    message = needs_message(error)
+    assert "weights and a plan the installed dsa_decode takes (this layer: index_n_heads=16" in message, message
+    assert message.endswith("argument 'index_wq_b': expected shape [4096, 1536]"), message
+    assert "forward" not in vars(attention.mla_attn)
+
+
+def test_a_given_plan_must_carry_the_layers_ring_and_block_size():
+    with pytest.raises(ValueError) as error:
+        install_fake(plan=StagePlan(ring=8, block_size=512))
+    message = needs_message(error)
+    assert (
+        "plan.ring = 8 where the layer has 4" in message and "plan.block_size = 512 where the layer has 256" in message
+    )
+
+
+def test_the_indexer_config_fields_are_named_when_absent():
+    attention = fake_attention(fake_weights())
+    del attention.mla_attn.indexer.config.index_kpool
+    attention.mla_attn.indexer.config.index_kpool_always_select_tail = None
+    with pytest.raises(ValueError) as error:
+        adapter_module.read_layer(attention)
+    message = needs_message(error)
+    assert "w.indexer.config.index_kpool" in message and "w.indexer.config.index_kpool_always_select_tail" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, what",
+    [
+        ({"index_kpool_always_select_tail": False}, "an indexer that always selects the tail pool"),
+        ({"index_head_dim": 64}, "index_head_dim 128 (the layer has 64)"),
+    ],
+)
+def test_an_indexer_the_stage_cannot_be_is_refused(overrides, what):
+    with pytest.raises(ValueError) as error:
+        adapter_module.read_layer(fake_attention(fake_weights(), config=overrides))
+    assert what in needs_message(error)
 
 
 def test_read_layer_takes_an_fp8_e4m3_cache_dtype():
-    config, _ = adapter_module.read_layer(fake_attention(fake_weights(), attention={"kv_cache_dtype": "fp8_e4m3"}))
+    config, _, _ = adapter_module.read_layer(fake_attention(fake_weights(), attention={"kv_cache_dtype": "fp8_e4m3"}))
     assert config.kv_cache_dtype == "fp8_e4m3"
 
 
@@ -240,8 +452,33 @@ FAILED_CHECKS = [
     ("attention", {"use_pcp": True}, "no padding or PCP", "use_pcp"),
     ("attention", {"hisparse_cache": object()}, "no HiSparse", "hisparse_cache"),
     ("impl", {"dcp_world_size": 2}, "no HiSparse", "dcp_world_size"),
+    # Beyond the seed's: what vLLM 0.33's real classes need checked.
+    ("attention", {"attn_backend": FakeBackend("FLASHMLA_SPARSE")}, "a flat FP8 KV cache backend", "attn_backend"),
+    ("impl", {"index_group": SimpleNamespace(num_layers=2)}, "no other layer reading its selection", "index_group"),
+    (
+        "wrapper",
+        {
+            "o_proj": SimpleNamespace(
+                weight=FakeTensor(HIDDEN, HEADS * V_HEAD), bias=FakeTensor(HIDDEN), input_is_parallel=True
+            )
+        },
+        "an o_proj without bias on this rank's heads",
+        "w.o_proj.bias",
+    ),
 ]
 SEED_REQUIREMENTS = sorted({what for _, _, what, _ in FAILED_CHECKS} | {"a column-major W_UK"})
+
+
+@pytest.mark.parametrize("backend", ["FLASHINFER_MLA_SPARSE_SM90", "FLASHINFER_MLA_SPARSE"])
+def test_the_hopper_and_the_seeds_backends_are_taken(backend):
+    attention = fake_attention(fake_weights(), attention={"attn_backend": FakeBackend(backend)})
+    assert adapter_module.read_layer(attention)[0].num_heads == HEADS
+    assert backend in adapter_module.KV_CACHE_BACKENDS
+
+
+def test_a_layer_without_an_index_group_is_taken():
+    attention = fake_attention(fake_weights(), impl={"index_group": None})
+    assert adapter_module.read_layer(attention)[0].num_heads == HEADS
 
 
 @pytest.mark.parametrize("part, overrides, what, attribute", FAILED_CHECKS)
@@ -291,16 +528,20 @@ def test_an_absent_check_attribute_is_named_not_raised():
 
 
 def test_absent_indexer_weights_are_named_by_their_path():
-    attention = fake_attention(fake_weights(), indexer={"compress_gate": SimpleNamespace()})
+    attention = fake_attention(
+        fake_weights(), indexer={"index_kpool_compress_gate": None, "wk_weights_proj": SimpleNamespace()}
+    )
     attention.mla_attn.indexer.k_norm.bias = None  # a LayerNorm without bias
-    del attention.mla_attn.indexer.ape
+    del attention.mla_attn.indexer.index_kpool_compress_ape
     with pytest.raises(ValueError) as error:
         adapter_module.read_layer(attention)
     message = needs_message(error)
     for path, name in (
-        ("compress_gate.weight", "index_compress_gate"),
+        ("index_kpool_compress_gate", "index_compress_gate"),
         ("k_norm.bias", "index_k_norm_bias"),
-        ("ape", "index_ape"),
+        ("index_kpool_compress_ape", "index_ape"),
+        ("wk_weights_proj.weight rows [:128]", "index_wk"),
+        ("wk_weights_proj.weight rows [128:]", "index_weights_proj"),
     ):
         assert f"w.indexer.{path} ({name})" in message, message
     assert "wq_b" not in message and "k_norm.weight" not in message, message
@@ -340,7 +581,7 @@ def test_install_without_a_plan_follows_vllms_batch_invariant_mode(monkeypatch, 
         monkeypatch.setenv("VLLM_BATCH_INVARIANT", value)
     assert adapter_module.vllm_batch_invariant() is invariant
     adapter = install_fake()
-    assert adapter.stage.plan == StagePlan(batch_invariant=invariant)
+    assert adapter.stage.plan == StagePlan(batch_invariant=invariant, max_context=MAX_MODEL_LEN)
     adapter.uninstall()
     # A plan given is taken as it is.
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
@@ -462,18 +703,71 @@ def test_a_supported_step_runs_the_stage_into_a_new_output():
     assert args.topk_positions is None and args.error_count is inputs.error_count
 
 
+def test_before_and_after_run_around_the_stage_only():
+    order = []
+    inputs = fake_step_inputs(2)
+    inputs.before, inputs.after = (lambda: order.append("before")), (lambda: order.append("after"))
+    adapter = install_fake(step_inputs=lambda *args: inputs)
+    adapter.stage.forward = lambda args: order.append("stage")
+    adapter.forward(FakeTensor(2), FakeTensor(2, HIDDEN))
+    assert order == ["before", "stage", "after"]
+    order.clear()
+    adapter.stage.supported = False  # a stock step: neither runs
+    adapter.forward(FakeTensor(2), FakeTensor(2, HIDDEN))
+    assert order == []
+
+
+def test_the_converted_ring_is_the_stages_when_step_inputs_leave_it_to_the_adapter():
+    inputs = fake_step_inputs(1)
+    inputs.indexer = IndexerState(inputs.indexer.block_table, None, inputs.indexer.k_cache)
+    rows = FakeTensor(2, 2, RING, INDEX_DIM, name="ring rows")
+    adapter = install_fake(step_inputs=lambda *args: inputs)
+    inputs.before = lambda: setattr(adapter.tail_ring, "rows", rows)
+    adapter.forward(FakeTensor(1), FakeTensor(1, HIDDEN))
+    (args,) = adapter.stage.forward_calls
+    assert args.indexer.ring is rows and args.indexer.block_table is inputs.indexer.block_table
+    assert args.indexer.k_cache is inputs.indexer.k_cache
+
+
+@pytest.mark.parametrize("tp, reduce_results, reduced", [(1, True, False), (2, False, False), (2, True, True)])
+def test_the_output_is_reduced_as_vllms_o_proj_reduces(monkeypatch, tp, reduce_results, reduced):
+    """RowParallelLinear.forward all-reduces its product when reduce_results
+    and tp_size > 1: the stage's product on this rank's shard gets the same
+    tensor_model_parallel_all_reduce."""
+    fake_vllm(monkeypatch, lambda: None)
+    calls = []
+    sys.modules["vllm.distributed"].tensor_model_parallel_all_reduce = lambda t: calls.append(t) or ("reduced", t)
+    weights = fake_weights()
+    o_proj = SimpleNamespace(
+        weight=weights["o_proj"], bias=None, input_is_parallel=True, reduce_results=reduce_results, tp_size=tp
+    )
+    adapter = install_fake(
+        fake_attention(weights, wrapper={"o_proj": o_proj}), step_inputs=lambda *args: fake_step_inputs(1)
+    )
+    result = adapter.forward(FakeTensor(1), FakeTensor(1, HIDDEN))
+    (args,) = adapter.stage.forward_calls
+    if reduced:
+        assert result == ("reduced", args.out) and calls == [args.out]
+    else:
+        assert result is args.out and calls == [] and adapter.reduce is None
+
+
 # --- vllm_step_inputs: vLLM's forward context ----------------------------------------------------------------------
 
 
 def fake_vllm(monkeypatch, get_forward_context):
-    """Makes `from vllm.forward_context import get_forward_context` find this function."""
+    """Makes `from vllm.forward_context import get_forward_context` find this
+    function (and gives vllm.distributed a tensor_model_parallel_all_reduce)."""
     package = types.ModuleType("vllm")
     package.__path__ = []
     forward_context = types.ModuleType("vllm.forward_context")
     forward_context.get_forward_context = get_forward_context
-    package.forward_context = forward_context
+    distributed = types.ModuleType("vllm.distributed")
+    distributed.tensor_model_parallel_all_reduce = lambda tensor: tensor
+    package.forward_context, package.distributed = forward_context, distributed
     monkeypatch.setitem(sys.modules, "vllm", package)
     monkeypatch.setitem(sys.modules, "vllm.forward_context", forward_context)
+    monkeypatch.setitem(sys.modules, "vllm.distributed", distributed)
 
 
 def fake_context(m, **metadata_overrides):
@@ -485,8 +779,9 @@ def fake_context(m, **metadata_overrides):
         slot_mapping=FakeTensor(m, name="md.slot_mapping"),
     )
     metadata.__dict__.update(metadata_overrides)
+    tail_metadata = SimpleNamespace(slot_mapping=FakeTensor(m, name="tail slots"))
     return SimpleNamespace(
-        attn_metadata={LAYER_NAME: metadata},
+        attn_metadata={LAYER_NAME: metadata, TAIL_PREFIX: tail_metadata},
         slot_mapping={LAYER_NAME: FakeTensor(m, name="context.slot_mapping")},
         virtual_engine=0,
     )
@@ -504,7 +799,10 @@ def test_vllm_step_inputs_reads_the_forward_context(monkeypatch):
     assert inputs.slot_mapping is context.slot_mapping[LAYER_NAME]
     assert inputs.kv_cache is adapter.attention.kv_cache
     assert inputs.indexer.block_table is metadata.block_table
-    assert inputs.indexer.ring is indexer.ring_cache and inputs.indexer.k_cache is indexer.k_cache.kv_cache
+    # The K cache's 2-D view; the ring left to the adapter's conversion (before/after).
+    assert inputs.indexer.k_cache.base is indexer.k_cache.kv_cache
+    assert inputs.indexer.k_cache.shape == (4, BLOCK // POOL * 132)
+    assert inputs.indexer.ring is None and callable(inputs.before) and callable(inputs.after)
     assert inputs.topk_positions is None and inputs.error_count is None
 
 
@@ -520,11 +818,41 @@ def test_vllm_step_inputs_takes_the_virtual_engines_cache_and_the_metadatas_slot
     assert inputs.slot_mapping is context.attn_metadata[LAYER_NAME].slot_mapping
 
 
+class FakeTailRing:
+    """adapter.tail_ring without PyTorch: records the conversion's calls
+    (test_vllm_real.py runs the real one on vLLM's tail cache)."""
+
+    def __init__(self, stage):
+        self.stage, self.calls = stage, []
+        self.rows = FakeTensor(2, 2, RING, INDEX_DIM, name="ring rows")
+
+    def prepare(self, tail, requests):
+        self.calls.append(("prepare", tail, requests, len(self.stage.forward_calls)))
+
+    def gather(self, tail, token_requests, tail_slots, m):
+        self.calls.append(("gather", tail, token_requests, tail_slots, m, len(self.stage.forward_calls)))
+
+    def scatter(self, tail, m):
+        self.calls.append(("scatter", tail, m, len(self.stage.forward_calls)))
+
+
 def test_the_installed_forward_runs_the_stage_through_vllms_context(monkeypatch):
-    fake_vllm(monkeypatch, lambda: fake_context(1))
+    context = fake_context(1)
+    fake_vllm(monkeypatch, lambda: context)
     adapter = install_fake()
+    ring = adapter.tail_ring = FakeTailRing(adapter.stage)
     out = adapter.wrapper.forward(FakeTensor(1), FakeTensor(1, HIDDEN))
-    assert adapter.stage.forward_calls and adapter.stage.forward_calls[0].out is out
+    (args,) = adapter.stage.forward_calls
+    assert args.out is out and args.indexer.ring is ring.rows
+    tail = adapter.wrapper.indexer.tail_cache.kv_cache
+    tail_slots = context.attn_metadata[TAIL_PREFIX].slot_mapping
+    prepare, gather, scatter = ring.calls
+    assert prepare == ("prepare", tail, 2, 0)  # the block table's rows, before the stage
+    assert (
+        gather[:2] == ("gather", tail) and gather[2].sliced_from is context.attn_metadata[LAYER_NAME].req_id_per_token
+    )
+    assert gather[3:] == (tail_slots, 1, 0)
+    assert scatter == ("scatter", tail, 1, 1)  # after the stage
 
 
 def no_forward_context():
@@ -533,7 +861,15 @@ def no_forward_context():
 
 @pytest.mark.parametrize(
     "case",
-    ["vllm not importable", "no forward context", "no metadata for the layer", "metadata None", "no ring", "no table"],
+    [
+        "vllm not importable",
+        "no forward context",
+        "no metadata for the layer",
+        "metadata None",
+        "no tail",
+        "no tail slots",
+        "no table",
+    ],
 )
 def test_vllm_step_inputs_answers_none_and_forward_runs_stock(monkeypatch, case):
     context = fake_context(1)
@@ -547,14 +883,16 @@ def test_vllm_step_inputs_answers_none_and_forward_runs_stock(monkeypatch, case)
         context.attn_metadata = {"model.layers.0.self_attn.mla_attn.attn": context.attn_metadata[LAYER_NAME]}
     elif case == "metadata None":  # profile and dummy runs
         context.attn_metadata = None
-    elif case == "no ring":
-        del attention.mla_attn.indexer.ring_cache
+    elif case == "no tail":
+        del attention.mla_attn.indexer.tail_cache.kv_cache
+    elif case == "no tail slots":
+        del context.attn_metadata[TAIL_PREFIX]
     elif case == "no table":
         del context.attn_metadata[LAYER_NAME].block_table
     adapter = install_fake(attention)
     positions, hidden = FakeTensor(1), FakeTensor(1, HIDDEN)
-    if case in ("no ring", "no table"):  # maybe a wrong name in the tables: said once per layer
-        missing = "ring" if case == "no ring" else "block_table"
+    if case in ("no tail", "no tail slots", "no table"):  # maybe a wrong name in the tables: said once per layer
+        missing = {"no tail": "tail", "no tail slots": "tail_slots", "no table": "block_table"}[case]
         with pytest.warns(RuntimeWarning, match=f"no {missing} found.*run the stock forward"):
             assert adapter_module.vllm_step_inputs(adapter, positions, hidden) is None
     else:
@@ -579,11 +917,16 @@ def torch_on_a_gpu():
 
 
 def gpu_layer(monkeypatch):
-    """A glm5next TP8 layer on the GPU behind a fake vLLM wrapper: random
-    BF16 weights at small scales, an FP8 KV cache of random entries and an
-    empty indexer state for two requests of two blocks each (contexts of a
-    few hundred tokens: L <= 2048, the indexer takes every pool), and a fake
-    forward context that describes the step set in layer.step."""
+    """A glm5next TP8 layer on the GPU behind a fake vLLM wrapper that holds
+    it in vLLM 0.33's layouts: random BF16 weights at small scales, W_UK_T
+    and W_UV the strided views of one kv_b_proj weight, the fused
+    wk_weights_proj, 0-dim scales; an FP8 KV cache of random entries, the
+    indexer K cache [blocks, pools, 132] and the tail ring [tail blocks, 2,
+    ring, 128] (request 0 in tail block 5, request 1 in tail block 3) for two
+    requests of two blocks each (contexts of a few hundred tokens: L <=
+    2048, the indexer takes every pool), and a fake forward context that
+    describes the step set in layer.step. layer.weights: the stage's weights
+    as a caller would hand them to dsa_decode.Stage."""
     torch = torch_on_a_gpu()
     config = dsa_decode.layer_config("glm5next", tp=8, rms_norm_eps=RMS_NORM_EPS)
     assert (config.hidden_size, config.num_heads, config.q_lora_rank) == (HIDDEN, HEADS, Q_LORA)
@@ -594,43 +937,61 @@ def gpu_layer(monkeypatch):
         return (torch.randn(shape, generator=generator, device=device) * scale + mean).to(dtype)
 
     f32 = torch.float32
-    weights = {
+    # vLLM's kv_b_proj weight [H (P + V), L]; W_UK_T = [H, P, L], W_UV = [H, L, V] views of it.
+    kv_b_proj = normal(HEADS * (NOPE + V_HEAD), KV_LORA, scale=0.02)
+    per_head = kv_b_proj.t().view(KV_LORA, HEADS, NOPE + V_HEAD)
+    w_uk, w_uv = per_head.split([NOPE, V_HEAD], dim=-1)
+    held = {
         "fused_qkv_a_proj": normal(Q_LORA + KV_LORA, HIDDEN, scale=0.02),
         "q_a_norm": normal(Q_LORA, scale=0.05, mean=1.0),
         "kv_a_norm": normal(KV_LORA, scale=0.05, mean=1.0),
         "q_b_proj": normal(HEADS * NOPE, Q_LORA, scale=0.02),
-        "w_uk_t": normal(HEADS, NOPE, KV_LORA, scale=0.02),
-        "w_uv": normal(HEADS, KV_LORA, V_HEAD, scale=0.02),
+        "w_uk_t": w_uk.permute(1, 2, 0),
+        "w_uv": w_uv.transpose(0, 1),
         "o_proj": normal(HIDDEN, HEADS * V_HEAD, scale=0.02),
-        "q_scale": torch.tensor([0.05], dtype=f32, device=device),
-        "k_scale": torch.tensor([0.05], dtype=f32, device=device),
+        "q_scale": torch.tensor(0.05, dtype=f32, device=device),
+        "k_scale": torch.tensor(0.05, dtype=f32, device=device),
         "index_wq_b": normal(INDEX_HEADS * INDEX_DIM, Q_LORA, scale=0.02),
-        "index_wk": normal(INDEX_DIM, HIDDEN, scale=0.02),
-        "index_weights_proj": normal(INDEX_HEADS, HIDDEN, scale=0.02),
+        "wk_weights_proj": normal(INDEX_DIM + INDEX_HEADS, HIDDEN, scale=0.02),
         "index_compress_gate": normal(INDEX_DIM, HIDDEN, scale=0.02),
         "index_k_norm_weight": normal(INDEX_DIM, scale=0.05, mean=1.0, dtype=f32),
         "index_k_norm_bias": normal(INDEX_DIM, scale=0.02, dtype=f32),
-        "index_ape": normal(4, INDEX_DIM, scale=0.02, dtype=f32),
+        "index_ape": normal(POOL, INDEX_DIM, scale=0.02, dtype=f32),
     }
+    assert held["w_uv"].stride() == ((NOPE + V_HEAD) * KV_LORA, 1, KV_LORA)
+    weights = {name: held[name] for name in WEIGHT_NAMES if name in held}
+    weights.update(
+        w_uv=held["w_uv"].contiguous(),
+        q_scale=held["q_scale"].view(1),
+        k_scale=held["k_scale"].view(1),
+        index_wk=held["wk_weights_proj"][:INDEX_DIM],
+        index_weights_proj=held["wk_weights_proj"][INDEX_DIM:],
+    )
     requests, blocks_per_request = 2, 2
     blocks = requests * blocks_per_request
     block_table = torch.arange(blocks, dtype=torch.int32, device=device).view(requests, blocks_per_request)
+    tail_blocks = [5, 3]  # each request's own tail block
     random_entries = torch.randn(blocks, BLOCK, KV_LORA, generator=generator, device=device) * 0.5
     caches = {
         # Random entries, so that the attention reads the past, not only the step's own entries.
         "kv_cache": random_entries.to(torch.float8_e4m3fn),
-        "ring": torch.zeros(requests, 2, 4, INDEX_DIM, dtype=torch.bfloat16, device=device),
-        "k_cache": torch.zeros(blocks, BLOCK // 4 * 132, dtype=torch.uint8, device=device),
+        "tail": torch.zeros(6, 2, RING, INDEX_DIM, dtype=torch.bfloat16, device=device),
+        "k_cache": torch.zeros(blocks, BLOCK // POOL, 132, dtype=torch.uint8, device=device),
     }
     attention = fake_attention(
         weights,
+        held=held,
         # What vLLM's configuration of the preset holds: its float32 eps, its cache dtype's name.
         attention={
             "scale": config.softmax_scale,
             "kv_cache_dtype": config.kv_cache_dtype,
             "kv_cache": caches["kv_cache"],
         },
-        indexer={"ring_cache": caches["ring"], "k_cache": SimpleNamespace(kv_cache=caches["k_cache"])},
+        indexer={
+            "k_cache": SimpleNamespace(kv_cache=caches["k_cache"], cache_config=SimpleNamespace(block_size=BLOCK)),
+            "tail_cache": SimpleNamespace(kv_cache=caches["tail"], prefix=TAIL_PREFIX),
+            "vllm_config": SimpleNamespace(num_speculative_tokens=0, model_config=SimpleNamespace(max_model_len=2048)),
+        },
         rms_norm_eps=config.rms_norm_eps,
     )
     layer = SimpleNamespace(
@@ -640,6 +1001,7 @@ def gpu_layer(monkeypatch):
         plan=StagePlan(max_context=2048),
         weights=weights,
         block_table=block_table,
+        tail_blocks=tail_blocks,
         caches=caches,
         attention=attention,
         normal=normal,
@@ -657,6 +1019,11 @@ def gpu_layer(monkeypatch):
                 dtype=torch.int64,
                 device=device,
             ),
+            tail_slots=torch.tensor(
+                [tail_blocks[r] * RING + p % RING for r, p in zip(token_requests, token_positions)],
+                dtype=torch.int64,
+                device=device,
+            ),
         )
 
     def forward_context():
@@ -667,7 +1034,10 @@ def gpu_layer(monkeypatch):
             block_table=block_table,
             req_id_per_token=step["requests"],
         )
-        return SimpleNamespace(attn_metadata={LAYER_NAME: metadata}, slot_mapping={LAYER_NAME: step["slots"]})
+        return SimpleNamespace(
+            attn_metadata={LAYER_NAME: metadata, TAIL_PREFIX: SimpleNamespace(slot_mapping=step["tail_slots"])},
+            slot_mapping={LAYER_NAME: step["slots"]},
+        )
 
     layer.set_step = set_step
     fake_vllm(monkeypatch, forward_context)
@@ -689,36 +1059,46 @@ def test_the_installed_forward_equals_the_stage_on_a_gpu(monkeypatch):
     adapter = adapter_module.install(layer.attention, layer.plan)  # vllm_step_inputs and dsa_decode.Stage
     assert adapter.config == layer.config  # what vLLM's wrapper says is what the preset is
     reference = dsa_decode.Stage(layer.config, layer.weights, layer.plan)
+    tail_blocks = layer.tail_blocks
 
     for token_requests, token_positions in (([0], [300]), ([0, 1], [301, 200]), ([1, 0], [201, 302])):
         m = len(token_requests)
         layer.set_step(token_requests, token_positions)
         hidden = layer.normal(m, HIDDEN, scale=1.0)
         before = cache_bytes(layer)
-        direct_caches = cache_bytes(layer)  # the direct run's, as they were before the step
+        direct = cache_bytes(layer)  # the direct run's, as they were before the step
+        # The direct run's ring: the stage's own layout, one row per request.
+        direct_ring = direct["tail"][tail_blocks].clone()
 
         out = wrapper.forward(layer.step["positions"], hidden)  # as the model calls it: the installed forward
         assert wrapper.stock_calls == [], f"m = {m}: the stage, not stock, should have run"
 
-        direct = torch.empty_like(hidden)
+        direct_out = torch.empty_like(hidden)
         reference.forward(
             StepArgs(
                 hidden=hidden,
                 positions=layer.step["positions"],
                 token_requests=layer.step["requests"],
                 slot_mapping=layer.step["slots"],
-                kv_cache=direct_caches["kv_cache"],
-                indexer=IndexerState(layer.block_table, direct_caches["ring"], direct_caches["k_cache"]),
-                out=direct,
+                kv_cache=direct["kv_cache"],
+                indexer=IndexerState(
+                    layer.block_table, direct_ring, direct["k_cache"].view(direct["k_cache"].shape[0], -1)
+                ),
+                out=direct_out,
             )
         )
         torch.cuda.synchronize()
         assert out.shape == (m, HIDDEN) and out.dtype == torch.bfloat16
         assert torch.isfinite(out.float()).all() and out.abs().max() > 0, f"m = {m}"
-        assert torch.equal(out, direct), f"m = {m}: the installed forward differs from Stage.forward"
+        assert torch.equal(out, direct_out), f"m = {m}: the installed forward differs from Stage.forward"
         after = cache_bytes(layer)
-        for name in after:
-            assert torch.equal(after[name], direct_caches[name]), f"m = {m}: {name} differs"
+        for name in ("kv_cache", "k_cache"):
+            assert torch.equal(after[name], direct[name]), f"m = {m}: {name} differs"
+        # vLLM's tail blocks hold what the stage's ring rows hold; the others are untouched.
+        expected_tail = before["tail"].clone()
+        expected_tail[tail_blocks] = direct_ring
+        assert torch.equal(after["tail"], expected_tail), f"m = {m}: the tail ring differs"
+        assert not torch.equal(after["tail"], before["tail"]), f"m = {m}: the step stashed no tail entry"
         assert not torch.equal(after["kv_cache"], before["kv_cache"]), f"m = {m}: the step wrote no KV entry"
     adapter.uninstall()
 
