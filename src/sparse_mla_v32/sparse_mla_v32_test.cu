@@ -658,6 +658,7 @@ TEST(SparseMlaV32Gpu, EveryPlanShapeWithinTheContractAndRepeatable) {
     }
   }
   // Many items: one or two splits a (token, group), K past one split's 1024 entries.
+  if (testing::quick_mode()) return;  // compute-sanitizer: the shapes above suffice
   Problem wide = random_problem(64, 16, 2048, 3.0f, false, rng, 16384);
   expect_gpu_within_contract(wide);
   Problem longest = random_problem(1, 16, kSparseMlaV32MaxTopK, 3.0f, false, rng, 20000);
