@@ -589,3 +589,49 @@ def test_the_installed_forward_runs_stock_outside_a_decode_step(monkeypatch):
     assert layer.attention.mla_attn.forward(torch.zeros(1, dtype=torch.int64), hidden) == "stock"
     assert len(calls) == 1
     adapter.uninstall()
+
+
+class WritingStage(RecordingStage):
+    """A stand-in for the stage's forward on the CPU: records its arguments,
+    writes a known output and stashes into the ring rows it was given, as
+    the stage's prepare step does for each token (slot pos % ring)."""
+
+    def __init__(self, config, weights, plan):
+        super().__init__(config, weights, plan)
+        self.calls = []
+
+    def forward(self, args):
+        self.calls.append(args)
+        args.out.fill_(0.25)
+        for t in range(args.hidden.shape[0]):
+            row, slot = int(args.token_requests[t]), int(args.positions[t]) % args.indexer.ring.shape[2]
+            args.indexer.ring[row, :, slot] = float(t + 1)
+
+
+@needs_vllm
+def test_the_installed_forward_under_vllms_forward_context(monkeypatch):
+    """w.forward as vLLM's model calls it, in vLLM's forward context: the
+    step's tensors reach the stage, the output is the stage's, and what the
+    stage stashed in its ring rows lands in vLLM's tail blocks."""
+    layer = build_layer(monkeypatch, **SUPPORTED)
+    adapter = adapter_module.install(layer.attention, stage_factory=WritingStage)
+    indexer = layer.attention.indexer
+    tail = indexer.tail_cache.kv_cache
+    before = tail.clone()
+    requests, positions = [0, 1], [301, 206]
+    context, step = decode_context(layer, requests, positions)
+    hidden = torch.ones(2, SMALL["hidden_size"], dtype=torch.bfloat16)
+    with context:
+        out = layer.attention(hidden, step.positions)  # Glm5NextMLAAttention.forward -> w.forward
+    (args,) = adapter.stage.calls
+    assert args.hidden is hidden and args.positions is step.positions and args.out is out
+    assert args.token_requests.tolist() == requests and args.slot_mapping is step.slots
+    assert args.kv_cache is layer.attention.mla_attn.mla_attn.kv_cache
+    assert args.indexer.ring is adapter.tail_ring.rows
+    assert tuple(out.shape) == (2, SMALL["hidden_size"]) and bool((out == 0.25).all())
+    ring = tail.shape[2]
+    expected = before.clone()
+    expected[5, :, 301 % ring] = 1.0  # request 0's tail block
+    expected[3, :, 206 % ring] = 2.0  # request 1's
+    assert torch.equal(tail, expected)
+    adapter.uninstall()
