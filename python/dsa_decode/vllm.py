@@ -467,6 +467,13 @@ def _read_layer(
                 where = {"head": f" rows [:{head_dim}]", "rest": f" rows [{head_dim}:]"}.get(rows, "")
                 missing.append(f"the indexer weight w.indexer.{path}{where} ({name})")
         if shape is not None:
+            pages = _resolve(indexer, INDEXER_STATE_ATTRIBUTES["k_cache"])
+            if pages is not _MISSING and len(getattr(pages, "shape", ())) == 3 and pages.shape[0] > 0:
+                if int(pages.shape[1]) * shape.pool != shape.block_size:
+                    missing.append(
+                        "an indexer page of the KV block's pools (w.indexer.k_cache.kv_cache.shape[1] * "
+                        f"index_kpool == block_size: {int(pages.shape[1])} * {shape.pool} != {shape.block_size})"
+                    )
             if not shape.always_select_tail:
                 missing.append("an indexer that always selects the tail pool (index_kpool_always_select_tail)")
             if shape.head_dim != 128:

@@ -343,7 +343,9 @@ def test_the_ring_follows_the_tail_cache_or_vllms_rule():
 
 
 def test_the_block_size_follows_the_kv_cache_or_the_cache_config():
+    # Before vLLM binds the caches (each an empty tensor): the cache config's.
     attention = fake_attention(fake_weights(), attention={"kv_cache": FakeTensor(0, name="torch.tensor([])")})
+    attention.mla_attn.indexer.k_cache.kv_cache = FakeTensor(0, name="torch.tensor([])")
     attention.mla_attn.indexer.k_cache.cache_config.block_size = 512
     _, _, plan = adapter_module.read_layer(attention)
     assert plan.block_size == 512
@@ -398,6 +400,16 @@ def test_the_stages_argument_errors_come_with_the_layers_indexer_shape():
     assert "weights and a plan the installed dsa_decode takes (this layer: index_n_heads=16" in message, message
     assert message.endswith("argument 'index_wq_b': expected shape [4096, 1536]"), message
     assert "forward" not in vars(attention.mla_attn)
+
+
+def test_an_indexer_page_of_another_block_is_refused():
+    """The stage pages the indexer K cache with the KV cache's block table:
+    a page must hold the pools of one KV block (block_size / kpool)."""
+    pages = SimpleNamespace(kv_cache=FakeTensor(8, 32, 132), cache_config=SimpleNamespace(block_size=BLOCK))
+    with pytest.raises(ValueError) as error:
+        adapter_module.read_layer(fake_attention(fake_weights(), indexer={"k_cache": pages}))
+    assert "an indexer page of the KV block's pools" in needs_message(error)
+    assert "32 * 4 != 256" in str(error.value)
 
 
 def test_a_given_plan_must_carry_the_layers_ring_and_block_size():
