@@ -866,6 +866,12 @@ Case stage_case(Rng& rng) {
   h->config = dsa_layer_config(rank, 1e-6f);
   const int64_t D = h->config.hidden_size, H = h->config.num_heads, Q = h->config.q_lora_rank,
                 L = h->config.kv_lora_rank, P = h->config.qk_nope_head_dim, V = h->config.v_head_dim;
+  // A valid indexer shape of the plan's (heads, pool, top-k, RING of one or S + 1 tokens a request).
+  const int64_t HI = pick<int64_t>(rng, {16, 32, 64}), S = pick<int64_t>(rng, {4, 8, 16});
+  h->plan.indexer_heads = int(HI);
+  h->plan.indexer_pool = int(S);
+  h->plan.indexer_topk = int(S * uniform(rng, 1, kIndexerMaxTopPools));
+  h->plan.ring = int(S * pick<int64_t>(rng, {1, 2}));
   DsaLayerWeights& w = h->w;
   w.fused_qkv_a_proj = contiguous(0, kBF16, {Q + L, D});
   w.q_a_norm = contiguous(1, kBF16, {Q});
@@ -876,13 +882,13 @@ Case stage_case(Rng& rng) {
   w.o_proj = contiguous(6, kBF16, {D, H * V});
   w.q_scale = contiguous(7, kF32, {1});
   w.k_scale = contiguous(8, kF32, {1});
-  w.index_wq_b = contiguous(9, kBF16, {4096, Q});
+  w.index_wq_b = contiguous(9, kBF16, {HI * 128, Q});
   w.index_wk = contiguous(10, kBF16, {128, D});
-  w.index_weights_proj = contiguous(11, kBF16, {32, D});
+  w.index_weights_proj = contiguous(11, kBF16, {HI, D});
   w.index_compress_gate = contiguous(12, kBF16, {128, D});
   w.index_k_norm_weight = contiguous(13, kF32, {128});
   w.index_k_norm_bias = contiguous(14, kF32, {128});
-  w.index_ape = contiguous(15, kF32, {4, 128});
+  w.index_ape = contiguous(15, kF32, {S, 128});
   h->plan.max_tokens = int(uniform(rng, 1, 16));
   h->plan.batch_invariant = uniform(rng, 0, 1);
   const std::string d = std::to_string(D), q = std::to_string(Q), l = std::to_string(L), qkv = std::to_string(Q + L),
@@ -904,21 +910,34 @@ Case stage_case(Rng& rng) {
   weight("o_proj", &w.o_proj, {d, hv}, kBF16);
   weight("q_scale", &w.q_scale, {"1"}, kF32, 4);
   weight("k_scale", &w.k_scale, {"1"}, kF32, 4);
-  weight("index_wq_b", &w.index_wq_b, {"4096", q}, kBF16);
+  weight("index_wq_b", &w.index_wq_b, {std::to_string(HI * 128), q}, kBF16);
   weight("index_wk", &w.index_wk, {"128", d}, kBF16);
-  weight("index_weights_proj", &w.index_weights_proj, {"32", d}, kBF16);
+  weight("index_weights_proj", &w.index_weights_proj, {std::to_string(HI), d}, kBF16);
   weight("index_compress_gate", &w.index_compress_gate, {"128", d}, kBF16);
   weight("index_k_norm_weight", &w.index_k_norm_weight, {"128"}, kF32, 4);
   weight("index_k_norm_bias", &w.index_k_norm_bias, {"128"}, kF32, 4);
-  weight("index_ape", &w.index_ape, {"4", "128"}, kF32, 4);
+  weight("index_ape", &w.index_ape, {std::to_string(S), "128"}, kF32, 4);
   for (FieldSpec& f : c.fields) {
     if (f.dims.size() == 1) f.contiguous = true;
     if (f.name == "index_ape") f.contiguous = true;  // a parameter, contiguous as the indexer takes it
   }
   c.scalars = {{"plan.max_tokens", [h](Rng& r) { h->plan.max_tokens = int(pick<int64_t>(r, {-1, 0, 17, 1 << 30})); },
                 [h] { return h->plan.max_tokens < 1 || h->plan.max_tokens > 16; }},
-               {"plan.ring", [h](Rng& r) { h->plan.ring = int(pick<int64_t>(r, {0, 3, 16})); },
-                [h] { return h->plan.ring != 4 && h->plan.ring != 8; }},
+               {"plan.ring", [h](Rng& r) { h->plan.ring = int(pick<int64_t>(r, {0, 3, 12, 64})); },
+                [h] { return h->plan.ring != h->plan.indexer_pool && h->plan.ring != 2 * h->plan.indexer_pool; }},
+               {"plan.indexer_heads", [h](Rng& r) { h->plan.indexer_heads = int(pick<int64_t>(r, {0, -32, 8, 48, 128})); },
+                [h] { return h->plan.indexer_heads != 16 && h->plan.indexer_heads != 32 && h->plan.indexer_heads != 64; }},
+               {"plan.indexer_pool", [h](Rng& r) { h->plan.indexer_pool = int(pick<int64_t>(r, {0, -4, 1, 2, 6, 32})); },
+                [h] { return h->plan.indexer_pool != 4 && h->plan.indexer_pool != 8 && h->plan.indexer_pool != 16; }},
+               {"plan.indexer_topk",
+                [h](Rng& r) {
+                  const int S = h->plan.indexer_pool;
+                  h->plan.indexer_topk = int(pick<int64_t>(r, {0, -S, S - 1, S + 1, int64_t{S} * (kIndexerMaxTopPools + 1)}));
+                },
+                [h] {
+                  const int S = h->plan.indexer_pool, K = h->plan.indexer_topk;
+                  return K < S || K % S != 0 || K / S > kIndexerMaxTopPools;
+                }},
                {"plan.block_size", [h](Rng& r) { h->plan.block_size = int(pick<int64_t>(r, {0, 100, -256})); },
                 [h] { return h->plan.block_size < 128 || h->plan.block_size % 128 != 0; }},
                {"plan.max_context", [h](Rng& r) { h->plan.max_context = pick<int64_t>(r, {0, -5, int64_t{1} << 40}); },
