@@ -870,6 +870,12 @@ TEST(ServeOptions, ParsesEveryOptionAndNamesBadOnes) {
   rejected({"--faults", "x"}, "--faults", "'x' is not a fault kind");
   rejected({"--frobnicate"}, "--frobnicate", "an option of dsa-serve");
   rejected({"--time-limit", "-5"}, "--time-limit", "got '-5'");
+  rejected({"--index-pool", "0"}, "--index-pool", "got '0'");
+  auto shape = argv_of({"--index-heads", "16", "--index-pool", "16", "--index-topk", "1024"});
+  ASSERT_TRUE(parse_serve_options(int(shape.size()), shape.data(), &o, &help).ok());
+  EXPECT_EQ(o.index_heads, 16);
+  EXPECT_EQ(o.index_pool, 16);
+  EXPECT_EQ(o.index_topk, 1024);
   auto h = argv_of({"--help"});
   ASSERT_TRUE(parse_serve_options(int(h.size()), h.data(), &o, &help).ok());
   EXPECT_TRUE(help);
@@ -928,8 +934,10 @@ TEST(ServeOptions, FiguresFileIsReplacedWhole) {
 // A few hundred steps of the simulation at a short context (so that prompts
 // cross the indexer's 2048 boundary and blocks churn fast), both paths drawn
 // per step, every fault kind.
-void run_short(bool batch_invariant, int64_t steps) {
+void run_short(bool batch_invariant, int64_t steps, int index_heads = 0, int index_pool = 0) {
   ServeOptions o;
+  o.index_heads = index_heads;
+  o.index_pool = index_pool;
   o.steps = testing::quick_mode() ? steps / 4 : steps;
   o.seed = testing::test_seed();
   o.max_context = 8192;
@@ -970,6 +978,11 @@ TEST(ServeGpu, DefaultPlanServesWithFaultsAndNoMismatch) {
 TEST(ServeGpu, BatchInvariantPlanServesWithFaultsAndNoMismatch) {
   DSA_REQUIRE_GPU();
   run_short(true, 200);
+}
+
+TEST(ServeGpu, SixteenHeadsInPoolsOfSixteenServeWithFaultsAndNoMismatch) {
+  DSA_REQUIRE_GPU();
+  run_short(false, 200, 16, 16);
 }
 
 }  // namespace

@@ -20,6 +20,8 @@ std::string serve_usage() {
          "  --tp 1|8             glm5next on one of 1 or 8 ranks (default 8)\n"
          "  --path fused|stock|both  the stage's path; both: drawn per step (default both)\n"
          "  --batch-invariant    DsaStagePlan::batch_invariant\n"
+         "  --index-heads N, --index-pool N, --index-topk N\n"
+         "                       the indexer's shape (default the preset's: 32, 4, 2048)\n"
          "  --faults LIST        all, none or a comma-separated list of fault kinds (default all)\n"
          "  --fault-every N      a fault on about one step in N (default 8)\n"
          "  --check-every N      the whole-state check every N steps (default 100)\n"
@@ -104,6 +106,9 @@ Status parse_serve_options(int argc, const char* const* argv, ServeOptions* o, b
     } else if (arg == "--time-limit") {
       DSA_RETURN_IF_ERROR(parse_int(arg, value, 0, 1000000, &n));
       o->time_limit = double(n);
+    } else if (arg == "--index-heads" || arg == "--index-pool" || arg == "--index-topk") {
+      DSA_RETURN_IF_ERROR(parse_int(arg, value, 1, 1 << 20, &n));
+      (arg == "--index-heads" ? o->index_heads : arg == "--index-pool" ? o->index_pool : o->index_topk) = int(n);
     } else if (arg == "--json") {
       if (value == nullptr) return invalid_argument(arg, "a file name", "nothing");
       o->json_path = value;

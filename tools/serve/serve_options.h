@@ -25,6 +25,8 @@ struct ServeOptions {
   int rows = 16;                  // block table rows (the most live requests)
   std::string json_path;          // --json: the summary as a file too (rewritten at every state check)
   double time_limit = 0;          // --time-limit: seconds from the start after which no step begins (0: none)
+  // --index-heads/--index-pool/--index-topk: the indexer's shape (0: the preset's)
+  int index_heads = 0, index_pool = 0, index_topk = 0;
 };
 
 std::string serve_usage();

@@ -239,9 +239,16 @@ Status Server::init() {
   ModelPreset preset{}, rank{};
   DSA_RETURN_IF_ERROR(find_preset("glm5next", &preset));
   DSA_RETURN_IF_ERROR(per_rank(preset, o_.tp, &rank));
+  if (o_.index_heads || o_.index_pool || o_.index_topk) {
+    DSA_RETURN_IF_ERROR(with_indexer_shape(rank, o_.index_heads ? o_.index_heads : rank.index_heads,
+                                           o_.index_pool ? o_.index_pool : rank.pool_size,
+                                           o_.index_topk ? o_.index_topk : rank.topk, &rank));
+  }
   shape_ = cli::make_step_shape(rank, 1, 0);
   host_ = cli::make_weights(shape_, o_.seed);
   config_ = dsa_layer_config(rank, host_.eps);
+  plan_ = dsa_stage_plan_for(rank);
+  DSA_RETURN_IF_ERROR(check_dsa_stage_indexer_shape(plan_));
   plan_.max_tokens = kDsaStageMaxTokens;
   plan_.max_context = o_.max_context;
   plan_.block_size = 256;
