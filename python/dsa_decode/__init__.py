@@ -11,7 +11,10 @@ exceptions with the same message:
   Unsupported (NotImplementedError)   valid, but not a case the library runs
   CudaError, CublasError, NoDevice (RuntimeError)
 
-Kernels: qkv_rmsnorm, head_gemv, linear_gemv, sparse_mla, indexer_*.
+Kernels: qkv_rmsnorm, head_gemv, linear_gemv, sparse_mla, indexer_*; for
+the RoPE presets (dsv32, glm5): rope_absorb (with RopeConfig,
+rope_preset_config, rope_cos_sin_table, rope_softmax_scale), sparse_mla_v32
+and sparse_mla_v32_cache_write (DeepSeek-V3.2's 656-byte FP8 cache).
 The whole stage: Stage (with LayerConfig, StagePlan, StepArgs).
 Optional: dsa_decode.torch_ops registers the ops with torch.library;
 dsa_decode.vllm installs the stage on a vLLM MLA wrapper. docs/python.md.
@@ -30,23 +33,45 @@ from .ops import (
     ATTENTION_PLANS,
     HEAD_GEMV_SUMS,
     INDEXER_LOGITS,
+    ROPE_STYLES,
+    ROPE_TARGETS,
+    SPARSE_MLA_V32_LAYOUT,
     IndexerPlan,
     IndexerState,
     KvCacheWrite,
+    RopeConfig,
     head_gemv,
     indexer_prefill,
     indexer_prepare,
     indexer_project,
     indexer_remap,
+    indexer_ring_for,
     indexer_select,
     linear_gemv,
     linear_gemv_supports,
     qkv_rmsnorm,
+    rope_absorb,
+    rope_cos_sin_table,
+    rope_preset_config,
+    rope_softmax_scale,
     sparse_mla,
     sparse_mla_split_counter_count,
     sparse_mla_split_partials_count,
+    sparse_mla_v32,
+    sparse_mla_v32_cache_write,
 )
-from .stage import MAX_TOKENS, WEIGHT_NAMES, LayerConfig, Stage, StagePlan, StepArgs, layer_config, supports
+from .stage import (
+    INDEXER_CONFIG_FIELDS,
+    MAX_TOKENS,
+    WEIGHT_NAMES,
+    LayerConfig,
+    Stage,
+    StagePlan,
+    StepArgs,
+    layer_config,
+    stage_plan_for,
+    supports,
+)
 
 __version__ = "0.1.0"
 
@@ -62,6 +87,7 @@ __all__ = [
     "CublasError",
     "CudaError",
     "HEAD_GEMV_SUMS",
+    "INDEXER_CONFIG_FIELDS",
     "INDEXER_LOGITS",
     "IndexerPlan",
     "IndexerState",
@@ -70,6 +96,10 @@ __all__ = [
     "LayerConfig",
     "MAX_TOKENS",
     "NoDevice",
+    "ROPE_STYLES",
+    "ROPE_TARGETS",
+    "RopeConfig",
+    "SPARSE_MLA_V32_LAYOUT",
     "Stage",
     "StagePlan",
     "StepArgs",
@@ -81,14 +111,22 @@ __all__ = [
     "indexer_prepare",
     "indexer_project",
     "indexer_remap",
+    "indexer_ring_for",
     "indexer_select",
     "layer_config",
     "linear_gemv",
     "linear_gemv_supports",
     "qkv_rmsnorm",
     "reference",
+    "rope_absorb",
+    "rope_cos_sin_table",
+    "rope_preset_config",
+    "rope_softmax_scale",
     "sparse_mla",
     "sparse_mla_split_counter_count",
     "sparse_mla_split_partials_count",
+    "sparse_mla_v32",
+    "sparse_mla_v32_cache_write",
+    "stage_plan_for",
     "supports",
 ]

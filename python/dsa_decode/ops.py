@@ -442,3 +442,175 @@ def indexer_prefill(
         error_count,
         stream_of(stream, index_k),
     )
+
+
+# --- RoPE (rope.h) and the V3.2 attention (sparse_mla_v32.h) -----------------
+
+ROPE_STYLES = _C.ROPE_STYLES  # "interleaved" (GPT-J pairs x[2i], x[2i+1]) | "half-split" (NeoX: x[i], x[i+R/2])
+ROPE_TARGETS = _C.ROPE_TARGETS  # "attention" (the MLA's q_pe and k_pe) | "indexer" (the rope part of its q and k)
+# The 656-byte entry of DeepSeek-V3.2's FP8 cache and the kernel's limits
+# (sparse_mla_v32.h): latent 512, rope 64, head_dim 576, group_size 128,
+# entry_bytes 656, scale_offset 512, rope_offset 528, max_heads, max_top_k, max_tokens.
+SPARSE_MLA_V32_LAYOUT = dict(_C.SPARSE_MLA_V32_LAYOUT)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """A rotary configuration (rope.h RopeConfig): DeepSeek's YaRN when factor
+    > 1 (frequencies theta^(-2i/R) blended with their / factor by the ramp
+    between the correction dims of beta_fast and beta_slow; magnitude terms
+    mscale and mscale_all_dim), plain RoPE when factor == 1. rope_dim R: 16,
+    32, 64, 128 or 256; max_position: the table rows the engine holds; style:
+    one of ROPE_STYLES. rope_preset_config gives the served ones. Checked at
+    construction: InvalidArgument names a bad field (rope_dim, theta, ...)."""
+
+    rope_dim: int = 64
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    max_position: int = 4096
+    style: str = "interleaved"
+
+    def __post_init__(self):
+        _C.check_rope_config(self._fields())
+
+    def _fields(self):
+        # The extension's RopeConfigFields, in its order.
+        return (
+            int(self.rope_dim),
+            float(self.theta),
+            float(self.factor),
+            int(self.original_max_position),
+            float(self.beta_fast),
+            float(self.beta_slow),
+            float(self.mscale),
+            float(self.mscale_all_dim),
+            int(self.max_position),
+            str(self.style),
+        )
+
+    def frequency(self, pair: int) -> float:
+        """f_i in float64 (the YaRN blend included), 0 <= pair < rope_dim / 2."""
+        return _C.rope_frequency(self._fields(), int(pair))
+
+    @property
+    def table_scale(self) -> float:
+        """The factor in cos and sin: yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)."""
+        return _C.rope_table_scale(self._fields())
+
+
+def _rope_config(config) -> RopeConfig:
+    if not isinstance(config, RopeConfig):
+        raise TypeError(f"argument 'config': expected a dsa_decode.RopeConfig, got {type(config).__name__}")
+    return config
+
+
+def rope_preset_config(preset: str, target: str = "attention") -> RopeConfig:
+    """The served rotary of a preset with rotary dims ("dsv32": YaRN, factor 40
+    over 4096 positions, 163840 rows, interleaved for the attention and
+    half-split for the indexer; "glm5": plain RoPE, theta 1e6, interleaved),
+    for target "attention" or "indexer" (docs/rope.md has the sources). Other
+    presets raise InvalidArgument naming 'preset'."""
+    return RopeConfig(*_C.rope_preset_config(str(preset), str(target)))
+
+
+def rope_softmax_scale(config: RopeConfig, qk_head_dim: int) -> float:
+    """The attention's softmax scale: qk_head_dim^-0.5 * yarn_mscale(factor,
+    mscale_all_dim)^2, qk_head_dim the model's qk_nope_head_dim +
+    qk_rope_head_dim (not the absorbed 576): dsv32 192 -> 0.1352338, glm5
+    256 -> 1/16. sparse_mla_v32's softmax_scale."""
+    return _C.rope_softmax_scale(_rope_config(config)._fields(), int(qk_head_dim))
+
+
+def rope_cos_sin_table(config: RopeConfig, first_position: int = 0, rows: Optional[int] = None):
+    """The host table [rows, R] float32 (NumPy) in vLLM's cos_sin_cache layout,
+    row p = cos(p f_0..f_{R/2-1}) * s | sin(...) * s (s = config.table_scale),
+    for positions first_position.. (rows: default max_position -
+    first_position); each entry the float64 value rounded to float32. Upload
+    it once (torch.from_numpy(table).cuda()) as rope_absorb's cos_sin."""
+    return _C.rope_cos_sin_table(_rope_config(config)._fields(), int(first_position), rows)
+
+
+def rope_absorb(
+    q_nope,
+    q_pe,
+    k_pe,
+    positions,
+    cos_sin,
+    weight,
+    out,
+    k_pe_out,
+    *,
+    style: str = "interleaved",
+    error_count=None,
+    stream=None,
+) -> None:
+    """The absorbed query with RoPE, and the rotated k_pe, 1..16 tokens, one
+    launch (rope.h):
+
+      out[t, h, :L]    = q_nope[t, h] @ weight[h]            (head_gemv's tensor-core sums, BF16)
+      out[t, h, L:L+R] = rotate(q_pe[t, h], cos_sin[positions[t]])
+      k_pe_out[t]      = rotate(k_pe[t], cos_sin[positions[t]])
+
+    q_nope [m, H, P] and q_pe [m, H, R] BF16 (dim 2 contiguous, head and
+    token strides multiples of 8: views into q [m, H, P + R] are fine),
+    k_pe [m, R] BF16 (a view into kv_a's [m, L + R] is fine), positions
+    [>= m] int64, cos_sin [rows, R] float32 or BF16 (rope_cos_sin_table),
+    weight = W_UK_T [H, P, L] BF16 (L contiguous); writes out [m, H, L + R]
+    BF16 (contiguous) and k_pe_out [m, R] BF16; 16-byte aligned data; P a
+    multiple of 64 up to 1024, L of 16, R in 16..256. style: one of
+    ROPE_STYLES (the preset's config.style). Positions negative or >= rows:
+    zeros in that token's rotated columns, those >= rows counted in
+    error_count (an optional int32 CUDA counter). Rotation in FP32 then
+    BF16 RNE, within 2^-22 (|a| + |b|) max(|c|, |s|) of float64 with the
+    table's own values; deterministic and batch invariant."""
+    _C.rope_absorb(
+        q_nope,
+        q_pe,
+        k_pe,
+        positions,
+        cos_sin,
+        plain(weight),
+        out,
+        k_pe_out,
+        style,
+        error_count,
+        stream_of(stream, q_nope),
+    )
+
+
+def sparse_mla_v32_cache_write(kv_c, k_pe, slot_mapping, kv_cache, *, error_count=None, stream=None) -> None:
+    """DeepSeek-V3.2's FP8 cache write (vLLM's concat_and_cache_ds_mla, bit for
+    bit): kv_c [m, 512] and k_pe [m, 64] BF16 (dim 1 contiguous, token stride
+    a multiple of 8) into kv_cache [blocks, block_size, 656] uint8 (or
+    float8_e4m3fn) at slot_mapping [n] int64: per 128 values amax / 448 as an
+    FP32 scale, the e4m3 codes of x / scale, then the 64 BF16 RoPE values
+    verbatim. Entry and block strides multiples of 16; 16-byte aligned.
+    Tokens t >= n and negative slots are skipped; slots past the cache are
+    skipped and counted in error_count (an optional int32 CUDA counter)."""
+    _C.sparse_mla_v32_cache_write(kv_c, k_pe, slot_mapping, fp8_view(kv_cache), error_count, stream_of(stream, kv_c))
+
+
+def sparse_mla_v32(q, kv_cache, indices, softmax_scale: float, latent, lse, *, error_count=None, stream=None) -> None:
+    """Sparse MLA decode attention over DeepSeek-V3.2's 656-byte FP8 cache
+    (sparse_mla_v32.h; FlashMLA's "FP8 with scale" format, vLLM's fp8_ds_mla).
+
+    q [m, H, 576] BF16 (the absorbed 512 and the 64 rotated RoPE dims: rope_absorb's
+    out; dim 2 contiguous, head and token strides multiples of 8), kv_cache
+    [blocks, block_size, 656] uint8 or float8_e4m3fn (sparse_mla_v32_cache_write's),
+    indices [m, K] int32 global slots (dim 1 contiguous; negative: none;
+    past the cache: skipped and counted in error_count), softmax_scale finite
+    and > 0 (rope_softmax_scale). Writes latent [m, H, 512] BF16 (dims 1-2
+    contiguous, token stride a multiple of 8) and lse [m, H] float32
+    (natural log; a row with no valid entry: latent 0, lse -inf); neither
+    shares memory with an input. m 1..65535, H 1..128, K 1..16384, 16-byte
+    aligned data. Latent within 5e-3 relative Frobenius and lse within 1e-3
+    of float64 on the dequantized cache; deterministic. No split buffers
+    (the splits combine in distributed shared memory)."""
+    _C.sparse_mla_v32(
+        q, fp8_view(kv_cache), indices, float(softmax_scale), latent, lse, error_count, stream_of(stream, q)
+    )

@@ -31,10 +31,13 @@ is written.
                    error_count!, release_dependents_early=False)
   sparse_mla(q, q_scale, kv_cache, k_scale, indices, softmax_scale, latent!, lse!, split_counters!,
              split_partials!, plan, error_count!)
+  rope_absorb(q_nope, q_pe, k_pe, positions, cos_sin, weight, out!, k_pe_out!, style, error_count!)
+  sparse_mla_v32_cache_write(kv_c, k_pe, slot_mapping, kv_cache!, error_count!)
+  sparse_mla_v32(q, kv_cache, indices, softmax_scale, latent!, lse!, error_count!)
   stage_forward(handle, hidden, positions, token_requests, slot_mapping, kv_cache!, block_table, ring!,
                 index_k_cache!, out!, topk_positions, error_count!, stock=False)
 
-String choices (sums, plan) have no defaults: PyTorch 2.4's schema
+String choices (sums, plan, style) have no defaults: PyTorch 2.4's schema
 inference takes defaults of int, float, bool and None only. Pass the
 defaults of dsa_decode.ops (the first name of HEAD_GEMV_SUMS and
 ATTENTION_PLANS: "tensor-cores" and "auto", the fastest paths within the
@@ -62,7 +65,10 @@ from .ops import IndexerState, KvCacheWrite
 from .ops import head_gemv as _head_gemv
 from .ops import linear_gemv as _linear_gemv
 from .ops import qkv_rmsnorm as _qkv_rmsnorm
+from .ops import rope_absorb as _rope_absorb
 from .ops import sparse_mla as _sparse_mla
+from .ops import sparse_mla_v32 as _sparse_mla_v32
+from .ops import sparse_mla_v32_cache_write as _sparse_mla_v32_cache_write
 from .stage import Stage, StepArgs
 
 if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
@@ -72,7 +78,17 @@ if not hasattr(torch, "library") or not hasattr(torch.library, "custom_op"):
     )
 
 NAMESPACE = "dsa_decode"
-OPS = ("qkv_rmsnorm", "linear_gemv", "head_gemv", "head_gemv_absorb", "sparse_mla", "stage_forward")
+OPS = (
+    "qkv_rmsnorm",
+    "linear_gemv",
+    "head_gemv",
+    "head_gemv_absorb",
+    "sparse_mla",
+    "rope_absorb",
+    "sparse_mla_v32_cache_write",
+    "sparse_mla_v32",
+    "stage_forward",
+)
 
 Tensor = torch.Tensor
 
@@ -310,6 +326,84 @@ def _sparse_mla_fake(
 
 
 @torch.library.custom_op(
+    f"{NAMESPACE}::rope_absorb", mutates_args=("out", "k_pe_out", "error_count"), device_types="cuda"
+)
+def rope_absorb(
+    q_nope: Tensor,
+    q_pe: Tensor,
+    k_pe: Tensor,
+    positions: Tensor,
+    cos_sin: Tensor,
+    weight: Tensor,
+    out: Tensor,
+    k_pe_out: Tensor,
+    style: str,
+    error_count: Optional[Tensor],
+) -> None:
+    """The absorbed query with RoPE and the rotated k_pe, one launch (dsa_decode.rope_absorb).
+
+    q_nope [m, H, P] and q_pe [m, H, R] BF16 (views into q [m, H, P + R]
+    are fine), k_pe [m, R] BF16, positions [>= m] int64, cos_sin [rows, R]
+    f32 or BF16 (dsa_decode.rope_cos_sin_table), weight = W_UK_T [H, P, L]
+    BF16; writes out [m, H, L + R] BF16 = [q_nope @ W_UK_T | rotate(q_pe)]
+    and k_pe_out [m, R] BF16. style: "interleaved" or "half-split" (the
+    model's RopeConfig.style). Positions past the table: zeros, counted in
+    error_count [1] int32 when given."""
+    _rope_absorb(q_nope, q_pe, k_pe, positions, cos_sin, weight, out, k_pe_out, style=style, error_count=error_count)
+
+
+@rope_absorb.register_fake
+def _rope_absorb_fake(q_nope, q_pe, k_pe, positions, cos_sin, weight, out, k_pe_out, style, error_count):
+    return None
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::sparse_mla_v32_cache_write", mutates_args=("kv_cache", "error_count"), device_types="cuda"
+)
+def sparse_mla_v32_cache_write(
+    kv_c: Tensor, k_pe: Tensor, slot_mapping: Tensor, kv_cache: Tensor, error_count: Optional[Tensor]
+) -> None:
+    """DeepSeek-V3.2's FP8 cache write (dsa_decode.sparse_mla_v32_cache_write):
+    kv_c [m, 512] and k_pe [m, 64] BF16 into kv_cache [blocks, block_size,
+    656] uint8 (or float8_e4m3fn) at slot_mapping [n] int64, vLLM's
+    concat_and_cache_ds_mla bytes (negative, or t >= n: skipped; past the
+    cache: skipped and counted in error_count [1] int32 when given)."""
+    _sparse_mla_v32_cache_write(kv_c, k_pe, slot_mapping, kv_cache, error_count=error_count)
+
+
+@sparse_mla_v32_cache_write.register_fake
+def _sparse_mla_v32_cache_write_fake(kv_c, k_pe, slot_mapping, kv_cache, error_count):
+    return None
+
+
+@torch.library.custom_op(
+    f"{NAMESPACE}::sparse_mla_v32", mutates_args=("latent", "lse", "error_count"), device_types="cuda"
+)
+def sparse_mla_v32(
+    q: Tensor,
+    kv_cache: Tensor,
+    indices: Tensor,
+    softmax_scale: float,
+    latent: Tensor,
+    lse: Tensor,
+    error_count: Optional[Tensor],
+) -> None:
+    """Sparse MLA decode attention over DeepSeek-V3.2's 656-byte FP8 cache (dsa_decode.sparse_mla_v32).
+
+    q [m, H, 576] BF16, kv_cache [blocks, block_size, 656] uint8 (or
+    float8_e4m3fn), indices [m, K] int32 global slots (negative: none; past
+    the cache: skipped, counted in error_count [1] int32 when given),
+    softmax_scale > 0 (dsa_decode.rope_softmax_scale). Writes latent [m, H,
+    512] BF16 and lse [m, H] f32. No split buffers."""
+    _sparse_mla_v32(q, kv_cache, indices, softmax_scale, latent, lse, error_count=error_count)
+
+
+@sparse_mla_v32.register_fake
+def _sparse_mla_v32_fake(q, kv_cache, indices, softmax_scale, latent, lse, error_count):
+    return None
+
+
+@torch.library.custom_op(
     f"{NAMESPACE}::stage_forward",
     # ring and index_k_cache: the indexer's prepare writes them (not when
     # topk_positions is given; declaring them anyway is only conservative).
@@ -410,8 +504,11 @@ __all__ = [
     "qkv_rmsnorm",
     "register_stage",
     "registered_stage",
+    "rope_absorb",
     "run_stage",
     "sparse_mla",
+    "sparse_mla_v32",
+    "sparse_mla_v32_cache_write",
     "stage_forward",
     "unregister_stage",
 ]

@@ -151,6 +151,8 @@ void bind_norm(nb::module_& m);
 void bind_linear(nb::module_& m);
 void bind_head_gemv(nb::module_& m);
 void bind_sparse_mla(nb::module_& m);
+void bind_sparse_mla_v32(nb::module_& m);
+void bind_rope(nb::module_& m);
 void bind_indexer(nb::module_& m);
 void bind_stage(nb::module_& m);
 void bind_references(nb::module_& m);

@@ -15,6 +15,8 @@ NB_MODULE(_C, m) {
   dsa_python::bind_linear(m);
   dsa_python::bind_head_gemv(m);
   dsa_python::bind_sparse_mla(m);
+  dsa_python::bind_sparse_mla_v32(m);
+  dsa_python::bind_rope(m);
   dsa_python::bind_indexer(m);
   dsa_python::bind_stage(m);
   dsa_python::bind_references(m);
