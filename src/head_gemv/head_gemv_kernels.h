@@ -4,6 +4,7 @@
 // The contracts are in include/dsa_decode/head_gemv.h.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/launch.cuh"
@@ -23,12 +24,6 @@ struct HeadGemvParams {
   const float* scale;  // [1]; null: BF16 out
   int m, heads, rows, cols;
   int tile, rows_per_thread;  // the tactic (the tensor-core kernel: its column tile; rows_per_thread unused)
-  // The tensor-core kernel only (head_gemv_mma.cuh): elements between two
-  // heads of x (a view into a wider per-head row, e.g. q_nope of [q_nope |
-  // q_pe]) and of out (rows wider than J, e.g. [latent | rope] of the RoPE
-  // absorb); 0 = packed (I, J), which is what head_gemv() passes.
-  int64_t x_head_stride;
-  int64_t out_head_stride;
 
   // Fused cache write; cache == null: none.
   const uint16_t* kv;  // [m, L] BF16
@@ -43,7 +38,19 @@ struct HeadGemvParams {
   int tokens_with_slot;  // min(n_slots, m)
   const float* k_scale;  // [1]
   unsigned int* error_count;
+
+  // The tensor-core kernel with a tail whose kHeadStrides is true (the RoPE
+  // absorb, head_gemv_mma.cuh) only: elements between two heads of x (a view
+  // into a wider per-head row, e.g. q_nope of [q_nope | q_pe]) and of out
+  // (rows wider than J, e.g. [latent | rope]); 0 = packed (I, J). head_gemv's
+  // own kernels never read them: they index x and out packed, as before these
+  // fields existed, which is why the fields come last (every other field keeps
+  // its offset, so head_gemv's kernels compile to the same code).
+  int64_t x_head_stride;
+  int64_t out_head_stride;
 };
+static_assert(offsetof(HeadGemvParams, out_head_stride) + sizeof(int64_t) == sizeof(HeadGemvParams),
+              "the head strides stay the last fields: head_gemv's kernels keep their parameter offsets");
 
 // concat_and_cache_mla for token t: CTA t of the cache part.
 __device__ inline void write_cache_row(const HeadGemvParams& p, int t) {

@@ -46,6 +46,9 @@ __host__ __device__ constexpr int slab_pitch_bytes(int tile) { return tile * 2 +
 // Tail: the CTAs after the product CTAs (blockIdx.x >= heads * tiles) run
 // Tail::run(p, tail, blockIdx.x - heads * tiles): head_gemv's cache write
 // (CacheWriteTail) or another family's work on the same launch (rope.h).
+// Tail::kHeadStrides: x and out indexed with p.x_head_stride and
+// p.out_head_stride; false: packed, with I and J, head_gemv's own indexing
+// (the same expressions as before the template, so the same code).
 template <int kTile, int kTokenTiles, class Tail>
 __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32)
     head_gemv_mma_kernel(const __grid_constant__ HeadGemvParams p, const __grid_constant__ typename Tail::Params tail) {
@@ -90,7 +93,12 @@ __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32)
 #pragma unroll
   for (int n = 0; n < kTokenTiles; ++n) {
     const int token = n * 8 + g;
-    const uint16_t* x = p.x + token * p.x_token_stride + head * p.x_head_stride + first_row + 2 * c;
+    const uint16_t* x;
+    if constexpr (Tail::kHeadStrides) {
+      x = p.x + token * p.x_token_stride + head * p.x_head_stride + first_row + 2 * c;
+    } else {
+      x = p.x + token * p.x_token_stride + head * p.rows + first_row + 2 * c;
+    }
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       b[s][n][0] = token < p.m ? *reinterpret_cast<const uint32_t*>(x + s * kStepRows) : 0u;
@@ -146,7 +154,12 @@ __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32)
           reinterpret_cast<const float*>(shared + w * kRowsPerWarp * kPitch) + token * kTile + column);
       total[0] += v.x, total[1] += v.y, total[2] += v.z, total[3] += v.w;
     }
-    const int64_t index = (static_cast<int64_t>(token) * p.heads + head) * p.out_head_stride + first_col + column;
+    int64_t index;
+    if constexpr (Tail::kHeadStrides) {
+      index = (static_cast<int64_t>(token) * p.heads + head) * p.out_head_stride + first_col + column;
+    } else {
+      index = (static_cast<int64_t>(token) * p.heads + head) * p.cols + first_col + column;
+    }
     if (fp8_out) {
       uint32_t packed = 0;
 #pragma unroll
@@ -162,8 +175,10 @@ __global__ void __launch_bounds__(kMaxRows / kRowsPerWarp * 32)
   }
 }
 
-// head_gemv's own tail: the fused KV-cache write, one CTA per token.
+// head_gemv's own tail: the fused KV-cache write, one CTA per token; x and
+// out packed.
 struct CacheWriteTail {
+  static constexpr bool kHeadStrides = false;
   struct Params {};
   __device__ static void run(const HeadGemvParams& p, const Params&, int cta) { write_cache_row(p, cta); }
 };
@@ -173,7 +188,8 @@ struct CacheWriteTail {
 // Launches the tensor-core kernel on `p` (checked arguments of a shape
 // head_gemv_mma_supports; p.tile = the column tile; x_head_stride and
 // out_head_stride set, 0 meaning packed: I and J) with `tail_ctas` CTAs of
-// Tail after the product CTAs. Graph capturable after a first uncaptured call
+// Tail after the product CTAs (x_head_stride and out_head_stride read only
+// when Tail::kHeadStrides). Graph capturable after a first uncaptured call
 // per (tile, m capacity, Tail) and device.
 template <class Tail>
 Status launch_head_gemv_mma_with_tail(const HeadGemvParams& params, const typename Tail::Params& tail, int tail_ctas,

@@ -55,6 +55,7 @@ __device__ __forceinline__ void unpack_bf16x4(const uint2& v, float (&out)[4]) {
 }
 
 struct RopeTail {
+  static constexpr bool kHeadStrides = true;  // q_nope a view into q [m, H, P + R], out rows of L + R
   using Params = RopeRowsParams;
 
   __device__ static void run(const HeadGemvParams& gemv, const Params& t, int cta) {
