@@ -6,12 +6,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <string>
 
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/rope.h"
+#include "head_gemv/head_gemv_mma.cuh"
 #include "rope/rope_reference.h"
 #include "support.h"
 
@@ -437,6 +439,18 @@ TEST(RopeChecks, NamesEachBadArgument) {
   rejected([](F&, A& a) { a.out.data = a.cos_sin.data; }, "out", "memory disjoint from 'cos_sin'");
 }
 
+// head_gemv's own instances of the shared tensor-core kernel index x and out
+// packed and see HeadGemvParams' fields where they were before the RoPE
+// absorb's head strides existed (their SASS is the pre-template one); only
+// the RoPE tail reads the strides, which come last.
+TEST(RopeAbsorbLaunch, HeadGemvInstancesKeepTheirIndexingAndParameterOffsets) {
+  static_assert(!head_gemv_mma_detail::CacheWriteTail::kHeadStrides, "head_gemv's tail indexes x and out packed");
+  EXPECT_EQ(offsetof(HeadGemvParams, kv), offsetof(HeadGemvParams, rows_per_thread) + sizeof(int))
+      << "a field inserted between the tactic and the cache write moves every later parameter";
+  EXPECT_EQ(offsetof(HeadGemvParams, x_head_stride), offsetof(HeadGemvParams, error_count) + sizeof(unsigned int*));
+  EXPECT_EQ(offsetof(HeadGemvParams, out_head_stride) + sizeof(int64_t), sizeof(HeadGemvParams));
+}
+
 // ---------------------------------------------------------------- GPU tests
 
 constexpr size_t kGuard = 64;  // poisoned BF16 values on each side of every output
@@ -459,13 +473,18 @@ struct GpuCase {
   bool bf16_table = false;
   bool untrusted_positions = false;  // a padding (-1) and an out-of-table position
   RopeTarget target = RopeTarget::kAttention;
+  // q_pe from its own buffer, head stride R + 16 and token stride H (R + 16) + 8,
+  // rather than q's columns P..P+R: strides unlike q_nope's, so that a launch
+  // that reads q_pe through q_nope's strides (or q_nope through q_pe's) fails.
+  bool separate_q_pe = false;
 };
 
 std::string describe(const GpuCase& c) {
   return std::string(c.preset) + " H " + std::to_string(c.heads) + " P " + std::to_string(c.rows) + " m " +
          std::to_string(c.m) + (c.bf16_table ? " bf16 table" : " f32 table") +
          (c.untrusted_positions ? " untrusted positions" : "") +
-         (c.target == RopeTarget::kIndexer ? " (indexer style)" : "");
+         (c.target == RopeTarget::kIndexer ? " (indexer style)" : "") +
+         (c.separate_q_pe ? " (q_pe apart)" : "");
 }
 
 // Device buffers of one case, vLLM's layouts: q [m, H, P + R] (q_nope | q_pe),
@@ -475,9 +494,10 @@ struct RopeData {
   RopeConfig config;
   int latent = 512, rope = 64;
   int64_t q_token_stride, k_out_stride;
-  std::vector<uint16_t> q, kv, weight, table_bf16;
+  int64_t pe_head_stride = 0, pe_token_stride = 0;  // separate_q_pe
+  std::vector<uint16_t> q, q_pe, kv, weight, table_bf16;
   std::vector<int64_t> positions;
-  DeviceBuffer<uint16_t> q_dev, kv_dev, weight_dev, out_dev, k_out_dev, table_bf16_dev;
+  DeviceBuffer<uint16_t> q_dev, q_pe_dev, kv_dev, weight_dev, out_dev, k_out_dev, table_bf16_dev;
   DeviceBuffer<float> table_dev;
   DeviceBuffer<int64_t> positions_dev;
   DeviceBuffer<unsigned int> errors_dev;
@@ -487,6 +507,12 @@ struct RopeData {
     q_token_stride = int64_t(c.heads) * width + (c.m % 2 ? 8 : 0);  // padded tokens for odd m
     k_out_stride = rope + 8;
     q = testing::random_bf16(size_t(c.m) * q_token_stride, 1.0f, rng);
+    if (c.separate_q_pe) {
+      pe_head_stride = rope + 16;
+      pe_token_stride = int64_t(c.heads) * pe_head_stride + 8;
+      q_pe = testing::random_bf16(size_t(c.m) * pe_token_stride, 1.0f, rng);
+      q_pe_dev = DeviceBuffer<uint16_t>(q_pe);
+    }
     kv = testing::random_bf16(size_t(c.m) * (latent + rope), 2.0f, rng);
     weight = testing::random_bf16(size_t(c.heads) * c.rows * latent, 0.05f, rng);
     // Positions: 0, past the original 4096, the table's last row, random; the
@@ -524,7 +550,9 @@ struct RopeData {
     uint16_t* q0 = q_dev.get() + first * q_token_stride;
     RopeAbsorbArgs a;
     a.q_nope = make_strided(q0, DType::kBF16, {m, c.heads, c.rows}, {q_token_stride, width, 1});
-    a.q_pe = make_strided(q0 + c.rows, DType::kBF16, {m, c.heads, rope}, {q_token_stride, width, 1});
+    a.q_pe = c.separate_q_pe ? make_strided(q_pe_dev.get() + first * pe_token_stride, DType::kBF16, {m, c.heads, rope},
+                                            {pe_token_stride, pe_head_stride, 1})
+                             : make_strided(q0 + c.rows, DType::kBF16, {m, c.heads, rope}, {q_token_stride, width, 1});
     a.k_pe = make_strided(kv_dev.get() + first * (latent + rope) + latent, DType::kBF16, {m, rope}, {latent + rope, 1});
     a.positions = make_tensor(positions_dev.get() + first, DType::kI64, {int64_t(positions.size()) - first});
     a.cos_sin = c.bf16_table ? make_tensor(table_bf16_dev.get(), DType::kBF16, {config.max_position, rope})
@@ -542,9 +570,9 @@ struct RopeData {
     return reference::RopeAbsorbHost{q.data(),
                                      q_token_stride,
                                      width,
-                                     q.data() + c.rows,
-                                     q_token_stride,
-                                     width,
+                                     c.separate_q_pe ? q_pe.data() : q.data() + c.rows,
+                                     c.separate_q_pe ? pe_token_stride : q_token_stride,
+                                     c.separate_q_pe ? pe_head_stride : width,
                                      kv.data() + latent,
                                      latent + rope,
                                      positions.data(),
@@ -633,6 +661,7 @@ void run_case(const GpuCase& gc, std::mt19937_64& rng) {
     }
   }
   EXPECT_TRUE(d.q_dev.download() == d.q) << "q changed";
+  if (gc.separate_q_pe) EXPECT_TRUE(d.q_pe_dev.download() == d.q_pe) << "q_pe changed";
   EXPECT_TRUE(d.kv_dev.download() == d.kv) << "kv changed";
   EXPECT_TRUE(d.weight_dev.download() == d.weight) << "weight changed";
   EXPECT_TRUE(d.positions_dev.download() == d.positions) << "positions changed";
@@ -663,6 +692,12 @@ TEST(RopeGpu, AbsorbWithinTheBoundAtThePresetShapes) {
   run_case(GpuCase{"dsv32", 16, 128, 5, /*bf16_table=*/true, false}, rng);
   run_case(GpuCase{"dsv32", 16, 128, 9, false, true, RopeTarget::kIndexer}, rng);
   run_case(GpuCase{"glm5", 8, 192, 3, true, true}, rng);
+  // q_pe apart from q, with strides unlike q_nope's: interleaved with a BF16
+  // table, and half-split with a padded q token stride (odd m) and untrusted
+  // positions.
+  run_case(GpuCase{"glm5", 64, 192, 4, /*bf16_table=*/true, false, RopeTarget::kAttention, /*separate_q_pe=*/true},
+           rng);
+  run_case(GpuCase{"dsv32", 16, 128, 7, false, true, RopeTarget::kIndexer, /*separate_q_pe=*/true}, rng);
 }
 
 // A token's bits do not depend on the batch around it; repeated runs and a
