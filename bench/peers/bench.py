@@ -6,6 +6,9 @@
                                           SM90 sparse MLA as vLLM 0.33 serves glm5next on Hopper
                                           (FLASHINFER_MLA_SPARSE_SM90: BatchMLAPagedAttentionWrapper,
                                           backend fa3, page_size 1, head_dim_kpe 0, BF16 query, FP8 KV)
+  sparse_mla dsv32 vs FlashMLA V32        dsa_decode.ops.sparse_mla_v32 against FlashMLA's sparse FP8
+                                          decode in its V3.2 format (d_qk 576, 656-byte entries), the
+                                          same cache bytes, BF16 query and indices (bench/peers/v32.py)
   indexer select vs DeepGEMM logits +     dsa_decode.ops.indexer_select (default plan) against
     vLLM cooperative_topk                 DeepGEMM's fp8_fp4_paged_mqa_logits then vLLM's
                                           cooperative_topk (the decode top-k vLLM 0.34 picks
@@ -58,6 +61,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers  # noqa: E402
+import v32  # noqa: E402
 
 K_TOPK = 2048
 LATENT = 512
@@ -654,10 +658,12 @@ def main() -> int:
     ap.add_argument("--table", metavar="JSON", help="print the markdown table of a peers.json and exit")
     ap.add_argument("--peers-only", action="store_true", help="do not import dsa_decode (peers alone, checked against the float64 reference)")
     ap.add_argument("--build-only", action="store_true", help="build the peers and stop")
-    ap.add_argument("--skip", default="", help="comma list of what to skip: attention, indexer (sections), flashmla, flashinfer (attention peers)")
+    ap.add_argument("--skip", default="", help="comma list of what to skip: attention, v32, indexer (sections), flashmla, flashinfer (attention peers)")
     ap.add_argument("--heads", default="8,64,128")
     ap.add_argument("--flashinfer-heads", default="8,64", help="the heads of --heads that FlashInfer also runs (glm5next: 64 at TP1, 8 at TP8)")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
+    ap.add_argument("--v32-heads", default="128,16", help="heads of the dsv32 rows (FlashMLA runs 16 padded to 64)")
+    ap.add_argument("--v32-tokens", default="1,2,4,8,16,64,128", help="m of the dsv32 rows")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--index-tokens", default="1,2,4,8,16")
     ap.add_argument("--replays", type=int, default=50)
@@ -676,9 +682,11 @@ def main() -> int:
     skip = set(filter(None, args.skip.split(",")))
     before = peers.build_listing()
     # Build only the peers the selected sections run (--build-only: all of them).
-    wanted = [p for p, needs in (("flashmla", ("attention", "flashmla")), ("deepgemm", ("indexer",)),
-                                 ("vllm_topk", ("indexer",)))
-              if args.build_only or not set(needs) & skip]
+    # FlashMLA serves two sections (attention: MODEL1, v32: V3.2): wanted unless both are skipped.
+    flashmla_wanted = "flashmla" not in skip and not {"attention", "v32"} <= skip
+    wanted = [p for p, needed in (("flashmla", flashmla_wanted), ("deepgemm", "indexer" not in skip),
+                                  ("vllm_topk", "indexer" not in skip))
+              if args.build_only or needed]
     errors = peers.build_all(wanted)
     for p, e in errors.items():
         log(f"[peers] {p}: {'ready' if not e else e}")
@@ -746,6 +754,16 @@ def main() -> int:
     rows = Rows()
     if "attention" not in skip:
         run_attention(args, dsa, flashmla, flashmla_error, fi, fi_error, commits, skip, rows)
+    if "v32" not in skip:
+        env = v32.Env(
+            device="cuda", time=time_graph, rotations_for=rotations_for,
+            ops=dsa.ops if dsa is not None else None,
+            flashmla=flashmla if "flashmla" not in skip else None,
+            flashmla_error=flashmla_error if "flashmla" not in skip else "skipped (--skip flashmla)",
+            commit=commits["flashmla"], replays=args.replays,
+        )
+        v32.run(env, [int(h) for h in args.v32_heads.split(",") if h], [int(m) for m in args.v32_tokens.split(",") if m],
+                rows, log=lambda row: log(one_line(row)))
     if "indexer" not in skip:
         run_indexer(args, dsa, dg, dg_error, vt, vt_error, commits, rows)
 

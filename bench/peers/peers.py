@@ -7,7 +7,7 @@ is a torch extension of ours (bench/peers/<peer>/: a binding and, where
 needed, small stand-ins), compiled with torch.utils.cpp_extension from the
 peer's own files for sm_90a only:
 
-  flashmla   FlashMLA's SM90 sparse FP8 decode (MODEL1 instantiations, the
+  flashmla   FlashMLA's SM90 sparse FP8 decode (its MODEL1 and V32 instantiations, the
              scheduler-metadata and combine kernels) behind FlashMLA's own host
              interface; used through FlashMLA's Python interface
              (flash_mla/flash_mla_interface.py).
@@ -127,6 +127,9 @@ def spec(peer: str) -> Spec:
                 csrc / "smxx/decode/combine/combine.cu",
                 csrc / "sm90/decode/sparse_fp8/instantiations/model1_persistent_h64.cu",
                 csrc / "sm90/decode/sparse_fp8/instantiations/model1_persistent_h128.cu",
+                # The V3.2 format (d_qk 576, 656-byte entries): the rows `sparse_mla dsv32 vs FlashMLA V32`.
+                csrc / "sm90/decode/sparse_fp8/instantiations/v32_persistent_h64.cu",
+                csrc / "sm90/decode/sparse_fp8/instantiations/v32_persistent_h128.cu",
             ],
             includes=[csrc, csrc / "kerutils/include", csrc / "sm90", cutlass / "include", cutlass / "tools/util/include"],
             cflags=["-O3", "-std=c++20", "-DNDEBUG", "-Wno-deprecated-declarations"],
