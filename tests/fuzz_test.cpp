@@ -1,4 +1,5 @@
-// Argument fuzzing of every public entry point's host-side checks (issue 40):
+// Argument fuzzing of every public entry point's host-side checks (issue 40;
+// the RoPE presets' rope_absorb, sparse_mla_v32 and its cache write: issue 39):
 // each family builds a valid argument set on fake device addresses, mutates
 // 1-3 fields (dtype, a size: 0, 1, huge, negative; a stride: 0, negative,
 // not a multiple, overlapping, huge; alignment; null data; an output aliased
@@ -33,7 +34,9 @@
 #include "dsa_decode/linear.h"
 #include "dsa_decode/norm.h"
 #include "dsa_decode/presets.h"
+#include "dsa_decode/rope.h"
 #include "dsa_decode/sparse_mla.h"
+#include "dsa_decode/sparse_mla_v32.h"
 #include "dsa_decode/stage.h"
 #include "dsa_decode/tensor.h"
 #include "support.h"
@@ -599,6 +602,133 @@ Case sparse_mla_case(Rng& rng) {
   return c;
 }
 
+// The 656-byte V3.2 cache [blocks, block_size, 656] (u8 or FP8 bytes): entry
+// and block strides multiples of 16, not overlapping.
+FieldSpec v32_cache_field(TensorView* v) {
+  FieldSpec f = field("kv_cache", v, {"*", "*", "656"}, {kU8, kFP8});
+  f.row_align = 16;
+  return f;
+}
+
+// [m, W] BF16 token rows: dim 1 contiguous, token stride a multiple of 8, 16 B aligned.
+FieldSpec bf16_rows(std::string name, TensorView* v, std::vector<std::string> dims) {
+  FieldSpec f = field(std::move(name), v, std::move(dims), {kBF16});
+  f.row_align = 16;
+  return f;
+}
+
+Case sparse_mla_v32_case(Rng& rng) {
+  auto h = std::make_shared<SparseMlaV32Args>();
+  const int64_t m = pick<int64_t>(rng, {1, 2, 3, 16, 64, 128}), H = pick<int64_t>(rng, {1, 16, 24, 64, 128}),
+                K = pick<int64_t>(rng, {1, 100, 2048, 16384}), blocks = uniform(rng, 1, 100),
+                block_size = pick<int64_t>(rng, {1, 16, 64, 256});
+  SparseMlaV32Args& a = *h;
+  a.q = contiguous(0, kBF16, {m, H, 576});
+  a.kv_cache = contiguous(1, uniform(rng, 0, 1) ? kU8 : kFP8, {blocks, block_size, 656});
+  a.indices = contiguous(2, kI32, {m, K});
+  a.softmax_scale = 0.1352338f;
+  a.latent = contiguous(3, kBF16, {m, H, 512});
+  a.lse = contiguous(4, kF32, {m, H});
+  if (uniform(rng, 0, 2) == 0) {  // vLLM's q with padded heads, a padded latent row
+    a.q.strides[1] = 640;
+    a.q.strides[0] = H * 640;
+    a.latent.strides[0] = H * 512 + 64;
+  }
+  Case c;
+  c.entry = "check_sparse_mla_v32";
+  c.fields = {bf16_rows("q", &a.q, {"m", "H", "576"}), v32_cache_field(&a.kv_cache),
+              field("indices", &a.indices, {"m", "*"}, {kI32}), bf16_rows("latent", &a.latent, {"m", "H", "512"}),
+              field("lse", &a.lse, {"m", "H"}, {kF32})};
+  c.fields[2].align = 4;
+  c.fields[2].row_align = 4;
+  c.fields[3].packed = 2;
+  c.fields[3].written = c.fields[4].written = true;
+  c.fields[4].contiguous = true;
+  c.fields[4].align = 4;
+  c.scalars = {{"softmax_scale",
+                [h](Rng& r) { h->softmax_scale = float(pick<double>(r, {-1.0, 0.0, 0.5, NAN, INFINITY, -INFINITY, 1e-30})); },
+                [h] { return !(std::isfinite(h->softmax_scale) && h->softmax_scale > 0); }}};
+  c.names = {"error_count"};
+  c.call = [h] { return check_sparse_mla_v32(*h); };
+  c.keep = h;
+  return c;
+}
+
+Case sparse_mla_v32_cache_write_case(Rng& rng) {
+  auto h = std::make_shared<SparseMlaV32CacheWriteArgs>();
+  const int64_t m = pick<int64_t>(rng, {1, 2, 7, 16, 1000}), blocks = uniform(rng, 1, 100),
+                block_size = pick<int64_t>(rng, {1, 16, 64}), n = pick<int64_t>(rng, {1, m, m + 3});
+  SparseMlaV32CacheWriteArgs& a = *h;
+  a.kv_c = contiguous(0, kBF16, {m, 512});
+  a.k_pe = contiguous(1, kBF16, {m, 64});
+  if (uniform(rng, 0, 1)) {  // views into kv_a [m, 576]
+    a.kv_c.strides[0] = 576;
+    a.k_pe.strides[0] = 576;
+  }
+  a.slot_mapping = contiguous(2, kI64, {n});
+  a.kv_cache = contiguous(3, uniform(rng, 0, 1) ? kU8 : kFP8, {blocks, block_size, 656});
+  if (uniform(rng, 0, 2) == 0) {  // padded entries and blocks
+    a.kv_cache.strides[1] = 672;
+    a.kv_cache.strides[0] = block_size * 672 + 256;
+  }
+  Case c;
+  c.entry = "check_sparse_mla_v32_cache_write";
+  c.fields = {bf16_rows("kv_c", &a.kv_c, {"m", "512"}), bf16_rows("k_pe", &a.k_pe, {"m", "64"}),
+              field("slot_mapping", &a.slot_mapping, {"*"}, {kI64}), v32_cache_field(&a.kv_cache)};
+  c.fields[2].contiguous = true;
+  c.fields[2].align = 8;
+  c.fields[3].written = true;
+  c.names = {"error_count"};
+  c.call = [h] { return check_sparse_mla_v32_cache_write(*h); };
+  c.keep = h;
+  return c;
+}
+
+Case rope_absorb_case(Rng& rng) {
+  auto h = std::make_shared<RopeAbsorbArgs>();
+  const int64_t m = uniform(rng, 1, 16), H = pick<int64_t>(rng, {1, 8, 16, 64, 128}),
+                P = pick<int64_t>(rng, {64, 128, 192, 1024}), L = pick<int64_t>(rng, {16, 128, 512}),
+                R = pick<int64_t>(rng, {16, 32, 64, 128, 256}), rows = pick<int64_t>(rng, {1, 4096, 163840});
+  RopeAbsorbArgs& a = *h;
+  a.q_nope = contiguous(0, kBF16, {m, H, P});
+  a.q_pe = contiguous(1, kBF16, {m, H, R});
+  if (uniform(rng, 0, 1)) {  // views into vLLM's q [m, H, P + R]
+    a.q_pe.data = static_cast<char*>(a.q_nope.data) + 2 * P;
+    a.q_nope.strides[1] = a.q_pe.strides[1] = P + R;
+    a.q_nope.strides[0] = a.q_pe.strides[0] = H * (P + R);
+  }
+  a.k_pe = contiguous(2, kBF16, {m, R});
+  a.positions = contiguous(3, kI64, {m + uniform(rng, 0, 3)});
+  a.cos_sin = contiguous(4, uniform(rng, 0, 1) ? kF32 : kBF16, {rows, R});
+  a.weight = contiguous(5, kBF16, {H, P, L});
+  a.out = contiguous(6, kBF16, {m, H, L + R});
+  a.k_pe_out = contiguous(7, kBF16, {m, R});
+  a.style = uniform(rng, 0, 1) ? RopeStyle::kHalfSplit : RopeStyle::kInterleaved;
+  Case c;
+  c.entry = "check_rope_absorb";
+  c.fields = {bf16_rows("q_nope", &a.q_nope, {"m", "H", "P"}),
+              bf16_rows("q_pe", &a.q_pe, {"m", "H", "R"}),
+              bf16_rows("k_pe", &a.k_pe, {"m", "R"}),
+              field("positions", &a.positions, {"*"}, {kI64}),
+              field("cos_sin", &a.cos_sin, {"*", "R"}, {kF32, kBF16}),
+              bf16_rows("weight", &a.weight, {"H", "P", "L"}),
+              field("out", &a.out, {"m", "H", "*"}, {kBF16}),
+              bf16_rows("k_pe_out", &a.k_pe_out, {"m", "R"})};
+  c.fields[3].contiguous = true;
+  c.fields[3].align = 8;
+  c.fields[4].row_align = 16;
+  c.fields[6].contiguous = true;
+  c.fields[6].written = c.fields[7].written = true;
+  c.related["out"] = {"weight", "q_pe"};  // its width is L + R
+  c.scalars = {{"style",
+                [h](Rng& r) { h->style = static_cast<RopeStyle>(int(pick<int64_t>(r, {-1, 0, 1, 2, 99}))); },
+                [h] { return int(h->style) != 0 && int(h->style) != 1; }}};
+  c.names = {"error_count"};
+  c.call = [h] { return check_rope_absorb(*h); };
+  c.keep = h;
+  return c;
+}
+
 // The indexer's plan and state, shared by its five entry points.
 struct IndexerBase {
   IndexerPlan plan;
@@ -968,7 +1098,10 @@ std::vector<Family> families() {
           {"indexer_remap", [](Rng& r) { return indexer_select_case(r, true); }, 300},
           {"indexer_prefill", indexer_prefill_case, 300},
           {"indexer_project", [](Rng& r) { return indexer_project_case(r, false); }, 300},
-          {"indexer_project_gemv", [](Rng& r) { return indexer_project_case(r, true); }, 300}};
+          {"indexer_project_gemv", [](Rng& r) { return indexer_project_case(r, true); }, 300},
+          {"sparse_mla_v32", sparse_mla_v32_case, 800},
+          {"sparse_mla_v32_cache_write", sparse_mla_v32_cache_write_case, 400},
+          {"rope_absorb", rope_absorb_case, 600}};
 }
 
 // Cases per family = its count x this (about 23,000 in all, well under a second here).
@@ -996,6 +1129,9 @@ TEST(Fuzz, IndexerRemapChecks) { fuzz_family(families()[6], 0x700); }
 TEST(Fuzz, IndexerPrefillChecks) { fuzz_family(families()[7], 0x800); }
 TEST(Fuzz, IndexerProjectChecks) { fuzz_family(families()[8], 0x900); }
 TEST(Fuzz, IndexerProjectGemvChecks) { fuzz_family(families()[9], 0xA00); }
+TEST(Fuzz, SparseMlaV32Checks) { fuzz_family(families()[10], 0xC00); }
+TEST(Fuzz, SparseMlaV32CacheWriteChecks) { fuzz_family(families()[11], 0xD00); }
+TEST(Fuzz, RopeAbsorbChecks) { fuzz_family(families()[12], 0xE00); }
 
 // With a GPU, DsaAttentionStage::create allocates a real workspace on every
 // valid case: too slow for a sweep there; on the CPU it stops at cudaMalloc.
