@@ -199,10 +199,15 @@ SparseMlaV32Result sparse_mla_v32_kernel_model(const SparseMlaV32Host& a, int ro
             float part_score[kGroups];
             for (int g = 0; g < kGroups; ++g) {
               scale[i][g] = valid ? entry_scale(entry[i], g) : 0.0f;
-              float nope = 0.0f, rope = 0.0f;
+              // Two accumulators, as the kernel's score warp: 16-dim k-steps 0, 2, 4, 6
+              // into one and 1, 3, 5, 7 into the other (each k-step an MMA, here
+              // its products added in order), summed at the end.
+              float nope_steps[2] = {0.0f, 0.0f}, rope = 0.0f;
               for (int d = g * kGroupSize; valid && d < (g + 1) * kGroupSize; ++d) {
-                nope = std::fma(q16[d], num::e4m3_to_float(entry[i][d]), nope);
+                float& acc = nope_steps[((d - g * kGroupSize) / 16) % 2];
+                acc = std::fma(q16[d], num::e4m3_to_float(entry[i][d]), acc);
               }
+              const float nope = nope_steps[0] + nope_steps[1];
               for (int d = 16 * g; valid && d < 16 * g + 16; ++d) {
                 const float k = num::bf16_to_float(entry_rope(entry[i], d));
                 bad = bad || !std::isfinite(k);
@@ -223,8 +228,19 @@ SparseMlaV32Result sparse_mla_v32_kernel_model(const SparseMlaV32Host& a, int ro
             rescale = std::exp2(part.max - new_max);
             for (int i = 0; i < rows; ++i) p[i] = std::exp2(score[i] - new_max);
           }
-          float chunk_sum = 0.0f;
-          for (int i = 0; i < rows; ++i) chunk_sum += p[i];
+          // The kernel's sum: lane l adds rows 2l and 2l + 1, then an xor butterfly
+          // over the 32 lanes (offsets 16..1; lanes l and l ^ o add the same two
+          // values, so every lane ends with lane 0's sum).
+          float lane_sum[kChunkRows / 2];
+          for (int l = 0; l < kChunkRows / 2; ++l) {
+            lane_sum[l] = (2 * l < rows ? p[2 * l] : 0.0f) + (2 * l + 1 < rows ? p[2 * l + 1] : 0.0f);
+          }
+          for (int offset = kChunkRows / 4; offset >= 1; offset /= 2) {
+            float next[kChunkRows / 2];
+            for (int l = 0; l < kChunkRows / 2; ++l) next[l] = lane_sum[l] + lane_sum[l ^ offset];
+            std::copy(next, next + kChunkRows / 2, lane_sum);
+          }
+          const float chunk_sum = lane_sum[0];
           for (int g = 0; g < kGroups; ++g) {
             float top = 0.0f;
             for (int i = 0; i < rows; ++i) top = max_propagating_nan(top, std::fabs(p[i] * scale[i][g]));

@@ -43,9 +43,13 @@ struct SparseMlaV32Result {
 // rounded to BF16 once, lse to FP32.
 SparseMlaV32Result sparse_mla_v32(const SparseMlaV32Host& a);
 
-// The GPU kernel's arithmetic in the same order per row and chunk (its MMA
-// sums taken sequentially), with `rows_per_split` entries per split (a
-// multiple of 64) combined as the kernel combines them.
+// The GPU kernel's arithmetic in the same order per row and chunk, with
+// `rows_per_split` entries per split (a multiple of 64) combined as the
+// kernel combines them: the score's two NoPE accumulators (even and odd
+// 16-dim k-steps), the chunk sum's lane pairs and xor butterfly, the
+// combine's split order. Within one MMA k-step (16 products, or the P.V's 16
+// rows) the hardware's order is not modelled: the products are added in
+// order, so the model matches the kernel to FP32 rounding, not bit for bit.
 SparseMlaV32Result sparse_mla_v32_kernel_model(const SparseMlaV32Host& a, int rows_per_split);
 
 // The power of two the kernel scales a 128-value group of q by before FP16:
