@@ -14,6 +14,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsa_decode/numerics.h"
@@ -345,13 +346,19 @@ struct Problem {
 
 // Slots [0, capacity) hold tokens of kv_c ~ N(0, s_t) (s_t per token in
 // [0.25, 4], so the scales differ) and k_pe ~ N(0, 1), quantized by the
-// model; q ~ N(0, sigma) with the scores' standard deviation `spread`;
-// index rows of random valid slots; `padded` pads every stride.
+// model; q ~ N(0, sigma) scaled so that the scores' standard deviation is
+// `spread`; index rows of random valid slots; `padded` pads every stride.
+// `varied`: each 128-value group of a token's kv_c gets its own magnitude
+// (2^-3..2^3 x s_t: the four scales of an entry differ by up to 2^6) and each
+// (head, group) of q its own (2^-5..2^2), so that a kernel that applied
+// another group's scale, or another head's or group's power of two to q,
+// fails. `block_size` 0: 64 padded, 256 packed (else that size, e.g. one
+// that is not a power of two: the kernel's division path).
 Problem random_problem(int m, int heads, int top_k, float spread, bool padded, std::mt19937_64& rng,
-                       int64_t cache_slots = 4096) {
+                       int64_t cache_slots = 4096, bool varied = false, int64_t block_size = 0) {
   Problem p;
   p.m = m, p.heads = heads, p.top_k = top_k;
-  p.block_size = padded ? 64 : 256;
+  p.block_size = block_size > 0 ? block_size : padded ? 64 : 256;
   p.blocks = (cache_slots + p.block_size - 1) / p.block_size;
   p.entry_stride = padded ? 672 : E;
   p.block_stride = p.block_size * p.entry_stride + (padded ? 32 : 0);
@@ -360,29 +367,58 @@ Problem random_problem(int m, int heads, int top_k, float spread, bool padded, s
   p.indices_token_stride = top_k + (padded ? 3 : 0);
   p.latent_token_stride = int64_t(heads) * L + (padded ? 8 : 0);
   p.cache.assign(size_t(p.blocks) * p.block_stride, 0x5A);
-  std::uniform_real_distribution<float> magnitude(-2.0f, 2.0f);
+  std::uniform_real_distribution<float> magnitude(-2.0f, 2.0f), group_magnitude(-3.0f, 3.0f),
+      q_group_magnitude(-5.0f, 2.0f);
   for (int64_t slot = 0; slot < p.capacity(); ++slot) {
-    const std::vector<uint16_t> kv_c = testing::random_bf16(L, std::exp2(magnitude(rng)), rng);
+    std::vector<uint16_t> kv_c = testing::random_bf16(L, std::exp2(magnitude(rng)), rng);
+    if (varied) {
+      for (int g = 0; g < L / G; ++g) {
+        const float factor = std::exp2(group_magnitude(rng));
+        for (int i = g * G; i < (g + 1) * G; ++i) kv_c[i] = bf16_bits(bf16(kv_c[i]) * factor);
+      }
+    }
     const std::vector<uint16_t> k_pe = testing::random_bf16(R, 1.0f, rng);
     reference::v32_quantize_token(kv_c.data(), k_pe.data(), p.entry(slot));
   }
-  // The keys' mean |k|^2 sets sigma: score std = softmax_scale sigma sqrt(mean |k|^2).
-  double squares = 0;
-  for (int64_t slot = 0; slot < p.capacity(); ++slot) {
-    double key[D];
-    reference::v32_dequantize_token(p.entry(slot), key);
-    for (int d = 0; d < D; ++d) squares += key[d] * key[d];
+  // q in float (N(0, 1) x the (head, group) factor), then one factor for all
+  // of q that takes the RMS of softmax_scale q . k over 64 random slots per
+  // (token, head) to `spread`, then BF16.
+  std::vector<float> q_float(size_t(m) * heads * D);
+  for (int t = 0; t < m; ++t) {
+    for (int h = 0; h < heads; ++h) {
+      const std::vector<float> row = testing::normal_floats(D, 0.0f, 1.0f, rng);
+      float* q = &q_float[(size_t(t) * heads + h) * D];
+      for (int d = 0; d < D; ++d) q[d] = row[d];
+      if (!varied) continue;
+      for (int g = 0; g < L / G; ++g) {
+        const float factor = std::exp2(q_group_magnitude(rng));
+        for (int i = g * G; i < (g + 1) * G; ++i) q[i] *= factor;
+      }
+    }
   }
-  const float sigma = static_cast<float>(spread / (p.softmax_scale * std::sqrt(squares / double(p.capacity()))));
+  std::uniform_int_distribution<int32_t> slot(0, int32_t(p.capacity()) - 1);
+  double squares = 0;
+  int64_t samples = 0;
+  for (size_t row = 0; row < size_t(m) * heads; ++row) {
+    for (int k = 0; k < 64; ++k) {
+      double key[D];
+      reference::v32_dequantize_token(p.entry(slot(rng)), key);
+      double dot = 0;
+      for (int d = 0; d < D; ++d) dot += double(q_float[row * D + d]) * key[d];
+      squares += (p.softmax_scale * dot) * (p.softmax_scale * dot);
+      ++samples;
+    }
+  }
+  const double factor = spread / std::sqrt(squares / double(samples));
   p.q.assign(size_t(m) * p.q_token_stride, bf16_bits(0.0f));
   for (int t = 0; t < m; ++t) {
     for (int h = 0; h < heads; ++h) {
-      const std::vector<uint16_t> row = testing::random_bf16(D, sigma, rng);
-      std::copy(row.begin(), row.end(), p.q_row(t, h));
+      for (int d = 0; d < D; ++d) {
+        p.q_row(t, h)[d] = bf16_bits(static_cast<float>(q_float[(size_t(t) * heads + h) * D + d] * factor));
+      }
     }
   }
   p.indices.assign(size_t(m) * p.indices_token_stride, -1);
-  std::uniform_int_distribution<int32_t> slot(0, int32_t(p.capacity()) - 1);
   for (int t = 0; t < m; ++t) {
     for (int j = 0; j < top_k; ++j) p.index(t, j) = slot(rng);
   }
@@ -453,6 +489,34 @@ TEST(SparseMlaV32KernelModel, WithinTheContractOfFloat64) {
         std::printf("[kernel model, H %d, spread %.0f, %d rows a split] latent %.3g relative, lse %.3g\n", heads,
                     spread, rows_per_split, e.latent, e.lse);
       }
+    }
+  }
+}
+
+// Token 0: entries [128, 384) padding and [384, 512) past the cache, so that
+// whole splits (of 64, 128 or 256 entries) have no valid entry while the
+// others do; token 1 (when m > 1): entries [0, 512) invalid.
+void empty_splits(Problem& p) {
+  for (int j = 128; j < std::min(p.top_k, 512); ++j) p.index(0, j) = j < 384 ? -1 : int32_t(p.capacity()) + j;
+  for (int j = 0; p.m > 1 && j < std::min(p.top_k, 512); ++j) p.index(1, j) = (j % 2) ? -3 : int32_t(p.capacity());
+}
+
+// The design keeps the contract where the four scales of an entry differ by
+// up to 2^6 and q's (head, group) magnitudes by 2^7, with a block size that
+// is not a power of two and splits without a valid entry.
+TEST(SparseMlaV32KernelModel, VariedMagnitudesOddBlocksAndEmptySplits) {
+  std::mt19937_64 rng(testing::test_seed());
+  for (const float spread : {1.0f, 10.0f}) {
+    Problem p = random_problem(2, 24, 1000, spread, true, rng, 2000, /*varied=*/true, /*block_size=*/48);
+    empty_splits(p);
+    const reference::SparseMlaV32Result want = reference::sparse_mla_v32(p.host());
+    EXPECT_EQ(want.out_of_range, 128 + 256);
+    for (const int rows_per_split : {64, 256, 1024}) {
+      const reference::SparseMlaV32Result got = reference::sparse_mla_v32_kernel_model(p.host(), rows_per_split);
+      EXPECT_EQ(got.out_of_range, want.out_of_range);
+      const Errors e = compare(p, got.latent, int64_t(24) * L, got.lse, want);
+      std::printf("[kernel model, varied, spread %.0f, %d rows a split] latent %.3g relative, lse %.3g\n", spread,
+                  rows_per_split, e.latent, e.lse);
     }
   }
 }
@@ -707,6 +771,165 @@ TEST(SparseMlaV32Gpu, NanRulesEmptyRowsAndDuplicates) {
       break;
     }
   }
+}
+
+// Varied magnitudes (the scale of each entry's group and the power of two of
+// each (head, group) of q applied to the right dims), a block size of 48
+// (the division path), splits without a valid entry beside splits with some,
+// K = 1000 (a last split of 40 entries at 16 splits), every plan shape.
+TEST(SparseMlaV32Gpu, VariedMagnitudesOddBlocksAndEmptySplits) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 7);
+  for (const int heads : {24, 128, 1}) {
+    if (testing::quick_mode() && heads == 128) continue;
+    Problem p = random_problem(2, heads, 1000, 3.0f, true, rng, 2000, /*varied=*/true, /*block_size=*/48);
+    empty_splits(p);
+    for (const int max_splits : {1, 4, 16}) {
+      SCOPED_TRACE("H " + std::to_string(heads) + " max_splits " + std::to_string(max_splits));
+      expect_gpu_within_contract(p, max_splits);
+    }
+  }
+}
+
+// The decode chain under PDL: a kernel that releases its dependents at once
+// and writes kv_c and q late, then the cache write of those kv_c rows into
+// slots 0..63, then the attention over index rows that select those slots
+// and q. The cache write must read the new kv_c, and the attention the new q
+// and the new entries (its griddepcontrol.wait waits for the cache write,
+// which waited for the writer): bits equal to a run on the final inputs.
+TEST(SparseMlaV32Gpu, ReadsInputsThatThePreviousKernelsWrite) {
+  DSA_REQUIRE_GPU();
+  constexpr long long kSpinCycles = 200000;  // about 100 us
+  constexpr int kWritten = 64;
+  std::mt19937_64 rng(testing::test_seed() + 40);
+  for (const int heads : {16, 128}) {
+    if (testing::quick_mode() && heads == 128) continue;
+    SCOPED_TRACE("H " + std::to_string(heads));
+    const Problem old = random_problem(2, heads, 2048, 3.0f, false, rng, 1024);
+    Problem p = random_problem(2, heads, 2048, 3.0f, false, rng, 1024);
+    p.cache = old.cache;  // the old entries but slots 0..63, which the cache write replaces
+    std::vector<uint16_t> kv_c(size_t(kWritten) * L), k_pe(size_t(kWritten) * R), old_kv_c(kv_c.size());
+    for (int t = 0; t < kWritten; ++t) {
+      const std::vector<uint16_t> row = testing::random_bf16(L, 1.5f, rng), pe = testing::random_bf16(R, 1.0f, rng);
+      const std::vector<uint16_t> stale = testing::random_bf16(L, 3.0f, rng);
+      std::copy(row.begin(), row.end(), &kv_c[size_t(t) * L]);
+      std::copy(pe.begin(), pe.end(), &k_pe[size_t(t) * R]);
+      std::copy(stale.begin(), stale.end(), &old_kv_c[size_t(t) * L]);
+      reference::v32_quantize_token(row.data(), pe.data(), p.entry(t));
+    }
+    for (int t = 0; t < p.m; ++t) {
+      for (int j = 0; j < 2 * kWritten; ++j) p.index(t, j * 16) = j % kWritten;
+    }
+    const GpuRun alone = run_gpu(p);
+
+    DeviceBuffer<uint16_t> q(old.q), new_q(p.q), kv_c_d(old_kv_c), new_kv_c(kv_c), k_pe_d(k_pe);
+    DeviceBuffer<uint8_t> cache(old.cache);
+    DeviceBuffer<int32_t> indices(p.indices);
+    std::vector<int64_t> slots(kWritten);
+    for (int t = 0; t < kWritten; ++t) slots[t] = t;
+    DeviceBuffer<int64_t> slot_mapping(slots);
+    DeviceBuffer<uint16_t> latent(size_t(p.m) * p.latent_token_stride);
+    DeviceBuffer<float> lse(size_t(p.m) * p.heads);
+    SparseMlaV32CacheWriteArgs w;
+    w.kv_c = make_tensor(kv_c_d.get(), DType::kBF16, {kWritten, L});
+    w.k_pe = make_tensor(k_pe_d.get(), DType::kBF16, {kWritten, R});
+    w.slot_mapping = make_tensor(slot_mapping.get(), DType::kI64, {kWritten});
+    w.kv_cache =
+        make_strided(cache.get(), DType::kU8, {p.blocks, p.block_size, E}, {p.block_stride, p.entry_stride, 1});
+    SparseMlaV32Args a;
+    a.q = make_strided(q.get(), DType::kBF16, {p.m, p.heads, D}, {p.q_token_stride, p.q_head_stride, 1});
+    a.kv_cache = w.kv_cache;
+    a.indices = make_strided(indices.get(), DType::kI32, {p.m, p.top_k}, {p.indices_token_stride, 1});
+    a.softmax_scale = p.softmax_scale;
+    a.latent = make_strided(latent.get(), DType::kBF16, {p.m, p.heads, L}, {p.latent_token_stride, L, 1});
+    a.lse = make_tensor(lse.get(), DType::kF32, {p.m, p.heads});
+    cudaStream_t stream = nullptr;  // blocking: it orders after the uploads on the legacy stream
+    DSA_ASSERT_CUDA(cudaStreamCreate(&stream));
+    for (int round = 0; round < 2; ++round) {  // the first launches load modules
+      q.upload(old.q);
+      kv_c_d.upload(old_kv_c);
+      cache.upload(old.cache);
+      latent.upload(std::vector<uint16_t>(latent.size(), kPoison));
+      DSA_ASSERT_CUDA(testing::launch_late_writer(new_kv_c.get(), kv_c_d.get(), int(kv_c.size() * 2 / 16), new_q.get(),
+                                                  q.get(), int(p.q.size() * 2 / 16), kSpinCycles, 8, 256, stream));
+      DSA_ASSERT_OK(sparse_mla_v32_cache_write(w, stream));
+      DSA_ASSERT_OK(sparse_mla_v32(a, stream));
+      DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(latent.download() == alone.latent) << "round " << round;
+      const std::vector<float> got_lse = lse.download();
+      EXPECT_EQ(std::memcmp(got_lse.data(), alone.lse.data(), got_lse.size() * 4), 0) << "round " << round;
+    }
+    cudaStreamDestroy(stream);
+  }
+}
+
+// The cache write and the attention captured into one graph (after a direct
+// run, as the header asks) and replayed three times over poisoned outputs:
+// the direct run's bits. H = 16, m = 1 takes 16 splits (a non-portable
+// cluster where the part schedules one), H = 128, m = 2 eight groups.
+TEST(SparseMlaV32Gpu, CapturedGraphReplaysTheSameResult) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 30);
+  cudaStream_t stream;
+  DSA_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const auto& [heads, m] : {std::pair<int, int>{16, 1}, std::pair<int, int>{128, 2}}) {
+    SCOPED_TRACE("H " + std::to_string(heads) + " m " + std::to_string(m));
+    Problem p = random_problem(m, heads, 2048, 3.0f, false, rng, 1024);
+    const int written = 32;
+    std::vector<uint16_t> kv_c = testing::random_bf16(size_t(written) * L, 1.0f, rng);
+    std::vector<uint16_t> k_pe = testing::random_bf16(size_t(written) * R, 1.0f, rng);
+    std::vector<int64_t> slots(written);
+    for (int t = 0; t < written; ++t) slots[t] = 100 + 3 * t;
+    DeviceBuffer<uint16_t> q(p.q), kv_c_d(kv_c), k_pe_d(k_pe), latent(size_t(m) * p.latent_token_stride);
+    DeviceBuffer<uint8_t> cache(p.cache);
+    DeviceBuffer<int32_t> indices(p.indices);
+    DeviceBuffer<int64_t> slot_mapping(slots);
+    DeviceBuffer<float> lse(size_t(m) * heads);
+    DeviceBuffer<unsigned int> errors(1);
+    errors.fill_bytes(0);
+    SparseMlaV32CacheWriteArgs w;
+    w.kv_c = make_tensor(kv_c_d.get(), DType::kBF16, {written, L});
+    w.k_pe = make_tensor(k_pe_d.get(), DType::kBF16, {written, R});
+    w.slot_mapping = make_tensor(slot_mapping.get(), DType::kI64, {written});
+    w.kv_cache =
+        make_strided(cache.get(), DType::kU8, {p.blocks, p.block_size, E}, {p.block_stride, p.entry_stride, 1});
+    SparseMlaV32Args a;
+    a.q = make_strided(q.get(), DType::kBF16, {p.m, p.heads, D}, {p.q_token_stride, p.q_head_stride, 1});
+    a.kv_cache = w.kv_cache;
+    a.indices = make_strided(indices.get(), DType::kI32, {p.m, p.top_k}, {p.indices_token_stride, 1});
+    a.softmax_scale = p.softmax_scale;
+    a.latent = make_strided(latent.get(), DType::kBF16, {p.m, p.heads, L}, {p.latent_token_stride, L, 1});
+    a.lse = make_tensor(lse.get(), DType::kF32, {p.m, p.heads});
+    a.error_count = errors.get();
+    auto enqueue = [&]() -> Status {
+      DSA_RETURN_IF_ERROR(sparse_mla_v32_cache_write(w, stream));
+      return sparse_mla_v32(a, stream);
+    };
+    DSA_ASSERT_OK(enqueue());
+    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+    const std::vector<uint16_t> direct_latent = latent.download();
+    const std::vector<float> direct_lse = lse.download();
+    const std::vector<uint8_t> direct_cache = cache.download();
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    DSA_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status captured = enqueue();
+    DSA_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+    DSA_ASSERT_OK(captured);
+    DSA_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    latent.fill_bytes(0xFF);
+    lse.fill_bytes(0xFF);
+    for (int i = 0; i < 3; ++i) DSA_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+    DSA_ASSERT_CUDA(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(latent.download() == direct_latent);
+    const std::vector<float> replay_lse = lse.download();
+    EXPECT_EQ(std::memcmp(replay_lse.data(), direct_lse.data(), direct_lse.size() * 4), 0);
+    EXPECT_TRUE(cache.download() == direct_cache);
+    EXPECT_EQ(errors.download()[0], 0u);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace
