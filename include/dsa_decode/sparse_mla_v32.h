@@ -37,9 +37,9 @@
 // Launches: PDL (inputs read after griddepcontrol.wait), no allocation or
 // synchronization, graph capturable once a first call per device has run
 // outside a capture (shared-memory, cluster limits and occupancy asked once).
-// Clusters of up to 16 CTAs (8 where the device schedules no cluster of 16;
-// K > 8192 needs 16); a launch the device cannot schedule returns the CUDA
-// error. latent and lse may not overlap any input (checked).
+// Clusters of up to 16 CTAs (at most 8 where the device schedules no cluster
+// of the plan's size above 8; K > 8192 needs ceil(K / 1024) > 8); a launch
+// the device cannot schedule returns the CUDA error. latent and lse may not overlap any input (checked).
 #pragma once
 
 #include <cuda_runtime.h>
