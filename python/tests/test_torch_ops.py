@@ -56,6 +56,9 @@ def test_every_op_is_registered_returning_nothing_and_writing_its_outputs():
         "head_gemv_absorb": {"out", "cache", "error_count"},
         "sparse_mla": {"latent", "lse", "split_counters", "split_partials", "error_count"},
         "stage_forward": {"kv_cache", "ring", "index_k_cache", "out", "error_count"},
+        "rope_absorb": {"out", "k_pe_out", "error_count"},
+        "sparse_mla_v32_cache_write": {"kv_cache", "error_count"},
+        "sparse_mla_v32": {"latent", "lse", "error_count"},
     }
     assert set(torch_ops.OPS) == set(expected)
     for name, written in expected.items():
