@@ -15,7 +15,9 @@ Kernels: qkv_rmsnorm, head_gemv, linear_gemv, sparse_mla, indexer_*; for
 the RoPE presets (dsv32, glm5): rope_absorb (with RopeConfig,
 rope_preset_config, rope_cos_sin_table, rope_softmax_scale), sparse_mla_v32
 and sparse_mla_v32_cache_write (DeepSeek-V3.2's 656-byte FP8 cache).
-The whole stage: Stage (with LayerConfig, StagePlan, StepArgs).
+The whole stage: Stage (with LayerConfig, StagePlan, StepArgs);
+Stage.from_checkpoint and load_layer_weights read a layer of a Hugging Face
+checkpoint (safetensors, BF16 or FP8 with 128 x 128 block scales).
 Optional: dsa_decode.torch_ops registers the ops with torch.library;
 dsa_decode.vllm installs the stage on a vLLM MLA wrapper. docs/python.md.
 
@@ -60,6 +62,7 @@ from .ops import (
     sparse_mla_v32,
     sparse_mla_v32_cache_write,
 )
+from .checkpoint import Checkpoint, LayerWeights, load_layer_weights
 from .stage import (
     INDEXER_CONFIG_FIELDS,
     MAX_TOKENS,
@@ -84,6 +87,7 @@ def describe(array, fp8: bool = False) -> str:
 
 __all__ = [
     "ATTENTION_PLANS",
+    "Checkpoint",
     "CublasError",
     "CudaError",
     "HEAD_GEMV_SUMS",
@@ -94,6 +98,7 @@ __all__ = [
     "InvalidArgument",
     "KvCacheWrite",
     "LayerConfig",
+    "LayerWeights",
     "MAX_TOKENS",
     "NoDevice",
     "ROPE_STYLES",
@@ -116,6 +121,7 @@ __all__ = [
     "layer_config",
     "linear_gemv",
     "linear_gemv_supports",
+    "load_layer_weights",
     "qkv_rmsnorm",
     "reference",
     "rope_absorb",

@@ -3,7 +3,7 @@ attention half, hidden states in and o_proj's output out."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Optional
 
 from . import _C
@@ -283,6 +283,37 @@ class Stage:
         self.plan = plan
         # The extension's Stage keeps the arrays it imports for its lifetime.
         self._stage = _C.Stage(asdict(config), {name: plain(t) for name, t in weights.items()}, plan._fields())
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path,
+        layer: int,
+        config: Any = "glm5next",
+        plan: Optional[StagePlan] = None,
+        *,
+        tp: int = 1,
+        rank: int = 0,
+        q_scale: Optional[float] = None,
+        k_scale: Optional[float] = None,
+        device: Any = "cuda",
+    ) -> "Stage":
+        """The stage of a Hugging Face checkpoint's layer on this rank:
+        load_layer_weights(path, layer, config, plan, tp=, rank=, q_scale=,
+        k_scale=, device=) (dsa_decode.checkpoint: the names, dtypes, FP8
+        block scales and TP split of `dsa-decode --weights`), its tensors
+        moved to `device` (PyTorch), then Stage(config, weights, plan) with
+        the loaded config (config.json's rms_norm_eps) and plan (given, or
+        the checkpoint's indexer shape). The load's account (files, bytes,
+        seconds, eps_source) stays in stage.checkpoint, without the arrays."""
+        from .checkpoint import load_layer_weights
+
+        loaded = load_layer_weights(
+            path, layer, config, plan, tp=tp, rank=rank, q_scale=q_scale, k_scale=k_scale, device=device
+        )
+        stage = cls(loaded.config, loaded.weights, loaded.plan)
+        stage.checkpoint = replace(loaded, weights={})
+        return stage
 
     @property
     def max_tokens(self) -> int:

@@ -156,5 +156,6 @@ void bind_rope(nb::module_& m);
 void bind_indexer(nb::module_& m);
 void bind_stage(nb::module_& m);
 void bind_references(nb::module_& m);
+void bind_checkpoint(nb::module_& m);
 
 }  // namespace dsa_python

@@ -20,4 +20,5 @@ NB_MODULE(_C, m) {
   dsa_python::bind_indexer(m);
   dsa_python::bind_stage(m);
   dsa_python::bind_references(m);
+  dsa_python::bind_checkpoint(m);
 }
