@@ -1,6 +1,6 @@
 // The glm5next DSA indexer, decode path: per layer and step, m tokens
 // (1..16), H index heads of 128 (plan.heads: 16, 32 or 64), pools of S tokens
-// (plan.pool: 4, 8 or 16), the top K tokens (plan.topk) as K / S pools.
+// (plan.pool: 4, 8 or 16; or 1, below), the top K tokens (plan.topk) as K / S pools.
 //   project  index_q [m,H,128] BF16 = q_c wq_b^T; index_k [m,128] BF16 = x wk^T;
 //            head_weights [m,H] f32 = x weights_proj^T; gate [m,128] BF16 = x compress_gate^T
 //   prepare  1. k = LayerNorm(index_k), eps 1e-6, BF16  2. q: Hadamard-128 x 128^-0.5,
@@ -14,6 +14,15 @@
 //            increasing pool order as S p..S p + S - 1, then the tail tokens S n..L-1
 //            from column K, then -1 up to indexer_row_width(plan)
 //            8. slot = block_table[r, pos / block_size] * block_size + pos % block_size
+// Pool 1 (no pooling, DeepSeek-V3.2's indexer: 64 heads, top-2048 tokens): no gate, ape
+// or ring; step 1 is followed by RoPE of k's first R = plan.rope_dims dims (plan.rope_style,
+// the cos/sin row of the token's position; BF16), step 2's Hadamard starts from q
+// with its first R dims of every head rotated the same way; step 3 writes every
+// token's key (k's Hadamard, e4m3 with one scale) at entry pos % block_size of its
+// page; the logits run over every token (n = L), no tail (W = K rounded up to 128).
+// Rotation: a' = fma(a, c, -(b s)), b' = fma(b, c, a s) in FP32 (rope.h's order),
+// c, s the table's entries of the pair; a position outside the table's rows
+// rotates to zeros (q of padding tokens; trusted positions are < max_context <= rows).
 // The tail (tokens of the incomplete pool) is always selected, as vLLM's
 // index_kpool_always_select_tail. The default plan is glm5next's first shape: H = 32, S = 4, K = 2048 (512
 // pools), rows 2176 wide.
@@ -56,6 +65,7 @@
 #include <cstdint>
 #include <memory>
 
+#include "dsa_decode/rope.h"
 #include "dsa_decode/status.h"
 #include "dsa_decode/tensor.h"
 
@@ -66,7 +76,9 @@ inline constexpr int kIndexerPoolBytes = kIndexerDim + 4;  // 128 e4m3 codes + o
 inline constexpr int kIndexerBlockMultiple = 128;           // block_size: pages of a multiple of 8 pools of 16
 inline constexpr int kIndexerMaxTokens = 16;
 inline constexpr int64_t kIndexerMaxContext = int64_t(1) << 22;
-inline constexpr int kIndexerMaxTopPools = 512;  // plan.topk / plan.pool at most
+inline constexpr int kIndexerMaxTopPools = 512;  // plan.topk / plan.pool at most (pools of 4, 8, 16)
+inline constexpr int kIndexerMaxTopTokens = 2048;  // plan.topk at most with pool 1 (no pooling)
+inline constexpr int kIndexerTokenBlockMultiple = 64;  // block_size with pool 1: pages of a multiple of 64 keys
 inline constexpr float kIndexerNormEps = 1e-6f;
 
 // The default plan's shape (glm5next's first configuration); any other comes
@@ -88,12 +100,16 @@ struct IndexerPlan {
   int max_tokens = kIndexerMaxTokens;  // largest m of a step, 1..16
   int64_t max_context = 131072;        // largest L = pos + 1, 1..kIndexerMaxContext
   int ring = 4;                        // RING: pool (no draft tokens) or 2 * pool
-  int block_size = 256;                // tokens per KV block: a positive multiple of 128
+  int block_size = 256;                // tokens per KV block: a positive multiple of 128 (of 64 with pool 1)
   IndexerLogits logits = IndexerLogits::kFp32Accumulation;  // step 6's dots
   int heads = kIndexerHeads;           // H, index heads: 16, 32 or 64 (HF index_n_heads)
-  int pool = kIndexerPoolSize;         // S, tokens per pool: 4, 8 or 16 (HF index_kpool)
+  int pool = kIndexerPoolSize;         // S, tokens per pool: 4, 8 or 16 (HF index_kpool), or 1:
+                                       // no pooling (DeepSeek-V3.2), each token its own key
   int topk = kIndexerTopK;             // K, tokens of the selected pools: a multiple of S,
-                                       // S..kIndexerMaxTopPools * S (HF index_topk)
+                                       // S..kIndexerMaxTopPools * S (HF index_topk); 1..2048 at S = 1
+  int rope_dims = 0;                   // R, rotated dims at the start of every q head and of k:
+                                       // 0 (none), or 16, 32, 64, 128 with pool 1 (V3.2: 64)
+  RopeStyle rope_style = RopeStyle::kHalfSplit;  // the pairs rotated (V3.2's indexer: half-split)
 };
 
 // Byte offsets (256-byte aligned) into the caller's workspace.
@@ -120,11 +136,15 @@ inline int indexer_row_width(const IndexerPlan& plan) { return (plan.topk + plan
 inline int64_t indexer_pools_per_page(const IndexerPlan& plan) { return plan.block_size / plan.pool; }
 // Bytes of one K-cache page, P * 132 (k_cache's dim 1).
 inline int64_t indexer_page_bytes(const IndexerPlan& plan) { return indexer_pools_per_page(plan) * kIndexerPoolBytes; }
-// Tokens of one request a step may hold: RING - (S - 1).
-inline int indexer_tokens_per_request(const IndexerPlan& plan) { return plan.ring - (plan.pool - 1); }
+// Tokens of one request a step may hold: RING - (S - 1); any (max_tokens) with pool 1 (no ring).
+inline int indexer_tokens_per_request(const IndexerPlan& plan) {
+  return plan.pool == 1 ? kIndexerMaxTokens : plan.ring - (plan.pool - 1);
+}
 // The smallest RING for a pool size and tokens of one request per step (1 +
-// draft tokens): S, or 2 S when S - 1 + tokens exceeds S; 0 when even 2 S is too small.
+// draft tokens): S, or 2 S when S - 1 + tokens exceeds S; 0 when even 2 S is
+// too small; 1 (no ring) for pool 1.
 inline int indexer_ring_for(int pool, int tokens_per_request) {
+  if (pool == 1) return 1;
   const int needed = pool - 1 + tokens_per_request;
   return needed <= pool ? pool : needed <= 2 * pool ? 2 * pool : 0;
 }
@@ -132,7 +152,8 @@ inline int indexer_ring_for(int pool, int tokens_per_request) {
 // The paged indexer state shared by every step.
 struct IndexerState {
   TensorView block_table;  // [requests, width] int32, dim 1 contiguous
-  TensorView ring;         // [requests, 2, RING, 128] BF16, dims 1-3 contiguous, request stride % 8 == 0, 16 B aligned
+  TensorView ring;         // [requests, 2, RING, 128] BF16, dims 1-3 contiguous, request stride % 8 == 0, 16 B aligned;
+                           // not read with pool 1 (may be empty)
   TensorView k_cache;      // [blocks, P * 132] u8, dim 1 contiguous, page stride % 16 == 0, 16 B aligned
 };
 
@@ -183,15 +204,17 @@ struct IndexerPrepareArgs {
   TensorView index_q;        // [m, H, 128] BF16, dims 1-2 contiguous, token stride % 8 == 0, 16 B aligned
   TensorView index_k;        // [m, 128] BF16, dim 1 contiguous, token stride a multiple of 8, 16-byte aligned
   TensorView head_weights;   // [m, H] FP32, dim 1 contiguous, token stride a multiple of 4, 16-byte aligned
-  TensorView gate;           // [m, 128] BF16, as index_k
+  TensorView gate;           // [m, 128] BF16, as index_k; not read with pool 1 (may be empty)
   TensorView k_norm_weight;  // [128] FP32, contiguous
   TensorView k_norm_bias;    // [128] FP32, contiguous
-  TensorView ape;            // [S, 128] FP32, contiguous
+  TensorView ape;            // [S, 128] FP32, contiguous; not read with pool 1 (may be empty)
   TensorView positions;      // [m] int64, contiguous
   TensorView token_requests; // [m] int32, contiguous
   IndexerState state;        // ring and k_cache are written
   TensorView workspace;      // [>= indexer_workspace_layout(plan).bytes] u8, 256-byte aligned; q_fp8, head_weights written
   unsigned int* error_count = nullptr;  // optional device counter of untrusted values out of range
+  TensorView cos_sin;  // plan.rope_dims = R > 0: [rows >= plan.max_context, R] F32 or BF16 (rope.h's
+                       // table: row p = cos | sin of position p), dim 1 contiguous; else not read
 };
 
 // Steps 5-8: logits, top K / S pools, expansion, remap. W = indexer_row_width(plan).
@@ -225,13 +248,14 @@ struct IndexerRemapArgs {
 struct IndexerPrefillArgs {
   IndexerPlan plan;
   TensorView index_k;        // [n, 128] BF16, as in prepare; n >= 1
-  TensorView gate;           // [n, 128] BF16
+  TensorView gate;           // [n, 128] BF16; not read with pool 1 (may be empty)
   TensorView k_norm_weight;  // [128] FP32
   TensorView k_norm_bias;    // [128] FP32
-  TensorView ape;            // [S, 128] FP32
+  TensorView ape;            // [S, 128] FP32; not read with pool 1 (may be empty)
   int request = 0;           // row of block_table and ring
   IndexerState state;        // ring and k_cache are written
   unsigned int* error_count = nullptr;
+  TensorView cos_sin;        // as IndexerPrepareArgs::cos_sin (prefill rotates positions 0..n-1)
 };
 
 // Argument checks; errors name the argument, what was expected and got.

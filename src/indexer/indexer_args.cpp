@@ -80,6 +80,8 @@ Status check_token_count(const TensorView& t, const char* name, const IndexerPla
   return Status();
 }
 
+Status check_k_cache(const IndexerState& s, const IndexerPlan& plan);
+
 Status check_state(const IndexerState& s, const IndexerPlan& plan) {
   DSA_RETURN_IF_ERROR(check_dtype(s.block_table, "block_table", DType::kI32));
   DSA_RETURN_IF_ERROR(check_shape(s.block_table, "block_table", {-1, -1}));
@@ -95,6 +97,7 @@ Status check_state(const IndexerState& s, const IndexerPlan& plan) {
   }
 
   const int64_t ring = plan.ring, dim = kIndexerDim;
+  if (plan.pool == 1) return check_k_cache(s, plan);  // no ring
   DSA_RETURN_IF_ERROR(check_dtype(s.ring, "ring", DType::kBF16));
   DSA_RETURN_IF_ERROR(check_shape(s.ring, "ring", {requests, 2, ring, dim}));
   DSA_RETURN_IF_ERROR(check_on_cuda(s.ring, "ring"));
@@ -106,7 +109,10 @@ Status check_state(const IndexerState& s, const IndexerPlan& plan) {
                             s.ring.describe());
   }
   DSA_RETURN_IF_ERROR(check_aligned(s.ring, "ring", 16));
+  return check_k_cache(s, plan);
+}
 
+Status check_k_cache(const IndexerState& s, const IndexerPlan& plan) {
   const int64_t page_bytes = indexer_page_bytes(plan);
   DSA_RETURN_IF_ERROR(check_dtype(s.k_cache, "k_cache", DType::kU8));
   DSA_RETURN_IF_ERROR(check_shape(s.k_cache, "k_cache", {-1, page_bytes}));
@@ -142,7 +148,31 @@ Status check_norm_parameters(const TensorView& weight, const TensorView& bias, c
                              const IndexerPlan& plan) {
   DSA_RETURN_IF_ERROR(check_parameter(weight, "k_norm_weight", {kIndexerDim}));
   DSA_RETURN_IF_ERROR(check_parameter(bias, "k_norm_bias", {kIndexerDim}));
+  if (plan.pool == 1) return Status();  // no pooling: no ape
   return check_parameter(ape, "ape", {plan.pool, kIndexerDim});
+}
+
+// The RoPE table of a plan with rotated dims: [rows >= max_context, R] F32 or
+// BF16, dim 1 contiguous, element-aligned.
+Status check_cos_sin(const TensorView& t, const IndexerPlan& plan) {
+  if (plan.rope_dims == 0) return Status();
+  const char* name = "cos_sin";
+  DSA_RETURN_IF_ERROR(check_present(t, name));
+  if (t.dtype != DType::kF32 && t.dtype != DType::kBF16) {
+    return invalid_argument(name, "dtype f32 or bf16 (the RoPE cos/sin table)", t.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_shape(t, name, {-1, plan.rope_dims}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(t, name));
+  DSA_RETURN_IF_ERROR(check_stride(t, name, 1, 1));
+  if (t.size(0) < plan.max_context) {
+    return invalid_argument(name, "at least plan.max_context = " + std::to_string(plan.max_context) +
+                                      " rows (a row per position)",
+                            t.describe());
+  }
+  if (t.size(0) > 1 && t.stride(0) < plan.rope_dims) {
+    return invalid_argument(name, "a row stride of at least " + std::to_string(plan.rope_dims), t.describe());
+  }
+  return check_aligned(t, name, t.dtype == DType::kF32 ? 4 : 2);
 }
 
 }  // namespace
@@ -157,24 +187,50 @@ Status check_indexer_plan(const IndexerPlan& plan) {
   if (plan.heads != 16 && plan.heads != 32 && plan.heads != 64) {
     return invalid_argument("plan.heads", "16, 32 or 64 index heads", std::to_string(plan.heads));
   }
-  if (plan.pool != 4 && plan.pool != 8 && plan.pool != 16) {
-    return invalid_argument("plan.pool", "4, 8 or 16 tokens per pool", std::to_string(plan.pool));
+  if (plan.pool != 1 && plan.pool != 4 && plan.pool != 8 && plan.pool != 16) {
+    return invalid_argument("plan.pool", "4, 8 or 16 tokens per pool, or 1 (no pooling)", std::to_string(plan.pool));
   }
-  if (plan.topk < plan.pool || plan.topk % plan.pool != 0 || plan.topk / plan.pool > kIndexerMaxTopPools) {
+  if (plan.rope_dims != 0 && plan.rope_dims != 16 && plan.rope_dims != 32 && plan.rope_dims != 64 &&
+      plan.rope_dims != 128) {
+    return invalid_argument("plan.rope_dims", "0 (no RoPE), 16, 32, 64 or 128 rotated dims",
+                            std::to_string(plan.rope_dims));
+  }
+  if (plan.rope_dims != 0 && plan.pool != 1) {
+    return invalid_argument("plan.rope_dims", "0 with pools of " + std::to_string(plan.pool) +
+                                                  " (RoPE applies to per-token keys: plan.pool 1)",
+                            std::to_string(plan.rope_dims));
+  }
+  if (plan.rope_style != RopeStyle::kInterleaved && plan.rope_style != RopeStyle::kHalfSplit) {
+    return invalid_argument("plan.rope_style", "RopeStyle::kInterleaved (0) or RopeStyle::kHalfSplit (1)",
+                            std::to_string(static_cast<int>(plan.rope_style)));
+  }
+  if (plan.pool == 1) {
+    if (plan.topk < 1 || plan.topk > kIndexerMaxTopTokens) {
+      return invalid_argument("plan.topk", range(1, kIndexerMaxTopTokens) + " tokens (plan.pool 1)",
+                              std::to_string(plan.topk));
+    }
+    if (plan.ring != 1) {
+      return invalid_argument("plan.ring", "1 (plan.pool 1 keeps no ring)", std::to_string(plan.ring));
+    }
+    if (plan.block_size < kIndexerTokenBlockMultiple || plan.block_size % kIndexerTokenBlockMultiple != 0) {
+      return invalid_argument("plan.block_size", "a positive multiple of 64 tokens (plan.pool 1: a key per token)",
+                              std::to_string(plan.block_size));
+    }
+  } else if (plan.topk < plan.pool || plan.topk % plan.pool != 0 || plan.topk / plan.pool > kIndexerMaxTopPools) {
     return invalid_argument("plan.topk",
                             "a multiple of plan.pool = " + std::to_string(plan.pool) + " in " +
                                 range(plan.pool, int64_t(kIndexerMaxTopPools) * plan.pool) + " (at most " +
                                 std::to_string(kIndexerMaxTopPools) + " pools)",
                             std::to_string(plan.topk));
   }
-  if (plan.ring != plan.pool && plan.ring != 2 * plan.pool) {
+  if (plan.pool > 1 && plan.ring != plan.pool && plan.ring != 2 * plan.pool) {
     return invalid_argument("plan.ring",
                             std::to_string(plan.pool) + " (plan.pool: one token per request and step) or " +
                                 std::to_string(2 * plan.pool) + " (2 * plan.pool: up to " +
                                 std::to_string(plan.pool + 1) + " tokens per request)",
                             std::to_string(plan.ring));
   }
-  if (plan.block_size < kIndexerBlockMultiple || plan.block_size % kIndexerBlockMultiple != 0) {
+  if (plan.pool > 1 && (plan.block_size < kIndexerBlockMultiple || plan.block_size % kIndexerBlockMultiple != 0)) {
     return invalid_argument("plan.block_size",
                             "a positive multiple of 128 tokens (pages of a multiple of " +
                                 std::to_string(128 / plan.pool) + " pools of " + std::to_string(plan.pool) + ")",
@@ -214,19 +270,26 @@ Status check_indexer_prepare(const IndexerPrepareArgs& a) {
   DSA_RETURN_IF_ERROR(check_head_rows(a.index_q, "index_q", DType::kBF16, m, a.plan.heads, kIndexerDim));
   DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, m, kIndexerDim, 8));
   DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, a.plan.heads, 4));
-  DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));
+  const bool pooled = a.plan.pool > 1;  // pool 1 reads no gate, ape or ring
+  if (pooled) DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));
   DSA_RETURN_IF_ERROR(check_norm_parameters(a.k_norm_weight, a.k_norm_bias, a.ape, a.plan));
   DSA_RETURN_IF_ERROR(check_token_vector(a.positions, "positions", DType::kI64, m));
   DSA_RETURN_IF_ERROR(check_token_vector(a.token_requests, "token_requests", DType::kI32, m));
   DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
   DSA_RETURN_IF_ERROR(check_workspace(a.workspace, a.plan));
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
+  DSA_RETURN_IF_ERROR(check_cos_sin(a.cos_sin, a.plan));
+  const TensorView none;
+  const TensorView& ring = pooled ? a.state.ring : none;
+  const TensorView& gate = pooled ? a.gate : none;
+  const TensorView& ape = pooled ? a.ape : none;
+  const TensorView& cos_sin = a.plan.rope_dims > 0 ? a.cos_sin : none;
   return check_written_apart(
-      {{&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}},
-      {{&a.index_q, "index_q"}, {&a.index_k, "index_k"}, {&a.head_weights, "head_weights"}, {&a.gate, "gate"},
-       {&a.k_norm_weight, "k_norm_weight"}, {&a.k_norm_bias, "k_norm_bias"}, {&a.ape, "ape"},
+      {{&ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}},
+      {{&a.index_q, "index_q"}, {&a.index_k, "index_k"}, {&a.head_weights, "head_weights"}, {&gate, "gate"},
+       {&a.k_norm_weight, "k_norm_weight"}, {&a.k_norm_bias, "k_norm_bias"}, {&ape, "ape"},
        {&a.positions, "positions"}, {&a.token_requests, "token_requests"}, {&a.state.block_table, "block_table"},
-       {&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}});
+       {&ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&a.workspace, "workspace"}, {&cos_sin, "cos_sin"}});
 }
 
 // The step's tokens and the state, as select and remap read them.
@@ -282,9 +345,11 @@ Status check_indexer_prefill(const IndexerPrefillArgs& a) {
                             a.index_k.describe());
   }
   DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, n, kIndexerDim, 8));
-  DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, n, kIndexerDim, 8));
+  const bool pooled = a.plan.pool > 1;  // pool 1 reads no gate, ape or ring
+  if (pooled) DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, n, kIndexerDim, 8));
   DSA_RETURN_IF_ERROR(check_norm_parameters(a.k_norm_weight, a.k_norm_bias, a.ape, a.plan));
   DSA_RETURN_IF_ERROR(check_state(a.state, a.plan));
+  DSA_RETURN_IF_ERROR(check_cos_sin(a.cos_sin, a.plan));
   const int64_t requests = a.state.block_table.size(0);
   if (a.request < 0 || a.request >= requests) {
     return invalid_argument("request", range(0, requests - 1) + " (a row of block_table)", std::to_string(a.request));
@@ -296,10 +361,15 @@ Status check_indexer_prefill(const IndexerPrefillArgs& a) {
                             a.index_k.describe());
   }
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
-  return check_written_apart({{&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}},
-                             {{&a.index_k, "index_k"}, {&a.gate, "gate"}, {&a.k_norm_weight, "k_norm_weight"},
-                              {&a.k_norm_bias, "k_norm_bias"}, {&a.ape, "ape"}, {&a.state.block_table, "block_table"},
-                              {&a.state.ring, "ring"}, {&a.state.k_cache, "k_cache"}});
+  const TensorView none;
+  const TensorView& ring = pooled ? a.state.ring : none;
+  const TensorView& gate = pooled ? a.gate : none;
+  const TensorView& ape = pooled ? a.ape : none;
+  const TensorView& cos_sin = a.plan.rope_dims > 0 ? a.cos_sin : none;
+  return check_written_apart({{&ring, "ring"}, {&a.state.k_cache, "k_cache"}},
+                             {{&a.index_k, "index_k"}, {&gate, "gate"}, {&a.k_norm_weight, "k_norm_weight"},
+                              {&a.k_norm_bias, "k_norm_bias"}, {&ape, "ape"}, {&a.state.block_table, "block_table"},
+                              {&ring, "ring"}, {&a.state.k_cache, "k_cache"}, {&cos_sin, "cos_sin"}});
 }
 
 Status check_indexer_project(const IndexerProjectArgs& a) {

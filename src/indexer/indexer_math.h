@@ -175,6 +175,27 @@ DSA_HD void layernorm128(const uint16_t* k_bf16, const float* weight, const floa
   for (int i = 0; i < kIndexerDim; ++i) out_bf16[i] = layernorm_output(d[i], rstd, weight[i], bias[i]);
 }
 
+// RoPE of one pair (a, b) by the table's cos c and sin s, in rope.h's FP32
+// order: a' = fma(a, c, -(b s)), b' = fma(b, c, a s) (then BF16 RNE).
+DSA_HD float rope_first(float a, float b, float c, float s) { return fmaf(a, c, -mul_rn(b, s)); }
+DSA_HD float rope_second(float a, float b, float c, float s) { return fmaf(b, c, mul_rn(a, s)); }
+
+// Value k (< R) of a rotated row: its pair's index (the cos/sin entry) and
+// whether it is the pair's first value; interleaved pairs (2i, 2i + 1),
+// half-split pairs (i, i + R / 2).
+DSA_HD int rope_pair_of(int k, int rope_dims, bool half_split) { return half_split ? k % (rope_dims / 2) : k / 2; }
+DSA_HD bool rope_is_first(int k, int rope_dims, bool half_split) { return half_split ? k < rope_dims / 2 : k % 2 == 0; }
+
+// The first R values of a BF16 row rotated in place (cos, sin [R / 2]).
+DSA_HD void rope_row(uint16_t* row, int rope_dims, bool half_split, const float* cos, const float* sin) {
+  for (int i = 0; i < rope_dims / 2; ++i) {
+    const int first = half_split ? i : 2 * i, second = half_split ? i + rope_dims / 2 : 2 * i + 1;
+    const float a = num::bf16_to_float(row[first]), b = num::bf16_to_float(row[second]);
+    row[first] = num::float_to_bf16(rope_first(a, b, cos[i], sin[i]));
+    row[second] = num::float_to_bf16(rope_second(a, b, cos[i], sin[i]));
+  }
+}
+
 // The largest pool size a plan takes.
 inline constexpr int kMaxPoolSize = 16;
 

@@ -96,6 +96,27 @@ KeyInputs make_key_inputs(const TensorView& index_k, const TensorView& gate, con
   return k;
 }
 
+// Pool 1's RoPE table (plan.rope_dims = R > 0): [rows, R] F32 or BF16, row p
+// = cos | sin of position p.
+struct RopeTable {
+  const void* cos_sin;
+  int64_t rows, row_stride;
+  int dims;  // R; 0: no rotation
+  bool bf16, half_split;
+};
+
+RopeTable make_rope_table(const IndexerPlan& plan, const TensorView& cos_sin) {
+  RopeTable r = {};
+  r.dims = plan.rope_dims;
+  if (r.dims == 0) return r;
+  r.cos_sin = cos_sin.data;
+  r.rows = cos_sin.size(0);
+  r.row_stride = cos_sin.stride(0);
+  r.bf16 = cos_sin.dtype == DType::kBF16;
+  r.half_split = plan.rope_style == RopeStyle::kHalfSplit;
+  return r;
+}
+
 struct PrepareParams {
   int m;
   int heads;                // H
@@ -110,6 +131,7 @@ struct PrepareParams {
   uint8_t* q_fp8;         // workspace [max_tokens, H, 128] e4m3 codes
   float* folded_weights;  // workspace [max_tokens, H]
   unsigned int* error_count;  // optional
+  RopeTable rope;             // pool 1 only
 };
 
 struct PrefillParams {
@@ -119,6 +141,7 @@ struct PrefillParams {
   int64_t first_stashed;  // max(0, n - RING): the first position stashed in the ring
   IndexerStateParams state;
   unsigned int* error_count;  // optional
+  RopeTable rope;             // pool 1 only
 };
 
 __device__ __forceinline__ void count_error(unsigned int* error_count) {
@@ -235,6 +258,63 @@ __device__ float hadamard_quantize_lane(float (&x)[kLaneValues], uint8_t* codes,
   return im::pow2(k);
 }
 
+// Pool 1's RoPE (indexer_math::rope_row) on the row whose BF16 values
+// 4 lane..4 lane + 3 are x: the rotated ones (element < R) are replaced by
+// their BF16-rounded rotation by the table row of `position` (zeros outside
+// the table). Half-split pairs (k, k + R / 2) sit in lanes l and l + R / 8,
+// register i both: one shuffle (xor R / 8) brings the partner.
+__device__ void rope_lane(float (&x)[kLaneValues], const RopeTable& r, int64_t position, int lane) {
+  float partner[kLaneValues];
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) partner[i] = r.half_split ? __shfl_xor_sync(kFullMask, x[i], r.dims / 8) : 0.0f;
+  if (kLaneValues * lane >= r.dims) return;
+  const bool valid = position >= 0 && position < r.rows;
+  const int half = r.dims / 2;
+  float y[kLaneValues];
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) {
+    const int k = kLaneValues * lane + i;
+    const int pair = im::rope_pair_of(k, r.dims, r.half_split);
+    const bool first = im::rope_is_first(k, r.dims, r.half_split);
+    const float a = r.half_split ? (first ? x[i] : partner[i]) : x[i & ~1];
+    const float b = r.half_split ? (first ? partner[i] : x[i]) : x[i | 1];
+    float c = 0.0f, s = 0.0f;
+    if (valid) {
+      if (r.bf16) {
+        const uint16_t* row = static_cast<const uint16_t*>(r.cos_sin) + position * r.row_stride;
+        c = num::bf16_to_float(row[pair]);
+        s = num::bf16_to_float(row[half + pair]);
+      } else {
+        const float* row = static_cast<const float*>(r.cos_sin) + position * r.row_stride;
+        c = row[pair];
+        s = row[half + pair];
+      }
+    }
+    y[i] = first ? im::rope_first(a, b, c, s) : im::rope_second(a, b, c, s);
+  }
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) x[i] = num::round_bf16(y[i]);
+}
+
+// Pool 1: the key of `position` from its LayerNormed k (the lane's BF16 bits):
+// RoPE, Hadamard and quant into entry pos % block_size of page `block` (codes
+// at byte 128 e, scale at byte 128 P + 4 e). An untrusted page is skipped and
+// counted once.
+__device__ void write_token_key(const IndexerStateParams& s, const RopeTable& rope, int64_t block, int64_t position,
+                                uint2 k_normed, unsigned int* error_count, int lane) {
+  if (block < 0) {
+    if (lane == 0) count_error(error_count);
+    return;
+  }
+  float x[kLaneValues];
+  unpack_bf16(k_normed, x);
+  if (rope.dims > 0) rope_lane(x, rope, position, lane);
+  const int64_t entry = position % s.pools_per_page;
+  uint8_t* page = s.k_cache + block * s.page_stride;
+  const float scale = hadamard_quantize_lane(x, page + entry * kDim, lane);
+  if (lane == 0) *reinterpret_cast<float*>(page + int64_t(s.pools_per_page) * kDim + entry * 4) = scale;
+}
+
 // The BF16 row [128] of ring half `which` (0: k, 1: gate) holding `position` of `request`.
 __device__ __forceinline__ uint16_t* ring_row(const IndexerStateParams& s, int64_t request, int which, int64_t position) {
   return s.ring + request * s.ring_request_stride + (int64_t(which) * s.ring_size + position % s.ring_size) * kDim;
@@ -295,9 +375,12 @@ __device__ TokenTarget token_target(const PrepareParams& p, int t) {
 }
 
 // Step 2 for head h of token t: codes into q_fp8 [t, h], w' into folded_weights [t, h].
+// kRope (pool 1 with rotated dims): the head's first R dims rotated first.
+template <bool kRope>
 __device__ void quantize_head(const PrepareParams& p, int t, int h, int lane) {
   float x[kLaneValues];
   unpack_bf16(load_lane_bf16(p.index_q + t * p.q_token_stride + h * kDim, lane), x);
+  if constexpr (kRope) rope_lane(x, p.rope, p.positions[t], lane);
   const int64_t row = int64_t(t) * p.heads + h;
   const float scale = hadamard_quantize_lane(x, p.q_fp8 + row * kDim, lane);
   if (lane == 0) {
@@ -329,6 +412,14 @@ __device__ RowInputs read_row_inputs(const PrepareParams& p, int t, bool pool_ro
   if (in.target.request >= 0 && in.target.position % kPool == kPool - 1) {
     in.block = indexer_pool_block(p.state, in.target.request, in.target.position / kPool);
   }
+  return in;
+}
+
+// Pool 1's k row: the token's target and its key's page (before the PDL wait).
+__device__ RowInputs read_token_key_inputs(const PrepareParams& p, int t) {
+  RowInputs in;
+  in.target = token_target(p, t);
+  if (in.target.request >= 0) in.block = indexer_pool_block(p.state, in.target.request, in.target.position);
   return in;
 }
 
@@ -382,13 +473,16 @@ __device__ void compress_token_pool(const PrepareParams& p, const RowInputs& in,
 
 // Steps 1-4: warp w of CTA c takes row 8 c + w of the (H + 2) m rows (H m q
 // heads, m k rows, m pool rows); grid ceil((H + 2) m / 8), kThreads threads.
-template <int kPool>
+// kPool 1 (no pooling): (H + 1) m rows, a k row writes the token's key
+// (LayerNorm, RoPE, Hadamard, quant) instead of stashing it; kRope: q heads
+// and keys rotated first.
+template <int kPool, bool kRope = false>
 __global__ void __launch_bounds__(kThreads) prepare_kernel(const __grid_constant__ PrepareParams p) {
   const int lane = threadIdx.x % 32;
   const int row = blockIdx.x * kWarpsPerCta + threadIdx.x / 32;
   const int q_rows = p.m * p.heads;
   const bool k_row = row >= q_rows && row < q_rows + p.m;
-  const bool pool_row = row >= q_rows + p.m && row < q_rows + 2 * p.m;
+  const bool pool_row = kPool > 1 && row >= q_rows + p.m && row < q_rows + 2 * p.m;
   float weight[kLaneValues] = {}, bias[kLaneValues] = {}, ape_columns[kLaneValues][kPool] = {};
   if (k_row || pool_row) {  // layer parameters: no kernel in flight writes them
     load_lane_floats(p.keys.k_norm_weight, lane, weight);
@@ -397,15 +491,26 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const __grid_constant
   if (pool_row) load_ape_columns<kPool>(p.keys.ape, lane, ape_columns);
   const int t = k_row ? row - q_rows : row - q_rows - p.m;
   RowInputs in;
-  if (k_row || pool_row) in = read_row_inputs<kPool>(p, t, pool_row, lane);
+  if constexpr (kPool == 1) {
+    if (k_row) in = read_token_key_inputs(p, t);
+  } else {
+    if (k_row || pool_row) in = read_row_inputs<kPool>(p, t, pool_row, lane);
+  }
   pdl_wait();  // the projections, the ring and the K cache come from earlier kernels
   pdl_release_dependents();
   if (row < q_rows) {
-    quantize_head(p, row / p.heads, row % p.heads, lane);
+    quantize_head<kRope>(p, row / p.heads, row % p.heads, lane);
   } else if (k_row) {
-    normalize_and_stash(p, t, in.target, weight, bias, lane);
-  } else if (pool_row) {
-    compress_token_pool<kPool>(p, in, weight, bias, ape_columns, lane);
+    if constexpr (kPool == 1) {
+      if (in.target.untrusted && lane == 0) count_error(p.error_count);
+      if (in.target.request < 0) return;
+      const uint2 k = layernorm_lane(load_lane_bf16(p.keys.index_k + t * p.keys.k_token_stride, lane), weight, bias);
+      write_token_key(p.state, p.rope, in.block, in.target.position, k, p.error_count, lane);
+    } else {
+      normalize_and_stash(p, t, in.target, weight, bias, lane);
+    }
+  } else if constexpr (kPool > 1) {
+    if (pool_row) compress_token_pool<kPool>(p, in, weight, bias, ape_columns, lane);
   }
 }
 
@@ -415,6 +520,7 @@ __global__ void __launch_bounds__(kThreads) prepare_kernel(const __grid_constant
 // Step 9: warp w of CTA c takes item 8 c + w: items [0, n / S) are the
 // complete pools, the next n - first_stashed the stashed tokens. Grid
 // ceil((n / S + n - first_stashed) / 8).
+// kPool 1: item i < n writes position i's key (no ring). Grid ceil(n / 8).
 template <int kPool>
 __global__ void __launch_bounds__(kThreads) prefill_kernel(const __grid_constant__ PrefillParams p) {
   const int lane = threadIdx.x % 32;
@@ -422,6 +528,14 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const __grid_constant
   float weight[kLaneValues], bias[kLaneValues], ape_columns[kLaneValues][kPool];
   load_lane_floats(p.keys.k_norm_weight, lane, weight);  // layer parameters: before the wait
   load_lane_floats(p.keys.k_norm_bias, lane, bias);
+  if constexpr (kPool == 1) {
+    pdl_wait();
+    pdl_release_dependents();
+    if (item >= p.n) return;
+    const uint2 k = layernorm_lane(load_lane_bf16(p.keys.index_k + item * p.keys.k_token_stride, lane), weight, bias);
+    write_token_key(p.state, p.rope, indexer_pool_block(p.state, p.request, item), item, k, p.error_count, lane);
+    return;
+  }
   load_ape_columns<kPool>(p.keys.ape, lane, ape_columns);
   pdl_wait();
   pdl_release_dependents();
@@ -466,6 +580,7 @@ PrepareParams make_prepare_params(const IndexerPrepareArgs& a) {
   p.q_fp8 = workspace + layout.q_fp8;
   p.folded_weights = reinterpret_cast<float*>(workspace + layout.head_weights);
   p.error_count = a.error_count;
+  p.rope = make_rope_table(a.plan, a.cos_sin);
   return p;
 }
 
@@ -473,21 +588,25 @@ unsigned ctas_for_warps(int64_t warps) { return static_cast<unsigned>((warps + k
 
 // The kernels' instances for a plan's pool size (4, 8 or 16: check_indexer_plan).
 using PrepareKernel = void (*)(PrepareParams);
-PrepareKernel prepare_kernel_for(int pool) {
+PrepareKernel prepare_kernel_for(int pool, bool rope) {
+  if (pool == 1) return rope ? prepare_kernel<1, true> : prepare_kernel<1, false>;
   return pool == 16 ? prepare_kernel<16> : pool == 8 ? prepare_kernel<8> : prepare_kernel<4>;
 }
 using PrefillKernel = void (*)(PrefillParams);
 PrefillKernel prefill_kernel_for(int pool) {
-  return pool == 16 ? prefill_kernel<16> : pool == 8 ? prefill_kernel<8> : prefill_kernel<4>;
+  return pool == 16 ? prefill_kernel<16> : pool == 8 ? prefill_kernel<8> : pool == 1 ? prefill_kernel<1> : prefill_kernel<4>;
 }
+
+// Rows of a prepare launch: H q heads, a k row and (pooled) a pool row per token.
+int64_t prepare_rows(const PrepareParams& p, int pool) { return int64_t(p.m) * (p.heads + (pool == 1 ? 1 : 2)); }
 
 }  // namespace
 
 Status indexer_prepare(const IndexerPrepareArgs& args, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_prepare(args));
   const PrepareParams p = make_prepare_params(args);
-  return launch_pdl(prepare_kernel_for(args.plan.pool), dim3(ctas_for_warps(int64_t(p.m) * (p.heads + 2))),
-                    dim3(kThreads), 0, stream, p);
+  return launch_pdl(prepare_kernel_for(args.plan.pool, args.plan.rope_dims > 0),
+                    dim3(ctas_for_warps(prepare_rows(p, args.plan.pool))), dim3(kThreads), 0, stream, p);
 }
 
 Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream) {
@@ -499,7 +618,8 @@ Status indexer_prefill(const IndexerPrefillArgs& args, cudaStream_t stream) {
   p.first_stashed = std::max<int64_t>(0, p.n - args.plan.ring);
   p.state = make_indexer_state_params(args.plan, args.state);
   p.error_count = args.error_count;
-  const int64_t items = p.n / args.plan.pool + (p.n - p.first_stashed);
+  p.rope = make_rope_table(args.plan, args.cos_sin);
+  const int64_t items = args.plan.pool == 1 ? p.n : p.n / args.plan.pool + (p.n - p.first_stashed);
   return launch_pdl(prefill_kernel_for(args.plan.pool), dim3(ctas_for_warps(items)), dim3(kThreads), 0, stream,
                     p);
 }

@@ -47,6 +47,27 @@ bool compress_and_write(const IndexerPlan& plan, IndexerStateHost& state, const 
   return true;
 }
 
+// Pool 1: `position`'s key from its LayerNormed k (BF16 [128]): RoPE of the
+// first R dims, Hadamard, quant, written at entry pos % block_size of its
+// page; false when the page is untrusted.
+bool write_token_key(const IndexerPlan& plan, IndexerStateHost& state, const IndexerParamsHost& params,
+                     int64_t request, int64_t position, const uint16_t* k_normed) {
+  const int64_t block = pool_block(plan, state, request, position);
+  if (block < 0) return false;
+  uint16_t k[kDim];
+  std::memcpy(k, k_normed, sizeof(k));
+  if (plan.rope_dims > 0) {
+    float cos[kDim / 2], sin[kDim / 2];
+    indexer_cos_sin(plan, params, position, cos, sin);
+    indexer_math::rope_row(k, plan.rope_dims, plan.rope_style == RopeStyle::kHalfSplit, cos, sin);
+  }
+  const int64_t entry = position % pools_per_page(plan);
+  uint8_t* page = state.k_cache + block * state.page_stride;
+  const float scale = indexer_math::hadamard_quantize(k, page + entry * kDim);
+  std::memcpy(page + pools_per_page(plan) * kDim + entry * 4, &scale, 4);
+  return true;
+}
+
 // e4m3 code -> value, exact.
 struct Fp8Table {
   float value[256];
@@ -76,6 +97,26 @@ float rank_value(float logit) { return std::isnan(logit) ? -std::numeric_limits<
 
 }  // namespace
 
+void indexer_cos_sin(const IndexerPlan& plan, const IndexerParamsHost& params, int64_t position, float* cos,
+                     float* sin) {
+  const int half = plan.rope_dims / 2;
+  const bool valid = position >= 0 && position < params.cos_sin_rows;
+  for (int i = 0; i < half; ++i) {
+    cos[i] = sin[i] = 0.0f;
+    if (!valid) continue;
+    const int64_t at = position * params.cos_sin_row_stride;
+    if (params.cos_sin_bf16) {
+      const uint16_t* row = static_cast<const uint16_t*>(params.cos_sin) + at;
+      cos[i] = num::bf16_to_float(row[i]);
+      sin[i] = num::bf16_to_float(row[half + i]);
+    } else {
+      const float* row = static_cast<const float*>(params.cos_sin) + at;
+      cos[i] = row[i];
+      sin[i] = row[half + i];
+    }
+  }
+}
+
 PoolEntry read_pool(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request, int64_t pool) {
   const int64_t block = pool_block(plan, state, request, pool);
   if (block < 0) return PoolEntry{nullptr, 0.0f};
@@ -95,10 +136,18 @@ Status indexer_prepare(const IndexerPlan& plan, const IndexerStepHost& step, con
   query->head_weights.assign(size_t(step.m) * heads, 0.0f);
   *errors = 0;
   for (int t = 0; t < step.m; ++t) {
-    // Step 2 for every token, padding too: it reads nothing but the token's own rows.
+    // Step 2 for every token, padding too: it reads nothing but the token's own
+    // rows (and its position's table row: zeros outside the table).
+    float cos[kDim / 2], sin[kDim / 2];
+    if (plan.rope_dims > 0) indexer_cos_sin(plan, params, step.positions[t], cos, sin);
     for (int h = 0; h < heads; ++h) {
       const size_t row = size_t(t) * heads + h;
-      const float scale = indexer_math::hadamard_quantize(step.index_q + row * kDim, &query->q_fp8[row * kDim]);
+      uint16_t q[kDim];
+      std::memcpy(q, step.index_q + row * kDim, sizeof(q));
+      if (plan.rope_dims > 0) {
+        indexer_math::rope_row(q, plan.rope_dims, plan.rope_style == RopeStyle::kHalfSplit, cos, sin);
+      }
+      const float scale = indexer_math::hadamard_quantize(q, &query->q_fp8[row * kDim]);
       query->head_weights[row] = indexer_math::fold_head_weight(step.head_weights[row], scale, heads);
     }
     const int64_t request = step.token_requests[t];
@@ -106,6 +155,10 @@ Status indexer_prepare(const IndexerPlan& plan, const IndexerStepHost& step, con
     const int64_t position = step.positions[t];
     uint16_t k[kDim];
     indexer_math::layernorm128(step.index_k + size_t(t) * kDim, params.k_norm_weight, params.k_norm_bias, k);
+    if (pool_size == 1) {  // no pooling: the token's own key, no ring
+      if (!write_token_key(plan, state, params, request, position, k)) ++*errors;
+      continue;
+    }
     const uint16_t* gate = step.gate + size_t(t) * kDim;
     if (position % pool_size == pool_size - 1) {
       const uint16_t* k_rows[kMaxPool];
@@ -141,6 +194,12 @@ Status indexer_prefill(const IndexerPlan& plan, const uint16_t* index_k, const u
     indexer_math::layernorm128(index_k + i * kDim, params.k_norm_weight, params.k_norm_bias, &k[i * kDim]);
   }
   *errors = 0;
+  if (plan.pool == 1) {  // every token's key, no ring
+    for (int64_t position = 0; position < n; ++position) {
+      if (!write_token_key(plan, state, params, request, position, &k[position * kDim])) ++*errors;
+    }
+    return Status();
+  }
   for (int64_t pool = 0; pool < n / plan.pool; ++pool) {
     const uint16_t* k_rows[kMaxPool];
     const uint16_t* gate_rows[kMaxPool];

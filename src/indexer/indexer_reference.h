@@ -29,8 +29,18 @@ struct IndexerStateHost {
 struct IndexerParamsHost {
   const float* k_norm_weight;  // [128]
   const float* k_norm_bias;    // [128]
-  const float* ape;            // [plan.pool, 128]
+  const float* ape;            // [plan.pool, 128] (unused with pool 1)
+  // plan.rope_dims > 0: the cos/sin table [cos_sin_rows, R] (row stride
+  // cos_sin_row_stride), F32 or BF16 bits.
+  const void* cos_sin = nullptr;
+  bool cos_sin_bf16 = false;
+  int64_t cos_sin_rows = 0, cos_sin_row_stride = 0;
 };
+
+// cos and sin [R / 2] of `position` from the table, zeros for a position
+// outside [0, rows).
+void indexer_cos_sin(const IndexerPlan& plan, const IndexerParamsHost& params, int64_t position, float* cos,
+                     float* sin);
 
 // One decode step's projections and token map, contiguous (H = plan.heads).
 struct IndexerStepHost {
@@ -65,7 +75,8 @@ struct PoolEntry {
 // table entry is outside [0, blocks) (untrusted: skipped).
 PoolEntry read_pool(const IndexerPlan& plan, const IndexerStateHost& state, int64_t request, int64_t pool);
 
-// Steps 1-4 for every token in token order; checks the batch first
+// Steps 1-4 for every token in token order (pool 1: LayerNorm, RoPE, the key
+// written at its position; q's heads rotated before their quant); checks the batch first
 // (check_indexer_batch). Writes state.ring and state.k_cache; `errors` counts
 // pool writes skipped for a block table entry outside [0, blocks).
 Status indexer_prepare(const IndexerPlan& plan, const IndexerStepHost& step, const IndexerParamsHost& params,

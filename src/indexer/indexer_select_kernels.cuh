@@ -249,7 +249,13 @@ __device__ void write_tail(const Params& p, int t, int64_t request, int64_t cont
 
 // Pool `pool` of the row at output index `index`: columns S index .. S index
 // + S - 1, as S / 4 16-byte stores (S and the row strides are multiples of 4).
+// Pool 1: one position and slot (column `index`).
 __device__ void write_pool(const Params& p, int t, int64_t request, int32_t pool, int index, StagedBlocks table) {
+  if (p.pool == 1) {
+    if (p.topk_positions != nullptr) p.topk_positions[t * p.topk_stride + index] = pool;
+    p.slots[t * p.slots_stride + index] = slot_of(p, request, pool, table);
+    return;
+  }
   const int32_t first = pool * p.pool;
   const int32_t slot = slot_of(p, request, first, table);  // a pool never straddles a block
   for (int j = 0; j < p.pool; j += 4) {
@@ -545,7 +551,7 @@ struct SelectShared {
   using Scan = cub::BlockScan<int, kSelectThreads>;
   typename Scan::TempStorage scan;
   unsigned int histogram[kMaxBins];
-  int32_t chosen[kIndexerMaxTopPools];  // the taken pools in column order
+  int32_t chosen[kIndexerMaxTopTokens];  // the taken pools in column order (up to 512 pools, 2048 tokens at pool 1)
   uint32_t prefix;  // the key digits chosen so far
   int remaining;    // pools still to take among those whose key starts with `prefix`
   int digit_count;  // pools whose key starts with `prefix` (after the last digit: equal to the threshold)

@@ -63,14 +63,14 @@ struct FakeArgs {
                make_tensor(fake_device_pointer(0x60000), DType::kBF16, {m, kDim}),
                make_tensor(static_cast<char*>(fake_device_pointer(0x60000)) + 0x1000, DType::kF32, {m, kHeads}),
                make_tensor(static_cast<char*>(fake_device_pointer(0x60000)) + 0x2000, DType::kBF16, {m, kDim}),
-               weight, bias, ape, positions, token_requests, state, workspace, nullptr};
+               weight, bias, ape, positions, token_requests, state, workspace, nullptr, TensorView()};
     select = {plan, positions, token_requests, state, workspace,
               make_tensor(fake_device_pointer(0x70000), DType::kI32, {m, kIndexerRowWidth}),
               make_tensor(fake_device_pointer(0x80000), DType::kI32, {m, kIndexerRowWidth}), nullptr};
     prefill = {plan,
                make_tensor(fake_device_pointer(0x90000), DType::kBF16, {4000, kDim}),
                make_tensor(fake_device_pointer(0xA0000), DType::kBF16, {4000, kDim}),
-               weight, bias, ape, 3, state, nullptr};
+               weight, bias, ape, 3, state, nullptr, TensorView()};
   }
 };
 
