@@ -4,7 +4,10 @@
 // copies), graph replay. Rows "select" (the default plan) and "select (exact
 // logits)" with params m, context; m distinct
 // requests, each with its own pages; inputs with the prepare step's
-// distributions (make_buffers). Rows "indexer projections (cuBLASLt, 4 GEMMs)"
+// distributions (make_buffers).
+// Rows "select dsv32" and "logits kernel alone (dsv32)": DeepSeek-V3.2's plan
+// (64 heads, pool 1, top-2048) at 32k and 128k, m = 1, 4, 8 (no CUB baseline).
+// Rows "indexer projections (cuBLASLt, 4 GEMMs)"
 // with params m, Q, D: indexer_project at glm5next's shapes, weights cold
 // (run_projections); beside each, "indexer projections (fused GEMV, one
 // launch)": indexer_project_gemv on the same buffers and weight rotation,
@@ -28,7 +31,6 @@ namespace dsa::bench {
 namespace {
 
 constexpr int kBlockSize = 256;
-constexpr int kPoolsPerPage = kBlockSize / kIndexerPoolSize;
 
 // A uniform in (0, 1] from (index, seed): splitmix64.
 __device__ float hashed_uniform(uint64_t index, uint64_t seed) {
@@ -61,12 +63,13 @@ Status fill_normal(void* data, size_t count, float sigma, uint64_t seed, bool co
 
 // Each page's P pool scales: powers of two 2^-9 .. 2^-7, as the prepare step
 // writes (2^ceil(log2(absmax / 448))).
-__global__ void fill_page_scales_kernel(uint8_t* cache, int64_t pages, int64_t page_bytes, uint64_t seed) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pages * kPoolsPerPage;
+__global__ void fill_page_scales_kernel(uint8_t* cache, int64_t pages, int64_t page_bytes, int64_t pools_per_page,
+                                        uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pages * pools_per_page;
        i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t page = i / kPoolsPerPage, pool = i % kPoolsPerPage;
+    const int64_t page = i / pools_per_page, pool = i % pools_per_page;
     const int exponent = -9 + static_cast<int>(hashed_uniform(i, seed) * 2.999f);
-    reinterpret_cast<float*>(cache + page * page_bytes + kPoolsPerPage * kIndexerDim)[pool] = ldexpf(1.0f, exponent);
+    reinterpret_cast<float*>(cache + page * page_bytes + pools_per_page * kIndexerDim)[pool] = ldexpf(1.0f, exponent);
   }
 }
 
@@ -82,14 +85,21 @@ struct Buffers {
 // of one request at positions context .. context + m - 1 (MTP draft tokens
 // after `context` cached tokens, as dsa-decode runs them: the last ones score
 // one pool more than a multiple of 8192).
-Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buffers* b) {
+// `shape`: heads, pool, top-k and ring of the plan (default: glm5next's; pool
+// 1: DeepSeek-V3.2's, no CUB baseline).
+Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buffers* b,
+                    const IndexerPlan& shape = IndexerPlan()) {
   b->m = m;
+  b->plan.heads = shape.heads;
+  b->plan.pool = shape.pool;
+  b->plan.topk = shape.topk;
+  b->plan.ring = shape.ring;
   b->plan.max_tokens = m;
   b->plan.max_context = drafts ? context + m : context;
   b->plan.block_size = kBlockSize;
   b->width = (b->plan.max_context + kBlockSize - 1) / kBlockSize;
   b->blocks = m * b->width;
-  b->page_bytes = kBlockSize / 4 * kIndexerPoolBytes;
+  b->page_bytes = indexer_page_bytes(b->plan);
   b->cache_bytes = b->blocks * b->page_bytes;
   b->copies = cold_copies(ctx, size_t(b->cache_bytes));
   // Inputs shaped like the prepare step's outputs, because the select's work
@@ -100,7 +110,7 @@ Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buf
   DSA_RETURN_IF_ERROR(b->k_cache.allocate(size_t(b->cache_bytes) * b->copies));
   DSA_RETURN_IF_ERROR(fill_normal(b->k_cache.get(), size_t(b->cache_bytes) * b->copies, 128.0f, 11, true, ctx.stream));
   fill_page_scales_kernel<<<1024, 256, 0, ctx.stream>>>(b->k_cache.as<uint8_t>(), b->blocks * b->copies,
-                                                        b->page_bytes, 13);
+                                                        b->page_bytes, indexer_pools_per_page(b->plan), 13);
   DSA_CUDA_RETURN(cudaGetLastError());
   std::vector<int32_t> table(size_t(m) * b->width);
   std::iota(table.begin(), table.end(), 0);
@@ -111,12 +121,14 @@ Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buf
   const int64_t workspace_bytes = indexer_workspace_layout(b->plan).bytes;
   DSA_RETURN_IF_ERROR(b->workspace.allocate(size_t(workspace_bytes)));
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(b->plan);
-  DSA_RETURN_IF_ERROR(fill_normal(b->workspace.as<uint8_t>() + layout.q_fp8, size_t(m) * kIndexerHeads * kIndexerDim,
+  DSA_RETURN_IF_ERROR(fill_normal(b->workspace.as<uint8_t>() + layout.q_fp8, size_t(m) * b->plan.heads * kIndexerDim,
                                   128.0f, 12, true, ctx.stream));
-  DSA_RETURN_IF_ERROR(fill_normal(b->workspace.as<uint8_t>() + layout.head_weights, size_t(m) * kIndexerHeads,
+  DSA_RETURN_IF_ERROR(fill_normal(b->workspace.as<uint8_t>() + layout.head_weights, size_t(m) * b->plan.heads,
                                   1.0f / 256, 14, false, ctx.stream));
-  DSA_RETURN_IF_ERROR(indexer_select_baseline_workspace_bytes(b->plan, &b->baseline_bytes));
-  DSA_RETURN_IF_ERROR(b->baseline_workspace.allocate(size_t(b->baseline_bytes)));
+  if (b->plan.pool > 1) {
+    DSA_RETURN_IF_ERROR(indexer_select_baseline_workspace_bytes(b->plan, &b->baseline_bytes));
+    DSA_RETURN_IF_ERROR(b->baseline_workspace.allocate(size_t(b->baseline_bytes)));
+  }
   std::vector<int64_t> positions(m, context - 1);
   std::vector<int32_t> requests(m, 0);
   if (drafts) {
@@ -128,8 +140,8 @@ Status make_buffers(const Context& ctx, int m, int64_t context, bool drafts, Buf
   DSA_CUDA_RETURN(cudaMemcpy(b->positions.get(), positions.data(), size_t(m) * 8, cudaMemcpyHostToDevice));
   DSA_RETURN_IF_ERROR(b->requests.allocate(size_t(m) * 4));
   DSA_CUDA_RETURN(cudaMemcpy(b->requests.get(), requests.data(), size_t(m) * 4, cudaMemcpyHostToDevice));
-  DSA_RETURN_IF_ERROR(b->topk.allocate(size_t(m) * kIndexerRowWidth * 4));
-  DSA_RETURN_IF_ERROR(b->slots.allocate(size_t(m) * kIndexerRowWidth * 4));
+  DSA_RETURN_IF_ERROR(b->topk.allocate(size_t(m) * indexer_row_width(b->plan) * 4));
+  DSA_RETURN_IF_ERROR(b->slots.allocate(size_t(m) * indexer_row_width(b->plan) * 4));
   DSA_CUDA_RETURN(cudaStreamSynchronize(ctx.stream));
   return Status();
 }
@@ -144,8 +156,8 @@ IndexerSelectArgs select_args(const Buffers& b, int i) {
   a.state.k_cache = make_tensor(b.k_cache.as<uint8_t>() + size_t(b.cache_bytes) * (i % b.copies), DType::kU8,
                                 {b.blocks, b.page_bytes});
   a.workspace = make_tensor(b.workspace.get(), DType::kU8, {indexer_workspace_layout(b.plan).bytes});
-  a.topk_positions = make_tensor(b.topk.get(), DType::kI32, {b.m, kIndexerRowWidth});
-  a.slots = make_tensor(b.slots.get(), DType::kI32, {b.m, kIndexerRowWidth});
+  a.topk_positions = make_tensor(b.topk.get(), DType::kI32, {b.m, indexer_row_width(b.plan)});
+  a.slots = make_tensor(b.slots.get(), DType::kI32, {b.m, indexer_row_width(b.plan)});
   return a;
 }
 
@@ -327,6 +339,30 @@ Status run(Context& ctx, Report& report) {
       row.note = "positions context .. context + m - 1 of request 0";
       report.add(row);
       Row logits_row{"logits kernel alone (drafts)", {{"m", m}, {"context", double(context)}}, logits_us};
+      report.add(logits_row);
+    }
+  }
+  // DeepSeek-V3.2's indexer (pool 1: a key per token, 64 heads, top-2048 tokens).
+  IndexerPlan dsv32;
+  dsv32.heads = 64;
+  dsv32.pool = 1;
+  dsv32.ring = 1;
+  dsv32.topk = 2048;
+  for (int64_t context : {32768, 131072}) {
+    for (int m : {1, 4, 8}) {
+      Buffers b;
+      DSA_RETURN_IF_ERROR(make_buffers(ctx, m, context, false, &b, dsv32));
+      double select_us = 0, logits_us = 0;
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select, &select_us));
+      DSA_RETURN_IF_ERROR(time_select(ctx, b, indexer_select_logits_only, &logits_us));
+      const double bytes = m * (double(context) * kIndexerPoolBytes + 64.0 * kIndexerDim + 64.0 * 4 +
+                                2.0 * indexer_row_width(b.plan) * 4);
+      const std::vector<std::pair<std::string, double>> params = {{"m", m}, {"context", double(context)}};
+      Row row{"select dsv32", params, select_us};
+      row.floor_us = floor_us(ctx, bytes);
+      row.note = "DeepSeek-V3.2: 64 heads, a key per token (pool 1), top-2048 tokens; FP32-accumulated logits";
+      report.add(row);
+      Row logits_row{"logits kernel alone (dsv32)", params, logits_us};
       report.add(logits_row);
     }
   }

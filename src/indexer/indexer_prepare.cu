@@ -46,6 +46,12 @@
 // and compresses the pool. The next min(n, RING) items stash the last tokens
 // in the ring.
 //
+// Pool 1 (DeepSeek-V3.2: no pooling): prepare_kernel<1, rope> has (H + 1) m
+// rows, the k row LayerNorms the token's k, rotates its first R dims by the
+// table row of its position, and writes its key (Hadamard, quant) at entry
+// pos % block_size of its page; q heads are rotated before their Hadamard.
+// prefill_kernel<1>: one warp per position. No ring, gate or ape.
+//
 // Untrusted device values: a token whose request is >= requests or whose
 // position is outside [0, min(max_context, width * block_size)) writes neither
 // ring nor K cache and is counted once (by kernel 1); a pool whose block
