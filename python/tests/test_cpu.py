@@ -440,7 +440,7 @@ def test_indexer_plan_carries_its_shape_and_derives_the_state_shapes():
     "fields, match",
     [
         (dict(heads=24), r"argument 'plan.heads': expected 16, 32 or 64 index heads, got 24"),
-        (dict(pool=2, ring=2), r"argument 'plan.pool': expected 4, 8 or 16 tokens per pool, got 2"),
+        (dict(pool=2, ring=2), r"argument 'plan.pool': expected 4, 8 or 16 tokens per pool, or 1 \(no pooling\), got 2"),
         (dict(topk=2050), r"argument 'plan.topk': expected a multiple of plan.pool = 4"),
         (dict(pool=8), r"argument 'plan.ring': expected 8 \(plan.pool"),  # the default RING 4 is no ring of pools of 8
     ],
