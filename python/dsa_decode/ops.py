@@ -41,6 +41,7 @@ from ._tensors import fp8_view, plain, stream_of
 HEAD_GEMV_SUMS = _C.HEAD_GEMV_SUMS  # head_gemv's sums and StagePlan.head_gemv_sums
 ATTENTION_PLANS = _C.ATTENTION_PLANS  # sparse_mla's plan and StagePlan.attention_plan
 INDEXER_LOGITS = _C.INDEXER_LOGITS  # IndexerPlan.logits and StagePlan.indexer_logits
+INDEXER_ROPE_STYLES = _C.INDEXER_ROPE_STYLES  # IndexerPlan.rope_style: ROPE_STYLES' names, its default first
 
 
 def qkv_rmsnorm(qkv, q_weight, kv_weight, eps: float, q_out, kv_out, *, stream=None) -> None:
@@ -190,18 +191,25 @@ def sparse_mla(
 
 @dataclass(frozen=True)
 class IndexerPlan:
-    """The glm5next indexer's fixed shapes (indexer.h IndexerPlan): the
+    """The DSA indexer's fixed shapes (indexer.h IndexerPlan): the
     largest step (max_tokens, 1..16) and context (max_context), the tail
-    ring (pool, or 2 * pool with draft tokens: indexer_ring_for), the KV
-    block size (a multiple of 128), the logits' sums: "fp32-accumulation"
-    (the default, the fastest: FP16 tensor cores, FP32 accumulation, within
-    indexer.h's bound) or "exact" (opt-in: FP64, logits and rows bitwise the
-    CPU reference's), and the shape, from the model config as vLLM reads it:
-    heads (index_n_heads: 16, 32 or 64), pool (index_kpool: 4, 8 or 16) and
-    topk (index_topk: a multiple of pool, at most 512 pools); the defaults
-    are glm5next's first shape, 32 / 4 / 2048. The selection is
-    deterministic either way (ties to the lower index). Checked at
-    construction: InvalidArgument names a bad field (plan.heads, ...)."""
+    ring (pool, or 2 * pool with draft tokens: indexer_ring_for; 1 with pool
+    1), the KV block size (a multiple of 128; of 64 with pool 1), the logits'
+    sums: "fp32-accumulation" (the default, the fastest: FP16 tensor cores,
+    FP32 accumulation, within indexer.h's bound) or "exact" (opt-in: FP64,
+    logits and rows bitwise the CPU reference's), and the shape, from the
+    model config as vLLM reads it: heads (index_n_heads: 16, 32 or 64), pool
+    (index_kpool: 4, 8 or 16; or 1, no pooling: DeepSeek-V3.2's indexer, a
+    key per token) and topk (index_topk: a multiple of pool, at most 512
+    pools; 1..2048 tokens with pool 1); with pool 1, rope_dims (R: 0, 16, 32,
+    64 or 128; V3.2's qk_rope_head_dim 64) and rope_style (one of
+    INDEXER_ROPE_STYLES, ROPE_STYLES' names: "half-split", the default and
+    vLLM's for V3.2, or "interleaved"): RoPE of the first R dims of every q
+    head and of k by the cos_sin table prepare and prefill then take. The
+    defaults are glm5next's first shape, 32 / 4 / 2048, no RoPE;
+    IndexerPlan.dsv32() is DeepSeek-V3.2's. The selection is deterministic
+    either way (ties to the lower index). Checked at construction:
+    InvalidArgument names a bad field (plan.heads, ..., rope_style)."""
 
     max_tokens: int = 16
     max_context: int = 131072
@@ -211,14 +219,26 @@ class IndexerPlan:
     heads: int = 32
     pool: int = 4
     topk: int = 2048
+    rope_dims: int = 0
+    rope_style: str = "half-split"
 
     def __post_init__(self):
         _C.check_indexer_plan(self._fields())
 
+    @classmethod
+    def dsv32(cls, max_tokens: int = 16, max_context: int = 131072, block_size: int = 64, **fields) -> "IndexerPlan":
+        """DeepSeek-V3.2's indexer (docs/indexer.md "DeepSeek-V3.2: pool 1"):
+        64 heads, no pooling, top-2048 tokens, no ring, RoPE of the first 64
+        dims half-split (vLLM's); block_size 64 (vLLM's for V3.2, DeepGEMM's
+        pages). Any field may be overridden."""
+        shape = dict(heads=64, pool=1, topk=2048, ring=1, rope_dims=64, rope_style="half-split")
+        shape.update(fields)
+        return cls(max_tokens=max_tokens, max_context=max_context, block_size=block_size, **shape)
+
     def _fields(self):
         # The extension's IndexerPlanFields, in its order.
         return (self.max_tokens, self.max_context, self.ring, self.block_size, self.logits, self.heads, self.pool,
-                self.topk)
+                self.topk, self.rope_dims, self.rope_style)
 
     def workspace_bytes(self) -> int:
         """Bytes of the uint8 workspace prepare writes and select reads."""
@@ -250,8 +270,23 @@ class IndexerPlan:
 
     @property
     def tokens_per_request(self) -> int:
-        """Tokens of one request a step may hold: ring - (pool - 1)."""
+        """Tokens of one request a step may hold: ring - (pool - 1); 16 (any step) with pool 1."""
         return self._shape()["tokens_per_request"]
+
+    def workspace_layout(self) -> dict:
+        """Byte offsets into the workspace (indexer_workspace_layout): q_fp8
+        [max_tokens, heads, 128] e4m3 codes, head_weights [max_tokens, heads]
+        f32 (the folded weights prepare writes), logits [max_tokens,
+        logits_stride] f32 (select writes them; logits_stride =
+        ceil(max_context / pool)), and bytes in all."""
+        shape = self._shape()
+        return {
+            "q_fp8": shape["q_fp8_offset"],
+            "head_weights": shape["head_weights_offset"],
+            "logits": shape["logits_offset"],
+            "logits_stride": shape["logits_stride"],
+            "bytes": self.workspace_bytes(),
+        }
 
 
 def indexer_ring_for(pool: int, tokens_per_request: int) -> int:
@@ -264,8 +299,10 @@ def indexer_ring_for(pool: int, tokens_per_request: int) -> int:
 class IndexerState:
     """The paged indexer state every step shares: block_table [requests,
     width] int32, ring [requests, 2, RING, 128] BF16 (k and gate of the tail
-    tokens), k_cache [blocks, plan.page_bytes] uint8 (block_size / pool pooled
-    FP8 keys and their scales, page by page)."""
+    tokens; None with pool 1, which keeps no ring), k_cache [blocks,
+    plan.page_bytes] uint8 (block_size / pool pooled FP8 keys, then their
+    FP32 scales, page by page; with pool 1 a key per token at entry
+    pos % block_size: vLLM's and DeepGEMM's V3.2 layout)."""
 
     block_table: Any
     ring: Any
@@ -328,6 +365,7 @@ def indexer_prepare(
     state: IndexerState,
     workspace,
     *,
+    cos_sin=None,
     error_count=None,
     stream=None,
 ) -> None:
@@ -338,7 +376,13 @@ def indexer_prepare(
     head_weights [m, H] f32 (indexer_project's outputs); positions [m]
     int64, token_requests [m] int32 (negative: padding); k_norm_weight,
     k_norm_bias [128] f32, ape [plan.pool, 128] f32; workspace: uint8
-    [plan.workspace_bytes()], 256-byte aligned, which indexer_select reads."""
+    [plan.workspace_bytes()], 256-byte aligned, which indexer_select reads.
+    Pool 1 (DeepSeek-V3.2): gate, ape and state.ring are not read (None is
+    fine); every token's key is written at its position; with plan.rope_dims
+    R > 0, cos_sin [rows >= plan.max_context, R] float32 or BF16
+    (rope_cos_sin_table of rope_preset_config("dsv32", "indexer"), uploaded)
+    rotates the first R dims of q's heads and of k (required: a missing or
+    bad table raises InvalidArgument naming 'cos_sin'; not read when R is 0)."""
     _C.indexer_prepare(
         plan._fields(),
         index_q,
@@ -347,12 +391,13 @@ def indexer_prepare(
         gate,
         plain(k_norm_weight),
         plain(k_norm_bias),
-        plain(ape),
+        None if ape is None else plain(ape),
         positions,
         token_requests,
         *state._args(),
         workspace,
         error_count,
+        cos_sin,
         stream_of(stream, index_q),
     )
 
@@ -424,22 +469,26 @@ def indexer_prefill(
     request: int,
     state: IndexerState,
     *,
+    cos_sin=None,
     error_count=None,
     stream=None,
 ) -> None:
     """Step 9: positions 0..n-1 of one request (index_k, gate [n, 128] BF16)
     into its pools and ring, so that decode continues at position n; the
-    same bytes as prepare token by token."""
+    same bytes as prepare token by token. Pool 1: gate, ape and state.ring
+    are not read (None is fine), a key per position; cos_sin as
+    indexer_prepare's (rows for positions 0..n-1 at least plan.max_context)."""
     _C.indexer_prefill(
         plan._fields(),
         index_k,
         gate,
         plain(k_norm_weight),
         plain(k_norm_bias),
-        plain(ape),
+        None if ape is None else plain(ape),
         int(request),
         *state._args(),
         error_count,
+        cos_sin,
         stream_of(stream, index_k),
     )
 

@@ -1,4 +1,5 @@
-// The glm5next indexer's plan and steps (indexer.h).
+// The DSA indexer's plan and steps (indexer.h): glm5next's pooled keys and
+// DeepSeek-V3.2's (pool 1, RoPE of the first rope_dims dims by a cos/sin table).
 
 #include <tuple>
 
@@ -10,8 +11,14 @@ namespace dsa_python {
 namespace {
 
 // dsa_decode.IndexerPlan as it crosses: (max_tokens, max_context, ring,
-// block_size, logits, heads, pool, topk), one argument of every indexer function.
-using IndexerPlanFields = std::tuple<int, int64_t, int, int, std::string, int, int, int>;
+// block_size, logits, heads, pool, topk, rope_dims, rope_style), one argument
+// of every indexer function.
+using IndexerPlanFields = std::tuple<int, int64_t, int, int, std::string, int, int, int, int, std::string>;
+
+// plan.rope_style by name: the names of ROPE_STYLES (bind_rope.cpp), in
+// IndexerPlan's order (its default, RopeStyle::kHalfSplit, first).
+constexpr dsa::Choice<dsa::RopeStyle> kIndexerRopeStyleChoices[] = {{dsa::RopeStyle::kHalfSplit, "half-split"},
+                                                                    {dsa::RopeStyle::kInterleaved, "interleaved"}};
 
 // The plan, checked (names first, then check_indexer_plan's rules).
 dsa::IndexerPlan indexer_plan(const IndexerPlanFields& fields) {
@@ -24,11 +31,14 @@ dsa::IndexerPlan indexer_plan(const IndexerPlanFields& fields) {
   plan.heads = std::get<5>(fields);
   plan.pool = std::get<6>(fields);
   plan.topk = std::get<7>(fields);
+  plan.rope_dims = std::get<8>(fields);
+  plan.rope_style = parse_choice(kIndexerRopeStyleChoices, std::get<9>(fields), "rope_style");
   throw_if_error(dsa::check_indexer_plan(plan));
   return plan;
 }
 
-dsa::IndexerState indexer_state(const Array& block_table, const Array& ring, const Array& k_cache) {
+// ring may be None: pool 1 keeps no ring (check_indexer_* name it when a pooled plan needs it).
+dsa::IndexerState indexer_state(const Array& block_table, const OptArray& ring, const Array& k_cache) {
   return dsa::IndexerState{to_view(block_table, "state.block_table"), to_view(ring, "state.ring"),
                            to_view(k_cache, "state.k_cache")};
 }
@@ -37,6 +47,7 @@ dsa::IndexerState indexer_state(const Array& block_table, const Array& ring, con
 
 void bind_indexer(nb::module_& m) {
   m.attr("INDEXER_LOGITS") = choice_names(dsa::kIndexerLogitsChoices);
+  m.attr("INDEXER_ROPE_STYLES") = choice_names(kIndexerRopeStyleChoices);
   m.def(
       "check_indexer_plan", [](const IndexerPlanFields& fields) { indexer_plan(fields); }, "plan"_a,
       "Raises InvalidArgument for a plan the indexer refuses (IndexerPlan checks itself at construction).");
@@ -54,10 +65,15 @@ void bind_indexer(nb::module_& m) {
         d["pools_per_page"] = dsa::indexer_pools_per_page(plan);
         d["page_bytes"] = dsa::indexer_page_bytes(plan);
         d["tokens_per_request"] = dsa::indexer_tokens_per_request(plan);
-        d["logits_stride"] = dsa::indexer_workspace_layout(plan).logits_stride;
+        const dsa::IndexerWorkspaceLayout layout = dsa::indexer_workspace_layout(plan);
+        d["logits_stride"] = layout.logits_stride;
+        d["q_fp8_offset"] = layout.q_fp8;
+        d["head_weights_offset"] = layout.head_weights;
+        d["logits_offset"] = layout.logits;
         return d;
       },
-      "plan"_a, "The shapes indexer.h derives from a checked plan (indexer_row_width, ...).");
+      "plan"_a,
+      "The shapes indexer.h derives from a checked plan (indexer_row_width, ..., indexer_workspace_layout's offsets).");
   m.def(
       "indexer_ring_for",
       [](int pool, int tokens_per_request) { return dsa::indexer_ring_for(pool, tokens_per_request); }, "pool"_a,
@@ -88,9 +104,10 @@ void bind_indexer(nb::module_& m) {
   m.def(
       "indexer_prepare",
       [](const IndexerPlanFields& plan, const Array& index_q, const Array& index_k, const Array& head_weights,
-         const Array& gate, const Array& k_norm_weight, const Array& k_norm_bias, const Array& ape,
-         const Array& positions, const Array& token_requests, const Array& block_table, const Array& ring_cache,
-         const Array& k_cache, const Array& workspace, const OptArray& error_count, uintptr_t stream) {
+         const OptArray& gate, const Array& k_norm_weight, const Array& k_norm_bias, const OptArray& ape,
+         const Array& positions, const Array& token_requests, const Array& block_table, const OptArray& ring_cache,
+         const Array& k_cache, const Array& workspace, const OptArray& error_count, const OptArray& cos_sin,
+         uintptr_t stream) {
         dsa::IndexerPrepareArgs args;
         args.plan = indexer_plan(plan);
         args.index_q = to_view(index_q, "index_q");
@@ -105,16 +122,17 @@ void bind_indexer(nb::module_& m) {
         args.state = indexer_state(block_table, ring_cache, k_cache);
         args.workspace = to_view(workspace, "workspace");
         args.error_count = to_counter(error_count, "error_count");
+        args.cos_sin = to_view(cos_sin, "cos_sin");
         launch_released([&] { return dsa::indexer_prepare(args, to_stream(stream)); });
       },
-      "plan"_a, "index_q"_a, "index_k"_a, "head_weights"_a, "gate"_a, "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a,
-      "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a, "workspace"_a,
-      "error_count"_a.none(), "stream"_a);
+      "plan"_a, "index_q"_a, "index_k"_a, "head_weights"_a, "gate"_a.none(), "k_norm_weight"_a, "k_norm_bias"_a,
+      "ape"_a.none(), "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a.none(), "k_cache"_a,
+      "workspace"_a, "error_count"_a.none(), "cos_sin"_a.none(), "stream"_a);
 
   m.def(
       "indexer_select",
       [](const IndexerPlanFields& plan, const Array& positions, const Array& token_requests, const Array& block_table,
-         const Array& ring_cache, const Array& k_cache, const Array& workspace, const Array& slots,
+         const OptArray& ring_cache, const Array& k_cache, const Array& workspace, const Array& slots,
          const OptArray& topk_positions, const OptArray& error_count, uintptr_t stream) {
         dsa::IndexerSelectArgs args;
         args.plan = indexer_plan(plan);
@@ -127,13 +145,13 @@ void bind_indexer(nb::module_& m) {
         args.error_count = to_counter(error_count, "error_count");
         launch_released([&] { return dsa::indexer_select(args, to_stream(stream)); });
       },
-      "plan"_a, "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a, "workspace"_a,
+      "plan"_a, "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a.none(), "k_cache"_a, "workspace"_a,
       "slots"_a, "topk_positions"_a.none(), "error_count"_a.none(), "stream"_a);
 
   m.def(
       "indexer_remap",
       [](const IndexerPlanFields& plan, const Array& positions, const Array& token_requests, const Array& block_table,
-         const Array& ring_cache, const Array& k_cache, const Array& topk_positions, const Array& slots,
+         const OptArray& ring_cache, const Array& k_cache, const Array& topk_positions, const Array& slots,
          const OptArray& error_count, uintptr_t stream) {
         dsa::IndexerRemapArgs args;
         args.plan = indexer_plan(plan);
@@ -145,14 +163,15 @@ void bind_indexer(nb::module_& m) {
         args.error_count = to_counter(error_count, "error_count");
         launch_released([&] { return dsa::indexer_remap(args, to_stream(stream)); });
       },
-      "plan"_a, "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a, "k_cache"_a, "topk_positions"_a,
+      "plan"_a, "positions"_a, "token_requests"_a, "block_table"_a, "ring_cache"_a.none(), "k_cache"_a, "topk_positions"_a,
       "slots"_a, "error_count"_a.none(), "stream"_a);
 
   m.def(
       "indexer_prefill",
-      [](const IndexerPlanFields& plan, const Array& index_k, const Array& gate, const Array& k_norm_weight,
-         const Array& k_norm_bias, const Array& ape, int request, const Array& block_table, const Array& ring_cache,
-         const Array& k_cache, const OptArray& error_count, uintptr_t stream) {
+      [](const IndexerPlanFields& plan, const Array& index_k, const OptArray& gate, const Array& k_norm_weight,
+         const Array& k_norm_bias, const OptArray& ape, int request, const Array& block_table,
+         const OptArray& ring_cache, const Array& k_cache, const OptArray& error_count, const OptArray& cos_sin,
+         uintptr_t stream) {
         dsa::IndexerPrefillArgs args;
         args.plan = indexer_plan(plan);
         args.index_k = to_view(index_k, "index_k");
@@ -163,10 +182,11 @@ void bind_indexer(nb::module_& m) {
         args.request = request;
         args.state = indexer_state(block_table, ring_cache, k_cache);
         args.error_count = to_counter(error_count, "error_count");
+        args.cos_sin = to_view(cos_sin, "cos_sin");
         launch_released([&] { return dsa::indexer_prefill(args, to_stream(stream)); });
       },
-      "plan"_a, "index_k"_a, "gate"_a, "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a, "request"_a, "block_table"_a,
-      "ring_cache"_a, "k_cache"_a, "error_count"_a.none(), "stream"_a);
+      "plan"_a, "index_k"_a, "gate"_a.none(), "k_norm_weight"_a, "k_norm_bias"_a, "ape"_a.none(), "request"_a,
+      "block_table"_a, "ring_cache"_a.none(), "k_cache"_a, "error_count"_a.none(), "cos_sin"_a.none(), "stream"_a);
 }
 
 }  // namespace dsa_python
