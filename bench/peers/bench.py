@@ -13,6 +13,11 @@
     vLLM cooperative_topk                 DeepGEMM's fp8_fp4_paged_mqa_logits then vLLM's
                                           cooperative_topk (the decode top-k vLLM 0.34 picks
                                           on SM90 for up to 64 rows of top-512)
+  indexer dsv32 vs DeepGEMM + vLLM top-k  our V3.2 indexer select (pool 1, 64 heads, top-2048 with the
+                                          remap to slots) against DeepGEMM's fp8_paged_mqa_logits then
+                                          vLLM's cooperative_topk (k 2048), the same K cache pages
+                                          (written by our prefill/prepare), q and weights
+                                          (bench/peers/indexer_v32.py)
 
 Inputs, both sides the same values:
   attention  q: e4m3 codes x q_scale (2^-5); KV: e4m3 codes x k_scale (2^-5), blocks of 256
@@ -60,6 +65,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import indexer_v32  # noqa: E402
 import peers  # noqa: E402
 import v32  # noqa: E402
 
@@ -652,13 +658,23 @@ def git_commit() -> str:
         return "unknown"
 
 
+def peers_wanted(skip: set, build_only: bool) -> list:
+    """The peers the selected sections run (--build-only: all of them). FlashMLA serves two
+    sections (attention: MODEL1, v32: V3.2), DeepGEMM and vLLM's top-k two (indexer: pooled,
+    indexer_v32: DeepSeek-V3.2): each wanted unless all of its sections are skipped."""
+    flashmla = "flashmla" not in skip and not {"attention", "v32"} <= skip
+    indexer = not {"indexer", "indexer_v32"} <= skip
+    return [p for p, needed in (("flashmla", flashmla), ("deepgemm", indexer), ("vllm_topk", indexer))
+            if build_only or needed]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "build-gpu/peers-out"), help="writes OUT/results/peers.json")
     ap.add_argument("--table", metavar="JSON", help="print the markdown table of a peers.json and exit")
     ap.add_argument("--peers-only", action="store_true", help="do not import dsa_decode (peers alone, checked against the float64 reference)")
     ap.add_argument("--build-only", action="store_true", help="build the peers and stop")
-    ap.add_argument("--skip", default="", help="comma list of what to skip: attention, v32, indexer (sections), flashmla, flashinfer (attention peers)")
+    ap.add_argument("--skip", default="", help="comma list of what to skip: attention, v32, indexer, indexer_v32 (sections), flashmla, flashinfer (attention peers)")
     ap.add_argument("--heads", default="8,64,128")
     ap.add_argument("--flashinfer-heads", default="8,64", help="the heads of --heads that FlashInfer also runs (glm5next: 64 at TP1, 8 at TP8)")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128")
@@ -666,6 +682,7 @@ def main() -> int:
     ap.add_argument("--v32-tokens", default="1,2,4,8,16,64,128", help="m of the dsv32 rows")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--index-tokens", default="1,2,4,8,16")
+    ap.add_argument("--v32-index-tokens", default="1,4,8", help="m of the indexer dsv32 rows (at each of --contexts)")
     ap.add_argument("--replays", type=int, default=50)
     args = ap.parse_args()
 
@@ -681,12 +698,7 @@ def main() -> int:
     commits = {"flashmla": pin("flashmla"), "deepgemm": pin("deepgemm"), "vllm": pin("vllm-topk"), "flashinfer": pin("flashinfer")}
     skip = set(filter(None, args.skip.split(",")))
     before = peers.build_listing()
-    # Build only the peers the selected sections run (--build-only: all of them).
-    # FlashMLA serves two sections (attention: MODEL1, v32: V3.2): wanted unless both are skipped.
-    flashmla_wanted = "flashmla" not in skip and not {"attention", "v32"} <= skip
-    wanted = [p for p, needed in (("flashmla", flashmla_wanted), ("deepgemm", "indexer" not in skip),
-                                  ("vllm_topk", "indexer" not in skip))
-              if args.build_only or needed]
+    wanted = peers_wanted(skip, args.build_only)
     errors = peers.build_all(wanted)
     for p, e in errors.items():
         log(f"[peers] {p}: {'ready' if not e else e}")
@@ -766,6 +778,16 @@ def main() -> int:
                 rows, log=lambda row: log(one_line(row)))
     if "indexer" not in skip:
         run_indexer(args, dsa, dg, dg_error, vt, vt_error, commits, rows)
+    if "indexer_v32" not in skip:
+        env = indexer_v32.Env(
+            device="cuda", time=time_graph, rotations_for=rotations_for,
+            ops=dsa.ops if dsa is not None else None, deepgemm=dg, topk=vt, peer_error=dg_error or vt_error,
+            commits={"deepgemm": commits["deepgemm"], "vllm": commits["vllm"]}, replays=args.replays,
+            num_sms=dg.get_num_sms() if dg is not None else 0,
+        )
+        indexer_v32.run(env, [int(c) for c in args.contexts.split(",") if c],
+                        [int(m) for m in args.v32_index_tokens.split(",") if m], rows,
+                        log=lambda row: log(one_line(row)))
 
     report = make_report(list(rows))
     packed = peers.pack_build(out, before)
