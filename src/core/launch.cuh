@@ -88,4 +88,25 @@ Status launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t s
   return launch_pdl_with(kernel, grid, block, shared_bytes, stream, nullptr, std::forward<Args>(args)...);
 }
 
+// cudaOccupancyMaxActiveClusters for `kernel` launched as grid x block with
+// shared_bytes of dynamic shared memory in clusters of cluster_x CTAs along
+// x: the clusters the device holds at once, into *clusters. The CUDA error
+// is the caller's to judge (a part that cannot answer may mean 0 clusters).
+template <class... KernelArgs>
+cudaError_t occupancy_max_active_clusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
+                                          unsigned cluster_x, int* clusters) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = cluster_x;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaOccupancyMaxActiveClusters(clusters, kernel, &config);
+}
+
 }  // namespace dsa

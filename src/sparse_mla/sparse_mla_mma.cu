@@ -111,7 +111,7 @@ static_assert(sizeof(float) * kHeads * kLatent <= sizeof(SharedStorage::tile), "
 
 // Byte address of 16-byte unit `unit` (0..63) of tile row `row`.
 __device__ __forceinline__ uint32_t tile_unit(uint32_t tile, int row, int unit) {
-  return tile + row * (kLatent * 2) + ((unit ^ (row % 8)) * 16);
+  return swizzled_tile_unit<kLatent * 2>(tile, row, unit);
 }
 
 __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMlaParams p, const int rows_per_split) {
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
     s.row_offset[j] = sparse_mla_row_offset(p, slot);
     out_of_range += slot >= p.capacity;
   }
-  if (group == 0) sparse_mla_count_out_of_range(p, out_of_range, lane);
+  if (group == 0) count_out_of_range(p, out_of_range, lane);
   if (threadIdx.x < kHeads * (kLatent / 16)) {
     const int h = threadIdx.x / (kLatent / 16), unit = threadIdx.x % (kLatent / 16);
     uint4 codes = make_uint4(0, 0, 0, 0);
@@ -250,31 +250,11 @@ __global__ void __launch_bounds__(kThreads) sparse_mla_mma_kernel(const SparseMl
       };
       const float score0 = valid(2 * lane) ? raw0 * score_scale : -INFINITY;
       const float score1 = valid(2 * lane + 1) ? raw1 * score_scale : -INFINITY;
-      float chunk_max = max_propagating_nan(score0, score1);
-#pragma unroll
-      for (int offset = 16; offset >= 1; offset /= 2) {
-        chunk_max = max_propagating_nan(chunk_max, __shfl_xor_sync(0xFFFFFFFFu, chunk_max, offset));
-      }
-      const float old_max = s.run_max[h];
-      const float new_max = max_propagating_nan(old_max, chunk_max);
-      float rescale = 1.0f, p0 = 0.0f, p1 = 0.0f;  // no valid entry yet: nothing to weigh
-      if (new_max != -INFINITY) {
-        rescale = exp2f(old_max - new_max);  // 0 when old_max = -inf
-        p0 = exp2f(score0 - new_max);
-        p1 = exp2f(score1 - new_max);
-      }
-      const __half2 probs = __floats2half2_rn(p0, p1);
+      const OnlineSoftmaxStep step = online_softmax_step(score0, score1, &s.run_max[h]);
+      const __half2 probs = __floats2half2_rn(step.p0, step.p1);
       *reinterpret_cast<__half2*>(&s.probs[h][2 * lane]) = probs;
       const float2 rounded = __half22float2(probs);
-      float chunk_sum = rounded.x + rounded.y;
-#pragma unroll
-      for (int offset = 16; offset >= 1; offset /= 2) chunk_sum += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum, offset);
-      __syncwarp();  // every lane has read run_max[h]
-      if (lane == 0) {
-        s.run_max[h] = new_max;
-        s.run_sum[h] = fmaf(s.run_sum[h], rescale, chunk_sum);
-        s.rescale[h] = rescale;
-      }
+      online_softmax_commit(s, h, lane, step, warp_sum(rounded.x + rounded.y));  // the sum of the rounded p
     }
     __syncthreads();
 
@@ -474,18 +454,8 @@ Status sparse_mla_max_active_clusters(const SparseMlaSplitPlan& plan, int heads,
     (void)cudaGetLastError();
     return Status();
   }
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = plan.splits;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(plan.splits, plan.head_groups, 1);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = sizeof(SharedStorage);
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  if (cudaOccupancyMaxActiveClusters(clusters, sparse_mla_mma_kernel, &config) != cudaSuccess) {
+  if (occupancy_max_active_clusters(sparse_mla_mma_kernel, dim3(plan.splits, plan.head_groups, 1), dim3(kThreads),
+                                    sizeof(SharedStorage), unsigned(plan.splits), clusters) != cudaSuccess) {
     (void)cudaGetLastError();
     *clusters = 0;
   }

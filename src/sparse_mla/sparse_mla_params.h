@@ -1,7 +1,8 @@
 // What every sparse MLA kernel shares (CUDA sources only): the raw-pointer
 // parameters, filled from the checked SparseMlaArgs
 // (include/dsa_decode/sparse_mla.h) by one function, so the kernels agree on
-// how a view becomes addresses, and the device helpers both use.
+// how a view becomes addresses, and the device helpers both use (those that
+// sparse_mla_v32 shares too are in sparse_mla_common.cuh).
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cstdint>
 
 #include "dsa_decode/sparse_mla.h"
+#include "sparse_mla/sparse_mla_common.cuh"
 
 namespace dsa {
 
@@ -71,13 +73,9 @@ inline SparseMlaParams sparse_mla_params(const SparseMlaArgs &a) {
   return p;
 }
 
-// max that returns NaN when either operand is NaN (fmaxf would drop it): the
-// softmax maximum that carries NaN scores through, as the contract says.
-__device__ __forceinline__ float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
-
 // The cache block of slot (0 <= slot), by shift or by division.
 __host__ __device__ inline int32_t sparse_mla_block_of(const SparseMlaParams& p, int32_t slot) {
-  return p.block_shift >= 0 ? int32_t(uint32_t(slot) >> p.block_shift) : slot / p.block_size;
+  return paged_block_of(slot, p.block_shift, p.block_size);
 }
 
 // The byte offset of slot's cache row from p.cache, -1 for a slot outside
@@ -88,20 +86,5 @@ __host__ __device__ inline int64_t sparse_mla_row_offset(const SparseMlaParams& 
   return block * p.cache_block_stride + int64_t(slot - block * p.block_size) * p.cache_entry_stride;
 }
 
-#ifdef __CUDACC__
-// Adds a warp's count of index entries past the cache to p.error_count (lane
-// 0, one atomic). Only the CTAs of head group 0 call it, so each entry of a
-// row counts once, not once per head group.
-__device__ __forceinline__ void sparse_mla_count_out_of_range(const SparseMlaParams& p, unsigned int out_of_range,
-                                                              int lane) {
-  if (p.error_count == nullptr) return;
-  out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
-  if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
-}
-#endif
-
-// The softmax runs in base 2: scores scaled by log2(e), the lse back by ln(2).
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 }  // namespace dsa

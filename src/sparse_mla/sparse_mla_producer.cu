@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
     s.row_offset16[j] = offset >= 0 ? static_cast<uint32_t>(offset >> 4) : kNoRow;  // the launch checked the span
     mark_valid_rows(s.valid_rows, j, offset >= 0, lane);
   }
-  if (group == 0) sparse_mla_count_out_of_range(p, out_of_range, lane);
+  if (group == 0) count_out_of_range(p, out_of_range, lane);
   __syncthreads();  // offsets and masks
   // The chunks with a valid entry, in order: every warp counts them (two
   // ballots), warp 0 lists them.

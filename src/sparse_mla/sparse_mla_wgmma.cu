@@ -309,7 +309,7 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
     }
     mark_valid_rows(s.valid_rows, j, offset >= 0, lane);
   }
-  if (group == 0) sparse_mla_count_out_of_range(p, out_of_range, lane);
+  if (group == 0) count_out_of_range(p, out_of_range, lane);
 
   __syncthreads();  // row offsets and masks
   // The chunks with a valid entry: bit n of `listed` for this CTA's chunk n,
@@ -936,19 +936,9 @@ Status residency(int cluster_size, int* ctas, int* clusters) {
       clustered, cluster_size,
       [&](int* answer) {
         if (cluster_size > 8) DSA_RETURN_IF_ERROR(allow_non_portable_clusters(clustered, "sparse_mla_wgmma"));
-        cudaLaunchAttribute attribute[1];
-        attribute[0].id = cudaLaunchAttributeClusterDimension;
-        attribute[0].val.clusterDim.x = cluster_size;
-        attribute[0].val.clusterDim.y = 1;
-        attribute[0].val.clusterDim.z = 1;
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(cluster_size, 1, 1);
-        config.blockDim = dim3(kThreads);
-        config.dynamicSmemBytes = kSharedBytes;
-        config.attrs = attribute;
-        config.numAttrs = 1;
-        DSA_CUDA_RETURN(
-            cudaOccupancyMaxActiveClusters(answer, sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>, &config));
+        DSA_CUDA_RETURN(occupancy_max_active_clusters(sparse_mla_wgmma_kernel<Meeting::kClusterBarrier>,
+                                                      dim3(cluster_size, 1, 1), dim3(kThreads), kSharedBytes,
+                                                      unsigned(cluster_size), answer));
         return Status();
       },
       clusters);

@@ -58,6 +58,7 @@
 #include "core/mma.cuh"
 #include "core/shared_memory.h"
 #include "dsa_decode/numerics.h"
+#include "sparse_mla/sparse_mla_common.cuh"
 #include "sparse_mla_v32/sparse_mla_v32_format.h"
 #include "sparse_mla_v32/sparse_mla_v32_plan.h"
 
@@ -91,8 +92,6 @@ constexpr int kScoreStride = kChunkRows + 4;  // floats
 constexpr int kProbStride = kChunkRows + 8;   // halves: 144-byte rows, conflict-free ldmatrix
 constexpr int kVectorsPerHead = kLatent / 8;
 constexpr int kVectors = kHeads * kVectorsPerHead;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 static_assert(kWarps == kHeads && kWarps == 4 * kGroups, "warp h softmaxes head h; 4 row tiles x 4 groups score");
 static_assert(kDimTiles == 2 && kGroupSize % kDimsPerWarp == 0, "a P.V warp's dims lie in one group");
 static_assert(kEntryUnits - 32 <= 32 && kEntryUnits > 32, "an entry's units: lane l and 32 + l");
@@ -152,17 +151,15 @@ static_assert(sizeof(float) * kHeads * kLatent <= sizeof(SharedStorage::tile), "
 static_assert(sizeof(SharedStorage) <= 227 * 1024, "one CTA per SM within Hopper's 227 KiB");
 
 __device__ __forceinline__ uint32_t tile_unit(uint32_t tile, int row, int unit) {
-  return tile + row * (kTileUnits * 16) + ((unit ^ (row % 8)) * 16);
+  return swizzled_tile_unit<kTileUnits * 16>(tile, row, unit);
 }
-
-__device__ __forceinline__ float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
 __device__ __forceinline__ bool bf16_pair_finite(uint32_t pair) {
   return (pair & 0x7F80u) != 0x7F80u && (pair & 0x7F800000u) != 0x7F800000u;
 }
 
 __device__ __forceinline__ int32_t block_of(const Params& p, int32_t slot) {
-  return p.block_shift >= 0 ? int32_t(uint32_t(slot) >> p.block_shift) : slot / p.block_size;
+  return paged_block_of(slot, p.block_shift, p.block_size);
 }
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -197,10 +194,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_v32_kernel(const Param
     s.row_slot[j] = (slot >= 0 && slot < p.capacity) ? slot : -1;
     out_of_range += slot >= p.capacity;
   }
-  if (group == 0 && p.error_count != nullptr) {  // each entry counted once, not once per head group
-    out_of_range = __reduce_add_sync(0xFFFFFFFFu, out_of_range);
-    if (lane == 0 && out_of_range != 0) atomicAdd(p.error_count, out_of_range);
-  }
+  if (group == 0) count_out_of_range(p, out_of_range, lane);
   for (int i = threadIdx.x; i < kHeads * kTileUnits; i += kThreads) {
     const int h = i / kTileUnits, unit = i % kTileUnits;
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -384,22 +378,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_v32_kernel(const Param
       const bool q_bad = s.q_bad[h] != 0;
       const float score0 = !valid0 ? -INFINITY : (q_bad || s.row_bad[2 * lane]) ? NAN : raw0 * score_scale;
       const float score1 = !valid1 ? -INFINITY : (q_bad || s.row_bad[2 * lane + 1]) ? NAN : raw1 * score_scale;
-      float chunk_max = max_propagating_nan(score0, score1);
-#pragma unroll
-      for (int offset = 16; offset >= 1; offset /= 2) {
-        chunk_max = max_propagating_nan(chunk_max, __shfl_xor_sync(0xFFFFFFFFu, chunk_max, offset));
-      }
-      const float old_max = s.run_max[h];
-      const float new_max = max_propagating_nan(old_max, chunk_max);
-      float rescale = 1.0f, p0 = 0.0f, p1 = 0.0f;  // no valid entry yet: nothing to weigh
-      if (new_max != -INFINITY) {
-        rescale = exp2f(old_max - new_max);  // 0 when old_max = -inf
-        p0 = exp2f(score0 - new_max);
-        p1 = exp2f(score1 - new_max);
-      }
-      float chunk_sum = p0 + p1;
-#pragma unroll
-      for (int offset = 16; offset >= 1; offset /= 2) chunk_sum += __shfl_xor_sync(0xFFFFFFFFu, chunk_sum, offset);
+      const OnlineSoftmaxStep step = online_softmax_step(score0, score1, &s.run_max[h]);
+      const float p0 = step.p0, p1 = step.p1;
+      const float chunk_sum = warp_sum(p0 + p1);
 #pragma unroll
       for (int q = 0; q < kGroups; ++q) {
         const float w0 = p0 * s.row_scale[2 * lane][q], w1 = p1 * s.row_scale[2 * lane + 1][q];
@@ -415,12 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_v32_kernel(const Param
         *reinterpret_cast<__half2*>(&s.probs[q][h][2 * lane]) = __floats2half2_rn(w0 * inverse, w1 * inverse);
         if (lane == 0) s.group_max[q][h] = group_max;
       }
-      __syncwarp();  // every lane has read run_max[h]
-      if (lane == 0) {
-        s.run_max[h] = new_max;
-        s.run_sum[h] = fmaf(s.run_sum[h], rescale, chunk_sum);
-        s.rescale[h] = rescale;
-      }
+      online_softmax_commit(s, h, lane, step, chunk_sum);
     }
     __syncthreads();
 
@@ -638,18 +614,8 @@ Status sparse_mla_v32_max_active_clusters(int splits, int* clusters) {
       (void)cudaGetLastError();
       return Status();
     }
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = splits;
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(splits, 1, 1);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = sizeof(SharedStorage);
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(answer, sparse_mla_v32_kernel, &config) != cudaSuccess) {
+    if (occupancy_max_active_clusters(sparse_mla_v32_kernel, dim3(splits, 1, 1), dim3(kThreads), sizeof(SharedStorage),
+                                      unsigned(splits), answer) != cudaSuccess) {
       (void)cudaGetLastError();
       *answer = 0;
     }
