@@ -12,9 +12,94 @@
 
 #include "dsa_decode/sparse_mla.h"
 #include "core/shared_memory.h"
+#include "sparse_mla/sparse_mla_checks.h"
 #include "sparse_mla/sparse_mla_plan.h"
 
 namespace dsa {
+
+std::string check_range_text(int64_t low, int64_t high) {
+  return std::to_string(low) + ".." + std::to_string(high);
+}
+
+Status check_query_layout(const TensorView& q, int64_t width, int64_t max_tokens, int64_t max_heads,
+                          int64_t multiple) {
+  const int64_t m = q.size(0), heads = q.size(1);
+  if (m < 1 || m > max_tokens) {
+    return invalid_argument("q", check_range_text(1, max_tokens) + " tokens in dim 0", q.describe());
+  }
+  if (heads < 1 || heads > max_heads) {
+    return invalid_argument("q", check_range_text(1, max_heads) + " heads in dim 1", q.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_stride(q, "q", 2, 1));
+  // A size-1 dimension's stride is never used (tensor.h): one token's goes
+  // unchecked, and a token of one head spans just the head's width.
+  const int64_t q_head_stride = heads > 1 ? q.stride(1) : width;
+  if ((heads > 1 && (q_head_stride % multiple != 0 || q_head_stride < width)) ||
+      (m > 1 && (q.stride(0) % multiple != 0 || q.stride(0) < heads * q_head_stride))) {
+    return invalid_argument(
+        "q", "head and token strides that are multiples of " + std::to_string(multiple) + " and do not overlap",
+        q.describe());
+  }
+  return check_aligned(q, "q", 16);
+}
+
+Status check_paged_cache_layout(const TensorView& c, int64_t width) {
+  if (c.size(0) < 1 || c.size(1) < 1) {
+    return invalid_argument("kv_cache", "at least one block of at least one entry", c.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_stride(c, "kv_cache", 2, 1));
+  // Likewise one block's stride, and a block of one entry spans just the entry's width.
+  const int64_t blocks = c.size(0), block_size = c.size(1);
+  const int64_t entry_stride = block_size > 1 ? c.stride(1) : width;
+  if ((block_size > 1 && (entry_stride % 16 != 0 || entry_stride < width)) ||
+      (blocks > 1 && (c.stride(0) % 16 != 0 || c.stride(0) < block_size * entry_stride))) {
+    return invalid_argument("kv_cache", "entry and block strides that are multiples of 16 and do not overlap",
+                            c.describe());
+  }
+  return check_aligned(c, "kv_cache", 16);
+}
+
+Status check_index_rows(const TensorView& indices, int64_t m, int64_t max_top_k) {
+  DSA_RETURN_IF_ERROR(check_dtype(indices, "indices", DType::kI32));
+  DSA_RETURN_IF_ERROR(check_shape(indices, "indices", {m, -1}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(indices, "indices"));
+  const int64_t top_k = indices.size(1);
+  if (top_k < 1 || top_k > max_top_k) {
+    return invalid_argument("indices", check_range_text(1, max_top_k) + " entries per token in dim 1",
+                            indices.describe());
+  }
+  DSA_RETURN_IF_ERROR(check_stride(indices, "indices", 1, 1));
+  if (m > 1 && indices.stride(0) < top_k) {
+    return invalid_argument("indices", "a token stride of at least K (rows do not overlap)", indices.describe());
+  }
+  return check_aligned(indices, "indices", 4);
+}
+
+Status check_softmax_scale(float softmax_scale) {
+  if (!std::isfinite(softmax_scale) || !(softmax_scale > 0.0f)) {
+    return invalid_argument("softmax_scale", "a finite value > 0", std::to_string(softmax_scale));
+  }
+  return Status();
+}
+
+Status check_lse(const TensorView& lse, int64_t m, int64_t heads) {
+  DSA_RETURN_IF_ERROR(check_dtype(lse, "lse", DType::kF32));
+  DSA_RETURN_IF_ERROR(check_shape(lse, "lse", {m, heads}));
+  DSA_RETURN_IF_ERROR(check_on_cuda(lse, "lse"));
+  DSA_RETURN_IF_ERROR(check_aligned(lse, "lse", 4));
+  if (!lse.is_contiguous()) return invalid_argument("lse", "a contiguous tensor", lse.describe());
+  return Status();
+}
+
+Status check_written_disjoint(const std::vector<std::pair<const TensorView*, const char*>>& written,
+                              const std::vector<std::pair<const TensorView*, const char*>>& arguments) {
+  for (const auto& [out, out_name] : written) {
+    for (const auto& [other, other_name] : arguments) {
+      if (other != out) DSA_RETURN_IF_ERROR(check_no_overlap(*out, out_name, *other, other_name));
+    }
+  }
+  return Status();
+}
 
 int64_t sparse_mla_split_counter_count(int64_t m, int64_t heads, int64_t /*top_k*/) { return m * heads; }
 
@@ -46,8 +131,6 @@ Status check_split_partials(const TensorView& partials, int64_t count) {
   return check_aligned(partials, "split_partials", 16);
 }
 
-std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".." + std::to_string(high); }
-
 constexpr int64_t kWgmmaHeads = 64;  // heads per CTA of the 64-head kernels
 
 // The key under which the 8-head kernel's cluster occupancy is kept per
@@ -68,60 +151,18 @@ Status check_sparse_mla_against(const SparseMlaArgs& a,
   DSA_RETURN_IF_ERROR(check_shape(a.q, "q", {-1, -1, L}));
   DSA_RETURN_IF_ERROR(check_on_cuda(a.q, "q"));
   const int64_t m = a.q.size(0), heads = a.q.size(1);
-  if (m < 1 || m > kSparseMlaMaxTokens) {
-    return invalid_argument("q", range(1, kSparseMlaMaxTokens) + " tokens in dim 0", a.q.describe());
-  }
-  if (heads < 1 || heads > kSparseMlaMaxHeads) {
-    return invalid_argument("q", range(1, kSparseMlaMaxHeads) + " heads in dim 1", a.q.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_stride(a.q, "q", 2, 1));
-  // A size-1 dimension's stride is never used (tensor.h): one token's goes
-  // unchecked, and a token of one head spans just the head's width.
-  const int64_t q_head_stride = heads > 1 ? a.q.stride(1) : L;
-  if ((heads > 1 && (q_head_stride % 16 != 0 || q_head_stride < L)) ||
-      (m > 1 && (a.q.stride(0) % 16 != 0 || a.q.stride(0) < heads * q_head_stride))) {
-    return invalid_argument("q", "head and token strides that are multiples of 16 and do not overlap",
-                            a.q.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(a.q, "q", 16));
+  DSA_RETURN_IF_ERROR(check_query_layout(a.q, L, kSparseMlaMaxTokens, kSparseMlaMaxHeads, 16));  // e4m3: 16 bytes
   DSA_RETURN_IF_ERROR(check_scale(a.q_scale, "q_scale"));
 
   DSA_RETURN_IF_ERROR(check_dtype(a.kv_cache, "kv_cache", DType::kFP8E4M3));
   DSA_RETURN_IF_ERROR(check_shape(a.kv_cache, "kv_cache", {-1, -1, L}));
   DSA_RETURN_IF_ERROR(check_on_cuda(a.kv_cache, "kv_cache"));
-  const TensorView& c = a.kv_cache;
-  if (c.size(0) < 1 || c.size(1) < 1) {
-    return invalid_argument("kv_cache", "at least one block of at least one entry", c.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_stride(c, "kv_cache", 2, 1));
-  // Likewise one block's stride, and a block of one entry spans just the entry's width.
-  const int64_t blocks = c.size(0), block_size = c.size(1);
-  const int64_t entry_stride = block_size > 1 ? c.stride(1) : L;
-  if ((block_size > 1 && (entry_stride % 16 != 0 || entry_stride < L)) ||
-      (blocks > 1 && (c.stride(0) % 16 != 0 || c.stride(0) < block_size * entry_stride))) {
-    return invalid_argument("kv_cache", "entry and block strides that are multiples of 16 and do not overlap",
-                            c.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(c, "kv_cache", 16));
+  DSA_RETURN_IF_ERROR(check_paged_cache_layout(a.kv_cache, L));
   DSA_RETURN_IF_ERROR(check_scale(a.k_scale, "k_scale"));
 
-  DSA_RETURN_IF_ERROR(check_dtype(a.indices, "indices", DType::kI32));
-  DSA_RETURN_IF_ERROR(check_shape(a.indices, "indices", {m, -1}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(a.indices, "indices"));
+  DSA_RETURN_IF_ERROR(check_index_rows(a.indices, m, kSparseMlaMaxTopK));
   const int64_t top_k = a.indices.size(1);
-  if (top_k < 1 || top_k > kSparseMlaMaxTopK) {
-    return invalid_argument("indices", range(1, kSparseMlaMaxTopK) + " entries per token in dim 1",
-                            a.indices.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_stride(a.indices, "indices", 1, 1));
-  if (m > 1 && a.indices.stride(0) < top_k) {
-    return invalid_argument("indices", "a token stride of at least K (rows do not overlap)", a.indices.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(a.indices, "indices", 4));
-
-  if (!std::isfinite(a.softmax_scale) || !(a.softmax_scale > 0.0f)) {
-    return invalid_argument("softmax_scale", "a finite value > 0", std::to_string(a.softmax_scale));
-  }
+  DSA_RETURN_IF_ERROR(check_softmax_scale(a.softmax_scale));
 
   if (a.plan != SparseMlaPlan::kAuto && a.plan != SparseMlaPlan::kBatchInvariant) {
     return invalid_argument("plan", "SparseMlaPlan::kAuto (0) or kBatchInvariant (1)",
@@ -131,11 +172,7 @@ Status check_sparse_mla_against(const SparseMlaArgs& a,
   // The layout head_gemv's x takes, so that the latent feeds W_UV directly.
   DSA_RETURN_IF_ERROR(check_head_rows(a.latent, "latent", DType::kBF16, m, heads, L));
 
-  DSA_RETURN_IF_ERROR(check_dtype(a.lse, "lse", DType::kF32));
-  DSA_RETURN_IF_ERROR(check_shape(a.lse, "lse", {m, heads}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(a.lse, "lse"));
-  DSA_RETURN_IF_ERROR(check_aligned(a.lse, "lse", 4));
-  if (!a.lse.is_contiguous()) return invalid_argument("lse", "a contiguous tensor", a.lse.describe());
+  DSA_RETURN_IF_ERROR(check_lse(a.lse, m, heads));
 
   DSA_RETURN_IF_ERROR(check_dtype(a.split_counters, "split_counters", DType::kI32));
   DSA_RETURN_IF_ERROR(check_shape(a.split_counters, "split_counters", {-1}));
@@ -167,12 +204,7 @@ Status check_sparse_mla_against(const SparseMlaArgs& a,
       {&a.k_scale, "k_scale"}, {&a.indices, "indices"}, {&a.latent, "latent"},
       {&a.lse, "lse"},       {&a.split_counters, "split_counters"}};
   if (has_partials) arguments.push_back({&a.split_partials, "split_partials"});
-  for (const auto& [out, out_name] : written) {
-    for (const auto& [other, other_name] : arguments) {
-      if (other != out) DSA_RETURN_IF_ERROR(check_no_overlap(*out, out_name, *other, other_name));
-    }
-  }
-  return Status();
+  return check_written_disjoint(written, arguments);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/sparse_mla_v32.h"
+#include "sparse_mla/sparse_mla_checks.h"
 #include "sparse_mla_v32/sparse_mla_v32_plan.h"
 
 namespace dsa {
@@ -17,8 +18,6 @@ namespace dsa {
 namespace {
 
 constexpr int64_t kEntry = kSparseMlaV32EntryBytes;
-
-std::string range(int64_t low, int64_t high) { return std::to_string(low) + ".." + std::to_string(high); }
 
 // The cache as both launches read and write it: [blocks, block_size, 656]
 // bytes (u8 or fp8_e4m3), 16-byte units.
@@ -29,19 +28,7 @@ Status check_cache(const TensorView& c) {
   }
   DSA_RETURN_IF_ERROR(check_shape(c, "kv_cache", {-1, -1, kEntry}));
   DSA_RETURN_IF_ERROR(check_on_cuda(c, "kv_cache"));
-  if (c.size(0) < 1 || c.size(1) < 1) {
-    return invalid_argument("kv_cache", "at least one block of at least one entry", c.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_stride(c, "kv_cache", 2, 1));
-  // A size-1 dimension's stride is never used (tensor.h).
-  const int64_t blocks = c.size(0), block_size = c.size(1);
-  const int64_t entry_stride = block_size > 1 ? c.stride(1) : kEntry;
-  if ((block_size > 1 && (entry_stride % 16 != 0 || entry_stride < kEntry)) ||
-      (blocks > 1 && (c.stride(0) % 16 != 0 || c.stride(0) < block_size * entry_stride))) {
-    return invalid_argument("kv_cache", "entry and block strides that are multiples of 16 and do not overlap",
-                            c.describe());
-  }
-  return check_aligned(c, "kv_cache", 16);
+  return check_paged_cache_layout(c, kEntry);
 }
 
 // BF16 rows [m, width] read 16 bytes at a time.
@@ -56,17 +43,6 @@ Status check_rows(const TensorView& t, const char* name, int64_t m, int64_t widt
                             t.describe());
   }
   return check_aligned(t, name, 16);
-}
-
-// What a launch writes shares no memory with anything else it is given.
-Status check_disjoint(const std::vector<std::pair<const TensorView*, const char*>>& written,
-                      const std::vector<std::pair<const TensorView*, const char*>>& arguments) {
-  for (const auto& [out, out_name] : written) {
-    for (const auto& [other, other_name] : arguments) {
-      if (other != out) DSA_RETURN_IF_ERROR(check_no_overlap(*out, out_name, *other, other_name));
-    }
-  }
-  return Status();
 }
 
 // Streaming multiprocessors of the current device, asked once per device.
@@ -91,7 +67,7 @@ Status check_sparse_mla_v32_cache_write(const SparseMlaV32CacheWriteArgs& a) {
   DSA_RETURN_IF_ERROR(check_shape(a.kv_c, "kv_c", {-1, kSparseMlaV32Latent}));
   const int64_t m = a.kv_c.size(0);
   if (m < 1 || m > kSparseMlaV32MaxTokens) {
-    return invalid_argument("kv_c", range(1, kSparseMlaV32MaxTokens) + " tokens in dim 0", a.kv_c.describe());
+    return invalid_argument("kv_c", check_range_text(1, kSparseMlaV32MaxTokens) + " tokens in dim 0", a.kv_c.describe());
   }
   DSA_RETURN_IF_ERROR(check_rows(a.kv_c, "kv_c", m, kSparseMlaV32Latent));
   DSA_RETURN_IF_ERROR(check_rows(a.k_pe, "k_pe", m, kSparseMlaV32Rope));
@@ -105,7 +81,7 @@ Status check_sparse_mla_v32_cache_write(const SparseMlaV32CacheWriteArgs& a) {
   DSA_RETURN_IF_ERROR(check_aligned(a.slot_mapping, "slot_mapping", 8));
   DSA_RETURN_IF_ERROR(check_cache(a.kv_cache));
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
-  return check_disjoint({{&a.kv_cache, "kv_cache"}}, {{&a.kv_c, "kv_c"},
+  return check_written_disjoint({{&a.kv_cache, "kv_cache"}}, {{&a.kv_c, "kv_c"},
                                                        {&a.k_pe, "k_pe"},
                                                        {&a.slot_mapping, "slot_mapping"},
                                                        {&a.kv_cache, "kv_cache"}});
@@ -118,53 +94,21 @@ Status check_sparse_mla_v32(const SparseMlaV32Args& a) {
   DSA_RETURN_IF_ERROR(check_shape(a.q, "q", {-1, -1, D}));
   DSA_RETURN_IF_ERROR(check_on_cuda(a.q, "q"));
   const int64_t m = a.q.size(0), heads = a.q.size(1);
-  if (m < 1 || m > kSparseMlaV32MaxTokens) {
-    return invalid_argument("q", range(1, kSparseMlaV32MaxTokens) + " tokens in dim 0", a.q.describe());
-  }
-  if (heads < 1 || heads > kSparseMlaV32MaxHeads) {
-    return invalid_argument("q", range(1, kSparseMlaV32MaxHeads) + " heads in dim 1", a.q.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_stride(a.q, "q", 2, 1));
-  const int64_t q_head_stride = heads > 1 ? a.q.stride(1) : D;
-  if ((heads > 1 && (q_head_stride % 8 != 0 || q_head_stride < D)) ||
-      (m > 1 && (a.q.stride(0) % 8 != 0 || a.q.stride(0) < heads * q_head_stride))) {
-    return invalid_argument("q", "head and token strides that are multiples of 8 and do not overlap",
-                            a.q.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(a.q, "q", 16));
+  DSA_RETURN_IF_ERROR(check_query_layout(a.q, D, kSparseMlaV32MaxTokens, kSparseMlaV32MaxHeads, 8));  // BF16: 16 bytes
 
   DSA_RETURN_IF_ERROR(check_cache(a.kv_cache));
 
   DSA_RETURN_IF_ERROR(check_present(a.indices, "indices"));
-  DSA_RETURN_IF_ERROR(check_dtype(a.indices, "indices", DType::kI32));
-  DSA_RETURN_IF_ERROR(check_shape(a.indices, "indices", {m, -1}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(a.indices, "indices"));
-  const int64_t top_k = a.indices.size(1);
-  if (top_k < 1 || top_k > kSparseMlaV32MaxTopK) {
-    return invalid_argument("indices", range(1, kSparseMlaV32MaxTopK) + " entries per token in dim 1",
-                            a.indices.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_stride(a.indices, "indices", 1, 1));
-  if (m > 1 && a.indices.stride(0) < top_k) {
-    return invalid_argument("indices", "a token stride of at least K (rows do not overlap)", a.indices.describe());
-  }
-  DSA_RETURN_IF_ERROR(check_aligned(a.indices, "indices", 4));
-
-  if (!std::isfinite(a.softmax_scale) || !(a.softmax_scale > 0.0f)) {
-    return invalid_argument("softmax_scale", "a finite value > 0", std::to_string(a.softmax_scale));
-  }
+  DSA_RETURN_IF_ERROR(check_index_rows(a.indices, m, kSparseMlaV32MaxTopK));
+  DSA_RETURN_IF_ERROR(check_softmax_scale(a.softmax_scale));
 
   DSA_RETURN_IF_ERROR(check_present(a.latent, "latent"));
   DSA_RETURN_IF_ERROR(check_head_rows(a.latent, "latent", DType::kBF16, m, heads, L));
   DSA_RETURN_IF_ERROR(check_present(a.lse, "lse"));
-  DSA_RETURN_IF_ERROR(check_dtype(a.lse, "lse", DType::kF32));
-  DSA_RETURN_IF_ERROR(check_shape(a.lse, "lse", {m, heads}));
-  DSA_RETURN_IF_ERROR(check_on_cuda(a.lse, "lse"));
-  DSA_RETURN_IF_ERROR(check_aligned(a.lse, "lse", 4));
-  if (!a.lse.is_contiguous()) return invalid_argument("lse", "a contiguous tensor", a.lse.describe());
+  DSA_RETURN_IF_ERROR(check_lse(a.lse, m, heads));
   DSA_RETURN_IF_ERROR(check_error_counter(a.error_count, "error_count"));
 
-  return check_disjoint({{&a.latent, "latent"}, {&a.lse, "lse"}}, {{&a.q, "q"},
+  return check_written_disjoint({{&a.latent, "latent"}, {&a.lse, "lse"}}, {{&a.q, "q"},
                                                                   {&a.kv_cache, "kv_cache"},
                                                                   {&a.indices, "indices"},
                                                                   {&a.latent, "latent"},
@@ -179,7 +123,7 @@ Status sparse_mla_v32_cache_write(const SparseMlaV32CacheWriteArgs& a, cudaStrea
 Status sparse_mla_v32_with_max_splits(const SparseMlaV32Args& a, int max_splits, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_sparse_mla_v32(a));
   if (max_splits < 1 || max_splits > kSparseMlaV32MaxSplits) {
-    return invalid_argument("max_splits", range(1, kSparseMlaV32MaxSplits), std::to_string(max_splits));
+    return invalid_argument("max_splits", check_range_text(1, kSparseMlaV32MaxSplits), std::to_string(max_splits));
   }
   int sms = 0;
   DSA_RETURN_IF_ERROR(sm_count(&sms));
