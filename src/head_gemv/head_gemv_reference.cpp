@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/reference_bounds.h"
 #include "dsa_decode/numerics.h"
 
 namespace dsa::reference {
@@ -64,25 +65,6 @@ std::vector<uint8_t> head_gemv_fp8(const HeadGemvHost& a, HeadGemvTactic tactic,
   for (size_t i = 0; i < sums.size(); ++i) out[i] = num::quant_fp8_static(num::round_bf16(sums[i]), inverse);
   return out;
 }
-
-namespace {
-
-// The largest float <= v, and the smallest float >= v: the interval's ends
-// in float without narrowing it.
-float float_below(double v) {
-  float f = static_cast<float>(v);
-  return static_cast<double>(f) > v ? std::nextafter(f, -INFINITY) : f;
-}
-float float_above(double v) {
-  float f = static_cast<float>(v);
-  return static_cast<double>(f) < v ? std::nextafter(f, INFINITY) : f;
-}
-
-// Codes in value order (sign-magnitude: +0 and -0 are 0 apart).
-int ordered_bf16(uint16_t v) { return (v & 0x8000) ? -static_cast<int>(v & 0x7FFF) : static_cast<int>(v); }
-int ordered_fp8(uint8_t v) { return (v & 0x80) ? -static_cast<int>(v & 0x7F) : static_cast<int>(v); }
-
-}  // namespace
 
 HeadGemvDeviation head_gemv_deviation(const HeadGemvHost& a, const void* out, bool fp8, float scale) {
   const float inverse = num::div_rn(1.0f, scale);

@@ -3,21 +3,11 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/reference_bounds.h"
 #include "dsa_decode/numerics.h"
 
 namespace dsa::reference {
 namespace {
-
-// The largest float <= v and the smallest float >= v.
-float float_below(double v) {
-  float f = static_cast<float>(v);
-  return static_cast<double>(f) > v ? std::nextafter(f, -INFINITY) : f;
-}
-float float_above(double v) {
-  float f = static_cast<float>(v);
-  return static_cast<double>(f) < v ? std::nextafter(f, INFINITY) : f;
-}
-int ordered_bf16(uint16_t v) { return (v & 0x8000) ? -static_cast<int>(v & 0x7FFF) : static_cast<int>(v); }
 
 // Table entry `index` of row `row` as float.
 float table_value(const RopeAbsorbHost& a, int64_t row, int index) {
