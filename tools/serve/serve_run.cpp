@@ -14,6 +14,7 @@
 #include <set>
 #include <unordered_set>
 
+#include "core/device_memory.h"
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
@@ -40,31 +41,29 @@ static_assert(std::atomic<bool>::is_always_lock_free, "request_serve_stop sets i
 bool stop_requested() { return stop_flag.load(std::memory_order_relaxed); }
 
 // Device memory held for the whole run: everything is allocated at start-up.
+// The library's owner (core/device_memory.h) frees it; this adds the size
+// and an error that names the buffer.
 class DeviceBytes {
  public:
-  DeviceBytes() = default;
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  ~DeviceBytes() {
-    if (data_ != nullptr) cudaFree(data_);
-  }
   Status allocate(size_t bytes, const char* name) {
-    const cudaError_t e = cudaMalloc(&data_, std::max<size_t>(bytes, 16));
+    void* data = nullptr;
+    const cudaError_t e = cudaMalloc(&data, std::max<size_t>(bytes, 16));
     if (e != cudaSuccess) {
-      data_ = nullptr;
+      memory_.reset();
       return cuda_status(e, (std::string("cudaMalloc of ") + name + " (" + std::to_string(bytes) + " bytes)").c_str());
     }
+    memory_.reset(data);
     bytes_ = bytes;
     return Status();
   }
   template <class T = void>
   T* as() const {
-    return static_cast<T*>(data_);
+    return static_cast<T*>(memory_.get());
   }
   size_t bytes() const { return bytes_; }
 
  private:
-  void* data_ = nullptr;
+  DeviceMemory memory_;
   size_t bytes_ = 0;
 };
 
