@@ -6,6 +6,7 @@
 // layout comes in as a template argument or through its shared storage.
 #pragma once
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 
@@ -21,6 +22,24 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 // block_size; 31 for sizes past int32), else by division.
 __host__ __device__ inline int32_t paged_block_of(int32_t slot, int32_t block_shift, int32_t block_size) {
   return block_shift >= 0 ? int32_t(uint32_t(slot) >> block_shift) : slot / block_size;
+}
+
+// The kernels' view of a paged cache's block size: clamped to int32, and its
+// shift for paged_block_of (-1 where it is no power of two, 31 past int32).
+struct PagedBlockGeometry {
+  int32_t size;
+  int32_t shift;
+};
+inline PagedBlockGeometry paged_block_geometry(int64_t block_size) {
+  PagedBlockGeometry g{static_cast<int32_t>(block_size > INT32_MAX ? INT32_MAX : block_size), -1};
+  if (block_size > INT32_MAX) {
+    g.shift = 31;  // every int32 slot lies in block 0
+  } else {
+    for (int shift = 0; shift < 31; ++shift) {
+      if (block_size == (int64_t(1) << shift)) g.shift = shift;
+    }
+  }
+  return g;
 }
 
 #ifdef __CUDACC__

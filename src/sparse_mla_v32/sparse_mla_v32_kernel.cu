@@ -567,15 +567,9 @@ Params make_params(const SparseMlaV32Args& a) {
   p.cache_entry_stride = a.kv_cache.stride(1);
   const int64_t block_size = a.kv_cache.size(1);
   p.capacity = a.kv_cache.size(0) * block_size;
-  p.block_size = static_cast<int32_t>(block_size > INT32_MAX ? INT32_MAX : block_size);
-  p.block_shift = -1;
-  if (block_size > INT32_MAX) {
-    p.block_shift = 31;  // every int32 slot lies in block 0
-  } else {
-    for (int shift = 0; shift < 31; ++shift) {
-      if (block_size == (int64_t(1) << shift)) p.block_shift = shift;
-    }
-  }
+  const PagedBlockGeometry geometry = paged_block_geometry(block_size);
+  p.block_size = geometry.size;
+  p.block_shift = geometry.shift;
   p.indices = static_cast<const int32_t*>(a.indices.data);
   p.indices_token_stride = a.indices.stride(0);
   p.top_k = static_cast<int>(a.indices.size(1));
