@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "dsa_decode/indexer.h"
+#include "indexer/indexer_project_gate.h"
 
 namespace dsa {
 
@@ -391,16 +392,24 @@ Status check_indexer_project(const IndexerProjectArgs& a) {
   DSA_RETURN_IF_ERROR(check_rows(a.wq_b, "wq_b", DType::kBF16, heads * kIndexerDim, q_lora, 8, "row"));
   DSA_RETURN_IF_ERROR(check_rows(a.wk, "wk", DType::kBF16, kIndexerDim, hidden, 8, "row"));
   DSA_RETURN_IF_ERROR(check_rows(a.weights_proj, "weights_proj", DType::kBF16, heads, hidden, 8, "row"));
-  DSA_RETURN_IF_ERROR(check_rows(a.compress_gate, "compress_gate", DType::kBF16, kIndexerDim, hidden, 8, "row"));
+  // Pool 1 (DeepSeek-V3.2) has no compress gate: compress_gate and gate may
+  // both be empty there, and then no gate is computed.
+  const bool with_gate = indexer_project_computes_gate(a);
+  if (with_gate) {
+    DSA_RETURN_IF_ERROR(check_rows(a.compress_gate, "compress_gate", DType::kBF16, kIndexerDim, hidden, 8, "row"));
+  }
   DSA_RETURN_IF_ERROR(check_head_rows(a.index_q, "index_q", DType::kBF16, m, heads, kIndexerDim));
   DSA_RETURN_IF_ERROR(check_rows(a.index_k, "index_k", DType::kBF16, m, kIndexerDim, 8));
   DSA_RETURN_IF_ERROR(check_rows(a.head_weights, "head_weights", DType::kF32, m, heads, 4));
-  DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));
+  if (with_gate) DSA_RETURN_IF_ERROR(check_rows(a.gate, "gate", DType::kBF16, m, kIndexerDim, 8));
+  const TensorView none;
+  const TensorView& compress_gate = with_gate ? a.compress_gate : none;
+  const TensorView& gate = with_gate ? a.gate : none;
   return check_written_apart(
-      {{&a.index_q, "index_q"}, {&a.index_k, "index_k"}, {&a.head_weights, "head_weights"}, {&a.gate, "gate"}},
+      {{&a.index_q, "index_q"}, {&a.index_k, "index_k"}, {&a.head_weights, "head_weights"}, {&gate, "gate"}},
       {{&a.q_c, "q_c"}, {&a.x, "x"}, {&a.wq_b, "wq_b"}, {&a.wk, "wk"}, {&a.weights_proj, "weights_proj"},
-       {&a.compress_gate, "compress_gate"}, {&a.index_q, "index_q"}, {&a.index_k, "index_k"},
-       {&a.head_weights, "head_weights"}, {&a.gate, "gate"}});
+       {&compress_gate, "compress_gate"}, {&a.index_q, "index_q"}, {&a.index_k, "index_k"},
+       {&a.head_weights, "head_weights"}, {&gate, "gate"}});
 }
 
 Status check_indexer_batch(const IndexerPlan& plan, int m, const int64_t* positions, const int32_t* token_requests,

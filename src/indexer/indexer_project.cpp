@@ -8,6 +8,7 @@
 
 #include "core/linear.h"
 #include "dsa_decode/indexer.h"
+#include "indexer/indexer_project_gate.h"
 
 namespace dsa {
 
@@ -54,7 +55,9 @@ Status indexer_project(const IndexerProjectArgs& a, IndexerProjectContext& conte
        a.head_weights.stride(0), CUDA_R_32F},
       {"indexer_project, gate = x @ compress_gate^T", a.x, a.compress_gate, a.gate.data, a.gate.stride(0), CUDA_R_16BF},
   };
+  const bool with_gate = indexer_project_computes_gate(a);  // the last product; none with pool 1's empty gate
   for (const Product& product : products) {
+    if (&product == &products[3] && !with_gate) break;
     DSA_RETURN_IF_ERROR(context.state_->linear.run(product.name, product.input, product.weight, product.output,
                                                    product.output_stride, product.output_type, stream));
   }

@@ -44,6 +44,7 @@
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
+#include "indexer/indexer_project_gate.h"
 
 namespace dsa {
 namespace {
@@ -358,7 +359,10 @@ Status indexer_project_gemv(const IndexerProjectArgs& a, cudaStream_t stream) {
   // warp fits). The split does not change a single bit: every output is one
   // warp's sum in the header's order wherever that warp runs.
   const int heads = a.plan.heads;
-  int warps = std::clamp((q_items(heads) + x_items(heads) + sms - 1) / std::max(sms, 1), 1, kMaxWarps);
+  // Without the gate (pool 1 with an empty compress_gate) the x items stop
+  // before compress_gate's rows, which are the last ones (x_item).
+  const int x_count = x_items(heads) - (indexer_project_computes_gate(a) ? 0 : kIndexerDim);
+  int warps = std::clamp((q_items(heads) + x_count + sms - 1) / std::max(sms, 1), 1, kMaxWarps);
   const auto shared_bytes = [&](int w) {
     return std::max(q_shared_bytes(tokens, w, q_lora), x_shared_bytes(tokens, w, hidden));
   };
@@ -390,7 +394,7 @@ Status indexer_project_gemv(const IndexerProjectArgs& a, cudaStream_t stream) {
   p.hidden = static_cast<int>(hidden);
   p.heads = heads;
   p.q_items = q_items(heads);
-  p.x_items = x_items(heads);
+  p.x_items = x_count;
   p.warps = warps;
   p.q_ctas = (p.q_items + warps - 1) / warps;
   const int x_ctas = (p.x_items + warps - 1) / warps;

@@ -144,6 +144,40 @@ TEST(IndexerProjectChecks, RunChecksArgumentsThenTheContext) {
   expect_rejected(indexer_project(fake_args(4), empty, nullptr), "context", "IndexerProjectContext::create");
 }
 
+// DeepSeek-V3.2's indexer (pool 1) has no compress gate: compress_gate and
+// gate may both be empty there (no gate computed), for both launchers; given
+// one without the other, the missing one is named; a pooled plan needs both.
+TEST(IndexerProjectChecks, PoolOneTakesNoCompressGate) {
+  IndexerProjectArgs v32 = fake_args(4);
+  v32.plan.heads = 64;
+  v32.plan.pool = 1;
+  v32.plan.ring = 1;
+  v32.plan.rope_dims = 64;
+  v32.plan.block_size = 64;
+  v32.wq_b = make_tensor(v32.wq_b.data, DType::kBF16, {64 * kDim, kQLora});
+  v32.weights_proj = make_tensor(v32.weights_proj.data, DType::kBF16, {64, kHidden});
+  v32.index_q = make_tensor(v32.index_q.data, DType::kBF16, {4, 64, kDim});
+  v32.head_weights = make_tensor(v32.head_weights.data, DType::kF32, {4, 64});
+  expect_accepted(v32, "pool 1 with a gate");
+  IndexerProjectArgs no_gate = v32;
+  no_gate.compress_gate = TensorView();
+  no_gate.gate = TensorView();
+  expect_accepted(no_gate, "pool 1 without compress_gate and gate");
+  const Status gemv = check_indexer_project_gemv(no_gate);
+  EXPECT_TRUE(gemv.ok()) << "indexer_project_gemv, pool 1 without a gate: " << gemv.to_string();
+  IndexerProjectArgs weight_only = v32;
+  weight_only.gate = TensorView();
+  expect_rejected(check_indexer_project(weight_only), "gate", "expected a tensor, got a null pointer");
+  IndexerProjectArgs output_only = v32;
+  output_only.compress_gate = TensorView();
+  expect_rejected(check_indexer_project(output_only), "compress_gate", "expected a tensor, got a null pointer");
+  IndexerProjectArgs pooled = fake_args(4);
+  pooled.compress_gate = TensorView();
+  pooled.gate = TensorView();
+  expect_rejected(check_indexer_project(pooled), "compress_gate", "expected a tensor, got a null pointer");
+  expect_rejected(check_indexer_project_gemv(pooled), "compress_gate", "expected a tensor, got a null pointer");
+}
+
 // ---------------------------------------------------------------------------
 // The float64 reference and the tolerance.
 
@@ -200,6 +234,20 @@ TEST(IndexerProjectReference, EachProductLandsInItsOutputColumn) {
   expect_one_column(out.gate, kDim, gate_row, {1 - 8, -0.5 - 32}, "gate");
   EXPECT_EQ(out.gate.magnitude[gate_row], 1 + 8);
   EXPECT_EQ(out.gate.magnitude[kDim + gate_row], 0.5 + 32);
+
+  // Without compress_gate (pool 1): no gate, the other products unchanged,
+  // in the float64 reference and in the GEMV's order alike.
+  const reference::IndexerProjectInputsHost no_gate{2, 2, 2, q_c.data(), x.data(), wq_b_bits.data(), wk_bits.data(),
+                                                    weights_proj_bits.data(), nullptr};
+  const reference::IndexerProjectionsHost without = reference::indexer_project(no_gate);
+  EXPECT_TRUE(without.gate.sum.empty());
+  EXPECT_EQ(without.index_q.sum, out.index_q.sum);
+  EXPECT_EQ(without.index_k.sum, out.index_k.sum);
+  EXPECT_EQ(without.head_weights.sum, out.head_weights.sum);
+  const reference::IndexerProjectionBitsHost bits = reference::indexer_project_gemv(no_gate);
+  EXPECT_TRUE(bits.gate.empty());
+  EXPECT_EQ(bits.index_k.size(), size_t(2 * kDim));
+  EXPECT_EQ(bits.head_weights.size(), size_t(2 * kHeads));
 }
 
 TEST(IndexerProjectReference, ToleranceIsOneBf16UlpPlusTheSumTerm) {
@@ -981,6 +1029,64 @@ TEST(IndexerProjectGemvGpu, ReadsInputsThatThePreviousKernelWrites) {
     expect_same_outputs(device_outputs(device, what), want, what);
   }
   cudaStreamDestroy(stream);
+}
+
+// Pool 1 (DeepSeek-V3.2) without compress_gate and gate: the GEMV and
+// cuBLASLt's four-GEMM path compute index_q, index_k and head_weights (the
+// GEMV bitwise the reference) and nothing else: a buffer placed where the gate
+// would go keeps its poison.
+TEST(IndexerProjectGemvGpu, PoolOneWithoutAGateWritesNoGate) {
+  DSA_REQUIRE_GPU();
+  std::mt19937_64 rng(testing::test_seed() + 5);
+  constexpr int heads = 64;
+  constexpr int64_t q = 1536, d = 1024;
+  const std::vector<uint16_t> wq_b = testing::random_bf16(size_t(heads) * kDim * q, 1.0f / std::sqrt(float(q)), rng);
+  const std::vector<uint16_t> wk = testing::random_bf16(size_t(kDim) * d, 1.0f / std::sqrt(float(d)), rng);
+  const std::vector<uint16_t> weights_proj = testing::random_bf16(size_t(heads) * d, 1.0f / std::sqrt(float(d)), rng);
+  DeviceBuffer<uint16_t> wq_b_d(wq_b), wk_d(wk), weights_proj_d(weights_proj);
+  for (int m : {1, 5}) {
+    const std::string what = "pool 1 m " + std::to_string(m);
+    const std::vector<uint16_t> q_c = testing::random_bf16(size_t(m) * q, 1.0f, rng);
+    const std::vector<uint16_t> x = testing::random_bf16(size_t(m) * d, 1.0f, rng);
+    DeviceBuffer<uint16_t> q_c_d(q_c), x_d(x);
+    // The outputs, then a gate-sized poisoned region no launch may touch.
+    DeviceBuffer<uint16_t> index_q(size_t(m) * heads * kDim), index_k(size_t(m) * kDim), untouched(size_t(m) * kDim);
+    DeviceBuffer<float> head_weights(size_t(m) * heads);
+    for (auto* b : {&index_q, &index_k, &untouched}) b->fill_bytes(kPoison);
+    head_weights.fill_bytes(kPoison);
+    IndexerProjectArgs args;
+    args.plan.heads = heads;
+    args.plan.pool = 1;
+    args.plan.ring = 1;
+    args.plan.rope_dims = 64;
+    args.plan.block_size = 64;
+    args.q_c = make_tensor(q_c_d.get(), DType::kBF16, {m, q});
+    args.x = make_tensor(x_d.get(), DType::kBF16, {m, d});
+    args.wq_b = make_tensor(wq_b_d.get(), DType::kBF16, {int64_t(heads) * kDim, q});
+    args.wk = make_tensor(wk_d.get(), DType::kBF16, {kDim, d});
+    args.weights_proj = make_tensor(weights_proj_d.get(), DType::kBF16, {heads, d});
+    args.index_q = make_tensor(index_q.get(), DType::kBF16, {m, heads, kDim});
+    args.index_k = make_tensor(index_k.get(), DType::kBF16, {m, kDim});
+    args.head_weights = make_tensor(head_weights.get(), DType::kF32, {m, heads});
+    cudaStream_t stream = new_stream();
+    DSA_ASSERT_OK(gemv_and_wait(args, stream));
+    const reference::IndexerProjectionBitsHost want = reference::indexer_project_gemv(
+        {m, q, d, q_c.data(), x.data(), wq_b.data(), wk.data(), weights_proj.data(), nullptr, heads});
+    EXPECT_TRUE(want.gate.empty());
+    expect_same_bits(index_q.download(), want.index_q, what + " index_q");
+    expect_same_bits(index_k.download(), want.index_k, what + " index_k");
+    expect_same_bits(head_weights.download(), want.head_weights, what + " head_weights");
+    IndexerProjectContext context;
+    DSA_ASSERT_OK(IndexerProjectContext::create(&context));
+    DSA_ASSERT_OK(indexer_project(args, context, stream));
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    cudaStreamDestroy(stream);
+    const std::vector<uint16_t> poison = untouched.download();
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(poison.data());
+    EXPECT_EQ(std::count(bytes, bytes + poison.size() * 2, kPoison), static_cast<std::ptrdiff_t>(poison.size() * 2))
+        << what;
+    if (HasFailure()) return;
+  }
 }
 
 }  // namespace

@@ -431,7 +431,7 @@ IndexerProjectionsHost indexer_project(const IndexerProjectInputsHost& in) {
   out.index_q = exact_product(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(in.heads) * kDim);
   out.index_k = exact_product(in.x, in.m, in.hidden, in.wk, kDim);
   out.head_weights = exact_product(in.x, in.m, in.hidden, in.weights_proj, in.heads);
-  out.gate = exact_product(in.x, in.m, in.hidden, in.compress_gate, kDim);
+  if (in.compress_gate != nullptr) out.gate = exact_product(in.x, in.m, in.hidden, in.compress_gate, kDim);
   return out;
 }
 
@@ -445,7 +445,7 @@ IndexerProjectionBitsHost indexer_project_gemv(const IndexerProjectInputsHost& i
   out.index_q = bf16(gemv_sums(in.q_c, in.m, in.q_lora, in.wq_b, int64_t(in.heads) * kDim));
   out.index_k = bf16(gemv_sums(in.x, in.m, in.hidden, in.wk, kDim));
   out.head_weights = gemv_sums(in.x, in.m, in.hidden, in.weights_proj, in.heads);
-  out.gate = bf16(gemv_sums(in.x, in.m, in.hidden, in.compress_gate, kDim));
+  if (in.compress_gate != nullptr) out.gate = bf16(gemv_sums(in.x, in.m, in.hidden, in.compress_gate, kDim));
   return out;
 }
 

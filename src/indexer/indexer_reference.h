@@ -166,7 +166,7 @@ struct IndexerProjectInputsHost {
   const uint16_t* wq_b;           // [H * 128, Q]
   const uint16_t* wk;             // [128, D]
   const uint16_t* weights_proj;   // [H, D]
-  const uint16_t* compress_gate;  // [128, D]
+  const uint16_t* compress_gate;  // [128, D]; null: no gate (pool 1, V3.2), the gate outputs stay empty
   int heads = kIndexerHeads;      // H
 };
 
