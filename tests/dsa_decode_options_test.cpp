@@ -429,5 +429,53 @@ TEST(DsaDecodeOptions, ResolveModelTakesThePresetThenTheConfigThenTheOptions) {
   EXPECT_NE(error.find("--preset: got 'nope'"), std::string::npos) << error;
 }
 
+// The GPU path refuses the RoPE presets by name, saying that --cpu runs
+// their reference chain; the NoPE preset runs on it.
+TEST(DsaDecodeOptions, TheGpuPathRefusesTheRopePresetsAndPointsAtTheCpuChain) {
+  for (const char* name : {"dsv32", "glm5"}) {
+    ModelPreset preset{};
+    ASSERT_TRUE(find_preset(name, &preset).ok());
+    const std::string refusal = gpu_path_refusal(preset);
+    EXPECT_NE(refusal.find(std::string("--preset: '") + name + "' uses RoPE (64 rope dims per head)"), std::string::npos)
+        << refusal;
+    EXPECT_NE(refusal.find("the stage does not run RoPE presets yet; --cpu runs its reference chain"),
+              std::string::npos)
+        << refusal;
+  }
+  ModelPreset nope{};
+  ASSERT_TRUE(find_preset("glm5next", &nope).ok());
+  EXPECT_EQ(gpu_path_refusal(nope), "");
+}
+
+// --break takes the chain's link names (default none) and applies to the
+// RoPE presets only.
+TEST(DsaDecodeOptions, BreakNamesALinkOfTheRopeChain) {
+  Options defaults;
+  EXPECT_EQ(defaults.chain_break, RopeChainBreak::kNone);
+  for (const auto& [name, link] : std::vector<std::pair<std::string, RopeChainBreak>>{
+           {"none", RopeChainBreak::kNone},
+           {"attention-rope-style", RopeChainBreak::kAttentionRopeStyle},
+           {"indexer-rope-style", RopeChainBreak::kIndexerRopeStyle},
+           {"cache-scale", RopeChainBreak::kCacheScale}}) {
+    Options options;
+    std::string error;
+    ASSERT_TRUE(parse({"--break", name}, &options, &error)) << name << ": " << error;
+    EXPECT_EQ(options.chain_break, link) << name;
+    EXPECT_EQ(rope_chain_break_name(link), name);
+  }
+  Options options;
+  std::string error;
+  EXPECT_FALSE(parse({"--break", "rope"}, &options, &error));
+  EXPECT_EQ(error, "--break: got 'rope', expected none, attention-rope-style, indexer-rope-style or cache-scale");
+  ASSERT_TRUE(parse({"--break=cache-scale"}, &options, &error)) << error;
+  ModelPreset dsv32{}, glm5next{};
+  ASSERT_TRUE(find_preset("dsv32", &dsv32).ok());
+  ASSERT_TRUE(find_preset("glm5next", &glm5next).ok());
+  EXPECT_EQ(chain_break_refusal(options, dsv32), "");
+  EXPECT_EQ(chain_break_refusal(options, glm5next),
+            "--break: breaks a link of the RoPE presets' CPU chain (dsv32, glm5); preset 'glm5next' has no RoPE");
+  EXPECT_EQ(chain_break_refusal(Options(), glm5next), "");
+}
+
 }  // namespace
 }  // namespace dsa::cli

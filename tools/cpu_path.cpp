@@ -193,6 +193,7 @@ int failed(const Status& status) {
 }  // namespace
 
 int run_cpu_path(const StepShape& shape, const Options& options, const std::string& why_cpu) {
+  if (shape.rope()) return run_cpu_path_rope(shape, options, why_cpu);
   const Clock::time_point started = Clock::now();
   // The reference's orders are fixed (exact logits, the seed's head_gemv
   // order, FP32 projections in k order, float64 attention): the kernel

@@ -17,4 +17,8 @@ namespace dsa::cli {
 // exit code (1 when a check fails). `why_cpu`: "--cpu", or why no GPU was used.
 int run_cpu_path(const StepShape& shape, const Options& options, const std::string& why_cpu);
 
+// The same for a RoPE preset (shape.R > 0: dsv32, glm5): the chain of
+// tools/rope_chain.h, with options.chain_break's link broken if set.
+int run_cpu_path_rope(const StepShape& shape, const Options& options, const std::string& why_cpu);
+
 }  // namespace dsa::cli

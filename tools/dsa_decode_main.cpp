@@ -21,14 +21,13 @@ constexpr int kExitOk = 0;
 constexpr int kExitUsage = 2;
 
 // The preset's shapes on one rank; false with a message for an unknown
-// preset, a RoPE preset, or a TP degree that does not divide its heads.
+// preset, a TP degree that does not divide its heads, or --break at a NoPE preset.
 bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape, std::string* error) {
   dsa::ModelPreset preset{};
   std::string source;
   if (!dsa::cli::resolve_model(options, &preset, &source, error)) return false;
-  if (preset.qk_rope != 0) {
-    *error = "--preset: '" + options.preset + "' uses RoPE (" + std::to_string(preset.qk_rope) +
-             " rope dims per head), which dsa-decode does not support yet; NoPE presets: glm5next";
+  if (const std::string refusal = dsa::cli::chain_break_refusal(options, preset); !refusal.empty()) {
+    *error = refusal;
     return false;
   }
   dsa::ModelPreset rank{};
@@ -72,6 +71,8 @@ int main(int argc, char** argv) {
   } else if (const dsa::cli::GpuAvailability gpu = dsa::cli::probe_gpu(); gpu.problem != dsa::cli::GpuProblem::kNone) {
     why_cpu = gpu.text();
     std::printf("%s: running the CPU reference at %s\n", why_cpu.c_str(), shape.describe().c_str());
+  } else if (const std::string refusal = dsa::cli::gpu_path_refusal(shape.per_rank); !refusal.empty()) {
+    return usage_error(refusal);  // a RoPE preset: the CPU chain only, with --cpu
   } else {
     return dsa::cli::run_gpu_path(shape, options);
   }

@@ -24,6 +24,39 @@ std::string measured_list(int heads, HeadGemvSums sums) {
 }
 }  // namespace
 
+const char* rope_chain_break_name(RopeChainBreak link) {
+  switch (link) {
+    case RopeChainBreak::kAttentionRopeStyle: return "attention-rope-style";
+    case RopeChainBreak::kIndexerRopeStyle: return "indexer-rope-style";
+    case RopeChainBreak::kCacheScale: return "cache-scale";
+    case RopeChainBreak::kNone: break;
+  }
+  return "none";
+}
+
+bool parse_rope_chain_break(const std::string& name, RopeChainBreak* link) {
+  for (RopeChainBreak l : {RopeChainBreak::kNone, RopeChainBreak::kAttentionRopeStyle,
+                           RopeChainBreak::kIndexerRopeStyle, RopeChainBreak::kCacheScale}) {
+    if (name == rope_chain_break_name(l)) {
+      *link = l;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string gpu_path_refusal(const ModelPreset& preset) {
+  if (preset.qk_rope == 0) return "";
+  return std::string("--preset: '") + preset.name + "' uses RoPE (" + std::to_string(preset.qk_rope) +
+         " rope dims per head): the stage does not run RoPE presets yet; --cpu runs its reference chain";
+}
+
+std::string chain_break_refusal(const Options& options, const ModelPreset& preset) {
+  if (options.chain_break == RopeChainBreak::kNone || preset.qk_rope > 0) return "";
+  return std::string("--break: breaks a link of the RoPE presets' CPU chain (dsv32, glm5); preset '") + preset.name +
+         "' has no RoPE";
+}
+
 std::string token_list(const std::set<int>& counts) {
   if (counts.empty()) return "none";
   std::string text;
@@ -76,7 +109,7 @@ void print_usage(FILE* to) {
                "                  [--indexer-projections KERNEL] [--indexer-logits DOTS] [--attention-plan PLAN]\n"
                "                  [--batch-invariant] [--weights PATH --layer N] [--config PATH]\n"
                "                  [--index-heads N] [--index-pool N] [--index-topk N] [--json FILE] [--trace] [--cpu]\n"
-               "                  [--report FILE.html] [--help]\n"
+               "                  [--report FILE.html] [--break LINK] [--help]\n"
                "Runs one decode step of a DSA layer's attention half (hidden states in, o_proj's output\n"
                "out) on a synthetic layer (or a checkpoint's, --weights) through the library's stage\n"
                "(DsaAttentionStage), its fused\n"
@@ -85,8 +118,10 @@ void print_usage(FILE* to) {
                "one stage per weight copy, rotated).\n"
                "Without an sm_90 GPU (or with --cpu) it runs the CPU reference of the same step instead and\n"
                "checks its products against float64 within the numerics contract's bounds.\n"
-               "  --preset NAME  model preset: %s (default glm5next; the RoPE presets\n"
-               "                 glm5 and dsv32 are not supported yet)\n"
+               "  --preset NAME  model preset: %s (default glm5next). The RoPE presets dsv32\n"
+               "                 and glm5 run with --cpu only: their CPU reference chain (rope_absorb, the\n"
+               "                 656-byte cache write, the V3.2 indexer, sparse_mla_v32), checked against\n"
+               "                 float64; the stage does not run them on the GPU yet\n"
                "  --tp N         tensor-parallel degree: the layer of one rank has heads / N heads (default 1)\n"
                "  --tokens M     decode tokens in the step, 1..%d (default 4)\n"
                "  --context N    tokens already in the KV cache, 0..%lld; the new tokens go to slots\n"
@@ -158,6 +193,10 @@ void print_usage(FILE* to) {
                "  --report FILE.html\n"
                "                 write the run as one self-contained page (implies --trace): the checks, fused\n"
                "                 against stock, each timing beside its memory floor, a timeline per path\n"
+               "  --break LINK   the RoPE presets' CPU chain with one link replaced by a wrong one, to see its\n"
+               "                 check fail: attention-rope-style (q_pe, k_pe in the other rotary style),\n"
+               "                 indexer-rope-style, cache-scale (one scale per entry instead of one per 128\n"
+               "                 values); none (default)\n"
                "  --cpu          run the CPU reference even when a GPU is present\n"
                "  --help         this text\n"
                "  env DSA_COMMIT names the commit in the JSON report (default: unknown)\n"
@@ -196,6 +235,7 @@ std::string expected_value(const std::string& option) {
            " (at most " + std::to_string(kIndexerMaxTopPools) + " pools)";
   }
   if (option == "--projections") return "auto, gemv or cublaslt";
+  if (option == "--break") return "none, attention-rope-style, indexer-rope-style or cache-scale";
   if (option == "--indexer-projections") return "gemv or cublaslt";
   if (option == "--indexer-logits") return choice_list(kIndexerLogitsChoices);
   if (option == "--head-gemv-sums") return choice_list(kHeadGemvSumsChoices);
@@ -305,6 +345,13 @@ bool apply_value(const std::string& option, const std::string& value, Options* o
       return false;
     }
     o->projections = value;
+    return true;
+  }
+  if (option == "--break") {
+    if (!parse_rope_chain_break(value, &o->chain_break)) {
+      *error = bad_value(option, value);
+      return false;
+    }
     return true;
   }
   if (option == "--indexer-projections") {

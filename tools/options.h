@@ -13,6 +13,17 @@
 
 namespace dsa::cli {
 
+// A link of the RoPE presets' CPU chain replaced by a wrong one (--break),
+// to show that its check fails (tools/rope_chain.h).
+enum class RopeChainBreak {
+  kNone,
+  kAttentionRopeStyle,  // "attention-rope-style": q_pe and k_pe rotated in the other style
+  kIndexerRopeStyle,    // "indexer-rope-style": the indexer's q and k rotated in the other style
+  kCacheScale,          // "cache-scale": one scale for all 512 latent values instead of one per 128
+};
+const char* rope_chain_break_name(RopeChainBreak link);  // "none", "attention-rope-style", ...
+bool parse_rope_chain_break(const std::string& name, RopeChainBreak* link);
+
 struct Options {
   std::string preset = "glm5next";
   int tp = 1;
@@ -63,6 +74,8 @@ struct Options {
   // chain (when each kernel of the middle stage started and ended, on which
   // stream, and its period in the chain), printed and in the JSON.
   bool trace = false;
+  // --break: the RoPE presets' CPU path only (a check must then fail).
+  RopeChainBreak chain_break = RopeChainBreak::kNone;
   bool force_cpu = false;
   bool help = false;
   std::set<std::string> given;  // the options on the command line ("--tokens", ...)
@@ -115,6 +128,15 @@ std::optional<std::set<int>> projection_gemv_tokens(const Options& options);
 // reference's fixed orders and times nothing): the kernel choices, --steps and
 // --trace, the choices first. --json, the shape and the seed apply to both.
 std::vector<std::string> gpu_only_options_given(const Options& options);
+
+// Why the GPU path does not run this (whole-model) preset, or "" when it
+// does: the stage runs the NoPE presets only so far; the RoPE presets' CPU
+// chain runs with --cpu.
+std::string gpu_path_refusal(const ModelPreset& preset);
+
+// Why --break does not apply to this run ("" when it does): it breaks a link
+// of the RoPE presets' CPU chain only.
+std::string chain_break_refusal(const Options& options, const ModelPreset& preset);
 
 // Fills `options` from argv ("--name VALUE" or "--name=VALUE"). On a bad
 // command line returns false and a message naming the option, what was given

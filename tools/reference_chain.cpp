@@ -194,7 +194,7 @@ reference::IndexerProjectInputsHost projection_inputs(const StepShape& s, const 
           w.index_wq_b.data(),
           w.index_wk.data(),
           w.index_weights_proj.data(),
-          w.index_compress_gate.data(),
+          w.index_compress_gate.empty() ? nullptr : w.index_compress_gate.data(),  // none with pool 1
           s.index_heads};
 }
 }  // namespace

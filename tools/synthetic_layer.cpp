@@ -5,6 +5,7 @@
 #include <set>
 
 #include "dsa_decode/numerics.h"
+#include "dsa_decode/rope.h"
 
 namespace dsa::cli {
 
@@ -41,6 +42,8 @@ enum class Tensor : uint64_t {
   kIndexCompressGate = 22,
   kFusedQkvAProj = 23,
   kOProj = 24,
+  kCachedRopeLatent = 25,
+  kCachedRopeKPe = 26,
 };
 
 // Hidden states after a layer's input RMSNorm have unit scale but a few
@@ -143,7 +146,15 @@ DsaStagePlan StepShape::stage_plan() const {
   return plan;
 }
 
-IndexerPlan StepShape::indexer_plan() const { return dsa_stage_indexer_plan(stage_plan()); }
+IndexerPlan StepShape::indexer_plan() const {
+  IndexerPlan plan = dsa_stage_indexer_plan(stage_plan());
+  if (rope()) {
+    plan.rope_dims = R;
+    RopeConfig config;
+    if (rope_preset_config(preset, RopeTarget::kIndexer, &config).ok()) plan.rope_style = config.style;
+  }
+  return plan;
+}
 
 StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context) {
   StepShape s{per_rank.name,    per_rank.tp,           per_rank.hidden,
@@ -154,6 +165,11 @@ StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context) {
   s.index_heads = per_rank.index_heads;
   s.index_pool = per_rank.pool_size;
   s.index_topk = per_rank.topk;
+  s.R = per_rank.qk_rope;
+  RopeConfig rope;
+  if (s.rope() && rope_preset_config(s.preset, RopeTarget::kAttention, &rope).ok()) {
+    s.softmax_scale = static_cast<float>(rope_softmax_scale(rope, s.P + s.R));
+  }
   return s;
 }
 
@@ -192,8 +208,10 @@ HostWeights make_weights(const StepShape& s, uint64_t seed) {
   w.index_wk = normal_bf16(size_t(kIndexerDim) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexWk));
   w.index_weights_proj =
       normal_bf16(size_t(s.index_heads) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexWeightsProj));
-  w.index_compress_gate =
-      normal_bf16(size_t(kIndexerDim) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexCompressGate));
+  if (s.index_pool > 1) {
+    w.index_compress_gate =
+        normal_bf16(size_t(kIndexerDim) * s.D, 0.0f, inverse_sqrt(s.D), ElementHash(seed, Tensor::kIndexCompressGate));
+  }
   return w;
 }
 
@@ -265,6 +283,12 @@ void make_cached_entry(const StepShape& s, const HostWeights& weights, uint64_t 
     const uint16_t latent = num::float_to_bf16(2.0f * signed_uniform(hash(uint64_t(slot) * s.L + i)));
     entry[i] = num::cache_fp8(latent, weights.k_scale);
   }
+}
+
+void make_cached_rope_token(const StepShape& s, uint64_t seed, int64_t slot, uint16_t* kv_c, uint16_t* k_pe) {
+  const ElementHash latent(seed, Tensor::kCachedRopeLatent), rope(seed, Tensor::kCachedRopeKPe);
+  for (int i = 0; i < s.L; ++i) kv_c[i] = num::float_to_bf16(2.0f * signed_uniform(latent(uint64_t(slot) * s.L + i)));
+  for (int i = 0; i < s.R; ++i) k_pe[i] = unit_uniform_bf16(rope(uint64_t(slot) * s.R + i));
 }
 
 }  // namespace dsa::cli

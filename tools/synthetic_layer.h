@@ -73,12 +73,21 @@ struct StepShape {
   // Where the shapes came from: "preset glm5next", or the config.json and
   // options that overrode it (dsa-decode --config, --index-*).
   std::string shape_source = "the preset";
+  // RoPE dims per head (the preset's qk_rope: 64 for dsv32 and glm5, 0 for
+  // glm5next). With R > 0, qkv_a_proj also yields k_pe [m, R], each query head
+  // is [P nope | R rope], and the indexer is DeepSeek-V3.2's: pool 1, its first
+  // R dims of q and k rotated (rope_dims), no ring, gate or ape.
+  int R = 0;
 
-  int64_t q_width() const { return int64_t{H} * P; }  // q_b_proj's out features
-  int qkv_width() const { return Q + L; }
+  bool rope() const { return R > 0; }
+  int64_t q_width() const { return int64_t{H} * (P + R); }  // q_b_proj's out features
+  int qkv_width() const { return Q + L + R; }               // q_c | kv_c | k_pe
   int64_t cache_blocks() const { return (context + m + kCacheBlockSize - 1) / kCacheBlockSize; }
-  int indexer_ring() const { return 2 * index_pool; }  // RING with draft tokens
-  int indexer_tokens_per_request() const { return indexer_ring() - (index_pool - 1); }
+  // RING with draft tokens (1: no ring, pool 1).
+  int indexer_ring() const { return index_pool == 1 ? 1 : 2 * index_pool; }
+  int indexer_tokens_per_request() const {
+    return index_pool == 1 ? kIndexerMaxTokens : indexer_ring() - (index_pool - 1);
+  }
   // One indexer page: the pooled keys of one KV block (kCacheBlockSize / S pools of 132 bytes).
   int64_t indexer_page_bytes() const { return int64_t{kCacheBlockSize} / index_pool * kIndexerPoolBytes; }
   // Columns of a top-k row: K + S - 1 rounded up to 128 (indexer_row_width).
@@ -91,7 +100,8 @@ struct StepShape {
   // kCacheBlockSize, the indexer's shape and the three numeric choices above (value_up_tokens and the indexer's
   // projection kernel are the caller's).
   DsaStagePlan stage_plan() const;
-  // dsa_stage_indexer_plan(stage_plan()): what the indexer's state, its prefill and its CPU reference use.
+  // dsa_stage_indexer_plan(stage_plan()): what the indexer's state, its prefill and its CPU reference use;
+  // with R > 0 also rope_dims = R and the preset's indexer rope style (rope_preset_config, kIndexer).
   IndexerPlan indexer_plan() const;
   std::string describe() const;  // "glm5next TP1 (D=4096, H=64, Q=1536, L=512, P=256, V=256), m=4, context 32768"
   // "32 heads, pools of 4, top-2048 (rows 2176)"
@@ -101,8 +111,10 @@ struct StepShape {
   std::string describe_indexer() const;
 };
 
-// `per_rank` is a NoPE preset already split by per_rank(); the indexer's
-// shape is its index_heads, pool_size and topk.
+// `per_rank` is a preset already split by per_rank(); the indexer's shape is
+// its index_heads, pool_size and topk. A RoPE preset (qk_rope > 0) takes the
+// attention's softmax scale of its rotary (rope_softmax_scale: 0.1352338 for
+// dsv32) rather than the table's rounded one.
 StepShape make_step_shape(const ModelPreset& per_rank, int m, int64_t context);
 
 // BF16 values are held as their bit patterns.
@@ -126,7 +138,7 @@ struct HostWeights {
   std::vector<uint16_t> index_wq_b;           // [HI * 128, Q]
   std::vector<uint16_t> index_wk;             // [128, D]
   std::vector<uint16_t> index_weights_proj;   // [HI, D]
-  std::vector<uint16_t> index_compress_gate;  // [128, D]
+  std::vector<uint16_t> index_compress_gate;  // [128, D]; empty with pool 1 (V3.2's indexer has none)
 };
 
 // index_k and gate rows of consecutive positions, the indexer prefill's
@@ -171,6 +183,10 @@ IndexerTokenRows make_indexer_history(const StepShape& shape, uint64_t seed);
 std::vector<int32_t> make_indexer_block_table(const StepShape& shape);
 HostCache make_cache(const StepShape& shape, const HostWeights& weights, uint64_t seed, int64_t first_block,
                      int64_t blocks);
+// A RoPE preset's cached token of `slot` < context: its kv_c [L] (uniform in
+// [-2, 2)) and rotated k_pe [R] (unit variance) BF16 rows, drawn from the seed;
+// the 656-byte entry is their cache write (reference::v32_quantize_token).
+void make_cached_rope_token(const StepShape& shape, uint64_t seed, int64_t slot, uint16_t* kv_c, uint16_t* k_pe);
 // The cached entry of `slot` < context, as make_cache stores it: `entry` [L] e4m3.
 void make_cached_entry(const StepShape& shape, const HostWeights& weights, uint64_t seed, int64_t slot,
                        uint8_t* entry);
