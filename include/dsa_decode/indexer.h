@@ -167,7 +167,7 @@ struct IndexerProjectArgs {
   TensorView wq_b;           // [H * 128, Q] BF16, nn.Linear layout [out, in]
   TensorView wk;             // [128, D] BF16
   TensorView weights_proj;   // [H, D] BF16
-  TensorView compress_gate;  // [128, D] BF16
+  TensorView compress_gate;  // [128, D] BF16; at plan.pool == 1 empty (with gate), no gate is computed
   // Outputs, in the layouts indexer_prepare takes:
   TensorView index_q;       // [m, H, 128] BF16: q_c @ wq_b^T, head h = columns 128 h .. 128 h + 127
   TensorView index_k;       // [m, 128] BF16: x @ wk^T, before its LayerNorm
