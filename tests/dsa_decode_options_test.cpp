@@ -429,22 +429,49 @@ TEST(DsaDecodeOptions, ResolveModelTakesThePresetThenTheConfigThenTheOptions) {
   EXPECT_NE(error.find("--preset: got 'nope'"), std::string::npos) << error;
 }
 
-// The GPU path refuses the RoPE presets by name, saying that --cpu runs
-// their reference chain; the NoPE preset runs on it.
-TEST(DsaDecodeOptions, TheGpuPathRefusesTheRopePresetsAndPointsAtTheCpuChain) {
+// The RoPE presets run on the GPU kernel by kernel (without the stage): the
+// GPU path takes them with the shape, seed, --steps and the kernels' choices
+// it has, and refuses, naming them and pointing at --cpu, the options only
+// the stage's path or the CPU chain takes. The NoPE preset takes any.
+TEST(DsaDecodeOptions, TheGpuPathRunsTheRopePresetsAndNamesWhatItDoesNotTake) {
+  const auto parsed = [](std::vector<std::string> args) {
+    args.insert(args.begin(), "dsa-decode");
+    std::vector<char*> argv;
+    for (std::string& arg : args) argv.push_back(arg.data());
+    Options options;
+    std::string error;
+    EXPECT_TRUE(parse_options(int(argv.size()), argv.data(), &options, &error)) << error;
+    return options;
+  };
   for (const char* name : {"dsv32", "glm5"}) {
     ModelPreset preset{};
     ASSERT_TRUE(find_preset(name, &preset).ok());
-    const std::string refusal = gpu_path_refusal(preset);
-    EXPECT_NE(refusal.find(std::string("--preset: '") + name + "' uses RoPE (64 rope dims per head)"), std::string::npos)
-        << refusal;
-    EXPECT_NE(refusal.find("the stage does not run RoPE presets yet; --cpu runs its reference chain"),
+    EXPECT_EQ(gpu_path_refusal(parsed({"--preset", name, "--tp", "8", "--tokens", "2", "--context", "4096"}), preset),
+              "");
+    EXPECT_EQ(gpu_path_refusal(parsed({"--preset", name, "--steps", "5", "--indexer-logits", "exact",
+                                       "--head-gemv-sums", "seed-order", "--projections", "gemv",
+                                       "--indexer-projections", "gemv", "--seed", "3"}),
+                               preset),
+              "");
+    const std::string refusal =
+        gpu_path_refusal(parsed({"--preset", name, "--json", "out.json", "--trace", "--indexer-projections", "cublaslt",
+                                 "--projections", "cublaslt"}),
+                         preset);
+    EXPECT_NE(refusal.find(std::string("--json, --trace, --projections cublaslt, --indexer-projections cublaslt: "
+                                       "preset '") + name + "' uses RoPE (64 rope dims per head); its GPU path runs "
+                                       "the step kernel by kernel"),
               std::string::npos)
         << refusal;
+    EXPECT_NE(refusal.find("does not take these; drop them, or add --cpu for its CPU reference chain"),
+              std::string::npos)
+        << refusal;
+    const std::string one = gpu_path_refusal(parsed({"--preset", name, "--break", "cache-scale"}), preset);
+    EXPECT_NE(one.find("--break: preset '"), std::string::npos) << one;
+    EXPECT_NE(one.find("does not take this; drop it, or add --cpu"), std::string::npos) << one;
   }
   ModelPreset nope{};
   ASSERT_TRUE(find_preset("glm5next", &nope).ok());
-  EXPECT_EQ(gpu_path_refusal(nope), "");
+  EXPECT_EQ(gpu_path_refusal(parsed({"--json", "out.json", "--trace", "--projections", "cublaslt"}), nope), "");
 }
 
 // --break takes the chain's link names (default none) and applies to the

@@ -67,8 +67,9 @@ int run_cpu_path_rope(const StepShape& s, const Options& options, const std::str
     std::printf("PASS: %zu of %zu checks of the CPU chain within the contract's bounds (%.1f s)\n", judged, judged,
                 report.elapsed_s);
   }
-  std::printf("the GPU path: the stage does not run RoPE presets yet (its kernels rope_absorb, sparse_mla_v32 and the "
-              "pool-1 indexer exist)\n");
+  std::printf("the GPU path (an sm_90 GPU, without --cpu) runs this step kernel by kernel through the library's "
+              "functions (the stage does not run RoPE presets yet) and checks each product against this chain's "
+              "reference of its kernel\n");
   std::fflush(stdout);
   int exit_code = failed > 0 ? 1 : 0;
   if (!options.json_path.empty()) {

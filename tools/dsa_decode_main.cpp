@@ -71,8 +71,8 @@ int main(int argc, char** argv) {
   } else if (const dsa::cli::GpuAvailability gpu = dsa::cli::probe_gpu(); gpu.problem != dsa::cli::GpuProblem::kNone) {
     why_cpu = gpu.text();
     std::printf("%s: running the CPU reference at %s\n", why_cpu.c_str(), shape.describe().c_str());
-  } else if (const std::string refusal = dsa::cli::gpu_path_refusal(shape.per_rank); !refusal.empty()) {
-    return usage_error(refusal);  // a RoPE preset: the CPU chain only, with --cpu
+  } else if (const std::string refusal = dsa::cli::gpu_path_refusal(options, shape.per_rank); !refusal.empty()) {
+    return usage_error(refusal);  // a RoPE preset with an option only the stage's path or the CPU chain takes
   } else {
     return dsa::cli::run_gpu_path(shape, options);
   }

@@ -1237,6 +1237,7 @@ GpuAvailability probe_gpu() {
 }
 
 int run_gpu_path(const StepShape& shape, const Options& options) {
+  if (shape.rope()) return run_gpu_path_rope(shape, options);
   RunReport report;
   if (const Status status = run_gpu(shape, options, &report); !status.ok()) {
     std::fprintf(stderr, "dsa-decode: %s\n", status.to_string().c_str());

@@ -45,10 +45,29 @@ bool parse_rope_chain_break(const std::string& name, RopeChainBreak* link) {
   return false;
 }
 
-std::string gpu_path_refusal(const ModelPreset& preset) {
+std::vector<std::string> rope_gpu_chain_unsupported_options(const Options& options) {
+  std::vector<std::string> given;
+  for (const char* name : {"--weights", "--layer", "--config", "--break", "--json", "--trace", "--report",
+                           "--value-up-tokens", "--attention-plan", "--batch-invariant"}) {
+    if (options.given.count(name) > 0) given.push_back(name);
+  }
+  if (options.given.count("--projections") > 0 && options.projections != "gemv" && options.projections != "auto") {
+    given.push_back("--projections " + options.projections);
+  }
+  if (options.indexer_projections_cublaslt) given.push_back("--indexer-projections cublaslt");
+  return given;
+}
+
+std::string gpu_path_refusal(const Options& options, const ModelPreset& preset) {
   if (preset.qk_rope == 0) return "";
-  return std::string("--preset: '") + preset.name + "' uses RoPE (" + std::to_string(preset.qk_rope) +
-         " rope dims per head): the stage does not run RoPE presets yet; --cpu runs its reference chain";
+  const std::vector<std::string> unsupported = rope_gpu_chain_unsupported_options(options);
+  if (unsupported.empty()) return "";
+  std::string names;
+  for (const std::string& name : unsupported) names += (names.empty() ? "" : ", ") + name;
+  return names + ": preset '" + preset.name + "' uses RoPE (" + std::to_string(preset.qk_rope) +
+         " rope dims per head); its GPU path runs the step kernel by kernel (the stage does not run RoPE presets "
+         "yet) and does not take " + (unsupported.size() > 1 ? "these" : "this") +
+         "; drop " + (unsupported.size() > 1 ? "them" : "it") + ", or add --cpu for its CPU reference chain";
 }
 
 std::string chain_break_refusal(const Options& options, const ModelPreset& preset) {

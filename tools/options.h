@@ -129,10 +129,19 @@ std::optional<std::set<int>> projection_gemv_tokens(const Options& options);
 // --trace, the choices first. --json, the shape and the seed apply to both.
 std::vector<std::string> gpu_only_options_given(const Options& options);
 
-// Why the GPU path does not run this (whole-model) preset, or "" when it
-// does: the stage runs the NoPE presets only so far; the RoPE presets' CPU
-// chain runs with --cpu.
-std::string gpu_path_refusal(const ModelPreset& preset);
+// Why the GPU path does not run this (whole-model) preset with these
+// options, or "" when it does. The stage runs the NoPE presets; the RoPE
+// presets (dsv32, glm5) run on the GPU kernel by kernel without it
+// (tools/gpu_path_rope.cpp), which takes none of the options
+// rope_gpu_chain_unsupported_options lists (the CPU chain, --cpu, takes some).
+std::string gpu_path_refusal(const Options& options, const ModelPreset& preset);
+
+// The options given that the RoPE presets' GPU chain does not take: the
+// checkpoint and config inputs, --break, the reports (--json, --trace,
+// --report) and the stage's choices it has no counterpart of (--projections
+// other than gemv, --value-up-tokens, --attention-plan, --batch-invariant,
+// --indexer-projections cublaslt).
+std::vector<std::string> rope_gpu_chain_unsupported_options(const Options& options);
 
 // Why --break does not apply to this run ("" when it does): it breaks a link
 // of the RoPE presets' CPU chain only.

@@ -73,13 +73,7 @@ const char* style_name(RopeStyle style) {
   return style == RopeStyle::kInterleaved ? "interleaved" : "half-split";
 }
 
-// The preset's rotary of the attention and of the indexer, and their F32
-// tables (rope.h's layout) for positions 0..rows-1.
-struct RopeTables {
-  RopeConfig attention, indexer;
-  std::vector<float> attention_table, indexer_table;
-  int64_t rows = 0;
-};
+}  // namespace
 
 Status make_rope_tables(const StepShape& s, RopeTables* t) {
   DSA_RETURN_IF_ERROR(rope_preset_config(s.preset, RopeTarget::kAttention, &t->attention));
@@ -97,7 +91,7 @@ Status make_rope_tables(const StepShape& s, RopeTables* t) {
 
 // rope_absorb's host arguments over q [m, H, P + R] (q_nope and q_pe views)
 // and qkv [m, Q + L + R] (k_pe's view).
-reference::RopeAbsorbHost absorb_host(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
+reference::RopeAbsorbHost rope_absorb_host(const StepShape& s, const HostWeights& w, const std::vector<uint16_t>& q,
                                       const std::vector<uint16_t>& qkv, const std::vector<int64_t>& positions,
                                       const RopeTables& t, RopeStyle style) {
   reference::RopeAbsorbHost a{};
@@ -125,6 +119,8 @@ reference::RopeAbsorbHost absorb_host(const StepShape& s, const HostWeights& w, 
   a.style = style;
   return a;
 }
+
+namespace {
 
 struct AbsorbOutputs {
   std::vector<uint16_t> q;     // [m, H, L + R] BF16: absorbed latent | rotated q_pe
@@ -362,9 +358,11 @@ Check check_indexer_rows(const StepShape& s, const IndexerPlan& plan, IndexerHos
                        HI, K, W, static_cast<long long>(bad), s.m, first.c_str(), static_cast<long long>(selections), K));
 }
 
+}  // namespace
+
 // The attention's latent and lse against float64 on the dequantized entries
 // (one pass, running maximum).
-Check check_attention(const StepShape& s, const reference::SparseMlaV32Host& a,
+Check check_sparse_mla_v32_vs_float64(const StepShape& s, const reference::SparseMlaV32Host& a,
                       const reference::SparseMlaV32Result& got, const char* name) {
   std::vector<double> exact(size_t(s.m) * s.H * kSparseMlaV32Latent, 0.0), key(kSparseMlaV32HeadDim),
       out(kSparseMlaV32Latent), q(kSparseMlaV32HeadDim);
@@ -413,6 +411,8 @@ Check check_attention(const StepShape& s, const reference::SparseMlaV32Host& a,
                        relative, kLatentFrobenius, worst_lse, kLseError));
 }
 
+namespace {
+
 reference::IndexerParamsHost indexer_params(const StepShape& s, const HostWeights& w, const RopeTables& t) {
   reference::IndexerParamsHost params{w.index_k_norm_weight.data(), w.index_k_norm_bias.data(), w.index_ape.data()};
   params.cos_sin = t.indexer_table.data();
@@ -424,7 +424,8 @@ reference::IndexerParamsHost indexer_params(const StepShape& s, const HostWeight
 
 }  // namespace
 
-Status run_rope_chain(const StepShape& s, uint64_t seed, RopeChainBreak link, RopeChainResult* result) {
+Status run_rope_chain(const StepShape& s, uint64_t seed, RopeChainBreak link, RopeChainResult* result,
+                      RopeChainProducts* products) {
   if (!s.rope()) return invalid_argument("shape", "a RoPE preset's step (R > 0)", s.describe());
   if (s.L != kSparseMlaV32Latent || s.R != kSparseMlaV32Rope) {
     return invalid_argument("shape", "kv_lora 512 and rope 64 (the 656-byte cache format)",
@@ -462,6 +463,7 @@ Status run_rope_chain(const StepShape& s, uint64_t seed, RopeChainBreak link, Ro
     }
   });
   if (errors != 0) return invalid_argument("indexer prefill", "no error", std::to_string(errors));
+  if (products != nullptr) products->indexer_k_cache_after_prefill = indexer.k_cache;
   r.rows.push_back({"prefill", "indexer K cache " + shape_text({s.cache_blocks(), s.indexer_page_bytes()}),
                     r.prefill_ms, fingerprint(indexer.k_cache), format("%lld keys", static_cast<long long>(s.context))});
 
@@ -477,7 +479,7 @@ Status run_rope_chain(const StepShape& s, uint64_t seed, RopeChainBreak link, Ro
   const double qkv_ms = timed_ms([&] { qkv = reference_qkv_a_proj(s, w, in.hidden); });
   const double norm_ms = timed_ms([&] { normed = reference_norm(s, w, qkv); });
   const double q_b_ms = timed_ms([&] { q = reference_q_b_proj(s, w, normed.q_c); });
-  const reference::RopeAbsorbHost chain_absorb = absorb_host(s, w, q, qkv, in.positions, tables, attention_style);
+  const reference::RopeAbsorbHost chain_absorb = rope_absorb_host(s, w, q, qkv, in.positions, tables, attention_style);
   const double absorb_ms = timed_ms([&] { absorbed = rope_absorb(s, w, chain_absorb); });
   const double cache_ms = timed_ms([&] {
     for (int t = 0; t < s.m; ++t) {
@@ -581,14 +583,36 @@ Status run_rope_chain(const StepShape& s, uint64_t seed, RopeChainBreak link, Ro
                                             "hidden"));
   checks.push_back(check_norm_vs_float64(s, w, qkv, normed.q_c, normed.kv_c));
   checks.push_back(check_product_vs_float64("q_b_proj", q, normed.q_c, s.m, s.Q, w.q_b_proj, s.q_width(), "q_c"));
-  checks.push_back(check_rope_absorb(s, absorb_host(s, w, q, qkv, in.positions, tables, tables.attention.style),
+  checks.push_back(check_rope_absorb(s, rope_absorb_host(s, w, q, qkv, in.positions, tables, tables.attention.style),
                                      tables.attention, absorbed));
   checks.push_back(check_cache_write(s, normed.kv_c, absorbed.k_pe, written));
   checks.push_back(check_indexer_keys(s, w, tables.indexer, served_plan, indexer, history, projections.index_k));
   checks.push_back(check_indexer_rows(s, served_plan, indexer, in, query, rows));
-  checks.push_back(check_attention(s, attention, attended, "sparse_mla_v32 (kernel model) vs float64 (one pass)"));
+  checks.push_back(check_sparse_mla_v32_vs_float64(s, attention, attended, "sparse_mla_v32 (kernel model) vs float64 (one pass)"));
   checks.push_back(check_value_up_vs_float64(s, w, attended.latent, heads));
   checks.push_back(check_product_vs_float64("o_proj", out, heads, s.m, int64_t{s.H} * s.V, w.o_proj, s.D, "heads"));
+  if (products != nullptr) {
+    RopeChainProducts& p = *products;
+    p.tables = std::move(tables);
+    p.plan = served_plan;
+    p.weights = w;
+    p.inputs = in;
+    p.history = history;
+    p.qkv = std::move(qkv);
+    p.q_c = std::move(normed.q_c);
+    p.kv_c = std::move(normed.kv_c);
+    p.q = std::move(q);
+    p.q_absorbed = std::move(absorbed.q);
+    p.k_pe = std::move(absorbed.k_pe);
+    p.entries = std::move(written);
+    p.projections = std::move(projections);
+    p.query = std::move(query);
+    p.rows = std::move(rows);
+    p.latent = std::move(attended.latent);
+    p.lse = std::move(attended.lse);
+    p.heads = std::move(heads);
+    p.out = std::move(out);
+  }
   return Status();
 }
 
