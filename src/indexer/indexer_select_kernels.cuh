@@ -544,7 +544,7 @@ constexpr int kMaxBinsPerThread = kMaxBins / kSelectThreads;
 static_assert(kMaxBins % kSelectThreads == 0 && (1 << 10) % kSelectThreads == 0, "whole bins per thread");
 constexpr int kPassItems = 8;          // pools per thread and round of a histogram pass
 constexpr int kCompactItems = 8;       // consecutive pools per thread and round of the compaction (two uint4)
-constexpr int kStagedKeys = 1 << 15;   // keys kept in shared memory: every pool up to 128k context
+constexpr int kStagedKeys = 1 << 15;   // keys in shared memory: 128k context at pool 4, 32k at pool 1
 constexpr int kStagedPages = 1024;     // block table entries kept in shared memory: 128k context at 128 tokens a block
 
 struct SelectShared {

@@ -53,10 +53,12 @@ IndexerPlan v32_plan(int64_t max_context, int max_tokens, int block_size = 64) {
   return plan;
 }
 
-// The library's F32 table of the dsv32 indexer rotary, rows 0..rows-1.
-std::vector<float> v32_table(int64_t rows) {
+// The library's F32 table of the dsv32 indexer rotary, rows 0..rows-1
+// (`dims` rotated dims: the preset's 64 unless asked otherwise).
+std::vector<float> v32_table(int64_t rows, int dims = 64) {
   RopeConfig config;
   EXPECT_TRUE(rope_preset_config("dsv32", RopeTarget::kIndexer, &config).ok());
+  config.rope_dim = dims;
   std::vector<float> table(size_t(rows) * config.rope_dim);
   EXPECT_TRUE(rope_cos_sin_table(config, 0, rows, table.data()).ok());
   return table;
@@ -422,10 +424,12 @@ TEST(IndexerV32Reference, PoolOneMatchesAFloat64BruteForce) {
 // token; then the reference's prepare and select.
 struct V32Step : testing::IndexerHostState {
   int m;
+  bool bf16_table = false;  // the table the GPU and the reference read: BF16 bits of `table`
+  bool padding = false;     // a padding token (request -1, position -1) after the requests' tokens
   std::vector<int64_t> positions;
   std::vector<int32_t> token_requests;
   std::vector<float> table, norm_weight, norm_bias, head_weights;
-  std::vector<uint16_t> index_q, index_k;
+  std::vector<uint16_t> table_bf16, index_q, index_k;
   std::vector<std::vector<uint16_t>> prefill_k;  // per request
   std::vector<uint8_t> k_cache_before_prepare;
   reference::IndexerParamsHost params;
@@ -438,6 +442,17 @@ struct V32Step : testing::IndexerHostState {
     fill(context, groups, per_request, rng);
   }
 
+  // Any pool-1 plan (plan.max_tokens >= groups * per_request + padding; a
+  // table of plan.max_context rows of plan.rope_dims, none for 0).
+  V32Step(const IndexerPlan& p, int64_t context, int groups, int per_request, bool bf16, bool with_padding,
+          std::mt19937_64& rng)
+      : IndexerHostState(p, groups, (p.max_context + p.block_size - 1) / p.block_size, rng),
+        m(groups * per_request + (with_padding ? 1 : 0)),
+        bf16_table(bf16),
+        padding(with_padding) {
+    fill(context, groups, per_request, rng);
+  }
+
   void fill(int64_t context, int groups, int per_request, std::mt19937_64& rng) {
     for (int r = 0; r < groups; ++r) {
       for (int j = 0; j < per_request; ++j) {
@@ -445,10 +460,24 @@ struct V32Step : testing::IndexerHostState {
         token_requests.push_back(r);
       }
     }
-    table = v32_table(context);
+    if (padding) {
+      positions.push_back(-1);
+      token_requests.push_back(-1);
+    }
+    const int dims = plan.rope_dims;
+    if (dims > 0) table = v32_table(plan.max_context, dims);
+    if (bf16_table) {
+      for (float v : table) table_bf16.push_back(num::float_to_bf16(v));
+    }
     norm_weight = testing::normal_floats(kDim, 1.0f, 0.2f, rng);
     norm_bias = testing::normal_floats(kDim, 0.0f, 0.1f, rng);
-    params = {norm_weight.data(), norm_bias.data(), nullptr, table.data(), false, context, 64};
+    params = {norm_weight.data(), norm_bias.data(), nullptr, nullptr, false, 0, 0};
+    if (dims > 0) {
+      params.cos_sin = bf16_table ? static_cast<const void*>(table_bf16.data()) : table.data();
+      params.cos_sin_bf16 = bf16_table;
+      params.cos_sin_rows = plan.max_context;
+      params.cos_sin_row_stride = dims;
+    }
     for (int r = 0; r < groups; ++r) {
       const int64_t n = positions[size_t(r) * per_request];
       prefill_k.push_back(testing::random_bf16(n * kDim, 2.0f, rng));
@@ -482,14 +511,26 @@ void expect_v32_chain(V32Step& s, const std::string& what) {
   DeviceBuffer<int64_t> positions(s.positions);
   DeviceBuffer<int32_t> requests(s.token_requests);
   DeviceBuffer<unsigned int> errors(1);
-  DeviceBuffer<float> table(s.table), norm_weight(s.norm_weight), norm_bias(s.norm_bias), weights(s.head_weights);
+  DeviceBuffer<float> norm_weight(s.norm_weight), norm_bias(s.norm_bias), weights(s.head_weights);
+  DeviceBuffer<float> table_f32;
+  DeviceBuffer<uint16_t> table_bf16;
+  if (!s.table.empty()) {
+    if (s.bf16_table) {
+      table_bf16 = DeviceBuffer<uint16_t>(s.table_bf16);
+    } else {
+      table_f32 = DeviceBuffer<float>(s.table);
+    }
+  }
   DeviceBuffer<uint16_t> index_q(s.index_q), index_k(s.index_k);
   k_cache.fill_bytes(0);
   errors.fill_bytes(0);
   IndexerState state;
   state.block_table = make_tensor(block_table.get(), DType::kI32, {s.requests, s.width});
   state.k_cache = make_strided(k_cache.get(), DType::kU8, {s.blocks, indexer_page_bytes(plan)}, {s.page_stride, 1});
-  const TensorView cos_sin = make_tensor(table.get(), DType::kF32, {plan.max_context, 64});
+  const TensorView cos_sin =
+      plan.rope_dims == 0 ? TensorView()
+      : s.bf16_table      ? make_tensor(table_bf16.get(), DType::kBF16, {plan.max_context, plan.rope_dims})
+                          : make_tensor(table_f32.get(), DType::kF32, {plan.max_context, plan.rope_dims});
   const TensorView weight_view = make_tensor(norm_weight.get(), DType::kF32, {kDim});
   const TensorView bias_view = make_tensor(norm_bias.get(), DType::kF32, {kDim});
 
@@ -611,6 +652,54 @@ TEST(IndexerV32Gpu, PrefillPrepareSelectMatchTheReferenceAtTheV32Shape) {
       expect_v32_chain(s, what);
       if (HasFatalFailure()) return;
     }
+  }
+}
+
+// The pool-1 paths the V3.2 shape leaves out, each against the reference as
+// above: the interleaved style and R = 16, 32, 128 (rope_lane's pairs and its
+// shuffle distance R / 8), a BF16 table, pages of 128, 192, 256 and 320 keys
+// (codes at 128 e, scales at 128 block_size + 4 e), no RoPE
+// (prepare_kernel<1, false>), top-k below 2048 and not a multiple of 128
+// (the -1 columns up to the row width), a padding token (its q rotated by
+// zeros, its rows -1), two requests of 2 tokens, 16 and 32 heads, and a
+// context of 40000 > 2^15 at max_context 40000 (7232 keys re-read from the
+// logits on each pass beside the 32768 staged ones) at 16 heads, cheaper on
+// the CPU than the 128k rows above.
+TEST(IndexerV32Gpu, PoolOneVariantsMatchTheReference) {
+  DSA_REQUIRE_GPU();
+  struct Variant {
+    const char* name;
+    int heads, topk, rope_dims;
+    RopeStyle style;
+    int block_size;
+    bool bf16_table;
+    int64_t max_context, context;
+    int groups, per_request;
+    bool padding;
+  };
+  const Variant variants[] = {
+      {"interleaved R 64, BF16 table, pages of 256, L 40000", 16, 2048, 64, RopeStyle::kInterleaved, 256, true, 40000,
+       40000, 1, 4, true},
+      {"half-split R 16, pages of 128, top-1000, two requests", 16, 1000, 16, RopeStyle::kHalfSplit, 128, false, 6000,
+       6000, 2, 2, true},
+      {"half-split R 128, BF16 table, pages of 192, top-512", 32, 512, 128, RopeStyle::kHalfSplit, 192, true, 3000,
+       2990, 1, 1, false},
+      {"interleaved R 32, pages of 64", 16, 2048, 32, RopeStyle::kInterleaved, 64, false, 5000, 5000, 1, 3, false},
+      {"no RoPE, pages of 320, top-777", 16, 777, 0, RopeStyle::kHalfSplit, 320, false, 4100, 4100, 1, 2, true},
+  };
+  std::mt19937_64 rng(testing::test_seed() + 33);
+  for (const Variant& v : variants) {
+    SCOPED_TRACE(v.name);
+    IndexerPlan plan = v32_plan(v.max_context, v.groups * v.per_request + (v.padding ? 1 : 0), v.block_size);
+    plan.heads = v.heads;
+    plan.topk = v.topk;
+    plan.rope_dims = v.rope_dims;
+    plan.rope_style = v.style;
+    DSA_ASSERT_OK(check_indexer_plan(plan));
+    V32Step s(plan, v.context, v.groups, v.per_request, v.bf16_table, v.padding, rng);
+    if (HasFatalFailure()) return;
+    expect_v32_chain(s, v.name);
+    if (HasFatalFailure()) return;
   }
 }
 
