@@ -9,7 +9,8 @@
 //   -> sparse_mla_v32 -> head_gemv value-up -> linear_gemv o_proj
 // (linear_gemv takes up to 8 tokens, fewer where K is large: a larger step
 // runs it per group of tokens that fits, which gives the same bits, a token's
-// depending only on its own row; linear.h has no other kernel). The
+// depending only on its own row; linear.h has no other kernel; the same for
+// indexer_project_gemv, whose x rows fit 8 tokens, not 16, at D = 7168). The
 // indexer's K cache is prefilled with the context (indexer_prefill) before.
 // Each product is checked on the GPU's own inputs (downloaded) against the
 // CPU chain's reference of the same kernel: bit for bit where the kernel
@@ -148,6 +149,10 @@ class RopeGpuChain {
   // linear_gemv of x [m, k] by weight [n, k] into out [m, n], per group of tokens that fits it.
   Status linear(const bench::DeviceMemory& x, int64_t k, const bench::DeviceMemory& weight, int64_t n,
                 const bench::DeviceMemory& y, cudaStream_t stream) const;
+  // indexer_project_gemv (no gate at pool 1) of tokens first..first+tokens-1, and of the step per group of
+  // tokens that fits it.
+  IndexerProjectArgs project_args(int first, int tokens) const;
+  Status project(cudaStream_t stream) const;
 };
 
 Status RopeGpuChain::init(const StepShape& s, const RopeChainProducts& p, const std::vector<uint8_t>& cache_bytes,
@@ -244,6 +249,35 @@ Status RopeGpuChain::linear(const bench::DeviceMemory& x, int64_t k, const bench
   return Status();
 }
 
+IndexerProjectArgs RopeGpuChain::project_args(int first, int tokens) const {
+  const int64_t HI = plan_.heads;
+  IndexerProjectArgs a;
+  a.plan = plan_;
+  a.q_c = make_tensor(q_c.as<uint16_t>() + size_t(first) * s_.Q, DType::kBF16, {tokens, s_.Q});
+  a.x = make_tensor(hidden.as<uint16_t>() + size_t(first) * s_.D, DType::kBF16, {tokens, s_.D});
+  a.wq_b = bf16(wq_b, {HI * kIndexerDim, s_.Q});
+  a.wk = bf16(wk, {kIndexerDim, s_.D});
+  a.weights_proj = bf16(weights_proj, {HI, s_.D});
+  a.index_q = make_tensor(index_q.as<uint16_t>() + size_t(first) * HI * kIndexerDim, DType::kBF16,
+                          {tokens, HI, kIndexerDim});
+  a.index_k = make_tensor(index_k.as<uint16_t>() + size_t(first) * kIndexerDim, DType::kBF16, {tokens, kIndexerDim});
+  a.head_weights = make_tensor(head_weights.as<float>() + size_t(first) * HI, DType::kF32, {tokens, HI});
+  return a;
+}
+
+Status RopeGpuChain::project(cudaStream_t stream) const {
+  // indexer_project_gemv stages x in shared memory per power-of-two token
+  // count: D = 7168 (dsv32) fits 8 tokens, not 16 (its check names the limit).
+  // Its bits are independent of m, so a step runs per group of tokens that fits.
+  // (An argument error fails at every size: the launch of one token then names it.)
+  int chunk = s_.m;
+  while (chunk > 1 && !check_indexer_project_gemv(project_args(0, chunk)).ok()) chunk = (chunk + 1) / 2;
+  for (int first = 0; first < s_.m; first += chunk) {
+    DSA_RETURN_IF_ERROR(indexer_project_gemv(project_args(first, std::min(chunk, s_.m - first)), stream));
+  }
+  return Status();
+}
+
 Status RopeGpuChain::enqueue(cudaStream_t stream) const {
   const StepShape& s = s_;
   const int64_t m = s.m, H = s.H, P = s.P, R = s.R, L = s.L, HI = plan_.heads, qkv_width = s.qkv_width();
@@ -282,22 +316,12 @@ Status RopeGpuChain::enqueue(cudaStream_t stream) const {
   DSA_RETURN_IF_ERROR(sparse_mla_v32_cache_write(write, stream));
 
   // The indexer: projections (no gate at pool 1), prepare, select, remap.
-  IndexerProjectArgs project;
-  project.plan = plan_;
-  project.q_c = bf16(q_c, {m, s.Q});
-  project.x = bf16(hidden, {m, s.D});
-  project.wq_b = bf16(wq_b, {HI * kIndexerDim, s.Q});
-  project.wk = bf16(wk, {kIndexerDim, s.D});
-  project.weights_proj = bf16(weights_proj, {HI, s.D});
-  project.index_q = bf16(index_q, {m, HI, kIndexerDim});
-  project.index_k = bf16(index_k, {m, kIndexerDim});
-  project.head_weights = make_tensor(head_weights.get(), DType::kF32, {m, HI});
-  DSA_RETURN_IF_ERROR(indexer_project_gemv(project, stream));
+  DSA_RETURN_IF_ERROR(project(stream));
   IndexerPrepareArgs prepare;
   prepare.plan = plan_;
-  prepare.index_q = project.index_q;
-  prepare.index_k = project.index_k;
-  prepare.head_weights = project.head_weights;
+  prepare.index_q = bf16(index_q, {m, HI, kIndexerDim});
+  prepare.index_k = bf16(index_k, {m, kIndexerDim});
+  prepare.head_weights = make_tensor(head_weights.get(), DType::kF32, {m, HI});
   prepare.k_norm_weight = make_tensor(k_norm_weight.get(), DType::kF32, {kIndexerDim});
   prepare.k_norm_bias = make_tensor(k_norm_bias.get(), DType::kF32, {kIndexerDim});
   prepare.ape = make_tensor(ape.get(), DType::kF32, {int64_t{plan_.pool}, kIndexerDim});
@@ -507,9 +531,9 @@ std::vector<Check> check_gpu_chain(const StepShape& s, const RopeChainProducts& 
                            format(" (%lld context keys, RoPE on the first %d dims)",
                                   static_cast<long long>(s.context), R)));
 
-  // prepare, select and remap on the reference's state after the prefill.
+  // prepare, select and remap on the GPU's state after its prefill (checked above).
   IndexerHostState state = make_indexer_state(s);
-  state.k_cache = p.indexer_k_cache_after_prefill;
+  state.k_cache = k_cache_after_prefill;
   reference::IndexerStateHost view = state.view();
   reference::IndexerParamsHost params{w.index_k_norm_weight.data(), w.index_k_norm_bias.data(), w.index_ape.data()};
   params.cos_sin = p.tables.indexer_table.data();

@@ -406,8 +406,8 @@ Check check_sparse_mla_v32_vs_float64(const StepShape& s, const reference::Spars
   }
   const double relative = reference::relative_frobenius(got.latent, exact);
   return judged(name, relative <= kLatentFrobenius && worst_lse <= kLseError,
-                format("latent relative Frobenius error %.2e (bound %.0e), lse max error %.2e (bound %.0e); on the CPU "
-                       "chain's q, cache entries and slots",
+                format("latent relative Frobenius error %.2e (bound %.0e), lse max error %.2e (bound %.0e); on the q, cache "
+                       "entries and slots it ran on",
                        relative, kLatentFrobenius, worst_lse, kLseError));
 }
 
