@@ -277,7 +277,9 @@ Status indexer_project(const IndexerProjectArgs& args, IndexerProjectContext& co
 
 // The same as one GEMV launch in a fixed order, bit for bit
 // reference::indexer_project_gemv and independent of m and the batch; Q and D
-// multiples of 8, at most 16384; no context.
+// multiples of 8, at most 16384 and at most what m's rows staged in shared
+// memory allow (D = 7168 takes at most 8 tokens a launch: launch token groups,
+// the error names the limit); no context.
 Status check_indexer_project_gemv(const IndexerProjectArgs& args);
 Status indexer_project_gemv(const IndexerProjectArgs& args, cudaStream_t stream);
 
