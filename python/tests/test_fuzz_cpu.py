@@ -1,4 +1,4 @@
-"""Argument fuzzing through the Python package (issue 40), no GPU needed.
+"""Argument fuzzing through the Python package, no GPU needed.
 
 NumPy arrays are CPU arrays: every call must raise dsa_decode.InvalidArgument
 naming one of the function's arguments in quotes ('name') - for the wrong
@@ -47,7 +47,32 @@ def base_sparse(r):
                 lse=((m, h), np.float32), split_counters=((m * h,), np.int32))
 
 
+def base_rope(r):
+    m, h, p = r.randint(1, 16), r.choice([16, 64, 128]), r.choice([128, 192])
+    return dict(q_nope=((m, h, p), np.float16), q_pe=((m, h, 64), np.float16), k_pe=((m, 64), np.float16),
+                positions=((m,), np.int64), cos_sin=((4096, 64), np.float32), weight=((h, p, 512), np.float16),
+                out=((m, h, 576), np.float16), k_pe_out=((m, 64), np.float16))
+
+
+def base_v32_write(r):
+    m = r.randint(1, 16)
+    return dict(kv_c=((m, 512), np.float16), k_pe=((m, 64), np.float16), slot_mapping=((m,), np.int64),
+                kv_cache=((4, 64, 656), np.uint8))
+
+
+def base_v32(r):
+    m, h, k = r.randint(1, 16), r.choice([16, 128]), r.choice([64, 2048])
+    return dict(q=((m, h, 576), np.float16), kv_cache=((4, 64, 656), np.uint8), indices=((m, k), np.int32),
+                latent=((m, h, 512), np.float16), lse=((m, h), np.float32))
+
+
 ENTRIES = {
+    "rope_absorb": (base_rope, lambda a: dsa_decode.rope_absorb(
+        a["q_nope"], a["q_pe"], a["k_pe"], a["positions"], a["cos_sin"], a["weight"], a["out"], a["k_pe_out"])),
+    "sparse_mla_v32_cache_write": (base_v32_write, lambda a: dsa_decode.sparse_mla_v32_cache_write(
+        a["kv_c"], a["k_pe"], a["slot_mapping"], a["kv_cache"])),
+    "sparse_mla_v32": (base_v32, lambda a: dsa_decode.sparse_mla_v32(
+        a["q"], a["kv_cache"], a["indices"], 0.1352338, a["latent"], a["lse"])),
     "head_gemv": (base_head_gemv, lambda a: dsa_decode.head_gemv(a["x"], a["weight"], a["out"])),
     "qkv_rmsnorm": (base_norm, lambda a: dsa_decode.qkv_rmsnorm(a["qkv"], a["q_weight"], a["kv_weight"], 1e-6,
                                                                a["q_out"], a["kv_out"])),
