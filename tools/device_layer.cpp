@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "device_buffers.h"
 #include "dsa_decode/cuda_check.h"
 
 namespace dsa::cli {
@@ -11,24 +12,6 @@ namespace dsa::cli {
 namespace {
 
 constexpr size_t kWeightAlignment = 256;  // what cudaMalloc gives: every weight of every copy as aligned
-
-template <class T>
-size_t bytes_of(const std::vector<T>& v) {
-  return v.size() * sizeof(T);
-}
-
-template <class T>
-Status copy_to_device(const std::vector<T>& host, bench::DeviceMemory* device, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(device->allocate(bytes_of(host)));
-  DSA_CUDA_RETURN(cudaMemcpyAsync(device->get(), host.data(), bytes_of(host), cudaMemcpyHostToDevice, stream));
-  return Status();
-}
-
-Status allocate_filled(size_t bytes, int byte, bench::DeviceMemory* device, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(device->allocate(bytes));
-  DSA_CUDA_RETURN(cudaMemsetAsync(device->get(), byte, bytes, stream));
-  return Status();
-}
 
 TensorView bf16(void* data, std::initializer_list<int64_t> shape) { return make_tensor(data, DType::kBF16, shape); }
 
@@ -101,17 +84,17 @@ Status DeviceLayer::init(const StepShape& shape, const HostWeights& w, const Hos
                                     cudaMemcpyDeviceToDevice, stream));
   }
 
-  DSA_RETURN_IF_ERROR(copy_to_device(in.hidden, &hidden_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.positions, &positions_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.token_requests, &token_requests_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(in.slot_mapping, &slot_mapping_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(cache.bytes, &cache_fused_, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(cache.bytes, &cache_stock_, stream));
+  DSA_RETURN_IF_ERROR(upload(in.hidden, &hidden_, stream));
+  DSA_RETURN_IF_ERROR(upload(in.positions, &positions_, stream));
+  DSA_RETURN_IF_ERROR(upload(in.token_requests, &token_requests_, stream));
+  DSA_RETURN_IF_ERROR(upload(in.slot_mapping, &slot_mapping_, stream));
+  DSA_RETURN_IF_ERROR(upload(cache.bytes, &cache_fused_, stream));
+  DSA_RETURN_IF_ERROR(upload(cache.bytes, &cache_stock_, stream));
   DSA_RETURN_IF_ERROR(out_.allocate(size_t(s_.m) * s_.D * sizeof(uint16_t)));
   DSA_RETURN_IF_ERROR(allocate_filled(kErrorCounters * sizeof(unsigned int), 0, &error_counts_, stream));
 
   const std::vector<int32_t> block_table = make_indexer_block_table(s_);
-  DSA_RETURN_IF_ERROR(copy_to_device(block_table, &indexer_block_table_, stream));
+  DSA_RETURN_IF_ERROR(upload(block_table, &indexer_block_table_, stream));
   // Zeroed, as the CPU reference's state starts: the whole states compare.
   const size_t ring_bytes = size_t(s_.indexer_requests()) * 2 * s_.indexer_ring() * kIndexerDim * sizeof(uint16_t);
   DSA_RETURN_IF_ERROR(allocate_filled(ring_bytes, 0, &indexer_ring_, stream));
@@ -140,8 +123,8 @@ DsaLayerWeights DeviceLayer::weights(int copy) const {
 // first token (StepShape), on the device copy of `history`.
 Status DeviceLayer::prefill_indexer(const IndexerTokenRows& history, cudaStream_t stream) {
   bench::DeviceMemory index_k, gate;  // [prefill tokens, 128] BF16 each
-  DSA_RETURN_IF_ERROR(copy_to_device(history.index_k, &index_k, stream));
-  DSA_RETURN_IF_ERROR(copy_to_device(history.gate, &gate, stream));
+  DSA_RETURN_IF_ERROR(upload(history.index_k, &index_k, stream));
+  DSA_RETURN_IF_ERROR(upload(history.gate, &gate, stream));
   const DsaLayerWeights w = weights(0);
   for (int request = 0; request < s_.indexer_requests(); ++request) {
     const int64_t tokens = s_.indexer_prefill_tokens(request);

@@ -21,6 +21,7 @@
 #include "dsa_decode/sparse_mla.h"
 #include "dsa_decode/stage.h"
 #include "timing.h"
+#include "device_buffers.h"
 #include "html_report.h"
 #include "kernel_trace.h"
 #include "linear/linear_reference.h"
@@ -45,25 +46,6 @@ constexpr int kPoisonSlotByte = 0x7F;
 // each as linear_gemv or cuBLASLt: the attention half is every step between them.
 constexpr const char* kFirstProjection = "qkv_a_proj";
 constexpr const char* kLastProjection = "o_proj";
-
-// A stream of our own: graph capture cannot use the legacy default stream.
-class OwnedStream {
- public:
-  OwnedStream() = default;
-  OwnedStream(const OwnedStream&) = delete;
-  OwnedStream& operator=(const OwnedStream&) = delete;
-  ~OwnedStream() {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-  Status create() {
-    DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    return Status();
-  }
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
 
 using Stages = std::vector<std::unique_ptr<DsaAttentionStage>>;
 

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "compare.h"
+#include "device_buffers.h"
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/head_gemv.h"
 #include "dsa_decode/indexer.h"
@@ -64,38 +65,6 @@ enum ErrorCounter { kPrefillErrors, kAbsorbErrors, kCacheWriteErrors, kPrepareEr
                     kRemapErrors, kAttentionErrors, kErrorCounters };
 constexpr const char* kErrorCounterNames[kErrorCounters] = {"prefill", "rope_absorb", "cache write", "prepare",
                                                             "select",  "remap",       "attention"};
-
-class OwnedStream {
- public:
-  OwnedStream() = default;
-  OwnedStream(const OwnedStream&) = delete;
-  OwnedStream& operator=(const OwnedStream&) = delete;
-  ~OwnedStream() {
-    if (stream_ != nullptr) cudaStreamDestroy(stream_);
-  }
-  Status create() {
-    DSA_CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    return Status();
-  }
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-template <class T>
-Status upload(const std::vector<T>& host, bench::DeviceMemory* device, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(device->allocate(std::max<size_t>(host.size() * sizeof(T), 16)));
-  if (host.empty()) return Status();
-  DSA_CUDA_RETURN(cudaMemcpyAsync(device->get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, stream));
-  return Status();
-}
-
-Status allocate_filled(size_t bytes, int byte, bench::DeviceMemory* device, cudaStream_t stream) {
-  DSA_RETURN_IF_ERROR(device->allocate(bytes));
-  DSA_CUDA_RETURN(cudaMemsetAsync(device->get(), byte, bytes, stream));
-  return Status();
-}
 
 // `count` elements of `device` into `host` (the stream synchronized first).
 template <class T>
