@@ -473,7 +473,7 @@ def test_stage_plan_carries_the_indexer_shape_to_its_indexer_plan():
     "fields, match",
     [
         (dict(indexer_heads=8), r"argument 'plan.indexer_heads': expected 16, 32 or 64 index heads \(index_n_heads\), got 8"),
-        (dict(indexer_pool=12, ring=12), r"argument 'plan.indexer_pool': expected 4, 8 or 16 tokens per pool \(index_kpool\), got 12"),
+        (dict(indexer_pool=12, ring=12), r"argument 'plan.indexer_pool': expected 4, 8 or 16 tokens per pool \(index_kpool\), or 1 \(no pooling: a RoPE layer's indexer\), got 12"),
         (dict(indexer_topk=2047), r"argument 'plan.indexer_topk': expected a multiple of plan.indexer_pool = 4 from 4 to 2048"),
         (dict(indexer_pool=16, indexer_topk=16 * 513, ring=16), r"argument 'plan.indexer_topk': .* from 16 to 8192"),
         (dict(indexer_pool=16), r"argument 'plan.ring': expected 16 \(plan.pool"),

@@ -15,7 +15,10 @@
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/linear.h"
 #include "dsa_decode/norm.h"
+#include "dsa_decode/rope.h"
+#include "dsa_decode/sparse_mla_v32.h"
 #include "dsa_decode/stock.h"
+#include "sparse_mla_v32/sparse_mla_v32_plan.h"
 #include "stage/stage_steps.h"
 
 namespace dsa {
@@ -61,6 +64,76 @@ Status check_parameter_weight(const TensorView& t, const char* name, std::initia
   return Status();
 }
 
+// The indexer's projections as GEMV launches of as many tokens as one takes
+// (its x rows are staged in shared memory: D = 7168 fits 8 tokens, not 16);
+// its bits do not depend on the split. `at(first, tokens)` gives a group's
+// arguments. An argument error fails at one token too, which then names it.
+template <class ArgsOf>
+Status indexer_project_gemv_rows(int64_t m, ArgsOf&& at, cudaStream_t stream) {
+  int64_t group = m;
+  while (group > 1 && !check_indexer_project_gemv(at(0, group)).ok()) group = (group + 1) / 2;
+  for (int64_t first = 0; first < m; first += group) {
+    DSA_RETURN_IF_ERROR(indexer_project_gemv(at(first, std::min(group, m - first)), stream));
+  }
+  return Status();
+}
+
+bool same_rope(const std::optional<RopeConfig>& a, const std::optional<RopeConfig>& b) {
+  if (a.has_value() != b.has_value()) return false;
+  if (!a) return true;
+  return a->rope_dim == b->rope_dim && a->theta == b->theta && a->factor == b->factor &&
+         a->original_max_position == b->original_max_position && a->beta_fast == b->beta_fast &&
+         a->beta_slow == b->beta_slow && a->mscale == b->mscale && a->mscale_all_dim == b->mscale_all_dim &&
+         a->max_position == b->max_position && a->style == b->style;
+}
+
+std::string describe_rope(const std::optional<RopeConfig>& r) {
+  if (!r) return "none";
+  return "R " + std::to_string(r->rope_dim) + " theta " + std::to_string(r->theta) + " factor " +
+         std::to_string(r->factor) + " max_position " + std::to_string(r->max_position) + " style " +
+         std::to_string(static_cast<int>(r->style));
+}
+
+// A RoPE layer's two rotaries (R = qk_rope_head_dim > 0): each present,
+// valid (check_rope_config), of rope_dim R, and the plan's positions within
+// the attention rotary's max_position. The message of each problem.
+std::vector<std::string> rotary_problems(const DsaLayerConfig& c, const DsaStagePlan& plan) {
+  std::vector<std::string> problems;
+  const int64_t R = c.qk_rope_head_dim;
+  if (R <= 0) return problems;
+  bool attention_valid = false;
+  for (const auto& [rope, name] : {std::pair{&c.rope, "config.rope"}, std::pair{&c.indexer_rope, "config.indexer_rope"}}) {
+    if (!rope->has_value()) {
+      problems.push_back(invalid_argument(name,
+                                          "the layer's rotary: a RopeConfig with rope_dim qk_rope_head_dim = " +
+                                              std::to_string(R) + " (rope_preset_config gives a preset's)",
+                                          "none")
+                             .message());
+      continue;
+    }
+    if (const Status valid = check_rope_config(**rope); !valid.ok()) {
+      problems.push_back(std::string(name) + ": " + valid.message());
+      continue;
+    }
+    if ((*rope)->rope_dim != R) {
+      problems.push_back(invalid_argument(std::string(name) + ".rope_dim",
+                                          "qk_rope_head_dim = " + std::to_string(R) + " rotated dims",
+                                          std::to_string((*rope)->rope_dim))
+                             .message());
+      continue;
+    }
+    if (rope == &c.rope) attention_valid = true;
+  }
+  if (attention_valid && plan.max_context > c.rope->max_position) {
+    problems.push_back(invalid_argument("plan.max_context",
+                                        "at most config.rope.max_position = " + std::to_string(c.rope->max_position) +
+                                            " (the positions the layer's rotary serves)",
+                                        std::to_string(plan.max_context))
+                           .message());
+  }
+  return problems;
+}
+
 // out = x weight^T through linear_gemv for any m: in launches of the most
 // tokens the kernel takes at this width (it is batch invariant, so the bits
 // do not depend on the split).
@@ -91,11 +164,29 @@ DsaLayerConfig dsa_layer_config(const ModelPreset& p, float rms_norm_eps) {
   c.rms_norm_eps = rms_norm_eps;
   c.fuse_qkv_rmsnorm = true;
   c.rotary_embedding = p.qk_rope > 0;
-  // The pooled glm5next indexer (its shape is the plan's: dsa_stage_plan_for); the
-  // RoPE presets' unpooled indexers (pool_size 1) are not one.
-  c.indexer = p.index_dim == kIndexerDim && p.pool_size > 1;
+  // Every preset's layer has its own indexer; its shape is the plan's (dsa_stage_plan_for).
+  c.indexer = p.index_dim == kIndexerDim;
   c.kv_cache_dtype = "fp8_e4m3";
+  if (p.qk_rope > 0) {
+    c.kv_cache_dtype = "fp8_ds_mla";
+    RopeConfig attention, indexer;
+    if (rope_preset_config(p.name, RopeTarget::kAttention, &attention).ok() &&
+        rope_preset_config(p.name, RopeTarget::kIndexer, &indexer).ok()) {
+      c.rope = attention;
+      c.indexer_rope = indexer;
+      c.softmax_scale = static_cast<float>(rope_softmax_scale(attention, p.qk_nope + p.qk_rope));
+    }  // else: no rotary known for the preset, which creation names
+  }
   return c;
+}
+
+IndexerPlan dsa_stage_indexer_plan(const DsaLayerConfig& config, const DsaStagePlan& plan) {
+  IndexerPlan p = dsa_stage_indexer_plan(plan);
+  if (config.qk_rope_head_dim > 0 && config.indexer_rope) {
+    p.rope_dims = static_cast<int>(config.qk_rope_head_dim);
+    p.rope_style = config.indexer_rope->style;
+  }
+  return p;
 }
 
 IndexerPlan dsa_stage_indexer_plan(const DsaStagePlan& plan) {
@@ -116,7 +207,7 @@ DsaStagePlan dsa_stage_plan_for(const ModelPreset& per_rank) {
   plan.indexer_heads = per_rank.index_heads;
   plan.indexer_pool = per_rank.pool_size;
   plan.indexer_topk = per_rank.topk;
-  plan.ring = per_rank.pool_size;
+  plan.ring = indexer_ring_for(per_rank.pool_size, 1);  // the pool; 1 at pool 1 (no ring)
   return plan;
 }
 
@@ -125,8 +216,18 @@ Status check_dsa_stage_indexer_shape(const DsaStagePlan& plan) {
     return invalid_argument("plan.indexer_heads", "16, 32 or 64 index heads (index_n_heads)",
                             std::to_string(plan.indexer_heads));
   }
+  if (plan.indexer_pool == 1) {
+    if (plan.indexer_topk < 1 || plan.indexer_topk > kIndexerMaxTopTokens) {
+      return invalid_argument("plan.indexer_topk",
+                              "1.." + std::to_string(kIndexerMaxTopTokens) +
+                                  " tokens (index_topk at plan.indexer_pool 1)",
+                              std::to_string(plan.indexer_topk));
+    }
+    return Status();
+  }
   if (plan.indexer_pool != 4 && plan.indexer_pool != 8 && plan.indexer_pool != 16) {
-    return invalid_argument("plan.indexer_pool", "4, 8 or 16 tokens per pool (index_kpool)",
+    return invalid_argument("plan.indexer_pool",
+                            "4, 8 or 16 tokens per pool (index_kpool), or 1 (no pooling: a RoPE layer's indexer)",
                             std::to_string(plan.indexer_pool));
   }
   const int64_t most = int64_t{kIndexerMaxTopPools} * plan.indexer_pool;
@@ -170,46 +271,58 @@ std::set<int> dsa_stage_measured_projection_gemv_tokens(int64_t heads) {
 struct WorkspaceShape {
   int device = -1;  // where its memory, handles and stream live
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
+  int64_t R = 0;  // qk_rope_head_dim: a RoPE layer's buffers and tables
   int max_tokens = 0, ring = 0, block_size = 0;
   int indexer_heads = 0, indexer_pool = 0, indexer_topk = 0;
   int64_t max_context = 0;
   IndexerLogits indexer_logits = IndexerLogits::kFp32Accumulation;
   bool indexer_projections_cublaslt = false;
+  std::optional<RopeConfig> rope, indexer_rope;  // the tables' (R > 0 only)
 
   static WorkspaceShape of(int device, const DsaLayerConfig& c, const DsaStagePlan& p) {
-    return WorkspaceShape{device,
-                          c.num_heads,
-                          c.hidden_size,
-                          c.q_lora_rank,
-                          c.kv_lora_rank,
-                          c.qk_nope_head_dim,
-                          c.v_head_dim,
-                          p.max_tokens,
-                          p.ring,
-                          p.block_size,
-                          p.indexer_heads,
-                          p.indexer_pool,
-                          p.indexer_topk,
-                          p.max_context,
-                          p.indexer_logits,
-                          p.indexer_projections_cublaslt};
+    WorkspaceShape w;
+    w.device = device;
+    w.H = c.num_heads;
+    w.D = c.hidden_size;
+    w.Q = c.q_lora_rank;
+    w.L = c.kv_lora_rank;
+    w.P = c.qk_nope_head_dim;
+    w.V = c.v_head_dim;
+    w.R = c.qk_rope_head_dim;
+    w.max_tokens = p.max_tokens;
+    w.ring = p.ring;
+    w.block_size = p.block_size;
+    w.indexer_heads = p.indexer_heads;
+    w.indexer_pool = p.indexer_pool;
+    w.indexer_topk = p.indexer_topk;
+    w.max_context = p.max_context;
+    w.indexer_logits = p.indexer_logits;
+    w.indexer_projections_cublaslt = p.indexer_projections_cublaslt;
+    if (w.R > 0) {
+      w.rope = c.rope;
+      w.indexer_rope = c.indexer_rope;
+    }
+    return w;
   }
   bool operator==(const WorkspaceShape& o) const {
-    return device == o.device && H == o.H && D == o.D && Q == o.Q && L == o.L && P == o.P && V == o.V &&
+    return device == o.device && H == o.H && D == o.D && Q == o.Q && L == o.L && P == o.P && V == o.V && R == o.R &&
            max_tokens == o.max_tokens && ring == o.ring && block_size == o.block_size &&
            indexer_heads == o.indexer_heads && indexer_pool == o.indexer_pool && indexer_topk == o.indexer_topk &&
            max_context == o.max_context &&
-           indexer_logits == o.indexer_logits && indexer_projections_cublaslt == o.indexer_projections_cublaslt;
+           indexer_logits == o.indexer_logits && indexer_projections_cublaslt == o.indexer_projections_cublaslt &&
+           same_rope(rope, o.rope) && same_rope(indexer_rope, o.indexer_rope);
   }
   std::string describe() const {
-    return "device " + std::to_string(device) + ", H " + std::to_string(H) + ", D " + std::to_string(D) + ", Q " +
-           std::to_string(Q) + ", L " + std::to_string(L) + ", P " + std::to_string(P) + ", V " + std::to_string(V) +
-           ", max_tokens " + std::to_string(max_tokens) + ", max_context " + std::to_string(max_context) + ", ring " +
-           std::to_string(ring) + ", block_size " + std::to_string(block_size) + ", indexer_heads " +
-           std::to_string(indexer_heads) + ", indexer_pool " + std::to_string(indexer_pool) + ", indexer_topk " +
-           std::to_string(indexer_topk) + ", indexer_logits " +
-           std::to_string(int(indexer_logits)) + ", indexer_projections_cublaslt " +
-           std::to_string(int(indexer_projections_cublaslt));
+    std::string text =
+        "device " + std::to_string(device) + ", H " + std::to_string(H) + ", D " + std::to_string(D) + ", Q " +
+        std::to_string(Q) + ", L " + std::to_string(L) + ", P " + std::to_string(P) + ", V " + std::to_string(V) +
+        ", R " + std::to_string(R) + ", max_tokens " + std::to_string(max_tokens) + ", max_context " +
+        std::to_string(max_context) + ", ring " + std::to_string(ring) + ", block_size " + std::to_string(block_size) +
+        ", indexer_heads " + std::to_string(indexer_heads) + ", indexer_pool " + std::to_string(indexer_pool) +
+        ", indexer_topk " + std::to_string(indexer_topk) + ", indexer_logits " + std::to_string(int(indexer_logits)) +
+        ", indexer_projections_cublaslt " + std::to_string(int(indexer_projections_cublaslt));
+    if (R > 0) text += ", rope (" + describe_rope(rope) + "), indexer_rope (" + describe_rope(indexer_rope) + ")";
+    return text;
   }
 };
 
@@ -227,9 +340,13 @@ struct DsaStageWorkspace::Buffers {
   cudaStream_t indexer_stream = nullptr;
   cudaEvent_t indexer_fork = nullptr, indexer_join = nullptr;
 
-  // Each [max_tokens, ...] (intermediates() has the shapes).
-  DeviceMemory qkv, q_c, kv_c, q, q_bf16, q_fp8, index_q, index_k, head_weights, gate, indexer_workspace,
-      topk_positions, slots, latent, lse, heads, split_counters, split_partials;
+  // Each [max_tokens, ...] (intermediates() has the shapes). NoPE only:
+  // q_bf16, q_fp8, split_counters, split_partials; RoPE only: q_absorbed,
+  // k_pe and the two cos/sin tables [max_context, R] F32; the pooled
+  // indexer's only: gate.
+  DeviceMemory qkv, q_c, kv_c, q, q_bf16, q_fp8, q_absorbed, k_pe, index_q, index_k, head_weights, gate,
+      indexer_workspace, topk_positions, slots, latent, lse, heads, split_counters, split_partials, attention_table,
+      indexer_table;
   int64_t indexer_workspace_bytes = 0, counter_count = 0, partial_count = 0;
 
   ~Buffers() {
@@ -240,6 +357,8 @@ struct DsaStageWorkspace::Buffers {
   }
 
   Status allocate(const WorkspaceShape& s, const IndexerPlan& indexer_plan);
+  // A RoPE layer's cos/sin table of `config` for positions 0..max_context - 1 (host work and one copy).
+  static Status fill_table(const RopeConfig& config, int64_t rows, DeviceMemory* table);
 };
 
 struct DsaAttentionStage::State {
@@ -247,8 +366,9 @@ struct DsaAttentionStage::State {
   DsaLayerWeights w;
   DsaStagePlan plan;
   StepChoices step_choices;  // the plan's choices with its sets resolved
-  IndexerPlan indexer_plan;
+  IndexerPlan indexer_plan;  // dsa_stage_indexer_plan(config, plan): with the rotary of a RoPE layer's indexer
   int64_t H = 0, D = 0, Q = 0, L = 0, P = 0, V = 0;
+  int64_t R = 0;   // qk_rope_head_dim: 0 (NoPE) or 64 (RoPE)
   int64_t HI = 0;  // index heads (indexer_plan.heads)
   int64_t W = 0;   // columns of a top-k row: indexer_row_width(indexer_plan)
 
@@ -260,6 +380,10 @@ struct DsaAttentionStage::State {
   TensorView bf16(const DeviceMemory& memory, std::initializer_list<int64_t> shape) const {
     return make_tensor(memory.get(), DType::kBF16, shape);
   }
+
+  bool rope() const { return R > 0; }
+  int64_t qkv_width() const { return Q + L + R; }  // q_c | kv_c | k_pe
+  int64_t q_width() const { return H * (P + R); }  // q_b_proj's out features
 
   StepList steps_of(DsaPath path, const DsaStepArgs& a) const {
     return stage_steps(path, step_choices, a.hidden.size(0), a.topk_positions.data != nullptr);
@@ -292,11 +416,13 @@ struct DsaAttentionStage::State {
     }
     DSA_RETURN_IF_ERROR(check_present(a.kv_cache, "kv_cache"));
     DSA_RETURN_IF_ERROR(check_present(a.indexer.k_cache, "k_cache"));
-    if (a.kv_cache.ndim != 3 || a.kv_cache.size(1) != plan.block_size ||
+    // An entry: L e4m3 codes (NoPE), or the 656 bytes of DeepSeek-V3.2's format (RoPE).
+    const int64_t entry = rope() ? kSparseMlaV32EntryBytes : L;
+    if (a.kv_cache.ndim != 3 || a.kv_cache.size(1) != plan.block_size || a.kv_cache.size(2) != entry ||
         a.kv_cache.size(0) != a.indexer.k_cache.size(0)) {
       return invalid_argument("kv_cache",
                               "[blocks, plan.block_size = " + std::to_string(plan.block_size) + ", " +
-                                  std::to_string(L) + "] with the indexer k_cache's " +
+                                  std::to_string(entry) + (rope() ? " bytes" : "") + "] with the indexer k_cache's " +
                                   std::to_string(a.indexer.k_cache.size(0)) + " blocks",
                               a.kv_cache.describe());
     }
@@ -322,20 +448,30 @@ struct DsaAttentionStage::State {
     return KvCacheWrite{bf16(b->kv_c, {m, L}), a.kv_cache, a.slot_mapping, w.k_scale, a.error_count};
   }
 
-  IndexerProjectArgs indexer_project_args(const DsaStepArgs& a, int64_t m) const {
+  bool pooled() const { return indexer_plan.pool > 1; }
+
+  // The projections of tokens first..first + tokens - 1 (pool 1: no compress gate, no gate).
+  IndexerProjectArgs indexer_project_args(const DsaStepArgs& a, int64_t first, int64_t tokens) const {
     IndexerProjectArgs p;
     p.plan = indexer_plan;
-    p.q_c = bf16(b->q_c, {m, Q});
-    p.x = a.hidden;
+    const int64_t m = first + tokens;
+    p.q_c = slice_rows(bf16(b->q_c, {m, Q}), first, tokens);
+    p.x = slice_rows(a.hidden, first, tokens);
     p.wq_b = w.index_wq_b;
     p.wk = w.index_wk;
     p.weights_proj = w.index_weights_proj;
-    p.compress_gate = w.index_compress_gate;
-    p.index_q = bf16(b->index_q, {m, HI, kIndexerDim});
-    p.index_k = bf16(b->index_k, {m, kIndexerDim});
-    p.head_weights = make_tensor(b->head_weights.get(), DType::kF32, {m, HI});
-    p.gate = bf16(b->gate, {m, kIndexerDim});
+    p.index_q = slice_rows(bf16(b->index_q, {m, HI, kIndexerDim}), first, tokens);
+    p.index_k = slice_rows(bf16(b->index_k, {m, kIndexerDim}), first, tokens);
+    p.head_weights = slice_rows(make_tensor(b->head_weights.get(), DType::kF32, {m, HI}), first, tokens);
+    if (pooled()) {
+      p.compress_gate = w.index_compress_gate;
+      p.gate = slice_rows(bf16(b->gate, {m, kIndexerDim}), first, tokens);
+    }
     return p;
+  }
+
+  TensorView table_view(const DeviceMemory& table) const {
+    return make_tensor(table.get(), DType::kF32, {plan.max_context, R});
   }
 
   TensorView indexer_workspace_view() const {
@@ -359,16 +495,18 @@ struct DsaAttentionStage::State {
     const int64_t m = a.hidden.size(0);
     switch (step) {
       case Step::kQkvAProj:
-        return b->linear.run("qkv_a_proj", a.hidden, w.fused_qkv_a_proj, b->qkv.get(), Q + L, CUDA_R_16BF, stream);
+        return b->linear.run("qkv_a_proj", a.hidden, w.fused_qkv_a_proj, b->qkv.get(), qkv_width(), CUDA_R_16BF,
+                             stream);
       case Step::kNorm:
-        return qkv_rmsnorm(bf16(b->qkv, {m, Q + L}), w.q_a_norm, w.kv_a_norm, config.rms_norm_eps, bf16(b->q_c, {m, Q}),
-                           bf16(b->kv_c, {m, L}), stream);
+        // Over q_c | kv_c of each qkv row (a RoPE layer's k_pe, after them, is not normed).
+        return qkv_rmsnorm(make_strided(b->qkv.get(), DType::kBF16, {m, Q + L}, {qkv_width(), 1}), w.q_a_norm,
+                           w.kv_a_norm, config.rms_norm_eps, bf16(b->q_c, {m, Q}), bf16(b->kv_c, {m, L}), stream);
       case Step::kQkvAProjGemv:
-        return linear_gemv_rows(a.hidden, w.fused_qkv_a_proj, bf16(b->qkv, {m, Q + L}), stream);
+        return linear_gemv_rows(a.hidden, w.fused_qkv_a_proj, bf16(b->qkv, {m, qkv_width()}), stream);
       case Step::kQbProj:
-        return b->linear.run("q_b_proj", bf16(b->q_c, {m, Q}), w.q_b_proj, b->q.get(), H * P, CUDA_R_16BF, stream);
+        return b->linear.run("q_b_proj", bf16(b->q_c, {m, Q}), w.q_b_proj, b->q.get(), q_width(), CUDA_R_16BF, stream);
       case Step::kQbProjGemv:
-        return linear_gemv_rows(bf16(b->q_c, {m, Q}), w.q_b_proj, bf16(b->q, {m, H * P}), stream);
+        return linear_gemv_rows(bf16(b->q_c, {m, Q}), w.q_b_proj, bf16(b->q, {m, q_width()}), stream);
       case Step::kAbsorb: {
         const KvCacheWrite write = cache_write(a, m);
         HeadGemvArgs g;
@@ -382,18 +520,22 @@ struct DsaAttentionStage::State {
       }
       case Step::kIndexerProject:
         if (plan.indexer_projections_cublaslt)
-          return indexer_project(indexer_project_args(a, m), b->indexer_projections, stream);
-        return indexer_project_gemv(indexer_project_args(a, m), stream);
+          return indexer_project(indexer_project_args(a, 0, m), b->indexer_projections, stream);
+        return indexer_project_gemv_rows(
+            m, [&](int64_t first, int64_t tokens) { return indexer_project_args(a, first, tokens); }, stream);
       case Step::kIndexerPrepare: {
         IndexerPrepareArgs p;
         p.plan = indexer_plan;
         p.index_q = bf16(b->index_q, {m, HI, kIndexerDim});
         p.index_k = bf16(b->index_k, {m, kIndexerDim});
         p.head_weights = make_tensor(b->head_weights.get(), DType::kF32, {m, HI});
-        p.gate = bf16(b->gate, {m, kIndexerDim});
         p.k_norm_weight = w.index_k_norm_weight;
         p.k_norm_bias = w.index_k_norm_bias;
-        p.ape = w.index_ape;
+        if (pooled()) {
+          p.gate = bf16(b->gate, {m, kIndexerDim});
+          p.ape = w.index_ape;
+        }
+        if (indexer_plan.rope_dims > 0) p.cos_sin = table_view(b->indexer_table);
         p.positions = a.positions;
         p.token_requests = a.token_requests;
         p.state = a.indexer;
@@ -465,6 +607,47 @@ struct DsaAttentionStage::State {
         DSA_CUDA_RETURN(
             cudaMemsetAsync(b->split_counters.get(), 0, size_t(b->counter_count) * sizeof(int32_t), stream));
         return Status();
+      case Step::kRopeAbsorb: {
+        // q [m, H, P + R]: each head's first P values absorbed, its last R rotated; k_pe the last R of qkv.
+        RopeAbsorbArgs r;
+        r.q_nope = make_strided(b->q.get(), DType::kBF16, {m, H, P}, {q_width(), P + R, 1});
+        r.q_pe = make_strided(static_cast<uint16_t*>(b->q.get()) + P, DType::kBF16, {m, H, R}, {q_width(), P + R, 1});
+        r.k_pe = make_strided(static_cast<uint16_t*>(b->qkv.get()) + Q + L, DType::kBF16, {m, R}, {qkv_width(), 1});
+        r.positions = a.positions;
+        r.cos_sin = table_view(b->attention_table);
+        r.weight = w.w_uk_t;
+        r.out = bf16(b->q_absorbed, {m, H, L + R});
+        r.k_pe_out = bf16(b->k_pe, {m, R});
+        r.style = config.rope->style;
+        r.error_count = a.error_count;
+        return rope_absorb(r, stream);
+      }
+      case Step::kV32CacheWrite: {
+        SparseMlaV32CacheWriteArgs c;
+        c.kv_c = bf16(b->kv_c, {m, L});
+        c.k_pe = bf16(b->k_pe, {m, R});
+        c.slot_mapping = a.slot_mapping;
+        c.kv_cache = a.kv_cache;
+        c.error_count = a.error_count;
+        return sparse_mla_v32_cache_write(c, stream);
+      }
+      case Step::kV32Attention: {
+        SparseMlaV32Args s;
+        s.q = bf16(b->q_absorbed, {m, H, L + R});
+        s.kv_cache = a.kv_cache;
+        s.indices = make_tensor(b->slots.get(), DType::kI32, {m, W});
+        s.softmax_scale = config.softmax_scale;
+        s.latent = bf16(b->latent, {m, H, L});
+        s.lse = make_tensor(b->lse.get(), DType::kF32, {m, H});
+        s.error_count = a.error_count;
+        if (dsa_stage_attention_plan(plan) == SparseMlaPlan::kBatchInvariant) {
+          // The fewest splits the row allows: the same split, so the same
+          // order of every sum, at every m (sparse_mla_v32_plan).
+          const int splits = sparse_mla_v32_ceil_div(W, kSparseMlaV32MaxRowsPerSplit);
+          return sparse_mla_v32_with_max_splits(s, splits, stream);
+        }
+        return sparse_mla_v32(s, stream);
+      }
     }
     return unsupported("unknown stage step");
   }
@@ -479,12 +662,30 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   const auto need = [&](bool ok, const std::string& what) {
     if (!ok) features->push_back(what);
   };
+  // A RoPE layer: R = 64 rotated dims (the 656-byte entry's RoPE part), with its rotary.
+  const bool rope = c.qk_rope_head_dim > 0;
   need(c.q_lora_rank > 0 && c.fuse_qkv_rmsnorm, "a fused q/kv a-norm (q_lora_rank > 0, fuse_qkv_rmsnorm)");
-  need(!c.rotary_embedding && c.qk_rope_head_dim == 0, "NoPE (no rotary embedding, qk_rope_head_dim 0)");
+  need(c.qk_rope_head_dim == 0 || c.qk_rope_head_dim == kSparseMlaV32Rope,
+       "qk_rope_head_dim 0 (NoPE) or 64 (RoPE: the 656-byte cache's RoPE part), got " +
+           std::to_string(c.qk_rope_head_dim));
+  if (rope) {
+    need(c.rotary_embedding, "a rotary embedding for the RoPE dims (rotary_embedding true with qk_rope_head_dim " +
+                                 std::to_string(c.qk_rope_head_dim) + ")");
+    need(c.qk_nope_head_dim % 64 == 0 && c.qk_nope_head_dim <= 1024,
+         "qk_nope_head_dim a multiple of 64 up to 1024 (rope_absorb), got " + std::to_string(c.qk_nope_head_dim));
+  } else {
+    need(!c.rotary_embedding, "NoPE without a rotary embedding (rotary_embedding false with qk_rope_head_dim 0)");
+  }
   need(c.indexer && !c.skip_topk, "its own indexer (indexer present, skip_topk false)");
   need(!c.gate_proj && !c.dcp_query_replicate, "no gate or DCP query");
-  need(c.kv_cache_dtype == "fp8" || c.kv_cache_dtype == "fp8_e4m3",
-       "an FP8 KV cache (kv_cache_dtype fp8 or fp8_e4m3, got '" + c.kv_cache_dtype + "')");
+  if (rope) {
+    need(c.kv_cache_dtype == "fp8" || c.kv_cache_dtype == "fp8_e4m3" || c.kv_cache_dtype == "fp8_ds_mla",
+         "an FP8 KV cache (kv_cache_dtype fp8, fp8_e4m3 or fp8_ds_mla: the 656-byte entries, got '" +
+             c.kv_cache_dtype + "')");
+  } else {
+    need(c.kv_cache_dtype == "fp8" || c.kv_cache_dtype == "fp8_e4m3",
+         "an FP8 KV cache (kv_cache_dtype fp8 or fp8_e4m3, got '" + c.kv_cache_dtype + "')");
+  }
   need(!c.padded_heads && !c.prefill_context_parallel, "no padding or PCP");
   need(!c.hisparse_cache && c.decode_context_parallel_size == 1, "no HiSparse or DCP");
   need(w.w_uk_t.data == nullptr || w.w_uk_t.ndim != 3 || w.w_uk_t.stride(2) == 1,
@@ -500,14 +701,15 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
     if (!s.ok()) views->push_back(s.message());
   };
   const int64_t H = c.num_heads, D = c.hidden_size, Q = c.q_lora_rank, L = c.kv_lora_rank, P = c.qk_nope_head_dim,
-                V = c.v_head_dim;
-  view(check_weight(w.fused_qkv_a_proj, "fused_qkv_a_proj", DType::kBF16, {Q + L, D}));
+                V = c.v_head_dim, R = std::max<int64_t>(c.qk_rope_head_dim, 0);
+  for (const std::string& problem : rotary_problems(c, plan)) views->push_back(problem);
+  view(check_weight(w.fused_qkv_a_proj, "fused_qkv_a_proj", DType::kBF16, {Q + L + R, D}));
   view(check_weight(w.q_a_norm, "q_a_norm", DType::kBF16, {Q}));
   view(check_weight(w.kv_a_norm, "kv_a_norm", DType::kBF16, {L}));
-  view(check_weight(w.q_b_proj, "q_b_proj", DType::kBF16, {H * P, Q}));
+  view(check_weight(w.q_b_proj, "q_b_proj", DType::kBF16, {H * (P + R), Q}));
   if (w.w_uk_t.data == nullptr || w.w_uk_t.ndim != 3 || w.w_uk_t.stride(2) == 1) {  // else named above
     const Status uk = check_weight(w.w_uk_t, "w_uk_t", DType::kBF16, {H, P, L});
-    // head_gemv's layout (the absorb), so that a view creation accepts is one every step takes.
+    // head_gemv's layout (the absorb and rope_absorb), so that a view creation accepts is one every step takes.
     view(uk.ok() ? check_head_gemv_weight(w.w_uk_t, "w_uk_t", H, P) : uk);
   }
   // W_UV meets head_gemv's layout only where value-up runs as head_gemv (cuBLAS's bmm takes any strides).
@@ -518,20 +720,31 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   const Status uv = check_weight(w.w_uv, "w_uv", DType::kBF16, {H, L, V}, 16, !value_up_gemv);
   view(uv.ok() && value_up_gemv ? check_head_gemv_weight(w.w_uv, "w_uv", H, L) : uv);
   view(check_weight(w.o_proj, "o_proj", DType::kBF16, {D, H * V}));
-  view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}, 4));
-  view(check_weight(w.k_scale, "k_scale", DType::kF32, {1}, 4));
+  if (!rope) {  // a RoPE layer's query stays BF16 and its entries hold their own scales
+    view(check_weight(w.q_scale, "q_scale", DType::kF32, {1}, 4));
+    view(check_weight(w.k_scale, "k_scale", DType::kF32, {1}, 4));
+  }
   // The indexer's weights at the plan's shape; an unsupported shape is named
   // instead (the views' shapes would follow from it).
   const Status shape = check_dsa_stage_indexer_shape(plan);
   view(shape);
+  const bool pooled = plan.indexer_pool != 1;
   if (shape.ok()) {
+    // The layer's kind of indexer: pooled for NoPE, DeepSeek-V3.2's unpooled one for RoPE.
+    if (rope && pooled) {
+      view(invalid_argument("plan.indexer_pool", "1 for a RoPE layer (DeepSeek-V3.2's unpooled indexer)",
+                            std::to_string(plan.indexer_pool)));
+    } else if (!rope && !pooled) {
+      view(invalid_argument("plan.indexer_pool", "4, 8 or 16 for a NoPE layer (the pooled indexer)",
+                            std::to_string(plan.indexer_pool)));
+    }
     const int64_t HI = plan.indexer_heads, S = plan.indexer_pool;
     view(check_weight(w.index_wq_b, "index_wq_b", DType::kBF16, {HI * kIndexerDim, Q}));
     view(check_weight(w.index_weights_proj, "index_weights_proj", DType::kBF16, {HI, D}));
-    view(check_parameter_weight(w.index_ape, "index_ape", {S, kIndexerDim}));
+    if (pooled) view(check_parameter_weight(w.index_ape, "index_ape", {S, kIndexerDim}));
   }
   view(check_weight(w.index_wk, "index_wk", DType::kBF16, {kIndexerDim, D}));
-  view(check_weight(w.index_compress_gate, "index_compress_gate", DType::kBF16, {kIndexerDim, D}));
+  if (pooled) view(check_weight(w.index_compress_gate, "index_compress_gate", DType::kBF16, {kIndexerDim, D}));
   view(check_parameter_weight(w.index_k_norm_weight, "index_k_norm_weight", {kIndexerDim}));
   view(check_parameter_weight(w.index_k_norm_bias, "index_k_norm_bias", {kIndexerDim}));
   // The plan's kernel choices, named here rather than by a step's first run.
@@ -565,23 +778,39 @@ void DsaAttentionStage::State::check_layer(const DsaLayerConfig& c, const DsaLay
   }
 }
 
+Status DsaStageWorkspace::Buffers::fill_table(const RopeConfig& config, int64_t rows, DeviceMemory* table) {
+  std::vector<float> host(size_t(rows) * config.rope_dim);
+  DSA_RETURN_IF_ERROR(rope_cos_sin_table(config, 0, rows, host.data()));
+  DSA_RETURN_IF_ERROR(allocate_device(host.size() * sizeof(float), table));
+  DSA_CUDA_RETURN(cudaMemcpy(table->get(), host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice));
+  return Status();
+}
+
 Status DsaStageWorkspace::Buffers::allocate(const WorkspaceShape& s, const IndexerPlan& indexer_plan) {
   shape = s;
-  const int64_t T = s.max_tokens, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V;
+  const int64_t T = s.max_tokens, H = s.H, Q = s.Q, L = s.L, P = s.P, V = s.V, R = s.R;
   const int64_t HI = indexer_plan.heads, W = indexer_row_width(indexer_plan);
+  const bool rope = R > 0;
   const auto buffer = [](int64_t values, size_t value_bytes, DeviceMemory* memory) {
     return allocate_device(size_t(values) * value_bytes, memory);
   };
-  DSA_RETURN_IF_ERROR(buffer(T * (Q + L), 2, &qkv));
+  DSA_RETURN_IF_ERROR(buffer(T * (Q + L + R), 2, &qkv));
   DSA_RETURN_IF_ERROR(buffer(T * Q, 2, &q_c));
   DSA_RETURN_IF_ERROR(buffer(T * L, 2, &kv_c));
-  DSA_RETURN_IF_ERROR(buffer(T * H * P, 2, &q));
-  DSA_RETURN_IF_ERROR(buffer(T * H * L, 2, &q_bf16));
-  DSA_RETURN_IF_ERROR(buffer(T * H * L, 1, &q_fp8));
+  DSA_RETURN_IF_ERROR(buffer(T * H * (P + R), 2, &q));
+  if (rope) {
+    DSA_RETURN_IF_ERROR(buffer(T * H * (L + R), 2, &q_absorbed));
+    DSA_RETURN_IF_ERROR(buffer(T * R, 2, &k_pe));
+    DSA_RETURN_IF_ERROR(fill_table(*s.rope, s.max_context, &attention_table));
+    DSA_RETURN_IF_ERROR(fill_table(*s.indexer_rope, s.max_context, &indexer_table));
+  } else {
+    DSA_RETURN_IF_ERROR(buffer(T * H * L, 2, &q_bf16));
+    DSA_RETURN_IF_ERROR(buffer(T * H * L, 1, &q_fp8));
+  }
   DSA_RETURN_IF_ERROR(buffer(T * HI * kIndexerDim, 2, &index_q));
   DSA_RETURN_IF_ERROR(buffer(T * kIndexerDim, 2, &index_k));
   DSA_RETURN_IF_ERROR(buffer(T * HI, 4, &head_weights));
-  DSA_RETURN_IF_ERROR(buffer(T * kIndexerDim, 2, &gate));
+  if (indexer_plan.pool > 1) DSA_RETURN_IF_ERROR(buffer(T * kIndexerDim, 2, &gate));
   indexer_workspace_bytes = indexer_workspace_layout(indexer_plan).bytes;
   DSA_RETURN_IF_ERROR(buffer(indexer_workspace_bytes, 1, &indexer_workspace));
   DSA_RETURN_IF_ERROR(buffer(T * W, 4, &topk_positions));
@@ -589,12 +818,14 @@ Status DsaStageWorkspace::Buffers::allocate(const WorkspaceShape& s, const Index
   DSA_RETURN_IF_ERROR(buffer(T * H * L, 2, &latent));
   DSA_RETURN_IF_ERROR(buffer(T * H, 4, &lse));
   DSA_RETURN_IF_ERROR(buffer(T * H * V, 2, &heads));
-  counter_count = sparse_mla_split_counter_count(T, H, W);
-  DSA_RETURN_IF_ERROR(buffer(counter_count, 4, &split_counters));
-  // Zeroed once: every completed launch leaves them zero (sparse_mla.h).
-  DSA_CUDA_RETURN(cudaMemset(split_counters.get(), 0, size_t(counter_count) * sizeof(int32_t)));
-  partial_count = sparse_mla_split_partials_count(T, H, W);
-  if (partial_count > 0) DSA_RETURN_IF_ERROR(buffer(partial_count, 4, &split_partials));
+  if (!rope) {
+    counter_count = sparse_mla_split_counter_count(T, H, W);
+    DSA_RETURN_IF_ERROR(buffer(counter_count, 4, &split_counters));
+    // Zeroed once: every completed launch leaves them zero (sparse_mla.h).
+    DSA_CUDA_RETURN(cudaMemset(split_counters.get(), 0, size_t(counter_count) * sizeof(int32_t)));
+    partial_count = sparse_mla_split_partials_count(T, H, W);
+    if (partial_count > 0) DSA_RETURN_IF_ERROR(buffer(partial_count, 4, &split_partials));
+  }
   DSA_RETURN_IF_ERROR(allocate_device(kCublasWorkspaceBytes, &cublas_workspace));
   DSA_CUBLAS_RETURN(cublasCreate(&cublas));
   DSA_RETURN_IF_ERROR(LinearContext::create(&linear));
@@ -617,21 +848,27 @@ Status DsaStageWorkspace::create(const DsaLayerConfig& config, const DsaStagePla
   // The sizes the buffers follow; every other requirement is the stage's to check at its creation.
   const bool sized = config.num_heads >= 1 && config.num_heads <= kMaxHeads && config.kv_lora_rank == kLatentWidth &&
                      config.hidden_size > 0 && config.q_lora_rank > 0 && config.qk_nope_head_dim > 0 &&
-                     config.v_head_dim > 0;
+                     config.v_head_dim > 0 &&
+                     (config.qk_rope_head_dim == 0 || config.qk_rope_head_dim == kSparseMlaV32Rope);
   if (!sized) {
     return invalid_argument(
-        "config", "1..128 heads, a 512-wide latent and positive sizes",
+        "config", "1..128 heads, a 512-wide latent, 0 or 64 RoPE dims and positive sizes",
         "num_heads " + std::to_string(config.num_heads) + ", kv_lora_rank " + std::to_string(config.kv_lora_rank) +
             ", hidden_size " + std::to_string(config.hidden_size) + ", q_lora_rank " +
             std::to_string(config.q_lora_rank) + ", qk_nope_head_dim " + std::to_string(config.qk_nope_head_dim) +
-            ", v_head_dim " + std::to_string(config.v_head_dim));
+            ", qk_rope_head_dim " + std::to_string(config.qk_rope_head_dim) + ", v_head_dim " +
+            std::to_string(config.v_head_dim));
   }
   if (plan.max_tokens < 1 || plan.max_tokens > kDsaStageMaxTokens) {
     return invalid_argument("plan.max_tokens", "1.." + std::to_string(kDsaStageMaxTokens),
                             std::to_string(plan.max_tokens));
   }
   DSA_RETURN_IF_ERROR(check_dsa_stage_indexer_shape(plan));
-  const IndexerPlan indexer_plan = dsa_stage_indexer_plan(plan);
+  // The tables' rotaries (a RoPE layer's): the first problem, named.
+  if (const std::vector<std::string> rotary = rotary_problems(config, plan); !rotary.empty()) {
+    return Status(ErrorCode::kInvalidArgument, rotary.front());
+  }
+  const IndexerPlan indexer_plan = dsa_stage_indexer_plan(config, plan);
   DSA_RETURN_IF_ERROR(check_indexer_plan(indexer_plan));
   int device = 0;
   DSA_CUDA_RETURN(cudaGetDevice(&device));
@@ -650,9 +887,12 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   if (stage == nullptr) return invalid_argument("stage", "a pointer to fill", "a null pointer");
   std::vector<std::string> features, views;
   State::check_layer(config, weights, plan, &features, &views);
-  const IndexerPlan indexer_plan = dsa_stage_indexer_plan(plan);
-  // (check_layer named a bad max_tokens or indexer shape; the indexer plan's other fields here.)
-  if (plan.max_tokens >= 1 && plan.max_tokens <= kDsaStageMaxTokens && check_dsa_stage_indexer_shape(plan).ok()) {
+  const IndexerPlan indexer_plan = dsa_stage_indexer_plan(config, plan);
+  // (check_layer named a bad max_tokens or indexer shape, or a pool the layer's kind does not take; the
+  // indexer plan's other fields here.)
+  const bool pool_fits = (config.qk_rope_head_dim > 0) == (plan.indexer_pool == 1);
+  if (plan.max_tokens >= 1 && plan.max_tokens <= kDsaStageMaxTokens && check_dsa_stage_indexer_shape(plan).ok() &&
+      pool_fits) {
     const Status indexer_ok = check_indexer_plan(indexer_plan);
     if (!indexer_ok.ok()) views.push_back(indexer_ok.message());
   }
@@ -672,6 +912,7 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   s.w = weights;
   s.plan = plan;
   StepChoices& choices = s.step_choices;
+  choices.rope = config.qk_rope_head_dim > 0;
   choices.overlap_indexer = plan.overlap_indexer;
   choices.batch_invariant = plan.batch_invariant;
   choices.value_up_tokens = dsa_stage_value_up_tokens(plan, config.num_heads);
@@ -690,6 +931,7 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   s.L = config.kv_lora_rank;
   s.P = config.qk_nope_head_dim;
   s.V = config.v_head_dim;
+  s.R = config.qk_rope_head_dim;
   if (workspace == nullptr) {
     DSA_RETURN_IF_ERROR(DsaStageWorkspace::create(config, plan, &workspace));
   } else {
@@ -709,9 +951,9 @@ Status DsaAttentionStage::create(const DsaLayerConfig& config, const DsaLayerWei
   for (int64_t m = 1; m <= plan.max_tokens; ++m) {
     const TensorView hidden_rows = make_tensor(nullptr, DType::kBF16, {m, s.D});
     DSA_RETURN_IF_ERROR(
-        s.b->linear.prepare("qkv_a_proj", hidden_rows, weights.fused_qkv_a_proj, s.Q + s.L, CUDA_R_16BF));
+        s.b->linear.prepare("qkv_a_proj", hidden_rows, weights.fused_qkv_a_proj, s.qkv_width(), CUDA_R_16BF));
     DSA_RETURN_IF_ERROR(
-        s.b->linear.prepare("q_b_proj", s.bf16(s.b->q_c, {m, s.Q}), weights.q_b_proj, s.H * s.P, CUDA_R_16BF));
+        s.b->linear.prepare("q_b_proj", s.bf16(s.b->q_c, {m, s.Q}), weights.q_b_proj, s.q_width(), CUDA_R_16BF));
     // An out with a padded row stride gets its plan on its first run instead.
     DSA_RETURN_IF_ERROR(
         s.b->linear.prepare("o_proj", s.bf16(s.b->heads, {m, s.H * s.V}), weights.o_proj, s.D, CUDA_R_16BF));
@@ -794,18 +1036,24 @@ Status DsaAttentionStage::run_steps(DsaPath path, const DsaStepArgs& args, size_
 DsaStageIntermediates DsaAttentionStage::intermediates(int64_t m) const {
   const State& s = *state_;
   DsaStageIntermediates v;
-  v.qkv = s.bf16(s.b->qkv, {m, s.Q + s.L});
+  v.qkv = s.bf16(s.b->qkv, {m, s.qkv_width()});
   v.q_c = s.bf16(s.b->q_c, {m, s.Q});
   v.kv_c = s.bf16(s.b->kv_c, {m, s.L});
-  v.q = s.bf16(s.b->q, {m, s.H, s.P});
-  v.q_fp8 = make_tensor(s.b->q_fp8.get(), DType::kFP8E4M3, {m, s.H, s.L});
+  v.q = s.bf16(s.b->q, {m, s.H, s.P + s.R});
+  if (s.rope()) {
+    v.q_absorbed = s.bf16(s.b->q_absorbed, {m, s.H, s.L + s.R});
+    v.k_pe = s.bf16(s.b->k_pe, {m, s.R});
+  } else {
+    v.q_fp8 = make_tensor(s.b->q_fp8.get(), DType::kFP8E4M3, {m, s.H, s.L});
+  }
   v.index_q = s.bf16(s.b->index_q, {m, s.HI, kIndexerDim});
   v.index_k = s.bf16(s.b->index_k, {m, kIndexerDim});
   v.head_weights = make_tensor(s.b->head_weights.get(), DType::kF32, {m, s.HI});
-  v.gate = s.bf16(s.b->gate, {m, kIndexerDim});
+  if (s.pooled()) v.gate = s.bf16(s.b->gate, {m, kIndexerDim});
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(s.indexer_plan);
   v.index_logits = make_strided(static_cast<char*>(s.b->indexer_workspace.get()) + layout.logits, DType::kF32,
                                 {m, layout.logits_stride}, {layout.logits_stride, 1});
+  v.indexer_workspace = s.indexer_workspace_view();
   v.topk_positions = make_tensor(s.b->topk_positions.get(), DType::kI32, {m, s.W});
   v.slots = make_tensor(s.b->slots.get(), DType::kI32, {m, s.W});
   v.latent = s.bf16(s.b->latent, {m, s.H, s.L});

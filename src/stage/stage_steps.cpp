@@ -46,6 +46,12 @@ const char* step_name(Step step, bool projections_cublaslt) {
       return "static FP8 quant";
     case Step::kStockCounterMemset:
       return "split counter memset";
+    case Step::kRopeAbsorb:
+      return "rope_absorb (absorb + RoPE)";
+    case Step::kV32CacheWrite:
+      return "cache write (656-byte, sparse_mla_v32)";
+    case Step::kV32Attention:
+      return "attention (sparse_mla_v32)";
   }
   return "?";
 }
@@ -79,6 +85,32 @@ StepList stage_steps(DsaPath path, const StepChoices& c, int64_t m, bool caller_
   // the indexer's inputs must agree bit for bit.
   list.add(gemv_for(c.hidden) ? Step::kQkvAProjGemv : Step::kQkvAProj);
   list.add(Step::kNorm);
+  if (c.rope) {
+    // A RoPE layer: rope_absorb and the 656-byte cache write in place of the
+    // absorb (its cache write a launch of its own), sparse_mla_v32.
+    if (path == DsaPath::kFused) {
+      if (c.overlap_indexer) add_rows(Step::kIndexerSelect);
+      list.add(gemv_for(c.q_lora) ? Step::kQbProjGemv : Step::kQbProj);
+      list.add(Step::kRopeAbsorb);
+      list.add(Step::kV32CacheWrite);
+      if (!c.overlap_indexer) add_rows(Step::kIndexerSelect);
+      list.add(Step::kV32Attention);
+      list.add(value_up_gemv ? Step::kValueUpGemv : Step::kValueUpBmm);
+      list.add(gemv_for(c.heads_v) ? Step::kOProjGemv : Step::kOProj);
+    } else {
+      // The engine's order: the rotary (rope_absorb, which also absorbs:
+      // the library has no separate rotary kernel) after q_b_proj, then the
+      // indexer, the cache write, the attention and the value-up bmm.
+      list.add(Step::kQbProj);
+      list.add(Step::kRopeAbsorb);
+      add_rows(Step::kStockIndexerSelect);
+      list.add(Step::kV32CacheWrite);
+      list.add(Step::kV32Attention);
+      list.add(Step::kValueUpBmm);
+      list.add(Step::kOProj);
+    }
+    return list;
+  }
   if (path == DsaPath::kFused) {
     // With the overlap the indexer's lane is issued first: its select is
     // the longer chain, so its kernels should take the SMs first.

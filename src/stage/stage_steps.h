@@ -33,6 +33,10 @@ enum class Step {
   kStockAbsorbBmm,
   kStockFp8Quant,
   kStockCounterMemset,
+  // A RoPE layer's (both paths):
+  kRopeAbsorb,      // rope_absorb: the absorbed latent | rotated q_pe (BF16), rotated k_pe
+  kV32CacheWrite,   // sparse_mla_v32_cache_write: the 656-byte entries of kv_c and the rotated k_pe
+  kV32Attention,    // sparse_mla_v32
 };
 
 // step_names' text of a step.
@@ -44,10 +48,13 @@ const char* step_name(Step step, bool projections_cublaslt);
 // before the fork), positions, token_requests, the indexer state and the
 // caller's rows, and writes its workspace, ring, K cache and slots (and
 // bumps error_count atomically); q_b_proj and the absorb touch none of
-// these, and only the attention, after the join, reads the slots.
+// these, and only the attention, after the join, reads the slots. A RoPE
+// layer's rope_absorb and cache write likewise touch none of the lane's
+// buffers (its indexer reads its own cos/sin table, the K cache is not the
+// KV cache).
 bool on_indexer_lane(Step step);
 
-// The longest path: the stock one with the indexer, 13 steps.
+// The longest path: the NoPE stock one with the indexer, 13 steps (RoPE: 11 on either path).
 inline constexpr int kMaxSteps = 13;
 
 struct StepList {
@@ -62,6 +69,7 @@ struct StepList {
 // What the lists depend on: the plan's choices, its token sets resolved
 // (the measured defaults filled in), and the widths the projections read.
 struct StepChoices {
+  bool rope = false;  // a RoPE layer (qk_rope_head_dim > 0): rope_absorb, the 656-byte cache, sparse_mla_v32
   bool overlap_indexer = true;
   // Value-up on head_gemv and the projections on linear_gemv at every m
   // (plan.batch_invariant): the token sets below are then not read.

@@ -1,7 +1,8 @@
 // The stage's step lists (stage_steps.h) for the plans the stage takes,
 // without a GPU: which kernel each projection and the value-up run at m,
 // where the indexer's lane sits, the caller rows' remap, the stock path's
-// 13 steps. CPU tests: StageSteps.*.
+// 13 steps; a RoPE layer's lists (rope_absorb, the 656-byte cache write,
+// sparse_mla_v32). CPU tests: StageSteps.*.
 #include "stage/stage_steps.h"
 
 #include <gtest/gtest.h>
@@ -107,6 +108,72 @@ TEST(StageSteps, BatchInvariantRunsEveryProjectionAndValueUpAsGemvAtEveryM) {
   const Names stock = names(DsaPath::kStock, c, 16);
   EXPECT_EQ(stock.front(), "qkv_a_proj (GEMV)") << "one qkv_a_proj kernel for both paths";
   EXPECT_EQ(stock.back(), "o_proj (cuBLASLt)") << "the stock path keeps the stock kernels";
+}
+
+// dsv32 at TP8 (16 heads, D = 7168, V = 128): a RoPE layer.
+StepChoices dsv32_tp8() {
+  StepChoices c;
+  c.rope = true;
+  c.value_up_tokens = dsa_stage_measured_value_up_tokens(16, HeadGemvSums::kTensorCores);
+  c.projection_gemv_tokens = dsa_stage_measured_projection_gemv_tokens(16);
+  c.hidden = 7168;
+  c.q_lora = 1536;
+  c.heads_v = 16 * 128;
+  return c;
+}
+
+TEST(StageSteps, RopeFusedPathRunsRopeAbsorbTheV32CacheWriteAndAttention) {
+  EXPECT_EQ(names(DsaPath::kFused, dsv32_tp8(), 1),
+            (Names{"qkv_a_proj (GEMV)", "norm", "indexer projections (GEMV)", "indexer prepare", "indexer select",
+                   "q_b_proj (GEMV)", "rope_absorb (absorb + RoPE)", "cache write (656-byte, sparse_mla_v32)",
+                   "attention (sparse_mla_v32)", "value_up (head_gemv)", "o_proj (GEMV)"}));
+  const StepList list = stage_steps(DsaPath::kFused, dsv32_tp8(), 1, false);
+  for (int i = 0; i < list.count; ++i) EXPECT_EQ(on_indexer_lane(list.steps[i]), i >= 2 && i <= 4) << i;
+  // Without the overlap the indexer follows the cache write, before the attention.
+  StepChoices serial = dsv32_tp8();
+  serial.overlap_indexer = false;
+  const Names n = names(DsaPath::kFused, serial, 4);
+  ASSERT_EQ(n.size(), 11u);
+  EXPECT_EQ(n[2], "q_b_proj (cuBLASLt)");
+  EXPECT_EQ(n[4], "cache write (656-byte, sparse_mla_v32)");
+  EXPECT_EQ(n[5], "indexer projections (GEMV)");
+  EXPECT_EQ(n[8], "attention (sparse_mla_v32)");
+  // Caller rows: the remap in the indexer's place.
+  const Names rows = names(DsaPath::kFused, dsv32_tp8(), 2, true);
+  EXPECT_EQ(rows.size(), 9u);
+  EXPECT_EQ(rows[2], "top-k remap");
+}
+
+TEST(StageSteps, RopeStockPathRunsTheEnginesOrder) {
+  EXPECT_EQ(names(DsaPath::kStock, dsv32_tp8(), 1),
+            (Names{"qkv_a_proj (GEMV)", "norm", "q_b_proj (cuBLASLt)", "rope_absorb (absorb + RoPE)",
+                   "indexer projections (GEMV)", "indexer prepare", "indexer select (top-k positions kept)",
+                   "cache write (656-byte, sparse_mla_v32)", "attention (sparse_mla_v32)", "value_up (cuBLAS bmm)",
+                   "o_proj (cuBLASLt)"}));
+  EXPECT_EQ(names(DsaPath::kStock, dsv32_tp8(), 3, true)[4], "top-k remap");
+  // No NoPE step on either path.
+  for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+    for (const std::string& name : names(path, dsv32_tp8(), 5)) {
+      EXPECT_TRUE(name.find("head_gemv)") == std::string::npos || name == "value_up (head_gemv)") << name;
+      EXPECT_NE(name, "attention (sparse_mla)");
+      EXPECT_NE(name, "static FP8 quant");
+      EXPECT_NE(name, "split counter memset");
+    }
+  }
+}
+
+TEST(StageSteps, RopeBatchInvariantRunsGemvAtEveryM) {
+  StepChoices c = dsv32_tp8();
+  c.batch_invariant = true;
+  c.value_up_tokens = {};
+  c.projection_gemv_tokens = {};
+  for (int64_t m : {1, 9, 16}) {
+    const Names fused = names(DsaPath::kFused, c, m);
+    EXPECT_EQ(fused.front(), "qkv_a_proj (GEMV)") << m;
+    EXPECT_EQ(fused[5], "q_b_proj (GEMV)") << m;
+    EXPECT_EQ(fused[9], "value_up (head_gemv)") << m;
+    EXPECT_EQ(fused.back(), "o_proj (GEMV)") << m;
+  }
 }
 
 }  // namespace

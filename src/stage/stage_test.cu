@@ -79,7 +79,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 TEST(DsaStageChecks, CreationNamesEveryMissingRequirement) {
   DsaLayerConfig c = glm5next_tp8();
   c.fuse_qkv_rmsnorm = false;
-  c.qk_rope_head_dim = 64;
+  c.rotary_embedding = true;  // without RoPE dims
   c.skip_topk = true;
   c.gate_proj = true;
   c.kv_cache_dtype = "auto";
@@ -105,7 +105,9 @@ TEST(DsaStageChecks, CreationNamesEveryMissingRequirement) {
   c.rotary_embedding = true;
   const Status rope = DsaAttentionStage::create(c, fake_weights(), DsaStagePlan(), &stage);
   EXPECT_EQ(rope.code(), ErrorCode::kUnsupported);
-  EXPECT_EQ(rope.message(), "DSA attention stage needs NoPE (no rotary embedding, qk_rope_head_dim 0)");
+  EXPECT_EQ(rope.message(),
+            "DSA attention stage needs NoPE without a rotary embedding (rotary_embedding false with "
+            "qk_rope_head_dim 0)");
 
   // Views: wrong dtype, wrong shape, and a plan out of range, all in one message.
   w = fake_weights();
@@ -323,10 +325,19 @@ TEST(DsaStageChecks, PlanForAPresetTakesItsIndexerShape) {
   EXPECT_EQ(plan.ring, 16);
   EXPECT_TRUE(check_indexer_plan(dsa_stage_indexer_plan(plan)).ok());
   EXPECT_EQ(indexer_row_width(dsa_stage_indexer_plan(plan)), 4096 + 128);
-  // A layer with an indexer of any pooled shape is one the stage takes; an unpooled one is not.
+  // A layer with an indexer of any shape has one; an unpooled one on a NoPE
+  // layer is refused at creation, naming the plan's pool.
   EXPECT_TRUE(dsa_layer_config(rank, 1e-6f).indexer);
   rank.pool_size = 1;
-  EXPECT_FALSE(dsa_layer_config(rank, 1e-6f).indexer);
+  rank.topk = 2048;
+  EXPECT_TRUE(dsa_layer_config(rank, 1e-6f).indexer);
+  plan = dsa_stage_plan_for(rank);
+  EXPECT_EQ(plan.ring, 1);
+  EXPECT_TRUE(check_dsa_stage_indexer_shape(plan).ok());
+  std::unique_ptr<DsaAttentionStage> stage;
+  const Status unpooled = DsaAttentionStage::create(glm5next_tp8(), fake_weights(64, 1), plan, &stage);
+  EXPECT_TRUE(contains(unpooled.message(), "'plan.indexer_pool': expected 4, 8 or 16 for a NoPE layer"))
+      << unpooled.message();
 }
 
 // ---------------------------------------------------------------- GPU
