@@ -68,8 +68,8 @@ int run_cpu_path_rope(const StepShape& s, const Options& options, const std::str
                 report.elapsed_s);
   }
   std::printf("the GPU path (an sm_90 GPU, without --cpu) runs this step kernel by kernel through the library's "
-              "functions (the stage does not run RoPE presets yet) and checks each product against this chain's "
-              "reference of its kernel\n");
+              "functions and through the stage, and checks each product against this chain's reference of its "
+              "kernel\n");
   std::fflush(stdout);
   int exit_code = failed > 0 ? 1 : 0;
   if (!options.json_path.empty()) {

@@ -1,8 +1,8 @@
 // dsa-decode's GPU path at a RoPE preset (dsv32; glm5 the same way): the
-// step kernel by kernel through the library's public functions, without the
-// stage (which does not run RoPE presets yet), on the synthetic layer and
-// inputs of the CPU chain (tools/rope_chain.h), all on one stream with the
-// kernels' own PDL launches:
+// step kernel by kernel through the library's public functions, then through
+// the library's stage (DsaAttentionStage), on the synthetic layer and inputs
+// of the CPU chain (tools/rope_chain.h). The chain runs on one stream with
+// the kernels' own PDL launches:
 //   linear_gemv qkv_a_proj -> qkv_rmsnorm (a strided view of q_c | kv_c, k_pe
 //   left out) -> linear_gemv q_b_proj -> rope_absorb -> sparse_mla_v32_cache_write
 //   -> indexer_project_gemv -> indexer_prepare -> indexer_select -> indexer_remap
@@ -19,13 +19,27 @@
 // logits, remap), within the contract's bounds elsewhere (the norm, the
 // absorbed latent, the attention, value-up on tensor cores, the indexer's
 // FP32-accumulated logits). The whole chain is timed by CUDA-graph replay.
+//
+// The stage: one per weight copy (rotated between timed steps, so that
+// weights come from memory), sharing one workspace, at the step's plan
+// (StepShape::stage_plan, --projections), with its own KV cache and indexer
+// K cache from the chain's state before the step. Each path's products are
+// checked as the chain's are (bit for bit where its kernel promises bits;
+// its cuBLASLt projections and cuBLAS value-up within 2 BF16 ulps at the
+// values' scale of the reference's order); the fused path equals the chain
+// bit for bit where it runs the chain's kernels (every projection a GEMV,
+// value-up a head_gemv), and the stock path shares the caches and slots of
+// the fused one, its out within 2e-2. Then each step alone, the attention
+// halves and the whole stages of both paths are timed as the NoPE path's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "compare.h"
@@ -38,6 +52,7 @@
 #include "dsa_decode/numerics.h"
 #include "dsa_decode/rope.h"
 #include "dsa_decode/sparse_mla_v32.h"
+#include "dsa_decode/stage.h"
 #include "gpu_path.h"
 #include "head_gemv/head_gemv_reference.h"
 #include "indexer/indexer_reference.h"
@@ -378,13 +393,24 @@ Check bitwise(const std::string& name, const std::vector<T>& got, const std::vec
                        more.c_str()));
 }
 
-// What the GPU left, downloaded.
+// What the GPU left, downloaded. `remapped`: the slots the attention read
+// (the chain's remap of the select's positions; the stage's select slots).
 struct GpuProducts {
   std::vector<uint16_t> qkv, q_c, kv_c, q, q_absorbed, k_pe, index_q, index_k, latent, heads, out;
   std::vector<float> head_weights, lse, q_weights, logits;
   std::vector<uint8_t> cache, k_cache, q_fp8;
   std::vector<int32_t> topk_positions, slots, remapped;
   std::vector<unsigned int> errors;
+  std::vector<std::string> error_names;  // one per counter
+};
+
+// Which kernel made each product: the chain's (every projection a
+// linear_gemv, value-up a head_gemv, the select keeping its positions, a
+// remap after it), or a stage path's (its step list).
+struct ProductKernels {
+  bool qkv_a_proj_gemv = true, q_b_proj_gemv = true, o_proj_gemv = true, value_up_head_gemv = true;
+  bool positions_kept = true;  // the select wrote the request-local positions too
+  bool remap = true;           // indexer_remap ran after the select
 };
 
 Status download_products(const RopeGpuChain& c, const StepShape& s, cudaStream_t stream, GpuProducts* g) {
@@ -408,6 +434,7 @@ Status download_products(const RopeGpuChain& c, const StepShape& s, cudaStream_t
   DSA_RETURN_IF_ERROR(download(c.slots, m * W, &g->slots, stream));
   DSA_RETURN_IF_ERROR(download(c.remapped, m * W, &g->remapped, stream));
   DSA_RETURN_IF_ERROR(download(c.errors, kErrorCounters, &g->errors, stream));
+  g->error_names.assign(kErrorCounterNames, kErrorCounterNames + kErrorCounters);
   std::vector<uint8_t> workspace;
   DSA_RETURN_IF_ERROR(download(c.workspace, c.workspace.bytes(), &workspace, stream));
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(c.plan_);
@@ -419,10 +446,35 @@ Status download_products(const RopeGpuChain& c, const StepShape& s, cudaStream_t
   return Status();
 }
 
-// Every product of the GPU chain against the CPU chain's reference of its
-// kernel on the GPU's own inputs.
+// A product of cuBLASLt's or cuBLAS's (an order of sums it does not state)
+// against the CPU reference's fixed order on the GPU's own input: within 2
+// BF16 ulps at the values' scale (dsa-decode's NoPE path's tolerance; a wrong
+// operand mapping gives errors of the values' own size).
+constexpr double kReorderedToleranceUlps = 2;
+
+Check reordered(const std::string& name, const std::vector<uint16_t>& got, const std::vector<uint16_t>& want,
+                const char* input) {
+  const double error = bf16_error_in_scale_ulps(got, want);
+  return judged(name, got.size() == want.size() && error <= kReorderedToleranceUlps,
+                format("max error %.2f BF16 ulp at the values' scale (tolerance %.0f; the summation order differs), on "
+                       "the GPU's %s",
+                       error, kReorderedToleranceUlps, input));
+}
+
+// A projection's check: linear_gemv's bits, or cuBLASLt's within the reordered tolerance.
+Check projection_check(const char* name, bool gemv, const std::vector<uint16_t>& got, const std::vector<uint16_t>& x,
+                       int m, int64_t k, const std::vector<uint16_t>& weight, int64_t n, const char* input,
+                       const std::string& more) {
+  const std::vector<uint16_t> want = reference::linear_gemv(x, m, k, weight, n);
+  if (gemv) return bitwise(std::string(name) + " (linear_gemv) bit for bit", got, want, more);
+  return reordered(std::string(name) + " (cuBLASLt) vs the CPU reference", got, want, input);
+}
+
+// Every product of the GPU chain (or of a stage path: `kernels`) against the
+// CPU chain's reference of its kernel on the GPU's own inputs.
 std::vector<Check> check_gpu_chain(const StepShape& s, const RopeChainProducts& p, const std::vector<uint8_t>& cache0,
-                                   const std::vector<uint8_t>& k_cache_after_prefill, const GpuProducts& g) {
+                                   const std::vector<uint8_t>& k_cache_after_prefill, const GpuProducts& g,
+                                   const ProductKernels& kernels = ProductKernels()) {
   std::vector<Check> checks;
   const HostWeights& w = p.weights;
   const int m = s.m, H = s.H, L = s.L, R = s.R, HI = p.plan.heads;
@@ -431,9 +483,8 @@ std::vector<Check> check_gpu_chain(const StepShape& s, const RopeChainProducts& 
     return format("; %.2f BF16 ulps (at the values' scale) from the CPU chain's", bf16_error_in_scale_ulps(gpu, chain));
   };
 
-  checks.push_back(bitwise("qkv_a_proj (linear_gemv) bit for bit",
-                           g.qkv, reference::linear_gemv(p.inputs.hidden, m, s.D, w.fused_qkv_a_proj, s.qkv_width()),
-                           chain_ulps(g.qkv, p.qkv)));
+  checks.push_back(projection_check("qkv_a_proj", kernels.qkv_a_proj_gemv, g.qkv, p.inputs.hidden, m, s.D,
+                                    w.fused_qkv_a_proj, s.qkv_width(), "hidden", chain_ulps(g.qkv, p.qkv)));
   {
     const NormOutputs want = reference_norm(s, w, g.qkv);
     const Difference dq = bf16_difference(g.q_c, want.q_c), dkv = bf16_difference(g.kv_c, want.kv_c);
@@ -443,8 +494,8 @@ std::vector<Check> check_gpu_chain(const StepShape& s, const RopeChainProducts& 
                                    dq.differing, static_cast<long long>(dq.max_steps), dkv.differing,
                                    static_cast<long long>(dkv.max_steps))));
   }
-  checks.push_back(bitwise("q_b_proj (linear_gemv) bit for bit", g.q,
-                           reference::linear_gemv(g.q_c, m, s.Q, w.q_b_proj, s.q_width()), chain_ulps(g.q, p.q)));
+  checks.push_back(projection_check("q_b_proj", kernels.q_b_proj_gemv, g.q, g.q_c, m, s.Q, w.q_b_proj, s.q_width(),
+                                    "q_c", chain_ulps(g.q, p.q)));
   {
     const reference::RopeAbsorbHost a =
         rope_absorb_host(s, w, g.q, g.qkv, p.inputs.positions, p.tables, p.tables.attention.style);
@@ -555,13 +606,20 @@ std::vector<Check> check_gpu_chain(const StepShape& s, const RopeChainProducts& 
                         static_cast<long long>(outside), static_cast<long long>(scored), worst);
     if (outside > 0) selected = invalid_argument("logits", "within indexer_logit_bounds", std::to_string(outside));
   }
+  // (The fused path's select writes the slots only.)
+  const size_t positions_differing =
+      kernels.positions_kept ? differing(g.topk_positions, rows.topk_positions) : size_t{0};
   checks.push_back(judged("indexer_select: rows bit for bit",
-                          selected.ok() && differing(g.topk_positions, rows.topk_positions) == 0 &&
-                              differing(g.slots, rows.slots) == 0,
-                          format("%s; %zu of %zu positions and %zu slots differ%s", logit_text.c_str(),
-                                 differing(g.topk_positions, rows.topk_positions), rows.topk_positions.size(),
-                                 differing(g.slots, rows.slots), selected.ok() ? "" : ("; " + selected.to_string()).c_str())));
-  {
+                          selected.ok() && positions_differing == 0 && differing(g.slots, rows.slots) == 0,
+                          format("%s; %s%zu slots differ%s", logit_text.c_str(),
+                                 kernels.positions_kept
+                                     ? format("%zu of %zu positions and ", positions_differing,
+                                              rows.topk_positions.size())
+                                           .c_str()
+                                     : "",
+                                 differing(g.slots, rows.slots),
+                                 selected.ok() ? "" : ("; " + selected.to_string()).c_str())));
+  if (kernels.remap) {
     reference::IndexerRowsHost remapped;
     const Status st = reference::indexer_remap(p.plan, step, view, g.topk_positions, &remapped);
     checks.push_back(judged("indexer_remap bit for bit", st.ok() && differing(g.remapped, remapped.slots) == 0 &&
@@ -592,7 +650,10 @@ std::vector<Check> check_gpu_chain(const StepShape& s, const RopeChainProducts& 
     got.lse = g.lse;
     checks.push_back(check_sparse_mla_v32_vs_float64(s, a, got, "sparse_mla_v32 vs float64 (one pass)"));
   }
-  if (s.head_gemv_sums == HeadGemvSums::kSeedOrder) {
+  if (!kernels.value_up_head_gemv) {
+    checks.push_back(reordered("value-up (cuBLAS bmm) vs the CPU reference", g.heads,
+                               reference_value_up(s, w, g.latent, value_up_tactic(s)), "latent"));
+  } else if (s.head_gemv_sums == HeadGemvSums::kSeedOrder) {
     checks.push_back(bitwise("value-up (head_gemv, seed order) bit for bit", g.heads,
                              reference_value_up(s, w, g.latent, value_up_tactic(s)), ""));
   } else {
@@ -603,13 +664,14 @@ std::vector<Check> check_gpu_chain(const StepShape& s, const RopeChainProducts& 
                                    static_cast<long long>(d.outside), static_cast<long long>(d.compared),
                                    static_cast<long long>(d.differing), d.max_steps)));
   }
-  checks.push_back(bitwise("o_proj (linear_gemv) bit for bit", g.out,
-                           reference::linear_gemv(g.heads, m, int64_t{H} * s.V, w.o_proj, s.D), chain_ulps(g.out, p.out)));
+  checks.push_back(projection_check("o_proj", kernels.o_proj_gemv, g.out, g.heads, m, int64_t{H} * s.V, w.o_proj,
+                                    s.D, "heads", chain_ulps(g.out, p.out)));
   {
     std::string counts;
     unsigned int total = 0;
-    for (int c = 0; c < kErrorCounters; ++c) {
-      counts += format("%s%s %u", c ? ", " : "", kErrorCounterNames[c], g.errors[c]);
+    for (size_t c = 0; c < g.errors.size(); ++c) {
+      counts += format("%s%s %u", c ? ", " : "", c < g.error_names.size() ? g.error_names[c].c_str() : "?",
+                       g.errors[c]);
       total += g.errors[c];
     }
     checks.push_back(judged("error counters zero", total == 0, counts));
@@ -632,12 +694,342 @@ std::vector<Check> check_gpu_chain(const StepShape& s, const RopeChainProducts& 
   return checks;
 }
 
+// ---------------------------------------------------------------- the stage
+
+// Launches per timed graph at the least (the graph launch's overhead spread
+// over them), a whole number of rotations of the stages.
+constexpr int kMinLaunchesPerGraph = 20;
+// The stock path's output against the fused path's: they differ in the
+// projections' and value-up's summation orders only, which the attention
+// carries into out (the NoPE path's tolerance).
+constexpr double kFusedVsStockTolerance = 2e-2;
+
+// One copy of the layer's weights, copied on the device from the chain's.
+struct WeightCopy {
+  bench::DeviceMemory qkv, q_gamma, kv_gamma, q_b, w_uk_t, w_uv, o, wq_b, wk, weights_proj, k_norm_weight,
+      k_norm_bias;
+};
+
+Status copy_on_device(const bench::DeviceMemory& from, bench::DeviceMemory* to, cudaStream_t stream) {
+  DSA_RETURN_IF_ERROR(to->allocate(from.bytes()));
+  DSA_CUDA_RETURN(cudaMemcpyAsync(to->get(), from.get(), from.bytes(), cudaMemcpyDeviceToDevice, stream));
+  return Status();
+}
+
+// The library's stage on the chain's layer and step: one stage per weight
+// copy (rotated between timed steps, so that weights come from memory, as
+// the layers of a model), all sharing one workspace; its own KV cache and
+// indexer K cache (the chain's state before the step: the context's entries
+// and the prefilled keys), the chain's step inputs.
+class RopeStageRun {
+ public:
+  Status init(const StepShape& s, const RopeGpuChain& chain, const std::vector<uint8_t>& cache0,
+              const std::vector<uint8_t>& k_cache_after_prefill, const DsaLayerConfig& config, const DsaStagePlan& plan,
+              int copies, cudaStream_t stream) {
+    s_ = s;
+    chain_ = &chain;
+    cache0_ = &cache0;
+    k_cache0_ = &k_cache_after_prefill;
+    copies_.resize(size_t(copies));
+    for (WeightCopy& c : copies_) {
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.w_qkv, &c.qkv, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.q_gamma, &c.q_gamma, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.kv_gamma, &c.kv_gamma, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.w_q_b, &c.q_b, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.w_uk_t, &c.w_uk_t, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.w_uv, &c.w_uv, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.w_o, &c.o, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.wq_b, &c.wq_b, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.wk, &c.wk, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.weights_proj, &c.weights_proj, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.k_norm_weight, &c.k_norm_weight, stream));
+      DSA_RETURN_IF_ERROR(copy_on_device(chain.k_norm_bias, &c.k_norm_bias, stream));
+    }
+    DSA_RETURN_IF_ERROR(upload(cache0, &cache_, stream));
+    DSA_RETURN_IF_ERROR(upload(k_cache_after_prefill, &k_cache_, stream));
+    DSA_RETURN_IF_ERROR(allocate_filled(size_t(s.m) * s.D * 2, kPoisonByte, &out_, stream));
+    DSA_RETURN_IF_ERROR(allocate_filled(sizeof(unsigned int), 0, &errors_, stream));
+    DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+    stages_.resize(copies_.size());
+    std::shared_ptr<DsaStageWorkspace> workspace;
+    for (size_t c = 0; c < copies_.size(); ++c) {
+      const Status created = DsaAttentionStage::create(config, weights(copies_[c]), plan, &stages_[c], workspace);
+      if (!created.ok()) return Status(created.code(), "creating the stage: " + created.message());
+      if (c == 0) workspace = stages_[0]->workspace();
+    }
+    return Status();
+  }
+
+  DsaAttentionStage& stage(size_t i) { return *stages_[i % stages_.size()]; }
+  size_t copies() const { return stages_.size(); }
+
+  DsaStepArgs args() const {
+    const int64_t m = s_.m;
+    DsaStepArgs a;
+    a.hidden = bf16(chain_->hidden, {m, s_.D});
+    a.positions = make_tensor(chain_->positions.get(), DType::kI64, {m});
+    a.token_requests = make_tensor(chain_->token_requests.get(), DType::kI32, {m});
+    a.slot_mapping = make_tensor(chain_->slot_mapping.get(), DType::kI64, {m});
+    a.kv_cache = make_tensor(cache_.get(), DType::kU8, {s_.cache_blocks(), kCacheBlockSize, kEntryBytes});
+    a.indexer = IndexerState{
+        make_tensor(chain_->block_table.get(), DType::kI32, {s_.indexer_requests(), s_.cache_blocks()}), TensorView(),
+        make_tensor(k_cache_.get(), DType::kU8, {s_.cache_blocks(), s_.indexer_page_bytes()})};
+    a.out = bf16(out_, {m, s_.D});
+    a.error_count = errors_.as<unsigned int>();
+    return a;
+  }
+
+  // One path of stage 0 from the state before the step (caches as the
+  // chain found them, out poisoned, no errors counted), its products downloaded.
+  Status run(DsaPath path, cudaStream_t stream, GpuProducts* g) {
+    DSA_CUDA_RETURN(cudaMemcpyAsync(cache_.get(), cache0_->data(), cache0_->size(), cudaMemcpyHostToDevice, stream));
+    DSA_CUDA_RETURN(
+        cudaMemcpyAsync(k_cache_.get(), k_cache0_->data(), k_cache0_->size(), cudaMemcpyHostToDevice, stream));
+    DSA_CUDA_RETURN(cudaMemsetAsync(out_.get(), kPoisonByte, out_.bytes(), stream));
+    DSA_CUDA_RETURN(cudaMemsetAsync(errors_.get(), 0, errors_.bytes(), stream));
+    DsaAttentionStage& st = stage(0);
+    DSA_RETURN_IF_ERROR(path == DsaPath::kFused ? st.forward(args(), stream) : st.stock_forward(args(), stream));
+    DSA_CUDA_RETURN(cudaStreamSynchronize(stream));
+    const DsaStageIntermediates v = st.intermediates(s_.m);
+    DSA_RETURN_IF_ERROR(download_view(v.qkv, &g->qkv));
+    DSA_RETURN_IF_ERROR(download_view(v.q_c, &g->q_c));
+    DSA_RETURN_IF_ERROR(download_view(v.kv_c, &g->kv_c));
+    DSA_RETURN_IF_ERROR(download_view(v.q, &g->q));
+    DSA_RETURN_IF_ERROR(download_view(v.q_absorbed, &g->q_absorbed));
+    DSA_RETURN_IF_ERROR(download_view(v.k_pe, &g->k_pe));
+    DSA_RETURN_IF_ERROR(download_view(v.index_q, &g->index_q));
+    DSA_RETURN_IF_ERROR(download_view(v.index_k, &g->index_k));
+    DSA_RETURN_IF_ERROR(download_view(v.head_weights, &g->head_weights));
+    DSA_RETURN_IF_ERROR(download_view(v.latent, &g->latent));
+    DSA_RETURN_IF_ERROR(download_view(v.lse, &g->lse));
+    DSA_RETURN_IF_ERROR(download_view(v.heads, &g->heads));
+    DSA_RETURN_IF_ERROR(download_view(v.slots, &g->slots));
+    g->remapped = g->slots;  // the attention read the select's slots
+    if (path == DsaPath::kStock) {
+      DSA_RETURN_IF_ERROR(download_view(v.topk_positions, &g->topk_positions));
+    } else {
+      g->topk_positions.clear();
+    }
+    DSA_RETURN_IF_ERROR(download_view(bf16(out_, {s_.m, s_.D}), &g->out));
+    DSA_RETURN_IF_ERROR(download(cache_, cache_.bytes(), &g->cache, stream));
+    DSA_RETURN_IF_ERROR(download(k_cache_, k_cache_.bytes(), &g->k_cache, stream));
+    DSA_RETURN_IF_ERROR(download(errors_, 1, &g->errors, stream));
+    g->error_names = {"stage"};
+    std::vector<uint8_t> workspace;
+    DSA_RETURN_IF_ERROR(download_view(v.indexer_workspace, &workspace));
+    const IndexerWorkspaceLayout layout = indexer_workspace_layout(chain_->plan_);
+    const size_t m = size_t(s_.m), HI = size_t(chain_->plan_.heads);
+    g->q_fp8.assign(workspace.begin() + layout.q_fp8, workspace.begin() + layout.q_fp8 + m * HI * kIndexerDim);
+    g->q_weights.resize(m * HI);
+    std::memcpy(g->q_weights.data(), workspace.data() + layout.head_weights, m * HI * sizeof(float));
+    g->logits.resize(m * size_t(layout.logits_stride));
+    std::memcpy(g->logits.data(), workspace.data() + layout.logits, g->logits.size() * sizeof(float));
+    return Status();
+  }
+
+ private:
+  DsaLayerWeights weights(const WeightCopy& c) const {
+    const int64_t H = s_.H, P = s_.P, L = s_.L, HI = chain_->plan_.heads;
+    DsaLayerWeights w;
+    w.fused_qkv_a_proj = bf16(c.qkv, {s_.qkv_width(), s_.D});
+    w.q_a_norm = bf16(c.q_gamma, {s_.Q});
+    w.kv_a_norm = bf16(c.kv_gamma, {L});
+    w.q_b_proj = bf16(c.q_b, {s_.q_width(), s_.Q});
+    w.w_uk_t = bf16(c.w_uk_t, {H, P, L});
+    w.w_uv = bf16(c.w_uv, {H, L, s_.V});
+    w.o_proj = bf16(c.o, {s_.D, H * s_.V});
+    w.index_wq_b = bf16(c.wq_b, {HI * kIndexerDim, s_.Q});
+    w.index_wk = bf16(c.wk, {kIndexerDim, s_.D});
+    w.index_weights_proj = bf16(c.weights_proj, {HI, s_.D});
+    w.index_k_norm_weight = make_tensor(c.k_norm_weight.get(), DType::kF32, {kIndexerDim});
+    w.index_k_norm_bias = make_tensor(c.k_norm_bias.get(), DType::kF32, {kIndexerDim});
+    return w;
+  }
+
+  // A view's elements into `host` (the device synchronized by the caller).
+  template <class T>
+  static Status download_view(const TensorView& v, std::vector<T>* host) {
+    host->resize(size_t(v.numel()));
+    if (host->empty()) return Status();
+    DSA_CUDA_RETURN(cudaMemcpy(host->data(), v.data, host->size() * sizeof(T), cudaMemcpyDeviceToHost));
+    return Status();
+  }
+
+  StepShape s_{};
+  const RopeGpuChain* chain_ = nullptr;
+  const std::vector<uint8_t>* cache0_ = nullptr;
+  const std::vector<uint8_t>* k_cache0_ = nullptr;
+  std::vector<WeightCopy> copies_;
+  std::vector<std::unique_ptr<DsaAttentionStage>> stages_;
+  bench::DeviceMemory cache_, k_cache_, out_, errors_;
+};
+
+// Weight copies whose rotation keeps the smallest weight out of L2 between
+// two reads (dsa-decode's NoPE rule, at the RoPE widths).
+int rope_weight_copies(const bench::Context& ctx, const StepShape& s) {
+  const size_t smallest =
+      2 * std::min({size_t(s.q_width()) * s.Q, size_t(s.H) * s.P * s.L, size_t(s.H) * s.L * s.V,
+                    size_t(s.index_heads) * kIndexerDim * s.Q, size_t(s.qkv_width()) * s.D, size_t(s.D) * s.H * s.V});
+  return bench::cold_copies(ctx, smallest);
+}
+
+// Which kernel each product of a path ran, from its step names.
+ProductKernels path_kernels(const std::vector<std::string>& names, DsaPath path) {
+  const auto ran = [&](const char* name) { return std::count(names.begin(), names.end(), name) > 0; };
+  ProductKernels k;
+  k.qkv_a_proj_gemv = ran("qkv_a_proj (GEMV)");
+  k.q_b_proj_gemv = ran("q_b_proj (GEMV)");
+  k.o_proj_gemv = ran("o_proj (GEMV)");
+  k.value_up_head_gemv = ran("value_up (head_gemv)");
+  k.positions_kept = path == DsaPath::kStock;
+  k.remap = false;
+  return k;
+}
+
+// The stage's checks: each path's products against the CPU chain's reference
+// of its kernel (the chain's checks, on the path's own inputs), the fused
+// path against the GPU chain (bit for bit where it ran the chain's kernels),
+// the stock path against the fused one.
+std::vector<Check> check_stage(const StepShape& s, const RopeChainProducts& p, const std::vector<uint8_t>& cache0,
+                               const std::vector<uint8_t>& k_cache_after_prefill, const GpuProducts& chain,
+                               const GpuProducts& fused, const ProductKernels& fused_kernels,
+                               const GpuProducts& stock, const ProductKernels& stock_kernels) {
+  std::vector<Check> checks;
+  for (const auto& [g, kernels, path] : {std::tuple{&fused, &fused_kernels, "fused"},
+                                          std::tuple{&stock, &stock_kernels, "stock"}}) {
+    for (Check c : check_gpu_chain(s, p, cache0, k_cache_after_prefill, *g, *kernels)) {
+      c.name = std::string("stage ") + path + ": " + c.name;
+      checks.push_back(std::move(c));
+    }
+  }
+  const bool chain_kernels_ran = fused_kernels.qkv_a_proj_gemv && fused_kernels.q_b_proj_gemv &&
+                                 fused_kernels.o_proj_gemv && fused_kernels.value_up_head_gemv;
+  const std::string fused_vs_chain = format(
+      "out %.2f BF16 ulps from the GPU chain's; KV cache %zu and indexer K cache %zu bytes differ; %zu slots differ",
+      bf16_error_in_scale_ulps(fused.out, chain.out), differing(fused.cache, chain.cache),
+      differing(fused.k_cache, chain.k_cache), differing(fused.slots, chain.remapped));
+  if (chain_kernels_ran) {
+    checks.push_back(judged("stage fused == the GPU chain bit for bit (the same kernels)",
+                            fused.out == chain.out && fused.cache == chain.cache && fused.k_cache == chain.k_cache &&
+                                fused.slots == chain.remapped && fused.latent == chain.latent,
+                            fused_vs_chain));
+  } else {
+    checks.push_back(reported("stage fused vs the GPU chain (cuBLASLt or cuBLAS bmm at this m)", fused_vs_chain));
+  }
+  checks.push_back(judged("stage stock vs fused: KV cache, indexer K cache and slots bit for bit",
+                          stock.cache == fused.cache && stock.k_cache == fused.k_cache && stock.slots == fused.slots,
+                          format("%zu KV cache bytes, %zu K cache bytes, %zu slots differ (the same qkv_a_proj, norm, "
+                                 "rotation, cache write and indexer)",
+                                 differing(stock.cache, fused.cache), differing(stock.k_cache, fused.k_cache),
+                                 differing(stock.slots, fused.slots))));
+  std::vector<double> fused_out(fused.out.size());
+  for (size_t i = 0; i < fused.out.size(); ++i) fused_out[i] = num::bf16_to_float(fused.out[i]);
+  const double stock_error = reference::relative_frobenius(stock.out, fused_out);
+  checks.push_back(judged("stage stock vs fused: out", stock_error <= kFusedVsStockTolerance,
+                          format("relative Frobenius error %.2e (tolerance %.0e): the projections' and value-up's "
+                                 "orders differ",
+                                 stock_error, kFusedVsStockTolerance)));
+  return checks;
+}
+
+struct StageTiming {
+  std::string path, step;
+  double us = 0;
+};
+
+// Each step of each path alone, both paths' attention halves (every step
+// between qkv_a_proj and o_proj) and whole stages, as CUDA-graph replays
+// that walk the stages in turn (cold weights).
+Status time_stage(const bench::Context& ctx, RopeStageRun& run, int replays, std::vector<StageTiming>* timings) {
+  const int copies = static_cast<int>(run.copies());
+  const int per_graph = copies * ((kMinLaunchesPerGraph + copies - 1) / copies);
+  const DsaStepArgs args = run.args();
+  const auto time_steps = [&](DsaPath path, size_t first, size_t count, double* us) {
+    return bench::time_graph(
+        ctx,
+        [&](cudaStream_t stream, int i) {
+          DsaAttentionStage& stage = run.stage(size_t(i));
+          if (count != DsaAttentionStage::kAllSteps) return stage.run_steps(path, args, first, count, stream);
+          return path == DsaPath::kFused ? stage.forward(args, stream) : stage.stock_forward(args, stream);
+        },
+        us, per_graph, replays);
+  };
+  for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+    const char* name = path == DsaPath::kFused ? "fused" : "stock";
+    std::vector<std::string> steps;
+    DSA_RETURN_IF_ERROR(run.stage(0).step_names(path, args, &steps));
+    for (size_t i = 0; i < steps.size(); ++i) {
+      StageTiming t{name, steps[i]};
+      DSA_RETURN_IF_ERROR(time_steps(path, i, 1, &t.us));
+      timings->push_back(t);
+    }
+    StageTiming half{name, "attention half (norm .. value_up)"};
+    DSA_RETURN_IF_ERROR(time_steps(path, 1, steps.size() - 2, &half.us));
+    timings->push_back(half);
+    StageTiming whole{name, "whole stage (qkv_a_proj .. o_proj)"};
+    DSA_RETURN_IF_ERROR(time_steps(path, 0, DsaAttentionStage::kAllSteps, &whole.us));
+    timings->push_back(whole);
+  }
+  return Status();
+}
+
+// The stage at the preset: created on the chain's layer, both paths run and
+// checked, then timed. Returns the checks (appended to `checks`).
+Status run_stage(const StepShape& s, const Options& options, const RopeChainProducts& p, const RopeGpuChain& chain,
+                 const std::vector<uint8_t>& cache0, const std::vector<uint8_t>& k_cache_after_prefill,
+                 const GpuProducts& chain_products, const bench::Context& ctx, std::vector<Check>* checks) {
+  const DsaLayerConfig config = dsa_layer_config(s.per_rank, p.weights.eps);
+  DsaStagePlan plan = s.stage_plan();
+  plan.projection_gemv_tokens = projection_gemv_tokens(options);
+  const int copies = rope_weight_copies(ctx, s);
+  RopeStageRun run;
+  DSA_RETURN_IF_ERROR(run.init(s, chain, cache0, k_cache_after_prefill, config, plan, copies, ctx.stream));
+  std::printf("\nthe library's stage (DsaAttentionStage) on the same layer and step: %d weight copies, one stage "
+              "each (one workspace), its own KV cache and indexer K cache from the chain's state before the step; "
+              "rotaries from rope_preset_config, softmax scale %.7g\n",
+              copies, config.softmax_scale);
+  std::vector<std::string> names[2];
+  for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+    std::vector<std::string>& list = names[path == DsaPath::kFused ? 0 : 1];
+    DSA_RETURN_IF_ERROR(run.stage(0).step_names(path, run.args(), &list));
+    std::string text;
+    for (const std::string& name : list) text += (text.empty() ? "" : ", ") + name;
+    std::printf("%s path, %zu steps: %s\n", path == DsaPath::kFused ? "fused" : "stock", list.size(), text.c_str());
+  }
+  GpuProducts fused, stock;
+  DSA_RETURN_IF_ERROR(run.run(DsaPath::kFused, ctx.stream, &fused));
+  DSA_RETURN_IF_ERROR(run.run(DsaPath::kStock, ctx.stream, &stock));
+  const std::vector<Check> stage_checks =
+      check_stage(s, p, cache0, k_cache_after_prefill, chain_products, fused, path_kernels(names[0], DsaPath::kFused),
+                  stock, path_kernels(names[1], DsaPath::kStock));
+  std::printf("\nchecks of the stage: each product of each path against the CPU chain's reference of its kernel, on "
+              "the path's own inputs; fused against the GPU chain, stock against fused\n");
+  for (const Check& check : stage_checks) print_check(check);
+  checks->insert(checks->end(), stage_checks.begin(), stage_checks.end());
+
+  std::vector<StageTiming> timings;
+  DSA_RETURN_IF_ERROR(time_stage(ctx, run, options.steps, &timings));
+  std::printf("\nstage on %s: CUDA-graph replay, %d weight copies rotated, median of %d replays (us)\n",
+              ctx.gpu_name.c_str(), copies, options.steps);
+  double whole[2] = {0, 0}, half[2] = {0, 0};
+  for (const StageTiming& t : timings) {
+    std::printf("  %-6s %-44s %8.1f\n", t.path.c_str(), t.step.c_str(), t.us);
+    const int i = t.path == "fused" ? 0 : 1;
+    if (t.step.rfind("whole stage", 0) == 0) whole[i] = t.us;
+    if (t.step.rfind("attention half", 0) == 0) half[i] = t.us;
+  }
+  std::printf("fused vs stock: attention half %.1f / %.1f us (%.2fx), whole stage %.1f / %.1f us (%.2fx)\n", half[0],
+              half[1], half[0] > 0 ? half[1] / half[0] : 0.0, whole[0], whole[1],
+              whole[0] > 0 ? whole[1] / whole[0] : 0.0);
+  return Status();
+}
+
 }  // namespace
 
 int run_gpu_path_rope(const StepShape& s, const Options& options) {
   const auto started = std::chrono::steady_clock::now();
-  std::printf("the %s step kernel by kernel through the library's public functions (the stage does not run RoPE "
-              "presets yet): linear_gemv qkv_a_proj, qkv_rmsnorm, linear_gemv q_b_proj, rope_absorb, "
+  std::printf("the %s step kernel by kernel through the library's public functions (then through the stage, "
+              "checked against it): linear_gemv qkv_a_proj, qkv_rmsnorm, linear_gemv q_b_proj, rope_absorb, "
               "sparse_mla_v32_cache_write, indexer_project_gemv, indexer_prepare, indexer_select, indexer_remap "
               "(%d heads, top-%d, %s logits; K cache prefilled with the %lld context keys), sparse_mla_v32, "
               "head_gemv value-up (%s), linear_gemv o_proj; one stream, PDL; synthetic layer of seed %llu at %s\n",
@@ -732,8 +1124,17 @@ int run_gpu_path_rope(const StepShape& s, const Options& options) {
               "copy of the weights, not rotated)\n",
               ctx.gpu_name.c_str(), step_us, kChainsPerGraph, options.steps);
 
+  // The stage on the same layer and step: both paths checked, then timed.
+  std::vector<Check> stage_checks;
+  if (const Status st = run_stage(s, options, p, gpu, cache0, k_cache_after_prefill, g, ctx, &stage_checks);
+      !st.ok()) {
+    return fail(st);
+  }
+
   const size_t failed = failed_checks(checks) + cpu_failed, judged_count = judged_checks(checks);
+  const size_t stage_failed = failed_checks(stage_checks), stage_judged = judged_checks(stage_checks);
   const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  std::printf("\n");
   if (failed > 0) {
     std::printf("FAIL: %zu of %zu checks of the GPU chain failed (%zu of the CPU chain's) (%.1f s)\n",
                 failed - cpu_failed, judged_count, cpu_failed, elapsed);
@@ -741,8 +1142,13 @@ int run_gpu_path_rope(const StepShape& s, const Options& options) {
     std::printf("PASS: %zu of %zu checks of the GPU chain (and the CPU chain's %zu) (%.1f s)\n", judged_count,
                 judged_count, judged_checks(chain.checks), elapsed);
   }
+  if (stage_failed > 0) {
+    std::printf("FAIL: %zu of %zu checks of the stage failed\n", stage_failed, stage_judged);
+  } else {
+    std::printf("PASS: %zu of %zu checks of the stage\n", stage_judged, stage_judged);
+  }
   std::fflush(stdout);
-  return failed > 0 ? kExitFailure : kExitOk;
+  return failed > 0 || stage_failed > 0 ? kExitFailure : kExitOk;
 }
 
 }  // namespace dsa::cli

@@ -65,8 +65,8 @@ std::string gpu_path_refusal(const Options& options, const ModelPreset& preset) 
   std::string names;
   for (const std::string& name : unsupported) names += (names.empty() ? "" : ", ") + name;
   return names + ": preset '" + preset.name + "' uses RoPE (" + std::to_string(preset.qk_rope) +
-         " rope dims per head); its GPU path runs the step kernel by kernel (the stage does not run RoPE presets "
-         "yet) and does not take " + (unsupported.size() > 1 ? "these" : "this") +
+         " rope dims per head); its GPU path runs the step kernel by kernel and then through the stage, and does not "
+         "take " + (unsupported.size() > 1 ? "these" : "this") +
          "; drop " + (unsupported.size() > 1 ? "them" : "it") + ", or add --cpu for its CPU reference chain";
 }
 
@@ -138,9 +138,9 @@ void print_usage(FILE* to) {
                "Without an sm_90 GPU (or with --cpu) it runs the CPU reference of the same step instead and\n"
                "checks its products against float64 within the numerics contract's bounds.\n"
                "  --preset NAME  model preset: %s (default glm5next). The RoPE presets dsv32\n"
-               "                 and glm5 run with --cpu only: their CPU reference chain (rope_absorb, the\n"
-               "                 656-byte cache write, the V3.2 indexer, sparse_mla_v32), checked against\n"
-               "                 float64; the stage does not run them on the GPU yet\n"
+               "                 and glm5: with --cpu their CPU reference chain (rope_absorb, the 656-byte\n"
+               "                 cache write, the V3.2 indexer, sparse_mla_v32), checked against float64; on\n"
+               "                 the GPU the step kernel by kernel and the stage, checked against that chain\n"
                "  --tp N         tensor-parallel degree: the layer of one rank has heads / N heads (default 1)\n"
                "  --tokens M     decode tokens in the step, 1..%d (default 4)\n"
                "  --context N    tokens already in the KV cache, 0..%lld; the new tokens go to slots\n"
