@@ -424,11 +424,13 @@ struct RopeStep {
     block_table.assign(order.begin(), order.begin() + requests * width);
     for (int t = 0; t < m; ++t) slot_mapping.push_back(slot_of(token_requests[t], positions[t]));
     hidden = bf16_normal(size_t(m) * s.D, 0, 1, rng);
-    // Entries of latents and RoPE values of stddev 0.5: scores within the attention's spread.
+    // Entries of latents and RoPE values of stddev 0.3: scores (softmax_scale x
+    // q . k over 576 dims, q near unit scale) of stddev ~1, within the spread
+    // the attention's bound is stated for.
     kv_cache.assign(size_t(blocks) * kBlock * kEntry, 0);
     for (int64_t slot = 0; slot < blocks * kBlock; ++slot) {
-      const std::vector<uint16_t> kv = bf16_normal(size_t(s.L), 0, 0.5f, rng);
-      const std::vector<uint16_t> pe = bf16_normal(size_t(s.R), 0, 0.5f, rng);
+      const std::vector<uint16_t> kv = bf16_normal(size_t(s.L), 0, 0.3f, rng);
+      const std::vector<uint16_t> pe = bf16_normal(size_t(s.R), 0, 0.3f, rng);
       reference::v32_quantize_token(kv.data(), pe.data(), &kv_cache[size_t(slot) * kEntry]);
     }
     page_bytes = indexer_page_bytes(plan);
