@@ -123,14 +123,15 @@ struct DsaLayerWeights {
   // NoPE only (a RoPE layer's query stays BF16 and its cache entries hold their own scales: not read, may be empty):
   TensorView q_scale;           // [1] f32: the absorbed query's static FP8 scale (_q_scale)
   TensorView k_scale;           // [1] f32: the KV cache's (_k_scale)
-  // The indexer's (indexer.h), at the plan's shape: HI = plan.indexer_heads, S = plan.indexer_pool:
+  // The indexer's (indexer.h), at the plan's shape: HI = plan.indexer_heads, S = plan.indexer_pool;
+  // index_compress_gate and index_ape are the pooled indexer's only (S = 1, DeepSeek-V3.2's: not read,
+  // may be empty):
   TensorView index_wq_b;           // [HI * 128, Q]
   TensorView index_wk;             // [128, D]
   TensorView index_weights_proj;   // [HI, D]
+  TensorView index_compress_gate;  // [128, D]
   TensorView index_k_norm_weight;  // [128] f32
   TensorView index_k_norm_bias;    // [128] f32
-  // The pooled indexer's only (S = 1, DeepSeek-V3.2's: not read, may be empty):
-  TensorView index_compress_gate;  // [128, D]
   TensorView index_ape;            // [S, 128] f32
 };
 
