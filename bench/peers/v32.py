@@ -63,9 +63,10 @@ def peer_heads(heads: int) -> int:
 
 def write_cache_model(kv_c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """vLLM's concat_and_cache_ds_mla entries [n, 656] uint8 for finite BF16 kv_c [n, 512] and k_pe
-    [n, 64] (IEEE float32: scale = max(amax / 448, FLT_MIN), code = e4m3 RNE of x / scale)."""
+    [n, 64] (IEEE float32: scale = max(amax / 448, FLT_MIN), code = e4m3 RNE of x / scale).
+    Bitwise on the CPU only: torch on CUDA divides by a scalar as a product with its reciprocal."""
     x = kv_c.float().view(-1, LATENT // GROUP, GROUP)
-    scale = torch.clamp(x.abs().amax(dim=2) / 448.0, min=torch.finfo(torch.float32).tiny)
+    scale = torch.clamp(x.abs().amax(dim=2) / torch.tensor(448.0), min=torch.finfo(torch.float32).tiny)
     codes = (x / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
     out = torch.empty((x.shape[0], ENTRY), dtype=torch.uint8, device=kv_c.device)
     out[:, :LATENT] = codes.view(-1, LATENT)
@@ -107,7 +108,8 @@ def inputs(env: Env, heads: int, m: int, seed: int, top_k: int = K_TOPK, min_slo
             env.ops.sparse_mla_v32_cache_write(kv_c, k_pe, slot_mapping, cache)
             if start == 0:  # our write against the model of vLLM's, on the first chunk (bitwise)
                 sample = min(n, 1024)
-                if not torch.equal(flat[:sample], write_cache_model(kv_c[:sample], k_pe[:sample])):
+                want = write_cache_model(kv_c[:sample].cpu(), k_pe[:sample].cpu())
+                if not torch.equal(flat[:sample].cpu(), want):
                     raise RuntimeError("our cache write differs from the model of vLLM's bytes")
         else:
             flat[start : start + n] = write_cache_model(kv_c, k_pe)

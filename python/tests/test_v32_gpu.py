@@ -199,19 +199,23 @@ def test_attention_argument_errors_on_the_gpu(gen):
 
 
 def rotate64(x, cos, sin, style):
-    """float64 rotation of x [..., R] by per-token cos, sin [..., R/2] (broadcast)."""
+    """float64 rotation of x [..., R] by per-token cos, sin [..., R/2] (broadcast), and each
+    value's bound factor (|a| + |b|) max(|c|, |s|) of its pair, in x's layout."""
     half = x.shape[-1] // 2
     if style == "interleaved":
         a, b = x[..., 0::2], x[..., 1::2]
     else:
         a, b = x[..., :half], x[..., half:]
     ra, rb = a * cos - b * sin, b * cos + a * sin
-    out = torch.empty_like(x)
+    pair_bound = (a.abs() + b.abs()) * torch.maximum(cos.abs(), sin.abs())
+    out, bound = torch.empty_like(x), torch.empty_like(x)
     if style == "interleaved":
         out[..., 0::2], out[..., 1::2] = ra, rb
+        bound[..., 0::2], bound[..., 1::2] = pair_bound, pair_bound
     else:
         out[..., :half], out[..., half:] = ra, rb
-    return out, (a.abs() + b.abs()) * torch.maximum(cos.abs(), sin.abs())
+        bound[..., :half], bound[..., half:] = pair_bound, pair_bound
+    return out, bound
 
 
 def within(got, exact, bound):
