@@ -51,8 +51,13 @@ Status check_paged_cache_layout(const TensorView& c, int64_t width) {
   // Likewise one block's stride, and a block of one entry spans just the entry's width.
   const int64_t blocks = c.size(0), block_size = c.size(1);
   const int64_t entry_stride = block_size > 1 ? c.stride(1) : width;
-  if ((block_size > 1 && (entry_stride % 16 != 0 || entry_stride < width)) ||
-      (blocks > 1 && (c.stride(0) % 16 != 0 || c.stride(0) < block_size * entry_stride))) {
+  // The products may not wrap: a wrapped block span would pass the overlap test.
+  int64_t block_span = 0, cache_span = 0;
+  const bool wraps = __builtin_mul_overflow(block_size, entry_stride, &block_span) ||
+                     __builtin_mul_overflow(blocks - 1, blocks > 1 ? c.stride(0) : 0, &cache_span) ||
+                     __builtin_add_overflow(cache_span, block_span, &cache_span);
+  if (wraps || (block_size > 1 && (entry_stride % 16 != 0 || entry_stride < width)) ||
+      (blocks > 1 && (c.stride(0) % 16 != 0 || c.stride(0) < block_span))) {
     return invalid_argument("kv_cache", "entry and block strides that are multiples of 16 and do not overlap",
                             c.describe());
   }

@@ -112,6 +112,8 @@ TEST(SparseMlaChecks, NamesEachBadArgument) {
   rejected([](SparseMlaArgs& a) { a.kv_cache.shape[2] = 576; }, "kv_cache", "shape [*, *, 512]");
   rejected([](SparseMlaArgs& a) { a.kv_cache.strides[1] = 520; }, "kv_cache", "multiples of 16");
   rejected([](SparseMlaArgs& a) { a.kv_cache.strides[0] = 255 * 512; }, "kv_cache", "do not overlap");
+  rejected([](SparseMlaArgs& a) { a.kv_cache.shape[1] = 2; a.kv_cache.strides[1] = int64_t{1} << 62; }, "kv_cache",
+           "do not overlap");  // 2 x 2^62 wrapped past the overlap test
   rejected([](SparseMlaArgs& a) { a.kv_cache.shape[1] = 0; }, "kv_cache", "at least one block");
   rejected([](SparseMlaArgs& a) { a.kv_cache.data = static_cast<char*>(fake_device_pointer(0x30000)) + 0x0008; }, "kv_cache", "aligned to 16");
   rejected([](SparseMlaArgs& a) { a.k_scale.dtype = DType::kBF16; }, "k_scale", "f32");

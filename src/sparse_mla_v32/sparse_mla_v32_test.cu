@@ -281,6 +281,9 @@ TEST(SparseMlaV32Checks, NamesEachBadArgument) {
   rejected([](SparseMlaV32Args& a) { a.kv_cache.strides[1] = 664; }, "kv_cache", "multiples of 16");
   rejected([](SparseMlaV32Args& a) { a.kv_cache.strides[1] = 640; }, "kv_cache", "do not overlap");
   rejected([](SparseMlaV32Args& a) { a.kv_cache.strides[0] = 63 * 656; }, "kv_cache", "do not overlap");
+  // Found by Fuzz.SparseMlaV32CacheWriteChecks (DSA_TEST_SEED=29).
+  rejected([](SparseMlaV32Args& a) { a.kv_cache.shape[1] = 2; a.kv_cache.strides[1] = int64_t{1} << 62; }, "kv_cache",
+           "do not overlap");  // 2 x 2^62 wrapped past the overlap test
   rejected([](SparseMlaV32Args& a) { a.kv_cache.shape[1] = 0; }, "kv_cache", "at least one block");
   rejected([](SparseMlaV32Args& a) { a.kv_cache.data = static_cast<char*>(a.kv_cache.data) + 8; }, "kv_cache",
            "aligned to 16");
