@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from ._C import InvalidArgument, Unsupported
+from ._C import InvalidArgument
 
 SCALE_BLOCK = 128  # DeepSeek-V3's FP8 weight blocks: 128 x 128
 INDEX_FILE = "model.safetensors.index.json"
@@ -353,13 +353,17 @@ class _Needed:
     projection: bool  # 2-D: may be F8_E4M3 with block scales
 
 
-def _needed(D, heads, Q, L, P, V, HI, S) -> List[_Needed]:
+def _needed(D, heads, Q, L, P, V, HI, S, R=0) -> List[_Needed]:
+    """The layer's tensors. R = qk_rope_head_dim: a RoPE layer's
+    kv_a_proj_with_mqa holds k_pe's R rows after kv_c's, its q_b_proj R rope
+    rows after each head's P; its indexer (S = 1, DeepSeek-V3.2's) has no
+    pool gate or positional term."""
     I = INDEXER_DIM
-    return [
+    needed = [
         _Needed("q_a_proj.weight", (Q, D), True),
         _Needed("q_a_layernorm.weight", (Q,), False),
-        _Needed("q_b_proj.weight", (heads * P, Q), True),
-        _Needed("kv_a_proj_with_mqa.weight", (L, D), True),
+        _Needed("q_b_proj.weight", (heads * (P + R), Q), True),
+        _Needed("kv_a_proj_with_mqa.weight", (L + R, D), True),
         _Needed("kv_a_layernorm.weight", (L,), False),
         _Needed("kv_b_proj.weight", (heads * (P + V), L), True),
         _Needed("o_proj.weight", (D, heads * V), True),
@@ -368,9 +372,13 @@ def _needed(D, heads, Q, L, P, V, HI, S) -> List[_Needed]:
         _Needed("indexer.weights_proj.weight", (HI, D), True),
         _Needed("indexer.k_norm.weight", (I,), False),
         _Needed("indexer.k_norm.bias", (I,), False),
-        _Needed("indexer.index_kpool_compress_gate", (I, D), True),
-        _Needed("indexer.index_kpool_compress_ape", (S, I), False),
     ]
+    if S != 1:
+        needed += [
+            _Needed("indexer.index_kpool_compress_gate", (I, D), True),
+            _Needed("indexer.index_kpool_compress_ape", (S, I), False),
+        ]
+    return needed
 
 
 def _scale_shape(shape) -> tuple:
@@ -556,10 +564,18 @@ def load_layer_weights(
     device: None returns NumPy arrays (BF16 as uint16 bits); "cuda", a
     torch.device, ...: PyTorch tensors there (needs PyTorch).
 
+    RoPE layers (qk_rope_head_dim R > 0: "dsv32", "glm5", or a LayerConfig
+    with its rotaries, e.g. LayerConfig.from_model_config of the
+    checkpoint's config.json): kv_a_proj_with_mqa [L + R, D] (k_pe's rows
+    last), q_b_proj [heads (P + R), Q] (rank r keeps heads [r H, (r + 1) H)
+    of P + R rows each), no pool gate or positional term (the unpooled
+    indexer: plan.indexer_pool 1), no q_scale or k_scale (the stage does not
+    read them: the keywords must be None). The C++ loader does not take
+    RoPE layers: these are checked against the source arrays only.
+
     Raises InvalidArgument naming every missing tensor, wrong shape,
     unsupported dtype and missing or mis-shaped block scale in one message
-    (and, for a bad file, every bad header or entry of the files opened);
-    Unsupported for a RoPE layer (qk_rope_head_dim > 0), as the C++ loader."""
+    (and, for a bad file, every bad header or entry of the files opened)."""
     from .stage import LayerConfig, StagePlan, layer_config, stage_plan_for
 
     start = time.perf_counter()
@@ -577,11 +593,8 @@ def load_layer_weights(
             isinstance(value, (int, float, np.floating)) and not isinstance(value, bool) and 0 < value < np.inf
         ):
             raise _error(f"argument '{name}': expected a finite scale > 0 or None, got {value!r}")
-    if isinstance(config, LayerConfig) and config.qk_rope_head_dim != 0:
-        raise Unsupported("unsupported: checkpoint layers of RoPE presets are not supported yet")
-
-    # The C++ loader's wanted names: the layer's tensors and their block scales.
-    suffixes = [n.suffix for n in _needed(1, 1, 1, 1, 1, 1, 1, 1)]
+    # The C++ loader's wanted names (and a pooled indexer's): the layer's tensors and their block scales.
+    suffixes = [n.suffix for n in _needed(1, 1, 1, 1, 1, 1, 1, 4)]
     wanted = [layer_tensor_name(layer, s) + tail for s in suffixes for tail in ("", "_scale_inv")]
     c = Checkpoint(path, wanted)
 
@@ -589,8 +602,6 @@ def load_layer_weights(
     preset = config if isinstance(config, str) else None
     if preset is not None:
         config = layer_config(preset, tp, eps) if eps is not None else layer_config(preset, tp)
-        if config.qk_rope_head_dim != 0:
-            raise Unsupported(f"unsupported: checkpoint layers of RoPE presets are not supported yet (preset {preset})")
         eps_source = "config.json's rms_norm_eps" if eps is not None else "layer_config's default"
     elif eps is not None:
         config = dataclasses.replace(config, rms_norm_eps=eps)
@@ -604,22 +615,35 @@ def load_layer_weights(
             plan = stage_plan_for(preset)
         else:
             plan = StagePlan()
-    D, H, Q, L, P, V = (
+    D, H, Q, L, P, V, R = (
         config.hidden_size,
         config.num_heads,
         config.q_lora_rank,
         config.kv_lora_rank,
         config.qk_nope_head_dim,
         config.v_head_dim,
+        config.qk_rope_head_dim,
     )
+    if R > 0:
+        scales = [name for name, value in (("q_scale", q_scale), ("k_scale", k_scale)) if value is not None]
+        if scales:
+            raise _error(
+                f"argument '{', '.join(scales)}': expected None for a RoPE layer (qk_rope_head_dim {R}: its query "
+                f"stays BF16 and its cache entries hold their own scales), got {q_scale if scales[0] == 'q_scale' else k_scale!r}"
+            )
+        if plan.indexer_pool != 1:
+            raise _error(
+                f"argument 'plan': expected indexer_pool 1 for a RoPE layer (DeepSeek-V3.2's unpooled indexer), "
+                f"got {plan.indexer_pool}"
+            )
     heads = H * tp
-    needed = _needed(D, heads, Q, L, P, V, plan.indexer_heads, plan.indexer_pool)
+    needed = _needed(D, heads, Q, L, P, V, plan.indexer_heads, plan.indexer_pool, R)
     problems = _check_tensors(c, layer, needed)
     if problems:
         count = len(problems)
         raise _error(
             f"checkpoint {','.join(c.paths)}, layer {layer} at TP{tp} (D={D}, H={H} per rank, Q={Q}, L={L}, P={P}, "
-            f"V={V}; indexer {plan.indexer_heads} heads, pools of {plan.indexer_pool}; the whole model's {heads} "
+            f"{f'R={R}, ' if R else ''}V={V}; indexer {plan.indexer_heads} heads, pools of {plan.indexer_pool}; the whole model's {heads} "
             f"heads): {count} tensor problem{'s' if count > 1 else ''}:\n  "
             + "\n  ".join(problems)
             + f"\n(layers with attention tensors in the checkpoint: {_layers_present(c, needed[0].suffix)})"
@@ -631,24 +655,28 @@ def load_layer_weights(
     w["fused_qkv_a_proj"] = np.concatenate([r.bf16("q_a_proj.weight"), r.bf16("kv_a_proj_with_mqa.weight")])
     w["q_a_norm"] = r.bf16("q_a_layernorm.weight")
     w["kv_a_norm"] = r.bf16("kv_a_layernorm.weight")
-    # Column-parallel: rank r holds heads [r H, (r + 1) H) of the output rows.
-    w["q_b_proj"] = r.bf16("q_b_proj.weight", slice(rank * H * P, (rank + 1) * H * P))
+    # Column-parallel: rank r holds heads [r H, (r + 1) H) of the output rows (P + R each).
+    w["q_b_proj"] = r.bf16("q_b_proj.weight", slice(rank * H * (P + R), (rank + 1) * H * (P + R)))
     # kv_b_proj [heads (P + V), L]: per head P rows of W_UK, then V rows of W_UV.
     kv_b = r.bf16("kv_b_proj.weight", slice(rank * H * (P + V), (rank + 1) * H * (P + V))).reshape(H, P + V, L)
     w["w_uk_t"] = np.ascontiguousarray(kv_b[:, :P, :])  # W_UK_T[h, p, l] = kv_b[h (P + V) + p, l]
     w["w_uv"] = np.ascontiguousarray(kv_b[:, P:, :].transpose(0, 2, 1))  # W_UV[h, l, v] = kv_b[h (P + V) + P + v, l]
     # Row-parallel: rank r holds input columns [r H V, (r + 1) H V) of every row.
     w["o_proj"] = r.bf16("o_proj.weight", None, slice(rank * H * V, (rank + 1) * H * V))
-    w["q_scale"] = np.array([DEFAULT_STATIC_SCALE if q_scale is None else q_scale], dtype=np.float32)
-    w["k_scale"] = np.array([DEFAULT_STATIC_SCALE if k_scale is None else k_scale], dtype=np.float32)
+    if R == 0:  # a RoPE layer's stage reads neither
+        w["q_scale"] = np.array([DEFAULT_STATIC_SCALE if q_scale is None else q_scale], dtype=np.float32)
+        w["k_scale"] = np.array([DEFAULT_STATIC_SCALE if k_scale is None else k_scale], dtype=np.float32)
     # The indexer: replicated on every rank.
     w["index_wq_b"] = r.bf16("indexer.wq_b.weight")
     w["index_wk"] = r.bf16("indexer.wk.weight")
     w["index_weights_proj"] = r.bf16("indexer.weights_proj.weight")
-    w["index_compress_gate"] = r.bf16("indexer.index_kpool_compress_gate")
+    pooled = plan.indexer_pool != 1  # the unpooled indexer has no gate and no positional term
+    if pooled:
+        w["index_compress_gate"] = r.bf16("indexer.index_kpool_compress_gate")
     w["index_k_norm_weight"] = r.floats("indexer.k_norm.weight")
     w["index_k_norm_bias"] = r.floats("indexer.k_norm.bias")
-    w["index_ape"] = r.floats("indexer.index_kpool_compress_ape")
+    if pooled:
+        w["index_ape"] = r.floats("indexer.index_kpool_compress_ape")
     if device is not None:
         w = _to_torch(w, device)
     return LayerWeights(

@@ -418,7 +418,7 @@ def stage_forward(
     slot_mapping: Tensor,
     kv_cache: Tensor,
     block_table: Tensor,
-    ring: Tensor,
+    ring: Optional[Tensor],
     index_k_cache: Tensor,
     out: Tensor,
     topk_positions: Optional[Tensor],
@@ -431,10 +431,12 @@ def stage_forward(
     handle: from register_stage. hidden [m, D] BF16, m <= the stage's
     max_tokens; positions [m] int64; token_requests [m] int32 (negative:
     padding); slot_mapping [n] int64; kv_cache [blocks, block_size, L]
-    float8_e4m3fn (or uint8), written at slot_mapping; the indexer state
+    float8_e4m3fn (or uint8; a RoPE layer's [blocks, block_size, 656]
+    uint8), written at slot_mapping; the indexer state
     (dsa_decode.IndexerState): block_table [requests, width] int32, ring
-    [requests, 2, RING, 128] BF16 and index_k_cache [blocks, block_size / 4
-    * 132] uint8, both written; out [m, D] BF16. topk_positions: optional
+    [requests, 2, RING, 128] BF16 (None at a RoPE layer: its unpooled
+    indexer keeps no ring) and index_k_cache [blocks, block_size / pool *
+    132] uint8, both written; out [m, D] BF16. topk_positions: optional
     [m, W] int32 request-local rows (W = the stage plan's indexer_plan().row_width,
     2176 at the default shape; MTP draft steps 1+: the indexer is
     skipped). error_count: optional [1] int32 counter of untrusted device

@@ -8,24 +8,12 @@
 #include <cstdio>
 
 #include "bind_common.h"
+#include "bind_rope.h"
 #include "dsa_decode/rope.h"
 
 namespace dsa_python {
 
-namespace {
-
-constexpr dsa::Choice<dsa::RopeStyle> kRopeStyleChoices[] = {{dsa::RopeStyle::kInterleaved, "interleaved"},
-                                                             {dsa::RopeStyle::kHalfSplit, "half-split"}};
-constexpr dsa::Choice<dsa::RopeTarget> kRopeTargetChoices[] = {{dsa::RopeTarget::kAttention, "attention"},
-                                                               {dsa::RopeTarget::kIndexer, "indexer"}};
-
-// rope_dim, theta, factor, original_max_position, beta_fast, beta_slow,
-// mscale, mscale_all_dim, max_position, style.
-using RopeConfigFields =
-    std::tuple<int, double, double, int64_t, double, double, double, double, int64_t, std::string>;
-
-// The fields as a RopeConfig, checked (check_rope_config: the error names the field).
-dsa::RopeConfig to_config(const RopeConfigFields& f) {
+dsa::RopeConfig rope_config_from_fields(const RopeConfigFields& f, const std::string& name) {
   dsa::RopeConfig c;
   c.rope_dim = std::get<0>(f);
   c.theta = std::get<1>(f);
@@ -36,15 +24,34 @@ dsa::RopeConfig to_config(const RopeConfigFields& f) {
   c.mscale = std::get<6>(f);
   c.mscale_all_dim = std::get<7>(f);
   c.max_position = std::get<8>(f);
-  c.style = parse_choice(kRopeStyleChoices, std::get<9>(f), "style");
-  throw_if_error(dsa::check_rope_config(c));
+  const std::string style_name = name.empty() ? "style" : name + ".style";
+  c.style = parse_choice(kRopeStyleChoices, std::get<9>(f), style_name.c_str());
+  const dsa::Status checked = dsa::check_rope_config(c);
+  if (!checked.ok() && !name.empty()) {
+    // check_rope_config names the field ("argument 'theta'"): name it within `name`.
+    std::string message = checked.message();
+    const std::string argument = "argument '";
+    if (const size_t at = message.find(argument); at != std::string::npos) {
+      message.insert(at + argument.size(), name + ".");
+    }
+    throw_if_error(dsa::Status(checked.code(), message));
+  }
+  throw_if_error(checked);
   return c;
 }
 
-RopeConfigFields to_fields(const dsa::RopeConfig& c) {
+RopeConfigFields rope_config_fields(const dsa::RopeConfig& c) {
   return {c.rope_dim, c.theta,  c.factor,         c.original_max_position, c.beta_fast,
           c.beta_slow, c.mscale, c.mscale_all_dim, c.max_position,          dsa::choice_name(kRopeStyleChoices, c.style)};
 }
+
+namespace {
+
+constexpr dsa::Choice<dsa::RopeTarget> kRopeTargetChoices[] = {{dsa::RopeTarget::kAttention, "attention"},
+                                                               {dsa::RopeTarget::kIndexer, "indexer"}};
+
+dsa::RopeConfig to_config(const RopeConfigFields& f) { return rope_config_from_fields(f); }
+RopeConfigFields to_fields(const dsa::RopeConfig& c) { return rope_config_fields(c); }
 
 }  // namespace
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bind_common.h"
+#include "bind_rope.h"
 #include "dsa_decode/linear.h"
 #include "dsa_decode/presets.h"
 #include "dsa_decode/stage.h"
@@ -58,9 +59,19 @@ void for_each_config_field(Config& c, F&& f) {
   f("decode_context_parallel_size", c.decode_context_parallel_size);
 }
 
+// The layer's two rotaries (RoPE layers): a RopeConfig's fields (bind_rope.h) or None.
+constexpr std::pair<const char*, std::optional<dsa::RopeConfig> dsa::DsaLayerConfig::*> kRotaries[] = {
+    {"rope", &dsa::DsaLayerConfig::rope},
+    {"indexer_rope", &dsa::DsaLayerConfig::indexer_rope},
+};
+
 nb::dict config_dict(const dsa::DsaLayerConfig& c) {
   nb::dict d;
   for_each_config_field(c, [&](const char* name, const auto& field) { d[name] = field; });
+  for (const auto& [name, rotary] : kRotaries) {
+    const std::optional<dsa::RopeConfig>& r = c.*rotary;
+    d[name] = r ? nb::cast(rope_config_fields(*r)) : nb::none();
+  }
   return d;
 }
 
@@ -69,7 +80,23 @@ dsa::DsaLayerConfig layer_config(const nb::dict& d) {
   for_each_config_field(c,
                         [&](const char* name, auto& value) { value = field<std::decay_t<decltype(value)>>(d, name); });
   positive_eps(c.rms_norm_eps, "config.rms_norm_eps");
+  for (const auto& [name, rotary] : kRotaries) {
+    // Absent or None: the layer has no such rotary (creation names it where a RoPE layer needs it).
+    if (!d.contains(name) || d[name].is_none()) continue;
+    RopeConfigFields fields;
+    if (!nb::try_cast<RopeConfigFields>(d[name], fields)) {
+      throw_invalid(name, "None or a dsa_decode.RopeConfig", nb::repr(d[name]).c_str());
+    }
+    c.*rotary = rope_config_from_fields(fields, std::string("config.") + name);
+  }
   return c;
+}
+
+// The rotary part of the indexer plan the stage runs for a layer
+// (dsa_stage_indexer_plan(config, plan)): rope_dims and the style's name.
+nb::tuple indexer_rope_of(const dsa::DsaLayerConfig& config, const dsa::DsaStagePlan& plan) {
+  const dsa::IndexerPlan p = dsa::dsa_stage_indexer_plan(config, plan);
+  return nb::make_tuple(p.rope_dims, dsa::choice_name(kRopeStyleChoices, p.rope_style));
 }
 
 // The weights a stage takes (dsa_decode.WEIGHT_NAMES, in its order).
@@ -99,6 +126,8 @@ constexpr std::pair<const char*, dsa::TensorView dsa::DsaStageIntermediates::*> 
     {"kv_c", &dsa::DsaStageIntermediates::kv_c},
     {"q", &dsa::DsaStageIntermediates::q},
     {"q_fp8", &dsa::DsaStageIntermediates::q_fp8},
+    {"q_absorbed", &dsa::DsaStageIntermediates::q_absorbed},
+    {"k_pe", &dsa::DsaStageIntermediates::k_pe},
     {"index_q", &dsa::DsaStageIntermediates::index_q},
     {"index_k", &dsa::DsaStageIntermediates::index_k},
     {"head_weights", &dsa::DsaStageIntermediates::head_weights},
@@ -169,7 +198,7 @@ struct Stage {
 
 dsa::DsaStepArgs step_args(const Array& hidden, const Array& positions, const Array& token_requests,
                            const Array& slot_mapping, const Array& kv_cache, const Array& block_table,
-                           const Array& ring, const Array& index_k_cache, const Array& out,
+                           const OptArray& ring, const Array& index_k_cache, const Array& out,
                            const OptArray& topk_positions, const OptArray& error_count) {
   dsa::DsaStepArgs args;
   args.hidden = to_view(hidden, "hidden");
@@ -219,7 +248,7 @@ nb::object stage_array(const dsa::TensorView& v, nb::handle owner) {
 
 // The step's tensors, in StepArgs._args()'s order, then error_count.
 #define DSA_STEP_ARGUMENTS                                                                                  \
-  "hidden"_a, "positions"_a, "token_requests"_a, "slot_mapping"_a, "kv_cache"_a, "block_table"_a, "ring"_a, \
+  "hidden"_a, "positions"_a, "token_requests"_a, "slot_mapping"_a, "kv_cache"_a, "block_table"_a, "ring"_a.none(), \
       "index_k_cache"_a, "out"_a, "topk_positions"_a.none()
 
 }  // namespace
@@ -255,6 +284,14 @@ void bind_stage(nb::module_& m) {
   m.def(
       "check_stage_plan", [](const nb::dict& plan) { stage_plan(plan); }, "plan"_a,
       "Raises InvalidArgument for a plan the stage refuses (StagePlan checks itself at construction).");
+  m.def(
+      "check_layer_config", [](const nb::dict& config) { layer_config(config); }, "config"_a,
+      "Raises InvalidArgument for a configuration whose fields do not translate (types, eps, the rotaries).");
+  m.def(
+      "stage_indexer_rope",
+      [](const nb::dict& config, const nb::dict& plan) { return indexer_rope_of(layer_config(config), stage_plan(plan)); },
+      "config"_a, "plan"_a,
+      "(rope_dims, rope_style) of dsa_stage_indexer_plan(config, plan): the layer's indexer rotary (0 for NoPE).");
   m.def(
       "stage_supports",
       [](int max_tokens, int64_t m, int64_t num_actual_tokens, int64_t num_decode_tokens) {
@@ -292,7 +329,7 @@ void bind_stage(nb::module_& m) {
       .def(
           "run",
           [](Stage& s, bool stock, const Array& hidden, const Array& positions, const Array& token_requests,
-             const Array& slot_mapping, const Array& kv_cache, const Array& block_table, const Array& ring,
+             const Array& slot_mapping, const Array& kv_cache, const Array& block_table, const OptArray& ring,
              const Array& index_k_cache, const Array& out, const OptArray& topk_positions, const OptArray& error_count,
              uintptr_t stream) {
             const dsa::DsaStepArgs args = step_args(hidden, positions, token_requests, slot_mapping, kv_cache,
@@ -308,7 +345,7 @@ void bind_stage(nb::module_& m) {
           "run_steps",
           [](Stage& s, bool stock, size_t first, size_t count, const Array& hidden, const Array& positions,
              const Array& token_requests, const Array& slot_mapping, const Array& kv_cache, const Array& block_table,
-             const Array& ring, const Array& index_k_cache, const Array& out, const OptArray& topk_positions,
+             const OptArray& ring, const Array& index_k_cache, const Array& out, const OptArray& topk_positions,
              const OptArray& error_count, uintptr_t stream) {
             const dsa::DsaStepArgs args = step_args(hidden, positions, token_requests, slot_mapping, kv_cache,
                                                     block_table, ring, index_k_cache, out, topk_positions, error_count);
@@ -322,7 +359,7 @@ void bind_stage(nb::module_& m) {
       .def(
           "step_names",
           [](const Stage& s, bool stock, const Array& hidden, const Array& positions, const Array& token_requests,
-             const Array& slot_mapping, const Array& kv_cache, const Array& block_table, const Array& ring,
+             const Array& slot_mapping, const Array& kv_cache, const Array& block_table, const OptArray& ring,
              const Array& index_k_cache, const Array& out, const OptArray& topk_positions) {
             const dsa::DsaStepArgs args = step_args(hidden, positions, token_requests, slot_mapping, kv_cache,
                                                     block_table, ring, index_k_cache, out, topk_positions, {});
@@ -345,6 +382,8 @@ void bind_stage(nb::module_& m) {
           },
           "m"_a)
       .def_prop_ro("max_tokens", [](const Stage& s) { return s.stage->plan().max_tokens; })
+      .def_prop_ro("indexer_rope",
+                   [](const Stage& s) { return indexer_rope_of(s.stage->config(), s.stage->plan()); })
       .def_prop_ro("value_up_tokens", [](const Stage& s) {
         return dsa::dsa_stage_value_up_tokens(s.stage->plan(), s.stage->config().num_heads);
       });

@@ -283,7 +283,8 @@ def test_a_preset_name_and_config_json(tmp_path):
     # A preset: its shapes, which these tensors do not have (named, with the preset's).
     with pytest.raises(dd.InvalidArgument, match=r"q_b_proj.weight: shape \[240, 136\], expected \[16384, 1536\]"):
         dd.load_layer_weights(tmp_path, LAYER, "glm5next")
-    with pytest.raises(dd.Unsupported, match="RoPE"):
+    # A RoPE preset with this config.json's pooled indexer: the plan is named.
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'plan': expected indexer_pool 1 for a RoPE layer"):
         dd.load_layer_weights(tmp_path, LAYER, "dsv32")
 
 
@@ -294,6 +295,138 @@ def test_q_scale_and_k_scale_are_the_callers(bf16_file):
     assert w["q_scale"].dtype == np.float32
     with pytest.raises(dd.InvalidArgument, match=r"argument 'k_scale': expected a finite scale > 0 or None, got -1"):
         dd.load_layer_weights(path, LAYER, config(1), PLAN, k_scale=-1.0)
+
+
+# ---- RoPE layers (the Python loader only: the C++ loader takes NoPE layers) ----
+
+R = 16  # rope dims of the scaled-down RoPE layer
+
+
+def rope_config(tp=TP):
+    return dd.LayerConfig(
+        hidden_size=D,
+        num_heads=HEADS // tp,
+        q_lora_rank=Q,
+        kv_lora_rank=L,
+        qk_nope_head_dim=P,
+        qk_rope_head_dim=R,
+        v_head_dim=V,
+        softmax_scale=(P + R) ** -0.5,
+        rms_norm_eps=1e-6,
+        rotary_embedding=True,
+        kv_cache_dtype="fp8_ds_mla",
+        rope=dd.RopeConfig(rope_dim=R),
+        indexer_rope=dd.RopeConfig(rope_dim=R, style="half-split"),
+    )
+
+
+ROPE_PLAN = dd.StagePlan(indexer_heads=HI, indexer_pool=1, ring=1, block_size=64)
+
+
+def make_rope_layer(seed, fp8):
+    """A RoPE layer's tensors: q_b_proj with P + R rows a head, kv_a_proj_with_mqa
+    with k_pe's R rows, no pool gate or positional term."""
+    rng = np.random.default_rng(seed)
+    shapes = dict(PROJECTIONS, **{"q_b_proj.weight": (HEADS * (P + R), Q), "kv_a_proj_with_mqa.weight": (L + R, D)})
+    del shapes["indexer.index_kpool_compress_gate"]
+    vectors = {k: v for k, v in VECTORS.items() if k != "indexer.index_kpool_compress_ape"}
+    tensors, values = [], {}
+    for suffix, shape in shapes.items():
+        if fp8:
+            codes = rng.integers(0, 256, size=shape, dtype=np.uint8)
+            codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+            scales = (2.0 ** rng.uniform(-10, 0, size=(-(-shape[0] // 128), -(-shape[1] // 128)))).astype(np.float32)
+            tensors += [(name(suffix), "F8_E4M3", codes), (name(suffix) + "_scale_inv", "F32", scales)]
+            values[suffix] = numpy_dequantize(codes, scales)
+        else:
+            bits = bf16_round(rng.standard_normal(shape) * 0.5)
+            tensors.append((name(suffix), "BF16", bits))
+            values[suffix] = bits
+    for suffix, shape in vectors.items():
+        if suffix.startswith("indexer."):
+            floats = (rng.standard_normal(shape) + 1).astype(np.float32)
+            tensors.append((name(suffix), "F32", floats))  # V3.2's LayerNorm parameters: F32
+            values[suffix] = floats
+        else:
+            bits = bf16_round(rng.standard_normal(shape) + 1)
+            tensors.append((name(suffix), "BF16", bits))
+            values[suffix] = bits
+    return tensors, values
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("rank", [0, TP - 1])
+def test_a_rope_layer_loads_with_its_rope_rows_and_no_pool_tensors(tmp_path, fp8, rank):
+    tensors, values = make_rope_layer(9, fp8)
+    write_safetensors(tmp_path / "rope.safetensors", tensors)
+    lw = dd.load_layer_weights(tmp_path / "rope.safetensors", LAYER, rope_config(), ROPE_PLAN, tp=TP, rank=rank)
+    w = lw.weights
+    assert sorted(w) == sorted(set(dd.WEIGHT_NAMES) - set(dd.stage.ROPE_UNREAD_WEIGHTS))
+    absent = {"indexer.index_kpool_compress_gate": None, "indexer.index_kpool_compress_ape": None}
+    want = expected_rank(dict(values, **absent), TP, rank)  # the parts a RoPE layer shares with NoPE
+    h = HEADS // TP
+    assert w["fused_qkv_a_proj"].shape == (Q + L + R, D)
+    assert np.array_equal(w["fused_qkv_a_proj"], np.vstack([values["q_a_proj.weight"], values["kv_a_proj_with_mqa.weight"]]))
+    assert w["q_b_proj"].shape == (h * (P + R), Q)
+    assert np.array_equal(w["q_b_proj"], values["q_b_proj.weight"][rank * h * (P + R) : (rank + 1) * h * (P + R)])
+    for key in ("w_uk_t", "w_uv", "o_proj", "index_wq_b", "index_wk", "index_weights_proj"):
+        assert np.array_equal(w[key], want[key]), key
+    assert w["index_k_norm_weight"].dtype == np.float32
+    assert np.array_equal(w["index_k_norm_weight"], values["indexer.k_norm.weight"])
+    assert lw.fp8_tensors == (8 if fp8 else 0)
+
+
+def test_a_rope_layers_arguments_and_missing_tensors_are_named(tmp_path):
+    tensors, _ = make_rope_layer(10, fp8=False)
+    short = [t for t in tensors if not t[0].endswith("kv_a_proj_with_mqa.weight")]
+    short.append((name("kv_a_proj_with_mqa.weight"), "BF16", np.zeros((L, D), np.uint16)))  # NoPE's rows
+    write_safetensors(tmp_path / "rope.safetensors", short)
+    with pytest.raises(dd.InvalidArgument) as error:
+        dd.load_layer_weights(tmp_path, LAYER, rope_config(1), ROPE_PLAN)
+    message = str(error.value)
+    assert "R=16" in message and f"kv_a_proj_with_mqa.weight: shape [{L}, {D}], expected [{L + R}, {D}]" in message
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'q_scale': expected None for a RoPE layer"):
+        dd.load_layer_weights(tmp_path, LAYER, rope_config(1), ROPE_PLAN, q_scale=0.1)
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'plan': expected indexer_pool 1 for a RoPE layer"):
+        dd.load_layer_weights(tmp_path, LAYER, rope_config(1), PLAN)
+
+
+def test_a_rope_preset_and_its_config_json(tmp_path):
+    """"dsv32" with a DeepSeek-V3.2 config.json beside the files: the plan is
+    the unpooled indexer's, the shapes the preset's (named, as these small
+    tensors are not)."""
+    tensors, _ = make_rope_layer(11, fp8=False)
+    write_safetensors(tmp_path / "rope.safetensors", tensors)
+    (tmp_path / "config.json").write_text(json.dumps(dict(DSV32_CONFIG, rms_norm_eps=2e-6)))
+    with pytest.raises(dd.InvalidArgument) as error:
+        dd.load_layer_weights(tmp_path, LAYER, "dsv32", tp=8)
+    message = str(error.value)
+    assert "R=64" in message and "indexer 64 heads, pools of 1" in message, message
+    assert "q_b_proj.weight: shape" in message and "expected [24576, 1536]" in message, message  # 128 x 192 rows
+    assert "index_kpool_compress" not in message, message
+
+
+# A DeepSeek-V3.2 config.json's attention and indexer fields (its values as
+# docs/rope.md and docs/indexer.md quote them).
+DSV32_CONFIG = dict(
+    hidden_size=7168,
+    num_attention_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=10000,
+    max_position_embeddings=163840,
+    rope_scaling=dict(
+        type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
+        mscale_all_dim=1.0,
+    ),
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=2048,
+)
 
 
 # ---- the C++ loader's bits ----
