@@ -333,8 +333,9 @@ def indexer_project(
     compress_gate^T (H = plan.heads), with wq_b [H * 128, Q], wk [128, D], weights_proj [H,
     D] and compress_gate [128, D] in nn.Linear's [out, in] layout; BF16 but
     head_weights; rows with dim 1 contiguous, row strides multiples of 16
-    bytes, 16-byte aligned; Q and D multiples of 8. A fixed order, bitwise
-    its CPU reference."""
+    bytes, 16-byte aligned; Q and D multiples of 8. With pool 1
+    (DeepSeek-V3.2's indexer) there is no gate: compress_gate and gate None.
+    A fixed order, bitwise its CPU reference."""
     _C.indexer_project(
         plan._fields(),
         q_c,

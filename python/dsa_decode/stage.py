@@ -650,8 +650,11 @@ class Stage:
         [m, H, L + R] BF16 and k_pe [m, R] BF16, rotated (RoPE:
         rope_absorb's); index_q [m, HI, 128], index_k [m, 128] BF16,
         head_weights [m, HI] f32, gate [m, 128] BF16 (pooled); index_logits [m,
-        ceil(max_context / S)] f32; topk_positions and slots [m, W] int32
-        (HI, S, W: the plan's indexer_heads, indexer_pool, indexer_plan().row_width);
+        ceil(max_context / S)] f32; indexer_workspace [bytes] uint8 (the
+        indexer's workspace: q codes, folded weights, logits at
+        indexer_plan().workspace_layout()'s offsets); topk_positions and
+        slots [m, W] int32 (HI, S, W: the plan's indexer_heads,
+        indexer_pool, indexer_plan().row_width);
         latent [m, H, L] BF16, lse [m, H] f32, heads [m, H, V] BF16. A view
         the layer's kind does not use is None. Read them before the next
         step."""

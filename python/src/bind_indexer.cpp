@@ -82,8 +82,8 @@ void bind_indexer(nb::module_& m) {
   m.def(
       "indexer_project",
       [](const IndexerPlanFields& plan, const Array& q_c, const Array& x, const Array& wq_b, const Array& wk,
-         const Array& weights_proj, const Array& compress_gate, const Array& index_q, const Array& index_k,
-         const Array& head_weights, const Array& gate, uintptr_t stream) {
+         const Array& weights_proj, const OptArray& compress_gate, const Array& index_q, const Array& index_k,
+         const Array& head_weights, const OptArray& gate, uintptr_t stream) {
         dsa::IndexerProjectArgs args;
         args.plan = indexer_plan(plan);
         args.q_c = to_view(q_c, "q_c");
@@ -98,8 +98,9 @@ void bind_indexer(nb::module_& m) {
         args.gate = to_view(gate, "gate");
         launch_released([&] { return dsa::indexer_project_gemv(args, to_stream(stream)); });
       },
-      "plan"_a, "q_c"_a, "x"_a, "wq_b"_a, "wk"_a, "weights_proj"_a, "compress_gate"_a, "index_q"_a, "index_k"_a,
-      "head_weights"_a, "gate"_a, "stream"_a);
+      // compress_gate and gate: None at pool 1 (DeepSeek-V3.2's indexer has no pool gate).
+      "plan"_a, "q_c"_a, "x"_a, "wq_b"_a, "wk"_a, "weights_proj"_a, "compress_gate"_a.none(), "index_q"_a,
+      "index_k"_a, "head_weights"_a, "gate"_a.none(), "stream"_a);
 
   m.def(
       "indexer_prepare",

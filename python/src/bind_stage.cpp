@@ -133,6 +133,7 @@ constexpr std::pair<const char*, dsa::TensorView dsa::DsaStageIntermediates::*> 
     {"head_weights", &dsa::DsaStageIntermediates::head_weights},
     {"gate", &dsa::DsaStageIntermediates::gate},
     {"index_logits", &dsa::DsaStageIntermediates::index_logits},
+    {"indexer_workspace", &dsa::DsaStageIntermediates::indexer_workspace},
     {"topk_positions", &dsa::DsaStageIntermediates::topk_positions},
     {"slots", &dsa::DsaStageIntermediates::slots},
     {"latent", &dsa::DsaStageIntermediates::latent},

@@ -324,3 +324,12 @@ def test_a_step_takes_no_ring_at_pool_1():
     args = dd.StepArgs(None, None, None, None, None, dd.IndexerState(None, None, None), None)
     assert args._args()[6] is None
     assert math.isfinite(dd.layer_config("dsv32").softmax_scale)
+
+
+def test_the_unpooled_indexers_projection_takes_no_gate():
+    """indexer_project at pool 1 takes compress_gate and gate None (the
+    stage's RoPE lane runs it so); the checks then judge the tensors."""
+    plan = dd.IndexerPlan.dsv32(max_tokens=2, max_context=4096)
+    x = np.zeros((2, 7168), np.float32)
+    with pytest.raises(dd.InvalidArgument, match=r"argument 'q_c': expected dtype bf16"):
+        dd.indexer_project(plan, np.zeros((2, 1536), np.float32), x, x, x, x, None, x, x, x, None)
