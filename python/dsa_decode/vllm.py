@@ -40,6 +40,19 @@ tp_size > 1) the adapter all-reduces the output with vLLM's own
 tensor_model_parallel_all_reduce, as RowParallelLinear.forward does, so TP >
 1 gives the full sum.
 
+DeepSeek-V3.2 and GLM-5 layers (vLLM's DeepseekV2MLAAttention with
+``index_topk`` in its config: w.rotary_emb and w.indexer_rope_emb present,
+qk_rope_head_dim 64, kv_cache_dtype "fp8_ds_mla", the FLASHMLA_SPARSE
+backend, DeepSeek-V3.2's unpooled Indexer) are taken too: each rotary is
+mapped into a dsa_decode.RopeConfig (rope_config_of: vLLM's
+DeepseekScalingRotaryEmbedding, YaRN, or RotaryEmbedding, plain RoPE;
+is_neox_style gives the style, and the mapped table must agree with the
+rotary's own cos_sin_cache), the stage runs the unpooled indexer plan (pool
+1, no ring) over vLLM's indexer K cache [blocks, block_size, 132] (its 2-D
+view) and the 656-byte KV cache. One requirement vLLM 0.33 itself does not
+meet: the indexer's keys in the stage's basis (install(...,
+indexer_keys="hadamard"), ROPE_INDEXER_KEYS below).
+
 PyTorch and vLLM are imported only where a step or an install needs them
 (vllm_step_inputs, the ring conversion, the all-reduce): the CPU tests run
 the adapter on objects with the same attributes.
@@ -60,7 +73,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .ops import IndexerState
-from .stage import LayerConfig, Stage, StagePlan, StepArgs
+from .stage import ROPE_UNREAD_WEIGHTS, LayerConfig, Stage, StagePlan, StepArgs
 
 # The layer's weights, by dsa_decode.WEIGHT_NAMES key: vLLM's attribute paths
 # from w (the wrapper) and mla (its MLAAttention). W_UV is copied once at
@@ -138,6 +151,41 @@ LIBRARY_INDEXER_FIELDS: Dict[str, Tuple[str, ...]] = {
 # the Hopper backend).
 KV_CACHE_BACKENDS: Tuple[str, ...] = ("FLASHINFER_MLA_SPARSE_SM90", "FLASHINFER_MLA_SPARSE")
 
+# A RoPE layer's (DeepSeek-V3.2, GLM-5): the backend whose cache is
+# DeepSeek-V3.2's 656-byte fp8_ds_mla entries [blocks, block_size, 656]
+# (vLLM canonicalizes any quantized KV cache dtype to fp8_ds_mla for it; on
+# Hopper it is vLLM's choice for a quantized cache of head size 576).
+ROPE_KV_CACHE_BACKENDS: Tuple[str, ...] = ("FLASHMLA_SPARSE",)
+ROPE_KV_CACHE_DTYPE = "fp8_ds_mla"
+ROPE_DIMS = 64  # the 656-byte entry's RoPE part
+
+# The weights a RoPE layer's stage does not read (dsa_decode.stage.ROPE_UNREAD_WEIGHTS,
+# imported above): install() does not look them up on such a layer.
+
+# vLLM's rotary classes a dsa_decode.RopeConfig expresses, by class name:
+# DeepSeek's YaRN (get_rope's deepseek_yarn / deepseek_llama_scaling branch)
+# and plain RoPE (rope_type "default"). Read: head_size, rotary_dim, base,
+# is_neox_style, max_position_embeddings (YaRN: the original positions),
+# cos_sin_cache (its rows: the positions it serves), and for YaRN
+# scaling_factor, beta_fast, beta_slow, mscale (the cos/sin factor).
+ROTARY_CLASSES: Tuple[str, ...] = ("DeepseekScalingRotaryEmbedding", "RotaryEmbedding")
+# The mapped RopeConfig's table against the rotary's cos_sin_cache over its
+# first rows: within this much of the table's scale (vLLM's cache: FP32
+# angles, often cast to BF16, 2^-9 relative; a wrong theta, factor or ramp
+# is off by O(1)).
+ROTARY_TABLE_ROWS = 4096
+ROTARY_TABLE_TOLERANCE = 4e-3
+
+# The bases of the indexer's K cache a RoPE layer's stage scores correctly.
+# The stage (DeepSeek's reference, docs/indexer.md) quantizes the V3.2
+# indexer's keys and queries after a Hadamard-128 rotation; vLLM 0.33's
+# Indexer quantizes both unrotated (indexer_k_quant_and_cache): dots of a
+# rotated query with keys vLLM's prefill wrote are not the logits. install()
+# takes a RoPE layer only when told the engine's keys are rotated
+# (indexer_keys="hadamard": e.g. its prefill writes them with
+# dsa_decode.indexer_prefill).
+ROPE_INDEXER_KEYS: Tuple[str, ...] = ("hadamard",)
+
 # vllm_step_inputs: the step's tensors on the layer's attention metadata md =
 # forward_context.attn_metadata[mla.layer_name] (SparseMLACommonMetadata,
 # which FlashInferMLASparseSM90Metadata extends): the block table [requests,
@@ -175,64 +223,110 @@ def _backend_name(mla: Any) -> str:
     return mla.attn_backend.get_name()
 
 
+def _rope_layer(w: Any) -> bool:
+    """A RoPE layer (DeepSeek-V3.2, GLM-5): a rotary and rotary dims. Either
+    alone is a NoPE layer's failed check."""
+    return getattr(w, "rotary_emb", None) is not None and bool(getattr(w, "qk_rope_head_dim", 0))
+
+
 # The seed's checks, in its order and with its words, then the ones vLLM's
 # real classes need. Each: (what the stage needs, the condition as vLLM's
-# attributes say it, the condition as code over w, mla and impl).
-_CHECKS: Tuple[Tuple[str, str, Callable[[Any, Any, Any], bool]], ...] = (
+# attributes say it, the condition as code over w, mla and impl, the layers
+# it applies to: "nope", "rope" or "both").
+_CHECKS: Tuple[Tuple[str, str, Callable[[Any, Any, Any], bool], str], ...] = (
     (
         "a fused q/kv a-norm",
         "w.q_lora_rank is not None and w.fuse_qkv_rmsnorm",
         lambda w, mla, impl: w.q_lora_rank is not None and bool(w.fuse_qkv_rmsnorm),
+        "nope",
+    ),
+    # vLLM's DeepseekV2MLAAttention norms q_c and kv_c apart (fuse_qkv_rmsnorm
+    # False): the stage's one launch computes the same two RMSNorms, each
+    # over its own part, with one eps.
+    (
+        "a q a-norm and a kv a-norm of one eps",
+        "w.q_lora_rank is not None and w.q_a_layernorm.variance_epsilon == w.kv_a_layernorm.variance_epsilon",
+        lambda w, mla, impl: w.q_lora_rank is not None
+        and w.q_a_layernorm.variance_epsilon == w.kv_a_layernorm.variance_epsilon,
+        "rope",
     ),
     (
         "NoPE",
         "w.rotary_emb is None and w.qk_rope_head_dim == 0",
         lambda w, mla, impl: w.rotary_emb is None and w.qk_rope_head_dim == 0,
+        "nope",
+    ),
+    (
+        f"{ROPE_DIMS} RoPE dims with the indexer's rotary",
+        f"w.qk_rope_head_dim == {ROPE_DIMS} and w.indexer_rope_emb is not None",
+        lambda w, mla, impl: w.qk_rope_head_dim == ROPE_DIMS and w.indexer_rope_emb is not None,
+        "rope",
     ),
     (
         "its own indexer",
         "w.indexer is not None and not w.skip_topk",
         lambda w, mla, impl: w.indexer is not None and not w.skip_topk,
+        "both",
     ),
     (
         "no gate or DCP query",
         "w.g_proj is None and not w.dcp_q_replicate",
         lambda w, mla, impl: w.g_proj is None and not w.dcp_q_replicate,
+        "both",
     ),
     (
         "an FP8 KV cache",
         "str(mla.kv_cache_dtype) in ('fp8', 'fp8_e4m3')",
         lambda w, mla, impl: str(mla.kv_cache_dtype) in ("fp8", "fp8_e4m3"),
+        "nope",
+    ),
+    (
+        "an FP8 KV cache of DeepSeek-V3.2's 656-byte entries",
+        f"str(mla.kv_cache_dtype) == '{ROPE_KV_CACHE_DTYPE}'",
+        lambda w, mla, impl: str(mla.kv_cache_dtype) == ROPE_KV_CACHE_DTYPE,
+        "rope",
     ),
     (
         "no padding or PCP",
         "mla.q_pad_num_heads is None and not mla.use_pcp",
         lambda w, mla, impl: mla.q_pad_num_heads is None and not mla.use_pcp,
+        "both",
     ),
     (
         "no HiSparse",
         "mla.hisparse_cache is None and impl.dcp_world_size == 1",
         lambda w, mla, impl: mla.hisparse_cache is None and impl.dcp_world_size == 1,
+        "both",
     ),
     (
         "a column-major W_UK",
         "mla.W_UK_T.stride(-1) == 1",
         lambda w, mla, impl: mla.W_UK_T.stride(-1) == 1,
+        "both",
     ),
     (
         "a flat FP8 KV cache backend",
         f"mla.attn_backend.get_name() in {KV_CACHE_BACKENDS}",
         lambda w, mla, impl: _backend_name(mla) in KV_CACHE_BACKENDS,
+        "nope",
+    ),
+    (
+        "a backend of the 656-byte FP8 cache",
+        f"mla.attn_backend.get_name() in {ROPE_KV_CACHE_BACKENDS}",
+        lambda w, mla, impl: _backend_name(mla) in ROPE_KV_CACHE_BACKENDS,
+        "rope",
     ),
     (
         "no other layer reading its selection",
         "impl.index_group is None or impl.index_group.num_layers == 1",
         lambda w, mla, impl: getattr(getattr(impl, "index_group", None), "num_layers", 1) <= 1,
+        "both",
     ),
     (
         "an o_proj without bias on this rank's heads",
         "w.o_proj.bias is None and w.o_proj.input_is_parallel",
         lambda w, mla, impl: getattr(w.o_proj, "bias", None) is None and bool(w.o_proj.input_is_parallel),
+        "both",
     ),
 )
 
@@ -250,8 +344,11 @@ def _parts(attention: Any) -> Tuple[Any, Any, Any]:
 
 
 def _missing_requirements(w: Any, mla: Any, impl: Any) -> List[str]:
+    kind = "rope" if _rope_layer(w) else "nope"
     missing = []
-    for what, condition, holds in _CHECKS:
+    for what, condition, holds, applies in _CHECKS:
+        if applies not in ("both", kind):
+            continue
         try:
             if not holds(w, mla, impl):
                 missing.append(f"{what} ({condition})")
@@ -262,6 +359,111 @@ def _missing_requirements(w: Any, mla: Any, impl: Any) -> List[str]:
     return missing
 
 
+def _numpy(table: Any):
+    """A cos/sin cache as float64 NumPy (a torch tensor on any device, or an array)."""
+    import numpy as np
+
+    if hasattr(table, "detach") and hasattr(table, "cpu"):
+        return table.detach().float().cpu().numpy().astype(np.float64)
+    return np.asarray(table, dtype=np.float64)
+
+
+def rope_config_of(rotary: Any, path: str, model_config: Any = None) -> Tuple[Optional[Any], List[str]]:
+    """vLLM's rotary module (``w.rotary_emb`` or ``w.indexer_rope_emb``) as a
+    dsa_decode.RopeConfig, and what keeps it from being one (named with
+    `path`): a class of ROTARY_CLASSES (by name), rotary_dim == head_size
+    (every rope dim rotated), its attributes, its cos_sin_cache (the rows
+    the table serves), and the mapped config's own table within
+    ROTARY_TABLE_TOLERANCE of that cache over its first ROTARY_TABLE_ROWS
+    rows. The style is is_neox_style's ("half-split" when True, else
+    "interleaved"). YaRN's mscale and mscale_all_dim: the model config's
+    (rope_parameters or rope_scaling) where they give the rotary's cos/sin
+    factor, else any pair that does (the softmax scale is the attention's
+    own, mla.scale, not derived from them)."""
+    from .ops import RopeConfig, rope_cos_sin_table
+    from ._C import InvalidArgument
+
+    problems: List[str] = []
+    name = type(rotary).__name__
+    if name not in ROTARY_CLASSES:
+        return None, [f"a rotary the stage computes ({path}: {' or '.join(ROTARY_CLASSES)}, got {name})"]
+    values = {}
+    yarn = name == "DeepseekScalingRotaryEmbedding"
+    attributes = ["head_size", "rotary_dim", "base", "is_neox_style", "max_position_embeddings", "cos_sin_cache"]
+    if yarn:
+        attributes += ["scaling_factor", "beta_fast", "beta_slow", "mscale"]
+    for attribute in attributes:
+        value = getattr(rotary, attribute, None)
+        if value is None:
+            problems.append(f"the rotary's {path}.{attribute}")
+        values[attribute] = value
+    if problems:
+        return None, problems
+    cache = values["cos_sin_cache"]
+    shape = tuple(getattr(cache, "shape", ()))
+    R = int(values["rotary_dim"])
+    if int(values["head_size"]) != R:
+        problems.append(f"a rotary of every rope dim ({path}.rotary_dim == head_size: {R} != {values['head_size']})")
+    if len(shape) != 2 or shape[1] != R or shape[0] < 1:
+        problems.append(f"a cos/sin table [positions, {R}] ({path}.cos_sin_cache: shape {list(shape)})")
+    if problems:
+        return None, problems
+    fields = dict(
+        rope_dim=R,
+        theta=float(values["base"]),
+        max_position=int(shape[0]),
+        original_max_position=int(values["max_position_embeddings"]),
+        style="half-split" if bool(values["is_neox_style"]) else "interleaved",
+    )
+    if yarn:
+        factor = float(values["scaling_factor"])
+        fields.update(factor=factor, beta_fast=float(values["beta_fast"]), beta_slow=float(values["beta_slow"]))
+        fields.update(_yarn_magnitudes(factor, float(values["mscale"]), model_config))
+    try:
+        config = RopeConfig(**fields)
+    except InvalidArgument as error:
+        return None, [f"a rotary the library's RopeConfig takes ({path}: {error})"]
+    rows = min(ROTARY_TABLE_ROWS, fields["max_position"])
+    ours = rope_cos_sin_table(config, 0, rows).astype("float64")
+    theirs = _numpy(cache[:rows])
+    scale = max(abs(config.table_scale), 1.0)
+    worst = float(abs(ours - theirs).max()) if rows else 0.0
+    if not worst <= ROTARY_TABLE_TOLERANCE * scale:
+        problems.append(
+            f"a rotary whose table the stage rebuilds ({path}.cos_sin_cache against the RopeConfig read from its "
+            f"attributes, {config}: {worst:.3g} apart over its first {rows} rows, tolerance "
+            f"{ROTARY_TABLE_TOLERANCE * scale:.3g})"
+        )
+        return None, problems
+    return config, []
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    import math
+
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_magnitudes(factor: float, ratio: float, model_config: Any) -> Dict[str, float]:
+    """mscale and mscale_all_dim giving the cos/sin factor `ratio` (vLLM's
+    DeepseekScalingRotaryEmbedding.mscale): the model config's where they do."""
+    import math
+
+    for name in ("rope_parameters", "rope_scaling"):
+        scaling = getattr(model_config, name, None) if model_config is not None else None
+        if isinstance(scaling, Mapping):
+            mscale, all_dim = scaling.get("mscale", 1.0), scaling.get("mscale_all_dim", 0.0)
+            try:
+                given = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(all_dim))
+            except (TypeError, ValueError, ZeroDivisionError):
+                continue
+            if abs(given - ratio) <= 1e-9 * max(1.0, abs(ratio)):
+                return {"mscale": float(mscale), "mscale_all_dim": float(all_dim)}
+    if factor <= 1:
+        return {"mscale": 1.0, "mscale_all_dim": 0.0}
+    return {"mscale": (ratio - 1.0) / (0.1 * math.log(factor)), "mscale_all_dim": 0.0}
+
+
 @dataclass(frozen=True)
 class IndexerShape:
     """The layer's indexer as the model config gives it (heads, pool, topk,
@@ -270,7 +472,8 @@ class IndexerShape:
     state: ring (the tail ring's slots: kpool x next_power_of_2(ceil((kpool
     + speculative tokens) / kpool)), vLLM's Glm5NextTailCache) and
     block_size (tokens per KV block, the indexer's page holding block_size /
-    kpool pools)."""
+    kpool pools). A RoPE layer's (DeepSeek-V3.2's Indexer) has no pools:
+    pool 1, ring 1, a key per token (unpooled True)."""
 
     heads: int
     pool: int
@@ -279,8 +482,14 @@ class IndexerShape:
     always_select_tail: bool
     ring: int
     block_size: int
+    unpooled: bool = False
 
     def describe(self) -> str:
+        if self.unpooled:
+            return (
+                f"index_n_heads={self.heads}, index_topk={self.topk}, index_head_dim={self.head_dim}, unpooled "
+                f"(DeepSeek-V3.2's indexer), block_size {self.block_size}"
+            )
         return (
             f"index_n_heads={self.heads}, index_kpool={self.pool}, index_topk={self.topk}, "
             f"index_head_dim={self.head_dim}, index_kpool_always_select_tail={self.always_select_tail}, "
@@ -299,19 +508,54 @@ def vllm_tail_ring(pool: int, speculative_tokens: int) -> int:
     return pool * _next_power_of_2(-(-span // pool))
 
 
+# A RoPE layer's indexer config fields (DeepSeek-V3.2's Indexer: no pools).
+ROPE_INDEXER_CONFIG_ATTRIBUTES: Dict[str, str] = {
+    "heads": "index_n_heads",
+    "topk": "index_topk",
+    "head_dim": "index_head_dim",
+}
+
+
+def _block_size(w: Any, mla: Any, missing: List[str]) -> Optional[int]:
+    """Tokens per KV block: the MLA cache's where it is bound, else the cache config's."""
+    kv_cache = getattr(mla, "kv_cache", None)
+    if kv_cache is not None and len(getattr(kv_cache, "shape", ())) == 3 and kv_cache.shape[0] > 0:
+        return int(kv_cache.shape[1])
+    block_size = _resolve(w.indexer, "k_cache.cache_config.block_size")
+    if block_size is _MISSING:
+        missing.append("the KV block size (mla.kv_cache bound, or w.indexer.k_cache.cache_config.block_size)")
+        return None
+    return int(block_size)
+
+
 def _indexer_shape(w: Any, mla: Any, missing: List[str]) -> Optional[IndexerShape]:
     """The indexer's shape from its model config and its caches; None (with
     what is absent added to missing) where they cannot be read."""
     indexer = w.indexer
     config = getattr(indexer, "config", None)
+    rope = _rope_layer(w)
     values: Dict[str, Any] = {}
-    for field, name in INDEXER_CONFIG_ATTRIBUTES.items():
+    for field, name in (ROPE_INDEXER_CONFIG_ATTRIBUTES if rope else INDEXER_CONFIG_ATTRIBUTES).items():
         value = getattr(config, name, None) if config is not None else None
         if value is None:
             missing.append(f"the indexer's config field w.indexer.config.{name}")
         values[field] = value
     if any(value is None for value in values.values()):
         return None
+    if rope:
+        block_size = _block_size(w, mla, missing)
+        if block_size is None:
+            return None
+        return IndexerShape(
+            heads=int(values["heads"]),
+            pool=1,
+            topk=int(values["topk"]),
+            head_dim=int(values["head_dim"]),
+            always_select_tail=True,
+            ring=1,
+            block_size=block_size,
+            unpooled=True,
+        )
     pool = int(values["pool"])
     # The ring: the tail cache's own size where it is bound, else vLLM's rule.
     tail = _resolve(indexer, INDEXER_STATE_ATTRIBUTES["tail"])
@@ -320,16 +564,9 @@ def _indexer_shape(w: Any, mla: Any, missing: List[str]) -> Optional[IndexerShap
     else:
         speculative = _resolve(indexer, "vllm_config.num_speculative_tokens")
         ring = vllm_tail_ring(pool, int(speculative) if speculative is not _MISSING else 0)
-    # Tokens per KV block: the MLA cache's where it is bound, else the cache config's.
-    kv_cache = getattr(mla, "kv_cache", None)
-    if kv_cache is not None and len(getattr(kv_cache, "shape", ())) == 3 and kv_cache.shape[0] > 0:
-        block_size = int(kv_cache.shape[1])
-    else:
-        block_size = _resolve(indexer, "k_cache.cache_config.block_size")
-        if block_size is _MISSING:
-            missing.append("the KV block size (mla.kv_cache bound, or w.indexer.k_cache.cache_config.block_size)")
-            return None
-        block_size = int(block_size)
+    block_size = _block_size(w, mla, missing)
+    if block_size is None:
+        return None
     return IndexerShape(
         heads=int(values["heads"]),
         pool=pool,
@@ -404,22 +641,27 @@ def _stage_plan(
     return plan, config_values
 
 
-def read_layer(attention: Any, plan: Optional[StagePlan] = None) -> Tuple[LayerConfig, Dict[str, Any], StagePlan]:
+def read_layer(
+    attention: Any, plan: Optional[StagePlan] = None, *, indexer_keys: Optional[str] = None
+) -> Tuple[LayerConfig, Dict[str, Any], StagePlan]:
     """The layer's dsa_decode.LayerConfig, weights (a dict with the
     WEIGHT_NAMES keys: the wrapper's own tensors or views of them; W_UV a
-    contiguous copy where vLLM's view is not) and StagePlan (the one given,
-    checked against the layer, or the defaults with the layer's indexer ring,
-    block size, max_model_len and, where the library takes it, shape) from
-    vLLM's attention module, after the checks.
+    contiguous copy where vLLM's view is not; a RoPE layer's without
+    ROPE_UNREAD_WEIGHTS) and StagePlan (the one given, checked against the
+    layer, or the defaults with the layer's indexer ring, block size,
+    max_model_len and, where the library takes it, shape) from vLLM's
+    attention module, after the checks. A RoPE layer's config carries its
+    rotaries (rope_config_of of w.rotary_emb and w.indexer_rope_emb).
 
     Raises ValueError("DSA attention stage needs " + every missing
     requirement): each failed check with its condition in vLLM's attribute
-    names, each configuration attribute or weight that is absent, and an
-    indexer shape the installed library does not run (the library's own
-    words, with the layer's shape). Creates nothing on a device except the
-    W_UV copy; the stage's creation checks the tensors (shapes, dtypes,
-    strides) and names what is wrong."""
-    return _read_layer(*_parts(attention), plan)[:3]
+    names, each configuration attribute or weight that is absent, a rotary
+    the stage does not compute, the indexer key basis of a RoPE layer
+    (indexer_keys: ROPE_INDEXER_KEYS), and an indexer shape the installed
+    library does not run (the library's own words, with the layer's shape).
+    Creates nothing on a device except the W_UV copy; the stage's creation
+    checks the tensors (shapes, dtypes, strides) and names what is wrong."""
+    return _read_layer(*_parts(attention), plan, indexer_keys=indexer_keys)[:3]
 
 
 def _rows(weight: Any, rows: Optional[str], head_dim: int) -> Any:
@@ -436,10 +678,11 @@ def _one_element(scale: Any) -> Any:
 
 
 def _read_layer(
-    w: Any, mla: Any, impl: Any, plan: Optional[StagePlan] = None
+    w: Any, mla: Any, impl: Any, plan: Optional[StagePlan] = None, *, indexer_keys: Optional[str] = None
 ) -> Tuple[LayerConfig, Dict[str, Any], StagePlan, IndexerShape]:
     roots = {"w": w, "mla": mla}
     missing = _missing_requirements(w, mla, impl)
+    rope = _rope_layer(w)
 
     def lookup(path: str) -> Any:
         root, _, rest = path.partition(".")
@@ -453,6 +696,8 @@ def _read_layer(
         values[field] = value
     weights = {}
     for name, path in WEIGHT_ATTRIBUTES.items():
+        if rope and name in ROPE_UNREAD_WEIGHTS:
+            continue
         weights[name] = lookup(path)
         if weights[name] is _MISSING:
             missing.append(f"the weight {path} ({name})")
@@ -462,6 +707,8 @@ def _read_layer(
         shape = _indexer_shape(w, mla, missing)
         head_dim = shape.head_dim if shape is not None else 128
         for name, (path, rows) in INDEXER_WEIGHT_ATTRIBUTES.items():
+            if rope and name in ROPE_UNREAD_WEIGHTS:
+                continue
             weights[name] = _rows(_resolve(indexer, path), rows, head_dim)
             if weights[name] is _MISSING:
                 where = {"head": f" rows [:{head_dim}]", "rest": f" rows [{head_dim}:]"}.get(rows, "")
@@ -469,7 +716,13 @@ def _read_layer(
         if shape is not None:
             pages = _resolve(indexer, INDEXER_STATE_ATTRIBUTES["k_cache"])
             if pages is not _MISSING and len(getattr(pages, "shape", ())) == 3 and pages.shape[0] > 0:
-                if int(pages.shape[1]) * shape.pool != shape.block_size:
+                if rope and (int(pages.shape[1]) != shape.block_size or int(pages.shape[2]) != 132):
+                    missing.append(
+                        "an indexer page of a key per token of the KV block (w.indexer.k_cache.kv_cache.shape[1:] "
+                        f"== (block_size, 132): {tuple(int(d) for d in pages.shape[1:])} with block_size "
+                        f"{shape.block_size})"
+                    )
+                elif not rope and int(pages.shape[1]) * shape.pool != shape.block_size:
                     missing.append(
                         "an indexer page of the KV block's pools (w.indexer.k_cache.kv_cache.shape[1] * "
                         f"index_kpool == block_size: {int(pages.shape[1])} * {shape.pool} != {shape.block_size})"
@@ -478,9 +731,26 @@ def _read_layer(
                 missing.append("an indexer that always selects the tail pool (index_kpool_always_select_tail)")
             if shape.head_dim != 128:
                 missing.append(f"index_head_dim 128 (the layer has {shape.head_dim})")
+    rotaries: Dict[str, Any] = {}
+    if rope:
+        model_config = getattr(indexer, "config", None)
+        for field, path in (("rope", "w.rotary_emb"), ("indexer_rope", "w.indexer_rope_emb")):
+            rotary = getattr(w, path[2:], None)
+            if rotary is None:
+                continue  # the failed check names it
+            config, problems = rope_config_of(rotary, path, model_config)
+            missing.extend(problems)
+            rotaries[field] = config
+        if indexer_keys not in ROPE_INDEXER_KEYS:
+            missing.append(
+                "the indexer's keys in the stage's basis, Hadamard-rotated as DeepSeek's reference and "
+                "dsa_decode.indexer_prefill write them (install(..., indexer_keys='hadamard') where the engine's "
+                "prefill does; vLLM's own Indexer writes them unrotated, indexer_k_quant_and_cache: got "
+                f"indexer_keys={indexer_keys!r})"
+            )
     qkv_weight = weights["fused_qkv_a_proj"]
     if qkv_weight is not _MISSING and len(getattr(qkv_weight, "shape", ())) != 2:
-        missing.append("a 2-D w.fused_qkv_a_proj.weight [q_lora_rank + kv_lora_rank, hidden]")
+        missing.append("a 2-D w.fused_qkv_a_proj.weight [q_lora_rank + kv_lora_rank (+ rope dims), hidden]")
     config_values: Dict[str, Any] = {}
     if shape is not None:
         max_context = _resolve(indexer, "vllm_config.model_config.max_model_len")
@@ -491,8 +761,9 @@ def _read_layer(
     if missing:
         raise ValueError("DSA attention stage needs " + ", ".join(missing))
 
-    weights["q_scale"] = _one_element(weights["q_scale"])
-    weights["k_scale"] = _one_element(weights["k_scale"])
+    if not rope:
+        weights["q_scale"] = _one_element(weights["q_scale"])
+        weights["k_scale"] = _one_element(weights["k_scale"])
     # vLLM's W_UV is kv_b_proj's weight seen as [H, L, V] with V strided by
     # L: value-up's head_gemv takes V contiguous, so it is copied once here.
     w_uv = weights["w_uv"]
@@ -511,7 +782,7 @@ def _read_layer(
         rms_norm_eps=float(values["rms_norm_eps"]),
         # The checks' flags as the layer has them (all passed here): the
         # stage's creation checks them again, its own word on the layer.
-        fuse_qkv_rmsnorm=bool(w.fuse_qkv_rmsnorm),
+        fuse_qkv_rmsnorm=bool(w.fuse_qkv_rmsnorm) or rope,  # a RoPE layer's two norms: the check above
         rotary_embedding=w.rotary_emb is not None,
         indexer=w.indexer is not None,
         skip_topk=bool(w.skip_topk),
@@ -522,6 +793,7 @@ def _read_layer(
         prefill_context_parallel=bool(mla.use_pcp),
         hisparse_cache=mla.hisparse_cache is not None,
         decode_context_parallel_size=int(impl.dcp_world_size),
+        **rotaries,
         **config_values,
     )
     return config, weights, plan, shape
@@ -626,8 +898,9 @@ def _engine_tensor(value: Any, context: Any) -> Any:
 
 
 def pooled_key_view(k_cache: Any) -> Any:
-    """vLLM's indexer K cache [blocks, pools, 132] uint8 as the stage's 2-D
-    [blocks, pools * 132] (a view: raises where the pools of a block are not
+    """vLLM's indexer K cache [blocks, pools, 132] uint8 (DeepSeek-V3.2's:
+    [blocks, block_size, 132], a key per token) as the stage's 2-D [blocks,
+    pools * 132] (a view: raises where the pools of a block are not
     contiguous); a 2-D cache as it is."""
     if len(k_cache.shape) == 3:
         return k_cache.view(k_cache.shape[0], k_cache.shape[1] * k_cache.shape[2])
@@ -644,7 +917,8 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
     ring converted by adapter.tail_ring around the stage's forward with the
     tail slots of attn_metadata[indexer.tail_cache.prefix].slot_mapping. No
     topk_positions (a layer that reuses another's selection, skip_topk, is
-    refused at install) and no error counter.
+    refused at install) and no error counter. A RoPE layer's (adapter.rope):
+    the indexer's K cache only (no tail ring, no ring conversion).
 
     Answers None, so that the stock forward runs, when vLLM cannot be
     imported, no forward context is set, the layer has no metadata this
@@ -656,6 +930,7 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
     except ImportError:
         return None
     w, mla = adapter.wrapper, adapter.attention
+    rope = getattr(adapter, "rope", False)
     try:
         context = get_forward_context()  # asserts that a context is set
         layer_name = mla.layer_name
@@ -663,11 +938,16 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
         slot_mappings = getattr(context, "slot_mapping", None)
         slot_mapping = slot_mappings[layer_name] if slot_mappings is not None else metadata.slot_mapping
         state = {field: _resolve(metadata, path) for field, path in METADATA_ATTRIBUTES.items()}
-        state.update({field: _resolve(w.indexer, path) for field, path in INDEXER_STATE_ATTRIBUTES.items()})
-        tail_metadata = None
-        if state["tail_layer_name"] is not _MISSING:
-            tail_metadata = context.attn_metadata.get(state["tail_layer_name"])
-        state["tail_slots"] = _resolve(tail_metadata, "slot_mapping") if tail_metadata is not None else _MISSING
+        if rope:  # DeepSeek-V3.2's indexer: its K cache only, no tail ring
+            state["k_cache"] = _resolve(w.indexer, INDEXER_STATE_ATTRIBUTES["k_cache"])
+        else:
+            state.update({field: _resolve(w.indexer, path) for field, path in INDEXER_STATE_ATTRIBUTES.items()})
+            tail_metadata = None
+            if state["tail_layer_name"] is not _MISSING:
+                tail_metadata = context.attn_metadata.get(state["tail_layer_name"])
+            state["tail_slots"] = (
+                _resolve(tail_metadata, "slot_mapping") if tail_metadata is not None else _MISSING
+            )
         missing = [field for field, value in state.items() if value is _MISSING]
         if missing:
             # Not a step the stage can run, but maybe a wrong name in the
@@ -683,8 +963,21 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
                 )
             return None
         m = hidden_states.shape[0]
-        tail = _engine_tensor(state["tail"], context)
         token_requests = state["token_requests"][:m]  # vLLM's buffer may be longer; a view
+        if rope:
+            return StepInputs(
+                num_actual_tokens=metadata.num_actual_tokens,
+                num_decode_tokens=metadata.num_decode_tokens,
+                token_requests=token_requests,
+                slot_mapping=slot_mapping,
+                kv_cache=_engine_tensor(mla.kv_cache, context),
+                indexer=IndexerState(
+                    block_table=state["block_table"],
+                    ring=None,  # the unpooled indexer keeps none
+                    k_cache=pooled_key_view(_engine_tensor(state["k_cache"], context)),
+                ),
+            )
+        tail = _engine_tensor(state["tail"], context)
         ring = adapter.tail_ring
         tail_slots = state["tail_slots"]
         block_table = state["block_table"]
@@ -747,8 +1040,10 @@ class DsaStageAdapter:
     (mla, its MLAAttention), impl, config (the LayerConfig), weights (the
     WEIGHT_NAMES dict), plan (the StagePlan), stage, stock (the wrapper's
     forward before install), step_inputs (the StepInputs source), tail_ring
-    (the TailRing conversion's buffers), reduce (the o_proj reduction, or
-    None), indexer_shape (the IndexerShape read from the layer)."""
+    (the TailRing conversion's buffers; unused by a RoPE layer, whose
+    indexer keeps no ring), reduce (the o_proj reduction, or None),
+    indexer_shape (the IndexerShape read from the layer), rope (whether the
+    layer is a RoPE one: DeepSeek-V3.2, GLM-5)."""
 
     def __init__(
         self,
@@ -757,13 +1052,15 @@ class DsaStageAdapter:
         *,
         step_inputs: Optional[StepInputsSource] = None,
         stage_factory: Callable[[LayerConfig, Mapping[str, Any], Optional[StagePlan]], Any] = Stage,
+        indexer_keys: Optional[str] = None,
     ):
         w, mla, impl = _parts(attention)
         if isinstance(getattr(w.forward, "__self__", None), DsaStageAdapter):
             raise RuntimeError("a DsaStageAdapter is already installed on this wrapper: uninstall() it first")
-        config, weights, plan, shape = _read_layer(w, mla, impl, plan)
+        config, weights, plan, shape = _read_layer(w, mla, impl, plan, indexer_keys=indexer_keys)
         self.wrapper, self.attention, self.impl = w, mla, impl
         self.config, self.weights, self.plan, self.indexer_shape = config, weights, plan, shape
+        self.rope = config.qk_rope_head_dim > 0
         self.step_inputs = step_inputs if step_inputs is not None else vllm_step_inputs
         self.reduce = _o_proj_reduction(w.o_proj)
         self.tail_ring = TailRing(plan.max_tokens)
@@ -831,7 +1128,7 @@ class DsaStageAdapter:
         if inputs.before is not None:
             inputs.before()
         indexer = inputs.indexer
-        if indexer.ring is None:  # vllm_step_inputs: the converted ring, ready now
+        if indexer.ring is None and not self.rope:  # vllm_step_inputs: the converted ring, ready now
             indexer = IndexerState(indexer.block_table, self.tail_ring.rows, indexer.k_cache)
         out = hidden_states.new_empty((m, self.config.hidden_size))
         self.stage.forward(
@@ -858,6 +1155,7 @@ def install(
     *,
     step_inputs: Optional[StepInputsSource] = None,
     stage_factory: Callable[[LayerConfig, Mapping[str, Any], Optional[StagePlan]], Any] = Stage,
+    indexer_keys: Optional[str] = None,
 ) -> DsaStageAdapter:
     """Installs a dsa_decode.Stage as the forward of vLLM's MLA wrapper
     ``attention.mla_attn`` and returns the adapter (adapter.uninstall()
@@ -890,8 +1188,23 @@ def install(
     tensors come from (None: vllm_step_inputs, vLLM's forward context); it
     answers None for a step that must run stock. stage_factory: what
     creates the stage from (config, weights, plan), dsa_decode.Stage; tests
-    pass one that needs no GPU."""
-    return DsaStageAdapter(attention, plan, step_inputs=step_inputs, stage_factory=stage_factory)
+    pass one that needs no GPU.
+
+    A RoPE layer (DeepSeek-V3.2, GLM-5: vLLM's DeepseekV2MLAAttention, the
+    same attention = w.mla_attn parts): checked as above but for "NoPE",
+    the cache dtype and the backend, which become 64 RoPE dims with both
+    rotaries (w.rotary_emb, w.indexer_rope_emb, each mapped into a
+    dsa_decode.RopeConfig by rope_config_of, or named), kv_cache_dtype
+    "fp8_ds_mla" and ROPE_KV_CACHE_BACKENDS; the indexer is DeepSeek-V3.2's
+    (index_n_heads, index_topk, index_head_dim 128; no pools, no ring; its K
+    cache [blocks, block_size, 132]). indexer_keys: the basis of the keys
+    the engine's prefill writes into the indexer's K cache, which the
+    stage's decode steps score: "hadamard" (ROPE_INDEXER_KEYS) is the only
+    one the stage runs; without it a RoPE layer is refused, naming it
+    (vLLM 0.33's Indexer writes unrotated keys). Not read for NoPE layers."""
+    return DsaStageAdapter(
+        attention, plan, step_inputs=step_inputs, stage_factory=stage_factory, indexer_keys=indexer_keys
+    )
 
 
 __all__ = [
@@ -903,6 +1216,12 @@ __all__ = [
     "IndexerShape",
     "KV_CACHE_BACKENDS",
     "LIBRARY_INDEXER_FIELDS",
+    "ROPE_INDEXER_CONFIG_ATTRIBUTES",
+    "ROPE_INDEXER_KEYS",
+    "ROPE_KV_CACHE_BACKENDS",
+    "ROPE_KV_CACHE_DTYPE",
+    "ROPE_UNREAD_WEIGHTS",
+    "ROTARY_CLASSES",
     "METADATA_ATTRIBUTES",
     "StepInputs",
     "StepInputsSource",
@@ -912,6 +1231,7 @@ __all__ = [
     "library_indexer_fields",
     "pooled_key_view",
     "read_layer",
+    "rope_config_of",
     "vllm_batch_invariant",
     "vllm_step_inputs",
     "vllm_tail_ring",

@@ -22,8 +22,10 @@ indexer's top-2048, and:
     cache, value-up within head_gemv's bound;
   - fused against stock (caches and slots bitwise, out within 2e-2), a
     CUDA-graph replay, batch_invariant (a token alone gets its bits in the
-    batch), the step's argument errors by name, and Stage.from_checkpoint
-    of a whole-model dsv32 layer against the stage built from its arrays.
+    batch), the step's argument errors by name, Stage.from_checkpoint of a
+    whole-model dsv32 layer against the stage built from its arrays, and the
+    vLLM adapter installed on a dsv32 layer's tensors held as vLLM holds
+    them (its forward gives Stage.forward's bits).
 
 They skip, with a message, without PyTorch or without a Hopper GPU."""
 
@@ -660,3 +662,122 @@ def test_stage_from_a_dsv32_checkpoint_runs_the_bits_of_the_stage_from_its_array
         assert bool(results[0][0].float().abs().sum() > 0), "the step wrote nothing"
         for what, a, b in zip(("out", "kv_cache", "k_cache"), *results):
             assert same(a, b), f"{path_name}: {what} differs"
+
+
+# --- the vLLM adapter on a DeepSeek-V3.2 layer's tensors ---------------------------------------------------------
+
+
+class DeepseekScalingRotaryEmbedding:
+    """vLLM's YaRN rotary's attributes (the adapter reads them by these names),
+    its cos_sin_cache on the GPU as vLLM holds it."""
+
+    def __init__(self, config, cache):
+        self.head_size = self.rotary_dim = config.rope_dim
+        self.base, self.scaling_factor = config.theta, config.factor
+        self.beta_fast, self.beta_slow = config.beta_fast, config.beta_slow
+        self.mscale, self.max_position_embeddings = config.table_scale, config.original_max_position
+        self.is_neox_style = config.style == "half-split"
+        self.cos_sin_cache = cache
+
+
+class StockWrapper:
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+    def forward(self, positions, hidden_states, llama_4_scaling=None):
+        raise AssertionError("the stock forward ran")
+
+
+def test_the_vllm_adapter_runs_the_stage_on_a_v32_layers_tensors():
+    """install() on DeepseekV2MLAAttention's attribute contract holding the
+    layer's tensors as vLLM does (kv_b_proj's W_UK_T and W_UV views, the fused
+    wk_weights_proj, both rotaries with their cos_sin_cache, the fp8_ds_mla
+    cache, the indexer's [blocks, 64, 132] K cache): the installed forward
+    gives the bits of Stage.forward on the same step."""
+    from types import SimpleNamespace
+
+    from dsa_decode import vllm as adapter_module
+
+    gen = torch.Generator(device=DEVICE).manual_seed(59)
+    m = 4
+    layer = RopeLayer("dsv32", gen, max_tokens=16)
+    step = RopeStep(layer, m, gen)
+    run(layer, step)
+    want = step.out.clone()
+    c, w = layer.c, layer.weights
+    H, P, L, V = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim
+    kv_b = torch.empty((H, P + V, L), dtype=torch.bfloat16, device=DEVICE)
+    kv_b[:, :P, :] = w["w_uk_t"]
+    kv_b[:, P:, :] = w["w_uv"].transpose(1, 2)
+    held = dict(
+        W_UK_T=kv_b[:, :P, :],  # strides ((P + V) L, L, 1)
+        W_UV=kv_b[:, P:, :].transpose(1, 2),  # [H, L, V] strides ((P + V) L, 1, L)
+        wk_weights_proj=torch.cat([w["index_wk"], w["index_weights_proj"]]),
+    )
+    indexer = SimpleNamespace(
+        config=SimpleNamespace(index_n_heads=64, index_topk=2048, index_head_dim=128,
+                               rope_parameters=dict(rope_type="deepseek_yarn", factor=40.0, mscale=1.0,
+                                                    mscale_all_dim=1.0)),
+        vllm_config=SimpleNamespace(model_config=SimpleNamespace(max_model_len=MAX_CONTEXT)),
+        wq_b=SimpleNamespace(weight=w["index_wq_b"]),
+        wk_weights_proj=SimpleNamespace(weight=held["wk_weights_proj"]),
+        k_norm=SimpleNamespace(weight=w["index_k_norm_weight"], bias=w["index_k_norm_bias"]),
+        k_cache=SimpleNamespace(kv_cache=step.k_cache.view(step.blocks, BLOCK, 132)),
+    )
+    mla = SimpleNamespace(
+        impl=SimpleNamespace(dcp_world_size=1, index_group=None),
+        attn_backend=SimpleNamespace(get_name=lambda: "FLASHMLA_SPARSE"),
+        layer_name="model.layers.0.self_attn.attn",
+        scale=c.softmax_scale,
+        kv_cache_dtype="fp8_ds_mla",
+        q_pad_num_heads=None,
+        use_pcp=False,
+        hisparse_cache=None,
+        W_UK_T=held["W_UK_T"],
+        W_UV=held["W_UV"],
+        kv_cache=step.kv_cache,
+    )
+    wrapper = StockWrapper(
+        mla_attn=mla,
+        num_heads=H,
+        q_lora_rank=c.q_lora_rank,
+        kv_lora_rank=L,
+        qk_nope_head_dim=P,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=V,
+        fuse_qkv_rmsnorm=False,
+        rotary_emb=DeepseekScalingRotaryEmbedding(c.rope, layer.table.to(torch.bfloat16)),
+        indexer_rope_emb=DeepseekScalingRotaryEmbedding(c.indexer_rope, layer.itable.to(torch.bfloat16)),
+        indexer=indexer,
+        skip_topk=False,
+        g_proj=None,
+        dcp_q_replicate=False,
+        fused_qkv_a_proj=SimpleNamespace(weight=w["fused_qkv_a_proj"]),
+        q_a_layernorm=SimpleNamespace(weight=w["q_a_norm"], variance_epsilon=c.rms_norm_eps),
+        kv_a_layernorm=SimpleNamespace(weight=w["kv_a_norm"], variance_epsilon=c.rms_norm_eps),
+        q_b_proj=SimpleNamespace(weight=w["q_b_proj"]),
+        o_proj=SimpleNamespace(weight=w["o_proj"], bias=None, input_is_parallel=True, reduce_results=True, tp_size=1),
+    )
+
+    def step_inputs(adapter, positions, hidden):
+        return adapter_module.StepInputs(
+            num_actual_tokens=hidden.shape[0],
+            num_decode_tokens=hidden.shape[0],
+            token_requests=step.token_requests,
+            slot_mapping=step.slot_mapping,
+            kv_cache=step.kv_cache,
+            indexer=dd.IndexerState(step.block_table, None, adapter_module.pooled_key_view(indexer.k_cache.kv_cache)),
+            error_count=step.errors,
+        )
+
+    adapter = adapter_module.install(SimpleNamespace(mla_attn=wrapper), step_inputs=step_inputs,
+                                     indexer_keys="hadamard")
+    # The rotaries as the stage's: the frequencies and styles of the preset, the rows vLLM's table holds.
+    assert adapter.config.rope.style == "interleaved" and adapter.config.indexer_rope.style == "half-split"
+    assert adapter.plan.max_context == MAX_CONTEXT and adapter.plan.block_size == BLOCK
+    step.restore()
+    out = wrapper.forward(step.positions, step.hidden)
+    torch.cuda.synchronize()
+    assert int(step.errors.item()) == 0
+    assert same(out, want), "the adapter's step differs from Stage.forward's"
+    adapter.uninstall()

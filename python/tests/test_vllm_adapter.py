@@ -10,16 +10,23 @@ FakeStage passed as install's stage_factory. The GPU test builds glm5next
 TP8 weights and caches in vLLM's layouts with PyTorch (the fused
 wk_weights_proj, W_UV's strided view, 0-dim scales, the [blocks, pools, 132]
 K cache, the tail ring by tail block) and checks that the installed forward
-returns exactly what dsa_decode.Stage.forward gives on the same inputs."""
+returns exactly what dsa_decode.Stage.forward gives on the same inputs.
+
+A RoPE layer (DeepSeek-V3.2, GLM-5) has its own fakes with the attribute
+contract of vLLM 0.33's DeepseekV2MLAAttention (both rotaries, the
+fp8_ds_mla cache, the unpooled Indexer); its GPU counterpart is in
+test_stage_rope_gpu.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
 import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import dsa_decode
@@ -913,6 +920,301 @@ def test_vllm_step_inputs_answers_none_and_forward_runs_stock(monkeypatch, case)
         warnings.simplefilter("error")  # not a second time
         assert adapter.forward(positions, hidden) == ("stock", hidden)
     assert adapter.stage.forward_calls == []
+
+
+# --- a RoPE layer (DeepSeek-V3.2, GLM-5): vLLM's DeepseekV2MLAAttention's contract -------------------------------------
+
+# dsv32 at TP8 (presets.h): D 7168, 16 heads, Q 1536, L 512, P 128, R 64, V 128, the indexer's 64 heads.
+R_HIDDEN, R_HEADS, R_Q, R_P, R_R, R_V, R_INDEX_HEADS, R_BLOCK = 7168, 16, 1536, 128, 64, 128, 64, 64
+R_SOFTMAX_SCALE = 0.1352337788608801  # vLLM's mla.scale: 192^-0.5 x yarn_get_mscale(40, 1.0)^2
+
+
+class DeepseekScalingRotaryEmbedding:
+    """vLLM's YaRN rotary's attributes (rotary_embedding/deepseek_scaling_rope.py),
+    its cos_sin_cache the library's table (NumPy) unless given."""
+
+    def __init__(self, is_neox_style, *, cache=None, **overrides):
+        self.head_size = self.rotary_dim = 64
+        self.base, self.scaling_factor, self.beta_fast, self.beta_slow = 10000.0, 40.0, 32, 1
+        self.mscale = 1.0  # yarn_get_mscale(40, 1.0) / yarn_get_mscale(40, 1.0)
+        self.max_position_embeddings = 4096  # get_rope's deepseek_yarn branch: the original positions
+        self.is_neox_style = is_neox_style
+        self.__dict__.update(overrides)
+        style = "half-split" if is_neox_style else "interleaved"
+        self.cos_sin_cache = cache if cache is not None else dsv32_table()
+        assert dsa_decode.rope_preset_config("dsv32", "indexer" if is_neox_style else "attention").style == style
+
+
+@functools.lru_cache(maxsize=None)
+def dsv32_table():
+    """The dsv32 rotaries' table (both targets have the same frequencies), 163840 rows as vLLM's; read-only."""
+    table = dsa_decode.rope_cos_sin_table(dsa_decode.rope_preset_config("dsv32"), 0, 163840)
+    table.flags.writeable = False
+    return table
+
+
+class RotaryEmbedding:
+    """vLLM's plain rotary (rope_type "default"): GLM-5's."""
+
+    def __init__(self, is_neox_style=False, rows=8192):
+        self.head_size = self.rotary_dim = 64
+        self.base, self.max_position_embeddings, self.is_neox_style = 1e6, rows, is_neox_style
+        self.cos_sin_cache = dsa_decode.rope_cos_sin_table(
+            dsa_decode.RopeConfig(rope_dim=64, theta=1e6, max_position=rows), 0, rows
+        )
+
+
+def fake_rope_weights():
+    shapes = {
+        "fused_qkv_a_proj": (R_Q + KV_LORA + R_R, R_HIDDEN),
+        "q_a_norm": (R_Q,),
+        "kv_a_norm": (KV_LORA,),
+        "q_b_proj": (R_HEADS * (R_P + R_R), R_Q),
+        "w_uk_t": (R_HEADS, R_P, KV_LORA),
+        "w_uv": (R_HEADS, KV_LORA, R_V),
+        "o_proj": (R_HIDDEN, R_HEADS * R_V),
+        "index_wq_b": (R_INDEX_HEADS * INDEX_DIM, R_Q),
+        "index_wk": (INDEX_DIM, R_HIDDEN),
+        "index_weights_proj": (R_INDEX_HEADS, R_HIDDEN),
+        "index_k_norm_weight": (INDEX_DIM,),
+        "index_k_norm_bias": (INDEX_DIM,),
+    }
+    return {name: FakeTensor(*shape, name=name) for name, shape in shapes.items()}
+
+
+def fake_rope_attention(*, wrapper=None, attention=None, indexer=None, config=None, rms_norm_eps=RMS_NORM_EPS):
+    """vLLM's DeepseekV2MLAAttention of a DeepSeek-V3.2 layer on one of 8
+    ranks (attention.mla_attn = the wrapper): fuse_qkv_rmsnorm False (vLLM
+    norms q_c and kv_c apart), both rotaries, the fp8_ds_mla cache of
+    FLASHMLA_SPARSE, DeepSeek-V3.2's Indexer (no pool gate, ape or tail ring)."""
+    weights = fake_rope_weights()
+    config_attributes = dict(
+        index_n_heads=R_INDEX_HEADS,
+        index_topk=2048,
+        index_head_dim=INDEX_DIM,
+        rope_parameters=dict(rope_type="deepseek_yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0),
+    )
+    config_attributes.update(config or {})
+    indexer_attributes = dict(
+        config=SimpleNamespace(**config_attributes),
+        vllm_config=SimpleNamespace(num_speculative_tokens=0, model_config=SimpleNamespace(max_model_len=MAX_MODEL_LEN)),
+        wq_b=SimpleNamespace(weight=weights["index_wq_b"]),
+        wk_weights_proj=SimpleNamespace(weight=FakeTensor(INDEX_DIM + R_INDEX_HEADS, R_HIDDEN, name="wk_weights_proj")),
+        k_norm=SimpleNamespace(weight=weights["index_k_norm_weight"], bias=weights["index_k_norm_bias"]),
+        k_cache=SimpleNamespace(
+            kv_cache=FakeTensor(5, R_BLOCK, 132, name="index_k_cache"), cache_config=SimpleNamespace(block_size=R_BLOCK)
+        ),
+    )
+    indexer_attributes.update(indexer or {})
+    mla_attributes = dict(
+        impl=SimpleNamespace(dcp_world_size=1, index_group=SimpleNamespace(num_layers=1)),
+        attn_backend=FakeBackend("FLASHMLA_SPARSE"),
+        layer_name=LAYER_NAME,
+        scale=R_SOFTMAX_SCALE,
+        kv_cache_dtype="fp8_ds_mla",
+        q_pad_num_heads=None,
+        use_pcp=False,
+        hisparse_cache=None,
+        W_UK_T=weights["w_uk_t"],
+        W_UV=FakeTensor(R_HEADS, KV_LORA, R_V, strides=((R_P + R_V) * KV_LORA, 1, KV_LORA), name="W_UV"),
+        _q_scale=FakeTensor(name="_q_scale"),
+        _k_scale=FakeTensor(name="_k_scale"),
+        kv_cache=FakeTensor(5, R_BLOCK, 656, name="kv_cache"),
+    )
+    mla_attributes.update(attention or {})
+    wrapper_attributes = dict(
+        mla_attn=SimpleNamespace(**mla_attributes),
+        num_heads=R_HEADS,
+        q_lora_rank=R_Q,
+        kv_lora_rank=KV_LORA,
+        qk_nope_head_dim=R_P,
+        qk_rope_head_dim=R_R,
+        v_head_dim=R_V,
+        fuse_qkv_rmsnorm=False,
+        rotary_emb=DeepseekScalingRotaryEmbedding(False),
+        indexer_rope_emb=DeepseekScalingRotaryEmbedding(True),
+        indexer=SimpleNamespace(**indexer_attributes),
+        skip_topk=False,
+        g_proj=None,
+        dcp_q_replicate=False,
+        fused_qkv_a_proj=SimpleNamespace(weight=weights["fused_qkv_a_proj"]),
+        q_a_layernorm=SimpleNamespace(weight=weights["q_a_norm"], variance_epsilon=rms_norm_eps),
+        kv_a_layernorm=SimpleNamespace(weight=weights["kv_a_norm"], variance_epsilon=rms_norm_eps),
+        q_b_proj=SimpleNamespace(weight=weights["q_b_proj"]),
+        o_proj=SimpleNamespace(
+            weight=weights["o_proj"], bias=None, input_is_parallel=True, reduce_results=True, tp_size=1
+        ),
+    )
+    wrapper_attributes.update(wrapper or {})
+    attention_module = SimpleNamespace(mla_attn=FakeMlaWrapper(**wrapper_attributes))
+    attention_module.weights = weights
+    return attention_module
+
+
+def install_rope_fake(attention=None, *, indexer_keys="hadamard", step_inputs=None, supported=True):
+    attention = attention if attention is not None else fake_rope_attention()
+    return adapter_module.install(
+        attention,
+        step_inputs=step_inputs,
+        stage_factory=lambda config, weights, plan: FakeStage(config, weights, plan, supported),
+        indexer_keys=indexer_keys,
+    )
+
+
+def test_a_rope_layer_is_read_with_its_rotaries_and_the_unpooled_plan():
+    attention = fake_rope_attention()
+    config, weights, plan = adapter_module.read_layer(attention, indexer_keys="hadamard")
+    w = attention.mla_attn
+    assert config == dsa_decode.layer_config("dsv32", tp=8, rms_norm_eps=RMS_NORM_EPS).__class__(
+        **{**dataclasses.asdict(dsa_decode.layer_config("dsv32", tp=8, rms_norm_eps=RMS_NORM_EPS)),
+           "softmax_scale": R_SOFTMAX_SCALE, "rms_norm_eps": RMS_NORM_EPS}
+    )
+    assert config.rope == dsa_decode.rope_preset_config("dsv32", "attention")
+    assert config.indexer_rope == dsa_decode.rope_preset_config("dsv32", "indexer")
+    assert config.fuse_qkv_rmsnorm and config.kv_cache_dtype == "fp8_ds_mla"
+    assert sorted(weights) == sorted(set(WEIGHT_NAMES) - set(adapter_module.ROPE_UNREAD_WEIGHTS))
+    assert weights["fused_qkv_a_proj"] is attention.weights["fused_qkv_a_proj"]
+    fused = w.indexer.wk_weights_proj.weight
+    assert weights["index_wk"].sliced_from is fused and weights["index_wk"].rows == (0, INDEX_DIM)
+    assert weights["index_weights_proj"].rows == (INDEX_DIM, INDEX_DIM + R_INDEX_HEADS)
+    assert weights["w_uv"].name == "W_UV.contiguous()"
+    assert (plan.indexer_heads, plan.indexer_pool, plan.indexer_topk, plan.ring) == (R_INDEX_HEADS, 1, 2048, 1)
+    assert (plan.block_size, plan.max_context) == (R_BLOCK, MAX_MODEL_LEN)
+
+
+def test_glm5s_plain_rotary_and_interleaved_indexer_are_read():
+    attention = fake_rope_attention(
+        wrapper={"rotary_emb": RotaryEmbedding(False), "indexer_rope_emb": RotaryEmbedding(False)},
+        config={"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+    )
+    config, _, _ = adapter_module.read_layer(attention, indexer_keys="hadamard")
+    want = dsa_decode.RopeConfig(rope_dim=64, theta=1e6, original_max_position=8192, max_position=8192)
+    assert config.rope == want and config.indexer_rope == want  # both interleaved, as GLM-5's
+
+
+def test_yarns_magnitude_terms_come_from_the_config_or_from_the_rotarys_factor():
+    rotary = DeepseekScalingRotaryEmbedding(False)
+    given = SimpleNamespace(rope_scaling=dict(mscale=1.0, mscale_all_dim=1.0))
+    config, problems = adapter_module.rope_config_of(rotary, "w.rotary_emb", given)
+    assert problems == [] and (config.mscale, config.mscale_all_dim) == (1.0, 1.0)
+    # Without the config: a pair giving the same cos/sin factor (1: no magnitude term).
+    config, problems = adapter_module.rope_config_of(rotary, "w.rotary_emb")
+    assert problems == [] and config.table_scale == pytest.approx(1.0) and config.mscale_all_dim == 0.0
+    # A config whose terms give another factor is not taken.
+    other = SimpleNamespace(rope_parameters=dict(mscale=0.5, mscale_all_dim=1.0))
+    config, problems = adapter_module.rope_config_of(rotary, "w.rotary_emb", other)
+    assert problems == [] and (config.mscale, config.mscale_all_dim) != (0.5, 1.0)
+
+
+@pytest.mark.parametrize(
+    "rotary, named",
+    [
+        (SimpleNamespace(), "a rotary the stage computes (w.rotary_emb: DeepseekScalingRotaryEmbedding or "
+                            "RotaryEmbedding, got SimpleNamespace)"),
+        (DeepseekScalingRotaryEmbedding(False, head_size=128), "a rotary of every rope dim (w.rotary_emb.rotary_dim "
+                                                                "== head_size: 64 != 128)"),
+        (DeepseekScalingRotaryEmbedding(False, cache=np.zeros((16, 32), np.float32)), "a cos/sin table [positions, 64]"),
+        (DeepseekScalingRotaryEmbedding(False, base=20000.0), "a rotary whose table the stage rebuilds "
+                                                              "(w.rotary_emb.cos_sin_cache"),
+        (DeepseekScalingRotaryEmbedding(False, scaling_factor=0.5), "a rotary the library's RopeConfig takes "
+                                                                    "(w.rotary_emb: invalid argument: argument 'factor'"),
+        (DeepseekScalingRotaryEmbedding(False, beta_fast=None), "the rotary's w.rotary_emb.beta_fast"),
+    ],
+)
+def test_a_rotary_the_stage_cannot_take_is_named(rotary, named):
+    with pytest.raises(ValueError) as error:
+        adapter_module.read_layer(fake_rope_attention(wrapper={"rotary_emb": rotary}), indexer_keys="hadamard")
+    assert named in needs_message(error)
+
+
+ROPE_FAILED_CHECKS = [
+    ("wrapper", {"indexer_rope_emb": None}, "64 RoPE dims with the indexer's rotary", "indexer_rope_emb"),
+    ("wrapper", {"qk_rope_head_dim": 32}, "64 RoPE dims with the indexer's rotary", "qk_rope_head_dim"),
+    ("wrapper", {"q_lora_rank": None}, "a q a-norm and a kv a-norm of one eps", "q_lora_rank"),
+    ("attention", {"kv_cache_dtype": "fp8"}, "an FP8 KV cache of DeepSeek-V3.2's 656-byte entries", "fp8_ds_mla"),
+    ("attention", {"attn_backend": FakeBackend("FLASHINFER_MLA_SPARSE_SM90")}, "a backend of the 656-byte FP8 cache",
+     "FLASHMLA_SPARSE"),
+    ("indexer", {"k_cache": SimpleNamespace(kv_cache=FakeTensor(5, R_BLOCK // 4, 132))},
+     "an indexer page of a key per token of the KV block", "(16, 132) with block_size 64"),
+]
+
+
+@pytest.mark.parametrize("part, overrides, what, detail", ROPE_FAILED_CHECKS)
+def test_each_failed_rope_check_is_named(part, overrides, what, detail):
+    attention = fake_rope_attention(**{part: overrides})
+    stock = attention.mla_attn.forward
+    with pytest.raises(ValueError) as error:
+        install_rope_fake(attention)
+    message = needs_message(error)
+    assert what in message and detail in message, message
+    assert attention.mla_attn.forward == stock
+
+
+def test_unequal_norm_epsilons_and_the_nope_checks_do_not_apply():
+    attention = fake_rope_attention()
+    attention.mla_attn.kv_a_layernorm.variance_epsilon = 1e-5
+    with pytest.raises(ValueError) as error:
+        adapter_module.read_layer(attention, indexer_keys="hadamard")
+    message = needs_message(error)
+    assert message == (
+        "DSA attention stage needs a q a-norm and a kv a-norm of one eps (w.q_lora_rank is not None and "
+        "w.q_a_layernorm.variance_epsilon == w.kv_a_layernorm.variance_epsilon)"
+    ), message
+    # fuse_qkv_rmsnorm False, FLASHMLA_SPARSE, fp8_ds_mla, no gate, ape or ring: none of the NoPE checks is named.
+    adapter_module.read_layer(fake_rope_attention(), indexer_keys="hadamard")
+
+
+def test_a_rope_layer_needs_the_indexer_keys_basis_named():
+    attention = fake_rope_attention()
+    for keys in (None, "vllm"):
+        with pytest.raises(ValueError) as error:
+            install_rope_fake(attention, indexer_keys=keys)
+        message = needs_message(error)
+        assert "the indexer's keys in the stage's basis" in message and f"indexer_keys={keys!r}" in message, message
+    assert adapter_module.ROPE_INDEXER_KEYS == ("hadamard",)
+    # Not asked of a NoPE layer.
+    install_fake().uninstall()
+
+
+def test_every_rope_problem_is_named_at_once():
+    attention = fake_rope_attention(
+        wrapper={"rotary_emb": SimpleNamespace()}, attention={"kv_cache_dtype": "auto", "_k_scale": None},
+        config={"index_topk": None},
+    )
+    del attention.mla_attn.indexer.k_norm.bias
+    with pytest.raises(ValueError) as error:
+        adapter_module.read_layer(attention)
+    message = needs_message(error)
+    for part in ("656-byte entries", "got SimpleNamespace", "w.indexer.config.index_topk",
+                 "k_norm.bias (index_k_norm_bias)", "indexer_keys=None"):
+        assert part in message, (part, message)
+    assert "_k_scale" not in message, message  # not read at a RoPE layer
+
+
+def test_the_rope_step_reaches_the_stage_without_a_ring(monkeypatch):
+    context = SimpleNamespace(
+        attn_metadata={
+            LAYER_NAME: SimpleNamespace(
+                num_actual_tokens=2, num_decode_tokens=2, block_table=FakeTensor(2, 4, name="block_table"),
+                req_id_per_token=FakeTensor(64, name="req_id_per_token"), slot_mapping=FakeTensor(2),
+            )
+        },
+        slot_mapping={LAYER_NAME: FakeTensor(2, name="context.slot_mapping")},
+        virtual_engine=0,
+    )
+    fake_vllm(monkeypatch, lambda: context)
+    attention = fake_rope_attention()
+    adapter = install_rope_fake(attention)
+    assert adapter.rope
+    inputs = adapter_module.vllm_step_inputs(adapter, FakeTensor(2), FakeTensor(2, R_HIDDEN))
+    indexer = attention.mla_attn.indexer
+    assert inputs.before is None and inputs.after is None and inputs.indexer.ring is None
+    assert inputs.indexer.k_cache.base is indexer.k_cache.kv_cache and inputs.indexer.k_cache.shape == (5, R_BLOCK * 132)
+    assert inputs.kv_cache is attention.mla_attn.mla_attn.kv_cache
+    out = attention.mla_attn.forward(FakeTensor(2), FakeTensor(2, R_HIDDEN))
+    (args,) = adapter.stage.forward_calls
+    assert args.out is out and args.indexer.ring is None  # the tail ring's conversion is a NoPE layer's only
+    assert args.indexer.k_cache.base is indexer.k_cache.kv_cache
 
 
 # --- the real stage on a GPU ---------------------------------------------------------------------------------------

@@ -224,8 +224,9 @@ def load_weights(layer):
             else:
                 parameter.copy_(value)
             checkpoint[name] = value
-        fused = attention.indexer.wk_weights_proj.weight
-        head_dim, heads = attention.indexer.head_dim, attention.indexer.n_head
+        indexer = attention.mla_attn.indexer
+        fused = indexer.wk_weights_proj.weight
+        head_dim, heads = indexer.head_dim, indexer.n_head
         wk = (torch.randn(head_dim, fused.shape[1], generator=generator) * 0.02).to(fused.dtype)
         weights_proj = (torch.randn(heads, fused.shape[1], generator=generator) * 0.02).to(fused.dtype)
         fused.weight_loader(fused, wk, 0)
@@ -250,7 +251,9 @@ def bind_caches(layer):
     attention = layer.attention
     mla = attention.mla_attn.mla_attn
     layer.specs = {}
-    for cache_layer in (mla, attention.indexer.k_cache, attention.indexer.tail_cache):
+    indexer = attention.mla_attn.indexer  # (glm5next's attention module holds it too; DeepSeek-V3.2's only here)
+    tail = getattr(indexer, "tail_cache", None)  # DeepSeek-V3.2's indexer keeps no tail ring
+    for cache_layer in (mla, indexer.k_cache) + ((tail,) if tail is not None else ()):
         spec = cache_layer.get_kv_cache_spec(layer.vllm_config)
         page = 1
         for size in compute_layer_kv_cache_shape_bytes(spec, 1):
@@ -634,4 +637,336 @@ def test_the_installed_forward_under_vllms_forward_context(monkeypatch):
     expected[5, :, 301 % ring] = 1.0  # request 0's tail block
     expected[3, :, 206 % ring] = 2.0  # request 1's
     assert torch.equal(tail, expected)
+    adapter.uninstall()
+
+
+# --- vLLM's DeepSeek-V3.2 / GLM-5 attention module (DeepseekV2MLAAttention) -------------------------------------------
+
+# Scaled-down DeepSeek-V3.2 and GLM-5 layers: the presets' per-head sizes and
+# rotaries (P 128 / 192, R 64, V 128 / 256, L 512, index dim 128), 4 heads,
+# D 256, Q 512, 16 / 32 index heads; the rotary fields as their config.json
+# give them (transformers 5's rope_parameters).
+ROPE_SMALL = {
+    "dsv32": dict(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=512,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        index_n_heads=16,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+        architectures=["DeepseekV32ForCausalLM"],
+    ),
+    "glm5": dict(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=512,
+        kv_lora_rank=512,
+        qk_nope_head_dim=192,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        index_n_heads=32,
+        max_position_embeddings=202752,
+        rms_norm_eps=1e-5,
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+        # A GLM-5 checkpoint field transformers' config does not declare; vLLM reads it.
+        indexer_rope_interleave=True,
+        architectures=["GlmMoeDsaForCausalLM"],
+    ),
+}
+ROPE_COMMON = dict(
+    num_hidden_layers=1,
+    vocab_size=128,
+    pad_token_id=0,
+    index_head_dim=128,
+    index_topk=2048,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    moe_intermediate_size=64,
+    intermediate_size=128,
+    first_k_dense_replace=1,
+)
+ROPE_BLOCK = 64  # vLLM's KV block for V3.2 (FlashMLA's pages)
+
+
+def rope_backend():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum.FLASHMLA_SPARSE
+
+
+def build_rope_layer(monkeypatch, model):
+    """vLLM's DeepseekV2MLAAttention of a DeepSeek-V3.2 or GLM-5 layer as its
+    decoder layer builds it (models/deepseek_v2.py; GlmMoeDsaForCausalLM is
+    DeepseekV2ForCausalLM), with the backend vLLM's CUDA platform picks on
+    SM90 for a quantized cache of head size 576 (FLASHMLA_SPARSE, which
+    canonicalizes the cache dtype "fp8" to "fp8_ds_mla"), weights loaded
+    through vLLM's loaders and processed, caches bound by vLLM's code."""
+    from transformers import DeepseekV32Config, GlmMoeDsaConfig
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLAAttention
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm.v1.worker import workspace
+
+    cls = DeepseekV32Config if model == "dsv32" else GlmMoeDsaConfig
+    hf = cls(**ROPE_COMMON, **ROPE_SMALL[model])
+    folder = tempfile.mkdtemp(prefix=f"{model}-small-")
+    hf.save_pretrained(folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model_config = ModelConfig(model=folder, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
+    monkeypatch.setattr(current_platform, "check_and_update_config", lambda config: None)
+    vllm_config = VllmConfig(cache_config=CacheConfig(block_size=ROPE_BLOCK, cache_dtype="fp8"))
+    vllm_config.model_config = model_config
+    vllm_config.cache_config.block_size = ROPE_BLOCK
+    vllm_config.attention_config.sparse_mla_prefill_workspace_factor = 5
+    backend = rope_backend()
+    monkeypatch.setattr(current_platform, "get_attn_backend_cls", lambda *args, **kwargs: backend.get_path())
+    config = model_config.hf_text_config
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.bfloat16):
+        World.init(vllm_config)
+        if workspace._manager is None:  # the model runner's, which FlashMLA's impl reserves from
+            workspace.init_workspace_manager(torch.device("cpu"))
+        attention = DeepseekV2MLAAttention(
+            vllm_config=vllm_config,
+            config=config,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            max_position_embeddings=config.max_position_embeddings,
+            cache_config=vllm_config.cache_config,
+            quant_config=None,
+            prefix=LAYER,
+            topk_indices_buffer=torch.zeros(16, config.index_topk, dtype=torch.int32),
+        )
+    layer = SimpleNamespace(attention=attention, vllm_config=vllm_config, config=config, hf=hf, model=model)
+    load_weights(layer)
+    bind_caches(layer)
+    return layer
+
+
+def rope_install(layer, **kwargs):
+    return adapter_module.install(layer.attention, stage_factory=RecordingStage, indexer_keys="hadamard", **kwargs)
+
+
+@needs_vllm
+@pytest.mark.parametrize("model", ["dsv32", "glm5"])
+def test_vllms_rope_layer_is_what_the_adapter_reads(monkeypatch, model):
+    layer = build_rope_layer(monkeypatch, model)
+    w = layer.attention.mla_attn
+    mla, indexer = w.mla_attn, w.indexer
+    # FLASHMLA_SPARSE took the quantized cache as fp8_ds_mla: 656-byte entries.
+    assert mla.attn_backend.get_name() in adapter_module.ROPE_KV_CACHE_BACKENDS
+    assert mla.kv_cache_dtype == adapter_module.ROPE_KV_CACHE_DTYPE
+    assert tuple(mla.kv_cache.shape) == (NUM_BLOCKS, ROPE_BLOCK, 656) and mla.kv_cache.dtype == torch.uint8
+    # DeepSeek-V3.2's indexer: a key per token, 132 bytes, no pools or ring.
+    assert tuple(indexer.k_cache.kv_cache.shape) == (NUM_BLOCKS, ROPE_BLOCK, 132)
+    assert not hasattr(indexer, "tail_cache") and not hasattr(indexer, "index_kpool_compress_gate")
+    # The rotaries: vLLM's classes, styles and tables.
+    yarn = model == "dsv32"
+    assert type(w.rotary_emb).__name__ == ("DeepseekScalingRotaryEmbedding" if yarn else "RotaryEmbedding")
+    assert w.rotary_emb.is_neox_style is False
+    assert w.indexer_rope_emb.is_neox_style is (model == "dsv32")  # not indexer_rope_interleave
+    assert tuple(w.rotary_emb.cos_sin_cache.shape) == ((163840 if yarn else 202752), 64)
+    # vLLM norms q_c and kv_c apart (no fused norm on this module): the stage's one launch computes the same two.
+    assert w.fuse_qkv_rmsnorm is False
+    assert w.q_a_layernorm.variance_epsilon == w.kv_a_layernorm.variance_epsilon
+    # The softmax scale of the rotary.
+    assert mla.scale == pytest.approx(dsa_decode.rope_softmax_scale(dsa_decode.rope_preset_config(model), 192 if yarn else 256))
+
+
+@needs_vllm
+@pytest.mark.parametrize("model", ["dsv32", "glm5"])
+def test_install_on_vllms_rope_layer_maps_its_rotaries(monkeypatch, model):
+    layer = build_rope_layer(monkeypatch, model)
+    w = layer.attention.mla_attn
+    mla, indexer = w.mla_attn, w.indexer
+    stock = w.forward
+    adapter = rope_install(layer)
+    assert adapter.installed and adapter.rope
+    config = adapter.config
+    small = ROPE_SMALL[model]
+    assert (config.hidden_size, config.num_heads, config.q_lora_rank, config.kv_lora_rank) == (256, 4, 512, 512)
+    assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (
+        small["qk_nope_head_dim"], 64, small["v_head_dim"])
+    assert config.kv_cache_dtype == "fp8_ds_mla" and config.rotary_embedding and config.fuse_qkv_rmsnorm
+    assert config.softmax_scale == mla.scale
+    # vLLM's rotaries are the presets' (rope_preset_config: the sources in docs/rope.md).
+    assert config.rope == dsa_decode.rope_preset_config(model, "attention")
+    assert config.indexer_rope == dsa_decode.rope_preset_config(model, "indexer")
+    # The unpooled indexer's plan: vLLM's block, no ring, max_model_len.
+    plan = adapter.plan
+    assert (plan.indexer_heads, plan.indexer_pool, plan.indexer_topk) == (small["index_n_heads"], 1, 2048)
+    assert (plan.ring, plan.block_size, plan.max_context) == (1, ROPE_BLOCK, MAX_MODEL_LEN)
+    # Weights in place (no static scales, gate or ape), W_UV copied once.
+    weights = adapter.weights
+    assert sorted(weights) == sorted(set(dsa_decode.WEIGHT_NAMES) - set(adapter_module.ROPE_UNREAD_WEIGHTS))
+    assert weights["fused_qkv_a_proj"] is w.fused_qkv_a_proj.weight
+    assert tuple(weights["fused_qkv_a_proj"].shape) == (512 + 512 + 64, 256)
+    assert tuple(weights["q_b_proj"].shape) == (4 * (small["qk_nope_head_dim"] + 64), 512)
+    assert weights["w_uk_t"] is mla.W_UK_T and weights["w_uv"].is_contiguous()
+    fused = indexer.wk_weights_proj.weight
+    assert weights["index_wk"].data_ptr() == fused.data_ptr()
+    assert tuple(weights["index_weights_proj"].shape) == (small["index_n_heads"], 256)
+    # The library's checks take every one of vLLM's tensors but for its device.
+    error = adapter.stage.library_error
+    head = "invalid argument: DSA attention stage needs valid weights and plan: "
+    assert error is not None and error.startswith(head), error
+    complaints = error[len(head) :].split("; ")
+    assert len(complaints) == len(weights) and all(" expected a CUDA tensor, got " in c for c in complaints), error
+    adapter.uninstall()
+    assert w.forward == stock
+
+
+@needs_vllm
+def test_vllms_rope_layer_needs_the_indexer_keys_basis(monkeypatch):
+    layer = build_rope_layer(monkeypatch, "dsv32")
+    w = layer.attention.mla_attn
+    stock = w.forward
+    with pytest.raises(ValueError) as error:
+        adapter_module.install(layer.attention, stage_factory=RecordingStage)
+    message = str(error.value)
+    assert message.startswith("DSA attention stage needs the indexer's keys in the stage's basis"), message
+    assert "indexer_keys='hadamard'" in message and "indexer_k_quant_and_cache" in message, message
+    assert w.forward == stock
+
+
+@needs_vllm
+def test_a_rotary_the_stage_does_not_compute_is_named(monkeypatch):
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    layer = build_rope_layer(monkeypatch, "glm5")
+    w = layer.attention.mla_attn
+    # vLLM's linear scaling: no RopeConfig expresses it.
+    with set_current_vllm_config(layer.vllm_config):
+        linear = get_rope(64, 4096, False, {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    monkeypatch.setattr(w, "rotary_emb", linear)
+    # An indexer rotary whose table is not the one its attributes give.
+    monkeypatch.setattr(w.indexer_rope_emb, "base", 20000.0)
+    with pytest.raises(ValueError) as error:
+        rope_install(layer)
+    message = str(error.value)
+    assert "a rotary the stage computes (w.rotary_emb: DeepseekScalingRotaryEmbedding or RotaryEmbedding, got " \
+        "LinearScalingRotaryEmbedding)" in message, message
+    assert "w.indexer_rope_emb.cos_sin_cache" in message and "theta=20000.0" in message, message
+
+
+@needs_vllm
+def test_vllms_rope_layer_with_an_unquantized_cache_is_refused(monkeypatch):
+    layer = build_rope_layer(monkeypatch, "dsv32")
+    mla = layer.attention.mla_attn.mla_attn
+    monkeypatch.setattr(mla, "kv_cache_dtype", "auto")
+    with pytest.raises(ValueError) as error:
+        rope_install(layer)
+    message = str(error.value)
+    assert "an FP8 KV cache of DeepSeek-V3.2's 656-byte entries (str(mla.kv_cache_dtype) == 'fp8_ds_mla')" in message
+
+
+def rope_decode_context(layer, requests, positions):
+    """vLLM's forward context of a pure decode step of a RoPE layer: one token
+    per request, FlashMLA's sparse metadata class."""
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseMetadata
+
+    m = len(requests)
+    mla = layer.attention.mla_attn.mla_attn
+    rows = torch.tensor(requests, dtype=torch.int32)
+    position = torch.tensor(positions, dtype=torch.int64)
+    block_table = torch.arange(1, 1 + 2 * 2, dtype=torch.int32).view(2, 2)
+    slots = torch.tensor(
+        [int(block_table[r, p // ROPE_BLOCK]) * ROPE_BLOCK + p % ROPE_BLOCK for r, p in zip(requests, positions)]
+    )
+    given = dict(
+        num_reqs=m,
+        max_query_len=1,
+        max_seq_len=max(positions) + 1,
+        num_actual_tokens=m,
+        query_start_loc=torch.arange(m + 1, dtype=torch.int32),
+        slot_mapping=slots,
+        num_decodes=m,
+        num_decode_tokens=m,
+        num_prefills=0,
+        block_table=block_table,
+        req_id_per_token=torch.cat([rows, torch.full((16 - m,), -1, dtype=torch.int32)]),
+        block_size=ROPE_BLOCK,
+    )
+    fields = {f.name for f in dataclasses.fields(FlashMLASparseMetadata)}
+    required = [
+        f.name
+        for f in dataclasses.fields(FlashMLASparseMetadata)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.init
+    ]
+    metadata = FlashMLASparseMetadata(
+        **{k: v for k, v in given.items() if k in fields}, **{name: None for name in required if name not in given}
+    )
+    context = set_forward_context(
+        {mla.layer_name: metadata}, layer.vllm_config, num_tokens=m, slot_mapping={mla.layer_name: slots}
+    )
+    return context, SimpleNamespace(metadata=metadata, positions=position, slots=slots)
+
+
+@needs_vllm
+def test_rope_step_inputs_from_vllms_forward_context(monkeypatch):
+    layer = build_rope_layer(monkeypatch, "dsv32")
+    adapter = rope_install(layer)
+    w = layer.attention.mla_attn
+    mla, indexer = w.mla_attn, w.indexer
+    context, step = rope_decode_context(layer, [0, 1], [101, 70])
+    hidden = torch.zeros(2, 256, dtype=torch.bfloat16)
+    with context:
+        inputs = adapter_module.vllm_step_inputs(adapter, step.positions, hidden)
+    assert inputs is not None and inputs.before is None and inputs.after is None
+    assert (inputs.num_actual_tokens, inputs.num_decode_tokens) == (2, 2)
+    assert inputs.token_requests.tolist() == [0, 1] and inputs.slot_mapping is step.slots
+    assert inputs.kv_cache is mla.kv_cache and inputs.indexer.block_table is step.metadata.block_table
+    assert inputs.indexer.ring is None
+    k_cache = inputs.indexer.k_cache
+    assert tuple(k_cache.shape) == (NUM_BLOCKS, ROPE_BLOCK * 132) and same_memory(k_cache, indexer.k_cache.kv_cache)
+    adapter.uninstall()
+
+
+class RopeWritingStage(RecordingStage):
+    def __init__(self, config, weights, plan):
+        super().__init__(config, weights, plan)
+        self.calls = []
+
+    def forward(self, args):
+        self.calls.append(args)
+        args.out.fill_(0.5)
+
+
+@needs_vllm
+def test_the_installed_forward_of_a_rope_layer_under_vllms_forward_context(monkeypatch):
+    layer = build_rope_layer(monkeypatch, "glm5")
+    adapter = adapter_module.install(layer.attention, stage_factory=RopeWritingStage, indexer_keys="hadamard")
+    context, step = rope_decode_context(layer, [0, 1], [101, 70])
+    hidden = torch.ones(2, 256, dtype=torch.bfloat16)
+    with context:
+        out = layer.attention(step.positions, hidden, None)  # DeepseekV2MLAAttention.forward -> w.forward
+    (args,) = adapter.stage.calls
+    assert args.hidden is hidden and args.positions is step.positions and args.out is out
+    assert args.kv_cache is layer.attention.mla_attn.mla_attn.kv_cache and args.indexer.ring is None
+    assert tuple(out.shape) == (2, 256) and bool((out == 0.5).all())
     adapter.uninstall()
