@@ -2,7 +2,9 @@
 // its errors, the measured default and the choice it makes per step;
 // --projections, --indexer-projections, --indexer-logits and --head-gemv-sums;
 // which options the CPU path names as GPU-only; the no-GPU message's words
-// (tools/gpu_probe.h).
+// (tools/gpu_probe.h); the RoPE presets' GPU run as the report --json and
+// --report write (tools/report.h's rope_run_report, where the build links
+// the reports: DSA_TEST_REPORTS).
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -17,8 +19,14 @@
 #include <vector>
 
 #include "dsa_decode/stage.h"
+#include "stage/stage_steps.h"
 #include "tools/gpu_probe.h"
+#include "tools/html_report.h"
 #include "tools/options.h"
+#include "tools/report.h"
+
+#include <fstream>
+#include <sstream>
 
 namespace dsa::cli {
 namespace {
@@ -453,15 +461,18 @@ TEST(DsaDecodeOptions, TheGpuPathRunsTheRopePresetsAndNamesWhatItDoesNotTake) {
                                        "--indexer-projections", "gemv", "--seed", "3"}),
                                preset),
               "");
+    // The reports: the chain's and the stage's checks and timings (rope_run_report).
+    EXPECT_EQ(gpu_path_refusal(parsed({"--preset", name, "--json", "out.json", "--report", "run.html"}), preset), "");
     const std::string refusal =
         gpu_path_refusal(parsed({"--preset", name, "--json", "out.json", "--trace", "--indexer-projections", "cublaslt",
                                  "--projections", "cublaslt"}),
                          preset);
-    EXPECT_NE(refusal.find(std::string("--json, --trace, --projections cublaslt, --indexer-projections cublaslt: "
+    EXPECT_NE(refusal.find(std::string("--trace, --projections cublaslt, --indexer-projections cublaslt: "
                                        "preset '") + name + "' uses RoPE (64 rope dims per head); its GPU path runs "
                                        "the step kernel by kernel"),
               std::string::npos)
         << refusal;
+    EXPECT_EQ(refusal.find("--json"), std::string::npos) << refusal;
     EXPECT_NE(refusal.find("does not take these; drop them, or add --cpu for its CPU reference chain"),
               std::string::npos)
         << refusal;
@@ -503,6 +514,161 @@ TEST(DsaDecodeOptions, BreakNamesALinkOfTheRopeChain) {
             "--break: breaks a link of the RoPE presets' CPU chain (dsv32, glm5); preset 'glm5next' has no RoPE");
   EXPECT_EQ(chain_break_refusal(Options(), glm5next), "");
 }
+
+#if DSA_TEST_REPORTS
+
+// Every RoPE step list the stage can issue (stage_steps: either path, GEMV or
+// cuBLASLt projections, value-up on head_gemv or cuBLAS, the indexer or the
+// caller's rows), as a RoPE GPU run's timings: each step, then the two
+// halves and the two whole stages.
+std::vector<StageStepTime> rope_times(int m, bool gemv, bool caller_rows) {
+  StepChoices c;
+  c.rope = true;
+  c.hidden = 7168;
+  c.q_lora = 1536;
+  c.heads_v = 16 * 128;
+  for (int t = 1; t <= 16; ++t) c.value_up_tokens.insert(gemv ? t : 100);
+  for (int t = 1; t <= 8; ++t) c.projection_gemv_tokens.insert(gemv ? t : 100);
+  std::vector<StageStepTime> times;
+  for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
+    const StepList list = stage_steps(path, c, m, caller_rows);
+    const std::string name = path == DsaPath::kFused ? "fused" : "stock";
+    for (int i = 0; i < list.count; ++i) times.push_back({name, step_name(list.steps[i], false), 1.0 + i});
+    times.push_back({name, "attention half (norm .. value_up)", 40.0});
+    times.push_back({name, "whole stage (qkv_a_proj .. o_proj)", name == "fused" ? 60.0 : 90.0});
+  }
+  return times;
+}
+
+StepShape dsv32_tp8(int m) {
+  ModelPreset preset{}, rank{};
+  EXPECT_TRUE(find_preset("dsv32", &preset).ok());
+  EXPECT_TRUE(per_rank(preset, 8, &rank).ok());
+  return make_step_shape(rank, m, 4096);
+}
+
+const Timing* timing(const RunReport& r, const std::string& name) {
+  for (const Timing& t : r.timings) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+// The RoPE GPU run's report: every step the stage issues has its row (named
+// as the NoPE rows where the kernel is the same), the halves and whole
+// stages carry the sums of their steps' floor bytes, the fused rows stand
+// against the stock ones they replace, and the GPU chain's row is there.
+TEST(DsaDecodeReports, TheRopeRunReportNamesEveryStepTheStageIssues) {
+  const StepShape s = dsv32_tp8(2);
+  Options options;
+  const std::vector<Check> checks = {judged("a chain check", true, "fine"), judged("stage fused: a check", false, "x")};
+  for (const bool gemv : {true, false}) {
+    for (const bool caller_rows : {false, true}) {
+      const std::vector<StageStepTime> times = rope_times(2, gemv, caller_rows);
+      RunReport r;
+      ASSERT_TRUE(rope_run_report(s, options, "NVIDIA H100 80GB HBM3", 3000, 3, checks, times, 70.5, &r).ok());
+      ASSERT_EQ(r.timings.size(), times.size() + 1);
+      for (const Timing& t : r.timings) {
+        EXPECT_GT(t.bytes, 0) << t.name;
+        EXPECT_FALSE(t.label.empty()) << t.name;
+      }
+      const Timing *whole = timing(r, "whole_stage"), *stock_whole = timing(r, "stock_whole_stage");
+      const Timing *half = timing(r, "chain"), *chain = timing(r, "gpu_chain");
+      ASSERT_TRUE(whole != nullptr && stock_whole != nullptr && half != nullptr && chain != nullptr);
+      EXPECT_EQ(&r.timings[whole->baseline], stock_whole);
+      EXPECT_EQ(&r.timings[half->baseline], timing(r, "stock_chain"));
+      EXPECT_EQ(chain->us, 70.5);
+      EXPECT_LT(half->bytes, whole->bytes);
+      // The floor of the whole stage: every weight once (dsv32 TP8: 73.3 MB, the indexer's projections 27.9 MB
+      // more) and, per token, its rows' entries and keys (2048 x 656 and 4097 x 132 bytes: 1.9 MB).
+      const double weights = 73.27e6 + (caller_rows ? 0 : 27.92e6);
+      EXPECT_GT(whole->bytes, weights) << caller_rows;
+      EXPECT_LT(whole->bytes, weights + 2 * 2e6 + 1e6) << caller_rows;
+      const Timing* value_up = timing(r, gemv ? "value_up" : "value_up_bmm");
+      ASSERT_NE(value_up, nullptr);
+      EXPECT_EQ(r.value_up_kernel, gemv ? "head_gemv" : "cuBLAS bmm");
+      if (gemv) {
+        EXPECT_EQ(&r.timings[timing(r, "q_b_proj_gemv")->baseline], timing(r, "stock_q_b_proj"));
+        EXPECT_EQ(&r.timings[timing(r, "o_proj_gemv")->baseline], timing(r, "stock_o_proj"));
+        EXPECT_EQ(&r.timings[value_up->baseline], timing(r, "stock_value_up_bmm"));
+      }
+      EXPECT_NE(timing(r, "rope_absorb"), nullptr);
+      EXPECT_NE(timing(r, "stock_cache_write_v32"), nullptr);
+      EXPECT_NE(timing(r, caller_rows ? "indexer_remap" : "indexer_select"), nullptr);
+      EXPECT_EQ(r.checks.size(), 2u);
+      EXPECT_TRUE(r.trace_problem.empty());
+      ASSERT_EQ(r.fused_projection_kernels.size(), 3u);
+      EXPECT_EQ(r.fused_projection_kernels[1].second, gemv ? "GEMV" : "cuBLASLt");
+    }
+  }
+  // --report turns the trace on; this path takes none, and says so in the report.
+  options.trace = true;
+  RunReport traced;
+  ASSERT_TRUE(rope_run_report(s, options, "gpu", 3000, 1, {}, rope_times(2, true, false), 0, &traced).ok());
+  EXPECT_NE(traced.trace_problem.find("takes no trace"), std::string::npos);
+  EXPECT_EQ(timing(traced, "gpu_chain"), nullptr);  // no chain time given
+}
+
+TEST(DsaDecodeReports, AStepTheReportDoesNotKnowIsNamed) {
+  std::vector<StageStepTime> times = rope_times(1, true, false);
+  times.insert(times.begin() + 2, {"fused", "a new kernel", 3.0});
+  RunReport r;
+  const Status st = rope_run_report(dsv32_tp8(1), Options(), "gpu", 3000, 1, {}, times, 10, &r);
+  EXPECT_EQ(st.code(), ErrorCode::kUnsupported);
+  EXPECT_NE(st.message().find("'a new kernel' (fused path)"), std::string::npos) << st.message();
+  times = rope_times(1, true, false);
+  times[0].path = "both";
+  EXPECT_NE(rope_run_report(dsv32_tp8(1), Options(), "gpu", 3000, 1, {}, times, 10, &r).message().find("'both'"),
+            std::string::npos);
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// --json and --report of a RoPE run: the RoPE fields, the rows with their
+// floors and baselines, the checks; the paths recorded as written.
+TEST(DsaDecodeReports, TheRopeRunsReportsAreWrittenAndRecorded) {
+  const StepShape s = dsv32_tp8(2);
+  const std::string dir = testing::TempDir();
+  Options options;
+  options.json_path = dir + "/dsa_decode_rope_run.json";
+  options.report_path = dir + "/dsa_decode_rope_run.html";
+  RunReport r;
+  ASSERT_TRUE(rope_run_report(s, options, "NVIDIA H100 80GB HBM3", 3000, 3,
+                              {judged("stage fused: rope_absorb", true, "bit for bit")}, rope_times(2, true, false), 70.5,
+                              &r)
+                  .ok());
+  EXPECT_FALSE(report_written(options.json_path));
+  ASSERT_TRUE(write_run_reports(r, options).ok());
+  EXPECT_TRUE(report_written(options.json_path) && report_written(options.report_path));
+  const std::string json = read_file(options.json_path);
+  for (const char* part : {"\"preset\": \"dsv32\", \"tp\": 8", "\"params\": {\"H\": 16, \"m\": 2, \"context\": 4096}",
+                           "\"rope\": {\"dims\": 64, \"kv_cache\": \"fp8_ds_mla\", \"entry_bytes\": 656}",
+                           "\"indexer\": {\"heads\": 64, \"pool\": 1, \"topk\": 2048",
+                           "{\"name\": \"whole_stage\", \"label\": \"stage qkv_a_proj .. o_proj\"",
+                           "\"baseline\": \"stock stage qkv_a_proj .. o_proj\", \"baseline_us\": 90, \"speedup\": 1.5",
+                           "{\"name\": \"rope_absorb\"", "{\"name\": \"gpu_chain\"",
+                           "\"name\": \"stage fused: rope_absorb\", \"result\": \"PASS\"",
+                           "the RoPE layer's step (dsv32"}) {
+    EXPECT_NE(json.find(part), std::string::npos) << part << "\n" << json;
+  }
+  const std::string html = read_file(options.report_path);
+  EXPECT_NE(html.find("RoPE: 64 rotated dims a head, the 656-byte FP8 cache"), std::string::npos);
+  EXPECT_NE(html.find("rope_absorb (absorb + q_pe and k_pe RoPE, one launch)"), std::string::npos);
+  EXPECT_EQ(html, html_report(r));
+  std::remove(options.json_path.c_str());
+  std::remove(options.report_path.c_str());
+  Options unwritable;
+  unwritable.json_path = "/nonexistent-dir/run.json";
+  EXPECT_NE(write_run_reports(r, unwritable).message().find("--json"), std::string::npos);
+  EXPECT_FALSE(report_written(unwritable.json_path));
+}
+
+#endif  // DSA_TEST_REPORTS
 
 }  // namespace
 }  // namespace dsa::cli

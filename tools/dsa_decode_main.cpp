@@ -13,6 +13,7 @@
 #include "dsa_decode/presets.h"
 #include "gpu_path.h"
 #include "options.h"
+#include "report.h"
 #include "synthetic_layer.h"
 
 namespace {
@@ -45,6 +46,18 @@ bool resolve_shape(const dsa::cli::Options& options, dsa::cli::StepShape* shape,
   return true;
 }
 
+// A GPU run that ended without writing a --json or --report it was given
+// fails, naming them: a report asked for is never silently dropped.
+int reports_written_or_failure(const dsa::cli::Options& options, int exit_code) {
+  std::string missing;
+  for (const std::string* path : {&options.json_path, &options.report_path}) {
+    if (!path->empty() && !dsa::cli::report_written(*path)) missing += (missing.empty() ? "" : ", ") + *path;
+  }
+  if (missing.empty() || exit_code != kExitOk) return exit_code;
+  std::fprintf(stderr, "dsa-decode: the GPU path ended without writing %s\n", missing.c_str());
+  return 1;
+}
+
 int usage_error(const std::string& message) {
   std::fprintf(stderr, "dsa-decode: %s\n", message.c_str());
   std::fprintf(stderr, "(dsa-decode --help lists the options)\n");
@@ -74,7 +87,7 @@ int main(int argc, char** argv) {
   } else if (const std::string refusal = dsa::cli::gpu_path_refusal(options, shape.per_rank); !refusal.empty()) {
     return usage_error(refusal);  // a RoPE preset with an option only the stage's path or the CPU chain takes
   } else {
-    return dsa::cli::run_gpu_path(shape, options);
+    return reports_written_or_failure(options, dsa::cli::run_gpu_path(shape, options));
   }
   return dsa::cli::run_cpu_path(shape, options, why_cpu);
 }

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 namespace dsa::cli {
@@ -53,7 +54,13 @@ void header(std::ostringstream& html, const RunReport& r) {
        << escaped(r.date) << "; copy rate " << fixed(r.copy_GBps, 0) << " GB/s; " << r.steps << " steps over "
        << r.weight_copies << " weight copies; attention plan " << escaped(r.attention_plan) << ", indexer logits "
        << escaped(r.indexer_logits) << ", head_gemv sums " << escaped(r.head_gemv_sums)
-       << (r.batch_invariant ? ", batch invariant" : "") << "</p>\n";
+       << (r.batch_invariant ? ", batch invariant" : "");
+  if (s.rope()) {
+    html << "; RoPE: " << s.R << " rotated dims a head, the 656-byte FP8 cache, the unpooled indexer (" << s.index_heads
+         << " heads, top-" << s.index_topk << ")";
+  }
+  html << "</p>\n";
+  if (!r.note.empty()) html << "<p>" << escaped(r.note) << "</p>\n";
 }
 
 void checks_table(std::ostringstream& html, const RunReport& r) {
@@ -173,7 +180,19 @@ void timeline(std::ostringstream& html, const StageTrace& t, double span_us) {
   html << "</table>\n";
 }
 
+// The report files written by this process (report.h's note_report_written;
+// here, beside write_html_report, so that every target that writes a report
+// has it).
+std::set<std::string>& written_reports() {
+  static std::set<std::string> paths;
+  return paths;
+}
+
 }  // namespace
+
+void note_report_written(const std::string& path) { written_reports().insert(path); }
+
+bool report_written(const std::string& path) { return written_reports().count(path) > 0; }
 
 std::vector<size_t> estimated_critical_path(const StageTrace& trace) {
   const std::vector<TracedKernel>& k = trace.kernels;
@@ -221,6 +240,7 @@ Status write_html_report(const RunReport& r, const std::string& path) {
   file << html_report(r);
   file.close();
   if (!file) return invalid_argument("--report", "a writable file", "'" + path + "' (could not be written)");
+  note_report_written(path);
   return Status();
 }
 

@@ -47,8 +47,9 @@ bool parse_rope_chain_break(const std::string& name, RopeChainBreak* link) {
 
 std::vector<std::string> rope_gpu_chain_unsupported_options(const Options& options) {
   std::vector<std::string> given;
-  for (const char* name : {"--weights", "--layer", "--config", "--break", "--json", "--trace", "--report",
-                           "--value-up-tokens", "--attention-plan", "--batch-invariant"}) {
+  // --json and --report: the chain's and the stage's checks and timings (rope_run_report, report.h).
+  for (const char* name : {"--weights", "--layer", "--config", "--break", "--trace", "--value-up-tokens",
+                           "--attention-plan", "--batch-invariant"}) {
     if (options.given.count(name) > 0) given.push_back(name);
   }
   if (options.given.count("--projections") > 0 && options.projections != "gemv" && options.projections != "auto") {

@@ -14,6 +14,8 @@
 
 namespace dsa::cli {
 
+struct Options;  // options.h
+
 struct Check {
   enum class Verdict { kPass, kFail, kInfo };  // kInfo: reported, not judged
   std::string name;
@@ -65,6 +67,7 @@ struct RunReport {
   std::vector<Timing> timings;
   std::vector<StageTrace> traces;  // --trace
   std::string trace_problem;       // --trace: why there is no trace (the run's checks and timings stand)
+  std::string note;                // the JSON's note on what ran; empty: the NoPE stage's
 };
 
 // printf into a std::string (up to 511 characters).
@@ -98,5 +101,43 @@ void print_timings(const RunReport& report);
 void print_trace(const StageTrace& trace, int weight_copies);
 Status write_json(const RunReport& report, const std::string& path);
 Status write_cpu_json(const CpuReport& report, const std::string& path);
+
+// The report files this process wrote (write_json, write_cpu_json,
+// write_html_report record each path they wrote; defined in
+// html_report.cpp, which every target writing a report links), so that
+// dsa-decode can refuse to end as if a --json or --report it was given had
+// been written.
+void note_report_written(const std::string& path);
+bool report_written(const std::string& path);
+
+// One timing of the RoPE presets' stage on the GPU path (tools/gpu_path_rope.cpp):
+// the path ("fused" or "stock"), the step (a name from
+// DsaAttentionStage::step_names, or "attention half (norm .. value_up)" or
+// "whole stage (qkv_a_proj .. o_proj)") and its median microseconds.
+struct StageStepTime {
+  std::string path, step;
+  double us = 0;
+};
+
+// The RoPE presets' GPU run (the step kernel by kernel, then the stage) as
+// the report --json and --report write (RunReport, the NoPE path's form):
+// the checks in the order run (the chain's, then the stage's); one timing
+// per stage step of each path (the NoPE rows' names where the step is the
+// same, "rope_absorb" and "cache_write_v32" for the RoPE ones; stock rows
+// "stock_<name>"), the attention halves ("chain", "stock_chain"), the whole
+// stages ("whole_stage", "stock_whole_stage") and the GPU chain kernel by
+// kernel ("gpu_chain": one weight copy, not rotated), each with the bytes of
+// its memory floor; the fused q_b_proj, value-up, o_proj, halves and whole
+// stage against the stock ones they replace. An unknown step name is an
+// error naming it (the stage changed: the rows would be mislabelled).
+// With options.trace (--report turns it on): trace_problem says that this
+// path takes no trace.
+Status rope_run_report(const StepShape& s, const Options& options, const std::string& gpu, double copy_GBps,
+                       int weight_copies, const std::vector<Check>& checks, const std::vector<StageStepTime>& times,
+                       double gpu_chain_us, RunReport* report);
+
+// Writes --json (write_json) and --report (write_html_report) where the
+// options name them, printing "wrote FILE" for each; the first failure.
+Status write_run_reports(const RunReport& report, const Options& options);
 
 }  // namespace dsa::cli
