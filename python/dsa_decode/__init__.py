@@ -15,11 +15,14 @@ Kernels: qkv_rmsnorm, head_gemv, linear_gemv, sparse_mla, indexer_*; for
 the RoPE presets (dsv32, glm5): rope_absorb (with RopeConfig,
 rope_preset_config, rope_cos_sin_table, rope_softmax_scale), sparse_mla_v32
 and sparse_mla_v32_cache_write (DeepSeek-V3.2's 656-byte FP8 cache).
-The whole stage: Stage (with LayerConfig, StagePlan, StepArgs);
+The whole stage: Stage (with LayerConfig, StagePlan, StepArgs), for glm5next
+and for the RoPE layers (LayerConfig's rope and indexer_rope:
+layer_config("dsv32"), LayerConfig.from_model_config of a config.json);
 Stage.from_checkpoint and load_layer_weights read a layer of a Hugging Face
 checkpoint (safetensors, BF16 or FP8 with 128 x 128 block scales).
 Optional: dsa_decode.torch_ops registers the ops with torch.library;
-dsa_decode.vllm installs the stage on a vLLM MLA wrapper. docs/python.md.
+dsa_decode.vllm installs the stage on a vLLM MLA wrapper (glm5next,
+DeepSeek-V3.2, GLM-5). docs/python.md.
 
 Every default is the fastest path within the numerics contract's bounds
 (the same bits on every run); StagePlan(batch_invariant=True) is the one
