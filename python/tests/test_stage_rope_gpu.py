@@ -232,7 +232,8 @@ def test_every_op_reproduces_the_stages_products_bit_for_bit(preset):
     step = RopeStep(layer, m, gen)
     v = run(layer, step)
     names = layer.stage.step_names(step.args())
-    assert "o_proj (GEMV)" in names and "value_up (head_gemv)" in names, names
+    for name in ("qkv_a_proj (GEMV)", "q_b_proj (GEMV)", "o_proj (GEMV)", "value_up (head_gemv)"):
+        assert name in names, (name, names)
     kv_after, k_after = step.caches()
     c, w, ip = layer.c, layer.weights, layer.iplan
     H, Q, L, P, R, V, D = (c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
@@ -439,6 +440,8 @@ def test_each_product_is_within_its_bound_of_the_reference(preset):
     layer = RopeLayer(preset, gen, max_tokens=m, **all_gemv(m))
     step = RopeStep(layer, m, gen)
     v = run(layer, step)
+    names = layer.stage.step_names(step.args())
+    assert all(f"{p} (GEMV)" in names for p in ("qkv_a_proj", "q_b_proj", "o_proj")), names
     kv_after, _ = step.caches()
     c, w = layer.c, layer.weights
     H, Q, L, P, R, V = (c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
