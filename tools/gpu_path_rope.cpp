@@ -977,11 +977,13 @@ Status time_stage(const bench::Context& ctx, RopeStageRun& run, int replays, std
 // checked, then timed. Returns the checks (appended to `checks`).
 Status run_stage(const StepShape& s, const Options& options, const RopeChainProducts& p, const RopeGpuChain& chain,
                  const std::vector<uint8_t>& cache0, const std::vector<uint8_t>& k_cache_after_prefill,
-                 const GpuProducts& chain_products, const bench::Context& ctx, std::vector<Check>* checks) {
+                 const GpuProducts& chain_products, const bench::Context& ctx, std::vector<Check>* checks,
+                 std::vector<StageStepTime>* times, int* weight_copies) {
   const DsaLayerConfig config = dsa_layer_config(s.per_rank, p.weights.eps);
   DsaStagePlan plan = s.stage_plan();
   plan.projection_gemv_tokens = projection_gemv_tokens(options);
   const int copies = rope_weight_copies(ctx, s);
+  *weight_copies = copies;
   RopeStageRun run;
   DSA_RETURN_IF_ERROR(run.init(s, chain, cache0, k_cache_after_prefill, config, plan, copies, ctx.stream));
   std::printf("\nthe library's stage (DsaAttentionStage) on the same layer and step: %d weight copies, one stage "
@@ -1013,6 +1015,7 @@ Status run_stage(const StepShape& s, const Options& options, const RopeChainProd
               ctx.gpu_name.c_str(), copies, options.steps);
   double whole[2] = {0, 0}, half[2] = {0, 0};
   for (const StageTiming& t : timings) {
+    times->push_back(StageStepTime{t.path, t.step, t.us});
     std::printf("  %-6s %-44s %8.1f\n", t.path.c_str(), t.step.c_str(), t.us);
     const int i = t.path == "fused" ? 0 : 1;
     if (t.step.rfind("whole stage", 0) == 0) whole[i] = t.us;
@@ -1126,9 +1129,22 @@ int run_gpu_path_rope(const StepShape& s, const Options& options) {
 
   // The stage on the same layer and step: both paths checked, then timed.
   std::vector<Check> stage_checks;
-  if (const Status st = run_stage(s, options, p, gpu, cache0, k_cache_after_prefill, g, ctx, &stage_checks);
+  std::vector<StageStepTime> stage_times;
+  int copies = 0;
+  if (const Status st = run_stage(s, options, p, gpu, cache0, k_cache_after_prefill, g, ctx, &stage_checks,
+                                  &stage_times, &copies);
       !st.ok()) {
     return fail(st);
+  }
+  // --json and --report: the chain's and the stage's checks and the stage's timings (report.h).
+  if (!options.json_path.empty() || !options.report_path.empty()) {
+    std::vector<Check> all = checks;
+    all.insert(all.end(), stage_checks.begin(), stage_checks.end());
+    RunReport report;
+    Status written =
+        rope_run_report(s, options, ctx.gpu_name, ctx.copy_GBps, copies, all, stage_times, step_us, &report);
+    if (written.ok()) written = write_run_reports(report, options);
+    if (!written.ok()) return fail(written);
   }
 
   const size_t failed = failed_checks(checks) + cpu_failed, judged_count = judged_checks(checks);

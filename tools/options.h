@@ -130,17 +130,17 @@ std::optional<std::set<int>> projection_gemv_tokens(const Options& options);
 std::vector<std::string> gpu_only_options_given(const Options& options);
 
 // Why the GPU path does not run this (whole-model) preset with these
-// options, or "" when it does. The stage runs the NoPE presets; the RoPE
-// presets (dsv32, glm5) run on the GPU kernel by kernel without it
-// (tools/gpu_path_rope.cpp), which takes none of the options
-// rope_gpu_chain_unsupported_options lists (the CPU chain, --cpu, takes some).
+// options, or "" when it does. The RoPE presets (dsv32, glm5) run kernel by
+// kernel and then through the stage (tools/gpu_path_rope.cpp), which takes
+// none of the options rope_gpu_chain_unsupported_options lists (the CPU
+// chain, --cpu, takes some).
 std::string gpu_path_refusal(const Options& options, const ModelPreset& preset);
 
-// The options given that the RoPE presets' GPU chain does not take: the
-// checkpoint and config inputs, --break, the reports (--json, --trace,
-// --report) and the stage's choices it has no counterpart of (--projections
-// other than gemv, --value-up-tokens, --attention-plan, --batch-invariant,
-// --indexer-projections cublaslt).
+// The options given that the RoPE presets' GPU path does not take: the
+// checkpoint and config inputs, --break, --trace and the stage's choices it
+// has no counterpart of (--projections other than gemv or auto,
+// --value-up-tokens, --attention-plan, --batch-invariant, --indexer-projections
+// cublaslt). --json and --report it writes.
 std::vector<std::string> rope_gpu_chain_unsupported_options(const Options& options);
 
 // Why --break does not apply to this run ("" when it does): it breaks a link
