@@ -60,6 +60,45 @@ Status fill_f32(float* values, size_t count, float value, cudaStream_t stream) {
   return cuda_status(cudaGetLastError(), "fill_f32_kernel");
 }
 
+// One weight of a layer copy: BF16 uniform in [-scale, scale) (stddev
+// scale / sqrt(3): linear(in) keeps a projection's outputs near unit scale),
+// F32 filled with scale.
+struct WeightPart {
+  TensorView* view;
+  DType dtype;
+  std::vector<int64_t> shape;
+  float scale;
+};
+
+float linear(int64_t in) { return std::sqrt(3.0f / float(in)); }
+
+// All parts in one allocation (each 256-byte aligned), filled, their views set.
+Status allocate_parts(const std::vector<WeightPart>& parts, uint64_t seed, bench::DeviceMemory* memory, size_t* bytes,
+                      cudaStream_t stream) {
+  std::vector<size_t> offsets, counts;
+  for (const WeightPart& p : parts) {
+    size_t count = 1;
+    for (int64_t s : p.shape) count *= size_t(s);
+    counts.push_back(count);
+    offsets.push_back(*bytes);
+    *bytes += (count * dtype_size(p.dtype) + 255) / 256 * 256;
+  }
+  DSA_RETURN_IF_ERROR(memory->allocate(*bytes));
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const WeightPart& p = parts[i];
+    char* data = memory->as<char>() + offsets[i];
+    if (p.dtype == DType::kBF16) {
+      DSA_RETURN_IF_ERROR(bench::fill_random_bf16(data, counts[i], seed + i, p.scale, stream));
+    } else {
+      DSA_RETURN_IF_ERROR(fill_f32(reinterpret_cast<float*>(data), counts[i], p.scale, stream));
+    }
+    *p.view = p.shape.size() == 1   ? make_tensor(data, p.dtype, {p.shape[0]})
+              : p.shape.size() == 2 ? make_tensor(data, p.dtype, {p.shape[0], p.shape[1]})
+                                    : make_tensor(data, p.dtype, {p.shape[0], p.shape[1], p.shape[2]});
+  }
+  return Status();
+}
+
 // One copy of a layer's weights in one allocation.
 struct Weights {
   bench::DeviceMemory memory;
@@ -69,15 +108,8 @@ struct Weights {
   // The indexer's weights at the plan's shape (indexer_heads, indexer_pool).
   Status make(int64_t H, const DsaStagePlan& plan, uint64_t seed, cudaStream_t stream) {
     const int64_t HI = plan.indexer_heads, S = plan.indexer_pool;
-    struct Part {
-      TensorView* view;
-      DType dtype;
-      std::vector<int64_t> shape;
-      float scale;  // uniform [-scale, scale): stddev scale / sqrt(3); in^-0.5 keeps outputs near unit scale
-    };
-    const auto linear = [](int64_t in) { return std::sqrt(3.0f / float(in)); };
     DsaLayerWeights& w = views;
-    const std::vector<Part> parts = {
+    const std::vector<WeightPart> parts = {
         {&w.fused_qkv_a_proj, DType::kBF16, {kQ + kL, kD}, linear(kD)},
         {&w.q_a_norm, DType::kBF16, {kQ}, 1.0f},
         {&w.kv_a_norm, DType::kBF16, {kL}, 1.0f},
@@ -95,29 +127,7 @@ struct Weights {
         {&w.index_k_norm_bias, DType::kF32, {kIndexerDim}, 0.0f},
         {&w.index_ape, DType::kF32, {S, kIndexerDim}, 0.0f},
     };
-    std::vector<size_t> offsets;
-    for (const Part& p : parts) {
-      size_t count = 1;
-      for (int64_t s : p.shape) count *= size_t(s);
-      offsets.push_back(bytes);
-      bytes += (count * dtype_size(p.dtype) + 255) / 256 * 256;
-    }
-    DSA_RETURN_IF_ERROR(memory.allocate(bytes));
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const Part& p = parts[i];
-      char* data = memory.as<char>() + offsets[i];
-      size_t count = 1;
-      for (int64_t s : p.shape) count *= size_t(s);
-      if (p.dtype == DType::kBF16) {
-        DSA_RETURN_IF_ERROR(bench::fill_random_bf16(data, count, seed + i, p.scale, stream));
-      } else {
-        DSA_RETURN_IF_ERROR(fill_f32(reinterpret_cast<float*>(data), count, p.scale, stream));
-      }
-      *p.view = p.shape.size() == 1   ? make_tensor(data, p.dtype, {p.shape[0]})
-                : p.shape.size() == 2 ? make_tensor(data, p.dtype, {p.shape[0], p.shape[1]})
-                                      : make_tensor(data, p.dtype, {p.shape[0], p.shape[1], p.shape[2]});
-    }
-    return Status();
+    return allocate_parts(parts, seed, &memory, &bytes, stream);
   }
 };
 
@@ -229,15 +239,8 @@ struct RopeWeights {
   Status make(const DsaLayerConfig& c, const DsaStagePlan& plan, uint64_t seed, cudaStream_t stream) {
     const int64_t D = c.hidden_size, H = c.num_heads, Q = c.q_lora_rank, L = c.kv_lora_rank, P = c.qk_nope_head_dim,
                   R = c.qk_rope_head_dim, V = c.v_head_dim, HI = plan.indexer_heads;
-    struct Part {
-      TensorView* view;
-      DType dtype;
-      std::vector<int64_t> shape;
-      float scale;
-    };
-    const auto linear = [](int64_t in) { return std::sqrt(3.0f / float(in)); };
     DsaLayerWeights& w = views;
-    const std::vector<Part> parts = {
+    const std::vector<WeightPart> parts = {
         {&w.fused_qkv_a_proj, DType::kBF16, {Q + L + R, D}, linear(D)},
         {&w.q_a_norm, DType::kBF16, {Q}, 1.0f},
         {&w.kv_a_norm, DType::kBF16, {L}, 1.0f},
@@ -251,29 +254,7 @@ struct RopeWeights {
         {&w.index_k_norm_weight, DType::kF32, {kIndexerDim}, 1.0f},
         {&w.index_k_norm_bias, DType::kF32, {kIndexerDim}, 0.0f},
     };
-    std::vector<size_t> offsets;
-    for (const Part& p : parts) {
-      size_t count = 1;
-      for (int64_t s : p.shape) count *= size_t(s);
-      offsets.push_back(bytes);
-      bytes += (count * dtype_size(p.dtype) + 255) / 256 * 256;
-    }
-    DSA_RETURN_IF_ERROR(memory.allocate(bytes));
-    for (size_t i = 0; i < parts.size(); ++i) {
-      const Part& p = parts[i];
-      char* data = memory.as<char>() + offsets[i];
-      size_t count = 1;
-      for (int64_t s : p.shape) count *= size_t(s);
-      if (p.dtype == DType::kBF16) {
-        DSA_RETURN_IF_ERROR(bench::fill_random_bf16(data, count, seed + i, p.scale, stream));
-      } else {
-        DSA_RETURN_IF_ERROR(fill_f32(reinterpret_cast<float*>(data), count, p.scale, stream));
-      }
-      *p.view = p.shape.size() == 1   ? make_tensor(data, p.dtype, {p.shape[0]})
-                : p.shape.size() == 2 ? make_tensor(data, p.dtype, {p.shape[0], p.shape[1]})
-                                      : make_tensor(data, p.dtype, {p.shape[0], p.shape[1], p.shape[2]});
-    }
-    return Status();
+    return allocate_parts(parts, seed, &memory, &bytes, stream);
   }
 };
 
