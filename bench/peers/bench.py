@@ -66,6 +66,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import indexer_v32  # noqa: E402
+from accuracy import check_baseline, latent_error, lse_error  # noqa: E402
 import peers  # noqa: E402
 import v32  # noqa: E402
 
@@ -178,14 +179,6 @@ def attention_reference(inp, rotation: int = 0, bf16_query: bool = False):
     return torch.einsum("mhk,mkd->mhd", p, k), lse
 
 
-def latent_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref))
-
-
-def lse_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref.double()).abs().max())
-
-
 def measure_ours(args, dsa, inp, ref_latent, ref_lse):
     """Our sparse_mla (default plan) on these inputs: its check against the float64 reference of its
     own inputs, its time when it passes, and its output (for the comparisons with the peers)."""
@@ -254,13 +247,7 @@ def flashmla_row(args, flashmla, flashmla_error, commits, inp, ref_latent, ref_l
     torch.cuda.synchronize()
     p_latent = out.view(m, peer_h, LATENT)[:, :H]
     p_lse = plse.reshape(m, peer_h)[:, :H]
-    e_lat, e_lse = latent_error(p_latent, ref_latent), lse_error(p_lse, ref_lse)
-    row["check_baseline"] = {"latent_rel": e_lat, "lse_abs": e_lse}
-    if ours and "latent" in ours:
-        row["check_ours_vs_baseline"] = {
-            "latent_rel": latent_error(ours["latent"], p_latent.double()),
-            "lse_abs": lse_error(ours["lse"], p_lse),
-        }
+    e_lat, e_lse = check_baseline(row, p_latent, p_lse, ref_latent, ref_lse, ours)
     if not (e_lat <= LATENT_TOL and e_lse <= LSE_TOL):
         row["baseline_error"] = f"FlashMLA fails the contract: latent {e_lat:.2e}, lse {e_lse:.2e}"
     else:

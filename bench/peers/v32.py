@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from accuracy import check_baseline, latent_error, lse_error
+
 NAME = "sparse_mla dsv32 vs FlashMLA V32"
 K_TOPK = 2048
 LATENT, ROPE, HEAD_DIM, GROUP, ENTRY = 512, 64, 576, 128, 656
@@ -130,14 +132,6 @@ def reference(inp, rotation: int = 0, bf16_scales: bool = False):
     return torch.einsum("mhk,mkd->mhd", torch.exp(s - lse[..., None]), keys[..., :LATENT]), lse
 
 
-def latent_error(x, ref) -> float:
-    return float(torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref))
-
-
-def lse_error(x, ref) -> float:
-    return float((x.double() - ref.double()).abs().max())
-
-
 def flops(m: int, heads: int, top_k: int) -> float:
     return 2.0 * m * heads * top_k * (HEAD_DIM + LATENT)
 
@@ -183,13 +177,7 @@ def flashmla_side(env: Env, inp, ref_latent, ref_lse, row: dict, ours: Optional[
         torch.cuda.synchronize()
     p_latent = out.reshape(m, ph, LATENT)[:, :H]
     p_lse = plse.reshape(m, ph)[:, :H]
-    e_lat, e_lse = latent_error(p_latent, ref_latent), lse_error(p_lse, ref_lse)
-    row["check_baseline"] = {"latent_rel": e_lat, "lse_abs": e_lse}
-    if ours and "latent" in ours:
-        row["check_ours_vs_baseline"] = {
-            "latent_rel": latent_error(ours["latent"], p_latent.double()),
-            "lse_abs": lse_error(ours["lse"], p_lse),
-        }
+    e_lat, e_lse = check_baseline(row, p_latent, p_lse, ref_latent, ref_lse, ours)
     passed = e_lat <= LATENT_TOL and e_lse <= LSE_TOL
     if not passed:
         # FlashMLA's documented dequantization rounds each scale to BF16 (up to 2^-9 relative per
