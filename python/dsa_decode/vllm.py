@@ -964,31 +964,7 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
             return None
         m = hidden_states.shape[0]
         token_requests = state["token_requests"][:m]  # vLLM's buffer may be longer; a view
-        if rope:
-            return StepInputs(
-                num_actual_tokens=metadata.num_actual_tokens,
-                num_decode_tokens=metadata.num_decode_tokens,
-                token_requests=token_requests,
-                slot_mapping=slot_mapping,
-                kv_cache=_engine_tensor(mla.kv_cache, context),
-                indexer=IndexerState(
-                    block_table=state["block_table"],
-                    ring=None,  # the unpooled indexer keeps none
-                    k_cache=pooled_key_view(_engine_tensor(state["k_cache"], context)),
-                ),
-            )
-        tail = _engine_tensor(state["tail"], context)
-        ring = adapter.tail_ring
-        tail_slots = state["tail_slots"]
         block_table = state["block_table"]
-
-        def before() -> None:
-            ring.prepare(tail, block_table.shape[0])
-            ring.gather(tail, token_requests, tail_slots, m)
-
-        def after() -> None:
-            ring.scatter(tail, m)
-
         inputs = StepInputs(
             num_actual_tokens=metadata.num_actual_tokens,
             num_decode_tokens=metadata.num_decode_tokens,
@@ -997,12 +973,24 @@ def vllm_step_inputs(adapter: "DsaStageAdapter", positions: Any, hidden_states: 
             kv_cache=_engine_tensor(mla.kv_cache, context),
             indexer=IndexerState(
                 block_table=block_table,
-                ring=None,  # adapter.tail_ring.rows once before() ran
+                ring=None,  # unpooled: none; pooled: adapter.tail_ring.rows once before() ran
                 k_cache=pooled_key_view(_engine_tensor(state["k_cache"], context)),
             ),
-            before=before,
-            after=after,
         )
+        if rope:
+            return inputs
+        tail = _engine_tensor(state["tail"], context)
+        ring = adapter.tail_ring
+        tail_slots = state["tail_slots"]
+
+        def before() -> None:
+            ring.prepare(tail, block_table.shape[0])
+            ring.gather(tail, token_requests, tail_slots, m)
+
+        def after() -> None:
+            ring.scatter(tail, m)
+
+        inputs.before, inputs.after = before, after
         return inputs
     except (AssertionError, AttributeError, KeyError, IndexError, TypeError):
         # AssertionError: no forward context; KeyError: no metadata for the
