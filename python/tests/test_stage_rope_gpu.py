@@ -42,6 +42,7 @@ if torch.cuda.get_device_capability() != (9, 0):
 
 import dsa_decode as dd  # noqa: E402
 from dsa_decode.stage import stage_plan_for  # noqa: E402
+from v32_model import attention_float64, v32_entry_model  # noqa: E402
 
 DEVICE = "cuda"
 FP8 = torch.float8_e4m3fn
@@ -321,43 +322,6 @@ def rotate_float64(x, table_rows, style):
     return out, out_bound
 
 
-def v32_entry_model(kv_c, k_pe):
-    """vLLM's concat_and_cache_ds_mla bytes [m, 656] (IEEE float32): scale =
-    max(amax / 448, FLT_MIN) per 128 values, codes e4m3(x / scale) RNE
-    (saturating), the BF16 RoPE values verbatim."""
-    x = kv_c.float().cpu().view(-1, 4, GROUP)
-    scale = torch.clamp(x.abs().amax(dim=2) / torch.tensor(448.0), min=torch.finfo(torch.float32).tiny)
-    codes = (x / scale[..., None]).clamp(-448, 448).to(FP8).view(torch.uint8).view(-1, LATENT)
-    out = torch.empty((kv_c.shape[0], ENTRY), dtype=torch.uint8)
-    out[:, :LATENT] = codes
-    out[:, 512:528] = scale.contiguous().view(torch.uint8).view(-1, 16)
-    out[:, 528:] = k_pe.cpu().contiguous().view(torch.uint8).view(-1, 128)
-    return out
-
-
-def dequantized(cache):
-    """[..., 656] bytes -> [slots, 576] float64 keys (code x its group's scale | RoPE)."""
-    flat = cache.reshape(-1, ENTRY)
-    codes = flat[:, :LATENT].contiguous().view(FP8).double().view(-1, 4, GROUP)
-    scales = flat[:, 512:528].contiguous().view(torch.float32).double()
-    rope = flat[:, 528:].contiguous().view(torch.bfloat16).double()
-    return torch.cat([(codes * scales[..., None]).view(-1, LATENT), rope], dim=1)
-
-
-def attention_float64(q, cache, indices, scale):
-    keys = dequantized(cache)
-    m, heads = q.shape[0], q.shape[1]
-    latent = torch.zeros((m, heads, LATENT), dtype=torch.float64, device=DEVICE)
-    lse = torch.full((m, heads), -math.inf, dtype=torch.float64, device=DEVICE)
-    for t in range(m):
-        valid = indices[t][(indices[t] >= 0) & (indices[t] < keys.shape[0])].long()
-        k = keys[valid]
-        s = q[t].double() @ k.T * scale
-        lse[t] = torch.logsumexp(s, dim=1)
-        latent[t] = torch.softmax(s, dim=1) @ k[:, :LATENT]
-    return latent, lse
-
-
 def hadamard():
     """The orthonormal Sylvester Hadamard-128: H[i, j] = (-1)^popcount(i & j) / sqrt(128)."""
     parity = torch.tensor([[bin(a & b).count("1") & 1 for b in range(DIM)] for a in range(DIM)])
@@ -444,8 +408,7 @@ def test_each_product_is_within_its_bound_of_the_reference(preset):
     assert all(f"{p} (GEMV)" in names for p in ("qkv_a_proj", "q_b_proj", "o_proj")), names
     kv_after, _ = step.caches()
     c, w = layer.c, layer.weights
-    H, Q, L, P, R, V = (c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim,
-                        c.v_head_dim)
+    H, Q, L, P, R = c.num_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim
     # Projections: linear_gemv's bits, the CPU reference's.
     ref = dd.reference
     assert np.array_equal(bits(v["qkv"]), ref.linear_gemv(bits(step.hidden), bits(w["fused_qkv_a_proj"])))
