@@ -24,6 +24,7 @@
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
 #include "tools/checkpoint.h"
+#include "tools/compare.h"
 #include "tools/synthetic_layer.h"
 
 namespace dsa::cli {
@@ -94,14 +95,6 @@ HostWeights rank0_slice(const StepShape& whole, const HostWeights& w, int tp) {
     r.o_proj.insert(r.o_proj.end(), first, first + H * V);
   }
   return r;
-}
-
-template <class T>
-size_t differing(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return std::max(a.size(), b.size());
-  size_t count = 0;
-  for (size_t i = 0; i < a.size(); ++i) count += std::memcmp(&a[i], &b[i], sizeof(T)) != 0;
-  return count;
 }
 
 // Every field bit for bit.

@@ -2,8 +2,10 @@
 // and the printouts of both paths.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace dsa::cli {
@@ -24,6 +26,15 @@ Difference fp8_difference(const std::vector<uint8_t>& a, const std::vector<uint8
 // apart unless the sums differ by more than rounding noise: near zero, where
 // plain ulps shrink, the order noise is measured against the values' scale.
 double bf16_error_in_scale_ulps(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b);
+
+// Elements whose bytes differ (every element when the sizes differ).
+template <class T>
+size_t differing(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return std::max(a.size(), b.size());
+  size_t count = 0;
+  for (size_t i = 0; i < a.size(); ++i) count += std::memcmp(&a[i], &b[i], sizeof(T)) != 0;
+  return count;
+}
 
 // Values at +-448, the e4m3 limit the static quant clamps to.
 size_t count_saturated_fp8(const std::vector<uint8_t>& codes);

@@ -371,14 +371,6 @@ std::vector<uint8_t> make_rope_cache(const StepShape& s, uint64_t seed) {
 }
 
 template <class T>
-size_t differing(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return std::max(a.size(), b.size());
-  size_t count = 0;
-  for (size_t i = 0; i < a.size(); ++i) count += std::memcmp(&a[i], &b[i], sizeof(T)) != 0;
-  return count;
-}
-
-template <class T>
 std::vector<T> slice(const std::vector<T>& v, size_t first, size_t count) {
   return std::vector<T>(v.begin() + first, v.begin() + first + count);
 }
