@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dsa_decode as dd
+from hf_configs import DSV32
 
 LAYER = 3
 # Scaled down, and off the 128 grid so that block scales and TP slices cut blocks.
@@ -397,36 +398,13 @@ def test_a_rope_preset_and_its_config_json(tmp_path):
     tensors are not)."""
     tensors, _ = make_rope_layer(11, fp8=False)
     write_safetensors(tmp_path / "rope.safetensors", tensors)
-    (tmp_path / "config.json").write_text(json.dumps(dict(DSV32_CONFIG, rms_norm_eps=2e-6)))
+    (tmp_path / "config.json").write_text(json.dumps(dict(DSV32, rms_norm_eps=2e-6)))
     with pytest.raises(dd.InvalidArgument) as error:
         dd.load_layer_weights(tmp_path, LAYER, "dsv32", tp=8)
     message = str(error.value)
     assert "R=64" in message and "indexer 64 heads, pools of 1" in message, message
     assert "q_b_proj.weight: shape" in message and "expected [24576, 1536]" in message, message  # 128 x 192 rows
     assert "index_kpool_compress" not in message, message
-
-
-# A DeepSeek-V3.2 config.json's attention and indexer fields (its values as
-# docs/rope.md and docs/indexer.md quote them).
-DSV32_CONFIG = dict(
-    hidden_size=7168,
-    num_attention_heads=128,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_nope_head_dim=128,
-    qk_rope_head_dim=64,
-    v_head_dim=128,
-    rms_norm_eps=1e-6,
-    rope_theta=10000,
-    max_position_embeddings=163840,
-    rope_scaling=dict(
-        type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1, mscale=1.0,
-        mscale_all_dim=1.0,
-    ),
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=2048,
-)
 
 
 # ---- the C++ loader's bits ----
