@@ -42,6 +42,32 @@ inline PagedBlockGeometry paged_block_geometry(int64_t block_size) {
   return g;
 }
 
+// The fields every sparse MLA kernel's Params fills alike from its checked
+// arguments (SparseMlaArgs or SparseMlaV32Args): q's strides, the paged
+// cache, the indices and the outputs. The caller sets q's pointer (its code
+// type differs) and whatever else its kernel takes.
+template <class Params, class Args>
+inline void fill_paged_attention_params(Params& p, const Args& a) {
+  p.q_token_stride = a.q.stride(0);
+  p.q_head_stride = a.q.stride(1);
+  p.cache = static_cast<const uint8_t*>(a.kv_cache.data);
+  p.cache_block_stride = a.kv_cache.stride(0);
+  p.cache_entry_stride = a.kv_cache.stride(1);
+  p.capacity = a.kv_cache.size(0) * a.kv_cache.size(1);
+  const PagedBlockGeometry geometry = paged_block_geometry(a.kv_cache.size(1));
+  p.block_size = geometry.size;
+  p.block_shift = geometry.shift;
+  p.indices = static_cast<const int32_t*>(a.indices.data);
+  p.indices_token_stride = a.indices.stride(0);
+  p.top_k = static_cast<int>(a.indices.size(1));
+  p.heads = static_cast<int>(a.q.size(1));
+  p.softmax_scale = a.softmax_scale;
+  p.latent = static_cast<uint16_t*>(a.latent.data);
+  p.latent_token_stride = a.latent.stride(0);
+  p.lse = static_cast<float*>(a.lse.data);
+  p.error_count = a.error_count;
+}
+
 #ifdef __CUDACC__
 // max that returns NaN when either operand is NaN (fmaxf would drop it): the
 // softmax maximum that carries NaN scores through, as the contract says.

@@ -41,28 +41,11 @@ struct SparseMlaParams {
 inline SparseMlaParams sparse_mla_params(const SparseMlaArgs &a) {
   SparseMlaParams p = {};
   p.q = static_cast<const uint8_t*>(a.q.data);
-  p.q_token_stride = a.q.stride(0);
-  p.q_head_stride = a.q.stride(1);
   p.q_scale = static_cast<const float*>(a.q_scale.data);
-  p.cache = static_cast<const uint8_t*>(a.kv_cache.data);
-  p.cache_block_stride = a.kv_cache.stride(0);
-  p.cache_entry_stride = a.kv_cache.stride(1);
-  p.capacity = a.kv_cache.size(0) * a.kv_cache.size(1);
-  const PagedBlockGeometry geometry = paged_block_geometry(a.kv_cache.size(1));
-  p.block_size = geometry.size;
-  p.block_shift = geometry.shift;
   p.k_scale = static_cast<const float*>(a.k_scale.data);
-  p.indices = static_cast<const int32_t*>(a.indices.data);
-  p.indices_token_stride = a.indices.stride(0);
-  p.top_k = static_cast<int>(a.indices.size(1));
-  p.heads = static_cast<int>(a.q.size(1));
-  p.softmax_scale = a.softmax_scale;
-  p.latent = static_cast<uint16_t*>(a.latent.data);
-  p.latent_token_stride = a.latent.stride(0);
-  p.lse = static_cast<float*>(a.lse.data);
-  p.error_count = a.error_count;
   p.split_counters = static_cast<int32_t*>(a.split_counters.data);
   p.split_partials = static_cast<float*>(a.split_partials.data);
+  fill_paged_attention_params(p, a);
   return p;
 }
 

@@ -560,25 +560,7 @@ __global__ void __launch_bounds__(kWriteThreads) sparse_mla_v32_cache_write_kern
 Params make_params(const SparseMlaV32Args& a) {
   Params p = {};
   p.q = static_cast<const uint16_t*>(a.q.data);
-  p.q_token_stride = a.q.stride(0);
-  p.q_head_stride = a.q.stride(1);
-  p.cache = static_cast<const uint8_t*>(a.kv_cache.data);
-  p.cache_block_stride = a.kv_cache.stride(0);
-  p.cache_entry_stride = a.kv_cache.stride(1);
-  const int64_t block_size = a.kv_cache.size(1);
-  p.capacity = a.kv_cache.size(0) * block_size;
-  const PagedBlockGeometry geometry = paged_block_geometry(block_size);
-  p.block_size = geometry.size;
-  p.block_shift = geometry.shift;
-  p.indices = static_cast<const int32_t*>(a.indices.data);
-  p.indices_token_stride = a.indices.stride(0);
-  p.top_k = static_cast<int>(a.indices.size(1));
-  p.heads = static_cast<int>(a.q.size(1));
-  p.softmax_scale = a.softmax_scale;
-  p.latent = static_cast<uint16_t*>(a.latent.data);
-  p.latent_token_stride = a.latent.stride(0);
-  p.lse = static_cast<float*>(a.lse.data);
-  p.error_count = a.error_count;
+  fill_paged_attention_params(p, a);
   return p;
 }
 
