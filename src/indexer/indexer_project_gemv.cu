@@ -41,6 +41,7 @@
 #include "core/bf16.cuh"
 #include "core/launch.cuh"
 #include "core/shared_memory.h"
+#include "core/tensor_rows.h"
 #include "dsa_decode/cuda_check.h"
 #include "dsa_decode/indexer.h"
 #include "dsa_decode/numerics.h"
@@ -369,26 +370,16 @@ Status indexer_project_gemv(const IndexerProjectArgs& a, cudaStream_t stream) {
   while (warps > 1 && shared_bytes(warps) > kMaxSharedBytes) --warps;
 
   GemvParams p = {};
-  p.q_c = static_cast<const uint16_t*>(a.q_c.data);
-  p.q_c_stride = a.q_c.stride(0);
-  p.x = static_cast<const uint16_t*>(a.x.data);
-  p.x_stride = a.x.stride(0);
-  p.wq_b = static_cast<const uint16_t*>(a.wq_b.data);
-  p.wq_b_stride = a.wq_b.stride(0);
-  p.wk = static_cast<const uint16_t*>(a.wk.data);
-  p.wk_stride = a.wk.stride(0);
-  p.weights_proj = static_cast<const uint16_t*>(a.weights_proj.data);
-  p.weights_proj_stride = a.weights_proj.stride(0);
-  p.compress_gate = static_cast<const uint16_t*>(a.compress_gate.data);
-  p.compress_gate_stride = a.compress_gate.stride(0);
-  p.index_q = static_cast<uint16_t*>(a.index_q.data);
-  p.index_q_stride = a.index_q.stride(0);  // only used for tokens t >= 1, so any when m == 1
-  p.index_k = static_cast<uint16_t*>(a.index_k.data);
-  p.index_k_stride = a.index_k.stride(0);
-  p.head_weights = static_cast<float*>(a.head_weights.data);
-  p.head_weights_stride = a.head_weights.stride(0);
-  p.gate = static_cast<uint16_t*>(a.gate.data);
-  p.gate_stride = a.gate.stride(0);
+  set_rows(p.q_c, p.q_c_stride, a.q_c);
+  set_rows(p.x, p.x_stride, a.x);
+  set_rows(p.wq_b, p.wq_b_stride, a.wq_b);
+  set_rows(p.wk, p.wk_stride, a.wk);
+  set_rows(p.weights_proj, p.weights_proj_stride, a.weights_proj);
+  set_rows(p.compress_gate, p.compress_gate_stride, a.compress_gate);
+  set_rows(p.index_q, p.index_q_stride, a.index_q);  // only used for tokens t >= 1, so any when m == 1
+  set_rows(p.index_k, p.index_k_stride, a.index_k);
+  set_rows(p.head_weights, p.head_weights_stride, a.head_weights);
+  set_rows(p.gate, p.gate_stride, a.gate);
   p.m = m;
   p.q_lora = static_cast<int>(q_lora);
   p.hidden = static_cast<int>(hidden);

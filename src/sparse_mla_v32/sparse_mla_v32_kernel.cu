@@ -57,6 +57,7 @@
 #include "core/launch.cuh"
 #include "core/mma.cuh"
 #include "core/shared_memory.h"
+#include "core/tensor_rows.h"
 #include "dsa_decode/numerics.h"
 #include "sparse_mla/sparse_mla_common.cuh"
 #include "sparse_mla_v32/sparse_mla_v32_format.h"
@@ -601,10 +602,8 @@ Status sparse_mla_v32_max_active_clusters(int splits, int* clusters) {
 
 Status sparse_mla_v32_cache_write_launch(const SparseMlaV32CacheWriteArgs& a, cudaStream_t stream) {
   CacheWriteParams p = {};
-  p.kv_c = static_cast<const uint16_t*>(a.kv_c.data);
-  p.kv_c_stride = a.kv_c.stride(0);
-  p.k_pe = static_cast<const uint16_t*>(a.k_pe.data);
-  p.k_pe_stride = a.k_pe.stride(0);
+  set_rows(p.kv_c, p.kv_c_stride, a.kv_c);
+  set_rows(p.k_pe, p.k_pe_stride, a.k_pe);
   p.slot_mapping = static_cast<const int64_t*>(a.slot_mapping.data);
   p.slots = a.slot_mapping.size(0);
   p.cache = static_cast<uint8_t*>(a.kv_cache.data);
