@@ -311,13 +311,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_producer_kernel(const 
       scale_and_fold_max(score, s.valid_rows[chunk], score_scale, c, run_max, base, rescale);
       if (n >= 2) mbarrier_wait(barrier(s.p_free[n % 2]), n / 2 - 1);  // warpgroup 1 done with chunk n - 2's
       uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]: P as O_left's A fragments
-      float chunk_sum[2];
-      round_and_store_probabilities(score, base, shared_address(s.p_tiles[n % 2]), warp, g, c, fragments, chunk_sum);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
-        if (c == 0) s.rescale[n % 2][16 * warp + g + 8 * r] = rescale[r];
-      }
+      store_probabilities_and_sums(score, base, rescale, shared_address(s.p_tiles[n % 2]), s.rescale[n % 2], warp, g, c,
+                                   fragments, run_sum);
       wgmma::fence_shared_for_async_proxy();  // P, before warpgroup 1's wgmmas read it
       mbarrier_arrive(barrier(s.p_ready[n % 2]));
       // A factor of exactly 1 (the running max unchanged) changes no bit: the

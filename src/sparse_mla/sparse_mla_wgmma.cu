@@ -481,13 +481,11 @@ __device__ __forceinline__ void sparse_mla_wgmma_item(SharedStorage& s, const Sp
       float base[2], rescale[2];
       scale_and_fold_max(score, s.valid_rows[chunk], score_scale, c, run_max, base, rescale);
       uint32_t fragments[kChunkRows / 16][4];  // [k16 step][FP16 pair]: P as O_left's A fragments
-      float chunk_sum[2];
-      round_and_store_probabilities(score, base, shared_address(s.p_tiles[i % 2]), warp, g, c, fragments, chunk_sum);
+      store_probabilities_and_sums(score, base, rescale, shared_address(s.p_tiles[i % 2]), s.rescale[i % 2], warp, g, c,
+                                   fragments, run_sum);
+      if (kStream && c == 0 && s.ends_split[i]) {  // the split's statistics, for warpgroup 1's stores
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
-        if (c == 0) s.rescale[i % 2][16 * warp + g + 8 * r] = rescale[r];
-        if (kStream && c == 0 && s.ends_split[i]) {  // the split's statistics, for warpgroup 1's stores
+        for (int r = 0; r < 2; ++r) {
           s.split_max[i % 2][16 * warp + g + 8 * r] = run_max[r];
           s.split_sum[i % 2][16 * warp + g + 8 * r] = run_sum[r];
         }

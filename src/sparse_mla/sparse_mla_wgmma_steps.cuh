@@ -160,4 +160,20 @@ __device__ __forceinline__ void round_and_store_probabilities(const float (&scor
   }
 }
 
+// round_and_store_probabilities, then the chunk folded into the running
+// sums (run_sum[r] = run_sum[r] rescale[r] + the chunk's sum) and each head
+// row's rescale stored at rescale_row[head] (by lanes c = 0) for warpgroup 1.
+__device__ __forceinline__ void store_probabilities_and_sums(const float (&score)[32], const float (&base)[2],
+                                                             const float (&rescale)[2], uint32_t p_tile,
+                                                             float* rescale_row, int warp, int g, int c,
+                                                             uint32_t (&fragments)[4][4], float (&run_sum)[2]) {
+  float chunk_sum[2];
+  round_and_store_probabilities(score, base, p_tile, warp, g, c, fragments, chunk_sum);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    run_sum[r] = fmaf(run_sum[r], rescale[r], chunk_sum[r]);
+    if (c == 0) rescale_row[16 * warp + g + 8 * r] = rescale[r];
+  }
+}
+
 }  // namespace dsa::sparse_mla_steps
