@@ -79,7 +79,6 @@ namespace {
 using namespace sparse_mla_steps;  // what the two 64-head kernels share
 
 constexpr int kThreads = 384;          // three warpgroups
-constexpr int kPTileBytes = kHeads * kChunkRows * 2;  // P [64 heads][64 entries] FP16, one panel
 constexpr int kStagingBytesPerWarp = 16 * 256 * 2;    // a consumer warp's 16 heads x 256 dims of BF16 latent
 static_assert(8 * kStagingBytesPerWarp == kTileBytes, "the eight consumer warps' latent fills q's tile");
 constexpr int kMaxChunks = kSparseMlaProducerMaxTopK / kChunkRows;
@@ -93,12 +92,7 @@ constexpr int kSoftmaxRegisters = 232, kProducerRegisters = 104;  // warpgroup 1
 static_assert(kSoftmaxRegisters + kLaunchRegisters + kProducerRegisters == 3 * kLaunchRegisters, "the CTA's pool");
 static_assert(kMaxChunks <= 64, "two ballots list the chunks");
 
-struct alignas(1024) SharedStorage {
-  uint8_t q_tile[kTileBytes];       // [8 panels][64 heads][128 B]: FP16 q of the group
-  uint8_t tiles[2][kTileBytes];     // [8 panels][64 entries][128 B]: FP16 rows of the n-th chunk in tiles[n % 2]
-  uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the n-th chunk in p_tiles[n % 2]
-  float rescale[2][kHeads];         // [n % 2][head]: the n-th chunk's rescale of the running O
-  float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
+struct alignas(1024) SharedStorage : TileStorage {
   uint32_t row_offset16[kMaxRows];             // byte offset / 16 of each entry's cache row, kNoRow when invalid
   uint64_t valid_rows[kMaxChunks];             // bit r: row r of chunk c is a valid entry
   int chunk_list[kMaxChunks];                  // the chunks with a valid entry, in order
@@ -112,7 +106,6 @@ struct alignas(1024) SharedStorage {
   uint64_t scores_done[2];  // warpgroup 0 has the chunk's S (128): warpgroup 1's P V of the one before waits for it
   uint64_t stats_ready;    // warpgroup 0 has written final_max and final_sum (128)
 };
-static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 static_assert(kSharedBytes <= 227 * 1024, "Hopper's largest shared memory per CTA");
 

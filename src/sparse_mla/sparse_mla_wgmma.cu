@@ -128,7 +128,6 @@ constexpr int kMaxClusters = 16;                    // level 2's parts: coeffici
 // split_counters per (token, group): level 2's, one per rank, then level 1's meetings, one per cluster.
 constexpr int kCountersPerGroup = kMaxClusterSize + kMaxClusters;
 static_assert(kCountersPerGroup <= kHeads, "sparse_mla_split_counter_count gives H per token: 64 per group");
-constexpr int kPTileBytes = kHeads * kChunkRows * 2;        // P [64 heads][64 entries] FP16, one panel
 constexpr int kUnitDims = 128;                      // the combine's unit: a quarter of a head's output
 constexpr int kUnits = kHeads * kLatent / kUnitDims;
 constexpr int kUnitSlots = kUnitDims * 2 / 16;                          // 16-byte slots of a unit's FP16 values
@@ -137,12 +136,7 @@ constexpr int kClusterPartialFloats = kUnits * kUnitDims + 2 * kHeads;  // a clu
 constexpr int kSplitPartialFloats = kUnits * kUnitSlots * 4 + 2 * kHeads;
 static_assert(kMaxRowsPerSplit * 16 >= kSparseMlaMaxTopK, "16 splits cover the largest K");
 
-struct alignas(1024) SharedStorage {
-  uint8_t q_tile[kTileBytes];    // [8 panels][64 heads][128 B]: FP16 q of the group
-  uint8_t tiles[2][kTileBytes];  // [8 panels][64 entries][128 B]: FP16 rows of the i-th chunk in tiles[i % 2]
-  uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the i-th chunk in p_tiles[i % 2]
-  float rescale[2][kHeads];          // [i % 2][head]: the i-th chunk's rescale of the running O
-  float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
+struct alignas(1024) SharedStorage : TileStorage {
   // The warpgroups' handover, 128 arrivals a phase (sparse_mla_handover.h):
   // P of the CTA's n-th chunk on p_ready_phase_of_chunk(n); warpgroup 1
   // converts chunk n + 1 (n >= 1) only after P of chunk n, so it is never two
@@ -171,7 +165,6 @@ struct alignas(1024) SharedStorage {
 static_assert(sizeof(SharedStorage::q_tile) >= sizeof(float) * kMaxClusterSize * kHeads, "coefficients");
 static_assert(kMaxClusters <= kMaxClusterSize && kMaxClusters <= 32,
               "level 2's coefficients (one row per cluster) fit where level 1's were, one lane each");
-static_assert(offsetof(SharedStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
 constexpr int kSharedBytes = sizeof(SharedStorage) + 1024;  // + alignment of the dynamic base
 static_assert(kSharedBytes <= 227 * 1024, "Hopper's largest shared memory per CTA");
 

@@ -9,6 +9,7 @@
 
 #include <cuda_fp16.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/async_copy.cuh"
@@ -26,7 +27,21 @@ inline constexpr int kChunkRows = kRows;  // entries per chunk
 inline constexpr int kChunkPieces = kRows * 32;
 inline constexpr int kPanelBytes = kRows * 128;  // 64 rows x 64 FP16 dims, one 128-byte swizzle panel
 inline constexpr int kTileBytes = 8 * kPanelBytes;  // 64 rows x 512 FP16 dims
+inline constexpr int kPTileBytes = kHeads * kChunkRows * 2;  // P [64 heads][64 entries] FP16, one panel
 inline constexpr uint32_t kNoRow = 0xFFFFFFFFu;     // a row offset / 16 (row_offset16) of an invalid entry
+
+// The first members of both kernels' shared storage (their SharedStorage
+// derives from it, 1024-byte aligned): the tiles and warpgroup 0's hand-off
+// to warpgroup 1. The n-th chunk of the CTA uses slot n % 2.
+struct TileStorage {
+  uint8_t q_tile[kTileBytes];       // [8 panels][64 heads][128 B]: FP16 q of the group
+  uint8_t tiles[2][kTileBytes];     // [8 panels][64 entries][128 B]: FP16 rows of the chunk
+  uint8_t p_tiles[2][kPTileBytes];  // [64 heads][128 B], K-major swizzled: P of the chunk
+  float rescale[2][kHeads];         // [slot][head]: the chunk's rescale of the running O
+  float final_max[kHeads], final_sum[kHeads];  // after the loop: warpgroup 0's running max and sum per head
+};
+static_assert(offsetof(TileStorage, p_tiles) % 1024 == 0, "P tiles start on swizzle atoms");
+static_assert(sizeof(TileStorage) % 8 == 0, "the derived storage's members follow without padding");
 
 // Sets bit j % 64 of valid_rows[j / 64] where entry j is valid, for the 32
 // consecutive entries of a warp (j this lane's; one ballot, one atomic).
