@@ -1,6 +1,6 @@
 // The CPU reference chain of a RoPE preset's decode step (dsv32; glm5 the
-// same way), in the order a served DeepSeek-V3.2 step runs (docs/stage.md,
-// "The RoPE presets' CPU chain"): hidden [m, D] -> qkv_a_proj (q_c | kv_c |
+// same way), in the order a served DeepSeek-V3.2 step runs (docs/rope.md,
+// "dsa-decode --preset": the chains): hidden [m, D] -> qkv_a_proj (q_c | kv_c |
 // k_pe) -> both RMSNorms (not k_pe) -> q_b_proj [m, H, P + R] -> rope_absorb
 // (q_nope x W_UK_T | rotated q_pe into q [m, H, L + R], rotated k_pe) -> the
 // 656-byte cache write -> the V3.2 indexer (projections of q_c and x, no
