@@ -15,7 +15,7 @@ vLLM's attribute names, reads the layer's configuration and weights, creates
 a dsa_decode.Stage and installs the adapter's forward as ``w.forward``, the
 stock forward kept for every step the stage does not run (``uninstall()``
 puts it back). Every attribute path is in the tables below, each checked
-against vLLM 0.33.0's source (docs/python.md has file:line for each).
+against vLLM 0.33.0's source (docs/vllm.md has file:line for each).
 
 Weights are used in place (views, no copies) except W_UV: vLLM holds it as
 a strided view of kv_b_proj's weight, [H, L, V] with strides ((P+V) L, 1, L),
@@ -147,7 +147,7 @@ LIBRARY_INDEXER_FIELDS: Dict[str, Tuple[str, ...]] = {
 # SM90 vLLM picks FLASHINFER_MLA_SPARSE_SM90 for this model (head size 512);
 # the seed ran on FLASHINFER_MLA_SPARSE (SM100). The backend's own attention
 # is not run on the steps the stage takes (the stage runs its own, on an FP8
-# query: see docs/python.md for what that changes against the BF16 query of
+# query: see docs/vllm.md for what that changes against the BF16 query of
 # the Hopper backend).
 KV_CACHE_BACKENDS: Tuple[str, ...] = ("FLASHINFER_MLA_SPARSE_SM90", "FLASHINFER_MLA_SPARSE")
 
