@@ -23,12 +23,7 @@ Status indexer_select(const IndexerSelectArgs& args, cudaStream_t stream) {
 
 Status indexer_remap(const IndexerRemapArgs& a, cudaStream_t stream) {
   DSA_RETURN_IF_ERROR(check_indexer_remap(a));
-  Params p = {};
-  set_plan_shape(a.plan, &p);
-  p.m = static_cast<int>(a.positions.size(0));
-  p.positions = a.positions.ptr<const int64_t>();
-  p.token_requests = a.token_requests.ptr<const int32_t>();
-  p.state = make_indexer_state_params(a.plan, a.state);
+  Params p = make_row_params(a.plan, a.positions, a.token_requests, a.state);
   p.topk_positions = a.topk_positions.ptr<int32_t>();  // read only here
   p.topk_stride = a.topk_positions.stride(0);
   p.slots = a.slots.ptr<int32_t>();

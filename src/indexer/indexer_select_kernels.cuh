@@ -767,24 +767,27 @@ __global__ void __launch_bounds__(256) remap_rows_kernel(const __grid_constant__
 // ---------------------------------------------------------------------------
 // Launchers.
 
-// The plan's shape fields of Params.
-void set_plan_shape(const IndexerPlan& plan, Params* p) {
-  p->heads = plan.heads;
-  p->pool = plan.pool;
-  p->topk = plan.topk;
-  p->top_pools = indexer_top_pools(plan);
-  p->row_width = indexer_row_width(plan);
+// The fields select and remap share: the plan's shape, the tokens and the
+// state; the rest zero.
+Params make_row_params(const IndexerPlan& plan, const TensorView& positions, const TensorView& token_requests,
+                       const IndexerState& state) {
+  Params p = {};
+  p.heads = plan.heads;
+  p.pool = plan.pool;
+  p.topk = plan.topk;
+  p.top_pools = indexer_top_pools(plan);
+  p.row_width = indexer_row_width(plan);
+  p.m = static_cast<int>(positions.size(0));
+  p.positions = positions.ptr<const int64_t>();
+  p.token_requests = token_requests.ptr<const int32_t>();
+  p.state = make_indexer_state_params(plan, state);
+  return p;
 }
 
 Params make_params(const IndexerSelectArgs& a) {
   const IndexerWorkspaceLayout layout = indexer_workspace_layout(a.plan);
   uint8_t* workspace = a.workspace.ptr<uint8_t>();
-  Params p = {};
-  set_plan_shape(a.plan, &p);
-  p.m = static_cast<int>(a.positions.size(0));
-  p.positions = a.positions.ptr<const int64_t>();
-  p.token_requests = a.token_requests.ptr<const int32_t>();
-  p.state = make_indexer_state_params(a.plan, a.state);
+  Params p = make_row_params(a.plan, a.positions, a.token_requests, a.state);
   p.q_fp8 = workspace + layout.q_fp8;
   p.head_weights = reinterpret_cast<const float*>(workspace + layout.head_weights);
   p.logits = reinterpret_cast<float*>(workspace + layout.logits);
