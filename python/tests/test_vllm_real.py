@@ -150,29 +150,59 @@ def sm90_backend():
     return AttentionBackendEnum.FLASHINFER_MLA_SPARSE_SM90
 
 
-def build_layer(monkeypatch, *, heads, pool, speculative_tokens=0):
-    """vLLM's Glm5NextMLAAttention as its model builds it (models/glm5next/
-    common/model.py: the decoder layer's call), weights loaded through vLLM's
-    loaders and processed, caches laid out and bound by vLLM's code."""
-    from transformers import Glm5NextTextConfig
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.models.glm5next.common.attention import Glm5NextMLAAttention
+def small_vllm_config(monkeypatch, hf, prefix, block_size):
+    """hf's config.json in a checkpoint folder (ModelConfig reads one) and the
+    VllmConfig a CUDA deployment leaves: an FP8 cache of block_size."""
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
     from vllm.platforms import current_platform
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    hf = Glm5NextTextConfig(**SMALL, index_n_heads=heads, index_kpool=pool, architectures=["Glm5NextForCausalLM"])
-    folder = tempfile.mkdtemp(prefix="glm5next-small-")
-    hf.save_pretrained(folder)  # ModelConfig reads a checkpoint folder's config.json
+    folder = tempfile.mkdtemp(prefix=prefix)
+    hf.save_pretrained(folder)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model_config = ModelConfig(model=folder, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
     # The CPU platform's config hook is not the one a GPU deployment runs (it
     # forces its own block size, 16, and vLLM 0.34's wants triton-cpu): off.
     monkeypatch.setattr(current_platform, "check_and_update_config", lambda config: None)
-    vllm_config = VllmConfig(cache_config=CacheConfig(block_size=BLOCK_SIZE, cache_dtype="fp8"))
+    vllm_config = VllmConfig(cache_config=CacheConfig(block_size=block_size, cache_dtype="fp8"))
     # Set after construction, as a CUDA platform's hook leaves them.
     vllm_config.model_config = model_config
-    vllm_config.cache_config.block_size = BLOCK_SIZE
+    vllm_config.cache_config.block_size = block_size
     vllm_config.attention_config.sparse_mla_prefill_workspace_factor = 5
+    return vllm_config, model_config
+
+
+def mla_attention_kwargs(vllm_config, config):
+    """The arguments a decoder layer gives vLLM's MLA attention modules."""
+    return dict(
+        vllm_config=vllm_config,
+        config=config,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        max_position_embeddings=config.max_position_embeddings,
+        cache_config=vllm_config.cache_config,
+        quant_config=None,
+        prefix=LAYER,
+        topk_indices_buffer=torch.zeros(16, config.index_topk, dtype=torch.int32),
+    )
+
+
+def build_layer(monkeypatch, *, heads, pool, speculative_tokens=0):
+    """vLLM's Glm5NextMLAAttention as its model builds it (models/glm5next/
+    common/model.py: the decoder layer's call), weights loaded through vLLM's
+    loaders and processed, caches laid out and bound by vLLM's code."""
+    from transformers import Glm5NextTextConfig
+    from vllm.config import set_current_vllm_config
+    from vllm.models.glm5next.common.attention import Glm5NextMLAAttention
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    hf = Glm5NextTextConfig(**SMALL, index_n_heads=heads, index_kpool=pool, architectures=["Glm5NextForCausalLM"])
+    vllm_config, model_config = small_vllm_config(monkeypatch, hf, "glm5next-small-", BLOCK_SIZE)
     if speculative_tokens:
         monkeypatch.setattr(type(vllm_config), "num_speculative_tokens", property(lambda self: speculative_tokens))
     # The backend vLLM's CUDA platform picks on SM90 for head size 512; the
@@ -183,20 +213,7 @@ def build_layer(monkeypatch, *, heads, pool, speculative_tokens=0):
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.bfloat16):
         World.init(vllm_config)
         attention = Glm5NextMLAAttention(
-            vllm_config=vllm_config,
-            config=config,
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            q_lora_rank=config.q_lora_rank,
-            kv_lora_rank=config.kv_lora_rank,
-            max_position_embeddings=config.max_position_embeddings,
-            cache_config=vllm_config.cache_config,
-            quant_config=None,
-            prefix=LAYER,
-            topk_indices_buffer=torch.zeros(16, config.index_topk, dtype=torch.int32),
+            **mla_attention_kwargs(vllm_config, config),
             skip_rope=config.mla_use_nope,
         )
     layer = SimpleNamespace(attention=attention, vllm_config=vllm_config, config=config, hf=hf)
@@ -720,7 +737,7 @@ def build_rope_layer(monkeypatch, model):
     canonicalizes the cache dtype "fp8" to "fp8_ds_mla"), weights loaded
     through vLLM's loaders and processed, caches bound by vLLM's code."""
     from transformers import DeepseekV32Config, GlmMoeDsaConfig
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLAAttention
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -728,15 +745,7 @@ def build_rope_layer(monkeypatch, model):
 
     cls = DeepseekV32Config if model == "dsv32" else GlmMoeDsaConfig
     hf = cls(**ROPE_COMMON, **ROPE_SMALL[model])
-    folder = tempfile.mkdtemp(prefix=f"{model}-small-")
-    hf.save_pretrained(folder)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model_config = ModelConfig(model=folder, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="bfloat16")
-    monkeypatch.setattr(current_platform, "check_and_update_config", lambda config: None)
-    vllm_config = VllmConfig(cache_config=CacheConfig(block_size=ROPE_BLOCK, cache_dtype="fp8"))
-    vllm_config.model_config = model_config
-    vllm_config.cache_config.block_size = ROPE_BLOCK
-    vllm_config.attention_config.sparse_mla_prefill_workspace_factor = 5
+    vllm_config, model_config = small_vllm_config(monkeypatch, hf, f"{model}-small-", ROPE_BLOCK)
     backend = rope_backend()
     monkeypatch.setattr(current_platform, "get_attn_backend_cls", lambda *args, **kwargs: backend.get_path())
     config = model_config.hf_text_config
@@ -745,20 +754,7 @@ def build_rope_layer(monkeypatch, model):
         if workspace._manager is None:  # the model runner's, which FlashMLA's impl reserves from
             workspace.init_workspace_manager(torch.device("cpu"))
         attention = DeepseekV2MLAAttention(
-            vllm_config=vllm_config,
-            config=config,
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            qk_nope_head_dim=config.qk_nope_head_dim,
-            qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim,
-            q_lora_rank=config.q_lora_rank,
-            kv_lora_rank=config.kv_lora_rank,
-            max_position_embeddings=config.max_position_embeddings,
-            cache_config=vllm_config.cache_config,
-            quant_config=None,
-            prefix=LAYER,
-            topk_indices_buffer=torch.zeros(16, config.index_topk, dtype=torch.int32),
+            **mla_attention_kwargs(vllm_config, config),
         )
     layer = SimpleNamespace(attention=attention, vllm_config=vllm_config, config=config, hf=hf, model=model)
     load_weights(layer)
