@@ -152,6 +152,19 @@ class FakeMlaWrapper:
         return ("stock", hidden_states)
 
 
+def projection_attributes(weights, rms_norm_eps):
+    """The wrapper's projections and norms (vLLM's attribute names) over a layer's weights."""
+    return dict(
+        fused_qkv_a_proj=SimpleNamespace(weight=weights["fused_qkv_a_proj"]),
+        q_a_layernorm=SimpleNamespace(weight=weights["q_a_norm"], variance_epsilon=rms_norm_eps),
+        kv_a_layernorm=SimpleNamespace(weight=weights["kv_a_norm"], variance_epsilon=rms_norm_eps),
+        q_b_proj=SimpleNamespace(weight=weights["q_b_proj"]),
+        o_proj=SimpleNamespace(
+            weight=weights["o_proj"], bias=None, input_is_parallel=True, reduce_results=True, tp_size=1
+        ),
+    )
+
+
 def fake_attention(
     weights,
     *,
@@ -225,13 +238,7 @@ def fake_attention(
         skip_topk=False,
         g_proj=None,
         dcp_q_replicate=False,
-        fused_qkv_a_proj=SimpleNamespace(weight=held["fused_qkv_a_proj"]),
-        q_a_layernorm=SimpleNamespace(weight=held["q_a_norm"], variance_epsilon=rms_norm_eps),
-        kv_a_layernorm=SimpleNamespace(weight=held["kv_a_norm"], variance_epsilon=rms_norm_eps),
-        q_b_proj=SimpleNamespace(weight=held["q_b_proj"]),
-        o_proj=SimpleNamespace(
-            weight=held["o_proj"], bias=None, input_is_parallel=True, reduce_results=True, tp_size=1
-        ),
+        **projection_attributes(held, rms_norm_eps),
     )
     wrapper_attributes.update(wrapper or {})
     return SimpleNamespace(mla_attn=FakeMlaWrapper(**wrapper_attributes))
@@ -1037,13 +1044,7 @@ def fake_rope_attention(*, wrapper=None, attention=None, indexer=None, config=No
         skip_topk=False,
         g_proj=None,
         dcp_q_replicate=False,
-        fused_qkv_a_proj=SimpleNamespace(weight=weights["fused_qkv_a_proj"]),
-        q_a_layernorm=SimpleNamespace(weight=weights["q_a_norm"], variance_epsilon=rms_norm_eps),
-        kv_a_layernorm=SimpleNamespace(weight=weights["kv_a_norm"], variance_epsilon=rms_norm_eps),
-        q_b_proj=SimpleNamespace(weight=weights["q_b_proj"]),
-        o_proj=SimpleNamespace(
-            weight=weights["o_proj"], bias=None, input_is_parallel=True, reduce_results=True, tp_size=1
-        ),
+        **projection_attributes(weights, rms_norm_eps),
     )
     wrapper_attributes.update(wrapper or {})
     attention_module = SimpleNamespace(mla_attn=FakeMlaWrapper(**wrapper_attributes))
