@@ -943,13 +943,6 @@ Status time_all(const bench::Context& ctx, Stages& stages, const DeviceLayer& la
     for (size_t i = first; i <= last; ++i) bytes += steps.rows(path)[i].bytes;
     return bytes;
   };
-  const auto index_of = [&](const char* name) {
-    for (size_t i = 0; i < timings->size(); ++i) {
-      if ((*timings)[i].name == name) return static_cast<int>(i);
-    }
-    return -1;
-  };
-
   // Each step alone; the steps both paths share, once (from the fused path).
   for (DsaPath path : {DsaPath::kFused, DsaPath::kStock}) {
     const std::vector<StepRow>& rows = steps.rows(path);
@@ -994,19 +987,15 @@ Status time_all(const bench::Context& ctx, Stages& stages, const DeviceLayer& la
     timings->push_back(t);
   }
   // Each fused timing against the stock one it replaces.
-  for (const auto& [fused, stock] :
-       std::vector<std::pair<const char*, const char*>>{{"absorb", "stock_absorb"},
-                                                        {"q_b_proj_gemv", "stock_q_b_proj"},
-                                                        {"indexer_select", "stock_indexer_select"},
-                                                        {"attention", "stock_attention"},
-                                                        {"value_up", "stock_value_up_bmm"},
-                                                        {"value_up_bmm", "stock_value_up_bmm"},
-                                                        {"o_proj_gemv", "stock_o_proj"},
-                                                        {"chain", "stock_chain"},
-                                                        {"whole_stage", "stock_whole_stage"}}) {
-    const int f = index_of(fused), b = index_of(stock);
-    if (f >= 0 && b >= 0) (*timings)[f].baseline = b;
-  }
+  set_baselines(*timings, {{"absorb", "stock_absorb"},
+                           {"q_b_proj_gemv", "stock_q_b_proj"},
+                           {"indexer_select", "stock_indexer_select"},
+                           {"attention", "stock_attention"},
+                           {"value_up", "stock_value_up_bmm"},
+                           {"value_up_bmm", "stock_value_up_bmm"},
+                           {"o_proj_gemv", "stock_o_proj"},
+                           {"chain", "stock_chain"},
+                           {"whole_stage", "stock_whole_stage"}});
   return Status();
 }
 

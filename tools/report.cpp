@@ -349,6 +349,19 @@ const RopeStepRow* rope_step_row(const std::string& step) {
 
 }  // namespace
 
+void set_baselines(std::vector<Timing>& timings, const std::vector<std::pair<const char*, const char*>>& pairs) {
+  const auto index_of = [&](const char* name) {
+    for (size_t i = 0; i < timings.size(); ++i) {
+      if (timings[i].name == name) return static_cast<int>(i);
+    }
+    return -1;
+  };
+  for (const auto& [fused, stock] : pairs) {
+    const int f = index_of(fused), b = index_of(stock);
+    if (f >= 0 && b >= 0 && f != b) timings[f].baseline = b;
+  }
+}
+
 Status rope_run_report(const StepShape& s, const Options& options, const std::string& gpu, double copy_GBps,
                        int weight_copies, const std::vector<Check>& checks, const std::vector<StageStepTime>& times,
                        double gpu_chain_us, RunReport* report) {
@@ -436,22 +449,12 @@ Status rope_run_report(const StepShape& s, const Options& options, const std::st
     chain.bytes = whole_bytes;
     r.timings.push_back(chain);
   }
-  const auto index_of = [&](const std::string& name) {
-    for (size_t i = 0; i < r.timings.size(); ++i) {
-      if (r.timings[i].name == name) return static_cast<int>(i);
-    }
-    return -1;
-  };
-  for (const auto& [fused, stock] : std::vector<std::pair<const char*, const char*>>{
-           {"q_b_proj_gemv", "stock_q_b_proj"},
-           {"value_up", "stock_value_up_bmm"},
-           {"value_up_bmm", "stock_value_up_bmm"},
-           {"o_proj_gemv", "stock_o_proj"},
-           {"chain", "stock_chain"},
-           {"whole_stage", "stock_whole_stage"}}) {
-    const int f = index_of(fused), b = index_of(stock);
-    if (f >= 0 && b >= 0 && f != b) r.timings[f].baseline = b;
-  }
+  set_baselines(r.timings, {{"q_b_proj_gemv", "stock_q_b_proj"},
+                            {"value_up", "stock_value_up_bmm"},
+                            {"value_up_bmm", "stock_value_up_bmm"},
+                            {"o_proj_gemv", "stock_o_proj"},
+                            {"chain", "stock_chain"},
+                            {"whole_stage", "stock_whole_stage"}});
   return Status();
 }
 

@@ -34,6 +34,10 @@ struct Timing {
   int baseline = -1;  // index of the stock timing a fused one replaces, -1: none
 };
 
+// Each fused timing's baseline: the stock timing it replaces, for every
+// (fused, stock) pair of names both present in timings.
+void set_baselines(std::vector<Timing>& timings, const std::vector<std::pair<const char*, const char*>>& pairs);
+
 // --trace: one whole stage's kernels, the middle stage of one launch of the
 // timed graph (every stage in turn), in order of start.
 struct StageTrace {
